@@ -1,0 +1,200 @@
+"""`accudiff.compare`: the main job, as a Python function. The CLI and the pytest plugin call this."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import pandas as pd
+
+from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, compare_runs
+from accudiff.comparison.tolerances import Tolerances
+from accudiff.diagnosis.rules import DiagnosisContext, Finding, diagnose, first_failing_ancestor
+from accudiff.errors import AccudiffError
+from accudiff.model.inputs import (
+    Feed,
+    generate_feeds,
+    load_feeds,
+    parse_input_shapes,
+    parse_val_ranges,
+    resolve_shapes,
+    save_feeds,
+    validate_feeds,
+)
+from accudiff.model.loading import ModelInfo, load_model, save_model
+from accudiff.report.folder import ReportFolder
+from accudiff.runners import candidate_runner, reference_runner, resolve_candidate
+from accudiff.transforms import KeptNode, TransformResult, to_fp16, to_int8
+
+PRECISIONS = ("fp32", "fp16", "int8")
+CANDIDATE_MODEL_FILE = "candidate-{precision}.onnx"
+INPUTS_FILE = "inputs.npz"
+
+
+@dataclass(frozen=True)
+class TensorFailure:
+    """A tensor out of tolerance, the reasons found for it, and (for outputs) where the error started."""
+
+    tensor: str
+    node: str
+    op_type: str
+    findings: list[Finding]
+    origin: str | None = None
+
+
+@dataclass
+class CompareResult:
+    model: Path
+    precision: str
+    candidate: str
+    table: pd.DataFrame
+    passed: bool
+    first_failure: TensorFailure | None
+    output_failures: list[TensorFailure]
+    tolerances: Tolerances
+    kept: list[KeptNode] = field(default_factory=list)
+    not_observable: dict[str, str] = field(default_factory=dict)
+    notices: list[str] = field(default_factory=list)
+    iterations: int = 1
+    seed: int | None = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    report_dir: Path | None = None
+
+    @property
+    def outputs(self) -> pd.DataFrame:
+        return self.table[self.table["is_output"]]
+
+
+def compare(
+    model: str | Path,
+    precision: str = "fp32",
+    *,
+    candidate: str = "auto",
+    input_shapes: Iterable[str] | dict[str, tuple[int, ...]] = (),
+    inputs: str | Path | Sequence[Feed] | None = None,
+    seed: int = 0,
+    val_range: Iterable[str] = (),
+    iterations: int = 1,
+    calib_data: str | Path | None = None,
+    keep_fp32: Iterable[str] = (),
+    autokeep: bool = True,
+    atol: Iterable[str] | float | None = None,
+    rtol: Iterable[str] | float | None = None,
+    stol: Iterable[str] | float | None = None,
+    report_dir: str | Path | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> CompareResult:
+    """Compare every tensor of `model` run in FP32 (reference) against the `precision` candidate.
+
+    Inputs come from `inputs` (an .npz/polygraphy JSON path, or a list of feeds) or are generated from
+    `seed` and `val_range` for `iterations` iterations. With `report_dir`, the report folder is written
+    there atomically. Raises AccudiffError (one sentence) for any problem with the inputs.
+    """
+    if precision not in PRECISIONS:
+        raise AccudiffError(f"unknown precision '{precision}'; choose one of: {', '.join(PRECISIONS)}")
+    if iterations < 1:
+        raise AccudiffError("--iterations must be at least 1")
+    step = _Stopwatch()
+    tolerances = Tolerances.build(precision, atol, rtol, stol)
+    kind, notice = resolve_candidate(candidate)
+    info = load_model(model)
+    feeds = _feeds(info, inputs, input_shapes, seed, val_range, iterations)
+    step.lap("load")
+
+    folder = ReportFolder(Path(report_dir) if report_dir is not None else None)
+    try:
+        names = [t.name for t in info.tensors]
+        with reference_runner(info.path, names) as reference:
+            transformed = _transform(info, precision, feeds, calib_data, keep_fp32, autokeep, seed)
+            candidate_path = folder.path / CANDIDATE_MODEL_FILE.format(precision=precision)
+            save_model(transformed.model, candidate_path)
+            step.lap("transform")
+            with candidate_runner(kind, candidate_path, names, precision) as cand:
+                report = (lambda done, total: progress("run", done, total)) if progress else None
+                table = compare_runs(info.tensors, reference, cand, feeds, tolerances, transformed.quant_ranges, report)
+                not_observable = {**info.not_observable, **reference.not_observable, **cand.not_observable}
+                label = cand.label
+        step.lap("run")
+        result = _judge(info, precision, label, table, tolerances, transformed, not_observable, feeds, seed if inputs is None else None)
+        result.notices = [n for n in [notice, *transformed.warnings] if n]
+        step.lap("diagnose")
+        if report_dir is not None:
+            from accudiff.report.writer import write_report
+
+            save_feeds(feeds, folder.path / INPUTS_FILE)
+            write_report(result, folder)
+        result.report_dir = folder.commit()
+        step.lap("report")
+    except BaseException:
+        folder.discard()
+        raise
+    result.timings = step.laps
+    return result
+
+
+class _Stopwatch:
+    """Seconds spent in each phase, reported in the summary (speed is a feature: it is measured)."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.laps[phase] = round(now - self._last, 4)
+        self._last = now
+
+
+def _feeds(info: ModelInfo, inputs, input_shapes, seed: int, val_range, iterations: int) -> list[Feed]:
+    if isinstance(inputs, (str, Path)):
+        return load_feeds(inputs, info.inputs)
+    if inputs is not None:
+        feeds = [dict(feed) for feed in inputs]
+        validate_feeds(feeds, info.inputs, "the given inputs")
+        return feeds
+    shapes = input_shapes if isinstance(input_shapes, dict) else parse_input_shapes(input_shapes)
+    resolved = resolve_shapes(info.inputs, shapes)
+    return generate_feeds(info.inputs, resolved, seed, parse_val_ranges(val_range), iterations)
+
+
+def _transform(info: ModelInfo, precision: str, feeds, calib_data, keep_fp32, autokeep: bool, seed: int) -> TransformResult:
+    if precision == "fp16":
+        return to_fp16(info.proto, keep_fp32, autokeep)
+    if precision == "int8":
+        if calib_data is not None:
+            return to_int8(info.proto, load_feeds(calib_data, info.inputs), keep_fp32)
+        shapes = {spec.name: feeds[0][spec.name].shape for spec in info.inputs}
+        calibration = generate_feeds(info.inputs, shapes, seed + 1, iterations=8)
+        return to_int8(info.proto, calibration, keep_fp32, calibrated_on_random_data=True)
+    return TransformResult(model=info.proto, precision="fp32")
+
+
+def _judge(info, precision, label, table, tolerances, transformed, not_observable, feeds, seed) -> CompareResult:
+    """Verdict from the graph outputs; the first failing tensor and the failing outputs, diagnosed."""
+    indexed = table.set_index("tensor", drop=False)
+    context = DiagnosisContext(precision, info.producer_inputs(), transformed.constant_overflows)
+
+    def failure(name: str, with_origin: bool) -> TensorFailure:
+        row = indexed.loc[name]
+        origin = first_failing_ancestor(name, indexed, context.upstream) if with_origin else None
+        return TensorFailure(name, row["node"], row["op_type"], diagnose(name, indexed, context), origin)
+
+    failing = table.loc[table["status"] == STATUS_FAIL, "tensor"].tolist()
+    failing_outputs = table.loc[(table["status"] == STATUS_FAIL) & table["is_output"], "tensor"].tolist()
+    observed_outputs = table.loc[(table["status"] != STATUS_MISSING) & table["is_output"], "tensor"].tolist()
+    return CompareResult(
+        model=info.path,
+        precision=precision,
+        candidate=label,
+        table=table,
+        passed=bool(observed_outputs) and not failing_outputs,
+        first_failure=failure(failing[0], False) if failing else None,
+        output_failures=[failure(name, True) for name in failing_outputs],
+        tolerances=tolerances,
+        kept=transformed.kept,
+        not_observable=not_observable,
+        iterations=len(feeds),
+        seed=seed,
+    )

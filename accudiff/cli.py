@@ -1,0 +1,98 @@
+"""Command line: a thin layer over the Python API. Exit codes: 0 within tolerance, 1 not, 2 usage/input error."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from pathlib import Path
+from typing import Sequence
+
+from accudiff import __version__
+from accudiff.api import compare
+from accudiff.errors import AccudiffError
+from accudiff.report.console import ProgressBar, format_summary
+from accudiff.report.folder import default_report_dir
+from accudiff.runners import CANDIDATES
+
+EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one sentence (and exit code 2), like every other error."""
+
+    def error(self, message: str) -> None:
+        self.exit(EXIT_ERROR, f"accudiff: error: {message} (see accudiff {self.prog.split()[-1]} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="accudiff", description="Find where an ONNX model loses accuracy in FP16/INT8, and why.")
+    parser.add_argument("--version", action="version", version=f"accudiff {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show a traceback for internal errors")
+    commands = parser.add_subparsers(dest="command", parser_class=_Parser, required=True)
+
+    cmp = commands.add_parser("compare", help="compare every tensor of an FP32 reference against a reduced-precision candidate")
+    cmp.add_argument("model", help="ONNX model file")
+    precision = cmp.add_mutually_exclusive_group()
+    precision.add_argument("--fp16", dest="precision", action="store_const", const="fp16", help="FP16 mixed-precision candidate")
+    precision.add_argument("--int8", dest="precision", action="store_const", const="int8", help="explicit INT8 Q/DQ candidate")
+    cmp.set_defaults(precision="fp32")
+    cmp.add_argument("--candidate", choices=CANDIDATES, default="auto", help="backend that runs the candidate (default: auto)")
+    cmp.add_argument("--input-shapes", action="append", default=[], metavar="NAME:DIMS", help="shape of an input with dynamic dimensions, e.g. x:1x3x224x224 (repeatable)")
+    cmp.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    cmp.add_argument("--val-range", action="append", default=[], metavar="[NAME:]LO,HI", help="range of random input values (default 0,1; repeatable)")
+    cmp.add_argument("--iterations", type=int, default=1, help="number of random input samples (default 1)")
+    cmp.add_argument("--load-inputs", metavar="FILE", help="inputs from .npz or polygraphy's --save-inputs JSON instead of random data")
+    cmp.add_argument("--calib-data", metavar="FILE", help="INT8 calibration samples (.npz or polygraphy JSON)")
+    cmp.add_argument("--keep-fp32", action="append", default=[], metavar="NODE|OP|REGEX", help="keep matching nodes in FP32 / unquantized (repeatable)")
+    cmp.add_argument("--no-autokeep", dest="autokeep", action="store_false", help="also convert nodes whose constants exceed the FP16 range")
+    cmp.add_argument("--atol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="absolute tolerance, default and per tensor")
+    cmp.add_argument("--rtol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="relative tolerance, default and per tensor")
+    cmp.add_argument("--stol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="tolerance as a fraction of the tensor's reference absmax")
+    cmp.add_argument("--report-dir", type=Path, help="report folder (default reports/<model>-<precision>-<time>/)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run_compare(args)
+    except AccudiffError as exc:
+        print(f"accudiff: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("accudiff: interrupted; no report was written", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as exc:  # a bug of ours: one sentence by default, the traceback on request
+        if args.debug:
+            traceback.print_exc()
+        print(f"accudiff: internal error: {type(exc).__name__}: {exc} (rerun with --debug for details)", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    report_dir = args.report_dir or default_report_dir(Path(args.model).stem, args.precision)
+    result = compare(
+        args.model,
+        args.precision,
+        candidate=args.candidate,
+        input_shapes=args.input_shapes,
+        inputs=args.load_inputs,
+        seed=args.seed,
+        val_range=args.val_range,
+        iterations=args.iterations,
+        calib_data=args.calib_data,
+        keep_fp32=args.keep_fp32,
+        autokeep=args.autokeep,
+        atol=args.atol,
+        rtol=args.rtol,
+        stol=args.stol,
+        report_dir=report_dir,
+        progress=ProgressBar(),
+    )
+    print(format_summary(result))
+    return EXIT_PASS if result.passed else EXIT_FAIL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Per-tensor statistics and the comparison table."""

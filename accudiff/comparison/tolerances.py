@@ -1,0 +1,87 @@
+"""Tolerances: documented defaults per precision, a user default, and per-tensor overrides.
+
+Per-tensor options follow polygraphy's mapping-with-default shape: `--atol logits:1e-2 1e-3` sets 1e-3
+for every tensor and 1e-2 for `logits`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Iterable
+
+from accudiff.errors import AccudiffError
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """An element passes when `|cand - ref| <= atol + rtol * |ref| + stol * absmax(ref tensor)`.
+
+    `stol` exists because rounding error follows the magnitude of an op's operands, not of its result:
+    `a - b` of two values near 500 is off by FP16's rounding at 500 (0.25) even where the result is
+    near 0, which no fixed atol/rtol pair accepts without also accepting real faults elsewhere.
+    """
+
+    atol: float
+    rtol: float
+    stol: float = 0.0
+
+
+# Chosen so that a healthy model passes and a broken one fails (README, "Tolerances"):
+# fp32: reordered accumulation only; fp16: a few FP16 roundings (2^-11 = 4.9e-4 each) relative to the
+# element and to the tensor's scale; int8: about two quantization steps (1/127) of the tensor's scale.
+DEFAULT_TOLERANCES = {
+    "fp32": Tolerance(atol=1e-5, rtol=1e-4, stol=0.0),
+    "fp16": Tolerance(atol=1e-3, rtol=1e-2, stol=2e-3),
+    "int8": Tolerance(atol=1e-2, rtol=1e-1, stol=2e-2),
+}
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    default: Tolerance
+    overrides: dict[str, dict[str, float]] = field(default_factory=dict)  # {"atol": {"logits": 1e-2}, ...}
+
+    @classmethod
+    def build(
+        cls,
+        precision: str,
+        atol: Iterable[str] | float | None = None,
+        rtol: Iterable[str] | float | None = None,
+        stol: Iterable[str] | float | None = None,
+    ) -> "Tolerances":
+        base = DEFAULT_TOLERANCES[precision]
+        defaults, overrides = {}, {}
+        for option, given in (("atol", atol), ("rtol", rtol), ("stol", stol)):
+            default, overrides[option] = _parse(option, given)
+            defaults[option] = getattr(base, option) if default is None else default
+        return cls(Tolerance(**defaults), overrides)
+
+    def for_tensor(self, name: str) -> Tolerance:
+        return Tolerance(
+            **{option: self.overrides.get(option, {}).get(name, getattr(self.default, option)) for option in ("atol", "rtol", "stol")}
+        )
+
+    def as_dict(self) -> dict:
+        return {**asdict(self.default), "per_tensor": self.overrides}
+
+
+def _parse(option: str, values: Iterable[str] | float | None) -> tuple[float | None, dict[str, float]]:
+    """Split `["1e-3", "logits:1e-2"]` into the default (1e-3) and the overrides ({"logits": 1e-2})."""
+    if values is None:
+        return None, {}
+    if isinstance(values, (int, float)):
+        values = [str(values)]
+    default, overrides = None, {}
+    for item in values:
+        name, _, number = str(item).rpartition(":")
+        try:
+            value = float(number)
+        except ValueError:
+            raise AccudiffError(f"--{option} value '{item}' is not a number or name:number") from None
+        if value < 0:
+            raise AccudiffError(f"--{option} value '{item}' is negative")
+        if name:
+            overrides[name] = value
+        else:
+            default = value
+    return default, overrides

@@ -1,0 +1,1 @@
+"""Why a tensor is out of tolerance."""

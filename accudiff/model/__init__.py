@@ -1,0 +1,1 @@
+"""The model under test and the data fed to it."""

@@ -1,0 +1,185 @@
+"""Input data for the runs: seeded random feeds, or feeds loaded from .npz / polygraphy JSON.
+
+A feed is one `{input name: array}` mapping; a run uses a list of feeds (one per iteration). The feeds
+used are always saved with the report (`save_feeds`), so any run can be replayed with `--load-inputs`.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+import zipfile
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from accudiff.errors import AccudiffError
+from accudiff.model.loading import InputSpec
+
+Feed = dict[str, np.ndarray]
+
+DEFAULT_VAL_RANGE = (0.0, 1.0)
+_ITERATION_KEY = re.compile(r"^(\d+)/(.+)$")
+
+
+def parse_input_shapes(items: Iterable[str]) -> dict[str, tuple[int, ...]]:
+    """Parse `name:1x3x224x224` items (the name may itself contain colons)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for item in items:
+        name, sep, dims = item.rpartition(":")
+        try:
+            if not sep or not name:
+                raise ValueError
+            shapes[name] = tuple(int(d) for d in dims.lower().split("x")) if dims else ()
+        except ValueError:
+            raise AccudiffError(f"input shape '{item}' is not of the form name:1x3x224x224") from None
+    return shapes
+
+
+def parse_val_ranges(items: Iterable[str]) -> dict[str, tuple[float, float]]:
+    """Parse `[name:]lo,hi` items; the key "" holds the default range for every other input."""
+    ranges: dict[str, tuple[float, float]] = {}
+    for item in items:
+        name, _, bounds = item.rpartition(":")
+        try:
+            low, high = (float(v) for v in bounds.split(","))
+        except ValueError:
+            raise AccudiffError(f"value range '{item}' is not of the form [name:]low,high") from None
+        if low > high:
+            raise AccudiffError(f"value range '{item}' has its low bound above its high bound")
+        ranges[name] = (low, high)
+    return ranges
+
+
+def resolve_shapes(specs: list[InputSpec], given: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Concrete shape of every input: static dimensions from the model, dynamic ones from `given`."""
+    _check_names(given, specs, "--input-shapes")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for spec in specs:
+        if spec.name in given:
+            shape = given[spec.name]
+            _check_shape(spec, shape, "--input-shapes")
+        elif spec.is_static:
+            shape = tuple(int(d) for d in spec.shape)
+        else:
+            example = "x".join(str(d) if isinstance(d, int) else "1" for d in spec.shape)
+            dynamic = next(d for d in spec.shape if not isinstance(d, int))
+            raise AccudiffError(
+                f"input '{spec.name}' has a dynamic dimension '{dynamic or '?'}'; give its shape with "
+                f"--input-shapes {spec.name}:{example}"
+            )
+        shapes[spec.name] = shape
+    return shapes
+
+
+def generate_feeds(
+    specs: list[InputSpec],
+    shapes: Mapping[str, tuple[int, ...]],
+    seed: int = 0,
+    val_ranges: Mapping[str, tuple[float, float]] | None = None,
+    iterations: int = 1,
+) -> list[Feed]:
+    """Seeded random feeds: floats uniform in the value range, integers uniform in [low, high], bools fair."""
+    val_ranges = dict(val_ranges or {})
+    _check_names({k: v for k, v in val_ranges.items() if k}, specs, "--val-range")
+    default = val_ranges.get("", DEFAULT_VAL_RANGE)
+    rng = np.random.default_rng(seed)
+    feeds = []
+    for _ in range(iterations):
+        feed: Feed = {}
+        for spec in specs:
+            low, high = val_ranges.get(spec.name, default)
+            shape = shapes[spec.name]
+            if spec.dtype == np.bool_:
+                feed[spec.name] = rng.random(shape) < 0.5
+            elif np.issubdtype(spec.dtype, np.integer):
+                feed[spec.name] = rng.integers(int(np.ceil(low)), int(np.floor(high)), size=shape, endpoint=True).astype(spec.dtype)
+            elif np.issubdtype(spec.dtype, np.floating):
+                feed[spec.name] = rng.uniform(low, high, size=shape).astype(spec.dtype)
+            else:
+                raise AccudiffError(f"input '{spec.name}' has dtype {spec.dtype}, for which accudiff cannot generate data; use --load-inputs")
+        feeds.append(feed)
+    return feeds
+
+
+def load_feeds(path: str | Path, specs: list[InputSpec]) -> list[Feed]:
+    """Load feeds from `.npz` (never with pickle) or polygraphy's `--save-inputs` JSON, and validate them."""
+    path = Path(path)
+    if not path.is_file():
+        raise AccudiffError(f"input file '{path}' does not exist")
+    try:
+        feeds = _load_json(path) if path.suffix.lower() == ".json" else _load_npz(path)
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, json.JSONDecodeError) as exc:
+        raise AccudiffError(f"input file '{path}' could not be read as .npz or polygraphy JSON ({exc})") from exc
+    if not feeds:
+        raise AccudiffError(f"input file '{path}' holds no arrays")
+    validate_feeds(feeds, specs, str(path))
+    return feeds
+
+
+def save_feeds(feeds: list[Feed], path: Path) -> None:
+    """Save feeds as .npz with keys `<iteration>/<input name>`, the layout `load_feeds` reads back."""
+    arrays = {f"{i}/{name}": np.ascontiguousarray(array) for i, feed in enumerate(feeds) for name, array in feed.items()}
+    with open(path, "wb") as handle:
+        np.savez(handle, **arrays)
+
+
+def validate_feeds(feeds: list[Feed], specs: list[InputSpec], source: str) -> None:
+    """Every feed must give exactly the model's inputs, with their dtypes and static dimensions."""
+    for feed in feeds:
+        _check_names(feed, specs, source)
+        for spec in specs:
+            if spec.name not in feed:
+                raise AccudiffError(f"{source} gives no data for the model input '{spec.name}'")
+            array = feed[spec.name]
+            if array.dtype != spec.dtype:
+                raise AccudiffError(f"{source} gives input '{spec.name}' as {array.dtype}, but the model expects {spec.dtype}")
+            _check_shape(spec, array.shape, source)
+
+
+def _load_npz(path: Path) -> list[Feed]:
+    with np.load(path, allow_pickle=False) as archive:
+        items = {key: archive[key] for key in archive.files}
+    indexed = {key: _ITERATION_KEY.match(key) for key in items}
+    if items and all(indexed.values()):
+        count = 1 + max(int(m.group(1)) for m in indexed.values())
+        feeds: list[Feed] = [{} for _ in range(count)]
+        for key, match in indexed.items():
+            feeds[int(match.group(1))][match.group(2)] = items[key]
+        return feeds
+    return [items] if items else []
+
+
+def _load_json(path: Path) -> list[Feed]:
+    data = json.loads(path.read_text())
+    if isinstance(data, dict):
+        data = [data]
+    if not isinstance(data, list) or not all(isinstance(feed, dict) for feed in data):
+        raise ValueError("expected a list of {input name: array} mappings")
+    return [{name: _decode_polygraphy_array(value) for name, value in feed.items()} for feed in data]
+
+
+def _decode_polygraphy_array(value: object) -> np.ndarray:
+    if not isinstance(value, dict) or "array" not in value:
+        raise ValueError("an input is not a polygraphy-encoded array")
+    raw = base64.b64decode(value["array"].encode(), validate=True)
+    return np.load(io.BytesIO(raw), allow_pickle=False)
+
+
+def _check_names(given: Mapping[str, object], specs: list[InputSpec], source: str) -> None:
+    known = [spec.name for spec in specs]
+    for name in given:
+        if name not in known:
+            raise AccudiffError(f"{source} names an input '{name}' that the model does not have; its inputs are: {', '.join(known)}")
+
+
+def _check_shape(spec: InputSpec, shape: tuple[int, ...], source: str) -> None:
+    mismatch = len(shape) != len(spec.shape) or any(
+        isinstance(want, int) and want != got for want, got in zip(spec.shape, shape)
+    )
+    if mismatch:
+        wanted = "x".join(str(d) if isinstance(d, int) else str(d or "?") for d in spec.shape)
+        raise AccudiffError(f"{source} gives input '{spec.name}' the shape {'x'.join(map(str, shape))}, but the model expects {wanted}")

@@ -1,0 +1,223 @@
+"""Load an ONNX model once, check it, and describe every tensor the comparison can observe.
+
+Everything downstream (inputs, transforms, runners, comparison) works from a `ModelInfo`, so the model
+is parsed, checked and shape-inferred exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from google.protobuf.message import DecodeError
+
+from accudiff.errors import AccudiffError
+
+# Protobuf refuses to serialise messages beyond 2 GiB; above this we keep weights as external data.
+EXTERNAL_DATA_THRESHOLD = 1_500_000_000
+
+SUBGRAPH_OPS_REASON = "inside the '{attr}' body of {op} node '{node}': subgraph tensors cannot be marked as graph outputs"
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """A graph input: its element type and shape, with dynamic dimensions given as strings or None."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int | str | None, ...]
+
+    @property
+    def is_static(self) -> bool:
+        return all(isinstance(d, int) for d in self.shape)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor produced by a node of the main graph, in topological order."""
+
+    name: str
+    node: str
+    op_type: str
+    dtype: np.dtype | None
+    is_output: bool
+
+
+@dataclass
+class ModelInfo:
+    path: Path
+    proto: onnx.ModelProto
+    inputs: list[InputSpec]
+    output_names: list[str]
+    tensors: list[TensorInfo]
+    not_observable: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def stem(self) -> str:
+        return self.path.stem
+
+    def producer_inputs(self) -> dict[str, list[str]]:
+        """Map each tensor to the tensors its producing node reads (to follow errors upstream)."""
+        produced = {t.name for t in self.tensors}
+        result: dict[str, list[str]] = {}
+        for node in self.proto.graph.node:
+            upstream = [name for name in node.input if name in produced]
+            for out in node.output:
+                if out:
+                    result[out] = upstream
+        return result
+
+
+def load_model(path: str | os.PathLike) -> ModelInfo:
+    """Load, check and shape-infer `path`; raise AccudiffError with one sentence on any problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise AccudiffError(f"model file '{path}' does not exist")
+    try:
+        proto = onnx.load(str(path), load_external_data=True)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise AccudiffError(f"'{path}' is not a readable ONNX model ({_first_line(exc)})") from exc
+    except FileNotFoundError as exc:
+        raise AccudiffError(f"'{path}' refers to external data that is missing: {exc.filename}") from exc
+    if len(proto.graph.node) == 0:
+        raise AccudiffError(f"'{path}' is not a valid ONNX model: its graph has no nodes")
+    try:
+        onnx.checker.check_model(str(path) if _is_large(proto) else proto)
+    except onnx.checker.ValidationError as exc:
+        raise AccudiffError(f"'{path}' fails the ONNX checker: {_first_line(exc)}") from exc
+    name_unnamed_nodes(proto)
+    inferred = _infer_shapes(proto)
+    return describe(path, inferred)
+
+
+def describe(path: Path, proto: onnx.ModelProto) -> ModelInfo:
+    """Build the tensor inventory of an already loaded, shape-inferred model."""
+    graph = proto.graph
+    initializer_names = {init.name for init in graph.initializer}
+    dtypes = _value_dtypes(graph)
+    inputs = [
+        InputSpec(vi.name, _np_dtype(vi.type.tensor_type.elem_type), _shape(vi))
+        for vi in graph.input
+        if vi.name not in initializer_names
+    ]
+    output_names = [o.name for o in graph.output]
+    outputs = set(output_names)
+    tensors: list[TensorInfo] = []
+    not_observable: dict[str, str] = {}
+    for node in graph.node:
+        for out in node.output:
+            if not out:
+                continue
+            kind = dtypes.get(out)
+            if isinstance(kind, str):
+                not_observable[out] = f"produced by {node.op_type} '{node.name}' as a {kind}, not a tensor"
+                continue
+            tensors.append(TensorInfo(out, node.name, node.op_type, kind, out in outputs))
+        for attr in node.attribute:
+            for body in _attribute_graphs(attr):
+                for inner in _all_node_outputs(body):
+                    not_observable[inner] = SUBGRAPH_OPS_REASON.format(attr=attr.name, op=node.op_type, node=node.name)
+    return ModelInfo(path, proto, inputs, output_names, tensors, not_observable)
+
+
+def name_unnamed_nodes(proto: onnx.ModelProto) -> None:
+    """Give every unnamed node a stable name (`<op>_<index>`), so reports and keep-lists can name it."""
+    taken = {n.name for n in proto.graph.node if n.name}
+    for index, node in enumerate(proto.graph.node):
+        if not node.name:
+            candidate = f"{node.op_type}_{index}"
+            while candidate in taken:
+                candidate += "_"
+            node.name = candidate
+            taken.add(candidate)
+
+
+def save_model(proto: onnx.ModelProto, path: Path) -> None:
+    """Save a model, moving weights to a side file when protobuf's 2 GiB limit would be hit."""
+    if _is_large(proto):
+        onnx.save(proto, str(path), save_as_external_data=True, location=path.name + ".data")
+    else:
+        onnx.save(proto, str(path))
+
+
+def _infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
+    try:
+        return onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
+    except (onnx.shape_inference.InferenceError, ValueError):
+        return proto  # shapes are a convenience: dtypes also come back from the runs themselves
+
+
+def _value_dtypes(graph: onnx.GraphProto) -> dict[str, np.dtype | str | None]:
+    """Element dtype of each known value; a string for non-tensor values (sequence, map, optional)."""
+    result: dict[str, np.dtype | str | None] = {}
+    for vi in [*graph.input, *graph.value_info, *graph.output]:
+        which = vi.type.WhichOneof("value")
+        if which == "tensor_type":
+            elem = vi.type.tensor_type.elem_type
+            result[vi.name] = _np_dtype(elem) if elem else None
+        elif which is not None:
+            result[vi.name] = which.replace("_type", "")
+    for init in graph.initializer:
+        result[init.name] = _np_dtype(init.data_type)
+    return result
+
+
+def _np_dtype(elem_type: int) -> np.dtype:
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+
+
+def _shape(vi: onnx.ValueInfoProto) -> tuple[int | str | None, ...]:
+    dims = []
+    for dim in vi.type.tensor_type.shape.dim:
+        if dim.HasField("dim_value"):
+            dims.append(dim.dim_value)
+        elif dim.HasField("dim_param"):
+            dims.append(dim.dim_param)
+        else:
+            dims.append(None)
+    return tuple(dims)
+
+
+def _attribute_graphs(attr: onnx.AttributeProto) -> list[onnx.GraphProto]:
+    if attr.type == onnx.AttributeProto.GRAPH:
+        return [attr.g]
+    if attr.type == onnx.AttributeProto.GRAPHS:
+        return list(attr.graphs)
+    return []
+
+
+def _all_node_outputs(graph: onnx.GraphProto) -> list[str]:
+    names = []
+    for node in graph.node:
+        names.extend(o for o in node.output if o)
+        for attr in node.attribute:
+            for body in _attribute_graphs(attr):
+                names.extend(_all_node_outputs(body))
+    return names
+
+
+def subgraph_outer_references(graph: onnx.GraphProto) -> set[str]:
+    """Names that If/Loop/Scan bodies read from the enclosing graph (their types must not change)."""
+    refs: set[str] = set()
+    for node in graph.node:
+        for attr in node.attribute:
+            for body in _attribute_graphs(attr):
+                defined = {i.name for i in body.input} | {i.name for i in body.initializer}
+                defined |= set(_all_node_outputs(body))
+                for inner in body.node:
+                    refs.update(n for n in inner.input if n and n not in defined)
+                refs |= subgraph_outer_references(body) - defined
+    return refs
+
+
+def _is_large(proto: onnx.ModelProto) -> bool:
+    total = sum(len(init.raw_data) for init in proto.graph.initializer)
+    return total > EXTERNAL_DATA_THRESHOLD
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -1,0 +1,1 @@
+"""Report folder, summary.json, console summary."""

@@ -1,0 +1,63 @@
+"""Report folders that appear whole or not at all, and never replace an existing one."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from accudiff.errors import AccudiffError
+
+DEFAULT_ROOT = Path("reports")
+
+
+def default_report_dir(model_stem: str, precision: str, root: Path = DEFAULT_ROOT) -> Path:
+    """`reports/<model>-<precision>-<YYYYmmdd-HHMMSS>`, with a counter if that name is taken."""
+    base = root / f"{model_stem}-{precision}-{time.strftime('%Y%m%d-%H%M%S')}"
+    candidate, counter = base, 1
+    while candidate.exists():
+        counter += 1
+        candidate = base.with_name(f"{base.name}-{counter}")
+    return candidate
+
+
+class ReportFolder:
+    """Files are written into a hidden staging folder beside the target; `commit` renames it into place.
+
+    Without a target (`final=None`) the staging folder is a temporary one that `discard` removes.
+    """
+
+    def __init__(self, final: Path | None):
+        self.final = Path(final) if final is not None else None
+        if self.final is not None:
+            if self.final.exists():
+                raise AccudiffError(f"report folder '{self.final}' already exists; choose another with --report-dir")
+            self.final.parent.mkdir(parents=True, exist_ok=True)
+            self.path = Path(tempfile.mkdtemp(prefix=f".{self.final.name}.partial-", dir=self.final.parent))
+        else:
+            self.path = Path(tempfile.mkdtemp(prefix="accudiff-"))
+
+    def write_text(self, name: str, text: str) -> Path:
+        target = self.path / name
+        target.write_text(text, encoding="utf-8")
+        return target
+
+    def commit(self) -> Path | None:
+        """Move the finished folder into place (atomic on one file system); None when there is no target."""
+        if self.final is None:
+            self.discard()
+            return None
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(self.path, 0o777 & ~umask)  # mkdtemp made it private; a report is an ordinary folder
+        try:
+            os.rename(self.path, self.final)
+        except OSError as exc:
+            self.discard()
+            raise AccudiffError(f"could not move the report into '{self.final}': {exc.strerror}") from exc
+        return self.final
+
+    def discard(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)

@@ -1,0 +1,84 @@
+"""The report folder's contents: summary.json (versioned schema, see README) and tensors.csv.
+
+The caller has already put the inputs and the candidate model into the staging folder; everything
+becomes visible at once when the folder is committed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict
+
+from accudiff import __version__
+from accudiff.report.folder import ReportFolder
+
+SUMMARY_SCHEMA = "accudiff.compare.summary"
+SUMMARY_SCHEMA_VERSION = 1
+SUMMARY_FILE = "summary.json"
+TENSORS_FILE = "tensors.csv"
+WORST_COUNT = 5
+OUTPUT_COLUMNS = ["tensor", "status", "max_abs_err", "max_rel_err", "outside_share", "cosine", "sqnr_db"]
+
+
+def summary(result) -> dict:
+    """The summary document of a CompareResult (non-finite numbers are written as "inf"/"-inf"/"nan")."""
+    table = result.table
+    outputs = []
+    failures = {f.tensor: f for f in result.output_failures}
+    for _, row in result.outputs.iterrows():
+        entry = {column: row[column] for column in OUTPUT_COLUMNS}
+        if row["tensor"] in failures:
+            failure = failures[row["tensor"]]
+            entry["findings"] = [asdict(f) for f in failure.findings]
+            entry["origin"] = failure.origin
+        outputs.append(entry)
+    document = {
+        "schema": SUMMARY_SCHEMA,
+        "schema_version": SUMMARY_SCHEMA_VERSION,
+        "accudiff_version": __version__,
+        "model": str(result.model),
+        "precision": result.precision,
+        "candidate": result.candidate,
+        "verdict": "pass" if result.passed else "fail",
+        "tolerances": result.tolerances.as_dict(),
+        "iterations": result.iterations,
+        "seed": result.seed,
+        "counts": {
+            "tensors": len(table),
+            "failing": int((table["status"] == "fail").sum()),
+            "not_observed": int((table["status"] == "not observed").sum()) + len(result.not_observable),
+        },
+        "first_failure": asdict(result.first_failure) if result.first_failure else None,
+        "outputs": outputs,
+        "worst_tensors": worst_tensors(table).to_dict("records"),
+        "kept_fp32": [asdict(k) for k in result.kept],
+        "not_observable": result.not_observable,
+        "notices": result.notices,
+        "timings_s": result.timings,
+        "files": {"tensors": TENSORS_FILE, "inputs": "inputs.npz", "candidate_model": f"candidate-{result.precision}.onnx"},
+    }
+    return _finite(document)
+
+
+def worst_tensors(table, count: int = WORST_COUNT):
+    """The tensors with the lowest SQNR among the compared float tensors."""
+    compared = table[table["sqnr_db"].notna()]
+    return compared.nsmallest(count, "sqnr_db")[["tensor", "op_type", "status", "max_abs_err", "sqnr_db", "outside_share"]]
+
+
+def write_report(result, folder: ReportFolder) -> None:
+    result.table.to_csv(folder.path / TENSORS_FILE, index=False)
+    folder.write_text(SUMMARY_FILE, json.dumps(summary(result), indent=2) + "\n")
+
+
+def _finite(value):
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value

@@ -1,0 +1,40 @@
+"""The one interface every backend implements, so nothing outside `runners/` knows which one it talks to."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Mapping
+
+import numpy as np
+
+
+class Runner(ABC):
+    """Lifecycle: `activate()` -> `infer(feed)` any number of times -> `deactivate()`; or use `with`.
+
+    `infer` returns `{tensor name: array}` for every tensor the runner could observe. Arrays may be
+    memory-mapped and stay valid only until the next `infer` call: consume them before asking again.
+    """
+
+    #: Human-readable description of what this runner really computes (shown in reports).
+    label: str = ""
+
+    @abstractmethod
+    def activate(self) -> None: ...
+
+    @abstractmethod
+    def infer(self, feed: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]: ...
+
+    @abstractmethod
+    def deactivate(self) -> None: ...
+
+    @property
+    def not_observable(self) -> dict[str, str]:
+        """Tensors this runner was asked for but cannot observe, with the reason."""
+        return {}
+
+    def __enter__(self) -> "Runner":
+        self.activate()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.deactivate()

@@ -1,0 +1,89 @@
+"""Child process that owns one ONNX Runtime session (see `OnnxrtRunner`).
+
+Protocol: one JSON object per line on stdin, one JSON reply per line on the original stdout.
+* {"op": "load", "model": path, "outputs": [names], "emulate_fp16": bool} -> {"ok": true, "outputs": [names marked]}
+* {"op": "infer", "inputs": npz path, "out_dir": dir} -> {"ok": true, "files": {name: file}}
+Arrays travel as .npy files (no pickle anywhere); errors come back as {"ok": false, "error": text}.
+A native crash kills only this process; the parent turns that into a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+
+def _load(request: dict) -> tuple[object, list[str], set[str], dict]:
+    import onnxruntime as ort
+
+    from accudiff.runners.fp16_emulation import lower_fp16
+
+    model = onnx.load(request["model"], load_external_data=True)
+    fp16_values: set[str] = set()
+    if request.get("emulate_fp16"):
+        model, names = lower_fp16(model)
+        fp16_values = set(names)
+    existing = {o.name for o in model.graph.output}
+    for name in request["outputs"]:
+        if name not in existing:
+            model.graph.output.append(onnx.ValueInfoProto(name=name))
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if request.get("threads"):
+        options.intra_op_num_threads = int(request["threads"])
+    if model.ByteSize() < 2**31 - 1:
+        payload: object = model.SerializeToString()
+    else:
+        marked = Path(request["model"]).with_suffix(".marked.onnx")
+        onnx.save(model, str(marked), save_as_external_data=True, location=marked.name + ".data")
+        payload = str(marked)
+    session = ort.InferenceSession(payload, options, providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return session, names, fp16_values, {"ok": True, "outputs": names}
+
+
+def _infer(session, names: list[str], fp16_values: set[str], request: dict) -> dict:
+    wanted = {i.name: i.type for i in session.get_inputs()}
+    with np.load(request["inputs"], allow_pickle=False) as archive:
+        feed = {key: archive[key] for key in archive.files}
+    for key, value in feed.items():
+        if value.dtype == np.float16 and wanted.get(key) == "tensor(float)":
+            feed[key] = value.astype(np.float32)  # an FP16 input of a model lowered for emulation
+    results = session.run(names, feed)
+    out_dir = Path(request["out_dir"])
+    files = {}
+    for index, (name, value) in enumerate(zip(names, results)):
+        if not isinstance(value, np.ndarray):
+            continue  # sequences and maps are not compared
+        if name in fp16_values:
+            value = value.astype(np.float16)  # exact: emulation already rounded it to FP16
+        path = out_dir / f"{index}.npy"
+        np.save(path, value, allow_pickle=False)
+        files[name] = str(path)
+    return {"ok": True, "files": files}
+
+
+def main() -> None:
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # anything a library prints goes to stderr, never into the protocol
+    session, names, fp16_values = None, [], set()
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            if request["op"] == "load":
+                session, names, fp16_values, reply = _load(request)
+            else:
+                reply = _infer(session, names, fp16_values, request)
+        except Exception as exc:  # reported to the parent, which words it for the user
+            reply = {"ok": False, "error": str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""FP32 -> FP16 mixed precision that keeps tensor names and never clamps silently.
+
+Why our own pass instead of onnxconverter-common: that converter clamps constants to +-1e4 (silently
+changing the model), renames tensors (so they no longer align with the reference) and breaks on Cast
+retyping and subgraphs. Here:
+
+* a node runs in FP16 when its op schema allows FP16 for its float inputs, unless it is kept;
+* kept in FP32: nodes named by `keep_fp32`, nodes that read a constant beyond +-65504 (autokeep),
+  nodes whose outputs If/Loop/Scan bodies read, ops outside the default domain, ops with subgraphs;
+* every node output keeps its name and holds the node's own result; Casts are inserted between
+  FP16 and FP32 regions under new names, and graph inputs and outputs keep their FP32 types
+  (a graph output computed in FP16 is produced by a Cast under its original name).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from accudiff.model.loading import subgraph_outer_references
+from accudiff.transforms.base import KeptNode, NodeSelector, TransformResult
+
+FP16_MAX = 65504.0
+_FLOAT16 = "tensor(float16)"
+
+
+def to_fp16(model: onnx.ModelProto, keep_fp32: Iterable[str] = (), autokeep: bool = True) -> TransformResult:
+    """Convert a shape-inferred FP32 model to FP16 mixed precision (see the module docstring)."""
+    model = _copy(model)
+    graph = model.graph
+    opset = _default_opset(model)
+    types = _elem_types(graph)
+    constants = _float_constants(graph)
+    outer_refs = subgraph_outer_references(graph)
+    selector = NodeSelector(keep_fp32)
+
+    kept: list[KeptNode] = []
+    converted_params: dict[str, set[str]] = {}  # fp16 node name -> its type parameters bound to FP16
+    for node in graph.node:
+        decision = _decide(node, opset, types, constants, outer_refs, selector, autokeep)
+        if isinstance(decision, KeptNode):
+            kept.append(decision)
+        elif decision:
+            converted_params[node.name] = decision
+
+    # New element type of every FP32 value: FP16 when an FP16 node produced it through a converted parameter.
+    new_types = dict(types)
+    for node in graph.node:
+        params = converted_params.get(node.name)
+        if not params:
+            continue
+        schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+        for index, out in enumerate(node.output):
+            if out and types.get(out) == TensorProto.FLOAT and _formal_type(schema.outputs, index) in params:
+                new_types[out] = TensorProto.FLOAT16
+
+    constant_overflows = {}
+    for node in graph.node:
+        if node.name in converted_params:
+            for name in node.input:
+                absmax = float(np.abs(constants[name]).max(initial=0)) if name in constants else 0.0
+                if absmax > FP16_MAX:
+                    constant_overflows[node.name] = f"its constant '{name}' (absmax {absmax:.3g}) is beyond the FP16 maximum 65504 and became Inf"
+    warnings = [f"node '{node}': {text} (--no-autokeep)" for node, text in constant_overflows.items()]
+
+    _retype_graph_outputs(graph, types, new_types, converted_params)
+    _insert_casts(graph, opset, types, new_types, converted_params)
+    return TransformResult(model=model, precision="fp16", kept=kept, warnings=warnings, constant_overflows=constant_overflows)
+
+
+def _decide(node, opset, types, constants, outer_refs, selector, autokeep) -> set[str] | KeptNode | None:
+    """FP16 type parameters for a convertible node, a KeptNode when it must stay FP32, None if neutral."""
+    float_inputs = [i for i, name in enumerate(node.input) if name and types.get(name) == TensorProto.FLOAT]
+    float_outputs = [o for o in node.output if o and types.get(o) == TensorProto.FLOAT]
+    if node.op_type == "Constant" or not (float_inputs or float_outputs):
+        return None
+    keep = lambda reason: KeptNode(node.name, node.op_type, reason)  # noqa: E731
+    if node.domain not in ("", "ai.onnx"):
+        return keep(f"op of domain '{node.domain}' has no known FP16 schema")
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+        return keep("it owns a subgraph, whose types are left untouched")
+    pattern = selector.matches(node)
+    if pattern is not None:
+        return keep(f"selected by --keep-fp32 {pattern}")
+    if any(o in outer_refs for o in node.output):
+        return keep("an If/Loop/Scan body reads its output")
+    schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+    params = {
+        _formal_type(schema.inputs, i)
+        for i in float_inputs
+        if _allows_fp16(schema, _formal_type(schema.inputs, i))
+    }
+    if not params:
+        return keep("its op has no FP16 form for these inputs") if float_inputs else None
+    if autokeep:
+        for i in float_inputs:
+            name = node.input[i]
+            if name in constants and _formal_type(schema.inputs, i) in params:
+                absmax = float(np.abs(constants[name]).max(initial=0))
+                if absmax > FP16_MAX:
+                    return keep(f"its constant '{name}' has absmax {absmax:.3g}, beyond the FP16 maximum 65504")
+    return params
+
+
+def _retype_graph_outputs(graph, types, new_types, converted_params) -> None:
+    """A graph output computed in FP16 is renamed `<name>__fp16`; a Cast then restores `<name>` in FP32."""
+    for out in graph.output:
+        if new_types.get(out.name) != TensorProto.FLOAT16:
+            continue
+        inner = out.name + "__fp16"
+        for node in graph.node:
+            node.output[:] = [inner if o == out.name else o for o in node.output]
+            node.input[:] = [inner if i == out.name else i for i in node.input]
+        types[inner], new_types[inner] = TensorProto.FLOAT, TensorProto.FLOAT16
+        new_types[out.name] = TensorProto.FLOAT
+        cast = helper.make_node("Cast", [inner], [out.name], name=out.name + "__to_fp32", to=TensorProto.FLOAT)
+        converted_params[cast.name] = {"T1"}  # the Cast reads the FP16 value as it is
+        graph.node.append(cast)
+
+
+def _insert_casts(graph, opset, types, new_types, converted_params) -> None:
+    """Give every node input the element type its node now needs: FP16 copies of weights, Casts otherwise."""
+    initializers = {init.name: init for init in graph.initializer}
+    produced: dict[tuple[str, int], str] = {}
+    new_nodes: list[onnx.NodeProto] = []
+
+    def convert(name: str, target: int) -> str:
+        key = (name, target)
+        if key not in produced:
+            suffix = "__fp16" if target == TensorProto.FLOAT16 else "__fp32"
+            produced[key] = name + suffix
+            if name in initializers and target == TensorProto.FLOAT16:
+                with np.errstate(over="ignore"):  # only with --no-autokeep, and then reported
+                    values = numpy_helper.to_array(initializers[name]).astype(np.float16)
+                graph.initializer.append(numpy_helper.from_array(values, produced[key]))
+            else:
+                new_nodes.append(helper.make_node("Cast", [name], [produced[key]], name=produced[key] + "_cast", to=target))
+        return produced[key]
+
+    for node in list(graph.node):
+        params = converted_params.get(node.name, set())
+        schema = onnx.defs.get_schema(node.op_type, opset, node.domain) if params else None
+        for i, name in enumerate(node.input):
+            if types.get(name) != TensorProto.FLOAT:
+                continue  # only values that were FP32 change type; others stay as the author wrote them
+            wanted = TensorProto.FLOAT16 if schema is not None and _formal_type(schema.inputs, i) in params else TensorProto.FLOAT
+            if new_types[name] != wanted:
+                node.input[i] = convert(name, wanted)
+        new_nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(new_nodes)  # each Cast sits right before its first reader: still topological
+    for vi in graph.value_info:
+        if vi.name in new_types and vi.type.HasField("tensor_type"):
+            vi.type.tensor_type.elem_type = new_types[vi.name]
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    copied = onnx.ModelProto()
+    copied.CopyFrom(model)
+    return copied
+
+
+def _default_opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+
+
+def _elem_types(graph: onnx.GraphProto) -> dict[str, int]:
+    types = {}
+    for vi in [*graph.input, *graph.value_info, *graph.output]:
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+            types[vi.name] = vi.type.tensor_type.elem_type
+    for init in graph.initializer:
+        types[init.name] = init.data_type
+    for node in graph.node:
+        if node.op_type == "Constant":
+            for attr in node.attribute:
+                if attr.name == "value":
+                    types[node.output[0]] = attr.t.data_type
+    return types
+
+
+def _float_constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    constants = {
+        init.name: numpy_helper.to_array(init) for init in graph.initializer if init.data_type == TensorProto.FLOAT
+    }
+    for node in graph.node:
+        if node.op_type == "Constant":
+            for attr in node.attribute:
+                if attr.name == "value" and attr.t.data_type == TensorProto.FLOAT:
+                    constants[node.output[0]] = numpy_helper.to_array(attr.t)
+    return constants
+
+
+def _formal_type(formals, index: int) -> str:
+    """Type string of the formal parameter at `index` (the last one repeats for variadic parameters)."""
+    formal = formals[min(index, len(formals) - 1)]
+    return formal.type_str
+
+
+def _allows_fp16(schema, type_str: str) -> bool:
+    for constraint in schema.type_constraints:
+        if constraint.type_param_str == type_str:
+            return _FLOAT16 in constraint.allowed_type_strs
+    return False  # a fixed type such as tensor(float): that input must stay FP32

@@ -1,0 +1,112 @@
+"""FP32 -> explicit INT8 Q/DQ, in the form TensorRT accepts, through ONNX Runtime's quantization tool.
+
+Settings and why:
+* QDQ format, symmetric INT8 activations and weights (zero point 0), per-channel weights: the form
+  TensorRT builds from explicit quantization (TensorRT 11 has no implicit INT8 any more);
+* only the inputs of Conv/ConvTranspose/MatMul/Gemm are quantized, as TensorRT's INT8 kernels are there;
+* biases stay FP32 (TensorRT does not read INT32 DequantizeLinear biases).
+Node outputs keep their names: ONNX Runtime adds Q/DQ pairs beside the float tensors it quantizes, so
+the tensor `x` still holds the producing node's own result and the DQ output carries a new name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from accudiff.errors import AccudiffError
+from accudiff.model.inputs import Feed
+from accudiff.transforms.base import KeptNode, NodeSelector, QuantRange, TransformResult
+
+QUANTIZED_OPS = ["Conv", "ConvTranspose", "MatMul", "Gemm"]
+RANDOM_CALIBRATION_WARNING = (
+    "INT8 scales were calibrated on random data: pass --calib-data with real samples, "
+    "or clipping and resolution errors will not match deployment"
+)
+
+
+def to_int8(
+    model: onnx.ModelProto,
+    calibration_feeds: list[Feed],
+    keep_fp32: Iterable[str] = (),
+    calibrated_on_random_data: bool = False,
+) -> TransformResult:
+    """Quantize `model` with Q/DQ nodes calibrated (min/max) on `calibration_feeds`."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    class FeedReader(CalibrationDataReader):
+        def __init__(self, feeds: list[Feed]):
+            self._feeds = iter(feeds)
+
+        def get_next(self) -> Feed | None:
+            return next(self._feeds, None)
+
+    selector = NodeSelector(keep_fp32)
+    excluded = [node.name for node in model.graph.node if selector.matches(node) is not None]
+    with tempfile.TemporaryDirectory(prefix="accudiff-int8-") as tmp:
+        source, target = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
+        onnx.save(model, str(source))
+        try:
+            with warnings.catch_warnings(), _quiet_root_logger():
+                warnings.simplefilter("ignore")
+                quantize_static(
+                    str(source),
+                    str(target),
+                    FeedReader(calibration_feeds),
+                    quant_format=QuantFormat.QDQ,
+                    op_types_to_quantize=QUANTIZED_OPS,
+                    per_channel=True,
+                    activation_type=QuantType.QInt8,
+                    weight_type=QuantType.QInt8,
+                    nodes_to_exclude=excluded,
+                    extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False},
+                )
+        except Exception as exc:  # the quantizer raises bare exceptions of many kinds
+            raise AccudiffError(f"ONNX Runtime's quantization tool could not quantize the model: {exc}") from exc
+        quantized = onnx.load(str(target))
+    kept = [KeptNode(n.name, n.op_type, f"selected by --keep-fp32 {selector.matches(n)}") for n in model.graph.node if n.name in excluded]
+    return TransformResult(
+        model=quantized,
+        precision="int8",
+        kept=kept,
+        quant_ranges=quant_ranges(quantized),
+        warnings=[RANDOM_CALIBRATION_WARNING] if calibrated_on_random_data else [],
+    )
+
+
+@contextlib.contextmanager
+def _quiet_root_logger():
+    """The quantizer logs advice on the root logger; accudiff's own notices say what matters."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
+def quant_ranges(model: onnx.ModelProto) -> dict[str, QuantRange]:
+    """The INT8 grid of every per-tensor-quantized activation, read from its QuantizeLinear node."""
+    initializers = {init.name: init for init in model.graph.initializer}
+    ranges: dict[str, QuantRange] = {}
+    for node in model.graph.node:
+        if node.op_type != "QuantizeLinear" or node.input[1] not in initializers:
+            continue
+        scale = numpy_helper.to_array(initializers[node.input[1]])
+        if scale.size != 1:
+            continue  # per-channel: weights, which are constants and not compared
+        zero_point = numpy_helper.to_array(initializers[node.input[2]]) if len(node.input) > 2 and node.input[2] in initializers else np.int8(0)
+        info = np.iinfo(zero_point.dtype)
+        step = float(scale.reshape(()))
+        offset = int(np.asarray(zero_point).reshape(()))
+        ranges[node.input[0]] = QuantRange(scale=step, low=(info.min - offset) * step, high=(info.max - offset) * step)
+    return ranges
