@@ -1,8 +1,20 @@
-"""accudiff: find the tensor where an ONNX model loses accuracy in FP16/INT8, and why."""
+"""accudiff: find the tensor where an ONNX model loses accuracy in FP16/INT8, and why.
+
+The public API is imported on first use, so that light entry points (the ONNX Runtime worker process,
+the pytest plugin's registration) do not pay for pandas and the whole pipeline at start-up.
+"""
+
+from accudiff.errors import AccudiffError
 
 __version__ = "0.1.0"
-
-from accudiff.api import CompareResult, TensorFailure, compare  # noqa: E402
-from accudiff.errors import AccudiffError  # noqa: E402
-
 __all__ = ["AccudiffError", "CompareResult", "TensorFailure", "__version__", "compare"]
+
+_API = {"compare", "CompareResult", "TensorFailure"}
+
+
+def __getattr__(name: str):
+    if name in _API:
+        from accudiff import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'accudiff' has no attribute {name!r}")

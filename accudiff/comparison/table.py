@@ -6,6 +6,7 @@ never matched to some other tensor by a fuzzy rule.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Mapping
 
 import numpy as np
@@ -33,30 +34,46 @@ def compare_runs(
     progress: Progress | None = None,
 ) -> pd.DataFrame:
     """One row per tensor: identity, dtypes, shape, statistics aggregated over all feeds, and status."""
-    quant_ranges = quant_ranges or {}
-    totals: dict[str, TensorStats] = {}
-    seen: dict[str, dict] = {}
-    notes: dict[str, str] = {}
-    for iteration, feed in enumerate(feeds):
-        ref_out = reference.infer(feed)
-        cand_out = candidate.infer(feed)
-        for info in tensors:
+    aggregate = _Aggregate(tensors, tolerances, quant_ranges or {})
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        for iteration, feed in enumerate(feeds):
+            # Both backends work at once: each waits on its own process or device, not on Python.
+            pending = pool.submit(reference.infer, feed)
+            cand_out = candidate.infer(feed)
+            aggregate.add(pending.result(), cand_out, iteration)
+            if progress is not None:
+                progress(iteration + 1, len(feeds))
+    return aggregate.table()
+
+
+class _Aggregate:
+    """Running statistics of every tensor; each iteration's arrays are released once measured."""
+
+    def __init__(self, tensors: list[TensorInfo], tolerances: Tolerances, quant_ranges: Mapping[str, QuantRange]):
+        self.tensors, self.tolerances, self.quant_ranges = tensors, tolerances, quant_ranges
+        self.totals: dict[str, TensorStats] = {}
+        self.seen: dict[str, dict] = {}
+        self.notes: dict[str, str] = {}
+
+    def add(self, ref_out: Mapping[str, np.ndarray], cand_out: Mapping[str, np.ndarray], iteration: int) -> None:
+        for info in self.tensors:
             name = info.name
             if name not in ref_out or name not in cand_out:
-                notes[name] = "not returned by the reference" if name not in ref_out else "not returned by the candidate"
+                self.notes[name] = "not returned by the reference" if name not in ref_out else "not returned by the candidate"
                 continue
             ref, cand = ref_out[name], cand_out[name]
-            seen[name] = {"dtype": str(ref.dtype), "cand_dtype": str(cand.dtype), "shape": "x".join(map(str, ref.shape))}
+            self.seen[name] = {"dtype": str(ref.dtype), "cand_dtype": str(cand.dtype), "shape": "x".join(map(str, ref.shape))}
             if ref.shape != cand.shape:
-                notes[name] = f"shape differs: reference {ref.shape}, candidate {cand.shape}"
+                self.notes[name] = f"shape differs: reference {ref.shape}, candidate {cand.shape}"
                 continue
-            stats = measure(ref, cand, tolerances.for_tensor(name), quant_ranges.get(name))
-            totals[name] = merge(totals.get(name, TensorStats()), stats, iteration)
-        if progress is not None:
-            progress(iteration + 1, len(feeds))
-    table = pd.DataFrame([_row(info, seen.get(info.name), totals.get(info.name), notes.get(info.name), tolerances) for info in tensors])
-    table["int8_scale"] = [quant_ranges[t.name].scale if t.name in quant_ranges else np.nan for t in tensors]
-    return table
+            stats = measure(ref, cand, self.tolerances.for_tensor(name), self.quant_ranges.get(name))
+            self.totals[name] = merge(self.totals.get(name, TensorStats()), stats, iteration)
+
+    def table(self) -> pd.DataFrame:
+        rows = [_row(t, self.seen.get(t.name), self.totals.get(t.name), self.notes.get(t.name), self.tolerances) for t in self.tensors]
+        table = pd.DataFrame(rows)
+        table["int8_scale"] = [self.quant_ranges[t.name].scale if t.name in self.quant_ranges else np.nan for t in self.tensors]
+        return table
 
 
 _STAT_COLUMNS = list(TensorStats().as_row())

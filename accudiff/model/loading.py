@@ -109,8 +109,8 @@ def describe(path: Path, proto: onnx.ModelProto) -> ModelInfo:
     not_observable: dict[str, str] = {}
     for node in graph.node:
         for out in node.output:
-            if not out:
-                continue
+            if not out or node.op_type == "Constant":
+                continue  # constants are weights, not computed: comparing them would only add noise
             kind = dtypes.get(out)
             if isinstance(kind, str):
                 not_observable[out] = f"produced by {node.op_type} '{node.name}' as a {kind}, not a tensor"

@@ -18,20 +18,21 @@ import numpy as np
 import onnx
 
 
-def _load(request: dict) -> tuple[object, list[str], set[str], dict]:
+def _load(request: dict) -> tuple[object, dict[str, str], dict]:
+    """The session, and for each marked output the tensor name it answers for."""
     import onnxruntime as ort
 
     from accudiff.runners.fp16_emulation import lower_fp16
 
     model = onnx.load(request["model"], load_external_data=True)
-    fp16_values: set[str] = set()
+    fp16_copies: dict[str, str] = {}
     if request.get("emulate_fp16"):
-        model, names = lower_fp16(model)
-        fp16_values = set(names)
+        model, fp16_copies = lower_fp16(model)
     existing = {o.name for o in model.graph.output}
     for name in request["outputs"]:
-        if name not in existing:
-            model.graph.output.append(onnx.ValueInfoProto(name=name))
+        marked = fp16_copies.get(name, name)
+        if marked not in existing:
+            model.graph.output.append(onnx.ValueInfoProto(name=marked))
     options = ort.SessionOptions()
     options.log_severity_level = 3
     if request.get("threads"):
@@ -39,29 +40,28 @@ def _load(request: dict) -> tuple[object, list[str], set[str], dict]:
     if model.ByteSize() < 2**31 - 1:
         payload: object = model.SerializeToString()
     else:
-        marked = Path(request["model"]).with_suffix(".marked.onnx")
-        onnx.save(model, str(marked), save_as_external_data=True, location=marked.name + ".data")
-        payload = str(marked)
+        marked_path = Path(request["model"]).with_suffix(".marked.onnx")
+        onnx.save(model, str(marked_path), save_as_external_data=True, location=marked_path.name + ".data")
+        payload = str(marked_path)
     session = ort.InferenceSession(payload, options, providers=["CPUExecutionProvider"])
-    names = [o.name for o in session.get_outputs()]
-    return session, names, fp16_values, {"ok": True, "outputs": names}
+    answers_for = {copy: name for name, copy in fp16_copies.items()}
+    tensors = {o.name: answers_for.get(o.name, o.name) for o in session.get_outputs()}
+    return session, tensors, {"ok": True, "outputs": list(tensors.values())}
 
 
-def _infer(session, names: list[str], fp16_values: set[str], request: dict) -> dict:
+def _infer(session, tensors: dict[str, str], request: dict) -> dict:
     wanted = {i.name: i.type for i in session.get_inputs()}
     with np.load(request["inputs"], allow_pickle=False) as archive:
         feed = {key: archive[key] for key in archive.files}
     for key, value in feed.items():
         if value.dtype == np.float16 and wanted.get(key) == "tensor(float)":
             feed[key] = value.astype(np.float32)  # an FP16 input of a model lowered for emulation
-    results = session.run(names, feed)
+    results = session.run(list(tensors), feed)
     out_dir = Path(request["out_dir"])
     files = {}
-    for index, (name, value) in enumerate(zip(names, results)):
+    for index, (name, value) in enumerate(zip(tensors.values(), results)):
         if not isinstance(value, np.ndarray):
             continue  # sequences and maps are not compared
-        if name in fp16_values:
-            value = value.astype(np.float16)  # exact: emulation already rounded it to FP16
         path = out_dir / f"{index}.npy"
         np.save(path, value, allow_pickle=False)
         files[name] = str(path)
@@ -71,14 +71,14 @@ def _infer(session, names: list[str], fp16_values: set[str], request: dict) -> d
 def main() -> None:
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # anything a library prints goes to stderr, never into the protocol
-    session, names, fp16_values = None, [], set()
+    session, tensors = None, {}
     for line in sys.stdin:
         request = json.loads(line)
         try:
             if request["op"] == "load":
-                session, names, fp16_values, reply = _load(request)
+                session, tensors, reply = _load(request)
             else:
-                reply = _infer(session, names, fp16_values, request)
+                reply = _infer(session, tensors, request)
         except Exception as exc:  # reported to the parent, which words it for the user
             reply = {"ok": False, "error": str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}
         replies.write(json.dumps(reply) + "\n")

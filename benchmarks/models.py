@@ -1,0 +1,121 @@
+"""Real-architecture models for tests and benchmarks, made locally: nothing is downloaded.
+
+* resnet18, mobilenet_v3_small: torchvision architectures with random weights, exported on CPU;
+* bert_small: a 2-layer BERT from a `transformers` config, random weights;
+* nudenet_320n: the trained YOLOv8n detector inside the `nudenet` wheel;
+* ppocr_rec_v4: the trained text recognizer inside the `rapidocr-onnxruntime` wheel.
+Each function returns the path of an ONNX file (exported once into `folder`), or raises ModuleNotFoundError
+when the package it needs is not installed, so callers can skip.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from pathlib import Path
+
+OPSET = 17
+
+
+def resnet18(folder: Path) -> Path:
+    return _torchvision_model("resnet18", folder)
+
+
+def mobilenet_v3_small(folder: Path) -> Path:
+    return _torchvision_model("mobilenet_v3_small", folder)
+
+
+def bert_small(folder: Path) -> Path:
+    target = folder / "bert_small.onnx"
+    if target.exists():
+        return target
+    import torch
+
+    _register_torchvision_ops(torch)  # transformers imports torchvision when it is installed
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256)
+
+    class Positional(torch.nn.Module):
+        """Keyword arguments for BertModel, plain tensors out: the form the exporter traces."""
+
+        def __init__(self):
+            super().__init__()
+            self.bert = BertModel(config).eval()
+
+        def forward(self, input_ids, attention_mask, token_type_ids):
+            out = self.bert(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+            return out.last_hidden_state, out.pooler_output
+
+    ids = torch.randint(0, 1000, (1, 32))
+    _export(
+        torch,
+        Positional(),
+        (ids, torch.ones_like(ids), torch.zeros_like(ids)),
+        target,
+        ["input_ids", "attention_mask", "token_type_ids"],
+        ["last_hidden_state", "pooler_output"],
+    )
+    return target
+
+
+def nudenet_320n(folder: Path | None = None) -> Path:
+    return _packaged("nudenet", "320n.onnx")
+
+
+def ppocr_rec_v4(folder: Path | None = None) -> Path:
+    return _packaged("rapidocr_onnxruntime", "models/ch_PP-OCRv4_rec_infer.onnx")
+
+
+def _torchvision_model(name: str, folder: Path) -> Path:
+    target = folder / f"{name}.onnx"
+    if target.exists():
+        return target
+    import torch
+
+    _register_torchvision_ops(torch)
+    import torchvision
+
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, name)(weights=None)
+    _export(torch, model, (torch.randn(1, 3, 224, 224),), target, ["input"], ["logits"])
+    return target
+
+
+def _export(torch, module, args: tuple, target: Path, input_names: list[str], output_names: list[str]) -> None:
+    """TorchScript-based export (fast, no extra dependencies), in eval mode without gradients."""
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            module.eval(), args, str(target), dynamo=False, opset_version=OPSET, input_names=input_names, output_names=output_names
+        )
+
+
+def _register_torchvision_ops(torch) -> None:
+    """The registry's torchvision is a CUDA build whose compiled ops fail beside CPU torch; declaring the
+    op schemas first lets the model definitions import (detection ops stay unusable, and are not needed)."""
+    for op in ("nms", "qnms"):
+        try:
+            torch.library.define(f"torchvision::{op}", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        except RuntimeError:
+            pass  # already defined (by a real CPU torchvision, or an earlier call)
+
+
+def _packaged(package: str, relative: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"the '{package}' package is not installed (pip install --no-deps {package.replace('_', '-')})")
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    if not path.is_file():
+        raise ModuleNotFoundError(f"the '{package}' package does not ship {relative}")
+    return path
+
+
+MODELS = {
+    "resnet18": resnet18,
+    "mobilenet_v3_small": mobilenet_v3_small,
+    "bert_small": bert_small,
+    "nudenet_320n": nudenet_320n,
+    "ppocr_rec_v4": ppocr_rec_v4,
+}
