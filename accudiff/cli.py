@@ -54,7 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # usage errors, --help, --version: argparse has already printed
+        return int(exc.code or 0)
     try:
         return _run_compare(args)
     except AccudiffError as exc:

@@ -65,7 +65,7 @@ def resolve_shapes(specs: list[InputSpec], given: Mapping[str, tuple[int, ...]])
         elif spec.is_static:
             shape = tuple(int(d) for d in spec.shape)
         else:
-            example = "x".join(str(d) if isinstance(d, int) else "1" for d in spec.shape)
+            example = "x".join(str(d) if isinstance(d, int) else f"<{d or '?'}>" for d in spec.shape)
             dynamic = next(d for d in spec.shape if not isinstance(d, int))
             raise AccudiffError(
                 f"input '{spec.name}' has a dynamic dimension '{dynamic or '?'}'; give its shape with "
@@ -94,13 +94,14 @@ def generate_feeds(
             low, high = val_ranges.get(spec.name, default)
             shape = shapes[spec.name]
             if spec.dtype == np.bool_:
-                feed[spec.name] = rng.random(shape) < 0.5
+                values = rng.random(shape) < 0.5
             elif np.issubdtype(spec.dtype, np.integer):
-                feed[spec.name] = rng.integers(int(np.ceil(low)), int(np.floor(high)), size=shape, endpoint=True).astype(spec.dtype)
+                values = rng.integers(int(np.ceil(low)), int(np.floor(high)), size=shape, endpoint=True)
             elif np.issubdtype(spec.dtype, np.floating):
-                feed[spec.name] = rng.uniform(low, high, size=shape).astype(spec.dtype)
+                values = rng.uniform(low, high, size=shape)
             else:
                 raise AccudiffError(f"input '{spec.name}' has dtype {spec.dtype}, for which accudiff cannot generate data; use --load-inputs")
+            feed[spec.name] = np.asarray(values, dtype=spec.dtype)  # an array even for scalar inputs
         feeds.append(feed)
     return feeds
 

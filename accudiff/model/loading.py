@@ -213,6 +213,39 @@ def subgraph_outer_references(graph: onnx.GraphProto) -> set[str]:
     return refs
 
 
+def toposort(graph: onnx.GraphProto) -> None:
+    """Order nodes so each follows the producers of everything it reads, subgraph outer reads included.
+
+    Stable: nodes already in order keep it. Tools we call (the INT8 quantizer) may leave a graph unsorted.
+    """
+    available = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
+    nodes = list(graph.node)
+    reads = [set(node.input) | _outer_reads(node) for node in nodes]
+    pending, order = list(range(len(nodes))), []
+    while pending:
+        ready = [i for i in pending if reads[i] <= available]
+        if not ready:
+            order += pending  # reads of names nothing produces: leave them for the checker to report
+            break
+        for i in ready:
+            available.update(nodes[i].output)
+        order += ready
+        done = set(ready)
+        pending = [i for i in pending if i not in done]
+    if order != list(range(len(nodes))):
+        copies = [onnx.NodeProto() for _ in order]
+        for copy, i in zip(copies, order):
+            copy.CopyFrom(nodes[i])
+        del graph.node[:]
+        graph.node.extend(copies)
+
+
+def _outer_reads(node: onnx.NodeProto) -> set[str]:
+    wrapper = onnx.GraphProto()
+    wrapper.node.append(node)
+    return subgraph_outer_references(wrapper)
+
+
 def _is_large(proto: onnx.ModelProto) -> bool:
     total = sum(len(init.raw_data) for init in proto.graph.initializer)
     return total > EXTERNAL_DATA_THRESHOLD

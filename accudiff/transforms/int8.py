@@ -24,6 +24,7 @@ from onnx import numpy_helper
 
 from accudiff.errors import AccudiffError
 from accudiff.model.inputs import Feed
+from accudiff.model.loading import toposort
 from accudiff.transforms.base import KeptNode, NodeSelector, QuantRange, TransformResult
 
 QUANTIZED_OPS = ["Conv", "ConvTranspose", "MatMul", "Gemm"]
@@ -72,6 +73,7 @@ def to_int8(
         except Exception as exc:  # the quantizer raises bare exceptions of many kinds
             raise AccudiffError(f"ONNX Runtime's quantization tool could not quantize the model: {exc}") from exc
         quantized = onnx.load(str(target))
+    toposort(quantized.graph)
     kept = [KeptNode(n.name, n.op_type, f"selected by --keep-fp32 {selector.matches(n)}") for n in model.graph.node if n.name in excluded]
     return TransformResult(
         model=quantized,

@@ -1,0 +1,34 @@
+"""Shared test helpers: fixture models, and running the command line in-process."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from accudiff.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "fixtures"
+
+
+def fixture(name: str) -> Path:
+    return FIXTURES / f"{name}.onnx"
+
+
+@pytest.fixture
+def run_cli(capsys, tmp_path):
+    """Run `accudiff ...` in-process from a temporary working folder; returns (exit code, stdout, stderr)."""
+
+    def run(*args: str) -> tuple[int, str, str]:
+        previous = os.getcwd()
+        os.chdir(tmp_path)
+        try:
+            code = main([str(a) for a in args])
+        finally:
+            os.chdir(previous)
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run

@@ -1,0 +1,128 @@
+"""The command line and the report folder, as a user meets them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import accudiff
+from conftest import ROOT, fixture
+
+
+def test_passing_model_exits_0_and_writes_a_complete_report(run_cli, tmp_path):
+    code, out, err = run_cli("compare", fixture("clean"), "--fp16", "--report-dir", tmp_path / "report")
+    assert code == 0, err
+    assert "verdict: PASS" in out
+    report = tmp_path / "report"
+    assert sorted(p.name for p in report.iterdir()) == ["candidate-fp16.onnx", "inputs.npz", "summary.json", "tensors.csv"]
+    summary = json.loads((report / "summary.json").read_text())
+    assert summary["schema"] == "accudiff.compare.summary" and summary["schema_version"] == 1
+    assert summary["verdict"] == "pass" and summary["precision"] == "fp16"
+    table = pd.read_csv(report / "tensors.csv")
+    assert list(table["tensor"]) == ["c1", "r1", "c2", "r2", "pooled", "flat", "logits"]  # topological order
+
+
+def test_failing_model_exits_1_and_names_the_first_failure(run_cli, tmp_path):
+    code, out, _ = run_cli("compare", fixture("layernorm_overflow"), "--fp16", "--report-dir", tmp_path / "r")
+    assert code == 1
+    assert "first failure: 'squared' (Pow 'ln_square')" in out
+    assert "overflow: reference absmax" in out and "exceeds the FP16 maximum 65504" in out
+    assert "verdict: FAIL" in out
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["first_failure"]["tensor"] == "squared"
+    assert summary["first_failure"]["findings"][0]["kind"] == "overflow"
+    assert summary["outputs"][0]["origin"] == "squared"
+
+
+def test_default_report_folder_is_under_reports(run_cli, tmp_path):
+    code, out, _ = run_cli("compare", fixture("clean"))
+    assert code == 0
+    [folder] = (tmp_path / "reports").iterdir()
+    assert folder.name.startswith("clean-fp32-")
+    assert "TensorRT inference is not available" in out  # the one-line notice of the automatic fallback
+
+
+def test_existing_report_is_never_overwritten(run_cli, tmp_path):
+    target = tmp_path / "taken"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    code, out, err = run_cli("compare", fixture("clean"), "--report-dir", target)
+    assert code == 2 and "already exists" in err
+    assert [p.name for p in target.iterdir()] == ["keep.txt"]
+
+
+def test_failed_run_leaves_nothing_behind(run_cli, tmp_path):
+    code, _, err = run_cli("compare", fixture("clean"), "--load-inputs", tmp_path / "missing.npz", "--report-dir", tmp_path / "r")
+    assert code == 2 and "does not exist" in err
+    assert not (tmp_path / "r").exists()
+    assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["compare", "missing.onnx"], "model file 'missing.onnx' does not exist"),
+        (["compare", fixture("dynamic_batch")], "give its shape with --input-shapes x:<batch>x3x8x8"),
+        (["compare", fixture("dynamic_batch"), "--input-shapes", "y:1x3x8x8"], "names an input 'y' that the model does not have"),
+        (["compare", fixture("clean"), "--atol", "abc"], "--atol value 'abc' is not a number"),
+        (["compare", fixture("clean"), "--fp16", "--int8"], "not allowed with argument"),
+        (["compare"], "the following arguments are required: model"),
+        (["compare", fixture("clean"), "--candidate", "trt"], "TensorRT candidate is not available"),
+    ],
+)
+def test_bad_input_is_one_sentence_and_exit_2(run_cli, args, message):
+    code, out, err = run_cli(*args)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_per_tensor_tolerance_override_changes_the_verdict(run_cli, tmp_path):
+    code, _, _ = run_cli("compare", fixture("underflow"), "--fp16", "--report-dir", tmp_path / "a")
+    assert code == 1
+    loose = ["--atol", "restored:0.1", "y:0.1", "--report-dir", tmp_path / "b"]
+    code, out, _ = run_cli("compare", fixture("underflow"), "--fp16", *loose)
+    assert code == 0, out
+
+
+def test_report_inputs_replay_the_same_result(tmp_path):
+    first = accudiff.compare(fixture("underflow"), "fp16", candidate="onnxrt", seed=7, iterations=2, report_dir=tmp_path / "first")
+    replay = accudiff.compare(fixture("underflow"), "fp16", candidate="onnxrt", inputs=tmp_path / "first" / "inputs.npz")
+    assert replay.iterations == 2
+    pd.testing.assert_frame_equal(first.table, replay.table)
+
+
+def test_iterations_aggregate_worst_case():
+    one = accudiff.compare(fixture("underflow"), "fp16", candidate="onnxrt", seed=1)
+    three = accudiff.compare(fixture("underflow"), "fp16", candidate="onnxrt", seed=1, iterations=3)
+    row_one, row_three = (r.table.set_index("tensor").loc["restored"] for r in (one, three))
+    assert row_three["elements"] == 3 * row_one["elements"]
+    assert row_three["max_abs_err"] >= row_one["max_abs_err"]
+
+
+def test_console_script_is_installed_and_runs(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "accudiff.cli", "compare", str(fixture("nan_midgraph")), "--fp16", "--report-dir", str(tmp_path / "r")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert done.returncode == 1
+    assert "nan_inf_origin: NaN/Inf first appear here" in done.stdout
+
+
+def test_result_table_is_a_dataframe_with_documented_columns():
+    result = accudiff.compare(fixture("clean"), "fp16", candidate="onnxrt")
+    expected = {
+        "tensor", "node", "op_type", "dtype", "cand_dtype", "shape", "is_output", "ref_min", "ref_max", "ref_absmax",
+        "max_abs_err", "mean_abs_err", "median_abs_err", "p99_abs_err", "max_rel_err", "mean_rel_err", "cosine",
+        "sqnr_db", "outside_share", "outside_count", "ref_nan", "ref_inf", "cand_nan", "cand_inf", "status",
+        "atol", "rtol", "stol",
+    }
+    assert expected <= set(result.table.columns)
+    assert np.issubdtype(result.table["sqnr_db"].dtype, np.floating)

@@ -1,0 +1,65 @@
+"""The ONNX Runtime runner: crashes become clear errors; FP16 storage is really emulated."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from accudiff.errors import AccudiffError
+from accudiff.runners.onnxrt import OnnxrtRunner
+from conftest import fixture
+
+
+def test_native_crash_becomes_a_clear_error():
+    feed = {"x": np.ones((1, 3, 16, 16), np.float32)}
+    with OnnxrtRunner(fixture("clean"), ["c1"]) as runner:
+        runner.infer(feed)
+        os.kill(runner._process.pid, signal.SIGSEGV)
+        with pytest.raises(AccudiffError, match=r"ONNX Runtime crashed \(SIGSEGV\) while running 'clean.onnx'"):
+            runner.infer(feed)
+
+
+def test_load_failure_names_model_and_step(tmp_path):
+    node = helper.make_node("NoSuchOp", ["x"], ["y"], domain="no.such.domain")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("no.such.domain", 1)], ir_version=8)
+    onnx.save(model, str(tmp_path / "custom.onnx"))
+    with OnnxrtRunner(tmp_path / "custom.onnx", ["y"]) as runner:
+        with pytest.raises(AccudiffError, match="ONNX Runtime failed while loading 'custom.onnx'"):
+            runner.infer({"x": np.ones(1, np.float32)})
+
+
+def _chain(tmp_path) -> str:
+    """x -> Mul(3e4) -> Mul(1e-4) -> y, all FP16 inside: the first product overflows FP16."""
+    nodes = [
+        helper.make_node("Cast", ["x"], ["x16"], to=TensorProto.FLOAT16),
+        helper.make_node("Mul", ["x16", "big"], ["product"]),
+        helper.make_node("Mul", ["product", "small"], ["y16"]),
+        helper.make_node("Cast", ["y16"], ["y"], to=TensorProto.FLOAT),
+    ]
+    init = [onnx.numpy_helper.from_array(np.array(v, np.float16), n) for n, v in [("big", 3e4), ("small", 1e-4)]]
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])], init)
+    path = tmp_path / "chain.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+    return path
+
+
+def test_fp16_storage_is_emulated_at_every_tensor(tmp_path):
+    feed = {"x": np.array([1.0, 3.0, 1.0 + 2**-12], np.float32)}
+    with OnnxrtRunner(_chain(tmp_path), ["x16", "product", "y"]) as runner:
+        out = {k: np.array(v) for k, v in runner.infer(feed).items()}
+    assert out["x16"].dtype == np.float16 and out["x16"][2] == 1.0  # rounded on storage
+    assert np.isinf(out["product"][1])  # 9e4 overflows FP16 ...
+    assert np.isinf(out["y"][1])  # ... and the Inf reaches the output, as on a GPU
+
+
+def test_without_emulation_onnxruntime_hides_the_overflow(tmp_path):
+    """Why the emulation exists: ONNX Runtime's CPU provider computes FP16 regions in FP32."""
+    with OnnxrtRunner(_chain(tmp_path), ["y"], emulate_fp16=False) as runner:
+        y = np.array(runner.infer({"x": np.array([1.0, 3.0, 1.0], np.float32)})["y"])
+    assert np.isfinite(y[1])

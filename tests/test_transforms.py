@@ -1,0 +1,90 @@
+"""The FP16 and INT8 transforms: valid models, original names kept, nothing clamped silently."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, numpy_helper
+
+from accudiff.model.loading import load_model
+from accudiff.runners.onnxrt import OnnxrtRunner
+from accudiff.transforms import to_fp16, to_int8
+from accudiff.model.inputs import generate_feeds, resolve_shapes
+from conftest import FIXTURES, fixture
+
+ALL_FIXTURES = sorted(p.stem for p in FIXTURES.glob("*.onnx"))
+SHAPES = {"dynamic_batch": {"x": (2, 3, 8, 8)}}
+
+
+def _produced(model: onnx.ModelProto) -> set[str]:
+    return {o for node in model.graph.node for o in node.output}
+
+
+def _io_types(model: onnx.ModelProto) -> list[tuple[str, int]]:
+    return [(v.name, v.type.tensor_type.elem_type) for v in [*model.graph.input, *model.graph.output]]
+
+
+def _runs_in_onnxruntime(model: onnx.ModelProto, info, tmp_path) -> dict:
+    path = tmp_path / "candidate.onnx"
+    onnx.save(model, str(path))
+    feed = generate_feeds(info.inputs, resolve_shapes(info.inputs, SHAPES.get(info.stem, {})))[0]
+    with OnnxrtRunner(path, [t.name for t in info.tensors]) as runner:
+        return {name: np.array(value) for name, value in runner.infer(feed).items()}
+
+
+@pytest.mark.parametrize("name", ALL_FIXTURES)
+def test_fp16_model_is_valid_keeps_names_and_io_types(name, tmp_path):
+    info = load_model(fixture(name))
+    result = to_fp16(info.proto)
+    onnx.checker.check_model(result.model, full_check=True)
+    assert _io_types(result.model) == _io_types(info.proto)
+    assert {t.name for t in info.tensors} <= _produced(result.model)
+    outputs = _runs_in_onnxruntime(result.model, info, tmp_path)
+    assert {t.name for t in info.tensors} <= set(outputs)
+
+
+@pytest.mark.parametrize("name", ALL_FIXTURES)
+def test_int8_model_is_valid_and_keeps_names(name, tmp_path):
+    info = load_model(fixture(name))
+    feeds = generate_feeds(info.inputs, resolve_shapes(info.inputs, SHAPES.get(name, {})), iterations=2)
+    result = to_int8(info.proto, feeds)
+    onnx.checker.check_model(result.model)
+    assert {t.name for t in info.tensors} <= _produced(result.model)
+    _runs_in_onnxruntime(result.model, info, tmp_path)
+
+
+def test_fp16_converts_weights_without_clamping():
+    info = load_model(fixture("overflow_constant"))
+    result = to_fp16(info.proto, autokeep=False)
+    converted = {i.name: numpy_helper.to_array(i) for i in result.model.graph.initializer if i.data_type == TensorProto.FLOAT16}
+    assert np.isinf(converted["bn.var__fp16"]).sum() == 1  # 1e8 became Inf, as FP16 would: not clamped to 1e4
+    assert "bn" in result.constant_overflows
+
+
+@pytest.mark.parametrize("pattern", ["conv2", "Conv", "conv[0-9]"])
+def test_keep_fp32_by_name_op_type_or_regex(pattern):
+    info = load_model(fixture("clean"))
+    kept = {k.node for k in to_fp16(info.proto, keep_fp32=[pattern]).kept}
+    assert kept == ({"conv2"} if pattern == "conv2" else {"conv1", "conv2"})
+
+
+def test_int8_is_symmetric_qdq_with_per_channel_weights():
+    info = load_model(fixture("clean"))
+    result = to_int8(info.proto, generate_feeds(info.inputs, resolve_shapes(info.inputs, {}), iterations=2))
+    ops = [n.op_type for n in result.model.graph.node]
+    assert "QuantizeLinear" in ops and "DequantizeLinear" in ops
+    zero_points = [numpy_helper.to_array(i) for i in result.model.graph.initializer if i.name.endswith("zero_point")]
+    assert zero_points and all(z.dtype == np.int8 and not z.any() for z in zero_points)
+    weight_scales = [numpy_helper.to_array(i) for i in result.model.graph.initializer if i.name.startswith("c1.w") and "scale" in i.name]
+    assert weight_scales and weight_scales[0].size == 8  # one scale per output channel
+    assert result.quant_ranges["r1"].high == pytest.approx(127 * result.quant_ranges["r1"].scale)
+
+
+def test_int8_keep_list_leaves_nodes_unquantized():
+    info = load_model(fixture("clean"))
+    feeds = generate_feeds(info.inputs, resolve_shapes(info.inputs, {}))
+    result = to_int8(info.proto, feeds, keep_fp32=["fc"])
+    fc = next(n for n in result.model.graph.node if n.name == "fc")
+    assert not any("DequantizeLinear" in i for i in fc.input)
+    assert [k.node for k in result.kept] == ["fc"]
