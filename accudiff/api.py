@@ -106,12 +106,15 @@ def compare(
     folder = ReportFolder(Path(report_dir) if report_dir is not None else None)
     try:
         names = [t.name for t in info.tensors]
-        with reference_runner(info.path, names) as reference:
+        with reference_runner(info.path, names, info.external_data) as reference:
             transformed = _transform(info, precision, feeds, calib_data, keep_fp32, autokeep, seed)
             candidate_path = folder.path / CANDIDATE_MODEL_FILE.format(precision=precision)
-            save_model(transformed.model, candidate_path)
+            candidate_external = save_model(transformed.model, candidate_path)
+            # From here on the runners read files; the table needs only the tensor inventory. Free the weights.
+            transformed.model.Clear()
+            info.proto.Clear()
             step.lap("transform")
-            with candidate_runner(kind, candidate_path, names, precision) as cand:
+            with candidate_runner(kind, candidate_path, names, precision, candidate_external) as cand:
                 report = (lambda done, total: progress("run", done, total)) if progress else None
                 table = compare_runs(info.tensors, reference, cand, feeds, tolerances, transformed.quant_ranges, report)
                 not_observable = {**info.not_observable, **reference.not_observable, **cand.not_observable}
@@ -174,7 +177,7 @@ def _transform(info: ModelInfo, precision: str, feeds, calib_data, keep_fp32, au
 def _judge(info, precision, label, table, tolerances, transformed, not_observable, feeds, seed) -> CompareResult:
     """Verdict from the graph outputs; the first failing tensor and the failing outputs, diagnosed."""
     indexed = table.set_index("tensor", drop=False)
-    context = DiagnosisContext(precision, info.producer_inputs(), transformed.constant_overflows)
+    context = DiagnosisContext(precision, info.upstream, transformed.constant_overflows)
 
     def failure(name: str, with_origin: bool) -> TensorFailure:
         row = indexed.loc[name]

@@ -51,7 +51,7 @@ def _chain(tmp_path) -> str:
 
 def test_fp16_storage_is_emulated_at_every_tensor(tmp_path):
     feed = {"x": np.array([1.0, 3.0, 1.0 + 2**-12], np.float32)}
-    with OnnxrtRunner(_chain(tmp_path), ["x16", "product", "y"]) as runner:
+    with OnnxrtRunner(_chain(tmp_path), ["x16", "product", "y"], emulate_fp16=True) as runner:
         out = {k: np.array(v) for k, v in runner.infer(feed).items()}
     assert out["x16"].dtype == np.float16 and out["x16"][2] == 1.0  # rounded on storage
     assert np.isinf(out["product"][1])  # 9e4 overflows FP16 ...
@@ -60,6 +60,6 @@ def test_fp16_storage_is_emulated_at_every_tensor(tmp_path):
 
 def test_without_emulation_onnxruntime_hides_the_overflow(tmp_path):
     """Why the emulation exists: ONNX Runtime's CPU provider computes FP16 regions in FP32."""
-    with OnnxrtRunner(_chain(tmp_path), ["y"], emulate_fp16=False) as runner:
+    with OnnxrtRunner(_chain(tmp_path), ["y"]) as runner:
         y = np.array(runner.infer({"x": np.array([1.0, 3.0, 1.0], np.float32)})["y"])
     assert np.isfinite(y[1])

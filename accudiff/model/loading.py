@@ -18,6 +18,8 @@ from accudiff.errors import AccudiffError
 
 # Protobuf refuses to serialise messages beyond 2 GiB; above this we keep weights as external data.
 EXTERNAL_DATA_THRESHOLD = 1_500_000_000
+# Initializers up to this size are kept for shape inference (shape arithmetic reads their values).
+SMALL_INITIALIZER_BYTES = 4096
 
 SUBGRAPH_OPS_REASON = "inside the '{attr}' body of {op} node '{node}': subgraph tensors cannot be marked as graph outputs"
 
@@ -53,22 +55,13 @@ class ModelInfo:
     inputs: list[InputSpec]
     output_names: list[str]
     tensors: list[TensorInfo]
+    upstream: dict[str, list[str]] = field(default_factory=dict)  # tensor -> tensors its node reads
     not_observable: dict[str, str] = field(default_factory=dict)
+    external_data: bool = False  # weights live in side files (ONNX Runtime must then load from the path)
 
     @property
     def stem(self) -> str:
         return self.path.stem
-
-    def producer_inputs(self) -> dict[str, list[str]]:
-        """Map each tensor to the tensors its producing node reads (to follow errors upstream)."""
-        produced = {t.name for t in self.tensors}
-        result: dict[str, list[str]] = {}
-        for node in self.proto.graph.node:
-            upstream = [name for name in node.input if name in produced]
-            for out in node.output:
-                if out:
-                    result[out] = upstream
-        return result
 
 
 def load_model(path: str | os.PathLike) -> ModelInfo:
@@ -77,7 +70,10 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
     if not path.is_file():
         raise AccudiffError(f"model file '{path}' does not exist")
     try:
-        proto = onnx.load(str(path), load_external_data=True)
+        proto = onnx.load(str(path), load_external_data=False)
+        external_data = any(onnx.external_data_helper.uses_external_data(t) for t in proto.graph.initializer)
+        if external_data:
+            onnx.external_data_helper.load_external_data_for_model(proto, str(path.parent))
     except (DecodeError, ValueError, RuntimeError) as exc:
         raise AccudiffError(f"'{path}' is not a readable ONNX model ({_first_line(exc)})") from exc
     except FileNotFoundError as exc:
@@ -89,11 +85,11 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
     except onnx.checker.ValidationError as exc:
         raise AccudiffError(f"'{path}' fails the ONNX checker: {_first_line(exc)}") from exc
     name_unnamed_nodes(proto)
-    inferred = _infer_shapes(proto)
-    return describe(path, inferred)
+    infer_shapes_in_place(proto)
+    return describe(path, proto, external_data)
 
 
-def describe(path: Path, proto: onnx.ModelProto) -> ModelInfo:
+def describe(path: Path, proto: onnx.ModelProto, external_data: bool = False) -> ModelInfo:
     """Build the tensor inventory of an already loaded, shape-inferred model."""
     graph = proto.graph
     initializer_names = {init.name for init in graph.initializer}
@@ -120,7 +116,9 @@ def describe(path: Path, proto: onnx.ModelProto) -> ModelInfo:
             for body in _attribute_graphs(attr):
                 for inner in _all_node_outputs(body):
                     not_observable[inner] = SUBGRAPH_OPS_REASON.format(attr=attr.name, op=node.op_type, node=node.name)
-    return ModelInfo(path, proto, inputs, output_names, tensors, not_observable)
+    produced = {t.name for t in tensors}
+    upstream = {out: [name for name in node.input if name in produced] for node in graph.node for out in node.output if out}
+    return ModelInfo(path, proto, inputs, output_names, tensors, upstream, not_observable, external_data)
 
 
 def name_unnamed_nodes(proto: onnx.ModelProto) -> None:
@@ -135,19 +133,56 @@ def name_unnamed_nodes(proto: onnx.ModelProto) -> None:
             taken.add(candidate)
 
 
-def save_model(proto: onnx.ModelProto, path: Path) -> None:
-    """Save a model, moving weights to a side file when protobuf's 2 GiB limit would be hit."""
+def save_model(proto: onnx.ModelProto, path: Path) -> bool:
+    """Save a model, moving weights to a side file when protobuf's 2 GiB limit would be hit (returns True)."""
     if _is_large(proto):
         onnx.save(proto, str(path), save_as_external_data=True, location=path.name + ".data")
-    else:
-        onnx.save(proto, str(path))
+        return True
+    onnx.save(proto, str(path))
+    return False
 
 
-def _infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
+def infer_shapes_in_place(proto: onnx.ModelProto) -> None:
+    """Replace `proto`'s value_info with inferred types and shapes, without copying its weights.
+
+    Inference runs on a copy that holds the graph and the small initializers (their values matter for
+    shape arithmetic); large ones are declared as typed inputs. On failure the model keeps what it had:
+    shapes are a convenience, and dtypes also come back from the runs themselves.
+    """
+    light = copy_without_initializers(proto)
+    declared = {i.name for i in light.graph.input}
+    for init in proto.graph.initializer:
+        if len(init.raw_data) <= SMALL_INITIALIZER_BYTES:
+            light.graph.initializer.append(init)
+        elif init.name not in declared:
+            light.graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
     try:
-        return onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(light, strict_mode=False, data_prop=True)
     except (onnx.shape_inference.InferenceError, ValueError):
-        return proto  # shapes are a convenience: dtypes also come back from the runs themselves
+        return
+    del proto.graph.value_info[:]
+    proto.graph.value_info.extend(inferred.graph.value_info)
+
+
+def copy_without_initializers(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of everything but the weights: cheap, for analysis and for building transformed models."""
+    copy = onnx.ModelProto()
+    for descriptor, value in proto.ListFields():
+        if descriptor.name != "graph":
+            _copy_field(copy, descriptor, value)
+    for descriptor, value in proto.graph.ListFields():
+        if descriptor.name != "initializer":
+            _copy_field(copy.graph, descriptor, value)
+    return copy
+
+
+def _copy_field(target, descriptor, value) -> None:
+    if descriptor.is_repeated:
+        getattr(target, descriptor.name).extend(value)
+    elif descriptor.message_type is not None:
+        getattr(target, descriptor.name).CopyFrom(value)
+    else:
+        setattr(target, descriptor.name, value)
 
 
 def _value_dtypes(graph: onnx.GraphProto) -> dict[str, np.dtype | str | None]:

@@ -18,8 +18,8 @@ _ONNXRT_LABELS = {
 }
 
 
-def reference_runner(model_path: Path, outputs: Sequence[str]) -> Runner:
-    return OnnxrtRunner(model_path, outputs, label="ONNX Runtime CPU, FP32 (reference)")
+def reference_runner(model_path: Path, outputs: Sequence[str], external_data: bool = False) -> Runner:
+    return OnnxrtRunner(model_path, outputs, label="ONNX Runtime CPU, FP32 (reference)", external_data=external_data)
 
 
 def resolve_candidate(kind: str) -> tuple[str, str | None]:
@@ -33,8 +33,10 @@ def resolve_candidate(kind: str) -> tuple[str, str | None]:
     return kind, None
 
 
-def candidate_runner(kind: str, model_path: Path, outputs: Sequence[str], precision: str) -> Runner:
-    return OnnxrtRunner(model_path, outputs, label=_ONNXRT_LABELS[precision])
+def candidate_runner(kind: str, model_path: Path, outputs: Sequence[str], precision: str, external_data: bool = False) -> Runner:
+    return OnnxrtRunner(
+        model_path, outputs, label=_ONNXRT_LABELS[precision], emulate_fp16=precision == "fp16", external_data=external_data
+    )
 
 
 __all__ = ["CANDIDATES", "OnnxrtRunner", "Runner", "candidate_runner", "reference_runner", "resolve_candidate"]

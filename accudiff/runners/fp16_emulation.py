@@ -16,24 +16,25 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from accudiff.model.loading import infer_shapes_in_place
+
 FP16 = TensorProto.FLOAT16
 FP32 = TensorProto.FLOAT
 
 
-def lower_fp16(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, str]]:
-    """An FP32 model that rounds every former FP16 value to FP16, and for each such value the name of
-    its FP16 copy (`fp16_name`): marking that copy as output returns the value as FP16, with no extra work.
-
-    A model without FP16 values comes back unchanged, with an empty mapping.
+def lower_fp16(model: onnx.ModelProto) -> dict[str, str]:
+    """Lower `model` in place to FP32 with FP16 rounding at every former FP16 value; return, for each such
+    value, the name of its FP16 copy (`fp16_name`): marking that copy as output returns the value as FP16
+    at no extra cost. A model without FP16 values is left unchanged, and the mapping is empty.
     """
-    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    graph = inferred.graph
+    infer_shapes_in_place(model)
+    graph = model.graph
     fp16_values = {vi.name for vi in [*graph.value_info, *graph.output] if vi.type.tensor_type.elem_type == FP16}
     has_fp16 = fp16_values or any(init.data_type == FP16 for init in graph.initializer) or any(
         node.op_type == "Cast" and _cast_target(node) == FP16 for node in graph.node
     )
     if not has_fp16:
-        return model, {}
+        return {}
     lowered: list[onnx.NodeProto] = []
     for node in graph.node:
         for attr in node.attribute:
@@ -55,11 +56,11 @@ def lower_fp16(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, str]]
     for init in graph.initializer:
         if init.data_type == FP16:
             init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float32), init.name))
-    for vi in [*graph.value_info, *graph.input, *graph.output]:
+    for vi in [*graph.input, *graph.output]:
         if vi.type.tensor_type.elem_type == FP16:
             vi.type.tensor_type.elem_type = FP32
     del graph.value_info[:]  # stale shapes of renamed values would mislead the runtime
-    return inferred, {name: fp16_name(name) for name in fp16_values}
+    return {name: fp16_name(name) for name in fp16_values}
 
 
 def fp16_name(value: str) -> str:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -29,14 +29,17 @@ class OnnxrtRunner(Runner):
         outputs: Sequence[str] = (),
         label: str = "ONNX Runtime CPU",
         threads: int = 0,
-        emulate_fp16: bool = True,
+        emulate_fp16: bool = False,
+        external_data: bool = False,
     ):
-        """`emulate_fp16`: run FP16 models through `fp16_emulation`, so every FP16 tensor is really rounded."""
+        """`emulate_fp16`: run an FP16 model through `fp16_emulation`, so every FP16 tensor is really rounded.
+        `external_data`: the model keeps its weights in side files (it is then parsed, not streamed)."""
         self.model_path = Path(model_path)
         self.outputs = list(outputs)
         self.label = label
         self.threads = threads
         self.emulate_fp16 = emulate_fp16
+        self.external_data = external_data
         self._process: subprocess.Popen | None = None
         self._scratch: Path | None = None
         self._marked: list[str] | None = None
@@ -44,7 +47,8 @@ class OnnxrtRunner(Runner):
 
     def activate(self) -> None:
         """Start the worker and let it load the model in the background; `infer` waits for it."""
-        self._scratch = Path(tempfile.mkdtemp(prefix="accudiff-ort-", dir=_scratch_root()))
+        # Tensor files go to the OS temp folder (TMPDIR): on disk, they never count against memory.
+        self._scratch = Path(tempfile.mkdtemp(prefix="accudiff-ort-"))
         self._stderr = open(self._scratch / "stderr.txt", "w+")
         self._process = subprocess.Popen(
             [sys.executable, "-m", "accudiff.runners.onnxrt_worker"],
@@ -54,7 +58,15 @@ class OnnxrtRunner(Runner):
             text=True,
         )
         self._send(
-            {"op": "load", "model": str(self.model_path), "outputs": self.outputs, "threads": self.threads, "emulate_fp16": self.emulate_fp16}
+            {
+                "op": "load",
+                "model": str(self.model_path),
+                "outputs": self.outputs,
+                "threads": self.threads,
+                "emulate_fp16": self.emulate_fp16,
+                "external_data": self.external_data,
+                "scratch": str(self._scratch),
+            }
         )
 
     def infer(self, feed: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
@@ -66,7 +78,7 @@ class OnnxrtRunner(Runner):
         with open(step / "inputs.npz", "wb") as handle:
             np.savez(handle, **feed)
         reply = self._request({"op": "infer", "inputs": str(step / "inputs.npz"), "out_dir": str(step)}, "running")
-        return {name: np.load(path, mmap_mode="r", allow_pickle=False) for name, path in reply["files"].items()}
+        return _NpyFiles(reply["files"])
 
     def deactivate(self) -> None:
         if self._process is not None:
@@ -116,6 +128,23 @@ class OnnxrtRunner(Runner):
         return f" (last message: {lines[-1]})" if lines else ""
 
 
+class _NpyFiles(Mapping):
+    """Tensors as .npy files, each memory-mapped only when asked for: a caller that drops each array once
+    measured never holds more than one tensor's pages, however large the model."""
+
+    def __init__(self, files: dict[str, str]):
+        self._files = files
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return np.load(self._files[name], mmap_mode="r", allow_pickle=False)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
 def _how_it_died(code: int) -> str:
     if code < 0:
         try:
@@ -125,7 +154,3 @@ def _how_it_died(code: int) -> str:
     return f"exited unexpectedly (code {code})"
 
 
-def _scratch_root() -> str | None:
-    """Prefer RAM-backed /dev/shm for the tensor files when it exists; the OS temp folder otherwise."""
-    shm = Path("/dev/shm")
-    return str(shm) if shm.is_dir() and shutil.disk_usage(shm).free > 2**30 else None

@@ -1,7 +1,8 @@
 """Child process that owns one ONNX Runtime session (see `OnnxrtRunner`).
 
 Protocol: one JSON object per line on stdin, one JSON reply per line on the original stdout.
-* {"op": "load", "model": path, "outputs": [names], "emulate_fp16": bool} -> {"ok": true, "outputs": [names marked]}
+* {"op": "load", "model": path, "outputs": [names], "emulate_fp16": bool, "external_data": bool, "scratch": dir}
+  -> {"ok": true, "outputs": [names marked]}
 * {"op": "infer", "inputs": npz path, "out_dir": dir} -> {"ok": true, "files": {name: file}}
 Arrays travel as .npy files (no pickle anywhere); errors come back as {"ok": false, "error": text}.
 A native crash kills only this process; the parent turns that into a clear error.
@@ -22,31 +23,36 @@ def _load(request: dict) -> tuple[object, dict[str, str], dict]:
     """The session, and for each marked output the tensor name it answers for."""
     import onnxruntime as ort
 
-    from accudiff.runners.fp16_emulation import lower_fp16
-
-    model = onnx.load(request["model"], load_external_data=True)
-    fp16_copies: dict[str, str] = {}
-    if request.get("emulate_fp16"):
-        model, fp16_copies = lower_fp16(model)
-    existing = {o.name for o in model.graph.output}
-    for name in request["outputs"]:
-        marked = fp16_copies.get(name, name)
-        if marked not in existing:
-            model.graph.output.append(onnx.ValueInfoProto(name=marked))
+    payload, fp16_copies = _marked_model(request)
     options = ort.SessionOptions()
     options.log_severity_level = 3
     if request.get("threads"):
         options.intra_op_num_threads = int(request["threads"])
-    if model.ByteSize() < 2**31 - 1:
-        payload: object = model.SerializeToString()
-    else:
-        marked_path = Path(request["model"]).with_suffix(".marked.onnx")
-        onnx.save(model, str(marked_path), save_as_external_data=True, location=marked_path.name + ".data")
-        payload = str(marked_path)
     session = ort.InferenceSession(payload, options, providers=["CPUExecutionProvider"])
     answers_for = {copy: name for name, copy in fp16_copies.items()}
     tensors = {o.name: answers_for.get(o.name, o.name) for o in session.get_outputs()}
     return session, tensors, {"ok": True, "outputs": list(tensors.values())}
+
+
+def _marked_model(request: dict) -> tuple[bytes | str, dict[str, str]]:
+    """The model with the requested tensors marked as outputs, as bytes or (when too large) a path."""
+    path = Path(request["model"])
+    if not request.get("emulate_fp16") and not request.get("external_data"):
+        # No parse, no copy: protobuf merges a second `graph` field into the first, outputs appended.
+        outputs = onnx.GraphProto(output=[onnx.ValueInfoProto(name=name) for name in request["outputs"]])
+        return path.read_bytes() + onnx.ModelProto(graph=outputs).SerializeToString(), {}
+    from accudiff.runners.fp16_emulation import lower_fp16
+
+    model = onnx.load(str(path), load_external_data=True)
+    fp16_copies = lower_fp16(model) if request.get("emulate_fp16") else {}
+    existing = {o.name for o in model.graph.output}
+    marked = (fp16_copies.get(name, name) for name in request["outputs"])
+    model.graph.output.extend(onnx.ValueInfoProto(name=name) for name in marked if name not in existing)
+    if model.ByteSize() < 2**31 - 1:
+        return model.SerializeToString(), fp16_copies
+    target = Path(request["scratch"]) / "marked.onnx"
+    onnx.save(model, str(target), save_as_external_data=True, location="marked.onnx.data")
+    return str(target), fp16_copies
 
 
 def _infer(session, tensors: dict[str, str], request: dict) -> dict:

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from accudiff.model.loading import subgraph_outer_references
+from accudiff.model.loading import copy_without_initializers, subgraph_outer_references
 from accudiff.transforms.base import KeptNode, NodeSelector, TransformResult
 
 FP16_MAX = 65504.0
@@ -29,11 +29,12 @@ _FLOAT16 = "tensor(float16)"
 
 def to_fp16(model: onnx.ModelProto, keep_fp32: Iterable[str] = (), autokeep: bool = True) -> TransformResult:
     """Convert a shape-inferred FP32 model to FP16 mixed precision (see the module docstring)."""
-    model = _copy(model)
+    source = {init.name: init for init in model.graph.initializer}
+    model = copy_without_initializers(model)  # weights are added back as each is needed, in its new type
     graph = model.graph
     opset = _default_opset(model)
-    types = _elem_types(graph)
-    constants = _float_constants(graph)
+    types = _elem_types(graph, source.values())
+    constants = _constant_absmax(graph, source.values())
     outer_refs = subgraph_outer_references(graph)
     selector = NodeSelector(keep_fp32)
 
@@ -61,13 +62,13 @@ def to_fp16(model: onnx.ModelProto, keep_fp32: Iterable[str] = (), autokeep: boo
     for node in graph.node:
         if node.name in converted_params:
             for name in node.input:
-                absmax = float(np.abs(constants[name]).max(initial=0)) if name in constants else 0.0
+                absmax = constants.get(name, 0.0)
                 if absmax > FP16_MAX:
                     constant_overflows[node.name] = f"its constant '{name}' (absmax {absmax:.3g}) is beyond the FP16 maximum 65504 and became Inf"
     warnings = [f"node '{node}': {text} (--no-autokeep)" for node, text in constant_overflows.items()]
 
     _retype_graph_outputs(graph, types, new_types, converted_params)
-    _insert_casts(graph, opset, types, new_types, converted_params)
+    _insert_casts(graph, source, opset, types, new_types, converted_params)
     return TransformResult(model=model, precision="fp16", kept=kept, warnings=warnings, constant_overflows=constant_overflows)
 
 
@@ -99,7 +100,7 @@ def _decide(node, opset, types, constants, outer_refs, selector, autokeep) -> se
         for i in float_inputs:
             name = node.input[i]
             if name in constants and _formal_type(schema.inputs, i) in params:
-                absmax = float(np.abs(constants[name]).max(initial=0))
+                absmax = constants[name]
                 if absmax > FP16_MAX:
                     return keep(f"its constant '{name}' has absmax {absmax:.3g}, beyond the FP16 maximum 65504")
     return params
@@ -121,9 +122,11 @@ def _retype_graph_outputs(graph, types, new_types, converted_params) -> None:
         graph.node.append(cast)
 
 
-def _insert_casts(graph, opset, types, new_types, converted_params) -> None:
-    """Give every node input the element type its node now needs: FP16 copies of weights, Casts otherwise."""
-    initializers = {init.name: init for init in graph.initializer}
+def _insert_casts(graph, initializers, opset, types, new_types, converted_params) -> None:
+    """Give every node input the element type its node now needs: FP16 copies of weights, Casts otherwise.
+
+    Original weights are added back only where something still reads them in their own type.
+    """
     produced: dict[tuple[str, int], str] = {}
     new_nodes: list[onnx.NodeProto] = []
 
@@ -152,27 +155,24 @@ def _insert_casts(graph, opset, types, new_types, converted_params) -> None:
         new_nodes.append(node)
     del graph.node[:]
     graph.node.extend(new_nodes)  # each Cast sits right before its first reader: still topological
+    still_read = {name for node in new_nodes for name in node.input} | subgraph_outer_references(graph)
+    still_read |= {i.name for i in graph.input} | {o.name for o in graph.output}
+    graph.initializer.extend(init for name, init in initializers.items() if name in still_read)
     for vi in graph.value_info:
         if vi.name in new_types and vi.type.HasField("tensor_type"):
             vi.type.tensor_type.elem_type = new_types[vi.name]
-
-
-def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
-    copied = onnx.ModelProto()
-    copied.CopyFrom(model)
-    return copied
 
 
 def _default_opset(model: onnx.ModelProto) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
-def _elem_types(graph: onnx.GraphProto) -> dict[str, int]:
+def _elem_types(graph: onnx.GraphProto, initializers: Iterable[onnx.TensorProto]) -> dict[str, int]:
     types = {}
     for vi in [*graph.input, *graph.value_info, *graph.output]:
         if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
             types[vi.name] = vi.type.tensor_type.elem_type
-    for init in graph.initializer:
+    for init in initializers:
         types[init.name] = init.data_type
     for node in graph.node:
         if node.op_type == "Constant":
@@ -182,16 +182,13 @@ def _elem_types(graph: onnx.GraphProto) -> dict[str, int]:
     return types
 
 
-def _float_constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
-    constants = {
-        init.name: numpy_helper.to_array(init) for init in graph.initializer if init.data_type == TensorProto.FLOAT
-    }
+def _constant_absmax(graph: onnx.GraphProto, initializers: Iterable[onnx.TensorProto]) -> dict[str, float]:
+    """Largest magnitude of every FP32 weight and Constant (all autokeep needs; no arrays are kept)."""
+    named = [(init.name, init) for init in initializers if init.data_type == TensorProto.FLOAT]
     for node in graph.node:
         if node.op_type == "Constant":
-            for attr in node.attribute:
-                if attr.name == "value" and attr.t.data_type == TensorProto.FLOAT:
-                    constants[node.output[0]] = numpy_helper.to_array(attr.t)
-    return constants
+            named += [(node.output[0], a.t) for a in node.attribute if a.name == "value" and a.t.data_type == TensorProto.FLOAT]
+    return {name: float(np.abs(numpy_helper.to_array(tensor)).max(initial=0.0)) for name, tensor in named}
 
 
 def _formal_type(formals, index: int) -> str:

@@ -1,0 +1,157 @@
+"""Wall time and peak memory of `accudiff compare --fp16` next to polygraphy doing the same job.
+
+    python benchmarks/compare_vs_polygraphy.py [--models resnet18 ppocr_rec_v4 nudenet_320n] [--out benchmarks/out]
+
+polygraphy's flow (0.53): `run M --onnxrt --onnx-outputs mark all --save-outputs ref.json`, then
+`convert M --fp-to-fp16 -o M16`, then `run M16 --onnxrt --onnx-outputs mark all --load-outputs ref.json`.
+accudiff's: `accudiff compare M --fp16 --candidate onnxrt`. Both run as fresh processes; peak memory is the
+largest sum of resident memory over the whole process tree (sampled every 10 ms from /proc), so
+accudiff's worker processes count. The floor is two marked ONNX Runtime runs plus one pass over the
+tensors, with sessions already created. Results print as a table and are saved as JSON in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import models  # noqa: E402
+
+SHAPES = {"resnet18": "input:1x3x224x224", "ppocr_rec_v4": "x:1x3x48x320", "nudenet_320n": "images:1x3x320x320"}
+
+
+def measure(command: list[str]) -> dict:
+    """Run `command`; its wall time, exit code and peak resident memory of its process tree."""
+    start = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peak = [0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _tree_rss(process.pid))
+            time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    _, stderr = process.communicate()
+    done.set()
+    sampler.join()
+    return {"seconds": time.perf_counter() - start, "peak_mb": peak[0] / 2**20, "exit": process.returncode, "stderr_tail": stderr.strip().splitlines()[-1:] }
+
+
+def _tree_rss(root: int) -> int:
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            status = Path(f"/proc/{entry}/status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        pid, ppid = int(entry), int(fields.get("PPid", "0").strip())
+        children.setdefault(ppid, []).append(pid)
+        rss[pid] = int(fields.get("VmRSS", "0 kB").split()[0]) * 1024
+    total, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        total += rss.get(pid, 0)
+        stack.extend(children.get(pid, []))
+    return total
+
+
+def polygraphy_flow(model: Path, shape: str, work: Path) -> dict:
+    name, dims = shape.split(":")
+    shape_arg = ["--input-shapes", f"{name}:[{','.join(dims.split('x'))}]"]
+    polygraphy = [str(Path(sys.executable).with_name("polygraphy"))]
+    steps = [
+        polygraphy + ["run", str(model), "--onnxrt", "--onnx-outputs", "mark", "all", "--save-outputs", str(work / "ref.json"), *shape_arg],
+        polygraphy + ["convert", str(model), "--fp-to-fp16", "-o", str(work / "model16.onnx")],
+        polygraphy + ["run", str(work / "model16.onnx"), "--onnxrt", "--onnx-outputs", "mark", "all", "--load-outputs", str(work / "ref.json"), *shape_arg],
+    ]
+    results = [measure(step) for step in steps]
+    return {
+        "seconds": sum(r["seconds"] for r in results),
+        "peak_mb": max(r["peak_mb"] for r in results),
+        "exit_codes": [r["exit"] for r in results],
+        "last_error": next((r["stderr_tail"] for r in results if r["exit"]), []),
+    }
+
+
+def accudiff_flow(model: Path, shape: str, work: Path) -> dict:
+    command = [sys.executable, "-m", "accudiff.cli", "compare", str(model), "--fp16", "--candidate", "onnxrt",
+               "--input-shapes", shape, "--report-dir", str(work / "report")]
+    result = measure(command)
+    summary = json.loads((work / "report" / "summary.json").read_text()) if (work / "report").exists() else {}
+    result.update(tensors=summary.get("counts", {}).get("tensors"), phases=summary.get("timings_s"))
+    return result
+
+
+def floor(model: Path, shape: str) -> dict:
+    """Two marked ONNX Runtime runs (sessions ready) and one max-abs-difference pass over every tensor."""
+    import onnx
+    import onnxruntime as ort
+
+    proto = onnx.load(str(model))
+    names = [o for node in proto.graph.node for o in node.output if o and node.op_type != "Constant"]
+    existing = {o.name for o in proto.graph.output}
+    proto.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names if n not in existing)
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    name, dims = shape.split(":")
+    feed = {name: np.random.default_rng(0).uniform(0, 1, [int(d) for d in dims.split("x")]).astype(np.float32)}
+    session.run(None, feed)  # warm-up
+    start = time.perf_counter()
+    first, second = session.run(None, feed), session.run(None, feed)
+    runs = time.perf_counter() - start
+    start = time.perf_counter()
+    for a, b in zip(first, second):
+        if isinstance(a, np.ndarray) and a.size and np.issubdtype(a.dtype, np.floating):
+            float(np.abs(a - b).max())
+    stats = time.perf_counter() - start
+    megabytes = sum(a.nbytes for a in first if isinstance(a, np.ndarray)) / 1e6
+    return {"seconds": runs + stats, "two_runs": runs, "stats_pass": stats, "tensor_mb": megabytes}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(SHAPES))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models:
+            model = models.MODELS[name](Path(tmp))
+            work = Path(tmp) / name
+            (work / "pg").mkdir(parents=True)
+            (work / "ad").mkdir()
+            rows[name] = {
+                "polygraphy": polygraphy_flow(model, SHAPES[name], work / "pg"),
+                "accudiff": accudiff_flow(model, SHAPES[name], work / "ad"),
+                "floor": floor(model, SHAPES[name]),
+            }
+            row = rows[name]
+            pg, ad, fl = row["polygraphy"], row["accudiff"], row["floor"]
+            print(
+                f"{name:<14} accudiff {ad['seconds']:6.2f} s {ad['peak_mb']:7.0f} MB | polygraphy {pg['seconds']:6.2f} s "
+                f"{pg['peak_mb']:7.0f} MB (exit {pg['exit_codes']}) | time ratio {ad['seconds'] / pg['seconds']:.2f}, "
+                f"memory ratio {ad['peak_mb'] / pg['peak_mb']:.2f} | floor {fl['seconds']:.2f} s ({fl['tensor_mb']:.0f} MB of tensors)",
+                flush=True,
+            )
+    (args.out / "compare_vs_polygraphy.json").write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
