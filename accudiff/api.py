@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+import onnx
 import pandas as pd
 
-from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, compare_runs
+from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, compare_runs, record_runs
 from accudiff.comparison.tolerances import Tolerances
 from accudiff.diagnosis.rules import DiagnosisContext, Finding, diagnose, first_failing_ancestor
 from accudiff.errors import AccudiffError
@@ -26,6 +28,7 @@ from accudiff.model.inputs import (
 from accudiff.model.loading import ModelInfo, load_model, save_model
 from accudiff.report.folder import ReportFolder
 from accudiff.runners import candidate_runner, reference_runner, resolve_candidate
+from accudiff.runners.outputs import OutputStore
 from accudiff.transforms import KeptNode, TransformResult, to_fp16, to_int8
 
 PRECISIONS = ("fp32", "fp16", "int8")
@@ -106,18 +109,24 @@ def compare(
     folder = ReportFolder(Path(report_dir) if report_dir is not None else None)
     try:
         names = [t.name for t in info.tensors]
-        with reference_runner(info.path, names, info.external_data) as reference:
-            transformed = _transform(info, precision, feeds, calib_data, keep_fp32, autokeep, seed)
-            candidate_path = folder.path / CANDIDATE_MODEL_FILE.format(precision=precision)
-            candidate_external = save_model(transformed.model, candidate_path)
-            # From here on the runners read files; the table needs only the tensor inventory. Free the weights.
-            transformed.model.Clear()
-            info.proto.Clear()
-            step.lap("transform")
+        report = (lambda phase: (lambda done, total: progress(phase, done, total))) if progress else (lambda phase: None)
+        transformed = _transform(info, precision, feeds, calib_data, keep_fp32, autokeep, seed)
+        candidate_path = folder.path / CANDIDATE_MODEL_FILE.format(precision=precision)
+        candidate_external = save_model(transformed.model, candidate_path)
+        # From here on the runners read files and the table needs only the tensor inventory: free the
+        # weights before any backend loads a model, so at most one copy of them is in memory at a time.
+        transformed.model = info.proto = onnx.ModelProto()
+        step.lap("transform")
+        with tempfile.TemporaryDirectory(prefix="accudiff-reference-") as scratch:
+            reference_outputs = OutputStore(Path(scratch))
+            # One backend at a time: the reference runs, leaves its outputs on disk and shuts down;
+            # then the candidate runs and is compared against those files.
+            with reference_runner(info.path, names, info.external_data) as reference:
+                record_runs(reference, feeds, reference_outputs, report("reference"))
+                not_observable = {**info.not_observable, **reference.not_observable}
             with candidate_runner(kind, candidate_path, names, precision, candidate_external) as cand:
-                report = (lambda done, total: progress("run", done, total)) if progress else None
-                table = compare_runs(info.tensors, reference, cand, feeds, tolerances, transformed.quant_ranges, report)
-                not_observable = {**info.not_observable, **reference.not_observable, **cand.not_observable}
+                table = compare_runs(info.tensors, reference_outputs, cand, feeds, tolerances, transformed.quant_ranges, report("candidate"))
+                not_observable.update(cand.not_observable)
                 label = cand.label
         step.lap("run")
         result = _judge(info, precision, label, table, tolerances, transformed, not_observable, feeds, seed if inputs is None else None)

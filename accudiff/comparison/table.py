@@ -6,8 +6,7 @@ never matched to some other tensor by a fuzzy rule.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -17,6 +16,7 @@ from accudiff.comparison.tolerances import Tolerances
 from accudiff.model.inputs import Feed
 from accudiff.model.loading import TensorInfo
 from accudiff.runners.base import Runner
+from accudiff.runners.outputs import OutputStore
 from accudiff.transforms.base import QuantRange
 
 Progress = Callable[[int, int], None]
@@ -24,25 +24,32 @@ Progress = Callable[[int, int], None]
 STATUS_PASS, STATUS_FAIL, STATUS_MISSING = "pass", "fail", "not observed"
 
 
+def record_runs(runner: Runner, feeds: list[Feed], store: OutputStore, progress: Progress | None = None) -> None:
+    """Run every feed and keep the outputs on disk, so `runner` can shut down before the next one starts."""
+    for iteration, feed in enumerate(feeds):
+        store.keep(runner.infer(feed))
+        if progress is not None:
+            progress(iteration + 1, len(feeds))
+
+
 def compare_runs(
     tensors: list[TensorInfo],
-    reference: Runner,
+    reference: Sequence[Mapping[str, np.ndarray]],
     candidate: Runner,
     feeds: list[Feed],
     tolerances: Tolerances,
     quant_ranges: Mapping[str, QuantRange] | None = None,
     progress: Progress | None = None,
 ) -> pd.DataFrame:
-    """One row per tensor: identity, dtypes, shape, statistics aggregated over all feeds, and status."""
+    """One row per tensor: identity, dtypes, shape, statistics aggregated over all feeds, and status.
+
+    `reference[i]` holds the reference outputs for `feeds[i]` (an `OutputStore`, or plain dicts).
+    """
     aggregate = _Aggregate(tensors, tolerances, quant_ranges or {})
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        for iteration, feed in enumerate(feeds):
-            # Both backends work at once: each waits on its own process or device, not on Python.
-            pending = pool.submit(reference.infer, feed)
-            cand_out = candidate.infer(feed)
-            aggregate.add(pending.result(), cand_out, iteration)
-            if progress is not None:
-                progress(iteration + 1, len(feeds))
+    for iteration, feed in enumerate(feeds):
+        aggregate.add(reference[iteration], candidate.infer(feed), iteration)
+        if progress is not None:
+            progress(iteration + 1, len(feeds))
     return aggregate.table()
 
 

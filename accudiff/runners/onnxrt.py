@@ -14,12 +14,13 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from accudiff.errors import AccudiffError
 from accudiff.runners.base import Runner
+from accudiff.runners.outputs import NpyFiles
 
 
 class OnnxrtRunner(Runner):
@@ -78,7 +79,7 @@ class OnnxrtRunner(Runner):
         with open(step / "inputs.npz", "wb") as handle:
             np.savez(handle, **feed)
         reply = self._request({"op": "infer", "inputs": str(step / "inputs.npz"), "out_dir": str(step)}, "running")
-        return _NpyFiles(reply["files"])
+        return NpyFiles(reply["files"])
 
     def deactivate(self) -> None:
         if self._process is not None:
@@ -126,23 +127,6 @@ class OnnxrtRunner(Runner):
         self._stderr.seek(0)
         lines = [line.strip() for line in self._stderr.read().splitlines() if line.strip()]
         return f" (last message: {lines[-1]})" if lines else ""
-
-
-class _NpyFiles(Mapping):
-    """Tensors as .npy files, each memory-mapped only when asked for: a caller that drops each array once
-    measured never holds more than one tensor's pages, however large the model."""
-
-    def __init__(self, files: dict[str, str]):
-        self._files = files
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        return np.load(self._files[name], mmap_mode="r", allow_pickle=False)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._files)
-
-    def __len__(self) -> int:
-        return len(self._files)
 
 
 def _how_it_died(code: int) -> str:

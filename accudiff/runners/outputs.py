@@ -1,0 +1,65 @@
+"""Runner outputs as .npy files: mapped lazily, and kept on disk across runs.
+
+Keeping the reference's outputs on disk lets its runner shut down before the candidate starts, so only
+one backend holds a model in memory at a time, and no run's tensors need to fit in memory at once.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import numpy as np
+
+
+class NpyFiles(Mapping):
+    """Tensors as .npy files, each memory-mapped only when asked for: a caller that drops each array once
+    measured never holds more than one tensor's pages, however large the model."""
+
+    def __init__(self, files: Mapping[str, str | Path]):
+        self._files = dict(files)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return np.load(self._files[name], mmap_mode="r", allow_pickle=False)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
+class OutputStore:
+    """The outputs of successive runs, one folder per run; `store[i]` reads run i back lazily."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self._runs: list[NpyFiles] = []
+
+    def keep(self, outputs: Mapping[str, np.ndarray]) -> None:
+        run = self.folder / str(len(self._runs))
+        run.mkdir(parents=True)
+        files = {}
+        for index, name in enumerate(outputs):
+            array, target = outputs[name], run / f"{index}.npy"
+            if isinstance(array, np.memmap) and array.filename and _link(array.filename, target):
+                files[name] = target  # already an .npy file: keep it without copying a byte
+            else:
+                np.save(target, np.asarray(array), allow_pickle=False)
+                files[name] = target
+        self._runs.append(NpyFiles(files))
+
+    def __getitem__(self, run: int) -> NpyFiles:
+        return self._runs[run]
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+
+def _link(source: str, target: Path) -> bool:
+    try:
+        os.link(source, target)
+        return True
+    except OSError:
+        return False  # another file system: the caller copies instead
