@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import tempfile
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +28,7 @@ from accudiff.model.inputs import (
 from accudiff.model.loading import ModelInfo, load_model, save_model
 from accudiff.report.folder import ReportFolder
 from accudiff.runners import candidate_runner, reference_runner, resolve_candidate
-from accudiff.runners.outputs import OutputStore
+from accudiff.runners.outputs import OutputStore, ReferenceCache
 from accudiff.transforms import KeptNode, TransformResult, to_fp16, to_int8
 
 PRECISIONS = ("fp32", "fp16", "int8")
@@ -88,12 +88,14 @@ def compare(
     stol: Iterable[str] | float | None = None,
     report_dir: str | Path | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    reference_cache: ReferenceCache | None = None,
 ) -> CompareResult:
     """Compare every tensor of `model` run in FP32 (reference) against the `precision` candidate.
 
     Inputs come from `inputs` (an .npz/polygraphy JSON path, or a list of feeds) or are generated from
     `seed` and `val_range` for `iterations` iterations. With `report_dir`, the report folder is written
-    there atomically. Raises AccudiffError (one sentence) for any problem with the inputs.
+    there atomically. A `reference_cache` shared between calls runs each model's reference only once per
+    set of inputs. Raises AccudiffError (one sentence) for any problem with the inputs.
     """
     if precision not in PRECISIONS:
         raise AccudiffError(f"unknown precision '{precision}'; choose one of: {', '.join(PRECISIONS)}")
@@ -117,13 +119,11 @@ def compare(
         # weights before any backend loads a model, so at most one copy of them is in memory at a time.
         transformed.model = info.proto = onnx.ModelProto()
         step.lap("transform")
-        with tempfile.TemporaryDirectory(prefix="accudiff-reference-") as scratch:
-            reference_outputs = OutputStore(Path(scratch))
-            # One backend at a time: the reference runs, leaves its outputs on disk and shuts down;
-            # then the candidate runs and is compared against those files.
-            with reference_runner(info.path, names, info.external_data) as reference:
-                record_runs(reference, feeds, reference_outputs, report("reference"))
-                not_observable = {**info.not_observable, **reference.not_observable}
+        with contextlib.ExitStack() as cleanup:
+            if reference_cache is None:
+                reference_cache = ReferenceCache()
+                cleanup.callback(reference_cache.close)
+            reference_outputs, not_observable = _reference_outputs(info, names, feeds, reference_cache, report("reference"))
             with candidate_runner(kind, candidate_path, names, precision, candidate_external) as cand:
                 table = compare_runs(info.tensors, reference_outputs, cand, feeds, tolerances, transformed.quant_ranges, report("candidate"))
                 not_observable.update(cand.not_observable)
@@ -169,6 +169,19 @@ def _feeds(info: ModelInfo, inputs, input_shapes, seed: int, val_range, iteratio
     shapes = input_shapes if isinstance(input_shapes, dict) else parse_input_shapes(input_shapes)
     resolved = resolve_shapes(info.inputs, shapes)
     return generate_feeds(info.inputs, resolved, seed, parse_val_ranges(val_range), iterations)
+
+
+def _reference_outputs(info: ModelInfo, names, feeds, cache: ReferenceCache, progress) -> tuple[OutputStore, dict[str, str]]:
+    """The reference outputs for these feeds, from the cache or run now. One backend at a time: the
+    reference runs, leaves its outputs on disk and shuts down before the candidate starts."""
+    key = ReferenceCache.key(info.path, feeds)
+    if cache.get(key) is None:
+        store = cache.new_store(key)
+        with reference_runner(info.path, names, info.external_data) as reference:
+            record_runs(reference, feeds, store, progress)
+            cache.put(key, store, {**info.not_observable, **reference.not_observable})
+    store, not_observable = cache.get(key)
+    return store, dict(not_observable)
 
 
 def _transform(info: ModelInfo, precision: str, feeds, calib_data, keep_fp32, autokeep: bool, seed: int) -> TransformResult:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["pytester"]
+
 from accudiff.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -40,7 +40,7 @@ def format_summary(result) -> str:
             )
     for out in result.output_failures:
         row = table.set_index("tensor").loc[out.tensor]
-        index = _element_index(row)
+        index = element_index(row)
         lines.append(
             f"  output '{out.tensor}' FAILS: {int(row['outside_count'])} of {int(row['elements'])} elements ({row['outside_share']:.1%}) outside tolerance; "
             f"worst element {index}: reference {row['worst_ref']:.6g}, candidate {row['worst_cand']:.6g}"
@@ -57,7 +57,7 @@ def format_summary(result) -> str:
     return "\n".join(lines)
 
 
-def _element_index(row) -> str:
+def element_index(row) -> str:
     shape = [int(d) for d in str(row["shape"]).split("x") if d]
     flat = int(row["worst_index"])
     if flat < 0:

@@ -33,10 +33,17 @@ def resolve_candidate(kind: str) -> tuple[str, str | None]:
     return kind, None
 
 
+def unavailable_reason(kind: str) -> str | None:
+    """Why the `kind` candidate cannot run here (None when it can): lets test suites skip, not fail."""
+    if kind == "trt":
+        return "TensorRT inference is not available in this build of accudiff"
+    return None
+
+
 def candidate_runner(kind: str, model_path: Path, outputs: Sequence[str], precision: str, external_data: bool = False) -> Runner:
     return OnnxrtRunner(
         model_path, outputs, label=_ONNXRT_LABELS[precision], emulate_fp16=precision == "fp16", external_data=external_data
     )
 
 
-__all__ = ["CANDIDATES", "OnnxrtRunner", "Runner", "candidate_runner", "reference_runner", "resolve_candidate"]
+__all__ = ["CANDIDATES", "OnnxrtRunner", "Runner", "candidate_runner", "reference_runner", "resolve_candidate", "unavailable_reason"]

@@ -6,9 +6,12 @@ one backend holds a model in memory at a time, and no run's tensors need to fit 
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
+import tempfile
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -63,3 +66,38 @@ def _link(source: str, target: Path) -> bool:
         return True
     except OSError:
         return False  # another file system: the caller copies instead
+
+
+class ReferenceCache:
+    """Reference outputs reused across comparisons: the same model file fed the same inputs gives the same
+    reference, so a test session runs it once however many precisions or tolerances it checks."""
+
+    def __init__(self, folder: Path | None = None):
+        self.folder = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="accudiff-reference-cache-"))
+        self._entries: dict[str, tuple[OutputStore, dict[str, str]]] = {}
+
+    @staticmethod
+    def key(model: Path, feeds: Sequence[Mapping[str, np.ndarray]]) -> str:
+        digest = hashlib.sha256()
+        stat = Path(model).stat()
+        digest.update(f"{Path(model).resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+        for feed in feeds:
+            for name in sorted(feed):
+                array = np.ascontiguousarray(feed[name])
+                digest.update(f"{name}|{array.dtype}|{array.shape}".encode())
+                digest.update(array.tobytes())
+        return digest.hexdigest()[:32]
+
+    def get(self, key: str) -> tuple[OutputStore, dict[str, str]] | None:
+        return self._entries.get(key)
+
+    def new_store(self, key: str) -> OutputStore:
+        shutil.rmtree(self.folder / key, ignore_errors=True)  # a run that was interrupted
+        return OutputStore(self.folder / key)
+
+    def put(self, key: str, store: OutputStore, not_observable: dict[str, str]) -> None:
+        self._entries[key] = (store, not_observable)
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+        self._entries.clear()

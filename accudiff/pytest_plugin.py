@@ -1,0 +1,334 @@
+"""pytest plugin: assert accuracy tolerances, and catch accuracy regressions, in a team's own test suite.
+
+Registered through the `pytest11` entry point. Two forms:
+
+    def test_fp16(accudiff):
+        accudiff.compare("model.onnx", precision="fp16").assert_within(atol=1e-3, min_sqnr_db=40)
+
+    @pytest.mark.accudiff(model="model.onnx", precision="fp16", atol=1e-3, baseline=True)
+    def test_fp16_marked():
+        pass
+
+Reference runs are cached for the session (per worker under pytest-xdist). Baselines are small JSON files
+in `accudiff_baselines/` beside the test file: created by the first passing run, rewritten with
+`--accudiff-update-baseline`, and compared on every later run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import pytest
+
+from accudiff.errors import AccudiffError
+
+BASELINE_SCHEMA = "accudiff.baseline"
+BASELINE_METRICS = ("sqnr_db", "max_abs_err", "cosine", "outside_share")
+DEFAULT_SQNR_MARGIN_DB = 3.0
+DEFAULT_ERROR_GROWTH = 2.0
+REPORT_ROOT = "reports/pytest"
+_PROPERTY = "accudiff"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("accudiff", "accuracy checks with accudiff")
+    group.addoption("--accudiff-candidate", help="candidate backend for accuracy checks (auto, onnxrt, trt)")
+    group.addoption("--accudiff-report-dir", help=f"folder for the reports of accuracy checks (default {REPORT_ROOT})")
+    group.addoption("--accudiff-update-baseline", action="store_true", help="rewrite accuracy baselines from passing runs")
+    parser.addini("accudiff_candidate", "candidate backend for accuracy checks", default="auto")
+    parser.addini("accudiff_report_dir", "folder for the reports of accuracy checks", default=REPORT_ROOT)
+    parser.addini("accudiff_tolerances", "per-precision defaults, one per line: 'fp16 atol=1e-3 rtol=1e-2 stol=2e-3'", type="linelist", default=[])
+    parser.addini("accudiff_sqnr_margin_db", "fail when SQNR drops this many dB below the baseline", default=str(DEFAULT_SQNR_MARGIN_DB))
+    parser.addini("accudiff_error_growth", "fail when max abs error grows this many times over the baseline", default=str(DEFAULT_ERROR_GROWTH))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "accudiff(model, precision='fp32', atol=None, rtol=None, stol=None, min_sqnr_db=None, tensors='outputs', "
+        "baseline=False, **compare_options): check the model's accuracy with accudiff",
+    )
+    config.stash[_SETTINGS] = Settings.from_config(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    settings = config.stash.get(_SETTINGS, None)
+    if settings is not None and settings.cache is not None:
+        settings.cache.close()
+
+
+@pytest.fixture
+def accudiff(request: pytest.FixtureRequest) -> "AccuracyChecker":
+    """Compare models against their FP32 reference and assert accuracy (see the module docstring)."""
+    return AccuracyChecker(request.config.stash[_SETTINGS], request.node)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    result = yield
+    marker = item.get_closest_marker("accudiff")
+    if marker is not None:
+        options = dict(marker.kwargs)
+        model = options.pop("model", marker.args[0] if marker.args else None)
+        if model is None:
+            raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.accudiff needs model=...")
+        model = Path(model) if Path(model).is_absolute() else Path(item.path).parent / model
+        checks = {k: options.pop(k) for k in ("atol", "rtol", "stol", "min_sqnr_db", "tensors", "baseline") if k in options}
+        precision = options.pop("precision", "fp32")
+        AccuracyChecker(item.config.stash[_SETTINGS], item).compare(model, precision, **options).assert_within(**checks)
+    return result
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    entries = [value for report in terminalreporter.getreports("") for key, value in report.user_properties if key == _PROPERTY]
+    failures = [e for e in entries if e["failed"]]
+    created = [e for e in entries if e.get("baseline_written")]
+    if not failures and not created:
+        return
+    terminalreporter.section("accudiff")
+    for entry in failures:
+        terminalreporter.write_line(f"FAILED {entry['model']} [{entry['precision']}] ({entry['test']})")
+        for worst in entry["worst"]:
+            terminalreporter.write_line(f"    {worst}")
+        if entry.get("report"):
+            terminalreporter.write_line(f"    report: {entry['report']}")
+    for entry in created:
+        terminalreporter.write_line(f"baseline written: {entry['baseline_written']}")
+
+
+@dataclass
+class Settings:
+    candidate: str
+    report_root: Path
+    update_baseline: bool
+    tolerances: dict[str, dict[str, float]]
+    sqnr_margin_db: float
+    error_growth: float
+    cache: object = None
+
+    @classmethod
+    def from_config(cls, config: pytest.Config) -> "Settings":
+        return cls(
+            candidate=config.getoption("accudiff_candidate") or config.getini("accudiff_candidate"),
+            report_root=Path(config.getoption("accudiff_report_dir") or config.getini("accudiff_report_dir")),
+            update_baseline=bool(config.getoption("accudiff_update_baseline")),
+            tolerances=_parse_tolerances(config.getini("accudiff_tolerances")),
+            sqnr_margin_db=float(config.getini("accudiff_sqnr_margin_db")),
+            error_growth=float(config.getini("accudiff_error_growth")),
+        )
+
+    def reference_cache(self):
+        if self.cache is None:
+            from accudiff.runners.outputs import ReferenceCache
+
+            self.cache = ReferenceCache()
+        return self.cache
+
+
+_SETTINGS = pytest.StashKey[Settings]()
+
+
+class AccuracyChecker:
+    """The `accudiff` fixture: `compare(...)` prepares a check; `assert_within(...)` runs and judges it."""
+
+    def __init__(self, settings: Settings, node: pytest.Item):
+        self._settings, self._node = settings, node
+
+    def compare(self, model: str | Path, precision: str = "fp32", **options) -> "AccuracyCheck":
+        return AccuracyCheck(self._settings, self._node, Path(model), precision, options)
+
+
+@dataclass
+class AccuracyCheck:
+    settings: Settings
+    node: pytest.Item
+    model: Path
+    precision: str
+    options: dict = field(default_factory=dict)
+
+    def assert_within(
+        self,
+        atol: float | None = None,
+        rtol: float | None = None,
+        stol: float | None = None,
+        min_sqnr_db: float | None = None,
+        tensors: str | Sequence[str] = "outputs",
+        baseline: bool = False,
+    ):
+        """Run the comparison and fail the test, with a message a person can act on, if it is out of bounds.
+
+        `tensors`: "outputs" (graph outputs decide), "all", or a list of tensor names. Returns the result.
+        """
+        __tracebackhide__ = True
+        result = self._run(atol, rtol, stol)
+        rows = _select(result.table, tensors)
+        problems = [_tolerance_problem(row) for _, row in rows.iterrows() if row["status"] == "fail"]
+        if min_sqnr_db is not None:
+            problems += [
+                f"tensor '{row['tensor']}': SQNR {row['sqnr_db']:.1f} dB is below the required {min_sqnr_db:g} dB"
+                for _, row in rows.iterrows()
+                if row["sqnr_db"] < min_sqnr_db
+            ]
+        baseline_path = _baseline_path(self.node)
+        written = None
+        if baseline and not problems:
+            if self.settings.update_baseline or not baseline_path.exists():
+                _write_baseline(baseline_path, result, rows)
+                written = str(baseline_path)
+            else:
+                problems += _regressions(baseline_path, rows, self.settings)
+        self._record(result, problems, written)
+        if problems:
+            pytest.fail(_message(result, problems), pytrace=False)
+        return result
+
+    def _run(self, atol, rtol, stol):
+        __tracebackhide__ = True
+        from accudiff.api import compare
+        from accudiff.report.folder import default_report_dir
+        from accudiff.runners import unavailable_reason
+
+        options = dict(self.options)
+        candidate = options.pop("candidate", self.settings.candidate)
+        reason = unavailable_reason(candidate)
+        if reason is not None:
+            pytest.skip(f"accudiff: {reason}")
+        defaults = self.settings.tolerances.get(self.precision, {})
+        tolerances = {
+            name: value if value is not None else defaults.get(name)
+            for name, value in (("atol", atol), ("rtol", rtol), ("stol", stol))
+        }
+        self.settings.report_root.mkdir(parents=True, exist_ok=True)
+        try:
+            return compare(
+                self.model,
+                self.precision,
+                candidate=candidate,
+                report_dir=default_report_dir(_safe(self.node.name), self.precision, self.settings.report_root),
+                reference_cache=self.settings.reference_cache(),
+                **tolerances,
+                **options,
+            )
+        except AccudiffError as exc:
+            pytest.fail(f"accudiff could not compare {self.model}: {exc}", pytrace=False)
+
+    def _record(self, result, problems, written) -> None:
+        table = result.table
+        worst = table[table["sqnr_db"].notna()].nsmallest(3, "sqnr_db")
+        self.node.user_properties.append(
+            (
+                _PROPERTY,
+                {
+                    "test": self.node.nodeid,
+                    "model": str(self.model),
+                    "precision": self.precision,
+                    "failed": bool(problems),
+                    "worst": [f"{r['tensor']}: SQNR {r['sqnr_db']:.1f} dB, max abs err {r['max_abs_err']:.3g}" for _, r in worst.iterrows()],
+                    "report": str(result.report_dir) if result.report_dir else None,
+                    "baseline_written": written,
+                },
+            )
+        )
+
+
+def _select(table, tensors: str | Sequence[str]):
+    if tensors == "outputs":
+        return table[table["is_output"]]
+    if tensors == "all":
+        return table[table["status"] != "not observed"]
+    wanted = list(tensors)
+    missing = [name for name in wanted if name not in set(table["tensor"])]
+    if missing:
+        pytest.fail(f"accudiff: no tensor named {', '.join(missing)} in the model", pytrace=False)
+    return table[table["tensor"].isin(wanted)]
+
+
+def _tolerance_problem(row) -> str:
+    from accudiff.report.console import element_index
+
+    if row["note"]:
+        return f"tensor '{row['tensor']}': {row['note']}"
+    return (
+        f"tensor '{row['tensor']}': {int(row['outside_count'])} of {int(row['elements'])} elements ({row['outside_share']:.2%}) "
+        f"outside atol={row['atol']:g} + rtol={row['rtol']:g}*|ref| + stol={row['stol']:g}*absmax; worst element "
+        f"{element_index(row)}: reference {row['worst_ref']:.6g}, candidate {row['worst_cand']:.6g} (max abs err {row['max_abs_err']:.3g})"
+    )
+
+
+def _message(result, problems: list[str]) -> str:
+    lines = [f"accudiff: {result.model.name} [{result.precision}] is out of bounds ({result.candidate})"]
+    lines += [f"  {problem}" for problem in problems]
+    failure = result.first_failure
+    if failure is not None:
+        lines.append(f"  first failing tensor: '{failure.tensor}' ({failure.op_type} '{failure.node}')")
+        lines += [f"    {f.kind}: {f.message}" for f in failure.findings]
+    if result.report_dir is not None:
+        lines.append(f"  full report: {result.report_dir}")
+    return "\n".join(lines)
+
+
+def _baseline_path(node: pytest.Item) -> Path:
+    return Path(node.path).parent / "accudiff_baselines" / f"{Path(node.path).stem}.{_safe(node.name)}.json"
+
+
+def _write_baseline(path: Path, result, rows) -> None:
+    document = {
+        "schema": BASELINE_SCHEMA,
+        "schema_version": 1,
+        "model": result.model.name,
+        "precision": result.precision,
+        "tensors": {row["tensor"]: {m: _rounded(row[m]) for m in BASELINE_METRICS} for _, row in rows.iterrows()},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
+    temporary.replace(path)
+
+
+def _regressions(path: Path, rows, settings: Settings) -> list[str]:
+    baseline = json.loads(path.read_text())["tensors"]
+    problems = []
+    for _, row in rows.iterrows():
+        before = baseline.get(row["tensor"])
+        if before is None:
+            continue
+        if before["sqnr_db"] is not None and row["sqnr_db"] < before["sqnr_db"] - settings.sqnr_margin_db:
+            problems.append(
+                f"tensor '{row['tensor']}': SQNR fell from {before['sqnr_db']:.1f} dB (baseline) to {row['sqnr_db']:.1f} dB, "
+                f"more than the allowed {settings.sqnr_margin_db:g} dB"
+            )
+        if before["max_abs_err"] and row["max_abs_err"] > before["max_abs_err"] * settings.error_growth:
+            problems.append(
+                f"tensor '{row['tensor']}': max abs error grew from {before['max_abs_err']:.3g} (baseline) to "
+                f"{row['max_abs_err']:.3g}, more than {settings.error_growth:g}x"
+            )
+    if problems:
+        problems.append(f"baseline: {path} (rerun with --accudiff-update-baseline to accept the new figures)")
+    return problems
+
+
+def _rounded(value) -> float | None:
+    value = float(value)
+    if not math.isfinite(value):
+        return None
+    return float(f"{value:.4g}")
+
+
+def _parse_tolerances(lines: Iterable[str]) -> dict[str, dict[str, float]]:
+    parsed: dict[str, dict[str, float]] = {}
+    for line in lines:
+        precision, *pairs = line.split()
+        try:
+            parsed[precision] = {key: float(value) for key, value in (pair.split("=", 1) for pair in pairs)}
+        except ValueError:
+            raise pytest.UsageError(f"accudiff_tolerances: cannot read '{line}' (expected 'fp16 atol=1e-3 rtol=1e-2')") from None
+    return parsed
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")[:120]

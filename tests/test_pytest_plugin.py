@@ -1,0 +1,136 @@
+"""The pytest plugin, run as a team would run it: in its own pytest session (pytester), with real models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import fixture
+
+CLEAN, BROKEN = fixture("clean"), fixture("layernorm_overflow")
+
+
+def _run(pytester: pytest.Pytester, source: str, *args: str) -> pytest.RunResult:
+    pytester.makepyfile(test_model=source)
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
+
+
+def test_fixture_form_passes(pytester):
+    result = _run(pytester, f"""
+def test_clean(accudiff):
+    result = accudiff.compare(r"{CLEAN}", precision="fp16").assert_within(atol=1e-2, min_sqnr_db=30)
+    assert result.passed
+""")
+    result.assert_outcomes(passed=1)
+
+
+def test_fixture_form_fails_with_an_actionable_message(pytester):
+    result = _run(pytester, f"""
+def test_broken(accudiff):
+    accudiff.compare(r"{BROKEN}", precision="fp16").assert_within()
+""")
+    result.assert_outcomes(failed=1)
+    text = result.stdout.str()
+    assert "layernorm_overflow.onnx [fp16] is out of bounds" in text
+    assert "tensor 'y': 128 of 128 elements (100.00%) outside atol=0.001" in text
+    assert "worst element [" in text and "reference" in text and "candidate" in text
+    assert "first failing tensor: 'squared' (Pow 'ln_square')" in text
+    assert "overflow: reference absmax" in text
+    assert "full report: " in text
+    assert "pytest_plugin.py" not in text and "api.py" not in text  # no internal traceback noise
+    summary = text.split(" accudiff ")[-1]  # the plugin's terminal summary section
+    assert f"FAILED {BROKEN} [fp16] (test_model.py::test_broken)" in summary
+    assert "squared: SQNR -200.0 dB, max abs err inf" in summary
+
+
+def test_marker_form_pass_and_fail(pytester):
+    result = _run(pytester, f"""
+import pytest
+
+@pytest.mark.accudiff(model=r"{CLEAN}", precision="fp16", atol=1e-2)
+def test_clean():
+    pass
+
+@pytest.mark.accudiff(model=r"{BROKEN}", precision="fp16", min_sqnr_db=40, tensors="all")
+def test_broken():
+    pass
+""")
+    result.assert_outcomes(passed=1, failed=1)
+    assert "SQNR" in result.stdout.str() and "below the required 40 dB" in result.stdout.str()
+
+
+def test_min_sqnr_on_named_tensors(pytester):
+    result = _run(pytester, f"""
+def test_named(accudiff):
+    accudiff.compare(r"{CLEAN}", precision="int8").assert_within(min_sqnr_db=60, tensors=["c1"])
+""")
+    result.assert_outcomes(failed=1)
+    assert "tensor 'c1': SQNR" in result.stdout.str()
+
+
+def test_baseline_is_created_then_catches_a_regression(pytester):
+    source = """
+import pytest
+
+@pytest.mark.accudiff(model=r"{model}", precision="{precision}", atol=1, rtol=1, baseline=True)
+def test_model():
+    pass
+"""
+    first = _run(pytester, source.format(model=CLEAN, precision="fp16"))
+    first.assert_outcomes(passed=1)
+    baseline = pytester.path / "accudiff_baselines" / "test_model.test_model.json"
+    stored = json.loads(baseline.read_text())
+    assert stored["schema"] == "accudiff.baseline" and set(stored["tensors"]) == {"logits"}
+    assert "baseline written" in first.stdout.str()
+
+    same = _run(pytester, source.format(model=CLEAN, precision="fp16"))
+    same.assert_outcomes(passed=1)
+
+    # INT8 still meets the (loose) tolerance, but its SQNR is far below the FP16 baseline: a regression.
+    worse = _run(pytester, source.format(model=CLEAN, precision="int8"))
+    worse.assert_outcomes(failed=1)
+    assert "SQNR fell from" in worse.stdout.str() and "more than the allowed 3 dB" in worse.stdout.str()
+
+    accepted = _run(pytester, source.format(model=CLEAN, precision="int8"), "--accudiff-update-baseline")
+    accepted.assert_outcomes(passed=1)
+    assert json.loads(baseline.read_text())["precision"] == "int8"
+
+
+def test_checks_that_need_tensorrt_skip_with_the_reason(pytester):
+    result = _run(pytester, f"""
+def test_trt(accudiff):
+    accudiff.compare(r"{CLEAN}", precision="fp16", candidate="trt").assert_within()
+""", "-rs")
+    result.assert_outcomes(skipped=1)
+    assert "accudiff: TensorRT" in result.stdout.str()
+
+
+def test_ini_tolerances_and_report_dir(pytester):
+    pytester.makeini("""
+[pytest]
+accudiff_tolerances =
+    fp16 atol=1 rtol=1 stol=1
+accudiff_report_dir = my_reports
+""")
+    result = _run(pytester, f"""
+def test_broken_but_tolerated(accudiff):
+    accudiff.compare(r"{fixture('underflow')}", precision="fp16").assert_within()
+""")
+    result.assert_outcomes(passed=1)
+    assert any((pytester.path / "my_reports").iterdir())
+
+
+def test_works_under_xdist(pytester):
+    result = _run(pytester, f"""
+import pytest
+
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_clean(accudiff, precision):
+    accudiff.compare(r"{CLEAN}", precision=precision).assert_within()
+
+def test_broken(accudiff):
+    accudiff.compare(r"{BROKEN}", precision="fp16").assert_within()
+""", "-n", "2")
+    result.assert_outcomes(passed=2, failed=1)
+    assert "FAILED " in result.stdout.str() and "layernorm_overflow.onnx [fp16]" in result.stdout.str()
