@@ -27,13 +27,14 @@ from accudiff.model.inputs import (
 )
 from accudiff.model.loading import ModelInfo, load_model, save_model
 from accudiff.report.folder import ReportFolder
-from accudiff.runners import candidate_runner, reference_runner, resolve_candidate
+from accudiff.runners import TrtOptions, candidate_runner, reference_runner, resolve_candidate
 from accudiff.runners.outputs import OutputStore, ReferenceCache
 from accudiff.transforms import KeptNode, TransformResult, to_fp16, to_int8
 
 PRECISIONS = ("fp32", "fp16", "int8")
 CANDIDATE_MODEL_FILE = "candidate-{precision}.onnx"
 INPUTS_FILE = "inputs.npz"
+ENGINE_LAYERS_FILE = "engine_layers.json"
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ def compare(
     report_dir: str | Path | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     reference_cache: ReferenceCache | None = None,
+    trt: TrtOptions = TrtOptions(),
 ) -> CompareResult:
     """Compare every tensor of `model` run in FP32 (reference) against the `precision` candidate.
 
@@ -103,7 +105,7 @@ def compare(
         raise AccudiffError("--iterations must be at least 1")
     step = _Stopwatch()
     tolerances = Tolerances.build(precision, atol, rtol, stol)
-    kind, notice = resolve_candidate(candidate)
+    kind, notice = resolve_candidate(candidate, trt)
     info = load_model(model)
     feeds = _feeds(info, inputs, input_shapes, seed, val_range, iterations)
     step.lap("load")
@@ -124,13 +126,16 @@ def compare(
                 reference_cache = ReferenceCache()
                 cleanup.callback(reference_cache.close)
             reference_outputs, not_observable = _reference_outputs(info, names, feeds, reference_cache, report("reference"))
-            with candidate_runner(kind, candidate_path, names, precision, candidate_external) as cand:
+            shapes = {spec.name: feeds[0][spec.name].shape for spec in info.inputs}
+            layers = folder.path / ENGINE_LAYERS_FILE if report_dir is not None else None
+            with candidate_runner(kind, candidate_path, names, precision, candidate_external, trt, shapes, layers) as cand:
                 table = compare_runs(info.tensors, reference_outputs, cand, feeds, tolerances, transformed.quant_ranges, report("candidate"))
                 not_observable.update(cand.not_observable)
                 label = cand.label
+                candidate_notices = cand.notices
         step.lap("run")
         result = _judge(info, precision, label, table, tolerances, transformed, not_observable, feeds, seed if inputs is None else None)
-        result.notices = [n for n in [notice, *transformed.warnings] if n]
+        result.notices = [n for n in [notice, *transformed.warnings, *candidate_notices] if n]
         step.lap("diagnose")
         if report_dir is not None:
             from accudiff.report.writer import write_report

@@ -13,7 +13,9 @@ from accudiff.api import compare
 from accudiff.errors import AccudiffError
 from accudiff.report.console import ProgressBar, format_summary
 from accudiff.report.folder import default_report_dir
-from accudiff.runners import CANDIDATES
+from accudiff.runners import CANDIDATES, TrtOptions
+from accudiff.runners.trt_build import LEGACY_PRECISIONS, MARK_MODES
+from accudiff.runners.trt_env import MODULES
 
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 
@@ -50,6 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--rtol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="relative tolerance, default and per tensor")
     cmp.add_argument("--stol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="tolerance as a fraction of the tensor's reference absmax")
     cmp.add_argument("--report-dir", type=Path, help="report folder (default reports/<model>-<precision>-<time>/)")
+    trt = cmp.add_argument_group("TensorRT candidate")
+    trt.add_argument("--trt-module", choices=MODULES, help="TensorRT package to use (default: the first importable)")
+    trt.add_argument("--trt-mark", choices=MARK_MODES, default="auto", help="what to observe: all layer outputs, unfused debug tensors, or graph outputs")
+    trt.add_argument("--trt-legacy-precision", choices=LEGACY_PRECISIONS, help="TensorRT 10 only: weakly typed FP16/INT8 builder flags")
+    trt.add_argument("--trt-workspace", type=int, metavar="MB", help="builder workspace limit")
+
+    part = commands.add_parser("partition", help="save the parts of a model TensorRT can and cannot convert")
+    part.add_argument("model", help="ONNX model file")
+    part.add_argument("-o", "--out-dir", type=Path, help="folder for the partitions (default reports/<model>-partitions-<time>/)")
+    part.add_argument("--trt-module", choices=MODULES, help="TensorRT package to use (default: the first importable)")
     return parser
 
 
@@ -59,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # usage errors, --help, --version: argparse has already printed
         return int(exc.code or 0)
     try:
-        return _run_compare(args)
+        return _run_compare(args) if args.command == "compare" else _run_partition(args)
     except AccudiffError as exc:
         print(f"accudiff: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -92,9 +104,27 @@ def _run_compare(args: argparse.Namespace) -> int:
         stol=args.stol,
         report_dir=report_dir,
         progress=ProgressBar(),
+        trt=TrtOptions(args.trt_module, args.trt_mark, args.trt_workspace, args.trt_legacy_precision),
     )
     print(format_summary(result))
     return EXIT_PASS if result.passed else EXIT_FAIL
+
+
+def _run_partition(args: argparse.Namespace) -> int:
+    from accudiff.bisect.partition import partition
+
+    out_dir = args.out_dir or default_report_dir(Path(args.model).stem, "partitions")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise AccudiffError(f"folder '{out_dir}' is not empty; choose another with -o")
+    parts = partition(args.model, out_dir, args.trt_module)
+    print(f"accudiff partition {Path(args.model).name}: {sum(p.supported for p in parts)} convertible and "
+          f"{sum(not p.supported for p in parts)} non-convertible part(s)")
+    for part in parts:
+        status = "convertible" if part.supported else "NOT convertible"
+        reason = f" — {part.reason}" if part.reason else ""
+        print(f"  nodes {part.start}-{part.end}: {status}: {part.op_types}{reason}")
+    print(f"  saved in {out_dir} (partitions.csv lists them)")
+    return EXIT_PASS
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from accudiff.runners import unavailable_reason
 from conftest import fixture
 
 CLEAN, BROKEN = fixture("clean"), fixture("layernorm_overflow")
@@ -97,13 +98,14 @@ def test_model():
     assert json.loads(baseline.read_text())["precision"] == "int8"
 
 
+@pytest.mark.skipif(unavailable_reason("trt") is None, reason="TensorRT inference works on this machine")
 def test_checks_that_need_tensorrt_skip_with_the_reason(pytester):
     result = _run(pytester, f"""
 def test_trt(accudiff):
     accudiff.compare(r"{CLEAN}", precision="fp16", candidate="trt").assert_within()
 """, "-rs")
     result.assert_outcomes(skipped=1)
-    assert "accudiff: TensorRT" in result.stdout.str()
+    assert f"accudiff: {unavailable_reason('trt')}" in result.stdout.str()
 
 
 def test_ini_tolerances_and_report_dir(pytester):

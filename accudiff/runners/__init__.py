@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from accudiff.errors import AccudiffError
 from accudiff.runners.base import Runner
 from accudiff.runners.onnxrt import OnnxrtRunner
+from accudiff.runners.trt_build import BuildSettings
+from accudiff.runners.trt_env import inference_unavailable_reason
 
 CANDIDATES = ("auto", "onnxrt", "trt")
 
@@ -22,28 +25,54 @@ def reference_runner(model_path: Path, outputs: Sequence[str], external_data: bo
     return OnnxrtRunner(model_path, outputs, label="ONNX Runtime CPU, FP32 (reference)", external_data=external_data)
 
 
-def resolve_candidate(kind: str) -> tuple[str, str | None]:
+@dataclass(frozen=True)
+class TrtOptions:
+    """How the TensorRT candidate is built (see trt_build.py)."""
+
+    module: str | None = None  # "tensorrt" or "tensorrt_rtx"; None: the first importable
+    mark: str = "auto"  # all | unfused | outputs; auto: unfused where supported
+    workspace_mb: int | None = None
+    legacy_precision: str | None = None  # TensorRT 10 only: fp16 | int8 builder flags
+    cache_dir: Path | None = None  # engine and timing cache; default ~/.cache/accudiff
+
+
+def resolve_candidate(kind: str, trt: TrtOptions = TrtOptions()) -> tuple[str, str | None]:
     """The concrete candidate for `kind`, and a one-line notice when 'auto' had to fall back."""
     if kind not in CANDIDATES:
         raise AccudiffError(f"unknown candidate '{kind}'; choose one of: {', '.join(CANDIDATES)}")
-    if kind == "auto":
-        return "onnxrt", "TensorRT inference is not available in this build of accudiff; using the ONNX Runtime candidate"
+    if kind == "onnxrt":
+        return kind, None
+    reason = inference_unavailable_reason(trt.module)
+    if reason is None:
+        return "trt", None
     if kind == "trt":
-        raise AccudiffError("the TensorRT candidate is not available in this build of accudiff; use --candidate onnxrt")
-    return kind, None
+        raise AccudiffError(reason)
+    return "onnxrt", f"{reason}; using the ONNX Runtime candidate"
 
 
-def unavailable_reason(kind: str) -> str | None:
+def unavailable_reason(kind: str, module: str | None = None) -> str | None:
     """Why the `kind` candidate cannot run here (None when it can): lets test suites skip, not fail."""
+    return inference_unavailable_reason(module) if kind == "trt" else None
+
+
+def candidate_runner(
+    kind: str,
+    model_path: Path,
+    outputs: Sequence[str],
+    precision: str,
+    external_data: bool = False,
+    trt: TrtOptions = TrtOptions(),
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    layer_report: Path | None = None,
+) -> Runner:
     if kind == "trt":
-        return "TensorRT inference is not available in this build of accudiff"
-    return None
+        from accudiff.runners.trt import TrtRunner
 
-
-def candidate_runner(kind: str, model_path: Path, outputs: Sequence[str], precision: str, external_data: bool = False) -> Runner:
+        settings = BuildSettings(trt.mark, dict(input_shapes or {}), trt.workspace_mb, trt.legacy_precision)
+        return TrtRunner(model_path, outputs, settings, trt.module, trt.cache_dir, layer_report)
     return OnnxrtRunner(
         model_path, outputs, label=_ONNXRT_LABELS[precision], emulate_fp16=precision == "fp16", external_data=external_data
     )
 
 
-__all__ = ["CANDIDATES", "OnnxrtRunner", "Runner", "candidate_runner", "reference_runner", "resolve_candidate", "unavailable_reason"]
+__all__ = ["CANDIDATES", "OnnxrtRunner", "Runner", "TrtOptions", "candidate_runner", "reference_runner", "resolve_candidate", "unavailable_reason"]

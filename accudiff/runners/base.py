@@ -32,6 +32,11 @@ class Runner(ABC):
         """Tensors this runner was asked for but cannot observe, with the reason."""
         return {}
 
+    @property
+    def notices(self) -> list[str]:
+        """What a reader of the report must know about how this runner observed the model."""
+        return []
+
     def __enter__(self) -> "Runner":
         self.activate()
         return self

@@ -1,0 +1,1 @@
+"""Isolating what fails: partitions TensorRT can and cannot convert (and, later, bisectors)."""

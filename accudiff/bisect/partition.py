@@ -1,0 +1,138 @@
+"""Which parts of a model TensorRT can take: node ranges it converts and those it cannot, each saved as ONNX.
+
+1. The parser's capability query (`supports_model_v2`) names the nodes it cannot convert.
+2. The nodes, in topological order, are cut into ranges at those nodes.
+3. Each remaining range is extracted as its own ONNX model and parsed for real: only a range TensorRT
+   parses on its own counts as convertible (the capability query alone reports ranges next to a failing
+   node as unsupported even when they convert fine, and version to version it differs in how).
+Files are named `supported_subgraph-nodes-S-E.onnx` / `unsupported_subgraph-nodes-S-E.onnx` (E inclusive).
+"""
+
+from __future__ import annotations
+
+import collections
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import pandas as pd
+
+from accudiff.model.loading import load_model, subgraph_outer_references
+from accudiff.errors import AccudiffError
+from accudiff.runners.trt_build import ErrorLog, create_network
+from accudiff.runners.trt_env import import_tensorrt
+
+PARTITION_TABLE = "partitions.csv"
+
+
+@dataclass(frozen=True)
+class Partition:
+    start: int
+    end: int  # inclusive
+    supported: bool
+    op_types: str  # "Conv x2, Relu"
+    reason: str
+    path: Path
+
+
+def partition(model: str | Path, out_dir: str | Path, module: str | None = None) -> list[Partition]:
+    """Split `model` into TensorRT-convertible and non-convertible node ranges, saved under `out_dir`."""
+    trt = import_tensorrt(module)
+    info = load_model(model)
+    nodes = list(info.proto.graph.node)
+    failing = _capability_errors(trt, info.path)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    partitions = []
+    for start, end in _ranges(len(nodes), set(failing)):
+        subgraph = extract(info.proto, start, end)
+        if start in failing:
+            supported, reason = False, failing[start]
+        else:
+            supported, reason = _parses(trt, subgraph)
+        kind = "supported" if supported else "unsupported"
+        path = out_dir / f"{kind}_subgraph-nodes-{start}-{end}.onnx"
+        onnx.save(subgraph, str(path))
+        partitions.append(Partition(start, end, supported, _op_summary(nodes[start : end + 1]), reason, path))
+    table = pd.DataFrame([{**p.__dict__, "path": p.path.name} for p in partitions])
+    table.to_csv(out_dir / PARTITION_TABLE, index=False)
+    return partitions
+
+
+def extract(model: onnx.ModelProto, start: int, end: int) -> onnx.ModelProto:
+    """Nodes `start..end` (inclusive) as a valid model: inputs are what they read from outside, outputs
+    what the rest of the graph (or the graph's outputs) reads from them; types come from shape inference."""
+    graph = model.graph
+    chosen = list(graph.node[start : end + 1])
+    rest = list(graph.node[:start]) + list(graph.node[end + 1 :])
+    produced = {o for node in chosen for o in node.output if o}
+    initializers = {init.name: init for init in graph.initializer}
+    reads = [n for node in chosen for n in node.input if n] + sorted(subgraph_outer_references(_graph_of(chosen)))
+    needed_outside = {n for node in rest for n in node.input} | {o.name for o in graph.output}
+    needed_outside |= subgraph_outer_references(_graph_of(rest))
+    typed = {vi.name: vi for vi in [*graph.input, *graph.value_info, *graph.output]}
+    inputs = list(dict.fromkeys(n for n in reads if n not in produced and n not in initializers))
+    outputs = [o for node in chosen for o in node.output if o and o in needed_outside] or [
+        o for o in chosen[-1].output if o
+    ]
+    sub = onnx.helper.make_graph(
+        chosen,
+        f"{graph.name or 'graph'}_nodes_{start}_{end}",
+        [_value_info(typed, name) for name in inputs],
+        [_value_info(typed, name) for name in outputs],
+        [initializers[name] for name in dict.fromkeys(reads) if name in initializers],
+    )
+    extracted = onnx.helper.make_model(sub, opset_imports=model.opset_import, ir_version=model.ir_version)
+    extracted.graph.value_info.extend(typed[n] for n in produced if n in typed and n not in outputs)
+    return extracted
+
+
+def _capability_errors(trt, path: Path) -> dict[int, str]:
+    """Node index -> why TensorRT's parser cannot convert it, from the capability query."""
+    logger = ErrorLog(trt)
+    network = trt.Builder(logger).create_network(0)
+    parser = trt.OnnxParser(network, logger)
+    parser.supports_model_v2(path.read_bytes(), str(path))
+    failing = {}
+    for index in range(parser.num_errors):
+        error = parser.get_error(index)
+        if error.node() >= 0:
+            failing[error.node()] = f"{error.node_operator()} '{error.node_name()}': {error.desc().strip() or 'unsupported'}"
+    return failing
+
+
+def _parses(trt, subgraph: onnx.ModelProto) -> tuple[bool, str]:
+    with tempfile.TemporaryDirectory(prefix="accudiff-partition-") as tmp:
+        path = Path(tmp) / "subgraph.onnx"
+        onnx.save(subgraph, str(path))
+        try:
+            create_network(trt, path)
+        except AccudiffError as exc:
+            return False, str(exc).split(": ", 1)[-1]
+    return True, ""
+
+
+def _ranges(count: int, failing: set[int]) -> list[tuple[int, int]]:
+    """Consecutive node ranges, cut wherever support changes (each failing node run forms its own range)."""
+    ranges, start = [], 0
+    for index in range(1, count + 1):
+        if index == count or (index in failing) != (start in failing):
+            ranges.append((start, index - 1))
+            start = index
+    return ranges
+
+
+def _op_summary(nodes) -> str:
+    counts = collections.Counter(node.op_type for node in nodes)
+    return ", ".join(f"{op} x{n}" if n > 1 else op for op, n in counts.items())
+
+
+def _value_info(typed: dict, name: str) -> onnx.ValueInfoProto:
+    return typed[name] if name in typed else onnx.ValueInfoProto(name=name)
+
+
+def _graph_of(nodes) -> onnx.GraphProto:
+    graph = onnx.GraphProto()
+    graph.node.extend(nodes)
+    return graph

@@ -1,0 +1,80 @@
+"""Which TensorRT is here, and can it run: imported lazily, so accudiff never needs TensorRT to start.
+
+`tensorrt` (10.x or 11.x) and `tensorrt_rtx` share one API shape for what accudiff uses. Building works
+without a GPU (TensorRT-RTX builds on a CPU-only machine); running needs a GPU, and TensorRT-RTX only runs
+on compute capabilities 8.0, 8.6, 8.9 and 12.x.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from accudiff.errors import AccudiffError
+
+MODULES = ("tensorrt", "tensorrt_rtx")
+INSTALL_HINT = "pip install 'accudiff[trt]' (tensorrt) or 'accudiff[rtx]' (tensorrt-rtx)"
+RTX_COMPUTE_CAPABILITIES = {(8, 0), (8, 6), (8, 9)}  # and every 12.x
+
+
+def import_tensorrt(module: str | None = None) -> ModuleType:
+    """The TensorRT module named (`tensorrt` or `tensorrt_rtx`), or the first importable of the two."""
+    if module is not None and module not in MODULES:
+        raise AccudiffError(f"unknown TensorRT module '{module}'; choose one of: {', '.join(MODULES)}")
+    problems = []
+    for name in [module] if module else MODULES:
+        try:
+            trt = importlib.import_module(name)
+        except ImportError as exc:
+            problems.append(f"{name}: {exc}")
+            continue
+        if name == "tensorrt" and int(trt.__version__.split(".")[0]) < 10:
+            problems.append(f"tensorrt {trt.__version__} is older than 10")
+            continue
+        return trt
+    raise AccudiffError(f"TensorRT is not usable here ({'; '.join(problems)}); install it with {INSTALL_HINT}")
+
+
+def is_rtx(trt: ModuleType) -> bool:
+    return trt.__name__.startswith("tensorrt_rtx")
+
+
+def gpu_compute_capability(device: int = 0) -> tuple[int, int]:
+    """Compute capability of the GPU TensorRT would run on; AccudiffError saying why there is none."""
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        try:
+            from cuda import cudart  # cuda-python before 12.6
+        except ImportError:
+            raise AccudiffError(f"cuda-python is not installed; install it with {INSTALL_HINT}") from None
+    error, count = cudart.cudaGetDeviceCount()
+    if error != cudart.cudaError_t.cudaSuccess:
+        message = cudart.cudaGetErrorString(error)[1].decode()
+        raise AccudiffError(f"no usable GPU for TensorRT inference: {message}")
+    if count <= device:
+        raise AccudiffError("no usable GPU for TensorRT inference: CUDA reports no device")
+    attributes = cudart.cudaDeviceAttr
+    _, major = cudart.cudaDeviceGetAttribute(attributes.cudaDevAttrComputeCapabilityMajor, device)
+    _, minor = cudart.cudaDeviceGetAttribute(attributes.cudaDevAttrComputeCapabilityMinor, device)
+    return int(major), int(minor)
+
+
+def require_inference(trt: ModuleType) -> tuple[int, int]:
+    """Check that `trt` can run engines on this machine's GPU; return its compute capability."""
+    capability = gpu_compute_capability()
+    if is_rtx(trt) and capability not in RTX_COMPUTE_CAPABILITIES and capability[0] != 12:
+        raise AccudiffError(
+            f"TensorRT-RTX cannot run on this GPU (compute capability {capability[0]}.{capability[1]}); "
+            "it supports 8.0, 8.6, 8.9 and 12.x"
+        )
+    return capability
+
+
+def inference_unavailable_reason(module: str | None = None) -> str | None:
+    """Why TensorRT inference cannot run here, or None when it can."""
+    try:
+        require_inference(import_tensorrt(module))
+    except AccudiffError as exc:
+        return str(exc)
+    return None

@@ -1,0 +1,148 @@
+"""TensorRT: parsing, marking, building, engine cache and partitions run for real with TensorRT-RTX (or
+TensorRT) on a machine without a GPU. Inference tests need a supported GPU and skip, with the reason,
+elsewhere; they make the same assertions as the ONNX Runtime candidate's tests."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+
+import accudiff
+from accudiff.errors import AccudiffError
+from accudiff.model.loading import load_model
+from accudiff.runners.trt_env import import_tensorrt, inference_unavailable_reason
+from conftest import FIXTURES, fixture
+from test_fixtures import FAULTS
+
+try:
+    TRT = import_tensorrt()
+except AccudiffError as exc:
+    pytest.skip(str(exc), allow_module_level=True)
+
+from accudiff.bisect.partition import partition  # noqa: E402
+from accudiff.runners.trt_build import BuildSettings, build_engine, create_network  # noqa: E402
+from accudiff.transforms import to_fp16, to_int8  # noqa: E402
+from accudiff.model.inputs import generate_feeds, resolve_shapes  # noqa: E402
+
+PARSEABLE = sorted(p.stem for p in FIXTURES.glob("*.onnx") if p.stem != "unsupported_op")
+SHAPES = {"dynamic_batch": {"x": (2, 3, 8, 8)}}
+NO_INFERENCE = inference_unavailable_reason()
+needs_gpu = pytest.mark.skipif(NO_INFERENCE is not None, reason=f"TensorRT inference: {NO_INFERENCE}")
+
+
+def _build(name: str, mark: str, tmp_path, **settings):
+    info = load_model(fixture(name))
+    tensors = [t.name for t in info.tensors]
+    settings = BuildSettings(mark=mark, input_shapes=SHAPES.get(name, {}), **settings)
+    return info, build_engine(TRT, info.path, tensors, settings, tmp_path / "cache")
+
+
+@pytest.mark.parametrize("name", PARSEABLE)
+def test_every_fixture_parses(name):
+    _, network, _, _ = create_network(TRT, fixture(name))
+    assert network.num_layers > 0
+
+
+def test_parser_error_names_the_node():
+    with pytest.raises(AccudiffError, match=r"cannot convert 'unsupported_op.onnx': node 2 'unique' \(Unique\)"):
+        create_network(TRT, fixture("unsupported_op"))
+
+
+def test_mark_all_builds_with_every_tensor_as_output(tmp_path):
+    info, built = _build("layernorm_overflow", "all", tmp_path)
+    assert built.plan and built.mark == "all"
+    assert set(built.outputs) == {t.name for t in info.tensors}
+    assert built.not_observable == {}
+    assert any("prevents fusions" in notice for notice in built.notices)
+
+
+def test_mark_all_lists_what_tensorrt_cannot_show(tmp_path):
+    _, built = _build("if_model", "all", tmp_path)
+    assert "loop or conditional" in built.not_observable["branch"]
+
+
+@pytest.mark.parametrize("mark", ["unfused", "outputs"])
+def test_unfused_and_outputs_modes_build_the_shipped_engine(mark, tmp_path):
+    info, built = _build("clean", mark, tmp_path)
+    assert built.plan and built.mark == mark
+    assert built.outputs == info.output_names  # nothing forced to be an output: fusion is untouched
+
+
+def test_dynamic_shapes_get_a_profile(tmp_path):
+    _, built = _build("dynamic_batch", "all", tmp_path)
+    assert built.plan
+    with pytest.raises(AccudiffError, match="input 'x' is dynamic; give its shape"):
+        build_engine(TRT, fixture("dynamic_batch"), ["y"], BuildSettings(), tmp_path / "other")
+
+
+def test_second_build_comes_from_the_engine_cache(tmp_path):
+    _, first = _build("clean", "all", tmp_path)
+    _, second = _build("clean", "all", tmp_path)
+    assert not first.from_cache and second.from_cache
+    assert second.plan == first.plan
+    _, other = _build("clean", "outputs", tmp_path)
+    assert not other.from_cache  # other settings, other engine
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_strongly_typed_build_of_the_transformed_models(precision, tmp_path):
+    info = load_model(fixture("clean"))
+    if precision == "fp16":
+        model = to_fp16(info.proto).model
+    else:
+        model = to_int8(info.proto, generate_feeds(info.inputs, resolve_shapes(info.inputs, {}), iterations=2)).model
+    path = tmp_path / f"clean-{precision}.onnx"
+    onnx.save(model, str(path))
+    built = build_engine(TRT, path, [t.name for t in info.tensors], BuildSettings(mark="all"), tmp_path / "cache")
+    assert built.plan and "r1" in built.outputs
+
+
+@pytest.mark.skipif(hasattr(TRT.BuilderFlag, "FP16"), reason="this TensorRT still has weakly typed builder flags")
+def test_legacy_precision_fails_clearly_without_weak_typing(tmp_path):
+    with pytest.raises(AccudiffError, match="--trt-legacy-precision needs TensorRT 10's weakly typed builder"):
+        _build("clean", "outputs", tmp_path, legacy_precision="fp16")
+
+
+def test_partition_saves_convertible_and_non_convertible_parts(tmp_path):
+    parts = partition(fixture("unsupported_op"), tmp_path)
+    assert [(p.start, p.end, p.supported) for p in parts] == [(0, 1, True), (2, 2, False), (3, 4, True)]
+    assert [p.path.name for p in parts] == [
+        "supported_subgraph-nodes-0-1.onnx",
+        "unsupported_subgraph-nodes-2-2.onnx",
+        "supported_subgraph-nodes-3-4.onnx",
+    ]
+    assert "Unique" in parts[1].reason and parts[1].op_types == "Unique"
+    for part in parts:
+        onnx.checker.check_model(onnx.load(str(part.path)), full_check=True)
+    for part in (parts[0], parts[2]):
+        create_network(TRT, part.path)  # each convertible part converts on its own
+    assert (tmp_path / "partitions.csv").read_text().count("\n") == 4
+
+
+def test_partition_command(run_cli, tmp_path):
+    code, out, err = run_cli("partition", fixture("unsupported_op"), "-o", tmp_path / "parts")
+    assert code == 0, err
+    assert "2 convertible and 1 non-convertible part(s)" in out
+    assert "nodes 2-2: NOT convertible: Unique" in out
+
+
+def test_fully_convertible_model_is_one_part(tmp_path):
+    [part] = partition(fixture("clean"), tmp_path)
+    assert part.supported and (part.start, part.end) == (0, 6)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name, precision, tensor, kind, passed", FAULTS, ids=[f[0] for f in FAULTS])
+def test_tensorrt_candidate_finds_the_planted_faults(name, precision, tensor, kind, passed):
+    result = accudiff.compare(fixture(name), precision, candidate="trt", trt=accudiff.TrtOptions(mark="all"))
+    assert result.passed is passed
+    assert result.first_failure is not None and result.first_failure.tensor == tensor
+    assert kind in [f.kind for f in result.first_failure.findings]
+
+
+@needs_gpu
+@pytest.mark.parametrize("mark", ["all", "unfused", "outputs"])
+def test_tensorrt_candidate_passes_the_clean_model(mark, tmp_path):
+    result = accudiff.compare(fixture("clean"), "fp16", candidate="trt", trt=accudiff.TrtOptions(mark=mark), report_dir=tmp_path / "r")
+    assert result.passed
+    assert (tmp_path / "r" / "engine_layers.json").exists()
