@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +12,8 @@ from typing import Callable, Iterable, Sequence
 import onnx
 import pandas as pd
 
-from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, compare_runs, record_runs
+from accudiff.bisect.isolate import IsolatedFeeds, isolated_model
+from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, compare_runs, record_runs, with_isolated
 from accudiff.comparison.tolerances import Tolerances
 from accudiff.diagnosis.rules import DiagnosisContext, Finding, diagnose, first_failing_ancestor
 from accudiff.errors import AccudiffError
@@ -91,13 +93,16 @@ def compare(
     progress: Callable[[str, int, int], None] | None = None,
     reference_cache: ReferenceCache | None = None,
     trt: TrtOptions = TrtOptions(),
+    isolate: bool = False,
 ) -> CompareResult:
     """Compare every tensor of `model` run in FP32 (reference) against the `precision` candidate.
 
     Inputs come from `inputs` (an .npz/polygraphy JSON path, or a list of feeds) or are generated from
     `seed` and `val_range` for `iterations` iterations. With `report_dir`, the report folder is written
     there atomically. A `reference_cache` shared between calls runs each model's reference only once per
-    set of inputs. Raises AccudiffError (one sentence) for any problem with the inputs.
+    set of inputs. `isolate` adds, for every tensor, the error its node makes when fed the reference's
+    values (columns `isolated_*`; one extra candidate run). Raises AccudiffError (one sentence) for any
+    problem with the inputs.
     """
     if precision not in PRECISIONS:
         raise AccudiffError(f"unknown precision '{precision}'; choose one of: {', '.join(PRECISIONS)}")
@@ -107,7 +112,7 @@ def compare(
     tolerances = Tolerances.build(precision, atol, rtol, stol)
     kind, notice = resolve_candidate(candidate, trt)
     info = load_model(model)
-    feeds = _feeds(info, inputs, input_shapes, seed, val_range, iterations)
+    feeds = prepare_feeds(info, inputs, input_shapes, seed, val_range, iterations)
     step.lap("load")
 
     folder = ReportFolder(Path(report_dir) if report_dir is not None else None)
@@ -133,6 +138,9 @@ def compare(
                 not_observable.update(cand.not_observable)
                 label = cand.label
                 candidate_notices = cand.notices
+            if isolate:
+                isolated = _isolated_table(info, kind, candidate_path, names, precision, feeds, reference_outputs, tolerances, transformed, trt, report)
+                table = with_isolated(table, isolated)
         step.lap("run")
         result = _judge(info, precision, label, table, tolerances, transformed, not_observable, feeds, seed if inputs is None else None)
         result.notices = [n for n in [notice, *transformed.warnings, *candidate_notices] if n]
@@ -164,7 +172,8 @@ class _Stopwatch:
         self._last = now
 
 
-def _feeds(info: ModelInfo, inputs, input_shapes, seed: int, val_range, iterations: int) -> list[Feed]:
+def prepare_feeds(info: ModelInfo, inputs=None, input_shapes=(), seed: int = 0, val_range=(), iterations: int = 1) -> list[Feed]:
+    """The feeds `compare` uses: loaded (path), given (list), or generated from seed and ranges."""
     if isinstance(inputs, (str, Path)):
         return load_feeds(inputs, info.inputs)
     if inputs is not None:
@@ -187,6 +196,18 @@ def _reference_outputs(info: ModelInfo, names, feeds, cache: ReferenceCache, pro
             cache.put(key, store, {**info.not_observable, **reference.not_observable})
     store, not_observable = cache.get(key)
     return store, dict(not_observable)
+
+
+def _isolated_table(info, kind, candidate_path, names, precision, feeds, reference, tolerances, transformed, trt, report):
+    """Statistics of every tensor when its node reads the reference's values (see bisect/isolate.py)."""
+    with tempfile.TemporaryDirectory(prefix="accudiff-isolated-") as scratch:
+        model, fed = isolated_model(onnx.load(str(candidate_path)), names)
+        path = Path(scratch) / candidate_path.name
+        external = save_model(model, path)
+        del model
+        with candidate_runner(kind, path, names, precision, external, trt) as runner:
+            isolated_feeds = IsolatedFeeds(feeds, reference, fed)
+            return compare_runs(info.tensors, reference, runner, isolated_feeds, tolerances, transformed.quant_ranges, report("isolated"))
 
 
 def _transform(info: ModelInfo, precision: str, feeds, calib_data, keep_fp32, autokeep: bool, seed: int) -> TransformResult:

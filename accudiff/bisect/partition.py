@@ -18,7 +18,8 @@ from pathlib import Path
 import onnx
 import pandas as pd
 
-from accudiff.model.loading import load_model, subgraph_outer_references
+from accudiff.model.loading import load_model
+from accudiff.model.subgraph import extract
 from accudiff.errors import AccudiffError
 from accudiff.runners.trt_build import ErrorLog, create_network
 from accudiff.runners.trt_env import import_tensorrt
@@ -46,7 +47,7 @@ def partition(model: str | Path, out_dir: str | Path, module: str | None = None)
     out_dir.mkdir(parents=True, exist_ok=True)
     partitions = []
     for start, end in _ranges(len(nodes), set(failing)):
-        subgraph = extract(info.proto, start, end)
+        subgraph = extract(info.proto, range(start, end + 1))
         if start in failing:
             supported, reason = False, failing[start]
         else:
@@ -58,34 +59,6 @@ def partition(model: str | Path, out_dir: str | Path, module: str | None = None)
     table = pd.DataFrame([{**p.__dict__, "path": p.path.name} for p in partitions])
     table.to_csv(out_dir / PARTITION_TABLE, index=False)
     return partitions
-
-
-def extract(model: onnx.ModelProto, start: int, end: int) -> onnx.ModelProto:
-    """Nodes `start..end` (inclusive) as a valid model: inputs are what they read from outside, outputs
-    what the rest of the graph (or the graph's outputs) reads from them; types come from shape inference."""
-    graph = model.graph
-    chosen = list(graph.node[start : end + 1])
-    rest = list(graph.node[:start]) + list(graph.node[end + 1 :])
-    produced = {o for node in chosen for o in node.output if o}
-    initializers = {init.name: init for init in graph.initializer}
-    reads = [n for node in chosen for n in node.input if n] + sorted(subgraph_outer_references(_graph_of(chosen)))
-    needed_outside = {n for node in rest for n in node.input} | {o.name for o in graph.output}
-    needed_outside |= subgraph_outer_references(_graph_of(rest))
-    typed = {vi.name: vi for vi in [*graph.input, *graph.value_info, *graph.output]}
-    inputs = list(dict.fromkeys(n for n in reads if n not in produced and n not in initializers))
-    outputs = [o for node in chosen for o in node.output if o and o in needed_outside] or [
-        o for o in chosen[-1].output if o
-    ]
-    sub = onnx.helper.make_graph(
-        chosen,
-        f"{graph.name or 'graph'}_nodes_{start}_{end}",
-        [_value_info(typed, name) for name in inputs],
-        [_value_info(typed, name) for name in outputs],
-        [initializers[name] for name in dict.fromkeys(reads) if name in initializers],
-    )
-    extracted = onnx.helper.make_model(sub, opset_imports=model.opset_import, ir_version=model.ir_version)
-    extracted.graph.value_info.extend(typed[n] for n in produced if n in typed and n not in outputs)
-    return extracted
 
 
 def _capability_errors(trt, path: Path) -> dict[int, str]:
@@ -126,13 +99,3 @@ def _ranges(count: int, failing: set[int]) -> list[tuple[int, int]]:
 def _op_summary(nodes) -> str:
     counts = collections.Counter(node.op_type for node in nodes)
     return ", ".join(f"{op} x{n}" if n > 1 else op for op, n in counts.items())
-
-
-def _value_info(typed: dict, name: str) -> onnx.ValueInfoProto:
-    return typed[name] if name in typed else onnx.ValueInfoProto(name=name)
-
-
-def _graph_of(nodes) -> onnx.GraphProto:
-    graph = onnx.GraphProto()
-    graph.node.extend(nodes)
-    return graph

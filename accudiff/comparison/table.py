@@ -109,3 +109,12 @@ def _row(info: TensorInfo, seen: dict | None, stats: TensorStats | None, note: s
         row["status"] = STATUS_FAIL if shape_mismatch or stats.outside_count else STATUS_PASS
     row["note"] = note or ""
     return row
+
+
+ISOLATED_COLUMNS = ["max_abs_err", "sqnr_db", "outside_share", "status"]
+
+
+def with_isolated(table: pd.DataFrame, isolated: pd.DataFrame) -> pd.DataFrame:
+    """Add the isolated run's key statistics to the accumulated table, as `isolated_<column>`."""
+    extra = isolated.set_index("tensor")[ISOLATED_COLUMNS].add_prefix("isolated_")
+    return table.join(extra, on="tensor")

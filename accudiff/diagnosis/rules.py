@@ -24,7 +24,7 @@ RESOLUTION_SHARE = 0.5
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # overflow | constant_overflow | underflow | int8_clipping | int8_resolution | nan_inf_origin | nan_inf_inherited | shape | inherited | rounding
+    kind: str  # overflow | constant_overflow | underflow | int8_clipping | int8_resolution | nan_inf_origin | nan_inf_inherited | shape | local | inherited | rounding
     message: str
 
 
@@ -50,6 +50,9 @@ def diagnose(tensor: str, table: pd.DataFrame, context: DiagnosisContext) -> lis
     if context.precision == "int8":
         findings += _int8_inputs(table, inputs)
     findings += _non_finite(row, table, inputs)
+    if "isolated_status" in row.index and row["status"] == STATUS_FAIL and isinstance(row["isolated_status"], str):
+        findings.append(_isolation(row))
+        return findings
     failing_inputs = [name for name in inputs if table.loc[name, "status"] == STATUS_FAIL]
     if failing_inputs and not findings:
         findings.append(Finding("inherited", f"its input '{failing_inputs[0]}' is already out of tolerance; the error is carried in"))
@@ -74,6 +77,14 @@ def first_failing_ancestor(tensor: str, table: pd.DataFrame, upstream: dict[str,
                 stack.append(parent)
     failing = [name for name in table.index if name in seen and table.loc[name, "status"] == STATUS_FAIL]
     return failing[0] if failing else None
+
+
+def _isolation(row: pd.Series) -> Finding:
+    """Local or inherited, from the run in which every node read the reference's values."""
+    figures = f"isolated SQNR {row['isolated_sqnr_db']:.1f} dB, accumulated {row['sqnr_db']:.1f} dB"
+    if row["isolated_status"] == STATUS_FAIL:
+        return Finding("local", f"fed the reference's inputs, this {row['op_type']} still fails ({figures}): the error starts here")
+    return Finding("inherited", f"fed the reference's inputs, this {row['op_type']} is within tolerance ({figures}): the error comes from upstream")
 
 
 def _fp16_overflow(row: pd.Series) -> list[Finding]:

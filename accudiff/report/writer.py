@@ -58,7 +58,7 @@ def summary(result) -> dict:
         "timings_s": result.timings,
         "files": {"tensors": TENSORS_FILE, "inputs": "inputs.npz", "candidate_model": f"candidate-{result.precision}.onnx"},
     }
-    return _finite(document)
+    return finite(document)
 
 
 def worst_tensors(table, count: int = WORST_COUNT):
@@ -72,11 +72,11 @@ def write_report(result, folder: ReportFolder) -> None:
     folder.write_text(SUMMARY_FILE, json.dumps(summary(result), indent=2) + "\n")
 
 
-def _finite(value):
+def finite(value):
     if isinstance(value, dict):
-        return {str(k): _finite(v) for k, v in value.items()}
+        return {str(k): finite(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
+        return [finite(v) for v in value]
     if hasattr(value, "item") and not isinstance(value, (str, bytes)):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):

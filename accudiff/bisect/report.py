@@ -1,0 +1,72 @@
+"""Run a bisector into a report folder (result.json plus its models), and word its result for the console."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from accudiff.bisect.precision import KEEP_LIST_FILE, RANKING_FILE, bisect_precision
+from accudiff.bisect.session import BisectSession, stderr_progress
+from accudiff.bisect.subgraph import bisect_subgraph
+from accudiff.report.folder import ReportFolder
+from accudiff.report.writer import finite
+
+RESULT_FILE = "result.json"
+RESULT_SCHEMA = "accudiff.bisect.result"
+
+
+def run_bisector(name: str, model: str | Path, precision: str, options: dict, out_dir: Path) -> tuple[str, bool]:
+    """Run bisector `name`; returns the console summary and whether a failure was found."""
+    folder = ReportFolder(Path(out_dir))
+    session = BisectSession(Path(model), precision, dict(options), stderr_progress())
+    try:
+        if name == "subgraph":
+            result = bisect_subgraph(session, folder.path)
+            document = {key: str(value) if isinstance(value, Path) else value for key, value in asdict(result).items()}
+            text, found = _subgraph_text(result, folder.final), result.tensor is not None
+        else:
+            result = bisect_precision(session, folder.path)
+            document = {key: str(value) if isinstance(value, Path) else value for key, value in asdict(result).items() if key != "ranking"}
+            text, found = _precision_text(result, folder.final), not result.passed_without_changes
+        document = {"schema": RESULT_SCHEMA, "schema_version": 1, "bisector": name, "model": str(model), "precision": precision, **document}
+        folder.write_text(RESULT_FILE, json.dumps(finite(document), indent=2) + "\n")
+        folder.commit()
+    except BaseException:
+        folder.discard()
+        raise
+    finally:
+        session.close()
+    return text, found
+
+
+def _subgraph_text(result, folder: Path) -> str:
+    lines = [f"accudiff bisect subgraph: {result.candidate_runs} candidate runs (bound {result.bound})"]
+    if result.tensor is None:
+        lines.append("  every tensor is within tolerance: nothing to isolate")
+        return "\n".join(lines)
+    lines.append(f"  first failing tensor: '{result.tensor}'")
+    if result.interrupted:
+        lines.append("  interrupted before a reproducer was confirmed")
+    if result.nodes:
+        shown = ", ".join(result.nodes[:6]) + (f", ... ({len(result.nodes)} nodes)" if len(result.nodes) > 6 else "")
+        lines.append(f"  smallest failing subgraph: {shown}")
+        lines.append(f"  reproducer {'confirmed to fail' if result.confirmed else 'did NOT fail when run again (the failure needs more context)'}:")
+        lines.append(f"    cd {folder} && {result.command}")
+    return "\n".join(lines)
+
+
+def _precision_text(result, folder: Path) -> str:
+    lines = [f"accudiff bisect precision: {result.candidate_runs} candidate runs (bound {result.bound})"]
+    if result.passed_without_changes:
+        lines.append("  the model already meets tolerance: nothing to keep in higher precision")
+    elif result.repaired:
+        lines.append(f"  keeping {len(result.keep)} node(s) in higher precision makes the outputs meet tolerance: {', '.join(result.keep[:8])}{' ...' if len(result.keep) > 8 else ''}")
+        lines.append(f"  keep-list: {folder / KEEP_LIST_FILE} (one --keep-fp32 pattern per line); repaired model: {folder / result.repaired_model.name}")
+    elif result.interrupted:
+        lines.append("  interrupted before a passing keep-list was found")
+    else:
+        lines.append("  even keeping every ranked node in higher precision does not meet tolerance")
+    if result.ranking is not None:
+        lines.append(f"  ranking of nodes by their own error: {folder / RANKING_FILE}")
+    return "\n".join(lines)

@@ -1,0 +1,59 @@
+"""What every bisector shares: fixed inputs, one cached reference, counted candidate runs, progress, and a
+clean stop on Ctrl-C that keeps what was found so far."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, TextIO
+
+from accudiff.api import CompareResult, compare, prepare_feeds
+from accudiff.model.loading import ModelInfo, load_model
+from accudiff.runners.outputs import OutputStore, ReferenceCache
+
+# Options of `accudiff.compare` that define the inputs; the rest (precision, tolerances...) pass through.
+INPUT_OPTIONS = ("inputs", "input_shapes", "seed", "val_range", "iterations")
+
+
+@dataclass
+class BisectSession:
+    """One model, one set of inputs and one reference, compared again and again under changes."""
+
+    model: Path
+    precision: str
+    options: dict = field(default_factory=dict)
+    progress: Callable[[str], None] = lambda message: None
+    candidate_runs: int = 0
+
+    def __post_init__(self) -> None:
+        self.model = Path(self.model)
+        self.info: ModelInfo = load_model(self.model)
+        input_options = {k: self.options.pop(k) for k in INPUT_OPTIONS if k in self.options}
+        self.feeds = prepare_feeds(self.info, **input_options)
+        self.cache = ReferenceCache()
+
+    def compare(self, model: Path | None = None, feeds=None, **changes) -> CompareResult:
+        """A comparison with the session's inputs and options; counts the candidate runs it makes."""
+        options = {**self.options, **changes}
+        result = compare(model or self.model, self.precision, inputs=feeds if feeds is not None else self.feeds, reference_cache=self.cache, **options)
+        self.candidate_runs += 2 if options.get("isolate") else 1
+        return result
+
+    def reference_outputs(self) -> OutputStore:
+        """The full model's stored reference outputs (after a first `compare`)."""
+        return self.cache.get(ReferenceCache.key(self.model, self.feeds))[0]
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+def stderr_progress(stream: TextIO | None = None) -> Callable[[str], None]:
+    """Progress lines on stderr (looked up at each call, so redirection after start-up is honoured)."""
+
+    def show(message: str) -> None:
+        target = stream or sys.stderr
+        target.write(f"  {message}\n")
+        target.flush()
+
+    return show

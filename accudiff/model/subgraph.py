@@ -1,0 +1,47 @@
+"""Cut a set of nodes out of a model as a valid, runnable ONNX model of its own."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import onnx
+
+from accudiff.model.loading import subgraph_outer_references
+
+
+def extract(model: onnx.ModelProto, indices: Sequence[int], name: str | None = None) -> onnx.ModelProto:
+    """The nodes at `indices` (kept in graph order) as a model: its inputs are what they read from outside,
+    its outputs what the rest of the graph (or the graph's outputs) reads from them, or else the last
+    node's outputs. Types and shapes come from the model's value_info (run shape inference first)."""
+    graph = model.graph
+    wanted = sorted(set(indices))
+    chosen = [graph.node[i] for i in wanted]
+    rest = [node for i, node in enumerate(graph.node) if i not in set(wanted)]
+    produced = {o for node in chosen for o in node.output if o}
+    initializers = {init.name: init for init in graph.initializer}
+    reads = [n for node in chosen for n in node.input if n] + sorted(subgraph_outer_references(_graph_of(chosen)))
+    needed_outside = {n for node in rest for n in node.input} | {o.name for o in graph.output}
+    needed_outside |= subgraph_outer_references(_graph_of(rest))
+    typed = {vi.name: vi for vi in [*graph.input, *graph.value_info, *graph.output]}
+    inputs = list(dict.fromkeys(n for n in reads if n not in produced and n not in initializers))
+    outputs = [o for node in chosen for o in node.output if o and o in needed_outside] or [o for o in chosen[-1].output if o]
+    sub = onnx.helper.make_graph(
+        chosen,
+        name or f"{graph.name or 'graph'}_nodes_{wanted[0]}_{wanted[-1]}",
+        [_value_info(typed, n) for n in inputs],
+        [_value_info(typed, n) for n in outputs],
+        [initializers[n] for n in dict.fromkeys(reads) if n in initializers],
+    )
+    extracted = onnx.helper.make_model(sub, opset_imports=model.opset_import, ir_version=model.ir_version)
+    extracted.graph.value_info.extend(typed[n] for n in produced if n in typed and n not in outputs)
+    return extracted
+
+
+def _value_info(typed: dict, name: str) -> onnx.ValueInfoProto:
+    return typed[name] if name in typed else onnx.ValueInfoProto(name=name)
+
+
+def _graph_of(nodes) -> onnx.GraphProto:
+    graph = onnx.GraphProto()
+    graph.node.extend(nodes)
+    return graph

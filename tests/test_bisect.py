@@ -1,0 +1,124 @@
+"""Isolated error and the bisectors, on the fault fixtures with the ONNX Runtime candidate (real runs)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import onnx
+import pytest
+
+import accudiff
+from accudiff.bisect.precision import bisect_precision
+from accudiff.bisect.session import BisectSession
+from accudiff.bisect.subgraph import bisect_subgraph
+from conftest import fixture
+
+CPU = {"candidate": "onnxrt"}
+
+
+def _session(name: str, precision: str, **options) -> BisectSession:
+    return BisectSession(fixture(name), precision, {**CPU, **options})
+
+
+def test_isolated_error_separates_local_from_inherited():
+    result = accudiff.compare(fixture("layernorm_overflow"), "fp16", candidate="onnxrt", isolate=True)
+    table = result.table.set_index("tensor")
+    assert table.loc["squared", "isolated_status"] == "fail"  # overflows by itself
+    assert table.loc["logits", "status"] == "fail" and table.loc["logits", "isolated_status"] == "pass"  # only inherits
+    [output] = result.output_failures
+    assert [f.kind for f in output.findings] == ["inherited"]
+
+
+@pytest.mark.parametrize(
+    "name, precision, nodes",
+    [
+        ("layernorm_overflow", "fp16", ["ln_square"]),
+        ("nan_midgraph", "fp16", ["ratio"]),
+        ("overflow_activation", "fp16", ["amplify"]),
+        ("underflow", "fp16", ["shrink", "restore"]),  # the FP16 storage of 'tiny' belongs to its producer
+        ("int8_outlier_channel", "int8", ["conv"]),
+    ],
+)
+def test_subgraph_bisect_finds_the_planted_node_and_a_reproducer_that_fails(name, precision, nodes, tmp_path):
+    session = _session(name, precision)
+    result = bisect_subgraph(session, tmp_path)
+    session.close()
+    assert result.nodes == nodes
+    assert result.confirmed
+    assert result.candidate_runs <= result.bound
+    # The reproducer fails on its own, run exactly as the saved command says.
+    args = result.command.split()
+    assert args[:3] == ["accudiff", "compare", "subgraph.onnx"]
+    precision_flag = [a for a in args if a in ("--fp16", "--int8")]
+    replay = accudiff.compare(result.model_path, precision_flag[0][2:], candidate="onnxrt", inputs=result.inputs_path)
+    assert not replay.passed or replay.first_failure is not None
+    onnx.checker.check_model(onnx.load(str(result.model_path)), full_check=True)
+
+
+def test_subgraph_bisect_finds_an_accumulating_chain_in_log_runs(tmp_path):
+    session = _session("accumulated_drift", "fp16", iterations=2)
+    result = bisect_subgraph(session, tmp_path)
+    nodes = len(session.info.proto.graph.node)
+    session.close()
+    # With two samples a tensor fails if it fails on either: the drift crosses tolerance near step 60.
+    step = int(result.tensor.removeprefix("acc_"))
+    assert 55 <= step <= 65
+    assert result.nodes[-1] == f"add_{step}" and 30 <= len(result.nodes) < step + 1
+    assert result.confirmed
+    assert result.candidate_runs <= math.ceil(math.log2(nodes)) + 3 == result.bound
+
+
+def test_subgraph_bisect_on_a_clean_model_finds_nothing(tmp_path):
+    session = _session("clean", "fp16")
+    result = bisect_subgraph(session, tmp_path)
+    session.close()
+    assert result.tensor is None and result.nodes == [] and result.candidate_runs == 2
+
+
+def test_precision_bisect_repairs_the_model_with_few_runs(tmp_path):
+    session = _session("layernorm_overflow", "fp16")
+    result = bisect_precision(session, tmp_path)
+    session.close()
+    assert result.repaired and "ln_square" in result.keep
+    assert len(result.keep) < len(result.ranking) and result.candidate_runs <= result.bound < len(result.ranking) + 2
+    keep = (tmp_path / "keep_fp32.txt").read_text().split()
+    assert accudiff.compare(fixture("layernorm_overflow"), "fp16", candidate="onnxrt", keep_fp32=keep).passed
+    repaired = onnx.load(str(result.repaired_model))
+    assert {n.name for n in repaired.graph.node} >= set(result.keep)
+    ranking = result.ranking.set_index("node")
+    assert ranking.loc["ln_square", "rank"] == 1 and bool(ranking.loc["ln_square", "kept"])
+
+
+def test_precision_bisect_for_int8_leaves_the_outlier_conv_unquantized(tmp_path):
+    session = _session("int8_outlier_channel", "int8")
+    result = bisect_precision(session, tmp_path)
+    session.close()
+    assert result.keep == ["conv"] and result.repaired
+
+
+def test_bisect_stops_cleanly_on_ctrl_c_and_keeps_what_it_found(tmp_path):
+    session = _session("accumulated_drift", "fp16")
+    real_compare, calls = session.compare, []
+
+    def interrupted_after_two(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 2:
+            raise KeyboardInterrupt
+        return real_compare(*args, **kwargs)
+
+    session.compare = interrupted_after_two
+    result = bisect_subgraph(session, tmp_path)
+    session.close()
+    assert result.interrupted and result.tensor == "acc_61" and not result.confirmed
+
+
+def test_bisect_commands_write_their_report(run_cli, tmp_path):
+    code, out, err = run_cli("bisect", "subgraph", fixture("nan_midgraph"), "--fp16", "--candidate", "onnxrt", "-o", tmp_path / "s")
+    assert code == 1, err
+    assert "smallest failing subgraph: ratio" in out and "reproducer confirmed to fail" in out
+    assert "step 1: compare the whole model" in err  # progress goes to stderr
+    document = json.loads((tmp_path / "s" / "result.json").read_text())
+    assert document["schema"] == "accudiff.bisect.result" and document["nodes"] == ["ratio"]
+    code, out, _ = run_cli("bisect", "precision", fixture("clean"), "--fp16", "--candidate", "onnxrt", "-o", tmp_path / "p")
+    assert code == 0 and "already meets tolerance" in out
