@@ -13,7 +13,7 @@ import onnx
 import pandas as pd
 
 from accudiff.bisect.isolate import IsolatedFeeds, isolated_model
-from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, compare_runs, record_runs, with_isolated
+from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, compare_runs, record_runs, with_side_run
 from accudiff.comparison.tolerances import Tolerances
 from accudiff.diagnosis.rules import DiagnosisContext, Finding, diagnose, first_failing_ancestor
 from accudiff.errors import AccudiffError
@@ -94,6 +94,7 @@ def compare(
     reference_cache: ReferenceCache | None = None,
     trt: TrtOptions = TrtOptions(),
     isolate: bool = False,
+    also: str | None = None,
 ) -> CompareResult:
     """Compare every tensor of `model` run in FP32 (reference) against the `precision` candidate.
 
@@ -101,8 +102,9 @@ def compare(
     `seed` and `val_range` for `iterations` iterations. With `report_dir`, the report folder is written
     there atomically. A `reference_cache` shared between calls runs each model's reference only once per
     set of inputs. `isolate` adds, for every tensor, the error its node makes when fed the reference's
-    values (columns `isolated_*`; one extra candidate run). Raises AccudiffError (one sentence) for any
-    problem with the inputs.
+    values (columns `isolated_*`; one extra candidate run). `also="onnxrt"` runs the same transformed model
+    on a second backend too (columns `onnxrt_*`), separating the model's own error from what a TensorRT
+    build adds. Raises AccudiffError (one sentence) for any problem with the inputs.
     """
     if precision not in PRECISIONS:
         raise AccudiffError(f"unknown precision '{precision}'; choose one of: {', '.join(PRECISIONS)}")
@@ -111,6 +113,10 @@ def compare(
     step = _Stopwatch()
     tolerances = Tolerances.build(precision, atol, rtol, stol)
     kind, notice = resolve_candidate(candidate, trt)
+    if also is not None and also not in ("onnxrt", "trt"):
+        raise AccudiffError(f"--also takes onnxrt or trt, not '{also}'")
+    if trt.engine is not None and kind != "trt":
+        raise AccudiffError("--engine compares a TensorRT engine: it needs --candidate trt (or auto, where TensorRT can run)")
     info = load_model(model)
     feeds = prepare_feeds(info, inputs, input_shapes, seed, val_range, iterations)
     step.lap("load")
@@ -119,7 +125,7 @@ def compare(
     try:
         names = [t.name for t in info.tensors]
         report = (lambda phase: (lambda done, total: progress(phase, done, total))) if progress else (lambda phase: None)
-        transformed = _transform(info, precision, feeds, calib_data, keep_fp32, autokeep, seed)
+        transformed = _transform(info, precision, feeds, calib_data, keep_fp32, autokeep, seed, trt.engine)
         candidate_path = folder.path / CANDIDATE_MODEL_FILE.format(precision=precision)
         candidate_external = save_model(transformed.model, candidate_path)
         # From here on the runners read files and the table needs only the tensor inventory: free the
@@ -140,7 +146,12 @@ def compare(
                 candidate_notices = cand.notices
             if isolate:
                 isolated = _isolated_table(info, kind, candidate_path, names, precision, feeds, reference_outputs, tolerances, transformed, trt, report)
-                table = with_isolated(table, isolated)
+                table = with_side_run(table, isolated, "isolated")
+            if also is not None and also != kind:
+                # The same transformed model on a second backend: the model's own error next to what a build adds.
+                with candidate_runner(also, candidate_path, names, precision, candidate_external, trt, shapes) as second:
+                    side = compare_runs(info.tensors, reference_outputs, second, feeds, tolerances, transformed.quant_ranges, report(also))
+                table = with_side_run(table, side, also)
         step.lap("run")
         result = _judge(info, precision, label, table, tolerances, transformed, not_observable, feeds, seed if inputs is None else None)
         result.notices = [n for n in [notice, *transformed.warnings, *candidate_notices] if n]
@@ -210,7 +221,9 @@ def _isolated_table(info, kind, candidate_path, names, precision, feeds, referen
             return compare_runs(info.tensors, reference, runner, isolated_feeds, tolerances, transformed.quant_ranges, report("isolated"))
 
 
-def _transform(info: ModelInfo, precision: str, feeds, calib_data, keep_fp32, autokeep: bool, seed: int) -> TransformResult:
+def _transform(info: ModelInfo, precision: str, feeds, calib_data, keep_fp32, autokeep: bool, seed: int, engine) -> TransformResult:
+    if engine is not None:  # a pre-built engine is the candidate: there is nothing to transform
+        return TransformResult(model=info.proto, precision=precision)
     if precision == "fp16":
         return to_fp16(info.proto, keep_fp32, autokeep)
     if precision == "int8":

@@ -57,6 +57,7 @@ def _add_run_options(cmd: argparse.ArgumentParser) -> None:
     trt.add_argument("--trt-mark", choices=MARK_MODES, default="auto", help="what to observe: all layer outputs, unfused debug tensors, or graph outputs")
     trt.add_argument("--trt-legacy-precision", choices=LEGACY_PRECISIONS, help="TensorRT 10 only: weakly typed FP16/INT8 builder flags")
     trt.add_argument("--trt-workspace", type=int, metavar="MB", help="builder workspace limit")
+    trt.add_argument("--engine", type=Path, metavar="PLAN", help="compare this pre-built TensorRT engine (graph outputs only)")
 
 
 def _run_options(args: argparse.Namespace) -> dict:
@@ -74,7 +75,7 @@ def _run_options(args: argparse.Namespace) -> dict:
         "atol": args.atol,
         "rtol": args.rtol,
         "stol": args.stol,
-        "trt": TrtOptions(args.trt_module, args.trt_mark, args.trt_workspace, args.trt_legacy_precision),
+        "trt": TrtOptions(args.trt_module, args.trt_mark, args.trt_workspace, args.trt_legacy_precision, engine=args.engine),
     }
 
 
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(cmp)
     cmp.add_argument("--report-dir", type=Path, help="report folder (default reports/<model>-<precision>-<time>/)")
     cmp.add_argument("--isolate", action="store_true", help="also measure each node's own error, fed the reference's values (one more run)")
+    cmp.add_argument("--also", choices=("onnxrt", "trt"), help="run the same transformed model on a second backend too (three-way table)")
 
     bisect = commands.add_parser("bisect", help="isolate what fails").add_subparsers(dest="bisector", parser_class=_Parser, required=True)
     for name, text in BISECTORS.items():
@@ -124,7 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run_compare(args: argparse.Namespace) -> int:
     report_dir = args.report_dir or default_report_dir(Path(args.model).stem, args.precision)
-    result = compare(args.model, args.precision, report_dir=report_dir, progress=ProgressBar(), isolate=args.isolate, **_run_options(args))
+    result = compare(
+        args.model, args.precision, report_dir=report_dir, progress=ProgressBar(), isolate=args.isolate, also=args.also, **_run_options(args)
+    )
     print(format_summary(result))
     return EXIT_PASS if result.passed else EXIT_FAIL
 

@@ -146,3 +146,21 @@ def test_tensorrt_candidate_passes_the_clean_model(mark, tmp_path):
     result = accudiff.compare(fixture("clean"), "fp16", candidate="trt", trt=accudiff.TrtOptions(mark=mark), report_dir=tmp_path / "r")
     assert result.passed
     assert (tmp_path / "r" / "engine_layers.json").exists()
+
+
+@needs_gpu
+def test_three_way_view_and_prebuilt_engine(tmp_path):
+    result = accudiff.compare(fixture("layernorm_overflow"), "fp16", candidate="trt", also="onnxrt", report_dir=tmp_path / "r")
+    assert {"onnxrt_status", "onnxrt_sqnr_db"} <= set(result.table.columns)
+    assert result.table.set_index("tensor").loc["squared", "onnxrt_status"] == "fail"
+    info = load_model(fixture("clean"))
+    built = build_engine(TRT, fixture("clean"), [t.name for t in info.tensors], BuildSettings(mark="outputs"), tmp_path / "cache")
+    (tmp_path / "clean.plan").write_bytes(built.plan)
+    prebuilt = accudiff.compare(fixture("clean"), candidate="trt", trt=accudiff.TrtOptions(engine=tmp_path / "clean.plan"))
+    assert prebuilt.passed and list(prebuilt.outputs["status"]) == ["pass"]
+    assert "only its graph outputs" in prebuilt.not_observable["c1"]
+
+
+def test_engine_needs_the_tensorrt_candidate(run_cli, tmp_path):
+    code, _, err = run_cli("compare", fixture("clean"), "--candidate", "onnxrt", "--engine", tmp_path / "x.plan")
+    assert code == 2 and "--engine compares a TensorRT engine" in err

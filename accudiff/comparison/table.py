@@ -111,10 +111,10 @@ def _row(info: TensorInfo, seen: dict | None, stats: TensorStats | None, note: s
     return row
 
 
-ISOLATED_COLUMNS = ["max_abs_err", "sqnr_db", "outside_share", "status"]
+SIDE_COLUMNS = ["max_abs_err", "sqnr_db", "outside_share", "status"]
 
 
-def with_isolated(table: pd.DataFrame, isolated: pd.DataFrame) -> pd.DataFrame:
-    """Add the isolated run's key statistics to the accumulated table, as `isolated_<column>`."""
-    extra = isolated.set_index("tensor")[ISOLATED_COLUMNS].add_prefix("isolated_")
+def with_side_run(table: pd.DataFrame, other: pd.DataFrame, prefix: str) -> pd.DataFrame:
+    """Add another run's key statistics (isolated, or a second candidate) as `<prefix>_<column>`."""
+    extra = other.set_index("tensor")[SIDE_COLUMNS].add_prefix(f"{prefix}_")
     return table.join(extra, on="tensor")

@@ -33,6 +33,12 @@ def format_summary(result) -> str:
             f"{row['outside_share']:.1%} of elements outside tolerance"
         )
         lines += [f"    {f.kind}: {f.message}" for f in failure.findings]
+        for backend in ("onnxrt", "trt"):
+            if f"{backend}_status" in row.index:
+                lines.append(
+                    f"    the same model on {backend}: {row[f'{backend}_status']}, SQNR {row[f'{backend}_sqnr_db']:.1f} dB "
+                    f"(here {row['sqnr_db']:.1f} dB): {'the model itself' if row[f'{backend}_status'] == 'fail' else 'the build'} causes it"
+                )
         lines.append("  worst tensors (lowest SQNR):")
         for _, worst in worst_tensors(table).iterrows():
             lines.append(

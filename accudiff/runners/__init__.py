@@ -34,6 +34,7 @@ class TrtOptions:
     workspace_mb: int | None = None
     legacy_precision: str | None = None  # TensorRT 10 only: fp16 | int8 builder flags
     cache_dir: Path | None = None  # engine and timing cache; default ~/.cache/accudiff
+    engine: Path | None = None  # a pre-built engine to compare (its graph outputs only) instead of building one
 
 
 def resolve_candidate(kind: str, trt: TrtOptions = TrtOptions()) -> tuple[str, str | None]:
@@ -69,7 +70,7 @@ def candidate_runner(
         from accudiff.runners.trt import TrtRunner
 
         settings = BuildSettings(trt.mark, dict(input_shapes or {}), trt.workspace_mb, trt.legacy_precision)
-        return TrtRunner(model_path, outputs, settings, trt.module, trt.cache_dir, layer_report)
+        return TrtRunner(model_path, outputs, settings, trt.module, trt.cache_dir, layer_report, trt.engine)
     return OnnxrtRunner(
         model_path, outputs, label=_ONNXRT_LABELS[precision], emulate_fp16=precision == "fp16", external_data=external_data
     )

@@ -28,17 +28,25 @@ class TrtRunner(Runner):
         module: str | None = None,
         cache_dir: Path | None = None,
         layer_report: Path | None = None,
+        prebuilt: Path | None = None,
     ):
-        """`layer_report`: where to write the engine inspector's layer information (JSON), if anywhere."""
+        """`layer_report`: where to write the engine inspector's layer information (JSON), if anywhere.
+        `prebuilt`: an engine file to run instead of building one (it exposes only its graph outputs)."""
         self.model_path, self.outputs, self.settings = Path(model_path), list(outputs), settings
-        self.module, self.cache_dir, self.layer_report = module, cache_dir, layer_report
+        self.module, self.cache_dir, self.layer_report, self.prebuilt = module, cache_dir, layer_report, prebuilt
         self.built: BuiltEngine | None = None
         self._received: set[str] = set()
 
     def activate(self) -> None:
         self._trt = trt = import_tensorrt(self.module)
         require_inference(trt)
-        self.built = build_engine(trt, self.model_path, self.outputs, self.settings, self.cache_dir)
+        if self.prebuilt is not None:
+            if not Path(self.prebuilt).is_file():
+                raise AccudiffError(f"engine file '{self.prebuilt}' does not exist")
+            only_outputs = "a pre-built engine (--engine) exposes only its graph outputs"
+            self.built = BuiltEngine(Path(self.prebuilt).read_bytes(), "outputs", [], {name: only_outputs for name in self.outputs})
+        else:
+            self.built = build_engine(trt, self.model_path, self.outputs, self.settings, self.cache_dir)
         self.label = f"{'TensorRT-RTX' if is_rtx(trt) else 'TensorRT'} {trt.__version__} (engine built from the candidate model, --trt-mark {self.built.mark})"
         self._runtime = trt.Runtime(trt.Logger(trt.Logger.ERROR))
         self._engine = self._runtime.deserialize_cuda_engine(self.built.plan)
