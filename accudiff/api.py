@@ -155,6 +155,7 @@ def compare(
         step.lap("run")
         result = _judge(info, precision, label, table, tolerances, transformed, not_observable, feeds, seed if inputs is None else None)
         result.notices = [n for n in [notice, *transformed.warnings, *candidate_notices] if n]
+        result.timings = step.laps  # the same dict: the report sees every phase before its own
         step.lap("diagnose")
         if report_dir is not None:
             from accudiff.report.writer import write_report
@@ -166,7 +167,6 @@ def compare(
     except BaseException:
         folder.discard()
         raise
-    result.timings = step.laps
     return result
 
 

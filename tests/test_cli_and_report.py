@@ -24,6 +24,7 @@ def test_passing_model_exits_0_and_writes_a_complete_report(run_cli, tmp_path):
     summary = json.loads((report / "summary.json").read_text())
     assert summary["schema"] == "accudiff.compare.summary" and summary["schema_version"] == 1
     assert summary["verdict"] == "pass" and summary["precision"] == "fp16"
+    assert {"load", "transform", "run", "diagnose"} <= set(summary["timings_s"])
     table = pd.read_csv(report / "tensors.csv")
     assert list(table["tensor"]) == ["c1", "r1", "c2", "r2", "pooled", "flat", "logits"]  # topological order
 
