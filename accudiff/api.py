@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import gc
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -127,10 +130,11 @@ def compare(
         report = (lambda phase: (lambda done, total: progress(phase, done, total))) if progress else (lambda phase: None)
         transformed = _transform(info, precision, feeds, calib_data, keep_fp32, autokeep, seed, trt.engine)
         candidate_path = folder.path / CANDIDATE_MODEL_FILE.format(precision=precision)
-        candidate_external = save_model(transformed.model, candidate_path)
+        save_model(transformed.model, candidate_path)
         # From here on the runners read files and the table needs only the tensor inventory: free the
         # weights before any backend loads a model, so at most one copy of them is in memory at a time.
         transformed.model = info.proto = onnx.ModelProto()
+        _return_freed_memory()
         step.lap("transform")
         with contextlib.ExitStack() as cleanup:
             if reference_cache is None:
@@ -139,7 +143,7 @@ def compare(
             reference_outputs, not_observable = _reference_outputs(info, names, feeds, reference_cache, report("reference"))
             shapes = {spec.name: feeds[0][spec.name].shape for spec in info.inputs}
             layers = folder.path / ENGINE_LAYERS_FILE if report_dir is not None else None
-            with candidate_runner(kind, candidate_path, names, precision, candidate_external, trt, shapes, layers) as cand:
+            with candidate_runner(kind, candidate_path, names, precision, trt, shapes, layers) as cand:
                 table = compare_runs(info.tensors, reference_outputs, cand, feeds, tolerances, transformed.quant_ranges, report("candidate"))
                 not_observable.update(cand.not_observable)
                 label = cand.label
@@ -149,7 +153,7 @@ def compare(
                 table = with_side_run(table, isolated, "isolated")
             if also is not None and also != kind:
                 # The same transformed model on a second backend: the model's own error next to what a build adds.
-                with candidate_runner(also, candidate_path, names, precision, candidate_external, trt, shapes) as second:
+                with candidate_runner(also, candidate_path, names, precision, trt, shapes) as second:
                     side = compare_runs(info.tensors, reference_outputs, second, feeds, tolerances, transformed.quant_ranges, report(also))
                 table = with_side_run(table, side, also)
         step.lap("run")
@@ -168,6 +172,14 @@ def compare(
         folder.discard()
         raise
     return result
+
+
+def _return_freed_memory() -> None:
+    """Hand the freed weights back to the OS before the backends load theirs (glibc keeps freed heap)."""
+    gc.collect()
+    libc = ctypes.util.find_library("c")
+    if libc and hasattr(ctypes.CDLL(libc), "malloc_trim"):
+        ctypes.CDLL(libc).malloc_trim(0)
 
 
 class _Stopwatch:
@@ -202,7 +214,7 @@ def _reference_outputs(info: ModelInfo, names, feeds, cache: ReferenceCache, pro
     key = ReferenceCache.key(info.path, feeds)
     if cache.get(key) is None:
         store = cache.new_store(key)
-        with reference_runner(info.path, names, info.external_data) as reference:
+        with reference_runner(info.path, names) as reference:
             record_runs(reference, feeds, store, progress)
             cache.put(key, store, {**info.not_observable, **reference.not_observable})
     store, not_observable = cache.get(key)
@@ -214,9 +226,9 @@ def _isolated_table(info, kind, candidate_path, names, precision, feeds, referen
     with tempfile.TemporaryDirectory(prefix="accudiff-isolated-") as scratch:
         model, fed = isolated_model(onnx.load(str(candidate_path)), names)
         path = Path(scratch) / candidate_path.name
-        external = save_model(model, path)
+        save_model(model, path)
         del model
-        with candidate_runner(kind, path, names, precision, external, trt) as runner:
+        with candidate_runner(kind, path, names, precision, trt) as runner:
             isolated_feeds = IsolatedFeeds(feeds, reference, fed)
             return compare_runs(info.tensors, reference, runner, isolated_feeds, tolerances, transformed.quant_ranges, report("isolated"))
 

@@ -57,7 +57,6 @@ class ModelInfo:
     tensors: list[TensorInfo]
     upstream: dict[str, list[str]] = field(default_factory=dict)  # tensor -> tensors its node reads
     not_observable: dict[str, str] = field(default_factory=dict)
-    external_data: bool = False  # weights live in side files (ONNX Runtime must then load from the path)
 
     @property
     def stem(self) -> str:
@@ -70,10 +69,7 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
     if not path.is_file():
         raise AccudiffError(f"model file '{path}' does not exist")
     try:
-        proto = onnx.load(str(path), load_external_data=False)
-        external_data = any(onnx.external_data_helper.uses_external_data(t) for t in proto.graph.initializer)
-        if external_data:
-            onnx.external_data_helper.load_external_data_for_model(proto, str(path.parent))
+        proto = onnx.load(str(path), load_external_data=True)
     except (DecodeError, ValueError, RuntimeError) as exc:
         raise AccudiffError(f"'{path}' is not a readable ONNX model ({_first_line(exc)})") from exc
     except FileNotFoundError as exc:
@@ -86,10 +82,10 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
         raise AccudiffError(f"'{path}' fails the ONNX checker: {_first_line(exc)}") from exc
     name_unnamed_nodes(proto)
     infer_shapes_in_place(proto)
-    return describe(path, proto, external_data)
+    return describe(path, proto)
 
 
-def describe(path: Path, proto: onnx.ModelProto, external_data: bool = False) -> ModelInfo:
+def describe(path: Path, proto: onnx.ModelProto) -> ModelInfo:
     """Build the tensor inventory of an already loaded, shape-inferred model."""
     graph = proto.graph
     initializer_names = {init.name for init in graph.initializer}
@@ -118,7 +114,7 @@ def describe(path: Path, proto: onnx.ModelProto, external_data: bool = False) ->
                     not_observable[inner] = SUBGRAPH_OPS_REASON.format(attr=attr.name, op=node.op_type, node=node.name)
     produced = {t.name for t in tensors}
     upstream = {out: [name for name in node.input if name in produced] for node in graph.node for out in node.output if out}
-    return ModelInfo(path, proto, inputs, output_names, tensors, upstream, not_observable, external_data)
+    return ModelInfo(path, proto, inputs, output_names, tensors, upstream, not_observable)
 
 
 def name_unnamed_nodes(proto: onnx.ModelProto) -> None:
@@ -133,13 +129,12 @@ def name_unnamed_nodes(proto: onnx.ModelProto) -> None:
             taken.add(candidate)
 
 
-def save_model(proto: onnx.ModelProto, path: Path) -> bool:
-    """Save a model, moving weights to a side file when protobuf's 2 GiB limit would be hit (returns True)."""
+def save_model(proto: onnx.ModelProto, path: Path) -> None:
+    """Save a model, moving weights to a side file when protobuf's 2 GiB limit would be hit."""
     if _is_large(proto):
         onnx.save(proto, str(path), save_as_external_data=True, location=path.name + ".data")
-        return True
-    onnx.save(proto, str(path))
-    return False
+    else:
+        onnx.save(proto, str(path))
 
 
 def infer_shapes_in_place(proto: onnx.ModelProto) -> None:

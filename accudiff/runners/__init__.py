@@ -21,8 +21,8 @@ _ONNXRT_LABELS = {
 }
 
 
-def reference_runner(model_path: Path, outputs: Sequence[str], external_data: bool = False) -> Runner:
-    return OnnxrtRunner(model_path, outputs, label="ONNX Runtime CPU, FP32 (reference)", external_data=external_data)
+def reference_runner(model_path: Path, outputs: Sequence[str]) -> Runner:
+    return OnnxrtRunner(model_path, outputs, label="ONNX Runtime CPU, FP32 (reference)")
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,6 @@ def candidate_runner(
     model_path: Path,
     outputs: Sequence[str],
     precision: str,
-    external_data: bool = False,
     trt: TrtOptions = TrtOptions(),
     input_shapes: Mapping[str, Sequence[int]] | None = None,
     layer_report: Path | None = None,
@@ -72,7 +71,7 @@ def candidate_runner(
         settings = BuildSettings(trt.mark, dict(input_shapes or {}), trt.workspace_mb, trt.legacy_precision)
         return TrtRunner(model_path, outputs, settings, trt.module, trt.cache_dir, layer_report, trt.engine)
     return OnnxrtRunner(
-        model_path, outputs, label=_ONNXRT_LABELS[precision], emulate_fp16=precision == "fp16", external_data=external_data
+        model_path, outputs, label=_ONNXRT_LABELS[precision], emulate_fp16=precision == "fp16"
     )
 
 

@@ -31,16 +31,13 @@ class OnnxrtRunner(Runner):
         label: str = "ONNX Runtime CPU",
         threads: int = 0,
         emulate_fp16: bool = False,
-        external_data: bool = False,
     ):
-        """`emulate_fp16`: run an FP16 model through `fp16_emulation`, so every FP16 tensor is really rounded.
-        `external_data`: the model keeps its weights in side files (it is then parsed, not streamed)."""
+        """`emulate_fp16`: run an FP16 model through `fp16_emulation`, so every FP16 tensor is really rounded."""
         self.model_path = Path(model_path)
         self.outputs = list(outputs)
         self.label = label
         self.threads = threads
         self.emulate_fp16 = emulate_fp16
-        self.external_data = external_data
         self._process: subprocess.Popen | None = None
         self._scratch: Path | None = None
         self._marked: list[str] | None = None
@@ -65,7 +62,6 @@ class OnnxrtRunner(Runner):
                 "outputs": self.outputs,
                 "threads": self.threads,
                 "emulate_fp16": self.emulate_fp16,
-                "external_data": self.external_data,
                 "scratch": str(self._scratch),
             }
         )

@@ -1,7 +1,7 @@
 """Child process that owns one ONNX Runtime session (see `OnnxrtRunner`).
 
 Protocol: one JSON object per line on stdin, one JSON reply per line on the original stdout.
-* {"op": "load", "model": path, "outputs": [names], "emulate_fp16": bool, "external_data": bool, "scratch": dir}
+* {"op": "load", "model": path, "outputs": [names], "emulate_fp16": bool, "scratch": dir}
   -> {"ok": true, "outputs": [names marked]}
 * {"op": "infer", "inputs": npz path, "out_dir": dir} -> {"ok": true, "files": {name: file}}
 Arrays travel as .npy files (no pickle anywhere); errors come back as {"ok": false, "error": text}.
@@ -34,24 +34,18 @@ def _load(request: dict) -> tuple[object, dict[str, str], dict]:
     return session, tensors, {"ok": True, "outputs": list(tensors.values())}
 
 
-def _marked_model(request: dict) -> tuple[bytes | str, dict[str, str]]:
-    """The model with the requested tensors marked as outputs, as bytes or (when too large) a path."""
-    path = Path(request["model"])
-    if not request.get("emulate_fp16") and not request.get("external_data"):
-        # No parse, no copy: protobuf merges a second `graph` field into the first, outputs appended.
-        outputs = onnx.GraphProto(output=[onnx.ValueInfoProto(name=name) for name in request["outputs"]])
-        return path.read_bytes() + onnx.ModelProto(graph=outputs).SerializeToString(), {}
+def _marked_model(request: dict) -> tuple[str, dict[str, str]]:
+    """The model with the requested tensors marked as outputs, saved beside its weights as external data:
+    ONNX Runtime then maps the weights from the file instead of copying them out of a protobuf."""
     from accudiff.runners.fp16_emulation import lower_fp16
 
-    model = onnx.load(str(path), load_external_data=True)
+    model = onnx.load(request["model"], load_external_data=True)
     fp16_copies = lower_fp16(model) if request.get("emulate_fp16") else {}
     existing = {o.name for o in model.graph.output}
     marked = (fp16_copies.get(name, name) for name in request["outputs"])
     model.graph.output.extend(onnx.ValueInfoProto(name=name) for name in marked if name not in existing)
-    if model.ByteSize() < 2**31 - 1:
-        return model.SerializeToString(), fp16_copies
     target = Path(request["scratch"]) / "marked.onnx"
-    onnx.save(model, str(target), save_as_external_data=True, location="marked.onnx.data")
+    onnx.save(model, str(target), save_as_external_data=True, location="marked.onnx.data", size_threshold=1024)
     return str(target), fp16_copies
 
 
