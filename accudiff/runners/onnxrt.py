@@ -29,14 +29,12 @@ class OnnxrtRunner(Runner):
         model_path: str | Path,
         outputs: Sequence[str] = (),
         label: str = "ONNX Runtime CPU",
-        threads: int = 0,
         emulate_fp16: bool = False,
     ):
         """`emulate_fp16`: run an FP16 model through `fp16_emulation`, so every FP16 tensor is really rounded."""
         self.model_path = Path(model_path)
         self.outputs = list(outputs)
         self.label = label
-        self.threads = threads
         self.emulate_fp16 = emulate_fp16
         self._process: subprocess.Popen | None = None
         self._scratch: Path | None = None
@@ -60,7 +58,6 @@ class OnnxrtRunner(Runner):
                 "op": "load",
                 "model": str(self.model_path),
                 "outputs": self.outputs,
-                "threads": self.threads,
                 "emulate_fp16": self.emulate_fp16,
                 "scratch": str(self._scratch),
             }

@@ -26,8 +26,6 @@ def _load(request: dict) -> tuple[object, dict[str, str], dict]:
     payload, fp16_copies = _marked_model(request)
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    if request.get("threads"):
-        options.intra_op_num_threads = int(request["threads"])
     session = ort.InferenceSession(payload, options, providers=["CPUExecutionProvider"])
     answers_for = {copy: name for name, copy in fp16_copies.items()}
     tensors = {o.name: answers_for.get(o.name, o.name) for o in session.get_outputs()}
