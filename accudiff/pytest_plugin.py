@@ -21,11 +21,14 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import pytest
 
 from accudiff.errors import AccudiffError
+
+if TYPE_CHECKING:
+    from accudiff.runners.outputs import ReferenceCache
 
 BASELINE_SCHEMA = "accudiff.baseline"
 BASELINE_METRICS = ("sqnr_db", "max_abs_err", "cosine", "outside_share")
@@ -109,7 +112,7 @@ class Settings:
     tolerances: dict[str, dict[str, float]]
     sqnr_margin_db: float
     error_growth: float
-    cache: object = None
+    cache: ReferenceCache | None = None  # made on first use: plugin registration stays light
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> "Settings":
@@ -122,7 +125,7 @@ class Settings:
             error_growth=float(config.getini("accudiff_error_growth")),
         )
 
-    def reference_cache(self):
+    def reference_cache(self) -> ReferenceCache:
         if self.cache is None:
             from accudiff.runners.outputs import ReferenceCache
 
