@@ -16,7 +16,7 @@ import onnx
 import pandas as pd
 
 from accudiff.bisect.isolate import IsolatedFeeds, isolated_model
-from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, compare_runs, record_runs, with_side_run
+from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, compare_runs, graph_input_table, record_runs, with_side_run
 from accudiff.comparison.tolerances import Tolerances
 from accudiff.diagnosis.rules import DiagnosisContext, Finding, diagnose, first_failing_ancestor
 from accudiff.errors import AccudiffError
@@ -250,7 +250,7 @@ def _transform(info: ModelInfo, precision: str, feeds, calib_data, keep_fp32, au
 def _judge(info, precision, label, table, tolerances, transformed, not_observable, feeds, seed) -> CompareResult:
     """Verdict from the graph outputs; the first failing tensor and the failing outputs, diagnosed."""
     indexed = table.set_index("tensor", drop=False)
-    context = DiagnosisContext(precision, info.upstream, transformed.constant_overflows)
+    context = DiagnosisContext(precision, info.upstream, transformed.constant_overflows, graph_input_table(info, feeds, transformed.quant_ranges))
 
     def failure(name: str, with_origin: bool) -> TensorFailure:
         row = indexed.loc[name]

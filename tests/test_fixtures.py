@@ -83,3 +83,14 @@ def test_if_bodies_are_listed_as_not_observable():
     assert set(result.not_observable) == {"doubled", "tripled"}
     assert all("subgraph" in reason for reason in result.not_observable.values())
     assert "branch" in set(result.table["tensor"])
+
+
+def test_int8_clipping_of_a_graph_input_is_diagnosed(tmp_path):
+    import numpy as np
+
+    calibration = tmp_path / "calib.npz"
+    np.savez(calibration, x=np.random.default_rng(0).uniform(0, 0.1, (1, 3, 16, 16)).astype(np.float32))
+    result = accudiff.compare(fixture("clean"), "int8", candidate="onnxrt", calib_data=calibration)
+    assert result.first_failure.tensor == "c1"
+    [finding] = result.first_failure.findings
+    assert finding.kind == "int8_clipping" and "its input 'x'" in finding.message

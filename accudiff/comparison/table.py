@@ -12,9 +12,9 @@ import numpy as np
 import pandas as pd
 
 from accudiff.comparison.metrics import TensorStats, measure, merge
-from accudiff.comparison.tolerances import Tolerances
+from accudiff.comparison.tolerances import Tolerance, Tolerances
 from accudiff.model.inputs import Feed
-from accudiff.model.loading import TensorInfo
+from accudiff.model.loading import ModelInfo, TensorInfo
 from accudiff.runners.base import Runner
 from accudiff.runners.outputs import OutputStore
 from accudiff.transforms.base import QuantRange
@@ -109,6 +109,18 @@ def _row(info: TensorInfo, seen: dict | None, stats: TensorStats | None, note: s
         row["status"] = STATUS_FAIL if shape_mismatch or stats.outside_count else STATUS_PASS
     row["note"] = note or ""
     return row
+
+
+def graph_input_table(info: ModelInfo, feeds: Sequence[Feed], quant_ranges: Mapping[str, QuantRange]) -> pd.DataFrame | None:
+    """Range statistics of the quantized graph inputs (they are fed, not computed, so never differ), for
+    the INT8 diagnosis: an input calibrated on a narrower range than it is fed clips like any tensor."""
+    quantized = [TensorInfo(spec.name, "", "graph input", spec.dtype, False) for spec in info.inputs if spec.name in quant_ranges]
+    if not quantized:
+        return None
+    aggregate = _Aggregate(quantized, Tolerances(Tolerance(0.0, 0.0)), quant_ranges)
+    for iteration, feed in enumerate(feeds):
+        aggregate.add(feed, feed, iteration)
+    return aggregate.table().set_index("tensor", drop=False)
 
 
 SIDE_COLUMNS = ["max_abs_err", "sqnr_db", "outside_share", "status"]

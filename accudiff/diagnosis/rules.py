@@ -33,6 +33,7 @@ class DiagnosisContext:
     precision: str
     upstream: dict[str, list[str]]  # tensor -> tensors its node reads
     constant_overflows: dict[str, str] = field(default_factory=dict)  # node -> what overflowed in its constants
+    graph_inputs: pd.DataFrame | None = None  # statistics rows of the graph inputs (INT8 range checks)
 
 
 def diagnose(tensor: str, table: pd.DataFrame, context: DiagnosisContext) -> list[Finding]:
@@ -48,7 +49,8 @@ def diagnose(tensor: str, table: pd.DataFrame, context: DiagnosisContext) -> lis
             findings.append(Finding("constant_overflow", context.constant_overflows[row["node"]]))
         findings += _fp16_underflow(table, [tensor, *inputs])
     if context.precision == "int8":
-        findings += _int8_inputs(table, inputs)
+        sources = table if context.graph_inputs is None else pd.concat([table, context.graph_inputs])
+        findings += _int8_inputs(sources, [n for n in context.upstream.get(tensor, []) if n in sources.index])
     findings += _non_finite(row, table, inputs)
     if "isolated_status" in row.index and row["status"] == STATUS_FAIL and isinstance(row["isolated_status"], str):
         findings.append(_isolation(row))

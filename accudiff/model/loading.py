@@ -55,7 +55,7 @@ class ModelInfo:
     inputs: list[InputSpec]
     output_names: list[str]
     tensors: list[TensorInfo]
-    upstream: dict[str, list[str]] = field(default_factory=dict)  # tensor -> tensors its node reads
+    upstream: dict[str, list[str]] = field(default_factory=dict)  # tensor -> tensors and graph inputs its node reads
     not_observable: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -113,6 +113,7 @@ def describe(path: Path, proto: onnx.ModelProto) -> ModelInfo:
                 for inner in _all_node_outputs(body):
                     not_observable[inner] = SUBGRAPH_OPS_REASON.format(attr=attr.name, op=node.op_type, node=node.name)
     produced = {t.name for t in tensors}
+    produced |= {spec.name for spec in inputs}  # graph inputs too: INT8 quantizes them like any tensor
     upstream = {out: [name for name in node.input if name in produced] for node in graph.node for out in node.output if out}
     return ModelInfo(path, proto, inputs, output_names, tensors, upstream, not_observable)
 
