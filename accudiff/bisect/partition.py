@@ -21,7 +21,7 @@ import pandas as pd
 from accudiff.model.loading import load_model
 from accudiff.model.subgraph import extract
 from accudiff.errors import AccudiffError
-from accudiff.runners.trt_build import ErrorLog, create_network
+from accudiff.runners.trt_build import create_network, error_log
 from accudiff.runners.trt_env import import_tensorrt
 
 PARTITION_TABLE = "partitions.csv"
@@ -63,7 +63,7 @@ def partition(model: str | Path, out_dir: str | Path, module: str | None = None)
 
 def _capability_errors(trt, path: Path) -> dict[int, str]:
     """Node index -> why TensorRT's parser cannot convert it, from the capability query."""
-    logger = ErrorLog(trt)
+    logger = error_log(trt)
     network = trt.Builder(logger).create_network(0)
     parser = trt.OnnxParser(network, logger)
     parser.supports_model_v2(path.read_bytes(), str(path))

@@ -62,7 +62,7 @@ class TrtRunner(Runner):
         trt, engine, context = self._trt, self._engine, self._context
         stream = _check(cudart.cudaStreamCreate())
         allocations, outputs = [], {}
-        debug = _DebugTensors(trt, stream) if self.built.mark == "unfused" else None
+        debug = _debug_tensors(trt) if self.built.mark == "unfused" else None
         try:
             if debug is not None:
                 context.set_debug_listener(debug)
@@ -146,7 +146,7 @@ def _device_copy_of(array: np.ndarray, stream, allocations: list) -> int:
     return pointer
 
 
-def _DebugTensors(trt, stream):
+def _debug_tensors(trt):
     """An IDebugListener that copies every debug tensor to the host under its (ONNX) name."""
     from cuda.bindings import runtime as cudart
 

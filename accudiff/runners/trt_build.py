@@ -78,7 +78,7 @@ def build_engine(
 
 def create_network(trt: ModuleType, model_path: Path, strongly_typed: bool = True):
     """Builder, network and parser for an ONNX file; parser errors become one sentence naming the node."""
-    logger = ErrorLog(trt)
+    logger = error_log(trt)
     builder = trt.Builder(logger)
     flags = 0
     if strongly_typed and hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"):
@@ -100,7 +100,7 @@ def parser_errors(parser) -> list[str]:
     return errors or ["unknown parser error"]
 
 
-def ErrorLog(trt: ModuleType):
+def error_log(trt: ModuleType):
     """A TensorRT logger that keeps error messages, so a failed build can say why."""
 
     class _ErrorLog(trt.ILogger):
