@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 import onnx
@@ -230,17 +231,17 @@ def _all_node_outputs(graph: onnx.GraphProto) -> list[str]:
     return names
 
 
-def subgraph_outer_references(graph: onnx.GraphProto) -> set[str]:
-    """Names that If/Loop/Scan bodies read from the enclosing graph (their types must not change)."""
+def subgraph_outer_references(nodes: Iterable[onnx.NodeProto]) -> set[str]:
+    """Names that the If/Loop/Scan bodies of `nodes` read from the enclosing graph (their types must not change)."""
     refs: set[str] = set()
-    for node in graph.node:
+    for node in nodes:
         for attr in node.attribute:
             for body in _attribute_graphs(attr):
                 defined = {i.name for i in body.input} | {i.name for i in body.initializer}
                 defined |= set(_all_node_outputs(body))
                 for inner in body.node:
                     refs.update(n for n in inner.input if n and n not in defined)
-                refs |= subgraph_outer_references(body) - defined
+                refs |= subgraph_outer_references(body.node) - defined
     return refs
 
 
@@ -251,7 +252,7 @@ def toposort(graph: onnx.GraphProto) -> None:
     """
     available = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
     nodes = list(graph.node)
-    reads = [set(node.input) | _outer_reads(node) for node in nodes]
+    reads = [set(node.input) | subgraph_outer_references([node]) for node in nodes]
     pending, order = list(range(len(nodes))), []
     while pending:
         ready = [i for i in pending if reads[i] <= available]
@@ -269,12 +270,6 @@ def toposort(graph: onnx.GraphProto) -> None:
             copy.CopyFrom(nodes[i])
         del graph.node[:]
         graph.node.extend(copies)
-
-
-def _outer_reads(node: onnx.NodeProto) -> set[str]:
-    wrapper = onnx.GraphProto()
-    wrapper.node.append(node)
-    return subgraph_outer_references(wrapper)
 
 
 def _is_large(proto: onnx.ModelProto) -> bool:

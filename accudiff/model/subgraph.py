@@ -19,9 +19,9 @@ def extract(model: onnx.ModelProto, indices: Sequence[int], name: str | None = N
     rest = [node for i, node in enumerate(graph.node) if i not in set(wanted)]
     produced = {o for node in chosen for o in node.output if o}
     initializers = {init.name: init for init in graph.initializer}
-    reads = [n for node in chosen for n in node.input if n] + sorted(subgraph_outer_references(_graph_of(chosen)))
+    reads = [n for node in chosen for n in node.input if n] + sorted(subgraph_outer_references(chosen))
     needed_outside = {n for node in rest for n in node.input} | {o.name for o in graph.output}
-    needed_outside |= subgraph_outer_references(_graph_of(rest))
+    needed_outside |= subgraph_outer_references(rest)
     typed = {vi.name: vi for vi in [*graph.input, *graph.value_info, *graph.output]}
     inputs = list(dict.fromkeys(n for n in reads if n not in produced and n not in initializers))
     outputs = [o for node in chosen for o in node.output if o and o in needed_outside] or [o for o in chosen[-1].output if o]
@@ -39,9 +39,3 @@ def extract(model: onnx.ModelProto, indices: Sequence[int], name: str | None = N
 
 def _value_info(typed: dict, name: str) -> onnx.ValueInfoProto:
     return typed[name] if name in typed else onnx.ValueInfoProto(name=name)
-
-
-def _graph_of(nodes) -> onnx.GraphProto:
-    graph = onnx.GraphProto()
-    graph.node.extend(nodes)
-    return graph

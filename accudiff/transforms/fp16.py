@@ -35,7 +35,7 @@ def to_fp16(model: onnx.ModelProto, keep_fp32: Iterable[str] = (), autokeep: boo
     opset = _default_opset(model)
     types = _elem_types(graph, source.values())
     constants = _constant_absmax(graph, source.values())
-    outer_refs = subgraph_outer_references(graph)
+    outer_refs = subgraph_outer_references(graph.node)
     selector = NodeSelector(keep_fp32)
 
     kept: list[KeptNode] = []
@@ -155,7 +155,7 @@ def _insert_casts(graph, initializers, opset, types, new_types, converted_params
         new_nodes.append(node)
     del graph.node[:]
     graph.node.extend(new_nodes)  # each Cast sits right before its first reader: still topological
-    still_read = {name for node in new_nodes for name in node.input} | subgraph_outer_references(graph)
+    still_read = {name for node in new_nodes for name in node.input} | subgraph_outer_references(new_nodes)
     still_read |= {i.name for i in graph.input} | {o.name for o in graph.output}
     graph.initializer.extend(init for name, init in initializers.items() if name in still_read)
     for vi in graph.value_info:
