@@ -128,7 +128,8 @@ def compare(
     try:
         names = [t.name for t in info.tensors]
         report = (lambda phase: (lambda done, total: progress(phase, done, total))) if progress else (lambda phase: None)
-        transformed = _transform(info, precision, feeds, calib_data, keep_fp32, autokeep, seed, trt.engine)
+        shapes = {spec.name: feeds[0][spec.name].shape for spec in info.inputs}
+        transformed = _transform(info, precision, shapes, calib_data, keep_fp32, autokeep, seed, trt.engine)
         candidate_path = folder.path / CANDIDATE_MODEL_FILE.format(precision=precision)
         save_model(transformed.model, candidate_path)
         # From here on the runners read files and the table needs only the tensor inventory: free the
@@ -141,24 +142,27 @@ def compare(
                 reference_cache = ReferenceCache()
                 cleanup.callback(reference_cache.close)
             reference_outputs, not_observable = _reference_outputs(info, names, feeds, reference_cache, report("reference"))
-            shapes = {spec.name: feeds[0][spec.name].shape for spec in info.inputs}
+
+            def run_candidate(backend: str, path: Path, candidate_feeds, phase: str, layers: Path | None = None):
+                """One candidate pass against the stored reference: its table, and the runner that made it."""
+                with candidate_runner(backend, path, names, precision, trt, shapes, layers) as runner:
+                    tables = compare_runs(info.tensors, reference_outputs, runner, candidate_feeds, tolerances, transformed.quant_ranges, report(phase))
+                return tables, runner
+
             layers = folder.path / ENGINE_LAYERS_FILE if report_dir is not None else None
-            with candidate_runner(kind, candidate_path, names, precision, trt, shapes, layers) as cand:
-                table = compare_runs(info.tensors, reference_outputs, cand, feeds, tolerances, transformed.quant_ranges, report("candidate"))
-                not_observable.update(cand.not_observable)
-                label = cand.label
-                candidate_notices = cand.notices
+            table, cand = run_candidate(kind, candidate_path, feeds, "candidate", layers)
+            not_observable.update(cand.not_observable)
             if isolate:
-                isolated = _isolated_table(info, kind, candidate_path, names, precision, feeds, reference_outputs, tolerances, transformed, trt, report)
+                with tempfile.TemporaryDirectory(prefix="accudiff-isolated-") as scratch:
+                    path, fed = _isolated_model_file(candidate_path, names, Path(scratch))
+                    isolated, _ = run_candidate(kind, path, IsolatedFeeds(feeds, reference_outputs, fed), "isolated")
                 table = with_side_run(table, isolated, "isolated")
             if also is not None and also != kind:
                 # The same transformed model on a second backend: the model's own error next to what a build adds.
-                with candidate_runner(also, candidate_path, names, precision, trt, shapes) as second:
-                    side = compare_runs(info.tensors, reference_outputs, second, feeds, tolerances, transformed.quant_ranges, report(also))
-                table = with_side_run(table, side, also)
+                table = with_side_run(table, run_candidate(also, candidate_path, feeds, also)[0], also)
         step.lap("run")
-        result = _judge(info, precision, label, table, tolerances, transformed, not_observable, feeds, seed if inputs is None else None)
-        result.notices = [n for n in [notice, *transformed.warnings, *candidate_notices] if n]
+        result = _judge(info, precision, cand.label, table, tolerances, transformed, not_observable, feeds, seed if inputs is None else None)
+        result.notices = [n for n in [notice, *transformed.warnings, *cand.notices] if n]
         result.timings = step.laps  # the same dict: the report sees every phase before its own
         step.lap("diagnose")
         if report_dir is not None:
@@ -221,19 +225,15 @@ def _reference_outputs(info: ModelInfo, names, feeds, cache: ReferenceCache, pro
     return store, dict(not_observable)
 
 
-def _isolated_table(info, kind, candidate_path, names, precision, feeds, reference, tolerances, transformed, trt, report):
-    """Statistics of every tensor when its node reads the reference's values (see bisect/isolate.py)."""
-    with tempfile.TemporaryDirectory(prefix="accudiff-isolated-") as scratch:
-        model, fed = isolated_model(onnx.load(str(candidate_path)), names)
-        path = Path(scratch) / candidate_path.name
-        save_model(model, path)
-        del model
-        with candidate_runner(kind, path, names, precision, trt) as runner:
-            isolated_feeds = IsolatedFeeds(feeds, reference, fed)
-            return compare_runs(info.tensors, reference, runner, isolated_feeds, tolerances, transformed.quant_ranges, report("isolated"))
+def _isolated_model_file(candidate_path: Path, names, scratch: Path) -> tuple[Path, dict]:
+    """The candidate with every node reading the reference's values (see bisect/isolate.py), saved."""
+    model, fed = isolated_model(onnx.load(str(candidate_path)), names)
+    path = scratch / candidate_path.name
+    save_model(model, path)
+    return path, fed
 
 
-def _transform(info: ModelInfo, precision: str, feeds, calib_data, keep_fp32, autokeep: bool, seed: int, engine) -> TransformResult:
+def _transform(info: ModelInfo, precision: str, shapes, calib_data, keep_fp32, autokeep: bool, seed: int, engine) -> TransformResult:
     if engine is not None:  # a pre-built engine is the candidate: there is nothing to transform
         return TransformResult(model=info.proto, precision=precision)
     if precision == "fp16":
@@ -241,7 +241,6 @@ def _transform(info: ModelInfo, precision: str, feeds, calib_data, keep_fp32, au
     if precision == "int8":
         if calib_data is not None:
             return to_int8(info.proto, load_feeds(calib_data, info.inputs), keep_fp32)
-        shapes = {spec.name: feeds[0][spec.name].shape for spec in info.inputs}
         calibration = generate_feeds(info.inputs, shapes, seed + 1, iterations=8)
         return to_int8(info.proto, calibration, keep_fp32, calibrated_on_random_data=True)
     return TransformResult(model=info.proto, precision="fp32")
