@@ -129,7 +129,7 @@ def compare(
         names = [t.name for t in info.tensors]
         report = (lambda phase: (lambda done, total: progress(phase, done, total))) if progress else (lambda phase: None)
         shapes = {spec.name: feeds[0][spec.name].shape for spec in info.inputs}
-        transformed = _transform(info, precision, shapes, calib_data, keep_fp32, autokeep, seed, trt.engine)
+        transformed = transform_model(info, precision, shapes, calib_data, keep_fp32, autokeep, seed, trt.engine)
         candidate_path = folder.path / CANDIDATE_MODEL_FILE.format(precision=precision)
         save_model(transformed.model, candidate_path)
         # From here on the runners read files and the table needs only the tensor inventory: free the
@@ -233,7 +233,10 @@ def _isolated_model_file(candidate_path: Path, names, scratch: Path) -> tuple[Pa
     return path, fed
 
 
-def _transform(info: ModelInfo, precision: str, shapes, calib_data, keep_fp32, autokeep: bool, seed: int, engine) -> TransformResult:
+def transform_model(
+    info: ModelInfo, precision: str, shapes, calib_data=None, keep_fp32=(), autokeep: bool = True, seed: int = 0, engine=None
+) -> TransformResult:
+    """The candidate model exactly as `compare` builds it (also used for the bisectors' repaired model)."""
     if engine is not None:  # a pre-built engine is the candidate: there is nothing to transform
         return TransformResult(model=info.proto, precision=precision)
     if precision == "fp16":

@@ -122,3 +122,16 @@ def test_bisect_commands_write_their_report(run_cli, tmp_path):
     assert document["schema"] == "accudiff.bisect.result" and document["nodes"] == ["ratio"]
     code, out, _ = run_cli("bisect", "precision", fixture("clean"), "--fp16", "--candidate", "onnxrt", "-o", tmp_path / "p")
     assert code == 0 and "already meets tolerance" in out
+
+
+def test_repaired_int8_model_is_the_one_compare_verified(tmp_path):
+    """The repaired model must be built exactly as `compare --keep-fp32` builds it (same calibration data)."""
+    from accudiff.bisect.precision import _repaired
+
+    session = _session("clean", "int8")
+    repaired = _repaired(session, ["fc"])
+    session.close()
+    accudiff.compare(fixture("clean"), "int8", candidate="onnxrt", keep_fp32=["fc"], report_dir=tmp_path / "compare")
+    verified = onnx.load(str(tmp_path / "compare" / "candidate-int8.onnx"))
+    scales = lambda model: {i.name: onnx.numpy_helper.to_array(i).tolist() for i in model.graph.initializer if i.name.endswith("_scale")}  # noqa: E731
+    assert scales(verified) and scales(repaired) == scales(verified)

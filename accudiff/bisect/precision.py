@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pandas as pd
 
+from accudiff.api import transform_model
 from accudiff.bisect.session import BisectSession
 from accudiff.comparison.table import STATUS_FAIL
 from accudiff.model.loading import save_model
-from accudiff.transforms import to_fp16, to_int8
 from accudiff.transforms.int8 import QUANTIZED_OPS
 
 KEEP_LIST_FILE, RANKING_FILE = "keep_fp32.txt", "ranking.csv"
@@ -112,14 +112,9 @@ def _smallest_passing_prefix(session: BisectSession, nodes: list[str], user_keep
 
 
 def _repaired(session: BisectSession, keep: list[str]):
-    """The transformed model with the keep-list applied, as `compare --keep-fp32` would build it."""
-    from accudiff.model.loading import load_model
-
-    info = load_model(session.model)
-    if session.precision == "fp16":
-        return to_fp16(info.proto, keep, session.options.get("autokeep", True)).model
-    calibration = session.options.get("calib_data")
-    from accudiff.model.inputs import load_feeds
-
-    feeds = load_feeds(calibration, info.inputs) if calibration else session.feeds
-    return to_int8(info.proto, feeds, keep).model
+    """The transformed model with the keep-list applied, built as `compare --keep-fp32` builds it."""
+    shapes = {spec.name: session.feeds[0][spec.name].shape for spec in session.info.inputs}
+    options = session.options
+    return transform_model(
+        session.info, session.precision, shapes, options.get("calib_data"), keep, options.get("autokeep", True), session.seed
+    ).model

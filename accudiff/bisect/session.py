@@ -31,6 +31,7 @@ class BisectSession:
         self.info: ModelInfo = load_model(self.model)
         input_options = {k: self.options.pop(k) for k in INPUT_OPTIONS if k in self.options}
         self.feeds = prepare_feeds(self.info, **input_options)
+        self.seed = input_options.get("seed", 0)  # random INT8 calibration derives from it, as in compare
         self.cache = ReferenceCache()
 
     def compare(self, model: Path | None = None, feeds=None, **changes) -> CompareResult:
