@@ -287,10 +287,10 @@ def _write_baseline(path: Path, result, rows) -> None:
         "precision": result.precision,
         "tensors": {row["tensor"]: {m: _rounded(row[m]) for m in BASELINE_METRICS} for _, row in rows.iterrows()},
     }
+    from accudiff.report.folder import write_atomically
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".json.tmp")
-    temporary.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
-    temporary.replace(path)
+    write_atomically(path, (json.dumps(document, indent=2, sort_keys=True) + "\n").encode())
 
 
 def _regressions(path: Path, rows, settings: Settings) -> list[str]:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
+
+import pandas as pd
 
 from accudiff.bisect.precision import KEEP_LIST_FILE, RANKING_FILE, bisect_precision
 from accudiff.bisect.session import BisectSession, stderr_progress
@@ -23,13 +24,12 @@ def run_bisector(name: str, model: str | Path, precision: str, options: dict, ou
     try:
         if name == "subgraph":
             result = bisect_subgraph(session, folder.path)
-            document = {key: str(value) if isinstance(value, Path) else value for key, value in asdict(result).items()}
             text, found = _subgraph_text(result, folder.final), result.tensor is not None
         else:
             result = bisect_precision(session, folder.path)
-            document = {key: str(value) if isinstance(value, Path) else value for key, value in asdict(result).items() if key != "ranking"}
             text, found = _precision_text(result, folder.final), not result.passed_without_changes
-        document = {"schema": RESULT_SCHEMA, "schema_version": 1, "bisector": name, "model": str(model), "precision": precision, **document}
+        fields = {key: str(value) if isinstance(value, Path) else value for key, value in vars(result).items() if not isinstance(value, pd.DataFrame)}
+        document = {"schema": RESULT_SCHEMA, "schema_version": 1, "bisector": name, "model": str(model), "precision": precision, **fields}
         folder.write_text(RESULT_FILE, json.dumps(finite(document), indent=2) + "\n")
         folder.commit()
     except BaseException:

@@ -23,6 +23,13 @@ def default_report_dir(model_stem: str, precision: str, root: Path = DEFAULT_ROO
     return candidate
 
 
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write a file that readers see whole or not at all (a rename within one folder is atomic)."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_bytes(data)
+    partial.replace(path)
+
+
 class ReportFolder:
     """Files are written into a hidden staging folder beside the target; `commit` renames it into place.
 

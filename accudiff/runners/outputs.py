@@ -46,11 +46,10 @@ class OutputStore:
         files = {}
         for index, name in enumerate(outputs):
             array, target = outputs[name], run / f"{index}.npy"
-            if isinstance(array, np.memmap) and array.filename and _link(array.filename, target):
-                files[name] = target  # already an .npy file: keep it without copying a byte
-            else:
+            already_a_file = isinstance(array, np.memmap) and array.filename and _link(array.filename, target)
+            if not already_a_file:  # an .npy file is kept by a hard link, without copying a byte
                 np.save(target, np.asarray(array), allow_pickle=False)
-                files[name] = target
+            files[name] = target
         self._runs.append(NpyFiles(files))
 
     def __getitem__(self, run: int) -> NpyFiles:

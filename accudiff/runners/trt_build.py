@@ -23,6 +23,7 @@ from types import ModuleType
 from typing import Mapping, Sequence
 
 from accudiff.errors import AccudiffError
+from accudiff.report.folder import write_atomically
 from accudiff.runners.trt_env import is_rtx
 
 MARK_MODES = ("auto", "all", "unfused", "outputs")
@@ -70,9 +71,9 @@ def build_engine(
         return BuiltEngine(plan_path.read_bytes(), meta["mark"], meta["outputs"], meta["not_observable"], True, meta["notices"])
     built = _build(trt, model_path, tensors, settings, cache_dir / "timing.cache")
     plan_path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomically(plan_path, built.plan)
+    write_atomically(plan_path, built.plan)
     meta = {"mark": built.mark, "outputs": built.outputs, "not_observable": built.not_observable, "notices": built.notices}
-    _write_atomically(meta_path, json.dumps(meta).encode())
+    write_atomically(meta_path, json.dumps(meta).encode())
     return built
 
 
@@ -146,7 +147,7 @@ def _build(trt: ModuleType, model_path: Path, tensors: Sequence[str], settings: 
         raise AccudiffError(f"TensorRT could not build an engine for '{model_path.name}': {reason}")
     if cache is not None:
         timing_cache.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomically(timing_cache, bytes(memoryview(cache.serialize())))
+        write_atomically(timing_cache, bytes(memoryview(cache.serialize())))
     notices = [ALL_CHANGES_FUSION] if mark == "all" else []
     return BuiltEngine(bytes(memoryview(plan)), mark, outputs, not_observable, False, notices)
 
@@ -229,9 +230,3 @@ def _current_gpu() -> str:
         return "sm%d%d" % gpu_compute_capability()
     except AccudiffError:
         return "no-gpu"
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_bytes(data)
-    partial.replace(path)
