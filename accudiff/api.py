@@ -18,7 +18,8 @@ import pandas as pd
 from accudiff.bisect.isolate import IsolatedFeeds, isolated_model
 from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, compare_runs, graph_input_table, record_runs, with_side_run
 from accudiff.comparison.tolerances import Tolerances
-from accudiff.diagnosis.rules import DiagnosisContext, Finding, diagnose, first_failing_ancestor
+from accudiff.diagnosis.cause import Cause, ancestor_tensors, find_cause
+from accudiff.diagnosis.rules import DiagnosisContext, Finding, diagnose
 from accudiff.errors import AccudiffError
 from accudiff.model.inputs import (
     Feed,
@@ -44,13 +45,16 @@ ENGINE_LAYERS_FILE = "engine_layers.json"
 
 @dataclass(frozen=True)
 class TensorFailure:
-    """A tensor out of tolerance, the reasons found for it, and (for outputs) where the error started."""
+    """A tensor out of tolerance and what was found at it; for a graph output also the cause of its failure
+    and the first tensor out of tolerance upstream (a fact about where the drift crossed the line, which
+    is often not where it started)."""
 
     tensor: str
     node: str
     op_type: str
     findings: list[Finding]
-    origin: str | None = None
+    first_failing_upstream: str | None = None
+    cause: Cause | None = None
 
 
 @dataclass
@@ -64,6 +68,7 @@ class CompareResult:
     output_failures: list[TensorFailure]
     tolerances: Tolerances
     kept: list[KeptNode] = field(default_factory=list)
+    converted: frozenset[str] = frozenset()  # nodes that compute in reduced precision
     not_observable: dict[str, str] = field(default_factory=dict)
     notices: list[str] = field(default_factory=list)
     iterations: int = 1
@@ -96,7 +101,7 @@ def compare(
     progress: Callable[[str, int, int], None] | None = None,
     reference_cache: ReferenceCache | None = None,
     trt: TrtOptions = TrtOptions(),
-    isolate: bool = False,
+    isolate: bool = True,
     also: str | None = None,
 ) -> CompareResult:
     """Compare every tensor of `model` run in FP32 (reference) against the `precision` candidate.
@@ -104,10 +109,12 @@ def compare(
     Inputs come from `inputs` (an .npz/polygraphy JSON path, or a list of feeds) or are generated from
     `seed` and `val_range` for `iterations` iterations. With `report_dir`, the report folder is written
     there atomically. A `reference_cache` shared between calls runs each model's reference only once per
-    set of inputs. `isolate` adds, for every tensor, the error its node makes when fed the reference's
-    values (columns `isolated_*`; one extra candidate run). `also="onnxrt"` runs the same transformed model
+    set of inputs. `isolate` (on by default) adds, for every tensor, the error its node makes when fed the
+    reference's values (columns `isolated_*`; one extra candidate run): without it, a cause can be named
+    only from range evidence. `also="onnxrt"` runs the same transformed model
     on a second backend too (columns `onnxrt_*`), separating the model's own error from what a TensorRT
-    build adds. Raises AccudiffError (one sentence) for any problem with the inputs.
+    build adds. The cause of each failing output is named from these runs (see diagnosis/cause.py).
+    Raises AccudiffError (one sentence) for any problem with the inputs.
     """
     if precision not in PRECISIONS:
         raise AccudiffError(f"unknown precision '{precision}'; choose one of: {', '.join(PRECISIONS)}")
@@ -141,12 +148,12 @@ def compare(
             if reference_cache is None:
                 reference_cache = ReferenceCache()
                 cleanup.callback(reference_cache.close)
-            reference_outputs, not_observable = _reference_outputs(info, names, feeds, reference_cache, report("reference"))
+            reference, not_observable = reference_outputs(info, names, feeds, reference_cache, report("reference"))
 
             def run_candidate(backend: str, path: Path, candidate_feeds, phase: str, layers: Path | None = None):
                 """One candidate pass against the stored reference: its table, and the runner that made it."""
                 with candidate_runner(backend, path, names, precision, trt, shapes, layers) as runner:
-                    tables = compare_runs(info.tensors, reference_outputs, runner, candidate_feeds, tolerances, transformed.quant_ranges, report(phase))
+                    tables = compare_runs(info.tensors, reference, runner, candidate_feeds, tolerances, transformed.quant_ranges, report(phase))
                 return tables, runner
 
             layers = folder.path / ENGINE_LAYERS_FILE if report_dir is not None else None
@@ -154,8 +161,8 @@ def compare(
             not_observable.update(cand.not_observable)
             if isolate:
                 with tempfile.TemporaryDirectory(prefix="accudiff-isolated-") as scratch:
-                    path, fed = _isolated_model_file(candidate_path, names, Path(scratch))
-                    isolated, _ = run_candidate(kind, path, IsolatedFeeds(feeds, reference_outputs, fed), "isolated")
+                    path, fed = _isolated_model_file(candidate_path, names, transformed.storage_copies, Path(scratch))
+                    isolated, _ = run_candidate(kind, path, IsolatedFeeds(feeds, reference, fed), "isolated")
                 table = with_side_run(table, isolated, "isolated")
             if also is not None and also != kind:
                 # The same transformed model on a second backend: the model's own error next to what a build adds.
@@ -212,7 +219,7 @@ def prepare_feeds(info: ModelInfo, inputs=None, input_shapes=(), seed: int = 0, 
     return generate_feeds(info.inputs, resolved, seed, parse_val_ranges(val_range), iterations)
 
 
-def _reference_outputs(info: ModelInfo, names, feeds, cache: ReferenceCache, progress) -> tuple[OutputStore, dict[str, str]]:
+def reference_outputs(info: ModelInfo, names, feeds, cache: ReferenceCache, progress=None) -> tuple[OutputStore, dict[str, str]]:
     """The reference outputs for these feeds, from the cache or run now. One backend at a time: the
     reference runs, leaves its outputs on disk and shuts down before the candidate starts."""
     key = ReferenceCache.key(info.path, feeds)
@@ -225,9 +232,9 @@ def _reference_outputs(info: ModelInfo, names, feeds, cache: ReferenceCache, pro
     return store, dict(not_observable)
 
 
-def _isolated_model_file(candidate_path: Path, names, scratch: Path) -> tuple[Path, dict]:
+def _isolated_model_file(candidate_path: Path, names, storage_copies, scratch: Path) -> tuple[Path, dict]:
     """The candidate with every node reading the reference's values (see bisect/isolate.py), saved."""
-    model, fed = isolated_model(onnx.load(str(candidate_path)), names)
+    model, fed = isolated_model(onnx.load(str(candidate_path)), names, storage_copies)
     path = scratch / candidate_path.name
     save_model(model, path)
     return path, fed
@@ -242,24 +249,40 @@ def transform_model(
     if precision == "fp16":
         return to_fp16(info.proto, keep_fp32, autokeep)
     if precision == "int8":
-        if calib_data is not None:
-            return to_int8(info.proto, load_feeds(calib_data, info.inputs), keep_fp32)
-        calibration = generate_feeds(info.inputs, shapes, seed + 1, iterations=8)
-        return to_int8(info.proto, calibration, keep_fp32, calibrated_on_random_data=True)
+        return to_int8(info.proto, calibration_feeds(info, shapes, calib_data, seed), keep_fp32, calibrated_on_random_data=calib_data is None)
     return TransformResult(model=info.proto, precision="fp32")
 
 
+def calibration_feeds(info: ModelInfo, shapes, calib_data=None, seed: int = 0) -> list[Feed]:
+    """The INT8 calibration samples: loaded from `calib_data`, else seeded random data (seed + 1)."""
+    if calib_data is not None:
+        return load_feeds(calib_data, info.inputs)
+    return generate_feeds(info.inputs, shapes, seed + 1, iterations=8)
+
+
 def _judge(info, precision, label, table, tolerances, transformed, not_observable, feeds, seed) -> CompareResult:
-    """Verdict from the graph outputs; the first failing tensor and the failing outputs, diagnosed."""
+    """Verdict from the graph outputs; the first failing tensor, and the failing outputs with their causes."""
     indexed = table.set_index("tensor", drop=False)
-    context = DiagnosisContext(precision, info.upstream, transformed.constant_overflows, graph_input_table(info, feeds, transformed.quant_ranges))
-
-    def failure(name: str, with_origin: bool) -> TensorFailure:
-        row = indexed.loc[name]
-        origin = first_failing_ancestor(name, indexed, context.upstream) if with_origin else None
-        return TensorFailure(name, row["node"], row["op_type"], diagnose(name, indexed, context), origin)
-
+    context = DiagnosisContext(
+        precision,
+        info.upstream,
+        frozenset(transformed.converted),
+        {k.node: k.reason for k in transformed.kept},
+        transformed.constant_overflows,
+        graph_input_table(info, feeds, transformed.quant_ranges),
+    )
     failing = table.loc[table["status"] == STATUS_FAIL, "tensor"].tolist()
+
+    def output_failure(name: str) -> TensorFailure:
+        row = indexed.loc[name]
+        upstream = ancestor_tensors(name, info.upstream)
+        first = next(t for t in failing if t in upstream)
+        return TensorFailure(name, row["node"], row["op_type"], diagnose(name, indexed, context), first, find_cause(name, indexed, context))
+
+    first_failure = None
+    if failing:
+        row = indexed.loc[failing[0]]
+        first_failure = TensorFailure(failing[0], row["node"], row["op_type"], diagnose(failing[0], indexed, context))
     failing_outputs = table.loc[(table["status"] == STATUS_FAIL) & table["is_output"], "tensor"].tolist()
     observed_outputs = table.loc[(table["status"] != STATUS_MISSING) & table["is_output"], "tensor"].tolist()
     return CompareResult(
@@ -268,10 +291,11 @@ def _judge(info, precision, label, table, tolerances, transformed, not_observabl
         candidate=label,
         table=table,
         passed=bool(observed_outputs) and not failing_outputs,
-        first_failure=failure(failing[0], False) if failing else None,
-        output_failures=[failure(name, True) for name in failing_outputs],
+        first_failure=first_failure,
+        output_failures=[output_failure(name) for name in failing_outputs],
         tolerances=tolerances,
         kept=transformed.kept,
+        converted=frozenset(transformed.converted),
         not_observable=not_observable,
         iterations=len(feeds),
         seed=seed,

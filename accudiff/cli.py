@@ -11,10 +11,9 @@ from typing import Sequence
 from accudiff import __version__
 from accudiff.api import compare
 from accudiff.errors import AccudiffError
+from accudiff.options import add_run_options, run_options
 from accudiff.report.console import ProgressBar, format_summary
 from accudiff.report.folder import default_report_dir
-from accudiff.runners import CANDIDATES, TrtOptions
-from accudiff.runners.trt_build import LEGACY_PRECISIONS, MARK_MODES
 from accudiff.runners.trt_env import MODULES
 
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
@@ -33,52 +32,6 @@ BISECTORS = {
 }
 
 
-def _add_run_options(cmd: argparse.ArgumentParser) -> None:
-    """The options that say what to compare and how: shared by compare and the bisectors."""
-    cmd.add_argument("model", help="ONNX model file")
-    precision = cmd.add_mutually_exclusive_group()
-    precision.add_argument("--fp16", dest="precision", action="store_const", const="fp16", help="FP16 mixed-precision candidate")
-    precision.add_argument("--int8", dest="precision", action="store_const", const="int8", help="explicit INT8 Q/DQ candidate")
-    cmd.set_defaults(precision="fp32")
-    cmd.add_argument("--candidate", choices=CANDIDATES, default="auto", help="backend that runs the candidate (default: auto)")
-    cmd.add_argument("--input-shapes", action="append", default=[], metavar="NAME:DIMS", help="shape of an input with dynamic dimensions, e.g. x:1x3x224x224 (repeatable)")
-    cmd.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
-    cmd.add_argument("--val-range", action="append", default=[], metavar="[NAME:]LO,HI", help="range of random input values (default 0,1; repeatable)")
-    cmd.add_argument("--iterations", type=int, default=1, help="number of random input samples (default 1)")
-    cmd.add_argument("--load-inputs", metavar="FILE", help="inputs from .npz or polygraphy's --save-inputs JSON instead of random data")
-    cmd.add_argument("--calib-data", metavar="FILE", help="INT8 calibration samples (.npz or polygraphy JSON)")
-    cmd.add_argument("--keep-fp32", action="append", default=[], metavar="NODE|OP|REGEX", help="keep matching nodes in FP32 / unquantized (repeatable)")
-    cmd.add_argument("--no-autokeep", dest="autokeep", action="store_false", help="also convert nodes whose constants exceed the FP16 range")
-    cmd.add_argument("--atol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="absolute tolerance, default and per tensor")
-    cmd.add_argument("--rtol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="relative tolerance, default and per tensor")
-    cmd.add_argument("--stol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="tolerance as a fraction of the tensor's reference absmax")
-    trt = cmd.add_argument_group("TensorRT candidate")
-    trt.add_argument("--trt-module", choices=MODULES, help="TensorRT package to use (default: the first importable)")
-    trt.add_argument("--trt-mark", choices=MARK_MODES, default="auto", help="what to observe: all layer outputs, unfused debug tensors, or graph outputs")
-    trt.add_argument("--trt-legacy-precision", choices=LEGACY_PRECISIONS, help="TensorRT 10 only: weakly typed FP16/INT8 builder flags")
-    trt.add_argument("--trt-workspace", type=int, metavar="MB", help="builder workspace limit")
-    trt.add_argument("--engine", type=Path, metavar="PLAN", help="compare this pre-built TensorRT engine (graph outputs only)")
-
-
-def _run_options(args: argparse.Namespace) -> dict:
-    """`accudiff.compare` keywords from the shared options (everything but model and precision)."""
-    return {
-        "candidate": args.candidate,
-        "input_shapes": args.input_shapes,
-        "inputs": args.load_inputs,
-        "seed": args.seed,
-        "val_range": args.val_range,
-        "iterations": args.iterations,
-        "calib_data": args.calib_data,
-        "keep_fp32": args.keep_fp32,
-        "autokeep": args.autokeep,
-        "atol": args.atol,
-        "rtol": args.rtol,
-        "stol": args.stol,
-        "trt": TrtOptions(args.trt_module, args.trt_mark, args.trt_workspace, args.trt_legacy_precision, engine=args.engine),
-    }
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="accudiff", description="Find where an ONNX model loses accuracy in FP16/INT8, and why.")
     parser.add_argument("--version", action="version", version=f"accudiff {__version__}")
@@ -86,15 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", parser_class=_Parser, required=True)
 
     cmp = commands.add_parser("compare", help="compare every tensor of an FP32 reference against a reduced-precision candidate")
-    _add_run_options(cmp)
+    add_run_options(cmp)
     cmp.add_argument("--report-dir", type=Path, help="report folder (default reports/<model>-<precision>-<time>/)")
-    cmp.add_argument("--isolate", action="store_true", help="also measure each node's own error, fed the reference's values (one more run)")
+    cmp.add_argument("--no-isolate", dest="isolate", action="store_false", help="skip the run that measures each node's own error (faster; the cause is then named only from range evidence)")
     cmp.add_argument("--also", choices=("onnxrt", "trt"), help="run the same transformed model on a second backend too (three-way table)")
 
     bisect = commands.add_parser("bisect", help="isolate what fails").add_subparsers(dest="bisector", parser_class=_Parser, required=True)
     for name, text in BISECTORS.items():
         sub = bisect.add_parser(name, help=text)
-        _add_run_options(sub)
+        add_run_options(sub)
         sub.add_argument("-o", "--out-dir", type=Path, help=f"result folder (default reports/<model>-bisect-{name}-<time>/)")
 
     part = commands.add_parser("partition", help="save the parts of a model TensorRT can and cannot convert")
@@ -127,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run_compare(args: argparse.Namespace) -> int:
     report_dir = args.report_dir or default_report_dir(Path(args.model).stem, args.precision)
     result = compare(
-        args.model, args.precision, report_dir=report_dir, progress=ProgressBar(), isolate=args.isolate, also=args.also, **_run_options(args)
+        args.model, args.precision, report_dir=report_dir, progress=ProgressBar(), isolate=args.isolate, also=args.also, **run_options(args)
     )
     print(format_summary(result))
     return EXIT_PASS if result.passed else EXIT_FAIL
@@ -137,7 +90,7 @@ def _run_bisect(args: argparse.Namespace) -> int:
     from accudiff.bisect.report import run_bisector
 
     out_dir = args.out_dir or default_report_dir(Path(args.model).stem, f"bisect-{args.bisector}")
-    summary, found = run_bisector(args.bisector, args.model, args.precision, _run_options(args), out_dir)
+    summary, found = run_bisector(args.bisector, args.model, args.precision, run_options(args), out_dir)
     print(summary)
     return EXIT_FAIL if found else EXIT_PASS
 

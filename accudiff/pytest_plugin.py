@@ -264,12 +264,15 @@ def _tolerance_problem(row) -> str:
 
 
 def _message(result, problems: list[str]) -> str:
+    from accudiff.report.console import cause_lines
+
     lines = [f"accudiff: {result.model.name} [{result.precision}] is out of bounds ({result.candidate})"]
     lines += [f"  {problem}" for problem in problems]
-    failure = result.first_failure
-    if failure is not None:
-        lines.append(f"  first failing tensor: '{failure.tensor}' ({failure.op_type} '{failure.node}')")
-        lines += [f"    {f.kind}: {f.message}" for f in failure.findings]
+    for failure in result.output_failures:
+        lines.append(f"  output '{failure.tensor}':")
+        lines += [f"    {line}" for line in cause_lines(failure.cause, result)]
+    if result.first_failure is not None:
+        lines.append(f"  first tensor out of tolerance (topological order): '{result.first_failure.tensor}' ({result.first_failure.op_type})")
     if result.report_dir is not None:
         lines.append(f"  full report: {result.report_dir}")
     return "\n".join(lines)

@@ -3,7 +3,9 @@
 * resnet18, mobilenet_v3_small: torchvision architectures with random weights, exported on CPU;
 * bert_small: a 2-layer BERT from a `transformers` config, random weights;
 * nudenet_320n: the trained YOLOv8n detector inside the `nudenet` wheel;
-* ppocr_rec_v4: the trained text recognizer inside the `rapidocr-onnxruntime` wheel.
+* ppocr_det_v4, ppocr_rec_v4, ppocr_cls_v2: the trained text detector, recognizer and direction classifier
+  inside the `rapidocr-onnxruntime` wheel.
+Realistic inputs for the trained ones are in `realistic_inputs.py`.
 Each function returns the path of an ONNX file (exported once into `folder`), or raises ModuleNotFoundError
 when the package it needs is not installed, so callers can skip.
 """
@@ -64,8 +66,16 @@ def nudenet_320n(folder: Path | None = None) -> Path:
     return _packaged("nudenet", "320n.onnx")
 
 
+def ppocr_det_v4(folder: Path | None = None) -> Path:
+    return _packaged("rapidocr_onnxruntime", "models/ch_PP-OCRv4_det_infer.onnx")
+
+
 def ppocr_rec_v4(folder: Path | None = None) -> Path:
     return _packaged("rapidocr_onnxruntime", "models/ch_PP-OCRv4_rec_infer.onnx")
+
+
+def ppocr_cls_v2(folder: Path | None = None) -> Path:
+    return _packaged("rapidocr_onnxruntime", "models/ch_ppocr_mobile_v2.0_cls_infer.onnx")
 
 
 def _torchvision_model(name: str, folder: Path) -> Path:
@@ -117,5 +127,7 @@ MODELS = {
     "mobilenet_v3_small": mobilenet_v3_small,
     "bert_small": bert_small,
     "nudenet_320n": nudenet_320n,
+    "ppocr_det_v4": ppocr_det_v4,
     "ppocr_rec_v4": ppocr_rec_v4,
+    "ppocr_cls_v2": ppocr_cls_v2,
 }

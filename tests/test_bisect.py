@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import onnx
 import pytest
@@ -22,7 +26,7 @@ def _session(name: str, precision: str, **options) -> BisectSession:
 
 
 def test_isolated_error_separates_local_from_inherited():
-    result = accudiff.compare(fixture("layernorm_overflow"), "fp16", candidate="onnxrt", isolate=True)
+    result = accudiff.compare(fixture("layernorm_overflow"), "fp16", candidate="onnxrt")  # isolation is on by default
     table = result.table.set_index("tensor")
     assert table.loc["squared", "isolated_status"] == "fail"  # overflows by itself
     assert table.loc["logits", "status"] == "fail" and table.loc["logits", "isolated_status"] == "pass"  # only inherits
@@ -30,30 +34,44 @@ def test_isolated_error_separates_local_from_inherited():
     assert [f.kind for f in output.findings] == ["inherited"]
 
 
+def test_a_node_kept_in_fp32_is_fed_exact_values_in_the_isolated_run():
+    """'bn' stays FP32: alone it reads its input as FP32 holds it, so FP16's rounding of that input is
+    charged where it happens, not to 'bn'; 'attenuate' reads 'bn''s output in FP16 and fails alone."""
+    table = accudiff.compare(fixture("kept_feeds_fp16"), "fp16", candidate="onnxrt").table.set_index("tensor")
+    assert table.loc["centred", "status"] == "fail" and table.loc["centred", "isolated_status"] == "pass"
+    assert table.loc["attenuated", "isolated_status"] == "fail"
+
+
 @pytest.mark.parametrize(
-    "name, precision, nodes",
+    "name, precision, options, nodes",
     [
-        ("layernorm_overflow", "fp16", ["ln_square"]),
-        ("nan_midgraph", "fp16", ["ratio"]),
-        ("overflow_activation", "fp16", ["amplify"]),
-        ("underflow", "fp16", ["shrink", "restore"]),  # the FP16 storage of 'tiny' belongs to its producer
-        ("int8_outlier_channel", "int8", ["conv"]),
+        ("layernorm_overflow", "fp16", {}, ["ln_square"]),
+        ("nan_midgraph", "fp16", {}, ["ratio"]),
+        ("overflow_activation", "fp16", {}, ["amplify"]),
+        ("kept_feeds_fp16", "fp16", {}, ["attenuate"]),
+        ("drift_then_constant_overflow", "fp16", {"autokeep": False}, ["bn"]),
+        ("underflow", "fp16", {}, ["shrink", "restore"]),  # accumulated: bisected; 'restore' alone reads exact values
+        ("int8_outlier_channel", "int8", {}, ["conv"]),
     ],
 )
-def test_subgraph_bisect_finds_the_planted_node_and_a_reproducer_that_fails(name, precision, nodes, tmp_path):
-    session = _session(name, precision)
+def test_subgraph_bisect_starts_from_the_cause_and_its_command_fails_when_pasted(name, precision, options, nodes, tmp_path):
+    session = _session(name, precision, **options)
     result = bisect_subgraph(session, tmp_path)
     session.close()
     assert result.nodes == nodes
     assert result.confirmed
     assert result.candidate_runs <= result.bound
-    # The reproducer fails on its own, run exactly as the saved command says.
-    args = result.command.split()
-    assert args[:3] == ["accudiff", "compare", "subgraph.onnx"]
-    precision_flag = [a for a in args if a in ("--fp16", "--int8")]
-    replay = accudiff.compare(result.model_path, precision_flag[0][2:], candidate="onnxrt", inputs=result.inputs_path)
-    assert not replay.passed or replay.first_failure is not None
-    onnx.checker.check_model(onnx.load(str(result.model_path)), full_check=True)
+    assert result.model_path == "subgraph.onnx" and (tmp_path / result.model_path).is_file()
+    onnx.checker.check_model(onnx.load(str(tmp_path / result.model_path)), full_check=True)
+    # The printed command runs verbatim in a POSIX shell from the result folder, and fails.
+    assert result.command.startswith("accudiff compare subgraph.onnx")
+    done = subprocess.run(["bash", "-c", result.command], cwd=tmp_path, capture_output=True, text=True, env=_with_accudiff_on_path())
+    assert done.returncode == 1, done.stdout + done.stderr
+
+
+def _with_accudiff_on_path() -> dict:
+    """The environment a user's shell has: the `accudiff` script of this Python on PATH."""
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
 def test_subgraph_bisect_finds_an_accumulating_chain_in_log_runs(tmp_path):
@@ -64,30 +82,40 @@ def test_subgraph_bisect_finds_an_accumulating_chain_in_log_runs(tmp_path):
     # With two samples a tensor fails if it fails on either: the drift crosses tolerance near step 60.
     step = int(result.tensor.removeprefix("acc_"))
     assert 55 <= step <= 65
+    assert result.cause_kind == "accumulated"
     assert result.nodes[-1] == f"add_{step}" and 30 <= len(result.nodes) < step + 1
     assert result.confirmed
-    assert result.candidate_runs <= math.ceil(math.log2(nodes)) + 3 == result.bound
+    assert result.candidate_runs <= math.ceil(math.log2(nodes)) + 4 == result.bound
 
 
 def test_subgraph_bisect_on_a_clean_model_finds_nothing(tmp_path):
     session = _session("clean", "fp16")
     result = bisect_subgraph(session, tmp_path)
     session.close()
-    assert result.tensor is None and result.nodes == [] and result.candidate_runs == 2
+    assert result.output is None and result.nodes == [] and result.candidate_runs == 2
 
 
 def test_precision_bisect_repairs_the_model_with_few_runs(tmp_path):
     session = _session("layernorm_overflow", "fp16")
     result = bisect_precision(session, tmp_path)
     session.close()
-    assert result.repaired and "ln_square" in result.keep
-    assert len(result.keep) < len(result.ranking) and result.candidate_runs <= result.bound < len(result.ranking) + 2
+    # The cause comes first; keeping it in FP32 moves the overflow to its consumers, which are kept too.
+    assert result.repaired and result.keep[:2] == ["ln_square", "ln_variance"]
+    assert len(result.keep) < len(result.ranking) and result.candidate_runs <= result.bound and result.candidate_runs < len(result.ranking)
     keep = (tmp_path / "keep_fp32.txt").read_text().split()
     assert accudiff.compare(fixture("layernorm_overflow"), "fp16", candidate="onnxrt", keep_fp32=keep).passed
-    repaired = onnx.load(str(result.repaired_model))
+    repaired = onnx.load(str(tmp_path / result.repaired_model))
     assert {n.name for n in repaired.graph.node} >= set(result.keep)
     ranking = result.ranking.set_index("node")
     assert ranking.loc["ln_square", "rank"] == 1 and bool(ranking.loc["ln_square", "kept"])
+
+
+def test_precision_bisect_keeps_the_overflowing_consumer_and_what_feeds_the_kept_node(tmp_path):
+    session = _session("kept_feeds_fp16", "fp16")
+    result = bisect_precision(session, tmp_path)
+    session.close()
+    assert result.repaired and set(result.keep) == {"attenuate", "lift"}
+    assert result.ranking.iloc[0]["node"] == "attenuate" and result.ranking.iloc[0]["why"] == "cause of a failing output"
 
 
 def test_precision_bisect_for_int8_leaves_the_outlier_conv_unquantized(tmp_path):
@@ -110,16 +138,17 @@ def test_bisect_stops_cleanly_on_ctrl_c_and_keeps_what_it_found(tmp_path):
     session.compare = interrupted_after_two
     result = bisect_subgraph(session, tmp_path)
     session.close()
-    assert result.interrupted and result.tensor == "acc_61" and not result.confirmed
+    assert result.interrupted and result.cause_kind == "accumulated" and result.tensor == "acc_61" and not result.confirmed
 
 
 def test_bisect_commands_write_their_report(run_cli, tmp_path):
     code, out, err = run_cli("bisect", "subgraph", fixture("nan_midgraph"), "--fp16", "--candidate", "onnxrt", "-o", tmp_path / "s")
     assert code == 1, err
-    assert "smallest failing subgraph: ratio" in out and "reproducer confirmed to fail" in out
+    assert "smallest failing subgraph (1 node(s), checked at 'ratio'): ratio" in out and "reproducer confirmed to fail" in out
     assert "step 1: compare the whole model" in err  # progress goes to stderr
     document = json.loads((tmp_path / "s" / "result.json").read_text())
     assert document["schema"] == "accudiff.bisect.result" and document["nodes"] == ["ratio"]
+    assert document["model_path"] == "subgraph.onnx" and document["cause_kind"] == "local"  # relative to the folder
     code, out, _ = run_cli("bisect", "precision", fixture("clean"), "--fp16", "--candidate", "onnxrt", "-o", tmp_path / "p")
     assert code == 0 and "already meets tolerance" in out
 

@@ -22,23 +22,34 @@ def test_passing_model_exits_0_and_writes_a_complete_report(run_cli, tmp_path):
     report = tmp_path / "report"
     assert sorted(p.name for p in report.iterdir()) == ["candidate-fp16.onnx", "inputs.npz", "summary.json", "tensors.csv"]
     summary = json.loads((report / "summary.json").read_text())
-    assert summary["schema"] == "accudiff.compare.summary" and summary["schema_version"] == 1
+    assert summary["schema"] == "accudiff.compare.summary" and summary["schema_version"] == 2
     assert summary["verdict"] == "pass" and summary["precision"] == "fp16"
     assert {"load", "transform", "run", "diagnose"} <= set(summary["timings_s"])
     table = pd.read_csv(report / "tensors.csv")
     assert list(table["tensor"]) == ["c1", "r1", "c2", "r2", "pooled", "flat", "logits"]  # topological order
 
 
-def test_failing_model_exits_1_and_names_the_first_failure(run_cli, tmp_path):
+def test_failing_model_exits_1_and_names_the_cause(run_cli, tmp_path):
     code, out, _ = run_cli("compare", fixture("layernorm_overflow"), "--fp16", "--report-dir", tmp_path / "r")
     assert code == 1
-    assert "first failure: 'squared' (Pow 'ln_square')" in out
+    assert "output 'y' FAILS" in out and "cause: Pow 'ln_square' introduces the error (its output 'squared')" in out
     assert "overflow: reference absmax" in out and "exceeds the FP16 maximum 65504" in out
     assert "verdict: FAIL" in out
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["first_failure"]["tensor"] == "squared"
-    assert summary["first_failure"]["findings"][0]["kind"] == "overflow"
-    assert summary["outputs"][0]["origin"] == "squared"
+    [output] = summary["outputs"]
+    cause = output["cause"]
+    assert (cause["kind"], cause["node"], cause["tensor"], cause["op_type"]) == ("local", "ln_square", "squared", "Pow")
+    assert cause["findings"][0]["kind"] == "overflow" and cause["contributors"]
+    assert output["first_failing_upstream"] == "squared"
+
+
+def test_first_failure_is_a_fact_never_called_the_cause(run_cli, tmp_path):
+    code, out, _ = run_cli("compare", fixture("kept_feeds_fp16"), "--fp16", "--report-dir", tmp_path / "r")
+    assert code == 1
+    assert "first tensor out of tolerance (topological order): 'centred'" in out
+    assert "cause: Mul 'attenuate' introduces the error" in out
+    assert "on its own" not in out.split("cause:")[0]  # nothing before the cause claims an isolated result
 
 
 def test_default_report_folder_is_under_reports(run_cli, tmp_path):
@@ -123,7 +134,7 @@ def test_console_script_is_installed_and_runs(tmp_path):
         cwd=ROOT,
     )
     assert done.returncode == 1
-    assert "nan_inf_origin: NaN/Inf first appear here" in done.stdout
+    assert "nan_inf_origin: its output 'ratio' has NaN/Inf in the candidate" in done.stdout
 
 
 def test_result_table_is_a_dataframe_with_documented_columns():

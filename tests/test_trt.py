@@ -132,12 +132,13 @@ def test_fully_convertible_model_is_one_part(tmp_path):
 
 
 @needs_gpu
-@pytest.mark.parametrize("name, precision, tensor, kind, passed", FAULTS, ids=[f[0] for f in FAULTS])
-def test_tensorrt_candidate_finds_the_planted_faults(name, precision, tensor, kind, passed):
-    result = accudiff.compare(fixture(name), precision, candidate="trt", trt=accudiff.TrtOptions(mark="all"))
-    assert result.passed is passed
-    assert result.first_failure is not None and result.first_failure.tensor == tensor
-    assert kind in [f.kind for f in result.first_failure.findings]
+@pytest.mark.parametrize("name, precision, options, node, kind, first", FAULTS, ids=[f[0] for f in FAULTS])
+def test_tensorrt_candidate_names_the_planted_causes(name, precision, options, node, kind, first):
+    result = accudiff.compare(fixture(name), precision, candidate="trt", trt=accudiff.TrtOptions(mark="all"), **options)
+    assert not result.passed and result.output_failures
+    for failure in result.output_failures:
+        assert failure.cause.kind == "local" and failure.cause.node == node
+        assert kind in [f.kind for f in failure.cause.findings]
 
 
 @needs_gpu

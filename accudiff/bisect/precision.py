@@ -1,11 +1,15 @@
 """A small set of nodes to keep in FP32 (for INT8: to leave unquantized) so the graph outputs meet tolerance.
 
-1. One comparison with `isolate` ranks the nodes the transform converted by the error each makes on its
-   own (lowest isolated SQNR first; failing ones first of all). That ranking is the table written out.
+1. One comparison with the isolated run names the cause of each failing output and ranks the converted
+   nodes: the local causes first, then every other node by the error it makes on its own (how many
+   tolerances its isolated error reaches). That ranking is the table written out.
 2. Keeping the top k nodes is tried for k found by bisection over the ranking (about log2(N) runs, not N):
    first the whole ranking (if even that fails, no keep-list of these nodes repairs the model), then
-   halving towards the smallest k that passes.
-3. The keep-list (node names as exact-match patterns, usable with --keep-fp32), the repaired model and
+   halving towards the smallest k that passes. A short passing list (up to PRUNE_LIMIT nodes) is then
+   pruned: each node, lowest ranked first, is dropped if the rest still passes (one run each).
+3. A keep-list is closed over precision boundaries before it is tried: a node kept in FP32 whose output
+   exceeds 65504 would overflow where an FP16 consumer reads it, so such consumers are kept too.
+4. The keep-list (node names as exact-match patterns, usable with --keep-fp32), the repaired model and
    the ranking are written out. The reference runs once for all of it.
 """
 
@@ -18,13 +22,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from accudiff.api import transform_model
+from accudiff.api import CompareResult, transform_model
 from accudiff.bisect.session import BisectSession
-from accudiff.comparison.table import STATUS_FAIL
+from accudiff.diagnosis.cause import rank_contributors
 from accudiff.model.loading import save_model
-from accudiff.transforms.int8 import QUANTIZED_OPS
+from accudiff.transforms.fp16 import FP16_MAX
 
 KEEP_LIST_FILE, RANKING_FILE = "keep_fp32.txt", "ranking.csv"
+PRUNE_LIMIT = 8
 
 
 @dataclass
@@ -32,7 +37,7 @@ class PrecisionResult:
     passed_without_changes: bool
     keep: list[str] = field(default_factory=list)  # ONNX node names
     repaired: bool = False
-    repaired_model: Path | None = None
+    repaired_model: str | None = None  # file name, relative to the result folder
     ranking: pd.DataFrame | None = None
     candidate_runs: int = 0
     bound: int = 0
@@ -40,32 +45,32 @@ class PrecisionResult:
 
 
 def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
-    session.progress("step 1: compare the whole model (with isolated errors)")
+    session.progress("step 1: compare the whole model (with isolated errors) and name the causes")
     full = session.compare(isolate=True)
     result = PrecisionResult(passed_without_changes=full.passed)
     if full.passed:
         result.candidate_runs = session.candidate_runs
         return result
-    ranking = _rank(full.table, session.precision, {k.node for k in full.kept})
+    ranking = rank(full)
     result.ranking = ranking
-    result.bound = 2 + math.ceil(math.log2(max(len(ranking), 1))) + 1
+    result.bound = _run_bound(len(ranking))
     ranking.to_csv(out_dir / RANKING_FILE, index=False)
-    nodes = list(ranking["node"])
+    boundaries = _Boundaries(session, full)
     user_keep = list(session.options.get("keep_fp32", []))
     try:
-        best = _smallest_passing_prefix(session, nodes, user_keep)
+        best = _smallest_passing_prefix(session, list(ranking["node"]), boundaries, user_keep)
     except KeyboardInterrupt:
         result.interrupted = True
         best = None
     result.candidate_runs = session.candidate_runs
     if best is None:
         return result
-    result.keep, result.repaired = nodes[:best], True
+    result.keep, result.repaired = best, True
     ranking["kept"] = ranking["node"].isin(result.keep)
     ranking.to_csv(out_dir / RANKING_FILE, index=False)
     (out_dir / KEEP_LIST_FILE).write_text("".join(f"{keep_pattern(name)}\n" for name in result.keep))
-    result.repaired_model = out_dir / f"repaired-{session.precision}.onnx"
-    save_model(_repaired(session, user_keep + [keep_pattern(n) for n in result.keep]), result.repaired_model)
+    result.repaired_model = f"repaired-{session.precision}.onnx"
+    save_model(_repaired(session, user_keep + [keep_pattern(n) for n in result.keep]), out_dir / result.repaired_model)
     return result
 
 
@@ -74,41 +79,90 @@ def keep_pattern(node: str) -> str:
     return re.escape(node)
 
 
-def _rank(table: pd.DataFrame, precision: str, already_kept: set[str]) -> pd.DataFrame:
-    """Converted nodes, worst isolated error first (one row per node: its worst output)."""
-    rows = table[(table["status"] != "not observed") & ~table["node"].isin(already_kept)]
-    if precision == "int8":
-        rows = rows[rows["op_type"].isin(QUANTIZED_OPS)]
-    else:  # FP16 values, and graph outputs (computed in FP16, then cast back to their FP32 type)
-        rows = rows[(rows["cand_dtype"] == "float16") | (rows["is_output"] & (rows["dtype"] == "float32"))]
-    rows = rows.assign(isolated_fails=rows["isolated_status"] == STATUS_FAIL)
-    rows = rows.sort_values(["isolated_fails", "isolated_sqnr_db"], ascending=[False, True])
-    ranked = rows.drop_duplicates("node")[["node", "op_type", "tensor", "isolated_fails", "isolated_sqnr_db", "sqnr_db", "status"]]
-    ranked = ranked.rename(columns={"sqnr_db": "accumulated_sqnr_db", "status": "accumulated_status"}).reset_index(drop=True)
+def rank(full: CompareResult) -> pd.DataFrame:
+    """The converted nodes in the order to try keeping them: local causes first, then by own error."""
+    table = full.table.set_index("tensor", drop=False)
+    causes = [f.cause for f in full.output_failures if f.cause.kind == "local"]
+    rows = [
+        {"node": c.node, "op_type": c.op_type, "tensor": c.tensor, "why": "cause of a failing output"}
+        for c in dict((c.node, c) for c in causes).values()
+    ]
+    named = {row["node"] for row in rows}
+    rows += [
+        {"node": c.node, "op_type": c.op_type, "tensor": c.tensor, "why": "own error (isolated run)"}
+        for c in rank_contributors(table, full.converted)
+        if c.node not in named
+    ]
+    ranked = pd.DataFrame(rows, columns=["node", "op_type", "tensor", "why"])
+    for column in ("isolated_tol_ratio", "isolated_sqnr_db", "isolated_max_abs_err", "sqnr_db", "status"):
+        ranked[column] = table.loc[ranked["tensor"], column].to_numpy() if len(ranked) else []
+    ranked = ranked.rename(columns={"sqnr_db": "accumulated_sqnr_db", "status": "accumulated_status"})
     ranked.insert(0, "rank", range(1, len(ranked) + 1))
     ranked["kept"] = False
     return ranked
 
 
-def _smallest_passing_prefix(session: BisectSession, nodes: list[str], user_keep: list[str]) -> int | None:
-    """Smallest k such that keeping nodes[:k] passes; None if keeping all of them still fails."""
+class _Boundaries:
+    """Which FP16 consumers must join a keep-list: those reading a kept node's output beyond 65504."""
 
-    def passes(k: int, step: int, total: int) -> bool:
-        session.progress(f"step {step} of about {total}: keep the top {k} node(s) in FP32")
-        return session.compare(keep_fp32=user_keep + [keep_pattern(n) for n in nodes[:k]]).passed
+    def __init__(self, session: BisectSession, full: CompareResult):
+        graph = session.info.proto.graph
+        absmax = full.table.set_index("tensor")["ref_absmax"]
+        self.overflowing = {
+            node.name: [o for o in node.output if o in absmax.index and absmax[o] > FP16_MAX] for node in graph.node
+        }
+        self.consumers: dict[str, list[str]] = {}
+        for node in graph.node:
+            for name in node.input:
+                if node.name in full.converted:
+                    self.consumers.setdefault(name, []).append(node.name)
+        self.active = session.precision == "fp16"
 
-    total = 2 + math.ceil(math.log2(max(len(nodes), 1)))
-    if not nodes or not passes(len(nodes), 2, total):
+    def close(self, keep: list[str]) -> list[str]:
+        closed, queue = list(keep), list(keep)
+        while self.active and queue:
+            for tensor in self.overflowing.get(queue.pop(), []):
+                for consumer in self.consumers.get(tensor, []):
+                    if consumer not in closed:
+                        closed.append(consumer)
+                        queue.append(consumer)
+        return closed
+
+
+def _smallest_passing_prefix(session: BisectSession, nodes: list[str], boundaries: _Boundaries, user_keep: list[str]) -> list[str] | None:
+    """The keep-list of the smallest k such that keeping nodes[:k] (closed over boundaries) passes; None if
+    keeping all of them still fails."""
+
+    step = [1]
+
+    def passes(chosen: list[str], what: str) -> bool:
+        keep = boundaries.close(chosen)
+        step[0] += 1
+        session.progress(f"step {step[0]} of at most {total}: keep {len(keep)} node(s) in FP32 ({what} and what they need)")
+        return session.compare(keep_fp32=user_keep + [keep_pattern(n) for n in keep]).passed
+
+    total = _run_bound(len(nodes))
+    if not nodes or not passes(nodes, f"all {len(nodes)} ranked"):
         return None
-    failing, passing, step = 0, len(nodes), 2
+    failing, passing = 0, len(nodes)
     while passing - failing > 1:
         middle = (failing + passing) // 2
-        step += 1
-        if passes(middle, step, total):
+        if passes(nodes[:middle], f"the top {middle}"):
             passing = middle
         else:
             failing = middle
-    return passing
+    chosen = nodes[:passing]
+    if len(chosen) <= PRUNE_LIMIT:
+        for node in reversed(chosen[1:]):
+            rest = [n for n in chosen if n != node]
+            if passes(rest, f"all but '{node}'"):
+                chosen = rest
+    return boundaries.close(chosen)
+
+
+def _run_bound(ranked: int) -> int:
+    """Candidate runs at most: the isolated comparison (2), all ranked kept, the bisection, the pruning."""
+    return 3 + math.ceil(math.log2(max(ranked, 1))) + max(min(PRUNE_LIMIT, ranked) - 1, 0)
 
 
 def _repaired(session: BisectSession, keep: list[str]):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pandas as pd
@@ -24,12 +25,12 @@ def run_bisector(name: str, model: str | Path, precision: str, options: dict, ou
     try:
         if name == "subgraph":
             result = bisect_subgraph(session, folder.path)
-            text, found = _subgraph_text(result, folder.final), result.tensor is not None
+            text, found = _subgraph_text(result, folder.final), result.output is not None
         else:
             result = bisect_precision(session, folder.path)
             text, found = _precision_text(result, folder.final), not result.passed_without_changes
-        fields = {key: str(value) if isinstance(value, Path) else value for key, value in vars(result).items() if not isinstance(value, pd.DataFrame)}
-        document = {"schema": RESULT_SCHEMA, "schema_version": 1, "bisector": name, "model": str(model), "precision": precision, **fields}
+        fields = {key: value for key, value in vars(result).items() if not isinstance(value, pd.DataFrame)}
+        document = {"schema": RESULT_SCHEMA, "schema_version": 2, "bisector": name, "model": str(model), "precision": precision, **fields}
         folder.write_text(RESULT_FILE, json.dumps(finite(document), indent=2) + "\n")
         folder.commit()
     except BaseException:
@@ -42,17 +43,18 @@ def run_bisector(name: str, model: str | Path, precision: str, options: dict, ou
 
 def _subgraph_text(result, folder: Path) -> str:
     lines = [f"accudiff bisect subgraph: {result.candidate_runs} candidate runs (bound {result.bound})"]
-    if result.tensor is None:
-        lines.append("  every tensor is within tolerance: nothing to isolate")
+    if result.output is None:
+        lines.append("  every graph output is within tolerance: nothing to isolate")
         return "\n".join(lines)
-    lines.append(f"  first failing tensor: '{result.tensor}'")
+    what = {"local": "one node introduces the error", "accumulated": "no node fails on its own: the error accumulates"}
+    lines.append(f"  failing output: '{result.output}' ({what.get(result.cause_kind, 'cause unknown')})")
     if result.interrupted:
         lines.append("  interrupted before a reproducer was confirmed")
     if result.nodes:
         shown = ", ".join(result.nodes[:6]) + (f", ... ({len(result.nodes)} nodes)" if len(result.nodes) > 6 else "")
-        lines.append(f"  smallest failing subgraph: {shown}")
+        lines.append(f"  smallest failing subgraph ({len(result.nodes)} node(s), checked at '{result.tensor}'): {shown}")
         lines.append(f"  reproducer {'confirmed to fail' if result.confirmed else 'did NOT fail when run again (the failure needs more context)'}:")
-        lines.append(f"    cd {folder} && {result.command}")
+        lines.append(f"    cd {shlex.quote(str(folder))} && {result.command}")
     return "\n".join(lines)
 
 
@@ -62,11 +64,11 @@ def _precision_text(result, folder: Path) -> str:
         lines.append("  the model already meets tolerance: nothing to keep in higher precision")
     elif result.repaired:
         lines.append(f"  keeping {len(result.keep)} node(s) in higher precision makes the outputs meet tolerance: {', '.join(result.keep[:8])}{' ...' if len(result.keep) > 8 else ''}")
-        lines.append(f"  keep-list: {folder / KEEP_LIST_FILE} (one --keep-fp32 pattern per line); repaired model: {folder / result.repaired_model.name}")
+        lines.append(f"  keep-list: {folder / KEEP_LIST_FILE} (one --keep-fp32 pattern per line); repaired model: {folder / result.repaired_model}")
     elif result.interrupted:
         lines.append("  interrupted before a passing keep-list was found")
     else:
         lines.append("  even keeping every ranked node in higher precision does not meet tolerance")
     if result.ranking is not None:
-        lines.append(f"  ranking of nodes by their own error: {folder / RANKING_FILE}")
+        lines.append(f"  ranking of the nodes (causes first, then by own error): {folder / RANKING_FILE}")
     return "\n".join(lines)

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, TextIO
 
-from accudiff.api import CompareResult, compare, prepare_feeds
+from accudiff.api import CompareResult, calibration_feeds, compare, prepare_feeds, reference_outputs
+from accudiff.model.inputs import Feed
 from accudiff.model.loading import ModelInfo, load_model
 from accudiff.runners.outputs import OutputStore, ReferenceCache
 
@@ -34,16 +35,24 @@ class BisectSession:
         self.seed = input_options.get("seed", 0)  # random INT8 calibration derives from it, as in compare
         self.cache = ReferenceCache()
 
-    def compare(self, model: Path | None = None, feeds=None, **changes) -> CompareResult:
-        """A comparison with the session's inputs and options; counts the candidate runs it makes."""
+    def compare(self, model: Path | None = None, feeds=None, isolate: bool = False, **changes) -> CompareResult:
+        """A comparison with the session's inputs and options (without the isolated run unless asked: the
+        bisection steps only need a verdict); counts the candidate runs it makes."""
         options = {**self.options, **changes}
-        result = compare(model or self.model, self.precision, inputs=feeds if feeds is not None else self.feeds, reference_cache=self.cache, **options)
-        self.candidate_runs += 2 if options.get("isolate") else 1
+        inputs = feeds if feeds is not None else self.feeds
+        result = compare(model or self.model, self.precision, inputs=inputs, reference_cache=self.cache, isolate=isolate, **options)
+        self.candidate_runs += 2 if isolate else 1
         return result
 
-    def reference_outputs(self) -> OutputStore:
-        """The full model's stored reference outputs (after a first `compare`)."""
-        return self.cache.get(ReferenceCache.key(self.model, self.feeds))[0]
+    def reference_outputs(self, feeds: list[Feed] | None = None) -> OutputStore:
+        """The full model's reference outputs for `feeds` (default: the session's), run once and kept on disk."""
+        names = [t.name for t in self.info.tensors]
+        return reference_outputs(self.info, names, feeds if feeds is not None else self.feeds, self.cache)[0]
+
+    def calibration_feeds(self) -> list[Feed]:
+        """The INT8 calibration samples of the full model, exactly as `compare` uses them."""
+        shapes = {spec.name: self.feeds[0][spec.name].shape for spec in self.info.inputs}
+        return calibration_feeds(self.info, shapes, self.options.get("calib_data"), self.seed)
 
     def close(self) -> None:
         self.cache.close()

@@ -1,13 +1,17 @@
 """The smallest connected subgraph that fails on its own when fed the reference's values, as a reproducer.
 
-1. One comparison with `isolate`: the first failing tensor `T` and whether its node fails by itself.
-2. If it does, that node alone is tried as the reproducer. Otherwise (or if alone, with its inputs
-   entering as FP32, it passes) the failing subgraph ends at `T`'s node and
-   starts somewhere among its ancestors: with A the ancestors in topological order, "A[k:] fed the
-   reference's values fails" holds for k = 0 (that is the full run) and not for the last; bisection finds
-   the largest failing k in ceil(log2(len(A))) candidate runs.
-3. The subgraph is saved with its reference inputs (.npz) and the `accudiff compare` command that
-   reproduces it, and that command is run once more to confirm it fails before anything is reported.
+1. One comparison with the isolated run names the cause of each failing output (diagnosis/cause.py).
+2. A local cause is tried first: its node alone, fed the reference's values of its inputs; if that passes
+   (the failure needs what feeds it), the node with the producers of its inputs. A one-node fault so
+   yields a reproducer of one to three nodes.
+3. Accumulated error (or a local reproducer that does not fail) is bisected: the subgraph ends at the
+   first tensor out of tolerance on the way to the output, `T`, and starts among its ancestors A (in
+   topological order). "A[k:] fed the reference's values fails" holds for k = 0 (the full run) and not for
+   the last node alone; bisection finds the largest failing k in ceil(log2(len(A))) candidate runs.
+4. The subgraph is saved with its reference inputs (.npz, and for INT8 the reference values of its inputs
+   on the calibration samples, so it is quantized exactly as in the full model) and the `accudiff compare`
+   command that reproduces it. That command is parsed and run once more to confirm it fails before
+   anything is reported.
 With several input samples a subgraph fails if it fails on any of them (statistics aggregate worst case).
 """
 
@@ -20,67 +24,96 @@ from pathlib import Path
 
 import onnx
 
+from accudiff.api import TensorFailure
 from accudiff.bisect.session import BisectSession
 from accudiff.comparison.table import STATUS_FAIL
 from accudiff.model.inputs import Feed, save_feeds
 from accudiff.model.subgraph import extract
+from accudiff.options import run_arguments
+from accudiff.transforms.base import NodeSelector
 
-MODEL_FILE, INPUTS_FILE = "subgraph.onnx", "subgraph_inputs.npz"
+MODEL_FILE, INPUTS_FILE, CALIBRATION_FILE = "subgraph.onnx", "subgraph_inputs.npz", "subgraph_calibration.npz"
+GROWN_REPRODUCER_NODES = 3
 
 
 @dataclass
 class SubgraphResult:
-    tensor: str | None  # the first failing tensor of the full model; None when nothing fails
+    output: str | None = None  # the failing graph output the reproducer explains; None when nothing fails
+    cause_kind: str | None = None  # local | accumulated | unknown (see diagnosis/cause.py)
+    tensor: str | None = None  # the tensor the reproducer checks
     nodes: list[str] = field(default_factory=list)  # ONNX node names of the reproducer, in order
-    model_path: Path | None = None
-    inputs_path: Path | None = None
-    command: str = ""
+    model_path: str | None = None  # file names relative to the result folder
+    inputs_path: str | None = None
+    calibration_path: str | None = None
+    command: str = ""  # runs verbatim from the result folder
     confirmed: bool = False
     candidate_runs: int = 0
-    bound: int = 0  # the run count promised: ceil(log2(N)) + 3
+    bound: int = 0  # the run count promised: ceil(log2(N)) + 4
     interrupted: bool = False
     findings: list[dict] = field(default_factory=list)
 
 
 def bisect_subgraph(session: BisectSession, out_dir: Path) -> SubgraphResult:
-    graph = session.info.proto.graph
-    nodes = list(graph.node)
-    result = SubgraphResult(tensor=None, bound=math.ceil(math.log2(max(len(nodes), 2))) + 3)
-    session.progress("step 1: compare the whole model (with isolated errors)")
+    nodes = list(session.info.proto.graph.node)
+    result = SubgraphResult(bound=math.ceil(math.log2(max(len(nodes), 2))) + 4)
+    session.progress("step 1: compare the whole model (with isolated errors) and name the cause")
     full = session.compare(isolate=True)
     result.candidate_runs = session.candidate_runs
-    if full.first_failure is None:
+    if full.passed:
         return result
-    target = full.first_failure.tensor
-    result.tensor, result.findings = target, [f.__dict__ for f in full.first_failure.findings]
-    end = next(i for i, node in enumerate(nodes) if target in node.output)
-    ancestors = _ancestors(nodes, end)
-    isolated = full.table.set_index("tensor").loc[target, "isolated_status"]
-    reference = session.reference_outputs()
+    failure = _most_local(full.output_failures, nodes)
+    cause = failure.cause
+    result.output, result.cause_kind = failure.tensor, cause.kind
+    result.findings = [vars(f) for f in cause.findings]
+    index = {node.name: i for i, node in enumerate(nodes)}
     try:
-        if isolated == STATUS_FAIL:
-            # Its node fails when fed reference values; alone, it must still fail where its inputs enter as
-            # FP32 graph inputs (an input's FP16 storage belongs to its producer): the confirmation decides.
-            _write_reproducer(session, ancestors[-1:], target, reference, out_dir, result)
+        if cause.kind == "local":
+            result.tensor = cause.tensor
+            own = index[cause.node]
+            for chosen in dict.fromkeys(tuple(_with_producers(nodes, own, limit)) for limit in (1, GROWN_REPRODUCER_NODES)):
+                _write_reproducer(session, list(chosen), out_dir, result)
+                if result.confirmed:
+                    break
         if not result.confirmed:
-            start = _bisect(session, nodes, ancestors, target, reference, result)
-            _write_reproducer(session, ancestors[start:], target, reference, out_dir, result)
+            result.tensor = failure.first_failing_upstream
+            ancestors = _ancestors(nodes, next(i for i, node in enumerate(nodes) if result.tensor in node.output))
+            start = _bisect(session, ancestors, result)
+            _write_reproducer(session, ancestors[start:], out_dir, result)
     except KeyboardInterrupt:
         result.interrupted = True
     result.candidate_runs = session.candidate_runs
     return result
 
 
-def _bisect(session, nodes, ancestors, target, reference, result) -> int:
+def _most_local(failures: list[TensorFailure], nodes) -> TensorFailure:
+    """The failing output whose cause is a single node, earliest in the graph; else the first failure."""
+    order = {node.name: i for i, node in enumerate(nodes)}
+    local = [f for f in failures if f.cause.kind == "local"]
+    return min(local, key=lambda f: order[f.cause.node]) if local else failures[0]
+
+
+def _with_producers(nodes, own: int, limit: int) -> list[int]:
+    """Node `own` and, up to `limit` nodes in all, the producers of its inputs (nearest first)."""
+    producer = {o: i for i, node in enumerate(nodes) for o in node.output if o}
+    chosen = [own]
+    for name in nodes[own].input:
+        if len(chosen) >= limit:
+            break
+        if producer.get(name) is not None and producer[name] not in chosen:
+            chosen.append(producer[name])
+    return sorted(chosen)
+
+
+def _bisect(session, ancestors, result) -> int:
     """Largest k such that ancestors[k:] fails on its own; ancestors[0:] (the full run) is known to fail."""
     failing, passing = 0, len(ancestors) - 1
-    steps = math.ceil(math.log2(max(len(ancestors) - 1, 1)))
+    total = math.ceil(math.log2(max(len(ancestors) - 1, 1))) + 2
     step = 1
     while passing - failing > 1:
         middle = (failing + passing) // 2
         step += 1
-        session.progress(f"step {step} of about {steps + 2}: nodes {ancestors[middle]}..{ancestors[-1]} fed the reference's values")
-        if _fails(session, nodes, ancestors[middle:], target, reference, Path(session.cache.folder) / "bisect.onnx"):
+        session.progress(f"step {step} of about {total}: nodes {ancestors[middle]}..{ancestors[-1]} fed the reference's values")
+        if _fails(session, ancestors[middle:], result.tensor):
             failing = middle
         else:
             passing = middle
@@ -88,37 +121,60 @@ def _bisect(session, nodes, ancestors, target, reference, result) -> int:
     return failing
 
 
-def _fails(session, nodes, chosen, target, reference, path: Path) -> bool:
-    model, feeds = _subgraph(session, chosen, reference)
-    onnx.save(model, str(path))
-    table = session.compare(path, feeds).table.set_index("tensor")
+def _fails(session, chosen, target) -> bool:
+    scratch = Path(session.cache.folder) / f"cut-{chosen[0]}-{chosen[-1]}"  # one folder per cut: cached runs never mix
+    scratch.mkdir(exist_ok=True)
+    options = _save_cut(session, chosen, scratch)
+    table = _run_cut(session, scratch, options).table.set_index("tensor")
     return table.loc[target, "status"] == STATUS_FAIL
 
 
-def _subgraph(session, chosen: list[int], reference) -> tuple[onnx.ModelProto, list[Feed]]:
-    """The nodes as a model, and for every sample the reference's values of its inputs."""
-    model = extract(session.info.proto, chosen)
-    names = [i.name for i in model.graph.input]
-    feeds = []
-    for iteration, feed in enumerate(session.feeds):
-        outputs = reference[iteration]
-        feeds.append({name: feed[name] if name in feed else outputs[name].copy() for name in names})
-    return model, feeds
-
-
-def _write_reproducer(session, chosen, target, reference, out_dir: Path, result: SubgraphResult) -> None:
+def _write_reproducer(session, chosen: list[int], out_dir: Path, result: SubgraphResult) -> None:
     result.nodes = [session.info.proto.graph.node[i].name for i in chosen]
-    model, feeds = _subgraph(session, chosen, reference)
-    result.model_path, result.inputs_path = out_dir / MODEL_FILE, out_dir / INPUTS_FILE
-    onnx.save(model, str(result.model_path))
-    save_feeds(feeds, result.inputs_path)
-    flags = {"fp16": ["--fp16"], "int8": ["--int8"]}.get(session.precision, [])
-    tolerance_flags = [f"--{key}={value}" for key in ("atol", "rtol", "stol") if (value := session.options.get(key)) is not None]
-    candidate = ["--candidate", session.options["candidate"]] if session.options.get("candidate", "auto") != "auto" else []
-    result.command = shlex.join(["accudiff", "compare", MODEL_FILE, *flags, "--load-inputs", INPUTS_FILE, *candidate, *tolerance_flags])
-    session.progress("confirming that the reproducer fails on its own")
-    confirm = session.compare(result.model_path, str(result.inputs_path))
-    result.confirmed = confirm.table.set_index("tensor").loc[target, "status"] == STATUS_FAIL
+    options = _save_cut(session, chosen, out_dir)
+    result.model_path, result.inputs_path, result.calibration_path = MODEL_FILE, INPUTS_FILE, options.get("calib_data")
+    result.command = shlex.join(["accudiff", "compare", *run_arguments(MODEL_FILE, session.precision, options)])
+    session.progress(f"confirming that the reproducer ({len(chosen)} node(s)) fails on its own")
+    confirm = _run_cut(session, out_dir, options)
+    result.confirmed = confirm.table.set_index("tensor").loc[result.tensor, "status"] == STATUS_FAIL
+
+
+def _save_cut(session, chosen: list[int], folder: Path) -> dict:
+    """Save the nodes as `subgraph.onnx` with the reference's values of its inputs (and for INT8 its
+    calibration samples) in `folder`; return the compare options that run it, with file names relative
+    to `folder`: the session's options narrowed to what applies to this cut."""
+    model = extract(session.info.proto, chosen)
+    onnx.save(model, str(folder / MODEL_FILE))
+    inputs = [i.name for i in model.graph.input]
+    save_feeds(_values_at(inputs, session.feeds, session.reference_outputs()), folder / INPUTS_FILE)
+    options = {key: value for key, value in session.options.items() if key not in ("calib_data", "keep_fp32", "atol", "rtol", "stol")}
+    options["inputs"] = INPUTS_FILE
+    if session.precision == "int8":
+        # Calibrated on the values its inputs take on the full model's calibration samples, the cut's
+        # quantized tensors get exactly the ranges, and so the scales, they have in the full model.
+        samples = session.calibration_feeds()
+        save_feeds(_values_at(inputs, samples, session.reference_outputs(samples)), folder / CALIBRATION_FILE)
+        options["calib_data"] = CALIBRATION_FILE
+    nodes = list(model.graph.node)
+    options["keep_fp32"] = [p for p in session.options.get("keep_fp32", []) if any(NodeSelector([p]).matches(n) for n in nodes)]
+    tensors = {o for n in nodes for o in n.output}
+    for key in ("atol", "rtol", "stol"):
+        value = session.options.get(key)
+        if value is not None:
+            items = [value] if isinstance(value, (int, float)) else list(value)
+            options[key] = [v for v in map(str, items) if ":" not in v or v.rpartition(":")[0] in tensors]
+    return options
+
+
+def _run_cut(session, folder: Path, options: dict):
+    """Compare a saved cut with its options, its files read from `folder`."""
+    in_folder = {key: folder / value if key in ("inputs", "calib_data") else value for key, value in options.items()}
+    return session.compare(folder / MODEL_FILE, str(in_folder.pop("inputs")), **in_folder)
+
+
+def _values_at(names: list[str], feeds: list[Feed], reference) -> list[Feed]:
+    """For every sample, the value of each name: a graph input as fed, anything else from the reference."""
+    return [{name: feed[name] if name in feed else reference[i][name].copy() for name in names} for i, feed in enumerate(feeds)]
 
 
 def _ancestors(nodes, end: int) -> list[int]:

@@ -4,6 +4,8 @@ Definitions (also in the README):
 * absolute error `|cand - ref|`; statistics over elements where both sides are finite;
 * relative error `|cand - ref| / max(|ref|, REL_FLOOR * absmax(ref))`: the floor keeps near-zero
   reference elements from exploding the ratio;
+* `tol_ratio` is the largest `|cand - ref| / (atol + rtol * |ref| + stol * absmax(ref))`: how many
+  tolerances the worst element is away (above 1 means outside); it ranks tensors of any magnitude;
 * an element is *outside* tolerance unless `|cand - ref| <= atol + rtol * |ref| + stol * absmax(ref)` (the
   reference is always the `|ref|` term; `stol` scales with the tensor's own magnitude, see tolerances.py),
   or both sides are the same non-finite value (NaN and NaN, or equal infinities);
@@ -43,6 +45,7 @@ class TensorStats:
     ref_max: float = -np.inf
     ref_absmax: float = 0.0
     max_abs_err: float = 0.0
+    tol_ratio: float = 0.0
     mean_abs_err: float = 0.0
     median_abs_err: float = 0.0
     p99_abs_err: float = 0.0
@@ -113,6 +116,12 @@ def measure(ref: np.ndarray, cand: np.ndarray, tol: Tolerance, quant: QuantRange
     if any_nonfinite:
         within |= (r_nan & c_nan) | (r_inf & c_inf & (np.sign(r) == np.sign(c)))
     stats.outside_count = int(within.size - np.count_nonzero(within))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.divide(err, limit, out=np.zeros_like(err), where=err > 0)
+    if any_nonfinite:
+        ratio[~within & np.isnan(err)] = np.inf
+    stats.tol_ratio = float(ratio.max())
+    del ratio
     if stats.outside_count:
         # The worst element: the one furthest from the reference (non-finite mismatches count as infinite).
         distance = np.where(within, -np.inf, np.nan_to_num(err, nan=np.inf)) if any_nonfinite else np.where(within, -np.inf, err)
@@ -170,6 +179,7 @@ def merge(total: TensorStats, new: TensorStats, iteration: int) -> TensorStats:
         ref_max=max(total.ref_max, new.ref_max),
         ref_absmax=max(total.ref_absmax, new.ref_absmax),
         max_abs_err=max(total.max_abs_err, new.max_abs_err),
+        tol_ratio=max(total.tol_ratio, new.tol_ratio),
         median_abs_err=max(total.median_abs_err, new.median_abs_err),
         p99_abs_err=max(total.p99_abs_err, new.p99_abs_err),
         max_rel_err=max(total.max_rel_err, new.max_rel_err),
@@ -199,6 +209,7 @@ def _measure_exact(ref: np.ndarray, cand: np.ndarray) -> TensorStats:
         return stats
     differ = r != c
     stats.outside_count = int(differ.sum())
+    stats.tol_ratio = np.inf if stats.outside_count else 0.0  # integers and bools must match exactly
     wide_r, wide_c = r.astype(np.float64), c.astype(np.float64)
     stats.ref_min, stats.ref_max = float(wide_r.min()), float(wide_r.max())
     stats.ref_absmax = float(np.abs(wide_r).max())

@@ -112,18 +112,19 @@ def _row(info: TensorInfo, seen: dict | None, stats: TensorStats | None, note: s
 
 
 def graph_input_table(info: ModelInfo, feeds: Sequence[Feed], quant_ranges: Mapping[str, QuantRange]) -> pd.DataFrame | None:
-    """Range statistics of the quantized graph inputs (they are fed, not computed, so never differ), for
-    the INT8 diagnosis: an input calibrated on a narrower range than it is fed clips like any tensor."""
-    quantized = [TensorInfo(spec.name, "", "graph input", spec.dtype, False) for spec in info.inputs if spec.name in quant_ranges]
-    if not quantized:
+    """Range statistics of the floating-point graph inputs (they are fed, not computed, so never differ), for
+    the range diagnosis: an input beyond 65504 overflows where a node reads it in FP16, and an input
+    calibrated on a narrower range than it is fed clips in INT8 like any tensor."""
+    floats = [TensorInfo(spec.name, "", "graph input", spec.dtype, False) for spec in info.inputs if np.issubdtype(spec.dtype, np.floating)]
+    if not floats:
         return None
-    aggregate = _Aggregate(quantized, Tolerances(Tolerance(0.0, 0.0)), quant_ranges)
+    aggregate = _Aggregate(floats, Tolerances(Tolerance(0.0, 0.0)), quant_ranges)
     for iteration, feed in enumerate(feeds):
         aggregate.add(feed, feed, iteration)
     return aggregate.table().set_index("tensor", drop=False)
 
 
-SIDE_COLUMNS = ["max_abs_err", "sqnr_db", "outside_share", "status"]
+SIDE_COLUMNS = ["max_abs_err", "tol_ratio", "sqnr_db", "outside_share", "status"]
 
 
 def with_side_run(table: pd.DataFrame, other: pd.DataFrame, prefix: str) -> pd.DataFrame:

@@ -1,9 +1,10 @@
-"""Why a tensor is out of tolerance: rules over its statistics row and those of the tensors it reads.
+"""Why a tensor is out of tolerance: rules over its statistics row and those of the tensors its node reads.
 
 Each rule returns a Finding with the evidence in numbers, so a reader can check it against the table.
 Rules look only at the statistics table and the transform's record: diagnosis never re-runs a model.
 Findings come most specific first: range faults (overflow, underflow, INT8 clipping/resolution), then
-where NaN/Inf appear, then inherited error, and plain rounding only when nothing else explains it.
+where NaN/Inf appear, then what the isolated run says (the node's own error, or error carried in).
+Nothing is called the node's own error without the isolated run behind it.
 """
 
 from __future__ import annotations
@@ -21,104 +22,140 @@ SIGNIFICANT_SHARE = 0.01
 CLIPPING_SHARE = 0.001
 RESOLUTION_SHARE = 0.5
 
+# Ops that only move, select or compare values: they add no rounding of their own, so they are never
+# blamed for it (they can still be where an input stored in reduced precision overflows).
+VALUE_PRESERVING_OPS = frozenset(
+    {
+        "ArgMax", "ArgMin", "Clip", "Compress", "Concat", "DepthToSpace", "Expand", "Flatten", "Gather",
+        "GatherElements", "GatherND", "Identity", "Max", "MaxPool", "Min", "Pad", "ReduceMax", "ReduceMin",
+        "Relu", "Reshape", "Resize", "ScatterElements", "ScatterND", "Slice", "SpaceToDepth", "Split", "Squeeze",
+        "Tile", "TopK", "Transpose", "Unsqueeze", "Upsample", "Where",
+    }
+)
+RANGE_KINDS = frozenset({"overflow", "input_overflow", "constant_overflow", "underflow", "int8_clipping", "int8_resolution"})
+
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # overflow | constant_overflow | underflow | int8_clipping | int8_resolution | nan_inf_origin | nan_inf_inherited | shape | local | inherited | rounding
+    kind: str  # see the README's Findings table
     message: str
 
 
 @dataclass(frozen=True)
 class DiagnosisContext:
     precision: str
-    upstream: dict[str, list[str]]  # tensor -> tensors its node reads
+    upstream: dict[str, list[str]]  # tensor -> tensors and graph inputs its node reads
+    converted: frozenset[str] = frozenset()  # nodes that compute in reduced precision
+    kept: dict[str, str] = field(default_factory=dict)  # node -> why it stays in higher precision
     constant_overflows: dict[str, str] = field(default_factory=dict)  # node -> what overflowed in its constants
-    graph_inputs: pd.DataFrame | None = None  # statistics rows of the graph inputs (INT8 range checks)
+    graph_inputs: pd.DataFrame | None = None  # range statistics of the graph inputs
+
+    def inputs_of(self, tensor: str, table: pd.DataFrame) -> list[str]:
+        """What the node producing `tensor` reads, among the tensors and graph inputs that have statistics."""
+        return [name for name in self.upstream.get(tensor, []) if name in table.index or self._is_graph_input(name)]
+
+    def row(self, name: str, table: pd.DataFrame) -> pd.Series:
+        return table.loc[name] if name in table.index else self.graph_inputs.loc[name]
+
+    def _is_graph_input(self, name: str) -> bool:
+        return self.graph_inputs is not None and name in self.graph_inputs.index
+
+
+def isolation_ran(table: pd.DataFrame) -> bool:
+    return "isolated_status" in table.columns
 
 
 def diagnose(tensor: str, table: pd.DataFrame, context: DiagnosisContext) -> list[Finding]:
-    """Findings for one tensor of `table` (indexed by tensor name)."""
+    """Findings for one failing tensor of `table` (indexed by tensor name)."""
     row = table.loc[tensor]
-    inputs = [name for name in context.upstream.get(tensor, []) if name in table.index]
     findings: list[Finding] = []
     if row["note"].startswith("shape differs"):
         findings.append(Finding("shape", row["note"]))
-    if context.precision == "fp16":
-        findings += _fp16_overflow(row)
-        if row["node"] in context.constant_overflows:
-            findings.append(Finding("constant_overflow", context.constant_overflows[row["node"]]))
-        findings += _fp16_underflow(table, [tensor, *inputs])
-    if context.precision == "int8":
-        sources = table if context.graph_inputs is None else pd.concat([table, context.graph_inputs])
-        findings += _int8_inputs(sources, [n for n in context.upstream.get(tensor, []) if n in sources.index])
-    findings += _non_finite(row, table, inputs)
-    if "isolated_status" in row.index and row["status"] == STATUS_FAIL and isinstance(row["isolated_status"], str):
+    findings += range_findings(tensor, table, context)
+    findings += _non_finite(tensor, table, context)
+    if isolation_ran(table) and isinstance(row["isolated_status"], str):
         findings.append(_isolation(row))
-        return findings
-    failing_inputs = [name for name in inputs if table.loc[name, "status"] == STATUS_FAIL]
-    if failing_inputs and not findings:
-        findings.append(Finding("inherited", f"its input '{failing_inputs[0]}' is already out of tolerance; the error is carried in"))
-    if not findings:
+    elif not findings:
+        failing_inputs = [n for n in context.inputs_of(tensor, table) if n in table.index and table.loc[n, "status"] == STATUS_FAIL]
+        if failing_inputs:
+            findings.append(Finding("inherited", f"its input '{failing_inputs[0]}' is already out of tolerance; error is carried in"))
+        else:
+            findings.append(
+                Finding(
+                    "unexplained",
+                    "no range fault explains it, and the isolated run that would tell this node's own error from "
+                    "error carried in was skipped (--no-isolate)",
+                )
+            )
+    return findings
+
+
+def range_findings(tensor: str, table: pd.DataFrame, context: DiagnosisContext) -> list[Finding]:
+    """Range faults of the node producing `tensor`: values its reduced-precision storage cannot hold."""
+    row = table.loc[tensor]
+    node = row["node"]
+    converted = node in context.converted
+    inputs = context.inputs_of(tensor, table)
+    findings: list[Finding] = []
+    if context.precision == "fp16":
+        if row["ref_absmax"] > FP16_MAX and (row["cand_dtype"] == "float16" or row["cand_inf"] > row["ref_inf"]):
+            findings.append(
+                Finding("overflow", f"reference absmax {row['ref_absmax']:.3g} exceeds the FP16 maximum {FP16_MAX:.0f}, so FP16 turns it into Inf")
+            )
+        if converted:
+            findings += _fp16_input_overflow(inputs, table, context)
+        if node in context.constant_overflows:
+            findings.append(Finding("constant_overflow", context.constant_overflows[node]))
+        stored_fp16 = [tensor] if row["cand_dtype"] == "float16" else []
+        findings += _fp16_underflow(table, context, stored_fp16 + (inputs if converted else []), tensor)
+    if context.precision == "int8" and converted:
+        findings += _int8_inputs(table, context, inputs)
+    return findings
+
+
+def _fp16_input_overflow(inputs: list[str], table: pd.DataFrame, context: DiagnosisContext) -> list[Finding]:
+    """An input held in FP32 upstream (a graph input, or the output of a node kept in FP32) that this node
+    reads in FP16, where it cannot fit."""
+    findings = []
+    for name in inputs:
+        source = context.row(name, table)
+        if source["ref_absmax"] <= FP16_MAX or source.get("cand_dtype") == "float16":
+            continue  # fits, or already stored in FP16 by its producer (which overflows first)
+        origin = f"'{source['node']}', kept in FP32, produces it" if source["node"] else "it is a graph input"
         findings.append(
             Finding(
-                "rounding",
-                f"rounding error of this {row['op_type']} exceeds tolerance on its own: max abs error {row['max_abs_err']:.3g}, "
-                f"{row['outside_share']:.1%} of elements outside tolerance, SQNR {row['sqnr_db']:.1f} dB",
+                "input_overflow",
+                f"its input '{name}' has reference absmax {source['ref_absmax']:.3g}, beyond the FP16 maximum {FP16_MAX:.0f}; "
+                f"{origin}, and this node reads it in FP16, where it becomes Inf",
             )
         )
     return findings
 
 
-def first_failing_ancestor(tensor: str, table: pd.DataFrame, upstream: dict[str, list[str]]) -> str | None:
-    """The earliest (topologically) failing tensor among `tensor` and everything it depends on."""
-    seen, stack = {tensor}, [tensor]
-    while stack:
-        for parent in upstream.get(stack.pop(), []):
-            if parent not in seen:
-                seen.add(parent)
-                stack.append(parent)
-    failing = [name for name in table.index if name in seen and table.loc[name, "status"] == STATUS_FAIL]
-    return failing[0] if failing else None
-
-
-def _isolation(row: pd.Series) -> Finding:
-    """Local or inherited, from the run in which every node read the reference's values."""
-    figures = f"isolated SQNR {row['isolated_sqnr_db']:.1f} dB, accumulated {row['sqnr_db']:.1f} dB"
-    if row["isolated_status"] == STATUS_FAIL:
-        return Finding("local", f"fed the reference's inputs, this {row['op_type']} still fails ({figures}): the error starts here")
-    return Finding("inherited", f"fed the reference's inputs, this {row['op_type']} is within tolerance ({figures}): the error comes from upstream")
-
-
-def _fp16_overflow(row: pd.Series) -> list[Finding]:
-    if row["ref_absmax"] > FP16_MAX and (row["cand_dtype"] == "float16" or row["cand_inf"] > row["ref_inf"]):
-        return [Finding("overflow", f"reference absmax {row['ref_absmax']:.3g} exceeds the FP16 maximum {FP16_MAX:.0f}, so FP16 turns it into Inf")]
-    return []
-
-
-def _fp16_underflow(table: pd.DataFrame, names: list[str]) -> list[Finding]:
-    """The tensor itself, or a tensor it reads, holds values FP16 cannot represent with precision."""
+def _fp16_underflow(table: pd.DataFrame, context: DiagnosisContext, names: list[str], tensor: str) -> list[Finding]:
+    """A tensor stored in FP16 here holds values FP16 cannot represent with precision."""
     for name in names:
-        row = table.loc[name]
-        if not row["elements"] or row["cand_dtype"] != "float16":
+        row = context.row(name, table)
+        if not row["elements"]:
             continue
         tiny_share = row["below_fp16_normal"] / row["elements"]
         if tiny_share >= SIGNIFICANT_SHARE:
-            where = "of this tensor" if name == names[0] else f"of its input '{name}'"
+            where = "of this tensor" if name == tensor else f"of its input '{name}'"
+            flushed = f"; {row['flushed_to_zero'] / row['elements']:.1%} became exactly 0" if name == tensor else ""
             return [
                 Finding(
                     "underflow",
                     f"{tiny_share:.1%} of the reference values {where} are nonzero but below the FP16 normal range "
-                    f"({FP16_SMALLEST_NORMAL:.2g}), where FP16 keeps few or no bits; "
-                    f"{row['flushed_to_zero'] / row['elements']:.1%} became exactly 0",
+                    f"({FP16_SMALLEST_NORMAL:.2g}), where FP16 keeps few or no bits{flushed}",
                 )
             ]
     return []
 
 
-def _int8_inputs(table: pd.DataFrame, inputs: list[str]) -> list[Finding]:
+def _int8_inputs(table: pd.DataFrame, context: DiagnosisContext, inputs: list[str]) -> list[Finding]:
     findings = []
     for name in inputs:
-        source = table.loc[name]
+        source = context.row(name, table)
         if not source["elements"] or pd.isna(source["int8_scale"]):
             continue
         clipped = source["beyond_int8_range"] / source["elements"]
@@ -142,11 +179,35 @@ def _int8_inputs(table: pd.DataFrame, inputs: list[str]) -> list[Finding]:
     return findings
 
 
-def _non_finite(row: pd.Series, table: pd.DataFrame, inputs: list[str]) -> list[Finding]:
-    if not (row["cand_nan"] > row["ref_nan"] or row["cand_inf"] > row["ref_inf"]):
+def new_non_finite(row: pd.Series) -> bool:
+    """The candidate has NaN/Inf where the reference has none."""
+    return bool(row["cand_nan"] > row["ref_nan"] or row["cand_inf"] > row["ref_inf"])
+
+
+def _non_finite(tensor: str, table: pd.DataFrame, context: DiagnosisContext) -> list[Finding]:
+    row = table.loc[tensor]
+    if not new_non_finite(row):
         return []
-    poisoned = [name for name in inputs if table.loc[name, "cand_nan"] + table.loc[name, "cand_inf"] > table.loc[name, "ref_nan"] + table.loc[name, "ref_inf"]]
+    poisoned = [name for name in context.inputs_of(tensor, table) if name in table.index and new_non_finite(table.loc[name])]
     counts = f"the candidate has {int(row['cand_nan'])} NaN and {int(row['cand_inf'])} Inf where the reference has {int(row['ref_nan'])} and {int(row['ref_inf'])}"
     if poisoned:
         return [Finding("nan_inf_inherited", f"{counts}; they come from its input '{poisoned[0]}'")]
-    return [Finding("nan_inf_origin", f"NaN/Inf first appear here: {counts}")]
+    return [Finding("nan_inf_origin", f"NaN/Inf first appear here, from finite inputs: {counts}")]
+
+
+def _isolation(row: pd.Series) -> Finding:
+    """Local or inherited, from the run in which every node read the reference's values."""
+    if row["isolated_status"] == STATUS_FAIL:
+        return Finding("rounding", f"fed the reference's values, this {row['op_type']} still leaves tolerance on its own ({isolated_figures(row)})")
+    return Finding(
+        "inherited",
+        f"fed the reference's values, this {row['op_type']} is within tolerance (isolated SQNR {row['isolated_sqnr_db']:.1f} dB, "
+        f"accumulated {row['sqnr_db']:.1f} dB): the error comes from upstream",
+    )
+
+
+def isolated_figures(row: pd.Series) -> str:
+    return (
+        f"isolated: max abs err {row['isolated_max_abs_err']:.3g}, {row['isolated_outside_share']:.1%} of elements outside, "
+        f"SQNR {row['isolated_sqnr_db']:.1f} dB"
+    )

@@ -10,6 +10,7 @@ from accudiff.report.writer import worst_tensors
 
 def format_summary(result) -> str:
     table = result.table
+    indexed = table.set_index("tensor")
     compared = int((table["status"] != "not observed").sum())
     lines = [
         f"accudiff compare {result.model.name} [{result.precision}]",
@@ -27,33 +28,27 @@ def format_summary(result) -> str:
     if failure is None:
         lines.append("  every tensor is within tolerance")
     else:
-        row = table.set_index("tensor").loc[failure.tensor]
+        row = indexed.loc[failure.tensor]
         lines.append(
-            f"  first failure: '{failure.tensor}' ({failure.op_type} '{failure.node}'): max abs err {row['max_abs_err']:.3g}, "
-            f"{row['outside_share']:.1%} of elements outside tolerance"
+            f"  first tensor out of tolerance (topological order): '{failure.tensor}' ({failure.op_type} '{failure.node}'), "
+            f"{row['outside_share']:.1%} of elements; {failure.findings[-1].kind}"
         )
-        lines += [f"    {f.kind}: {f.message}" for f in failure.findings]
-        for backend in ("onnxrt", "trt"):
-            if f"{backend}_status" in row.index:
-                lines.append(
-                    f"    the same model on {backend}: {row[f'{backend}_status']}, SQNR {row[f'{backend}_sqnr_db']:.1f} dB "
-                    f"(here {row['sqnr_db']:.1f} dB): {'the model itself' if row[f'{backend}_status'] == 'fail' else 'the build'} causes it"
-                )
-        lines.append("  worst tensors (lowest SQNR):")
+    for out in result.output_failures:
+        row = indexed.loc[out.tensor]
+        lines.append(
+            f"  output '{out.tensor}' FAILS: {int(row['outside_count'])} of {int(row['elements'])} elements ({row['outside_share']:.1%}) outside tolerance; "
+            f"worst element {element_index(row)}: reference {row['worst_ref']:.6g}, candidate {row['worst_cand']:.6g}"
+        )
+        lines += ["    " + line for line in cause_lines(out.cause, result)]
+        if out.first_failing_upstream not in (None, out.tensor, out.cause.tensor):
+            lines.append(f"    (the first tensor out of tolerance on its way is '{out.first_failing_upstream}')")
+        lines += _backend_lines(indexed.loc[out.cause.tensor if out.cause.tensor else out.tensor])
+    if failure is not None:
+        lines.append("  worst tensors (failing first, then lowest SQNR):")
         for _, worst in worst_tensors(table).iterrows():
             lines.append(
                 f"    {worst['tensor']:<32} {worst['op_type']:<14} {worst['status']:<5} max abs err {worst['max_abs_err']:<10.3g} SQNR {worst['sqnr_db']:6.1f} dB"
             )
-    for out in result.output_failures:
-        row = table.set_index("tensor").loc[out.tensor]
-        index = element_index(row)
-        lines.append(
-            f"  output '{out.tensor}' FAILS: {int(row['outside_count'])} of {int(row['elements'])} elements ({row['outside_share']:.1%}) outside tolerance; "
-            f"worst element {index}: reference {row['worst_ref']:.6g}, candidate {row['worst_cand']:.6g}"
-        )
-        lines += [f"    {f.kind}: {f.message}" for f in out.findings]
-        if out.origin and out.origin != out.tensor:
-            lines.append(f"    the error starts upstream at '{out.origin}'")
     outputs = result.outputs
     lines.append(
         f"  verdict: {'PASS' if result.passed else 'FAIL'} ({len(result.output_failures)} of {len(outputs)} graph output(s) out of tolerance)"
@@ -61,6 +56,42 @@ def format_summary(result) -> str:
     if result.report_dir is not None:
         lines.append(f"  report: {result.report_dir}")
     return "\n".join(lines)
+
+
+def cause_lines(cause, result) -> list[str]:
+    """The cause of one failing output, as the console and the pytest plugin show it."""
+    if cause.kind == "local":
+        lines = [f"cause: {cause.op_type} '{cause.node}' introduces the error (its output '{cause.tensor}')"]
+        lines += [f"  {f.kind}: {f.message}" for f in cause.findings]
+        return lines
+    if cause.kind == "accumulated":
+        lines = ["cause: accumulated error: no node leaves tolerance on its own; errors each within tolerance grow past it on the way to this output"]
+    else:
+        lines = ["cause: unknown: no range fault found, and without the isolated run (--no-isolate) one node's own error "
+                 "cannot be told from error that adds up"]
+    if cause.contributors:
+        lines.append("  largest own errors upstream (isolated run):")
+        for c in cause.contributors:
+            lines.append(
+                f"    {c.op_type} '{c.node}': SQNR {c.isolated_sqnr_db:.1f} dB, max abs err {c.isolated_max_abs_err:.3g} "
+                f"({c.isolated_tol_ratio:.2g}x its tolerance)"
+            )
+            lines += [f"      {f.kind}: {f.message}" for f in c.findings]
+    flag = {"fp16": " --fp16", "int8": " --int8"}.get(result.precision, "")
+    lines.append(f"  to find the nodes to keep in higher precision: accudiff bisect precision {result.model}{flag}")
+    return lines
+
+
+def _backend_lines(row) -> list[str]:
+    """With a second candidate (--also), whether the same model fails there too: the model, or the build."""
+    lines = []
+    for backend in ("onnxrt", "trt"):
+        if f"{backend}_status" in row.index:
+            lines.append(
+                f"    the same model on {backend}: {row[f'{backend}_status']}, SQNR {row[f'{backend}_sqnr_db']:.1f} dB "
+                f"(here {row['sqnr_db']:.1f} dB): {'the model itself' if row[f'{backend}_status'] == 'fail' else 'the build'} causes it"
+            )
+    return lines
 
 
 def element_index(row) -> str:

@@ -14,11 +14,11 @@ from accudiff import __version__
 from accudiff.report.folder import ReportFolder
 
 SUMMARY_SCHEMA = "accudiff.compare.summary"
-SUMMARY_SCHEMA_VERSION = 1
+SUMMARY_SCHEMA_VERSION = 2
 SUMMARY_FILE = "summary.json"
 TENSORS_FILE = "tensors.csv"
 WORST_COUNT = 5
-OUTPUT_COLUMNS = ["tensor", "status", "max_abs_err", "max_rel_err", "outside_share", "cosine", "sqnr_db"]
+OUTPUT_COLUMNS = ["tensor", "status", "max_abs_err", "max_rel_err", "tol_ratio", "outside_share", "cosine", "sqnr_db"]
 
 
 def summary(result) -> dict:
@@ -31,7 +31,8 @@ def summary(result) -> dict:
         if row["tensor"] in failures:
             failure = failures[row["tensor"]]
             entry["findings"] = [asdict(f) for f in failure.findings]
-            entry["origin"] = failure.origin
+            entry["cause"] = asdict(failure.cause)
+            entry["first_failing_upstream"] = failure.first_failing_upstream
         outputs.append(entry)
     document = {
         "schema": SUMMARY_SCHEMA,
@@ -62,9 +63,15 @@ def summary(result) -> dict:
 
 
 def worst_tensors(table, count: int = WORST_COUNT):
-    """The tensors with the lowest SQNR among the compared float tensors."""
+    """The worst compared float tensors: failing ones first, then by SQNR. A tensor whose reference is all
+    within its absolute tolerance of zero has an SQNR that means nothing (any rounding is loud next to
+    no signal): it ranks after the others of its group."""
     compared = table[table["sqnr_db"].notna()]
-    return compared.nsmallest(count, "sqnr_db")[["tensor", "op_type", "status", "max_abs_err", "sqnr_db", "outside_share"]]
+    order = compared.assign(
+        _passes=compared["status"] != "fail",
+        _near_zero=compared["ref_absmax"] <= compared["atol"],
+    ).sort_values(["_passes", "_near_zero", "sqnr_db"], kind="stable")
+    return order.head(count)[["tensor", "op_type", "status", "max_abs_err", "sqnr_db", "outside_share"]]
 
 
 def write_report(result, folder: ReportFolder) -> None:

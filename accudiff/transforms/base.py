@@ -29,12 +29,19 @@ class QuantRange:
 
 @dataclass
 class TransformResult:
+    """The candidate model, and what the diagnosis needs to know about how it was made."""
+
     model: onnx.ModelProto
     precision: str
     kept: list[KeptNode] = field(default_factory=list)
+    converted: set[str] = field(default_factory=set)  # nodes that compute in reduced precision (FP16, or INT8 inputs)
     quant_ranges: dict[str, QuantRange] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     constant_overflows: dict[str, str] = field(default_factory=dict)  # converted node -> its constant that became Inf
+    # A tensor's copy in another storage type, made for the nodes that read it in that type: {copy: tensor}.
+    # The isolated run feeds each copy from the tensor's reference value, so every node reads the reference
+    # exactly as it reads its inputs in the candidate.
+    storage_copies: dict[str, str] = field(default_factory=dict)
 
 
 class NodeSelector:

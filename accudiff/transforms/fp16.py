@@ -67,9 +67,18 @@ def to_fp16(model: onnx.ModelProto, keep_fp32: Iterable[str] = (), autokeep: boo
                     constant_overflows[node.name] = f"its constant '{name}' (absmax {absmax:.3g}) is beyond the FP16 maximum 65504 and became Inf"
     warnings = [f"node '{node}': {text} (--no-autokeep)" for node, text in constant_overflows.items()]
 
+    converted = set(converted_params)
     _retype_graph_outputs(graph, types, new_types, converted_params)
-    _insert_casts(graph, source, opset, types, new_types, converted_params)
-    return TransformResult(model=model, precision="fp16", kept=kept, warnings=warnings, constant_overflows=constant_overflows)
+    copies = _insert_casts(graph, source, opset, types, new_types, converted_params)
+    return TransformResult(
+        model=model,
+        precision="fp16",
+        kept=kept,
+        converted=converted,
+        warnings=warnings,
+        constant_overflows=constant_overflows,
+        storage_copies=copies,
+    )
 
 
 def _decide(node, opset, types, constants, outer_refs, selector, autokeep) -> set[str] | KeptNode | None:
@@ -122,13 +131,15 @@ def _retype_graph_outputs(graph, types, new_types, converted_params) -> None:
         graph.node.append(cast)
 
 
-def _insert_casts(graph, initializers, opset, types, new_types, converted_params) -> None:
+def _insert_casts(graph, initializers, opset, types, new_types, converted_params) -> dict[str, str]:
     """Give every node input the element type its node now needs: FP16 copies of weights, Casts otherwise.
 
-    Original weights are added back only where something still reads them in their own type.
+    Original weights are added back only where something still reads them in their own type. Returns the
+    activations' cast copies, {copy: tensor}.
     """
     produced: dict[tuple[str, int], str] = {}
     new_nodes: list[onnx.NodeProto] = []
+    copies: dict[str, str] = {}
 
     def convert(name: str, target: int) -> str:
         key = (name, target)
@@ -141,6 +152,7 @@ def _insert_casts(graph, initializers, opset, types, new_types, converted_params
                 graph.initializer.append(numpy_helper.from_array(values, produced[key]))
             else:
                 new_nodes.append(helper.make_node("Cast", [name], [produced[key]], name=produced[key] + "_cast", to=target))
+                copies[produced[key]] = name
         return produced[key]
 
     for node in list(graph.node):
@@ -161,6 +173,7 @@ def _insert_casts(graph, initializers, opset, types, new_types, converted_params
     for vi in graph.value_info:
         if vi.name in new_types and vi.type.HasField("tensor_type"):
             vi.type.tensor_type.elem_type = new_types[vi.name]
+    return copies
 
 
 def _default_opset(model: onnx.ModelProto) -> int:

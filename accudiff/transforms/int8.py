@@ -3,7 +3,10 @@
 Settings and why:
 * QDQ format, symmetric INT8 activations and weights (zero point 0), per-channel weights: the form
   TensorRT builds from explicit quantization (TensorRT 11 has no implicit INT8 any more);
-* only the inputs of Conv/ConvTranspose/MatMul/Gemm are quantized, as TensorRT's INT8 kernels are there;
+* only the inputs of Conv/ConvTranspose/MatMul/Gemm are quantized, as TensorRT's INT8 kernels are there:
+  not their outputs (the quantizer would add Q/DQ after them by default), and only those ops read the
+  quantized copy (the quantizer shares one DQ output with every consumer of a tensor; the other
+  consumers are pointed back at the float tensor, so an Add or a Concat never reads INT8 values);
 * biases stay FP32 (TensorRT does not read INT32 DequantizeLinear biases).
 Node outputs keep their names: ONNX Runtime adds Q/DQ pairs beside the float tensors it quantizes, so
 the tensor `x` still holds the producing node's own result and the DQ output carries a new name.
@@ -68,20 +71,70 @@ def to_int8(
                     activation_type=QuantType.QInt8,
                     weight_type=QuantType.QInt8,
                     nodes_to_exclude=excluded,
-                    extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False},
+                    extra_options={
+                        "ActivationSymmetric": True,
+                        "WeightSymmetric": True,
+                        "QuantizeBias": False,
+                        "OpTypesToExcludeOutputQuantization": QUANTIZED_OPS,
+                    },
                 )
         except Exception as exc:  # the quantizer raises bare exceptions of many kinds
             raise AccudiffError(f"ONNX Runtime's quantization tool could not quantize the model: {exc}") from exc
         quantized = onnx.load(str(target))
     toposort(quantized.graph)
+    converted = _unshare_quantized_activations(quantized.graph)
     kept = [KeptNode(n.name, n.op_type, f"selected by --keep-fp32 {selector.matches(n)}") for n in model.graph.node if n.name in excluded]
     return TransformResult(
         model=quantized,
         precision="int8",
         kept=kept,
+        converted=converted,
         quant_ranges=quant_ranges(quantized),
         warnings=[RANDOM_CALIBRATION_WARNING] if calibrated_on_random_data else [],
     )
+
+
+def _unshare_quantized_activations(graph: onnx.GraphProto) -> set[str]:
+    """Point every consumer of a quantized activation that is not a quantized op back at the float tensor;
+    return the nodes that read quantized values (the quantized ops)."""
+    _restore_graph_output_names(graph)
+    producer = {out: node for node in graph.node for out in node.output}
+    float_of = {}  # DQ output of an activation -> the float tensor it quantizes
+    for node in graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0] in producer and producer[node.input[0]].op_type == "QuantizeLinear":
+            float_of[node.output[0]] = producer[node.input[0]].input[0]
+    converted = set()
+    for node in graph.node:
+        if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            continue
+        if node.op_type in QUANTIZED_OPS:
+            if any(name in float_of or _is_dequantized_weight(name, producer) for name in node.input):
+                converted.add(node.name)
+            continue
+        node.input[:] = [float_of.get(name, name) for name in node.input]
+    return converted
+
+
+def _restore_graph_output_names(graph: onnx.GraphProto) -> None:
+    """Where the quantizer quantized a graph output, it renamed the producer's output and gave the output's
+    name to the DQ: give the name back to the producer, so the output holds the node's own result."""
+    producer = {out: node for node in graph.node for out in node.output}
+    outputs = {o.name for o in graph.output}
+    for dequantize in [n for n in graph.node if n.op_type == "DequantizeLinear" and n.output[0] in outputs]:
+        quantize = producer.get(dequantize.input[0])
+        if quantize is None or quantize.op_type != "QuantizeLinear":
+            continue
+        name, renamed = dequantize.output[0], quantize.input[0]
+        dequantized = f"{name}_DequantizeLinear_Output"
+        for node in graph.node:
+            node.input[:] = [dequantized if i == name else name if i == renamed else i for i in node.input]
+            node.output[:] = [name if o == renamed else o for o in node.output]
+        dequantize.output[0] = dequantized
+
+
+def _is_dequantized_weight(name: str, producer: dict[str, onnx.NodeProto]) -> bool:
+    node = producer.get(name)
+    return node is not None and node.op_type == "DequantizeLinear" and node.input[0] not in producer
 
 
 @contextlib.contextmanager

@@ -1,0 +1,139 @@
+"""The cause of a failing output: the node that introduces the error, or the nodes whose errors add up.
+
+The first tensor out of tolerance is often not the cause: small rounding carried through a network pushes
+some harmless tensor (a Clip whose tolerance shrinks with its range) over the line long before the node
+that breaks the output. So the cause is sought among the output's ancestors, in topological order:
+
+* `local` — the first node that introduces error: fed the reference's values it still leaves tolerance
+  (the isolated run), or it turns finite inputs into NaN/Inf. Without the isolated run, only range faults
+  with a failing output count as evidence (its constant became Inf, its own value or an input it reads in
+  FP16 exceeds 65504).
+* `accumulated` — no node fails on its own: the error builds up over many nodes. The contributors (the
+  converted nodes with the largest isolated error) say where to look, and `accudiff bisect precision`
+  finds which of them to keep in higher precision.
+* `unknown` — without the isolated run and without range evidence, local and accumulated error cannot
+  be told apart; the report says so instead of guessing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import pandas as pd
+
+from accudiff.comparison.table import STATUS_FAIL
+from accudiff.diagnosis.rules import (
+    RANGE_KINDS,
+    VALUE_PRESERVING_OPS,
+    DiagnosisContext,
+    Finding,
+    isolated_figures,
+    isolation_ran,
+    new_non_finite,
+    range_findings,
+)
+
+CONTRIBUTOR_COUNT = 5
+HARD_RANGE_KINDS = frozenset({"overflow", "input_overflow", "constant_overflow"})
+
+
+@dataclass(frozen=True)
+class Contributor:
+    """A node upstream of a failing output, with the error it makes on its own (isolated run) and any
+    range fault found at it (an underflow can stay inside a tensor's tolerance and still matter downstream)."""
+
+    node: str
+    op_type: str
+    tensor: str
+    isolated_sqnr_db: float
+    isolated_max_abs_err: float
+    isolated_tol_ratio: float
+    findings: list[Finding] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Cause:
+    kind: str  # local | accumulated | unknown
+    node: str | None = None
+    tensor: str | None = None
+    op_type: str | None = None
+    findings: list[Finding] = field(default_factory=list)
+    contributors: list[Contributor] = field(default_factory=list)
+
+
+def find_cause(output: str, table: pd.DataFrame, context: DiagnosisContext) -> Cause:
+    """The cause of `output`'s failure (`table` is indexed by tensor name, in topological order)."""
+    ancestors = ancestor_tensors(output, context.upstream)
+    rows = table[table.index.isin(ancestors)]
+    contributors = [
+        replace(c, findings=range_findings(c.tensor, table, context)) for c in rank_contributors(rows, context.converted)[:CONTRIBUTOR_COUNT]
+    ]
+    for node, node_rows in rows.groupby("node", sort=False):
+        findings = _introduced_error(node_rows, table, context)
+        if findings:
+            first = node_rows.iloc[0]
+            failing = node_rows[node_rows["status"] == STATUS_FAIL]
+            tensor = (failing.iloc[0] if len(failing) else first)["tensor"]
+            return Cause("local", str(node), tensor, first["op_type"], findings, contributors)
+    return Cause("accumulated" if isolation_ran(table) else "unknown", contributors=contributors)
+
+
+def rank_contributors(rows: pd.DataFrame, converted: frozenset[str]) -> list[Contributor]:
+    """Converted nodes that compute (not just move values), noisiest first: lowest isolated SQNR (their own
+    error relative to their own signal, whatever their scale: an underflowing tensor can sit within its
+    absolute tolerance and still lose half its bits), then how many tolerances it reaches. One entry
+    per node (its worst output)."""
+    if not isolation_ran(rows):
+        return []
+    candidates = rows[rows["node"].isin(converted) & ~rows["op_type"].isin(VALUE_PRESERVING_OPS) & rows["isolated_status"].notna()]
+    ordered = candidates.sort_values(["isolated_sqnr_db", "isolated_tol_ratio"], ascending=[True, False]).drop_duplicates("node")
+    return [
+        Contributor(r["node"], r["op_type"], r["tensor"], float(r["isolated_sqnr_db"]), float(r["isolated_max_abs_err"]), float(r["isolated_tol_ratio"]))
+        for _, r in ordered.iterrows()
+    ]
+
+
+def ancestor_tensors(tensor: str, upstream: dict[str, list[str]]) -> set[str]:
+    """`tensor` and every tensor it depends on."""
+    seen, stack = {tensor}, [tensor]
+    while stack:
+        for parent in upstream.get(stack.pop(), []):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
+def _introduced_error(rows: pd.DataFrame, table: pd.DataFrame, context: DiagnosisContext) -> list[Finding]:
+    """The evidence that this node (its output rows) introduces error itself; empty when there is none."""
+    findings: list[Finding] = []
+    for tensor in rows.index:
+        findings += [f for f in range_findings(tensor, table, context) if f not in findings]
+    nan_origin = [
+        Finding("nan_inf_origin", f"its output '{t}' has NaN/Inf in the candidate ({_non_finite_counts(table.loc[t])}) although its inputs are finite")
+        for t in rows.index
+        if new_non_finite(table.loc[t]) and not any(new_non_finite(table.loc[i]) for i in context.inputs_of(t, table) if i in table.index)
+    ]
+    moves_values = rows.iloc[0]["op_type"] in VALUE_PRESERVING_OPS
+    if isolation_ran(table):
+        isolated_failures = rows[rows["isolated_status"] == STATUS_FAIL]
+        if not len(isolated_failures) and not nan_origin:
+            return []
+        if moves_values and not any(f.kind in RANGE_KINDS for f in findings) and not nan_origin:
+            return []  # an op that only moves values adds no rounding: its input's storage is to blame upstream
+        findings += nan_origin
+        if len(isolated_failures):
+            figures = isolated_figures(isolated_failures.iloc[0])
+            if findings:
+                findings.append(Finding("isolated", f"fed the reference's values, it still leaves tolerance on its own ({figures})"))
+            else:
+                findings.append(Finding("rounding", f"no range fault explains it: its own rounding leaves tolerance when fed the reference's values ({figures})"))
+        return findings
+    if nan_origin:
+        return findings + nan_origin
+    fails = bool((rows["status"] == STATUS_FAIL).any())
+    return findings if fails and any(f.kind in HARD_RANGE_KINDS for f in findings) else []
+
+
+def _non_finite_counts(row: pd.Series) -> str:
+    return f"{int(row['cand_nan'])} NaN and {int(row['cand_inf'])} Inf, the reference {int(row['ref_nan'])} and {int(row['ref_inf'])}"

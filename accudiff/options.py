@@ -1,0 +1,94 @@
+"""The run options every command shares, in one place: one name for one thing, on every command.
+
+`add_run_options` declares them on a parser, `run_options` turns parsed arguments into keywords of
+`accudiff.compare`, and `run_arguments` does the reverse: it writes keywords back as command-line
+arguments, so a saved command (a bisect reproducer) says exactly what was run.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from accudiff.runners import CANDIDATES, TrtOptions
+from accudiff.runners.trt_build import LEGACY_PRECISIONS, MARK_MODES
+from accudiff.runners.trt_env import MODULES
+
+PRECISION_FLAGS = {"fp16": "--fp16", "int8": "--int8"}
+
+
+def add_run_options(cmd: argparse.ArgumentParser) -> None:
+    """The options that say what to compare and how: shared by compare and the bisectors."""
+    cmd.add_argument("model", help="ONNX model file")
+    precision = cmd.add_mutually_exclusive_group()
+    precision.add_argument("--fp16", dest="precision", action="store_const", const="fp16", help="FP16 mixed-precision candidate")
+    precision.add_argument("--int8", dest="precision", action="store_const", const="int8", help="explicit INT8 Q/DQ candidate")
+    cmd.set_defaults(precision="fp32")
+    cmd.add_argument("--candidate", choices=CANDIDATES, default="auto", help="backend that runs the candidate (default: auto)")
+    cmd.add_argument("--input-shapes", action="append", default=[], metavar="NAME:DIMS", help="shape of an input with dynamic dimensions, e.g. x:1x3x224x224 (repeatable)")
+    cmd.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    cmd.add_argument("--val-range", action="append", default=[], metavar="[NAME:]LO,HI", help="range of random input values (default 0,1; repeatable)")
+    cmd.add_argument("--iterations", type=int, default=1, help="number of random input samples (default 1)")
+    cmd.add_argument("--load-inputs", metavar="FILE", help="inputs from .npz or polygraphy's --save-inputs JSON instead of random data")
+    cmd.add_argument("--calib-data", metavar="FILE", help="INT8 calibration samples (.npz or polygraphy JSON)")
+    cmd.add_argument("--keep-fp32", action="append", default=[], metavar="NODE|OP|REGEX", help="keep matching nodes in FP32 / unquantized (repeatable)")
+    cmd.add_argument("--no-autokeep", dest="autokeep", action="store_false", help="also convert nodes whose constants exceed the FP16 range")
+    cmd.add_argument("--atol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="absolute tolerance, default and per tensor")
+    cmd.add_argument("--rtol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="relative tolerance, default and per tensor")
+    cmd.add_argument("--stol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="tolerance as a fraction of the tensor's reference absmax")
+    trt = cmd.add_argument_group("TensorRT candidate")
+    trt.add_argument("--trt-module", choices=MODULES, help="TensorRT package to use (default: the first importable)")
+    trt.add_argument("--trt-mark", choices=MARK_MODES, default="auto", help="what to observe: all layer outputs, unfused debug tensors, or graph outputs")
+    trt.add_argument("--trt-legacy-precision", choices=LEGACY_PRECISIONS, help="TensorRT 10 only: weakly typed FP16/INT8 builder flags")
+    trt.add_argument("--trt-workspace", type=int, metavar="MB", help="builder workspace limit")
+    trt.add_argument("--engine", type=Path, metavar="PLAN", help="compare this pre-built TensorRT engine (graph outputs only)")
+
+
+def run_options(args: argparse.Namespace) -> dict:
+    """`accudiff.compare` keywords from the shared options (everything but model and precision)."""
+    return {
+        "candidate": args.candidate,
+        "input_shapes": args.input_shapes,
+        "inputs": args.load_inputs,
+        "seed": args.seed,
+        "val_range": args.val_range,
+        "iterations": args.iterations,
+        "calib_data": args.calib_data,
+        "keep_fp32": args.keep_fp32,
+        "autokeep": args.autokeep,
+        "atol": args.atol,
+        "rtol": args.rtol,
+        "stol": args.stol,
+        "trt": TrtOptions(args.trt_module, args.trt_mark, args.trt_workspace, args.trt_legacy_precision, engine=args.engine),
+    }
+
+
+def run_arguments(model: str, precision: str, options: dict) -> list[str]:
+    """The command-line arguments (after `accudiff compare`) that `run_options` reads back as `options`.
+
+    Input data must be given as files (`inputs`, `calib_data`); options left at their defaults are not written.
+    """
+    args = [str(model), *([PRECISION_FLAGS[precision]] if precision in PRECISION_FLAGS else [])]
+    if options.get("candidate", "auto") != "auto":
+        args += ["--candidate", options["candidate"]]
+    for key, flag in (("inputs", "--load-inputs"), ("calib_data", "--calib-data")):
+        if options.get(key) is not None:
+            args += [flag, str(options[key])]
+    for pattern in options.get("keep_fp32") or []:
+        args += ["--keep-fp32", pattern]
+    if options.get("autokeep", True) is False:
+        args.append("--no-autokeep")
+    for key in ("atol", "rtol", "stol"):
+        value = options.get(key)
+        if value is not None:
+            args += [f"--{key}", *(str(v) for v in ([value] if isinstance(value, (int, float)) else value))]
+    trt = options.get("trt") or TrtOptions()
+    for flag, value, default in (
+        ("--trt-module", trt.module, None),
+        ("--trt-mark", trt.mark, "auto"),
+        ("--trt-legacy-precision", trt.legacy_precision, None),
+        ("--trt-workspace", trt.workspace_mb, None),
+    ):
+        if value != default:
+            args += [flag, str(value)]
+    return args

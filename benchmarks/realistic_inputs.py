@@ -1,0 +1,130 @@
+"""Realistic inputs for the trained models of `models.py`, made locally and seeded.
+
+Uniform noise leaves a trained detector's output near zero and hides every numerical fault, so the tests
+and benchmarks feed what these models were trained on: text drawn with PIL for the OCR models (normalised
+as PP-OCR expects), and a simple drawn scene for the object detector. Each function returns one feed,
+`{input name: array}`; the same seed gives the same array.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+FONT_FILES = [
+    Path("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"),
+    Path("/usr/share/fonts/truetype/dejavu/DejaVuSerif.ttf"),
+    Path("/usr/share/fonts/truetype/dejavu/DejaVuSansMono.ttf"),
+]
+WORDS = (
+    "invoice total amount due date customer account number street city order quantity price tax "
+    "shipping reference payment received balance page item description unit 2026 11 22 EUR 1,234.56 "
+    "No. 42 Elm Road Berlin 10115 Phone +49 30 1234567 thank you"
+).split()
+
+
+def ppocr_det(seed: int = 0, size: tuple[int, int] = (320, 320)) -> dict[str, np.ndarray]:
+    """A document page (dark text lines on a light background) for the PP-OCR text detector."""
+    rng = np.random.default_rng(seed)
+    image = _page(rng, size)
+    return {"x": _ppocr_normalise(image)}
+
+
+def ppocr_rec(seed: int = 0, size: tuple[int, int] = (320, 48)) -> dict[str, np.ndarray]:
+    """One cropped text line, as the PP-OCR recognizer receives it after detection (48 px high)."""
+    return {"x": _ppocr_normalise(_text_line(np.random.default_rng(seed), size))}
+
+
+def ppocr_cls(seed: int = 0, size: tuple[int, int] = (192, 48)) -> dict[str, np.ndarray]:
+    """One cropped text line, upright or upside down, for the PP-OCR direction classifier."""
+    rng = np.random.default_rng(seed)
+    line = _text_line(rng, size)
+    if rng.random() < 0.5:
+        line = line.rotate(180)
+    return {"x": _ppocr_normalise(line)}
+
+
+def detector_scene(seed: int = 0, size: int = 320, name: str = "images") -> dict[str, np.ndarray]:
+    """A simple scene (sky, ground, objects, a person's head and shoulders) in RGB scaled to [0, 1], for a
+    YOLO-style detector: the drawn face gives the trained detector something to score well above zero."""
+    from PIL import Image, ImageDraw, ImageFilter
+
+    rng = np.random.default_rng(seed)
+    sky = np.linspace(rng.uniform(150, 200), rng.uniform(200, 250), size)[:, None, None] * np.array([0.6, 0.8, 1.0])
+    pixels = np.broadcast_to(sky, (size, size, 3)).copy()
+    horizon = int(size * rng.uniform(0.55, 0.7))
+    pixels[horizon:] = np.array([90, 120, 60]) + rng.normal(0, 12, (size - horizon, size, 3))
+    image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+    draw = ImageDraw.Draw(image)
+    for _ in range(4):  # boxes and discs of random colours: edges and textures for the backbone
+        x0, y0 = rng.integers(0, size - 60, 2)
+        w, h = rng.integers(20, 90, 2)
+        colour = tuple(int(c) for c in rng.integers(0, 255, 3))
+        (draw.rectangle if rng.random() < 0.5 else draw.ellipse)([x0, y0, x0 + w, y0 + h], fill=colour)
+    cx, cy = int(size * rng.uniform(0.4, 0.6)), int(size * 0.4)
+    skin, hair = (225, 180, 150), tuple(int(c) for c in rng.integers(20, 90, 3))
+    draw.rectangle([cx - 90, cy + 80, cx + 90, size], fill=(40, 70, 160))  # shoulders
+    draw.ellipse([cx - 70, cy - 95, cx + 70, cy + 95], fill=hair)
+    draw.ellipse([cx - 55, cy - 70, cx + 55, cy + 85], fill=skin)
+    for side in (-22, 22):  # eyes and brows
+        draw.ellipse([cx + side - 12, cy - 15, cx + side + 12, cy - 3], fill=(255, 255, 255))
+        draw.ellipse([cx + side - 5, cy - 13, cx + side + 5, cy - 5], fill=(50, 30, 20))
+        draw.line([cx + side - 14, cy - 26, cx + side + 14, cy - 28], fill=hair, width=4)
+    draw.polygon([(cx, cy), (cx - 8, cy + 25), (cx + 8, cy + 25)], fill=(200, 150, 125))
+    draw.chord([cx - 22, cy + 35, cx + 22, cy + 55], 0, 180, fill=(170, 60, 70))
+    array = np.asarray(image.filter(ImageFilter.GaussianBlur(1.2)), dtype=np.float32) / 255.0
+    return {name: np.ascontiguousarray(array.transpose(2, 0, 1)[None])}
+
+
+def _page(rng: np.random.Generator, size: tuple[int, int]):
+    from PIL import Image, ImageDraw
+
+    width, height = size
+    paper = int(rng.integers(225, 256))
+    image = Image.new("RGB", size, (paper, paper, int(paper * 0.97)))
+    draw = ImageDraw.Draw(image)
+    y = int(rng.integers(6, 16))
+    while y < height - 24:
+        font = _font(rng, int(rng.integers(14, 26)))
+        text = " ".join(rng.choice(WORDS, int(rng.integers(2, 6))))
+        ink = int(rng.integers(0, 70))
+        draw.text((int(rng.integers(4, 30)), y), text, fill=(ink, ink, ink), font=font)
+        y += int(font.size * rng.uniform(1.6, 2.6))
+    return image
+
+
+def _text_line(rng: np.random.Generator, size: tuple[int, int]):
+    from PIL import Image, ImageDraw
+
+    width, height = size
+    image = Image.new("RGB", size, tuple(int(v) for v in rng.integers(215, 256, 3)))
+    font = _font(rng, int(height * rng.uniform(0.5, 0.7)))
+    text = " ".join(rng.choice(WORDS, int(rng.integers(2, 4))))
+    ink = int(rng.integers(0, 60))
+    ImageDraw.Draw(image).text((int(rng.integers(2, 10)), int(height * 0.12)), text, fill=(ink, ink, ink), font=font)
+    return image
+
+
+def _font(rng: np.random.Generator, size: int):
+    from PIL import ImageFont
+
+    available = [path for path in FONT_FILES if path.is_file()]
+    if available:
+        return ImageFont.truetype(str(available[int(rng.integers(len(available)))]), size)
+    return ImageFont.load_default(size)  # Pillow's built-in scalable font, where DejaVu is not installed
+
+
+def _ppocr_normalise(image) -> np.ndarray:
+    """PP-OCR's preprocessing: RGB in [0, 255] -> (v / 255 - 0.5) / 0.5, NCHW float32."""
+    array = (np.asarray(image, dtype=np.float32) / 255.0 - 0.5) / 0.5
+    return np.ascontiguousarray(array.transpose(2, 0, 1)[None])
+
+
+# The trained models of models.py, and the input each is fed.
+FEEDS = {"nudenet_320n": detector_scene, "ppocr_det_v4": ppocr_det, "ppocr_rec_v4": ppocr_rec, "ppocr_cls_v2": ppocr_cls}
+
+
+def dataset(model: str, samples: int, first_seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """`samples` realistic feeds for `model`, seeds first_seed, first_seed + 1, ..."""
+    return [FEEDS[model](seed) for seed in range(first_seed, first_seed + samples)]

@@ -1,0 +1,205 @@
+"""A brute-force attribution oracle, written independently of accudiff's isolation and diagnosis code.
+
+For every node of the original model, one node at a time: run that node alone in ONNX Runtime (FP32), fed
+the FP32 reference values of its inputs as the candidate would see them when only this node runs in
+reduced precision, and judge its output against the reference:
+
+* FP16: a converted node reads its floating-point inputs stored in FP16 (numpy rounding: overflow to Inf,
+  subnormals), computes, and stores its output in FP16;
+* INT8: a quantized node reads each input through the Q/DQ pair the candidate model puts in front of it
+  (fake-quantised here with numpy from the candidate's scales), and its weights as the candidate
+  dequantises them.
+
+The cause of a failing output is then the first node, in topological order, among that output's ancestors
+whose output leaves tolerance when it alone runs in reduced precision. Nothing here imports accudiff's
+isolation, comparison or diagnosis modules: only the facts of the candidate (which nodes stay in FP32, the
+INT8 scales) come from accudiff's report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper, numpy_helper
+
+FLOAT = onnx.TensorProto.FLOAT
+
+
+@dataclass
+class NodeVerdict:
+    node: str
+    op_type: str
+    tensor: str
+    fails_alone: bool
+    max_error: float
+
+
+def reference_values(model_path: Path, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every value of the main graph (graph inputs, weights, Constant outputs and node outputs) in FP32."""
+    model = onnx.load(str(model_path))
+    model = onnx.shape_inference.infer_shapes(model)
+    values = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer}
+    values.update(feed)
+    known = {o.name for o in model.graph.output}
+    for node in model.graph.node:
+        model.graph.output.extend(onnx.ValueInfoProto(name=o) for o in node.output if o and o not in known)
+    names = [o.name for o in model.graph.output]
+    session = _session(model)
+    values.update(zip(names, session.run(names, feed)))
+    return values
+
+
+def node_verdicts(
+    model_path: Path,
+    values: dict[str, np.ndarray],
+    precision: str,
+    tolerance: tuple[float, float, float],
+    kept: set[str] = frozenset(),
+    candidate_path: Path | None = None,
+) -> list[NodeVerdict]:
+    """For each node (topological order), whether its output fails when only it runs in reduced precision."""
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(model_path)))
+    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    quantized = _quantized_inputs(candidate_path) if precision == "int8" else {}
+    verdicts = []
+    for index, node in enumerate(model.graph.node):
+        name = node.name or f"{node.op_type}_{index}"
+        if node.op_type == "Constant" or not node.output or not node.output[0]:
+            continue
+        reduced = name not in kept
+        inputs = {}
+        for position, value_name in enumerate(node.input):
+            if not value_name:
+                continue
+            value = values[value_name]
+            if reduced and precision == "fp16" and value.dtype == np.float32 and _allows_fp16(node, position, opset, "inputs"):
+                with np.errstate(over="ignore"):
+                    value = value.astype(np.float16).astype(np.float32)
+            if reduced and precision == "int8" and (name, position) in quantized:
+                value = quantized[(name, position)](value)
+            inputs[value_name] = value
+        outputs = _run_alone(node, inputs, opset)
+        worst, failing, tensor = 0.0, False, node.output[0]
+        for position, out in enumerate(node.output):
+            if not out or out not in values or not np.issubdtype(values[out].dtype, np.floating):
+                continue
+            produced = outputs[out]
+            if reduced and precision == "fp16" and _allows_fp16(node, position, opset, "outputs"):
+                with np.errstate(over="ignore"):
+                    produced = produced.astype(np.float16).astype(np.float32)
+            error, out_of_tolerance = _judge(values[out], produced, tolerance)
+            if out_of_tolerance and not failing:
+                tensor = out
+            failing |= out_of_tolerance
+            worst = max(worst, error)
+        verdicts.append(NodeVerdict(name, node.op_type, tensor, failing, worst))
+    return verdicts
+
+
+def cause(model_path: Path, output: str, verdicts: list[NodeVerdict]) -> NodeVerdict | None:
+    """The first node (topological order) upstream of `output` that fails when it alone runs in reduced precision."""
+    model = onnx.load(str(model_path))
+    producer = {o: (n.name or f"{n.op_type}_{i}", n) for i, n in enumerate(model.graph.node) for o in n.output}
+    ancestors, stack = set(), [output]
+    while stack:
+        name = stack.pop()
+        if name in producer and producer[name][0] not in ancestors:
+            node_name, node = producer[name]
+            ancestors.add(node_name)
+            stack.extend(node.input)
+    return next((v for v in verdicts if v.node in ancestors and v.fails_alone), None)
+
+
+def _judge(ref: np.ndarray, cand: np.ndarray, tolerance: tuple[float, float, float]) -> tuple[float, bool]:
+    atol, rtol, stol = tolerance
+    ref, cand = ref.astype(np.float64), cand.astype(np.float64)
+    finite = np.isfinite(ref)
+    absmax = float(np.abs(ref[finite]).max()) if finite.any() else 0.0
+    with np.errstate(invalid="ignore"):
+        error = np.abs(cand - ref)
+        same_non_finite = (np.isnan(ref) & np.isnan(cand)) | (np.isinf(ref) & (ref == cand))
+        within = (error <= atol + rtol * np.abs(ref) + stol * absmax) | same_non_finite
+    error = np.where(same_non_finite, 0.0, np.nan_to_num(error, nan=np.inf))
+    return float(error.max(initial=0.0)), bool(not within.all())
+
+
+def _run_alone(node: onnx.NodeProto, inputs: dict[str, np.ndarray], opset: int) -> dict[str, np.ndarray]:
+    graph = helper.make_graph(
+        [node],
+        "alone",
+        [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(value.dtype), value.shape) for name, value in inputs.items()],
+        [onnx.ValueInfoProto(name=o) for o in node.output if o],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+    outputs = [o for o in node.output if o]
+    return dict(zip(outputs, _session(model).run(outputs, inputs)))
+
+
+def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _allows_fp16(node: onnx.NodeProto, position: int, opset: int, side: str) -> bool:
+    schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+    formals = getattr(schema, side)
+    type_str = formals[min(position, len(formals) - 1)].type_str
+    allowed = next((c.allowed_type_strs for c in schema.type_constraints if c.type_param_str == type_str), [])
+    return "tensor(float16)" in allowed
+
+
+def _quantized_inputs(candidate_path: Path) -> dict[tuple[str, int], callable]:
+    """(node, input position) -> the fake-quantisation the INT8 candidate applies to that input."""
+    model = onnx.load(str(candidate_path))
+    initializers = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    result = {}
+    for node in model.graph.node:
+        if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            continue
+        for position, name in enumerate(node.input):
+            dq = producer.get(name)
+            if dq is None or dq.op_type != "DequantizeLinear":
+                continue
+            source = dq.input[0]
+            if source in initializers:  # a quantized weight: the candidate's dequantised values
+                result[(node.name, position)] = _constant(_dequantize(dq, initializers))
+                continue
+            q = producer.get(source)
+            if q is not None and q.op_type == "QuantizeLinear":
+                result[(node.name, position)] = _fake_quant(q, initializers)
+    return result
+
+
+def _constant(value: np.ndarray):
+    return lambda _: value
+
+
+def _dequantize(dq: onnx.NodeProto, initializers) -> np.ndarray:
+    q, scale = initializers[dq.input[0]].astype(np.float32), initializers[dq.input[1]]
+    zero = initializers[dq.input[2]].astype(np.float32) if len(dq.input) > 2 and dq.input[2] else np.zeros_like(scale)
+    axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
+    if scale.size > 1:
+        shape = [1] * q.ndim
+        shape[axis] = -1
+        scale, zero = scale.reshape(shape), zero.reshape(shape)
+    return ((q - zero) * scale).astype(np.float32)
+
+
+def _fake_quant(q: onnx.NodeProto, initializers):
+    scale = float(initializers[q.input[1]].reshape(()))
+    zero_point = initializers[q.input[2]] if len(q.input) > 2 and q.input[2] else np.int8(0)
+    info = np.iinfo(zero_point.dtype)
+    zero = float(zero_point.reshape(()))
+
+    def apply(value: np.ndarray) -> np.ndarray:
+        levels = np.clip(np.rint(value / scale) + zero, info.min, info.max)
+        return ((levels - zero) * scale).astype(np.float32)
+
+    return apply
