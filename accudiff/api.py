@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Sequence
 import onnx
 import pandas as pd
 
-from accudiff.bisect.isolate import IsolatedFeeds, isolated_model
+from accudiff.transforms.isolate import IsolatedFeeds, isolated_model
 from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, compare_runs, graph_input_table, record_runs, with_side_run
 from accudiff.comparison.tolerances import Tolerances
 from accudiff.diagnosis.cause import Cause, ancestor_tensors, find_cause
@@ -233,7 +233,7 @@ def reference_outputs(info: ModelInfo, names, feeds, cache: ReferenceCache, prog
 
 
 def _isolated_model_file(candidate_path: Path, names, storage_copies, scratch: Path) -> tuple[Path, dict]:
-    """The candidate with every node reading the reference's values (see bisect/isolate.py), saved."""
+    """The candidate with every node reading the reference's values (see transforms/isolate.py), saved."""
     model, fed = isolated_model(onnx.load(str(candidate_path)), names, storage_copies)
     path = scratch / candidate_path.name
     save_model(model, path)

@@ -133,12 +133,9 @@ def _smallest_passing_prefix(session: BisectSession, nodes: list[str], boundarie
     """The keep-list of the smallest k such that keeping nodes[:k] (closed over boundaries) passes; None if
     keeping all of them still fails."""
 
-    step = [1]
-
     def passes(chosen: list[str], what: str) -> bool:
         keep = boundaries.close(chosen)
-        step[0] += 1
-        session.progress(f"step {step[0]} of at most {total}: keep {len(keep)} node(s) in FP32 ({what} and what they need)")
+        session.progress(f"step {session.candidate_runs} of at most {total}: keep {len(keep)} node(s) in FP32 ({what} and what they need)")
         return session.compare(keep_fp32=user_keep + [keep_pattern(n) for n in keep]).passed
 
     total = _run_bound(len(nodes))

@@ -125,9 +125,9 @@ def _introduced_error(rows: pd.DataFrame, table: pd.DataFrame, context: Diagnosi
         if len(isolated_failures):
             figures = isolated_figures(isolated_failures.iloc[0])
             if findings:
-                findings.append(Finding("isolated", f"fed the reference's values, it still leaves tolerance on its own ({figures})"))
+                findings.append(Finding("isolated", f"fed the reference's values, it still leaves tolerance on its own: {figures}"))
             else:
-                findings.append(Finding("rounding", f"no range fault explains it: its own rounding leaves tolerance when fed the reference's values ({figures})"))
+                findings.append(Finding("rounding", f"no range fault explains it: fed the reference's values, its own rounding leaves tolerance: {figures}"))
         return findings
     if nan_origin:
         return findings + nan_origin

@@ -198,7 +198,7 @@ def _non_finite(tensor: str, table: pd.DataFrame, context: DiagnosisContext) -> 
 def _isolation(row: pd.Series) -> Finding:
     """Local or inherited, from the run in which every node read the reference's values."""
     if row["isolated_status"] == STATUS_FAIL:
-        return Finding("rounding", f"fed the reference's values, this {row['op_type']} still leaves tolerance on its own ({isolated_figures(row)})")
+        return Finding("rounding", f"fed the reference's values, this {row['op_type']} still leaves tolerance on its own: {isolated_figures(row)}")
     return Finding(
         "inherited",
         f"fed the reference's values, this {row['op_type']} is within tolerance (isolated SQNR {row['isolated_sqnr_db']:.1f} dB, "
@@ -207,7 +207,8 @@ def _isolation(row: pd.Series) -> Finding:
 
 
 def isolated_figures(row: pd.Series) -> str:
+    """The isolated run's figures for one tensor."""
     return (
-        f"isolated: max abs err {row['isolated_max_abs_err']:.3g}, {row['isolated_outside_share']:.1%} of elements outside, "
+        f"max abs err {row['isolated_max_abs_err']:.3g}, {row['isolated_outside_share']:.1%} of elements outside, "
         f"SQNR {row['isolated_sqnr_db']:.1f} dB"
     )

@@ -29,9 +29,10 @@ def format_summary(result) -> str:
         lines.append("  every tensor is within tolerance")
     else:
         row = indexed.loc[failure.tensor]
+        isolated = {"pass": "; fed the reference's values it passes (error carried in)", "fail": "; fed the reference's values it still fails"}
         lines.append(
             f"  first tensor out of tolerance (topological order): '{failure.tensor}' ({failure.op_type} '{failure.node}'), "
-            f"{row['outside_share']:.1%} of elements; {failure.findings[-1].kind}"
+            f"{row['outside_share']:.1%} of elements{isolated.get(row.get('isolated_status'), '')}"
         )
     for out in result.output_failures:
         row = indexed.loc[out.tensor]
