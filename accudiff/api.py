@@ -35,7 +35,7 @@ from accudiff.model.loading import ModelInfo, load_model, save_model
 from accudiff.report.folder import ReportFolder
 from accudiff.runners import TrtOptions, candidate_runner, reference_runner, resolve_candidate
 from accudiff.runners.outputs import OutputStore, ReferenceCache
-from accudiff.transforms import KeptNode, TransformResult, to_fp16, to_int8
+from accudiff.transforms import KeptNode, NodeSelector, TransformResult, to_fp16, to_int8
 
 PRECISIONS = ("fp32", "fp16", "int8")
 CANDIDATE_MODEL_FILE = "candidate-{precision}.onnx"
@@ -128,6 +128,8 @@ def compare(
     if trt.engine is not None and kind != "trt":
         raise AccudiffError("--engine compares a TensorRT engine: it needs --candidate trt (or auto, where TensorRT can run)")
     info = load_model(model)
+    NodeSelector(keep_fp32).require_matches(info.proto.graph.node)
+    tolerances.require_known_tensors({t.name for t in info.tensors})
     feeds = prepare_feeds(info, inputs, input_shapes, seed, val_range, iterations)
     step.lap("load")
 
@@ -256,7 +258,7 @@ def transform_model(
 def calibration_feeds(info: ModelInfo, shapes, calib_data=None, seed: int = 0) -> list[Feed]:
     """The INT8 calibration samples: loaded from `calib_data`, else seeded random data (seed + 1)."""
     if calib_data is not None:
-        return load_feeds(calib_data, info.inputs)
+        return load_feeds(calib_data, info.inputs, "calibration file")
     return generate_feeds(info.inputs, shapes, seed + 1, iterations=8)
 
 

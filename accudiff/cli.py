@@ -11,7 +11,7 @@ from typing import Sequence
 from accudiff import __version__
 from accudiff.api import compare
 from accudiff.errors import AccudiffError
-from accudiff.options import add_run_options, run_options
+from accudiff.options import add_report_dir_option, add_run_options, run_options
 from accudiff.report.console import ProgressBar, format_summary
 from accudiff.report.folder import default_report_dir
 from accudiff.runners.trt_env import MODULES
@@ -23,7 +23,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one sentence (and exit code 2), like every other error."""
 
     def error(self, message: str) -> None:
-        self.exit(EXIT_ERROR, f"accudiff: error: {message} (see accudiff {self.prog.split()[-1]} --help)\n")
+        self.exit(EXIT_ERROR, f"accudiff: error: {message} (see {self.prog} --help)\n")
 
 
 BISECTORS = {
@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     cmp = commands.add_parser("compare", help="compare every tensor of an FP32 reference against a reduced-precision candidate")
     add_run_options(cmp)
-    cmp.add_argument("--report-dir", type=Path, help="report folder (default reports/<model>-<precision>-<time>/)")
+    add_report_dir_option(cmp, "reports/<model>-<precision>-<time>/")
+    cmp.set_defaults(parser=cmp)
     cmp.add_argument("--no-isolate", dest="isolate", action="store_false", help="skip the run that measures each node's own error (faster; the cause is then named only from range evidence)")
     cmp.add_argument("--also", choices=("onnxrt", "trt"), help="run the same transformed model on a second backend too (three-way table)")
 
@@ -48,18 +49,23 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in BISECTORS.items():
         sub = bisect.add_parser(name, help=text)
         add_run_options(sub)
-        sub.add_argument("-o", "--out-dir", type=Path, help=f"result folder (default reports/<model>-bisect-{name}-<time>/)")
+        add_report_dir_option(sub, f"reports/<model>-bisect-{name}-<time>/")
+        sub.set_defaults(parser=sub)
 
     part = commands.add_parser("partition", help="save the parts of a model TensorRT can and cannot convert")
     part.add_argument("model", help="ONNX model file")
-    part.add_argument("-o", "--out-dir", type=Path, help="folder for the partitions (default reports/<model>-partitions-<time>/)")
+    add_report_dir_option(part, "reports/<model>-partitions-<time>/")
     part.add_argument("--trt-module", choices=MODULES, help="TensorRT package to use (default: the first importable)")
+    part.set_defaults(parser=part)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args, extras = parser.parse_known_args(argv)
+        if extras:  # said by the command's own parser, so the hint names the right --help
+            args.parser.error(f"unrecognized arguments: {' '.join(extras)}")
     except SystemExit as exc:  # usage errors, --help, --version: argparse has already printed
         return int(exc.code or 0)
     try:
@@ -89,7 +95,7 @@ def _run_compare(args: argparse.Namespace) -> int:
 def _run_bisect(args: argparse.Namespace) -> int:
     from accudiff.bisect.report import run_bisector
 
-    out_dir = args.out_dir or default_report_dir(Path(args.model).stem, f"bisect-{args.bisector}")
+    out_dir = args.report_dir or default_report_dir(Path(args.model).stem, f"bisect-{args.bisector}")
     summary, found = run_bisector(args.bisector, args.model, args.precision, run_options(args), out_dir)
     print(summary)
     return EXIT_FAIL if found else EXIT_PASS
@@ -98,9 +104,7 @@ def _run_bisect(args: argparse.Namespace) -> int:
 def _run_partition(args: argparse.Namespace) -> int:
     from accudiff.bisect.partition import partition
 
-    out_dir = args.out_dir or default_report_dir(Path(args.model).stem, "partitions")
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise AccudiffError(f"folder '{out_dir}' is not empty; choose another with -o")
+    out_dir = args.report_dir or default_report_dir(Path(args.model).stem, "partitions")
     parts = partition(args.model, out_dir, args.trt_module)
     print(f"accudiff partition {Path(args.model).name}: {sum(p.supported for p in parts)} convertible and "
           f"{sum(not p.supported for p in parts)} non-convertible part(s)")

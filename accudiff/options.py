@@ -44,6 +44,11 @@ def add_run_options(cmd: argparse.ArgumentParser) -> None:
     trt.add_argument("--engine", type=Path, metavar="PLAN", help="compare this pre-built TensorRT engine (graph outputs only)")
 
 
+def add_report_dir_option(cmd: argparse.ArgumentParser, default: str) -> None:
+    """Every command that writes a folder names it the same way."""
+    cmd.add_argument("-o", "--report-dir", type=Path, metavar="DIR", help=f"folder to write (default {default}); never overwritten")
+
+
 def run_options(args: argparse.Namespace) -> dict:
     """`accudiff.compare` keywords from the shared options (everything but model and precision)."""
     return {

@@ -86,7 +86,9 @@ def test_failed_run_leaves_nothing_behind(run_cli, tmp_path):
         (["compare", fixture("dynamic_batch"), "--input-shapes", "y:1x3x8x8"], "names an input 'y' that the model does not have"),
         (["compare", fixture("clean"), "--atol", "abc"], "--atol value 'abc' is not a number"),
         (["compare", fixture("clean"), "--fp16", "--int8"], "not allowed with argument"),
-        (["compare"], "the following arguments are required: model"),
+        (["compare"], "the following arguments are required: model (see accudiff compare --help)"),
+        (["bisect", "subgraph", fixture("clean"), "--nope"], "unrecognized arguments: --nope (see accudiff bisect subgraph --help)"),
+        ([], "the following arguments are required: command (see accudiff --help)"),
     ],
 )
 def test_bad_input_is_one_sentence_and_exit_2(run_cli, args, message):
@@ -147,3 +149,21 @@ def test_result_table_is_a_dataframe_with_documented_columns():
     }
     assert expected <= set(result.table.columns)
     assert np.issubdtype(result.table["sqnr_db"].dtype, np.floating)
+
+
+def test_no_onnxruntime_log_line_reaches_the_console(tmp_path):
+    """Old exports list weights as graph inputs: ONNX Runtime warns about each, in every session it makes,
+    the INT8 quantizer's calibration sessions included. Only accudiff's own lines may be printed."""
+    import onnx
+
+    model = onnx.load(str(fixture("clean")))
+    for init in model.graph.initializer:
+        model.graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+    onnx.save(model, str(tmp_path / "weights_as_inputs.onnx"))
+    for precision in ("--int8", "--fp16"):
+        done = subprocess.run(
+            [sys.executable, "-m", "accudiff.cli", "compare", "weights_as_inputs.onnx", precision, "--report-dir", f"r{precision}"],
+            capture_output=True, text=True, cwd=tmp_path,
+        )
+        assert done.returncode in (0, 1), done.stderr
+        assert "onnxruntime" not in done.stdout + done.stderr and "\x1b[" not in done.stderr

@@ -119,3 +119,50 @@ def test_scalar_inputs_are_arrays():
     info = load_model(fixture("if_model"))
     [feed] = generate_feeds(info.inputs, resolve_shapes(info.inputs, {}))
     assert isinstance(feed["cond"], np.ndarray) and feed["cond"].shape == () and feed["cond"].dtype == np.bool_
+
+
+@pytest.mark.parametrize("written", [{"dim_value": -1}, {"dim_value": 0}, {"dim_param": "?"}, {"dim_param": ""}, {}])
+def test_unknown_dimensions_written_any_way_are_dynamic(written, tmp_path):
+    """Paddle and TensorFlow exports write unknown sizes as -1 or 0: they take --input-shapes and loaded data."""
+    import onnx
+
+    model = onnx.load(str(fixture("dynamic_batch")))
+    for vi in [*model.graph.input, *model.graph.output]:
+        dim = vi.type.tensor_type.shape.dim[0]
+        dim.Clear()
+        for key, value in written.items():
+            setattr(dim, key, value)
+    path = tmp_path / "unknown_batch.onnx"
+    onnx.save(model, str(path))
+    assert load_model(path).inputs[0].shape == (None, 3, 8, 8)
+    given = accudiff.compare(path, "fp16", candidate="onnxrt", input_shapes=["x:2x3x8x8"])
+    assert given.passed and given.table.set_index("tensor").loc["y", "shape"] == "2x4"
+    np.savez(tmp_path / "x.npz", x=np.ones((3, 3, 8, 8), np.float32))
+    assert accudiff.compare(path, "fp16", candidate="onnxrt", inputs=tmp_path / "x.npz").passed
+    with pytest.raises(AccudiffError, match=r"dynamic dimension '\?'; give its shape with --input-shapes x:<\?>x3x8x8"):
+        accudiff.compare(path, "fp16", candidate="onnxrt")
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"keep_fp32": ["conv3"]}, r"--keep-fp32 'conv3' matches no node of the model; did you mean 'conv2', 'conv1', 'Conv'\?"),
+        ({"keep_fp32": ["BatchNorm"]}, r"--keep-fp32 'BatchNorm' matches no node of the model"),
+        ({"atol": ["inf"]}, r"--atol value 'inf' is not finite"),
+        ({"rtol": ["logits:nan"]}, r"--rtol value 'logits:nan' is not finite"),
+        ({"stol": ["nonexistent:0.1"]}, r"--stol names a tensor 'nonexistent' that the model does not compute"),
+        ({"input_shapes": ["x:0x3x16x16"]}, r"has a dimension of size 0 or less: the comparison would cover no element"),
+    ],
+)
+def test_options_that_would_check_nothing_are_refused(options, message):
+    with pytest.raises(AccudiffError, match=message):
+        accudiff.compare(fixture("clean"), "fp16", candidate="onnxrt", **options)
+
+
+def test_empty_loaded_inputs_and_mismatched_calibration_are_refused(tmp_path):
+    np.savez(tmp_path / "empty.npz", x=np.ones((0, 3, 8, 8), np.float32))
+    with pytest.raises(AccudiffError, match="gives input 'x' an empty array"):
+        accudiff.compare(fixture("dynamic_batch"), "fp16", candidate="onnxrt", inputs=tmp_path / "empty.npz")
+    np.savez(tmp_path / "calib.npz", image=np.ones((1, 3, 16, 16), np.float32))
+    with pytest.raises(AccudiffError, match=r"calibration file '.*calib.npz' names an input 'image' that the model does not have"):
+        accudiff.compare(fixture("clean"), "int8", candidate="onnxrt", calib_data=tmp_path / "calib.npz")

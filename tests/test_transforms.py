@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
+
+import accudiff
 import onnx
 import pytest
 from onnx import TensorProto, numpy_helper
@@ -88,3 +90,18 @@ def test_int8_keep_list_leaves_nodes_unquantized():
     fc = next(n for n in result.model.graph.node if n.name == "fc")
     assert not any("DequantizeLinear" in i for i in fc.input)
     assert [k.node for k in result.kept] == ["fc"]
+
+
+@pytest.mark.parametrize("name", [f"per_channel_opset{o}_ir{ir}" for o, ir in [(11, 7), (11, 10), (12, 8), (12, 9)]])
+def test_old_opset_models_get_a_valid_int8_candidate_and_fp16_still_works(name, tmp_path):
+    """Per-channel DequantizeLinear needs opset 13: the INT8 candidate of an opset 11/12 model is converted,
+    and that is said; the FP16 candidate keeps the model's own opset."""
+    int8 = accudiff.compare(fixture(name), "int8", candidate="onnxrt", report_dir=tmp_path / "int8")
+    assert any("converted to opset 13" in notice for notice in int8.notices)
+    candidate = onnx.load(str(tmp_path / "int8" / "candidate-int8.onnx"))
+    assert next(o.version for o in candidate.opset_import if o.domain in ("", "ai.onnx")) == 13
+    assert any(n.op_type == "DequantizeLinear" and any(a.name == "axis" for a in n.attribute) for n in candidate.graph.node)
+    assert {"conv", "project", "fc"} <= int8.converted
+    assert int8.passed and (int8.table["status"] == "pass").all()
+    fp16 = accudiff.compare(fixture(name), "fp16", candidate="onnxrt")
+    assert fp16.passed and not any("opset" in notice for notice in fp16.notices)

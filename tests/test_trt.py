@@ -104,7 +104,7 @@ def test_legacy_precision_fails_clearly_without_weak_typing(tmp_path):
 
 
 def test_partition_saves_convertible_and_non_convertible_parts(tmp_path):
-    parts = partition(fixture("unsupported_op"), tmp_path)
+    parts = partition(fixture("unsupported_op"), tmp_path / "parts")
     assert [(p.start, p.end, p.supported) for p in parts] == [(0, 1, True), (2, 2, False), (3, 4, True)]
     assert [p.path.name for p in parts] == [
         "supported_subgraph-nodes-0-1.onnx",
@@ -116,18 +116,20 @@ def test_partition_saves_convertible_and_non_convertible_parts(tmp_path):
         onnx.checker.check_model(onnx.load(str(part.path)), full_check=True)
     for part in (parts[0], parts[2]):
         create_network(TRT, part.path)  # each convertible part converts on its own
-    assert (tmp_path / "partitions.csv").read_text().count("\n") == 4
+    assert (tmp_path / "parts" / "partitions.csv").read_text().count("\n") == 4
 
 
 def test_partition_command(run_cli, tmp_path):
-    code, out, err = run_cli("partition", fixture("unsupported_op"), "-o", tmp_path / "parts")
+    code, out, err = run_cli("partition", fixture("unsupported_op"), "--report-dir", tmp_path / "parts")
     assert code == 0, err
+    code, _, err = run_cli("partition", fixture("unsupported_op"), "-o", tmp_path / "parts")
+    assert code == 2 and "already exists" in err  # never overwritten
     assert "2 convertible and 1 non-convertible part(s)" in out
     assert "nodes 2-2: NOT convertible: Unique" in out
 
 
 def test_fully_convertible_model_is_one_part(tmp_path):
-    [part] = partition(fixture("clean"), tmp_path)
+    [part] = partition(fixture("clean"), tmp_path / "parts")
     assert part.supported and (part.start, part.end) == (0, 6)
 
 

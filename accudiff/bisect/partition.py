@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import onnx
@@ -21,6 +21,7 @@ import pandas as pd
 from accudiff.model.loading import load_model
 from accudiff.model.subgraph import extract
 from accudiff.errors import AccudiffError
+from accudiff.report.folder import ReportFolder
 from accudiff.runners.trt_build import create_network, error_log
 from accudiff.runners.trt_env import import_tensorrt
 
@@ -38,13 +39,24 @@ class Partition:
 
 
 def partition(model: str | Path, out_dir: str | Path, module: str | None = None) -> list[Partition]:
-    """Split `model` into TensorRT-convertible and non-convertible node ranges, saved under `out_dir`."""
+    """Split `model` into TensorRT-convertible and non-convertible node ranges, saved in the new folder
+    `out_dir` (written whole or not at all)."""
     trt = import_tensorrt(module)
     info = load_model(model)
     nodes = list(info.proto.graph.node)
     failing = _capability_errors(trt, info.path)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    folder = ReportFolder(Path(out_dir))
+    try:
+        partitions = _save_partitions(trt, info, nodes, failing, folder)
+        folder.commit()
+    except BaseException:
+        folder.discard()
+        raise
+    return [replace(p, path=folder.final / p.path.name) for p in partitions]
+
+
+def _save_partitions(trt, info, nodes, failing: dict[int, str], folder: ReportFolder) -> list[Partition]:
+    out_dir = folder.path
     partitions = []
     for start, end in _ranges(len(nodes), set(failing)):
         subgraph = extract(info.proto, range(start, end + 1))

@@ -6,6 +6,7 @@ for every tensor and 1e-2 for `logits`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
@@ -56,6 +57,13 @@ class Tolerances:
             defaults[option] = getattr(base, option) if default is None else default
         return cls(Tolerance(**defaults), overrides)
 
+    def require_known_tensors(self, tensors: set[str]) -> None:
+        """A per-tensor tolerance for a tensor the model does not have would silently apply to nothing."""
+        for option, overrides in self.overrides.items():
+            unknown = [name for name in overrides if name not in tensors]
+            if unknown:
+                raise AccudiffError(f"--{option} names a tensor '{unknown[0]}' that the model does not compute")
+
     def for_tensor(self, name: str) -> Tolerance:
         return Tolerance(
             **{option: self.overrides.get(option, {}).get(name, getattr(self.default, option)) for option in ("atol", "rtol", "stol")}
@@ -78,6 +86,8 @@ def _parse(option: str, values: Iterable[str] | float | None) -> tuple[float | N
             value = float(number)
         except ValueError:
             raise AccudiffError(f"--{option} value '{item}' is not a number or name:number") from None
+        if not math.isfinite(value):
+            raise AccudiffError(f"--{option} value '{item}' is not finite: every element would pass")
         if value < 0:
             raise AccudiffError(f"--{option} value '{item}' is negative")
         if name:

@@ -36,6 +36,8 @@ def parse_input_shapes(items: Iterable[str]) -> dict[str, tuple[int, ...]]:
             shapes[name] = tuple(int(d) for d in dims.lower().split("x")) if dims else ()
         except ValueError:
             raise AccudiffError(f"input shape '{item}' is not of the form name:1x3x224x224") from None
+        if any(d <= 0 for d in shapes[name]):
+            raise AccudiffError(f"input shape '{item}' has a dimension of size 0 or less: the comparison would cover no element")
     return shapes
 
 
@@ -106,18 +108,20 @@ def generate_feeds(
     return feeds
 
 
-def load_feeds(path: str | Path, specs: list[InputSpec]) -> list[Feed]:
-    """Load feeds from `.npz` (never with pickle) or polygraphy's `--save-inputs` JSON, and validate them."""
+def load_feeds(path: str | Path, specs: list[InputSpec], role: str = "input file") -> list[Feed]:
+    """Load feeds from `.npz` (never with pickle) or polygraphy's `--save-inputs` JSON, and validate them.
+    `role` names the file in errors ("input file", "calibration file")."""
     path = Path(path)
+    source = f"{role} '{path}'"
     if not path.is_file():
-        raise AccudiffError(f"input file '{path}' does not exist")
+        raise AccudiffError(f"{source} does not exist")
     try:
         feeds = _load_json(path) if path.suffix.lower() == ".json" else _load_npz(path)
     except (OSError, ValueError, KeyError, zipfile.BadZipFile, json.JSONDecodeError) as exc:
-        raise AccudiffError(f"input file '{path}' could not be read as .npz or polygraphy JSON ({exc})") from exc
+        raise AccudiffError(f"{source} could not be read as .npz or polygraphy JSON ({exc})") from exc
     if not feeds:
-        raise AccudiffError(f"input file '{path}' holds no arrays")
-    validate_feeds(feeds, specs, str(path))
+        raise AccudiffError(f"{source} holds no arrays")
+    validate_feeds(feeds, specs, source)
     return feeds
 
 
@@ -139,6 +143,8 @@ def validate_feeds(feeds: list[Feed], specs: list[InputSpec], source: str) -> No
             if array.dtype != spec.dtype:
                 raise AccudiffError(f"{source} gives input '{spec.name}' as {array.dtype}, but the model expects {spec.dtype}")
             _check_shape(spec, array.shape, source)
+            if array.size == 0:
+                raise AccudiffError(f"{source} gives input '{spec.name}' an empty array (shape {array.shape}): the comparison would cover no element")
 
 
 def _load_npz(path: Path) -> list[Feed]:

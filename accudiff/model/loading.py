@@ -82,6 +82,7 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
     except onnx.checker.ValidationError as exc:
         raise AccudiffError(f"'{path}' fails the ONNX checker: {_first_line(exc)}") from exc
     name_unnamed_nodes(proto)
+    clear_unknown_dims(proto)
     infer_shapes_in_place(proto)
     return describe(path, proto)
 
@@ -129,6 +130,16 @@ def name_unnamed_nodes(proto: onnx.ModelProto) -> None:
                 candidate += "_"
             node.name = candidate
             taken.add(candidate)
+
+
+def clear_unknown_dims(proto: onnx.ModelProto) -> None:
+    """Graph input and output sizes written as -1 or 0 mean "unknown" (Paddle and TensorFlow exports):
+    make them plain unknown dimensions, so shape inference, the candidate model and TensorRT's parser
+    see them as dynamic rather than as a fixed size."""
+    for vi in [*proto.graph.input, *proto.graph.output]:
+        for dim in vi.type.tensor_type.shape.dim:
+            if dim.HasField("dim_value") and dim.dim_value <= 0:
+                dim.Clear()
 
 
 def save_model(proto: onnx.ModelProto, path: Path) -> None:
@@ -202,11 +213,13 @@ def _np_dtype(elem_type: int) -> np.dtype:
 
 
 def _shape(vi: onnx.ValueInfoProto) -> tuple[int | str | None, ...]:
-    dims = []
+    """Fixed sizes as ints, named dynamic dimensions as their name, unnamed ones as None. Exporters write
+    "unknown" several ways: no value, `dim_value: -1` or `0` (Paddle, TensorFlow), `dim_param: "?"` or ""."""
+    dims: list[int | str | None] = []
     for dim in vi.type.tensor_type.shape.dim:
-        if dim.HasField("dim_value"):
+        if dim.HasField("dim_value") and dim.dim_value > 0:
             dims.append(dim.dim_value)
-        elif dim.HasField("dim_param"):
+        elif dim.HasField("dim_param") and dim.dim_param.strip() not in ("", "?"):
             dims.append(dim.dim_param)
         else:
             dims.append(None)

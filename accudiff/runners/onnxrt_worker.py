@@ -35,9 +35,11 @@ def _load(request: dict) -> tuple[object, dict[str, str], dict]:
 def _marked_model(request: dict) -> tuple[str, dict[str, str]]:
     """The model with the requested tensors marked as outputs, saved beside its weights as external data:
     ONNX Runtime then maps the weights from the file instead of copying them out of a protobuf."""
+    from accudiff.model.loading import clear_unknown_dims
     from accudiff.runners.fp16_emulation import lower_fp16
 
     model = onnx.load(request["model"], load_external_data=True)
+    clear_unknown_dims(model)  # a size written as 0 means "unknown", not an empty tensor
     fp16_copies = lower_fp16(model) if request.get("emulate_fp16") else {}
     existing = {o.name for o in model.graph.output}
     marked = (fp16_copies.get(name, name) for name in request["outputs"])

@@ -15,7 +15,7 @@ import numpy as np
 
 from accudiff.errors import AccudiffError
 from accudiff.runners.base import Runner
-from accudiff.runners.trt_build import BuildSettings, BuiltEngine, build_engine
+from accudiff.runners.trt_build import BuildSettings, BuiltEngine, build_engine, error_log
 from accudiff.runners.trt_env import import_tensorrt, is_rtx, require_inference
 
 
@@ -48,7 +48,7 @@ class TrtRunner(Runner):
         else:
             self.built = build_engine(trt, self.model_path, self.outputs, self.settings, self.cache_dir)
         self.label = f"{'TensorRT-RTX' if is_rtx(trt) else 'TensorRT'} {trt.__version__} (engine built from the candidate model, --trt-mark {self.built.mark})"
-        self._runtime = trt.Runtime(trt.Logger(trt.Logger.ERROR))
+        self._runtime = trt.Runtime(error_log(trt))  # keeps TensorRT's messages off the console
         self._engine = self._runtime.deserialize_cuda_engine(self.built.plan)
         if self._engine is None:
             raise AccudiffError(f"TensorRT could not load the engine built for '{self.model_path.name}'")

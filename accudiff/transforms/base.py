@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass, field
 from typing import Iterable
 
 import onnx
+
+from accudiff.errors import AccudiffError
 
 
 @dataclass(frozen=True)
@@ -62,3 +65,15 @@ class NodeSelector:
             if pattern in (node.name, node.op_type) or (regex is not None and regex.fullmatch(node.name)):
                 return pattern
         return None
+
+    def require_matches(self, nodes: Iterable[onnx.NodeProto]) -> None:
+        """A pattern that selects no node would make the keep-list silently do nothing: refuse it, and
+        suggest the node names or op types it was probably meant to be."""
+        nodes = list(nodes)
+        for pattern in self.patterns:
+            if any(NodeSelector([pattern]).matches(node) for node in nodes):
+                continue
+            names = sorted({n.name for n in nodes} | {n.op_type for n in nodes})
+            close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else " (patterns match a node name, an op type, or a regex over the whole node name)"
+            raise AccudiffError(f"--keep-fp32 '{pattern}' matches no node of the model{hint}")

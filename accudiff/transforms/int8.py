@@ -31,6 +31,7 @@ from accudiff.model.loading import toposort
 from accudiff.transforms.base import KeptNode, NodeSelector, QuantRange, TransformResult
 
 QUANTIZED_OPS = ["Conv", "ConvTranspose", "MatMul", "Gemm"]
+PER_CHANNEL_OPSET = 13
 RANDOM_CALIBRATION_WARNING = (
     "INT8 scales were calibrated on random data: pass --calib-data with real samples, "
     "or clipping and resolution errors will not match deployment"
@@ -53,6 +54,10 @@ def to_int8(
         def get_next(self) -> Feed | None:
             return next(self._feeds, None)
 
+    import onnxruntime
+
+    onnxruntime.set_default_logger_severity(3)  # the calibration sessions the quantizer makes log warnings otherwise
+    model, upgraded = _with_per_channel_opset(model)
     selector = NodeSelector(keep_fp32)
     excluded = [node.name for node in model.graph.node if selector.matches(node) is not None]
     with tempfile.TemporaryDirectory(prefix="accudiff-int8-") as tmp:
@@ -90,8 +95,24 @@ def to_int8(
         kept=kept,
         converted=converted,
         quant_ranges=quant_ranges(quantized),
-        warnings=[RANDOM_CALIBRATION_WARNING] if calibrated_on_random_data else [],
+        warnings=[*upgraded, *([RANDOM_CALIBRATION_WARNING] if calibrated_on_random_data else [])],
     )
+
+
+def _with_per_channel_opset(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+    """Per-channel DequantizeLinear (its `axis`) needs opset 13, as TensorRT's explicit quantization does:
+    a model exported at an older opset is converted with ONNX's version converter first, and it is said."""
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+    if opset >= PER_CHANNEL_OPSET:
+        return model, []
+    try:
+        upgraded = onnx.version_converter.convert_version(model, PER_CHANNEL_OPSET)
+    except Exception as exc:  # the converter raises bare errors of many kinds
+        raise AccudiffError(
+            f"the INT8 candidate needs opset {PER_CHANNEL_OPSET} (per-channel quantization), and ONNX's version converter "
+            f"cannot convert this opset-{opset} model: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
+        ) from exc
+    return upgraded, [f"the model is at opset {opset}; its INT8 candidate was converted to opset {PER_CHANNEL_OPSET}, which per-channel quantization needs"]
 
 
 def _unshare_quantized_activations(graph: onnx.GraphProto) -> set[str]:
