@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
-import gc
+import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+import numpy as np
 import onnx
 import pandas as pd
 
-from accudiff.transforms.isolate import IsolatedFeeds, isolated_model
-from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, compare_runs, graph_input_table, record_runs, with_side_run
+from accudiff.comparison.metrics import StatsSet
+from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, build_table, graph_input_table, with_side_run
+from accudiff.comparison.worker import Job, run_job
 from accudiff.comparison.tolerances import Tolerances
 from accudiff.diagnosis.cause import Cause, ancestor_tensors, find_cause
 from accudiff.diagnosis.rules import DiagnosisContext, Finding, diagnose
 from accudiff.errors import AccudiffError
+from accudiff.memory import return_freed_memory
 from accudiff.model.inputs import (
     Feed,
     generate_feeds,
@@ -32,10 +32,12 @@ from accudiff.model.inputs import (
     validate_feeds,
 )
 from accudiff.model.loading import ModelInfo, load_model, save_model
+from accudiff.model.segments import SEGMENTS_PER_BUDGET, memory_budget, plan_segments, tensor_sizes
 from accudiff.report.folder import ReportFolder
-from accudiff.runners import TrtOptions, candidate_runner, reference_runner, resolve_candidate
-from accudiff.runners.outputs import OutputStore, ReferenceCache
+from accudiff.runners import TrtOptions, resolve_candidate
+from accudiff.runners.outputs import ReferenceCache, ReferenceStore
 from accudiff.transforms import KeptNode, NodeSelector, TransformResult, to_fp16, to_int8
+from accudiff.transforms.isolate import isolate_in_place
 
 PRECISIONS = ("fp32", "fp16", "int8")
 CANDIDATE_MODEL_FILE = "candidate-{precision}.onnx"
@@ -103,6 +105,7 @@ def compare(
     trt: TrtOptions = TrtOptions(),
     isolate: bool = True,
     also: str | None = None,
+    max_memory: int | str | None = None,
 ) -> CompareResult:
     """Compare every tensor of `model` run in FP32 (reference) against the `precision` candidate.
 
@@ -114,6 +117,8 @@ def compare(
     only from range evidence. `also="onnxrt"` runs the same transformed model
     on a second backend too (columns `onnxrt_*`), separating the model's own error from what a TensorRT
     build adds. The cause of each failing output is named from these runs (see diagnosis/cause.py).
+    `max_memory` (bytes, or a size such as "2G") bounds the memory the compared tensors take: larger
+    models are compared segment by segment (default: see `memory_budget`).
     Raises AccudiffError (one sentence) for any problem with the inputs.
     """
     if precision not in PRECISIONS:
@@ -135,49 +140,59 @@ def compare(
 
     folder = ReportFolder(Path(report_dir) if report_dir is not None else None)
     try:
-        names = [t.name for t in info.tensors]
-        report = (lambda phase: (lambda done, total: progress(phase, done, total))) if progress else (lambda phase: None)
         shapes = {spec.name: feeds[0][spec.name].shape for spec in info.inputs}
+        segments = _segments(info, shapes, max_memory, single=trt.engine is not None)
         transformed = transform_model(info, precision, shapes, calib_data, keep_fp32, autokeep, seed, trt.engine)
         candidate_path = folder.path / CANDIDATE_MODEL_FILE.format(precision=precision)
         save_model(transformed.model, candidate_path)
-        # From here on the runners read files and the table needs only the tensor inventory: free the
+        passes = [{"name": "candidate", "model": str(candidate_path), "backend": kind, "fed_from_reference": {}, "layer_report": True}]
+        if also is not None and also != kind:  # the same model on a second backend: the model's own error next to what a build adds
+            passes.append({"name": also, "model": str(candidate_path), "backend": also, "fed_from_reference": {}})
+        scratch = Path(tempfile.mkdtemp(prefix="accudiff-compare-"))
+        cleanup_scratch = lambda: shutil.rmtree(scratch, ignore_errors=True)  # noqa: E731
+        if isolate:
+            types = {t.name: onnx.helper.np_dtype_to_tensor_dtype(t.dtype) for t in info.tensors if t.dtype is not None}
+            fed = isolate_in_place(transformed.model, types, transformed.storage_copies)
+            save_model(transformed.model, scratch / "isolated.onnx")
+            passes.append({"name": "isolated", "model": str(scratch / "isolated.onnx"), "backend": kind, "fed_from_reference": fed})
+        # From here on the worker reads files and the table needs only the tensor inventory: free the
         # weights before any backend loads a model, so at most one copy of them is in memory at a time.
         transformed.model = info.proto = onnx.ModelProto()
-        _return_freed_memory()
+        return_freed_memory()
+        save_feeds(feeds, folder.path / INPUTS_FILE)
         step.lap("transform")
-        with contextlib.ExitStack() as cleanup:
-            if reference_cache is None:
-                reference_cache = ReferenceCache()
-                cleanup.callback(reference_cache.close)
-            reference, not_observable = reference_outputs(info, names, feeds, reference_cache, report("reference"))
-
-            def run_candidate(backend: str, path: Path, candidate_feeds, phase: str, layers: Path | None = None):
-                """One candidate pass against the stored reference: its table, and the runner that made it."""
-                with candidate_runner(backend, path, names, precision, trt, shapes, layers) as runner:
-                    tables = compare_runs(info.tensors, reference, runner, candidate_feeds, tolerances, transformed.quant_ranges, report(phase))
-                return tables, runner
-
-            layers = folder.path / ENGINE_LAYERS_FILE if report_dir is not None else None
-            table, cand = run_candidate(kind, candidate_path, feeds, "candidate", layers)
-            not_observable.update(cand.not_observable)
-            if isolate:
-                with tempfile.TemporaryDirectory(prefix="accudiff-isolated-") as scratch:
-                    path, fed = _isolated_model_file(candidate_path, names, transformed.storage_copies, Path(scratch))
-                    isolated, _ = run_candidate(kind, path, IsolatedFeeds(feeds, reference, fed), "isolated")
-                table = with_side_run(table, isolated, "isolated")
-            if also is not None and also != kind:
-                # The same transformed model on a second backend: the model's own error next to what a build adds.
-                table = with_side_run(table, run_candidate(also, candidate_path, feeds, also)[0], also)
+        store = reference_cache.store(info.path, feeds, [t.name for t in info.tensors]) if reference_cache is not None else None
+        job = Job(
+            reference=str(info.path),
+            passes=passes,
+            precision=precision,
+            tensors=[t.name for t in info.tensors],
+            outputs=info.output_names,
+            segments=segments,
+            tolerances=tolerances.as_dict(),
+            quant_ranges={name: [q.scale, q.low, q.high] for name, q in transformed.quant_ranges.items()},
+            samples=str(folder.path / INPUTS_FILE),
+            sample_indices=list(range(len(feeds))),
+            result=str(scratch / "result"),
+            trt={k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(trt).items()},
+            input_shapes={name: list(shape) for name, shape in shapes.items()},
+            store=str(store.folder) if store is not None else None,
+            layer_report=str(folder.path / ENGINE_LAYERS_FILE) if report_dir is not None else None,
+            inputs=[spec.name for spec in info.inputs if np.issubdtype(spec.dtype, np.floating)],
+        )
+        try:
+            outcome = run_job(job, progress)
+        finally:
+            cleanup_scratch()
         step.lap("run")
-        result = _judge(info, precision, cand.label, table, tolerances, transformed, not_observable, feeds, seed if inputs is None else None)
-        result.notices = [n for n in [notice, *transformed.warnings, *cand.notices] if n]
+        result = _judge(info, precision, outcome, tolerances, transformed, isolate, also, seed if inputs is None else None, len(feeds))
+        candidate_pass = outcome["passes"]["candidate"]
+        result.notices = [n for n in [notice, *transformed.warnings, *candidate_pass["notices"]] if n]
         result.timings = step.laps  # the same dict: the report sees every phase before its own
         step.lap("diagnose")
         if report_dir is not None:
             from accudiff.report.writer import write_report
 
-            save_feeds(feeds, folder.path / INPUTS_FILE)
             write_report(result, folder)
         result.report_dir = folder.commit()
         step.lap("report")
@@ -187,12 +202,31 @@ def compare(
     return result
 
 
-def _return_freed_memory() -> None:
-    """Hand the freed weights back to the OS before the backends load theirs (glibc keeps freed heap)."""
-    gc.collect()
-    libc = ctypes.util.find_library("c")
-    if libc and hasattr(ctypes.CDLL(libc), "malloc_trim"):
-        ctypes.CDLL(libc).malloc_trim(0)
+def record_reference(info: ModelInfo, feeds: Sequence[Feed], cache: ReferenceCache, max_memory=None) -> ReferenceStore:
+    """The reference's outputs for `feeds`, recorded in `cache` (run now unless recorded before)."""
+    store = cache.store(info.path, feeds, [t.name for t in info.tensors])
+    if store.complete:
+        return store
+    with tempfile.TemporaryDirectory(prefix="accudiff-reference-") as scratch:
+        save_feeds(list(feeds), Path(scratch) / INPUTS_FILE)
+        shapes = {spec.name: feeds[0][spec.name].shape for spec in info.inputs}
+        run_job(Job(
+            reference=str(info.path), passes=[], precision="fp32", tensors=[t.name for t in info.tensors], outputs=info.output_names,
+            segments=_segments(info, shapes, max_memory, single=False), tolerances=Tolerances.build("fp32").as_dict(), quant_ranges={},
+            samples=str(Path(scratch) / INPUTS_FILE), sample_indices=list(range(len(feeds))), result=str(Path(scratch) / "result"),
+            store=str(store.folder),
+        ))
+    return store
+
+
+def _segments(info: ModelInfo, shapes, max_memory, single: bool) -> list[list[str]]:
+    """The node names of each segment the comparison runs at a time (one, when everything fits)."""
+    names = [node.name for node in info.proto.graph.node]
+    if single:
+        return [names]
+    budget = memory_budget(max_memory)
+    plan = plan_segments(info, tensor_sizes(info, shapes), budget // SEGMENTS_PER_BUDGET)
+    return [[names[i] for i in segment.nodes] for segment in plan]
 
 
 class _Stopwatch:
@@ -221,27 +255,6 @@ def prepare_feeds(info: ModelInfo, inputs=None, input_shapes=(), seed: int = 0, 
     return generate_feeds(info.inputs, resolved, seed, parse_val_ranges(val_range), iterations)
 
 
-def reference_outputs(info: ModelInfo, names, feeds, cache: ReferenceCache, progress=None) -> tuple[OutputStore, dict[str, str]]:
-    """The reference outputs for these feeds, from the cache or run now. One backend at a time: the
-    reference runs, leaves its outputs on disk and shuts down before the candidate starts."""
-    key = ReferenceCache.key(info.path, feeds)
-    if cache.get(key) is None:
-        store = cache.new_store(key)
-        with reference_runner(info.path, names) as reference:
-            record_runs(reference, feeds, store, progress)
-            cache.put(key, store, {**info.not_observable, **reference.not_observable})
-    store, not_observable = cache.get(key)
-    return store, dict(not_observable)
-
-
-def _isolated_model_file(candidate_path: Path, names, storage_copies, scratch: Path) -> tuple[Path, dict]:
-    """The candidate with every node reading the reference's values (see transforms/isolate.py), saved."""
-    model, fed = isolated_model(onnx.load(str(candidate_path)), names, storage_copies)
-    path = scratch / candidate_path.name
-    save_model(model, path)
-    return path, fed
-
-
 def transform_model(
     info: ModelInfo, precision: str, shapes, calib_data=None, keep_fp32=(), autokeep: bool = True, seed: int = 0, engine=None
 ) -> TransformResult:
@@ -262,17 +275,30 @@ def calibration_feeds(info: ModelInfo, shapes, calib_data=None, seed: int = 0) -
     return generate_feeds(info.inputs, shapes, seed + 1, iterations=8)
 
 
-def _judge(info, precision, label, table, tolerances, transformed, not_observable, feeds, seed) -> CompareResult:
-    """Verdict from the graph outputs; the first failing tensor, and the failing outputs with their causes."""
-    indexed = table.set_index("tensor", drop=False)
+def _judge(info, precision, outcome: dict, tolerances, transformed, isolate: bool, also, seed, samples: int) -> CompareResult:
+    """Tables from the worker's statistics; verdict from the graph outputs; the first failing tensor, and
+    the failing outputs with their causes."""
+    def table_of(name: str) -> pd.DataFrame:
+        result = outcome["passes"][name]
+        seen = {int(k): v for k, v in result["seen"].items()}
+        notes = {int(k): v for k, v in result["notes"].items()}
+        return build_table(info.tensors, StatsSet.from_arrays(result), seen, notes, tolerances, transformed.quant_ranges)
+
+    table = table_of("candidate")
+    if isolate:
+        table = with_side_run(table, table_of("isolated"), "isolated")
+    if also is not None and also in outcome["passes"]:
+        table = with_side_run(table, table_of(also), also)
+    float_inputs = [spec for spec in info.inputs if np.issubdtype(spec.dtype, np.floating)]
     context = DiagnosisContext(
         precision,
         info.upstream,
         frozenset(transformed.converted),
         {k.node: k.reason for k in transformed.kept},
         transformed.constant_overflows,
-        graph_input_table(info, feeds, transformed.quant_ranges),
+        graph_input_table(float_inputs, StatsSet.from_arrays(outcome["inputs"]), transformed.quant_ranges),
     )
+    indexed = table.set_index("tensor", drop=False)
     failing = table.loc[table["status"] == STATUS_FAIL, "tensor"].tolist()
 
     def output_failure(name: str) -> TensorFailure:
@@ -287,10 +313,12 @@ def _judge(info, precision, label, table, tolerances, transformed, not_observabl
         first_failure = TensorFailure(failing[0], row["node"], row["op_type"], diagnose(failing[0], indexed, context))
     failing_outputs = table.loc[(table["status"] == STATUS_FAIL) & table["is_output"], "tensor"].tolist()
     observed_outputs = table.loc[(table["status"] != STATUS_MISSING) & table["is_output"], "tensor"].tolist()
+    candidate_pass = outcome["passes"]["candidate"]
+    not_observable = {**info.not_observable, **outcome["reference_not_observable"], **candidate_pass["not_observable"]}
     return CompareResult(
         model=info.path,
         precision=precision,
-        candidate=label,
+        candidate=candidate_pass["label"],
         table=table,
         passed=bool(observed_outputs) and not failing_outputs,
         first_failure=first_failure,
@@ -299,6 +327,6 @@ def _judge(info, precision, label, table, tolerances, transformed, not_observabl
         kept=transformed.kept,
         converted=frozenset(transformed.converted),
         not_observable=not_observable,
-        iterations=len(feeds),
+        iterations=samples,
         seed=seed,
     )

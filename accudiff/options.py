@@ -36,6 +36,7 @@ def add_run_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--atol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="absolute tolerance, default and per tensor")
     cmd.add_argument("--rtol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="relative tolerance, default and per tensor")
     cmd.add_argument("--stol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="tolerance as a fraction of the tensor's reference absmax")
+    cmd.add_argument("--max-memory", metavar="SIZE", help="memory the compared tensors may take, e.g. 512M or 4G (default: 1G, or a quarter of the free memory if less); larger models are compared segment by segment")
     trt = cmd.add_argument_group("TensorRT candidate")
     trt.add_argument("--trt-module", choices=MODULES, help="TensorRT package to use (default: the first importable)")
     trt.add_argument("--trt-mark", choices=MARK_MODES, default="auto", help="what to observe: all layer outputs, unfused debug tensors, or graph outputs")
@@ -64,6 +65,7 @@ def run_options(args: argparse.Namespace) -> dict:
         "atol": args.atol,
         "rtol": args.rtol,
         "stol": args.stol,
+        "max_memory": args.max_memory,
         "trt": TrtOptions(args.trt_module, args.trt_mark, args.trt_workspace, args.trt_legacy_precision, engine=args.engine),
     }
 
@@ -87,6 +89,8 @@ def run_arguments(model: str, precision: str, options: dict) -> list[str]:
         value = options.get(key)
         if value is not None:
             args += [f"--{key}", *(str(v) for v in ([value] if isinstance(value, (int, float)) else value))]
+    if options.get("max_memory") is not None:
+        args += ["--max-memory", str(options["max_memory"])]
     trt = options.get("trt") or TrtOptions()
     for flag, value, default in (
         ("--trt-module", trt.module, None),

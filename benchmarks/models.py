@@ -78,6 +78,24 @@ def ppocr_cls_v2(folder: Path | None = None) -> Path:
     return _packaged("rapidocr_onnxruntime", "models/ch_ppocr_mobile_v2.0_cls_infer.onnx")
 
 
+def elementwise_chain(folder: Path, length: int = 60, elements: int = 25_000_000) -> Path:
+    """`length` elementwise ops (Add, Mul, Sub, alternating) on one [1, elements] float tensor: every tensor
+    is `elements` floats, so the marked tensors of a comparison take length * elements * 4 bytes."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    target = folder / f"chain-{length}x{elements}.onnx"
+    if target.exists():
+        return target
+    ops = [("Add", 0.25), ("Mul", 1.001), ("Sub", 0.125)]
+    nodes = [helper.make_node(ops[k % 3][0], ["x" if k == 0 else f"t{k - 1}", f"c{k % 3}"], [f"t{k}" if k < length - 1 else "y"], name=f"op{k}") for k in range(length)]
+    constants = [numpy_helper.from_array(np.array(value, np.float32), f"c{k}") for k, (_, value) in enumerate(ops)]
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", 1, [1, elements])], [helper.make_tensor_value_info("y", 1, [1, elements])], constants)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(target))
+    return target
+
+
 def _torchvision_model(name: str, folder: Path) -> Path:
     target = folder / f"{name}.onnx"
     if target.exists():

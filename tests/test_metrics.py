@@ -1,96 +1,165 @@
-"""The statistics of one tensor, on hand-made arrays whose answers are known."""
+"""The statistics of one tensor: on hand-made arrays whose answers are known, against a plain numpy
+computation of the same definitions (the compiled kernel's oracle), and merged over chunks and samples."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from accudiff.comparison.metrics import PERCENTILE_SAMPLE, SQNR_CAP_DB, TensorStats, measure, merge
+from accudiff.comparison import _reduce
+from accudiff.comparison.metrics import SQNR_CAP_DB, StatsSet, finish, reduce_tensor
 from accudiff.comparison.tolerances import Tolerance, Tolerances
 from accudiff.errors import AccudiffError
 
 STRICT = Tolerance(atol=1e-6, rtol=0.0)
+FP16 = Tolerance(atol=1e-3, rtol=1e-2, stol=2e-3)
+
+
+def measure(ref, cand, tol, quant=None, sample=0) -> dict:
+    return finish(*reduce_tensor(np.asarray(ref), np.asarray(cand), tol, quant, sample))
 
 
 def test_identical_tensors_have_capped_sqnr_and_unit_cosine():
     ref = np.linspace(-1, 1, 100, dtype=np.float32)
     stats = measure(ref, ref.copy(), STRICT)
-    assert stats.max_abs_err == 0 and stats.outside_count == 0
-    assert stats.sqnr_db == SQNR_CAP_DB and stats.cosine == 1.0
+    assert stats["max_abs_err"] == 0 and stats["outside_count"] == 0
+    assert stats["sqnr_db"] == SQNR_CAP_DB and stats["cosine"] == 1.0
 
 
 def test_all_zero_tensors_agree():
     zeros = np.zeros(10, np.float32)
     stats = measure(zeros, zeros, STRICT)
-    assert stats.cosine == 1.0 and stats.sqnr_db == SQNR_CAP_DB
+    assert stats["cosine"] == 1.0 and stats["sqnr_db"] == SQNR_CAP_DB
 
 
 def test_tolerance_is_measured_against_the_reference():
     ref = np.array([10.0], np.float32)
     # |cand - ref| = 1 <= 0 + 0.1 * |ref| passes; the same gap with the roles swapped would not.
-    assert measure(ref, np.array([11.0], np.float32), Tolerance(0.0, 0.1)).outside_count == 0
-    assert measure(np.array([11.0], np.float32), ref, Tolerance(0.0, 0.09)).outside_count == 1
+    assert measure(ref, np.array([11.0], np.float32), Tolerance(0.0, 0.1))["outside_count"] == 0
+    assert measure(np.array([11.0], np.float32), ref, Tolerance(0.0, 0.09))["outside_count"] == 1
 
 
 def test_scale_tolerance_follows_the_tensor_magnitude():
     ref = np.array([500.0, 0.01], np.float32)
     cand = np.array([500.0, 0.26], np.float32)
-    assert measure(ref, cand, Tolerance(1e-3, 1e-2, 0.0)).outside_count == 1
-    assert measure(ref, cand, Tolerance(1e-3, 1e-2, 1e-3)).outside_count == 0
+    assert measure(ref, cand, Tolerance(1e-3, 1e-2, 0.0))["outside_count"] == 1
+    assert measure(ref, cand, Tolerance(1e-3, 1e-2, 1e-3))["outside_count"] == 0
 
 
 def test_relative_error_has_a_safe_denominator():
     ref = np.array([100.0, 0.0], np.float32)
     cand = np.array([100.0, 0.05], np.float32)
-    stats = measure(ref, cand, STRICT)
-    assert stats.max_rel_err == pytest.approx(0.05 / (1e-3 * 100.0))
+    assert measure(ref, cand, STRICT)["max_rel_err"] == pytest.approx(0.05 / (1e-3 * 100.0))
+
+
+def test_tol_ratio_says_how_many_tolerances_the_worst_element_is_away():
+    ref = np.array([1.0, 2.0], np.float32)
+    cand = np.array([1.0, 2.5], np.float32)
+    assert measure(ref, cand, Tolerance(0.1, 0.0))["tol_ratio"] == pytest.approx(5.0)
+    assert measure(ref, ref, Tolerance(0.0, 0.0))["tol_ratio"] == 0.0  # limits of zero, and nothing wrong
 
 
 def test_nan_and_inf_are_counted_and_poison_the_error_metrics():
     ref = np.array([1.0, 2.0, np.nan, np.inf], np.float32)
     cand = np.array([1.0, np.inf, np.nan, np.inf], np.float32)
     stats = measure(ref, cand, STRICT)
-    assert (stats.ref_nan, stats.ref_inf, stats.cand_nan, stats.cand_inf) == (1, 1, 1, 2)
-    assert stats.outside_count == 1  # matching NaN/NaN and Inf/Inf are not errors
-    assert stats.max_abs_err == np.inf and stats.sqnr_db == -SQNR_CAP_DB
-    assert stats.worst_index == 1 and stats.worst_cand == np.inf
-    assert stats.ref_absmax == 2.0  # reference range over its finite values
+    assert (stats["ref_nan"], stats["ref_inf"], stats["cand_nan"], stats["cand_inf"]) == (1, 1, 1, 2)
+    assert stats["outside_count"] == 1  # matching NaN/NaN and Inf/Inf are not errors
+    assert stats["max_abs_err"] == np.inf and stats["sqnr_db"] == -SQNR_CAP_DB and stats["tol_ratio"] == np.inf
+    assert stats["worst_index"] == 1 and stats["worst_cand"] == np.inf
+    assert stats["ref_absmax"] == 2.0  # reference range over its finite values
 
 
 def test_fp16_candidate_counts_underflow_and_flush_to_zero():
     ref = np.array([1e-7, 3e-5, 1.0, 0.0], np.float32)
     cand = ref.astype(np.float16)
     stats = measure(ref, cand, STRICT)
-    assert stats.below_fp16_normal == 2
-    assert stats.flushed_to_zero == 0 and cand[0] != 0  # 1e-7 is a subnormal, not zero
-    stats = measure(np.array([1e-8], np.float32), np.array([1e-8], np.float32).astype(np.float16), STRICT)
-    assert stats.flushed_to_zero == 1
+    assert stats["below_fp16_normal"] == 2
+    assert stats["flushed_to_zero"] == 0 and cand[0] != 0  # 1e-7 is a subnormal, not zero
+    assert measure(np.array([1e-8], np.float32), np.array([1e-8], np.float32).astype(np.float16), STRICT)["flushed_to_zero"] == 1
 
 
 def test_integer_tensors_compare_exactly():
     stats = measure(np.array([1, 2, 3]), np.array([1, 2, 4]), STRICT)
-    assert stats.outside_count == 1 and stats.max_abs_err == 1 and np.isnan(stats.sqnr_db)
+    assert stats["outside_count"] == 1 and stats["max_abs_err"] == 1 and np.isnan(stats["sqnr_db"])
 
 
-def test_percentiles_of_large_tensors_come_from_a_strided_sample():
+def _numpy_oracle(ref: np.ndarray, cand: np.ndarray, tol: Tolerance) -> dict:
+    """The definitions of metrics.py, computed plainly in numpy (float64), for finite inputs."""
+    r, c = ref.astype(np.float64), cand.astype(np.float64)
+    err = np.abs(c - r)
+    absmax = np.abs(r).max()
+    limit = tol.atol + tol.rtol * np.abs(r) + tol.stol * absmax
+    outside = err > limit
+    rel = err / np.maximum(np.abs(r), 1e-3 * absmax)
+    ordered = np.sort(err)
+    return {
+        "outside_count": int(outside.sum()),
+        "max_abs_err": err.max(),
+        "mean_abs_err": err.mean(),
+        "max_rel_err": rel.max(),
+        "mean_rel_err": rel.mean(),
+        "tol_ratio": (err / limit).max(),
+        "sqnr_db": 10 * np.log10((r**2).sum() / (err**2).sum()),
+        "cosine": (r * c).sum() / np.sqrt((r**2).sum() * (c**2).sum()),
+        "worst_index": int(np.argmax(np.where(outside, err, -1))) if outside.any() else -1,
+        "median_abs_err": ordered[int(np.ceil(0.5 * (err.size - 1)))],
+        "p99_abs_err": ordered[int(np.ceil(0.99 * (err.size - 1)))],
+        "below_fp16_normal": int(((np.abs(r) < 6.103515625e-05) & (r != 0)).sum()),
+    }
+
+
+@pytest.mark.parametrize("cand_dtype", [np.float32, np.float16])
+def test_the_kernel_agrees_with_plain_numpy_across_chunk_boundaries(cand_dtype):
     rng = np.random.default_rng(0)
-    ref = np.zeros(PERCENTILE_SAMPLE * 4, np.float32)
-    cand = rng.uniform(0, 1, ref.size).astype(np.float32)
+    size = 3 * _reduce.CHUNK + 17
+    ref = (rng.standard_normal(size) * np.repeat(rng.uniform(0.01, 30, 100), size // 100 + 1)[:size]).astype(np.float32)
+    ref[::997] = rng.uniform(-5e-5, 5e-5, ref[::997].size)  # values FP16 cannot hold with precision
+    cand = (ref * (1 + rng.normal(0, 1e-2, size))).astype(cand_dtype)
+    cand[123456] += 40.0  # one element far out: it must be the worst
+    got, want = measure(ref, cand, FP16), _numpy_oracle(ref, cand.astype(np.float32), FP16)
+    assert got["worst_index"] == want["worst_index"] == 123456
+    assert got["outside_count"] == want["outside_count"] > 1
+    assert got["below_fp16_normal"] == want["below_fp16_normal"] > 0
+    for key in ("max_abs_err", "mean_abs_err", "max_rel_err", "mean_rel_err", "tol_ratio", "cosine"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key
+    assert got["sqnr_db"] == pytest.approx(want["sqnr_db"], abs=1e-3)
+    for key in ("median_abs_err", "p99_abs_err"):  # the sketch's documented bound
+        assert got[key] == pytest.approx(want[key], rel=0.016), key
+
+
+def test_quantiles_are_not_fooled_by_periodic_error_patterns():
+    """A strided sample sees one phase of a periodic pattern; the sketch counts every element."""
+    ref = np.ones(1 << 18, np.float32)
+    cand = ref.copy()
+    cand[::64] += 1.0  # one element in 64 is far off, every other element is exact
     stats = measure(ref, cand, STRICT)
-    assert stats.median_abs_err == pytest.approx(0.5, abs=0.01)
-    assert stats.p99_abs_err == pytest.approx(0.99, abs=0.01)
+    assert stats["median_abs_err"] == 0.0
+    assert stats["p99_abs_err"] == pytest.approx(1.0, rel=0.016)
 
 
-def test_iterations_aggregate_to_worst_case_and_pooled_mean():
-    ref = np.ones(4, np.float32)
-    first = measure(ref, ref + 0.1, STRICT)
-    second = measure(ref, ref + np.array([0.3, 0, 0, 0], np.float32), STRICT)
-    total = merge(merge(TensorStats(), first, 0), second, 1)
-    assert total.max_abs_err == pytest.approx(0.3)
-    assert total.mean_abs_err == pytest.approx((0.4 + 0.3) / 8)
-    assert total.outside_count == 5 and total.elements == 8
-    assert total.sqnr_db == min(first.sqnr_db, second.sqnr_db)
-    assert total.worst_iteration == 1 and total.worst_index == 0
+def test_chunked_sample_by_sample_and_one_shot_reductions_agree():
+    """Two samples reduced separately and merged (in either order, or in two workers' sets) give what one
+    set fed both gives: counts, minima, maxima exactly; float64 sums up to the order of addition."""
+    rng = np.random.default_rng(1)
+    samples = [(r, (r + rng.normal(0, 0.05, r.size)).astype(np.float32)) for r in (rng.standard_normal(n).astype(np.float32) for n in (70_000, 200_000))]
+    one = StatsSet(1)
+    for index, (r, c) in enumerate(samples):
+        one.add(0, *reduce_tensor(r, c, FP16, sample=index))
+    first, second = StatsSet(1), StatsSet(1)
+    first.add(0, *reduce_tensor(*samples[0], FP16, sample=0))
+    second.add(0, *reduce_tensor(*samples[1], FP16, sample=1))
+    for merged in (first, second):
+        other = second if merged is first else first
+        combined = StatsSet.from_arrays(merged.arrays())
+        combined.merge(other)
+        a, b = combined.row(0), one.row(0)
+        for key in ("elements", "outside_count", "max_abs_err", "tol_ratio", "worst_index", "worst_sample", "ref_min", "ref_max", "samples"):
+            assert a[key] == b[key], key
+        for key in ("mean_abs_err", "sqnr_db", "cosine", "median_abs_err", "p99_abs_err"):
+            assert a[key] == pytest.approx(b[key], rel=1e-12), key
+    pooled = one.row(0)
+    assert pooled["worst_sample_sqnr_db"] <= pooled["sqnr_db"] + 1e-9 and pooled["samples"] == 2
 
 
 def test_tolerance_options_parse_defaults_and_overrides():

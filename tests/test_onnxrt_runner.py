@@ -3,25 +3,57 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
+import threading
+import time
 
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
 
+import accudiff
 from accudiff.errors import AccudiffError
 from accudiff.runners.onnxrt import OnnxrtRunner
 from conftest import fixture
 
 
-def test_native_crash_becomes_a_clear_error():
-    feed = {"x": np.ones((1, 3, 16, 16), np.float32)}
-    with OnnxrtRunner(fixture("clean"), ["c1"]) as runner:
-        runner.infer(feed)
-        os.kill(runner._process.pid, signal.SIGSEGV)
-        with pytest.raises(AccudiffError, match=r"ONNX Runtime crashed \(SIGSEGV\) while running 'clean.onnx'"):
-            runner.infer(feed)
+def test_native_crash_becomes_a_clear_error(tmp_path):
+    """Backends run in the comparison worker: a native crash there ends the worker, not accudiff, and is
+    reported with the step it happened in."""
+    errors = []
+    thread = threading.Thread(target=_compare_collecting_errors, args=(errors,))
+    thread.start()
+    worker = _wait_for_worker()
+    os.kill(worker, signal.SIGSEGV)
+    thread.join()
+    [error] = errors
+    assert isinstance(error, AccudiffError)
+    assert re.search(r"crashed \(SIGSEGV\) while .+ of 'accumulated_drift.onnx'", str(error)), str(error)
+
+
+def _compare_collecting_errors(errors: list) -> None:
+    try:
+        accudiff.compare(fixture("accumulated_drift"), "fp16", candidate="onnxrt", iterations=5000)
+    except Exception as exc:  # the test looks at it
+        errors.append(exc)
+
+
+def _wait_for_worker(timeout: float = 30.0) -> int:
+    """The pid of this process's comparison worker, once it runs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for entry in os.listdir("/proc"):
+            try:
+                if entry.isdigit() and b"accudiff.comparison.worker" in open(f"/proc/{entry}/cmdline", "rb").read():
+                    if int(open(f"/proc/{entry}/stat").read().split(") ")[1].split()[1]) == os.getpid():
+                        time.sleep(1.0)  # let it get going
+                        return int(entry)
+            except OSError:
+                continue
+        time.sleep(0.05)
+    raise AssertionError("no comparison worker started")
 
 
 def test_load_failure_names_model_and_step(tmp_path):
@@ -29,9 +61,8 @@ def test_load_failure_names_model_and_step(tmp_path):
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("no.such.domain", 1)], ir_version=8)
     onnx.save(model, str(tmp_path / "custom.onnx"))
-    with OnnxrtRunner(tmp_path / "custom.onnx", ["y"]) as runner:
-        with pytest.raises(AccudiffError, match="ONNX Runtime failed while loading 'custom.onnx'"):
-            runner.infer({"x": np.ones(1, np.float32)})
+    with pytest.raises(AccudiffError, match="ONNX Runtime failed while loading 'custom.onnx'"):
+        OnnxrtRunner(tmp_path / "custom.onnx", ["y"]).activate()
 
 
 def _chain(tmp_path) -> str:

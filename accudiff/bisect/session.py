@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, TextIO
 
-from accudiff.api import CompareResult, calibration_feeds, compare, prepare_feeds, reference_outputs
+from accudiff.api import CompareResult, calibration_feeds, compare, prepare_feeds, record_reference
 from accudiff.model.inputs import Feed
 from accudiff.model.loading import ModelInfo, load_model
-from accudiff.runners.outputs import OutputStore, ReferenceCache
+from accudiff.runners.outputs import ReferenceCache, ReferenceStore
 
 # Options of `accudiff.compare` that define the inputs; the rest (precision, tolerances...) pass through.
 INPUT_OPTIONS = ("inputs", "input_shapes", "seed", "val_range", "iterations")
@@ -44,10 +44,9 @@ class BisectSession:
         self.candidate_runs += 2 if isolate else 1
         return result
 
-    def reference_outputs(self, feeds: list[Feed] | None = None) -> OutputStore:
+    def reference_outputs(self, feeds: list[Feed] | None = None) -> ReferenceStore:
         """The full model's reference outputs for `feeds` (default: the session's), run once and kept on disk."""
-        names = [t.name for t in self.info.tensors]
-        return reference_outputs(self.info, names, feeds if feeds is not None else self.feeds, self.cache)[0]
+        return record_reference(self.info, feeds if feeds is not None else self.feeds, self.cache, self.options.get("max_memory"))
 
     def calibration_feeds(self) -> list[Feed]:
         """The INT8 calibration samples of the full model, exactly as `compare` uses them."""

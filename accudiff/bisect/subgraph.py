@@ -22,6 +22,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import onnx
 
 from accudiff.api import TensorFailure
@@ -174,7 +175,11 @@ def _run_cut(session, folder: Path, options: dict):
 
 def _values_at(names: list[str], feeds: list[Feed], reference) -> list[Feed]:
     """For every sample, the value of each name: a graph input as fed, anything else from the reference."""
-    return [{name: feed[name] if name in feed else reference[i][name].copy() for name in names} for i, feed in enumerate(feeds)]
+    values = []
+    for sample, feed in enumerate(feeds):
+        recorded = reference.read(sample, [name for name in names if name not in feed])
+        values.append({name: feed[name] if name in feed else np.array(recorded[name]) for name in names})
+    return values
 
 
 def _ancestors(nodes, end: int) -> list[int]:

@@ -1,226 +1,234 @@
-"""Per-tensor error statistics, computed in one vectorized pass and aggregated over iterations.
+"""Per-tensor error statistics as accumulators that merge exactly: over chunks of a tensor, over samples,
+over processes and machines.
+
+A `StatsSet` holds the accumulators of N tensors as one float64 array [N, fields] and one quantile
+sketch array [N, buckets], so merging two sets (two samples, two workers) is a handful of vectorized
+operations. `reduce_tensor` turns one sample of one tensor into one row, reading the arrays in chunks of
+CHUNK elements (cache-sized, so the dozen numpy operations per chunk cost about one pass over memory, and
+temporaries never grow with the tensor).
 
 Definitions (also in the README):
-* absolute error `|cand - ref|`; statistics over elements where both sides are finite;
+* absolute error `|cand - ref|`; statistics over the elements finite on both sides;
 * relative error `|cand - ref| / max(|ref|, REL_FLOOR * absmax(ref))`: the floor keeps near-zero
   reference elements from exploding the ratio;
+* an element is *outside* tolerance unless `|cand - ref| <= atol + rtol * |ref| + stol * absmax(ref)`
+  (absmax over the tensor in that sample; the reference is always the `|ref|` term), or both sides are
+  the same non-finite value (NaN and NaN, or equal infinities);
 * `tol_ratio` is the largest `|cand - ref| / (atol + rtol * |ref| + stol * absmax(ref))`: how many
   tolerances the worst element is away (above 1 means outside); it ranks tensors of any magnitude;
-* an element is *outside* tolerance unless `|cand - ref| <= atol + rtol * |ref| + stol * absmax(ref)` (the
-  reference is always the `|ref|` term; `stol` scales with the tensor's own magnitude, see tolerances.py),
-  or both sides are the same non-finite value (NaN and NaN, or equal infinities);
-* NaN/Inf on one side only poison the tensor: max errors become Inf, cosine 0, SQNR -SQNR_CAP_DB; the
-  other error statistics cover the elements finite on both sides;
-* cosine similarity is 1 for two all-zero tensors and 0 when exactly one is all zero;
-* SQNR is `10 log10(sum ref^2 / sum (cand - ref)^2)` in dB, capped at +-SQNR_CAP_DB (identical tensors
-  give the cap);
-* median and p99 of the absolute error are exact up to PERCENTILE_SAMPLE elements and estimated from an
-  evenly strided sample above that (a full partition of every large tensor would dominate the run time);
+* NaN/Inf on one side only poison the tensor: max errors become Inf, cosine 0, SQNR -SQNR_CAP_DB;
+* cosine similarity and SQNR `10 log10(sum ref^2 / sum (cand - ref)^2)` (capped at +-SQNR_CAP_DB;
+  identical tensors give the cap) are pooled over every element of every sample; `worst_sample_sqnr_db`
+  is the lowest SQNR of a single sample;
+* median and p99 of the absolute error come from a log-bucket sketch (SKETCH_BITS mantissa bits per
+  bucket): within 1.6% of the exact nearest-rank value; errors below 2^-40 (about 1e-12) count as 0;
 * integer and bool tensors are compared exactly: every differing element is outside.
-Iterations aggregate as worst case (max error, min cosine/SQNR) plus pooled means, so no iteration's
-arrays are kept once its statistics are taken.
+Counts, minima and maxima merge exactly; float64 sums merge up to the order of addition.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import threading
 
 import numpy as np
 
+from accudiff.comparison import _reduce
 from accudiff.comparison.tolerances import Tolerance
 from accudiff.transforms.base import QuantRange
 
 REL_FLOOR = 1e-3
 SQNR_CAP_DB = 200.0
-PERCENTILE_SAMPLE = 1 << 15
 FP16_SMALLEST_NORMAL = 6.103515625e-05
+CHUNK = 1 << 16
 
+# The accumulator layout: one float64 per field, merged by the rule of its group. The first fields are the
+# compiled kernel's totals (_reduce.c), in its order.
+KERNEL_FIELDS = (
+    "finite", "outside_count", "ref_nan", "ref_inf", "cand_nan", "cand_inf", "below_fp16_normal", "flushed_to_zero",
+    "beyond_int8_range", "below_int8_step", "abs_err_sum", "rel_err_sum", "ref_sq", "err_sq", "cand_sq", "ref_cand",
+    "max_abs_err", "max_rel_err", "tol_ratio", "poisoned", "worst_distance", "worst_index", "worst_ref", "worst_cand",
+)
+FIELDS = KERNEL_FIELDS + ("elements", "samples", "ref_min", "ref_max", "ref_absmax", "worst_sample_sqnr_db", "exact", "worst_sample")
+F = {name: index for index, name in enumerate(FIELDS)}
+_SUM = np.array([F[n] for n in KERNEL_FIELDS[:16] + ("elements", "samples")])
+_MIN = np.array([F[n] for n in ("ref_min", "worst_sample_sqnr_db")])
+_MAX = np.array([F[n] for n in ("max_abs_err", "max_rel_err", "tol_ratio", "poisoned", "ref_max", "ref_absmax", "exact")])
+_WORST = np.array([F[n] for n in ("worst_distance", "worst_index", "worst_ref", "worst_cand", "worst_sample")])  # kept with the largest distance
+EMPTY_ROW = np.zeros(len(FIELDS))
+EMPTY_ROW[_MIN] = np.inf
+EMPTY_ROW[_MAX] = -np.inf
+EMPTY_ROW[_WORST] = (-np.inf, -1, np.nan, np.nan, -1)
 
-@dataclass
-class TensorStats:
-    """Statistics of one tensor over all iterations seen so far."""
+# The sketch (computed by the kernel): bucket = float32 exponent and top SKETCH_BITS mantissa bits of the
+# error, over 80 octaves from 2^SKETCH_LOW_EXPONENT.
+SKETCH_BITS = 5
+SKETCH_LOW_EXPONENT = -40
+SKETCH_BUCKETS = _reduce.SKETCH_BUCKETS
 
-    elements: int = 0
-    ref_min: float = np.inf
-    ref_max: float = -np.inf
-    ref_absmax: float = 0.0
-    max_abs_err: float = 0.0
-    tol_ratio: float = 0.0
-    mean_abs_err: float = 0.0
-    median_abs_err: float = 0.0
-    p99_abs_err: float = 0.0
-    max_rel_err: float = 0.0
-    mean_rel_err: float = 0.0
-    cosine: float = 1.0
-    sqnr_db: float = SQNR_CAP_DB
-    outside_count: int = 0
-    ref_nan: int = 0
-    ref_inf: int = 0
-    cand_nan: int = 0
-    cand_inf: int = 0
-    below_fp16_normal: int = 0
-    flushed_to_zero: int = 0
-    beyond_int8_range: int = 0
-    below_int8_step: int = 0
-    worst_index: int = -1
-    worst_ref: float = np.nan
-    worst_cand: float = np.nan
-    worst_iteration: int = -1
-    iterations: int = 0
-    _abs_err_sum: float = 0.0
-    _rel_err_sum: float = 0.0
-    _finite_count: int = 0
+class StatsSet:
+    """Mergeable statistics of `count` tensors (rows), in a fixed order known to whoever merges them."""
 
-    @property
-    def outside_share(self) -> float:
-        return self.outside_count / self.elements if self.elements else 0.0
+    def __init__(self, count: int):
+        self.values = np.tile(EMPTY_ROW, (count, 1))
+        self.sketch = np.zeros((count, SKETCH_BUCKETS), np.int64)
 
-    def as_row(self) -> dict[str, float | int]:
-        row = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
-        row["outside_share"] = self.outside_share
-        return row
+    def add(self, row: int, values: np.ndarray, sketch: np.ndarray) -> None:
+        """Merge one tensor's reduction (one sample, or any accumulation) into row `row`."""
+        _merge_rows(self.values[row : row + 1], values[None, :])
+        self.sketch[row] += sketch
 
+    def merge(self, other: "StatsSet") -> None:
+        """Merge another set of the same tensors (other samples, another worker) into this one."""
+        _merge_rows(self.values, other.values)
+        self.sketch += other.sketch
 
-def measure(ref: np.ndarray, cand: np.ndarray, tol: Tolerance, quant: QuantRange | None = None) -> TensorStats:
-    """Statistics of one tensor for one iteration (shapes must already match).
+    def seen(self, row: int) -> bool:
+        return bool(self.values[row, F["samples"]] > 0)
 
-    Works in the wider of the two float types (FP32 for FP32/FP16 pairs) with few passes over the data;
-    sums are accumulated in FP64 where precision matters.
-    """
-    if not (np.issubdtype(ref.dtype, np.floating) or np.issubdtype(cand.dtype, np.floating)):
-        return _measure_exact(ref, cand)
-    dtype = np.result_type(ref.dtype, cand.dtype, np.float32)
-    r = np.asarray(ref, dtype=dtype).reshape(-1)
-    c = np.asarray(cand, dtype=dtype).reshape(-1)
-    stats = TensorStats(elements=r.size, iterations=1)
-    if r.size == 0:
+    def row(self, row: int) -> dict[str, float]:
+        """The table columns of one tensor (see the module docstring)."""
+        return finish(self.values[row], self.sketch[row])
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Plain arrays, for transport between processes and machines (no pickle)."""
+        return {"values": self.values, "sketch": self.sketch}
+
+    @classmethod
+    def from_arrays(cls, arrays) -> "StatsSet":
+        stats = cls(0)
+        stats.values, stats.sketch = np.array(arrays["values"]), np.array(arrays["sketch"])
         return stats
-    abs_r = np.abs(r)
-    with np.errstate(invalid="ignore", over="ignore"):  # Inf - Inf where both sides agree on Inf
-        err = np.subtract(c, r)
-        np.abs(err, out=err)
-    any_nonfinite = not (np.isfinite(abs_r.max()) and np.isfinite(err.max()))
-    if any_nonfinite:
-        r_nan, c_nan, r_inf, c_inf = np.isnan(r), np.isnan(c), np.isinf(r), np.isinf(c)
-        stats.ref_nan, stats.cand_nan = int(r_nan.sum()), int(c_nan.sum())
-        stats.ref_inf, stats.cand_inf = int(r_inf.sum()), int(c_inf.sum())
-        ref_finite = ~(r_nan | r_inf)
-        finite_r, finite_abs_r = r[ref_finite], abs_r[ref_finite]
-    else:
-        finite_r, finite_abs_r = r, abs_r
-    absmax = float(finite_abs_r.max()) if finite_abs_r.size else 0.0
-    with np.errstate(invalid="ignore"):
-        limit = abs_r * dtype.type(tol.rtol)
-        limit += dtype.type(tol.atol + tol.stol * absmax)
-        within = err <= limit
-    if any_nonfinite:
-        within |= (r_nan & c_nan) | (r_inf & c_inf & (np.sign(r) == np.sign(c)))
-    stats.outside_count = int(within.size - np.count_nonzero(within))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.divide(err, limit, out=np.zeros_like(err), where=err > 0)
-    if any_nonfinite:
-        ratio[~within & np.isnan(err)] = np.inf
-    stats.tol_ratio = float(ratio.max())
-    del ratio
-    if stats.outside_count:
-        # The worst element: the one furthest from the reference (non-finite mismatches count as infinite).
-        distance = np.where(within, -np.inf, np.nan_to_num(err, nan=np.inf)) if any_nonfinite else np.where(within, -np.inf, err)
-        stats.worst_index = int(np.argmax(distance))
-        stats.worst_ref, stats.worst_cand = float(r[stats.worst_index]), float(c[stats.worst_index])
-    if finite_abs_r.size:
-        stats.ref_min, stats.ref_max, stats.ref_absmax = float(finite_r.min()), float(finite_r.max()), absmax
-        zeros = int(finite_abs_r.size - np.count_nonzero(finite_abs_r))
-        stats.below_fp16_normal = int(np.count_nonzero(finite_abs_r < FP16_SMALLEST_NORMAL)) - zeros
-        if quant is not None:
-            stats.beyond_int8_range = int(np.count_nonzero((finite_r < quant.low) | (finite_r > quant.high)))
-            stats.below_int8_step = int(np.count_nonzero(finite_abs_r < quant.scale / 2)) - zeros
-    poisoned = any_nonfinite and bool((~within & ~np.isfinite(err)).any())
-    if any_nonfinite:
-        both = ~(r_nan | c_nan | r_inf | c_inf)
-        r, c, err, abs_r = r[both], c[both], err[both], abs_r[both]
-    c_zero = c == 0
-    stats.flushed_to_zero = int(np.count_nonzero(c_zero) - np.count_nonzero(c_zero & (abs_r == 0)))
-    if r.size:
-        floor = max(REL_FLOOR * absmax, float(np.finfo(dtype).tiny))
-        rel = err / np.maximum(abs_r, dtype.type(floor))
-        stats._finite_count = r.size
-        stats._abs_err_sum = float(np.sum(err, dtype=np.float64))
-        stats._rel_err_sum = float(np.sum(rel, dtype=np.float64))
-        stats.mean_abs_err = stats._abs_err_sum / r.size
-        stats.mean_rel_err = stats._rel_err_sum / r.size
-        stats.max_abs_err, stats.max_rel_err = float(err.max()), float(rel.max())
-        stats.median_abs_err, stats.p99_abs_err = _median_p99(err)
-        signal, noise = float(np.dot(r, r)), float(np.dot(err, err))
-        stats.cosine = _cosine(float(np.dot(r, c)), signal, float(np.dot(c, c)))
-        stats.sqnr_db = _sqnr_db(signal, noise)
-    if poisoned:
-        # NaN/Inf where the other side differs poison the tensor: say so in every error metric.
-        stats.max_abs_err = stats.max_rel_err = np.inf
-        stats.cosine, stats.sqnr_db = 0.0, -SQNR_CAP_DB
-    return stats
 
 
-def _median_p99(err: np.ndarray) -> tuple[float, float]:
-    """Exact (nearest rank) up to PERCENTILE_SAMPLE elements; above, from an evenly strided sample of about that size."""
-    sample = err[:: err.size // PERCENTILE_SAMPLE] if err.size > PERCENTILE_SAMPLE else err.copy()
-    ranks = [(sample.size - 1) // 2, int(np.ceil(0.99 * (sample.size - 1)))]
-    sample.partition(ranks)
-    return float(sample[ranks[0]]), float(sample[ranks[1]])
+def _merge_rows(into: np.ndarray, new: np.ndarray) -> None:
+    into[:, _SUM] += new[:, _SUM]
+    into[:, _MIN] = np.minimum(into[:, _MIN], new[:, _MIN])
+    into[:, _MAX] = np.maximum(into[:, _MAX], new[:, _MAX])
+    newer = new[:, F["worst_distance"]] > into[:, F["worst_distance"]]
+    into[np.ix_(newer, _WORST)] = new[np.ix_(newer, _WORST)]
 
 
-def merge(total: TensorStats, new: TensorStats, iteration: int) -> TensorStats:
-    """Fold one iteration's statistics into the running aggregate (worst case and pooled means)."""
-    if total.iterations == 0:
-        new.worst_iteration = iteration if new.outside_count else -1
-        return new
-    merged = TensorStats(
-        elements=total.elements + new.elements,
-        ref_min=min(total.ref_min, new.ref_min),
-        ref_max=max(total.ref_max, new.ref_max),
-        ref_absmax=max(total.ref_absmax, new.ref_absmax),
-        max_abs_err=max(total.max_abs_err, new.max_abs_err),
-        tol_ratio=max(total.tol_ratio, new.tol_ratio),
-        median_abs_err=max(total.median_abs_err, new.median_abs_err),
-        p99_abs_err=max(total.p99_abs_err, new.p99_abs_err),
-        max_rel_err=max(total.max_rel_err, new.max_rel_err),
-        cosine=min(total.cosine, new.cosine),
-        sqnr_db=min(total.sqnr_db, new.sqnr_db),
-        iterations=total.iterations + new.iterations,
-        _abs_err_sum=total._abs_err_sum + new._abs_err_sum,
-        _rel_err_sum=total._rel_err_sum + new._rel_err_sum,
-        _finite_count=total._finite_count + new._finite_count,
-    )
-    for name in ("outside_count", "ref_nan", "ref_inf", "cand_nan", "cand_inf", "below_fp16_normal",
-                 "flushed_to_zero", "beyond_int8_range", "below_int8_step"):
-        setattr(merged, name, getattr(total, name) + getattr(new, name))
-    if merged._finite_count:
-        merged.mean_abs_err = merged._abs_err_sum / merged._finite_count
-        merged.mean_rel_err = merged._rel_err_sum / merged._finite_count
-    worst_is_new = new.outside_count and (not total.outside_count or abs(new.worst_cand - new.worst_ref) > abs(total.worst_cand - total.worst_ref))
-    source, merged.worst_iteration = (new, iteration) if worst_is_new else (total, total.worst_iteration)
-    merged.worst_index, merged.worst_ref, merged.worst_cand = source.worst_index, source.worst_ref, source.worst_cand
-    return merged
+def finish(v: np.ndarray, sketch: np.ndarray) -> dict[str, float]:
+    """Derived columns of one accumulator row."""
+    elements, finite = int(v[F["elements"]]), v[F["finite"]]
+    exact, poisoned = v[F["exact"]] > 0, v[F["poisoned"]] > 0
+    row = {
+        "elements": elements,
+        "samples": int(v[F["samples"]]),
+        "ref_min": v[F["ref_min"]],
+        "ref_max": v[F["ref_max"]],
+        "ref_absmax": max(v[F["ref_absmax"]], 0.0),
+        "max_abs_err": max(v[F["max_abs_err"]], 0.0),
+        "tol_ratio": max(v[F["tol_ratio"]], 0.0),
+        "mean_abs_err": v[F["abs_err_sum"]] / finite if finite else 0.0,
+        "median_abs_err": _quantile(sketch, 0.5),
+        "p99_abs_err": _quantile(sketch, 0.99),
+        "max_rel_err": max(v[F["max_rel_err"]], 0.0),
+        "mean_rel_err": v[F["rel_err_sum"]] / finite if finite else 0.0,
+        "cosine": np.nan if exact else _cosine(v[F["ref_cand"]], v[F["ref_sq"]], v[F["cand_sq"]]),
+        "sqnr_db": np.nan if exact else sqnr_db(v[F["ref_sq"]], v[F["err_sq"]]),
+        "worst_sample_sqnr_db": np.nan if exact else min(v[F["worst_sample_sqnr_db"]], SQNR_CAP_DB),
+    }
+    for name in ("outside_count", "ref_nan", "ref_inf", "cand_nan", "cand_inf", "below_fp16_normal", "flushed_to_zero",
+                 "beyond_int8_range", "below_int8_step"):
+        row[name] = int(v[F[name]])
+    row["outside_share"] = row["outside_count"] / elements if elements else 0.0
+    has_worst = row["outside_count"] > 0
+    row["worst_index"] = int(v[F["worst_index"]]) if has_worst else -1
+    row["worst_sample"] = int(v[F["worst_sample"]]) if has_worst else -1
+    row["worst_ref"] = v[F["worst_ref"]] if has_worst else np.nan
+    row["worst_cand"] = v[F["worst_cand"]] if has_worst else np.nan
+    if poisoned:  # NaN/Inf where the other side differs poison the tensor: say so in every error metric
+        row.update(max_abs_err=np.inf, max_rel_err=np.inf, tol_ratio=np.inf, cosine=0.0, sqnr_db=-SQNR_CAP_DB, worst_sample_sqnr_db=-SQNR_CAP_DB)
+    return row
 
 
-def _measure_exact(ref: np.ndarray, cand: np.ndarray) -> TensorStats:
-    r, c = np.asarray(ref).reshape(-1), np.asarray(cand).reshape(-1)
-    stats = TensorStats(elements=r.size, iterations=1, cosine=np.nan, sqnr_db=np.nan)
+def reduce_tensor(
+    ref: np.ndarray, cand: np.ndarray, tol: Tolerance, quant: QuantRange | None = None, sample: int = 0, ref_range: tuple[float, float] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """One sample of one tensor as an accumulator row and its sketch (shapes must already match): the
+    reference's finite range first (the tolerance scales with its absmax; `ref_range` when already known
+    from `reference_range`), then the fused pass of the compiled kernel."""
+    values, sketch = EMPTY_ROW.copy(), np.zeros(SKETCH_BUCKETS, np.int64)
+    r, c = np.ascontiguousarray(ref).reshape(-1), np.ascontiguousarray(cand).reshape(-1)
+    values[F["elements"]], values[F["samples"]] = r.size, 1
     if r.size == 0:
-        return stats
-    differ = r != c
-    stats.outside_count = int(differ.sum())
-    stats.tol_ratio = np.inf if stats.outside_count else 0.0  # integers and bools must match exactly
+        return values, sketch
+    if not (np.issubdtype(r.dtype, np.floating) or np.issubdtype(c.dtype, np.floating)):
+        _reduce_exact(r, c, values, sample)
+        return values, sketch
+    if r.dtype != np.float32 or c.dtype not in (np.float32, np.float16):  # rare pairs: compared in float64
+        r, c = r.astype(np.float64), c.astype(np.float64)
+    low, high = ref_range if ref_range is not None else reference_range(r)
+    absmax = 0.0
+    if low <= high:
+        values[F["ref_min"]], values[F["ref_max"]] = low, high
+        values[F["ref_absmax"]] = absmax = max(-float(low), float(high))
+    base, floor = tol.atol + tol.stol * absmax, max(REL_FLOOR * absmax, float(np.finfo(r.dtype).tiny))
+    quant_args = (q.low, q.high, q.scale / 2) if (q := quant) is not None else None
+    _reduce.reduce(r, c, tol.rtol, base, floor, quant_args, 0, values[: len(KERNEL_FIELDS)], sketch, _scratch())
+    if values[F["worst_index"]] >= 0:
+        values[F["worst_sample"]] = sample
+    values[F["worst_sample_sqnr_db"]] = -SQNR_CAP_DB if values[F["poisoned"]] > 0 else sqnr_db(values[F["ref_sq"]], values[F["err_sq"]])
+    return values, sketch
+
+
+def reference_range(ref: np.ndarray) -> tuple[float, float]:
+    """The smallest and largest finite reference values (low > high when none is finite)."""
+    if not np.issubdtype(ref.dtype, np.floating):
+        return float(ref.min()), float(ref.max())
+    if ref.dtype == np.float32 and ref.flags.c_contiguous:
+        found = _reduce.range(ref)
+        if found is not None:
+            return found
+    low, high = np.min(ref), np.max(ref)
+    if not (np.isfinite(low) and np.isfinite(high)):
+        finite = ref[np.isfinite(ref)]
+        if not finite.size:
+            return np.inf, -np.inf
+        low, high = finite.min(), finite.max()
+    return float(low), float(high)
+
+
+_thread = threading.local()
+
+
+def _scratch() -> np.ndarray:
+    """The kernel's scratch memory, one per thread (the kernel runs without the GIL)."""
+    if not hasattr(_thread, "scratch"):
+        _thread.scratch = np.empty(_reduce.SCRATCH_BYTES, np.uint8)
+    return _thread.scratch
+
+
+def _reduce_exact(r: np.ndarray, c: np.ndarray, v: np.ndarray, sample: int) -> None:
+    """Integer and bool tensors: every differing element is outside."""
     wide_r, wide_c = r.astype(np.float64), c.astype(np.float64)
-    stats.ref_min, stats.ref_max = float(wide_r.min()), float(wide_r.max())
-    stats.ref_absmax = float(np.abs(wide_r).max())
     err = np.abs(wide_c - wide_r)
-    stats.max_abs_err = float(err.max())
-    stats._abs_err_sum, stats._finite_count = float(err.sum()), r.size
-    stats.mean_abs_err = stats._abs_err_sum / r.size
-    if stats.outside_count:
-        stats.worst_index = int(np.argmax(err))
-        stats.worst_ref, stats.worst_cand = float(wide_r[stats.worst_index]), float(wide_c[stats.worst_index])
-    return stats
+    v[F["exact"]] = 1.0
+    v[F["finite"]] = r.size
+    v[F["outside_count"]] = int(np.count_nonzero(err))
+    v[F["ref_min"]], v[F["ref_max"]] = float(wide_r.min()), float(wide_r.max())
+    v[F["ref_absmax"]] = float(np.abs(wide_r).max())
+    v[F["max_abs_err"]] = float(err.max())
+    v[F["abs_err_sum"]] = float(err.sum())
+    v[F["tol_ratio"]] = np.inf if v[F["outside_count"]] else 0.0
+    if v[F["outside_count"]]:
+        index = int(np.argmax(err))
+        v[_WORST] = (float(err[index]), index, float(wide_r[index]), float(wide_c[index]), sample)
+
+
+def _quantile(sketch: np.ndarray, q: float) -> float:
+    """Nearest-rank quantile from the sketch: the geometric middle of its bucket (0 for the lowest)."""
+    total = int(sketch.sum())
+    if total == 0:
+        return 0.0
+    bucket = int(np.searchsorted(np.cumsum(sketch), int(np.ceil(q * (total - 1))) + 1))
+    if bucket == 0:
+        return 0.0
+    exponent, mantissa = divmod(bucket, 1 << SKETCH_BITS)
+    low = 2.0 ** (exponent + SKETCH_LOW_EXPONENT) * (1 + mantissa / (1 << SKETCH_BITS))
+    high = 2.0 ** (exponent + SKETCH_LOW_EXPONENT) * (1 + (mantissa + 1) / (1 << SKETCH_BITS))
+    return float(np.sqrt(low * high))
 
 
 def _cosine(dot: float, ref_energy: float, cand_energy: float) -> float:
@@ -231,7 +239,8 @@ def _cosine(dot: float, ref_energy: float, cand_energy: float) -> float:
     return float(np.clip(dot / np.sqrt(ref_energy * cand_energy), -1.0, 1.0))
 
 
-def _sqnr_db(signal: float, noise: float) -> float:
+def sqnr_db(signal: float, noise: float) -> float:
+    """`10 log10(signal / noise)`, capped at +-SQNR_CAP_DB (identical tensors give the cap)."""
     if noise == 0:
         return SQNR_CAP_DB
     if signal == 0:

@@ -72,6 +72,11 @@ class Tolerances:
     def as_dict(self) -> dict:
         return {**asdict(self.default), "per_tensor": self.overrides}
 
+    @classmethod
+    def from_dict(cls, document: dict) -> "Tolerances":
+        """The inverse of `as_dict`."""
+        return cls(Tolerance(document["atol"], document["rtol"], document["stol"]), dict(document["per_tensor"]))
+
 
 def _parse(option: str, values: Iterable[str] | float | None) -> tuple[float | None, dict[str, float]]:
     """Split `["1e-3", "logits:1e-2"]` into the default (1e-3) and the overrides ({"logits": 1e-2})."""

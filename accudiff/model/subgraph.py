@@ -9,10 +9,11 @@ import onnx
 from accudiff.model.loading import subgraph_outer_references
 
 
-def extract(model: onnx.ModelProto, indices: Sequence[int], name: str | None = None) -> onnx.ModelProto:
+def extract(model: onnx.ModelProto, indices: Sequence[int], name: str | None = None, outputs: Sequence[str] | None = None) -> onnx.ModelProto:
     """The nodes at `indices` (kept in graph order) as a model: its inputs are what they read from outside,
-    its outputs what the rest of the graph (or the graph's outputs) reads from them, or else the last
-    node's outputs. Types and shapes come from the model's value_info (run shape inference first)."""
+    its outputs `outputs` if given, else what the rest of the graph (or the graph's outputs) reads from
+    them, or else the last node's outputs. Types and shapes come from the model's value_info (run shape
+    inference first)."""
     graph = model.graph
     wanted = sorted(set(indices))
     chosen = [graph.node[i] for i in wanted]
@@ -24,7 +25,8 @@ def extract(model: onnx.ModelProto, indices: Sequence[int], name: str | None = N
     needed_outside |= subgraph_outer_references(rest)
     typed = {vi.name: vi for vi in [*graph.input, *graph.value_info, *graph.output]}
     inputs = list(dict.fromkeys(n for n in reads if n not in produced and n not in initializers))
-    outputs = [o for node in chosen for o in node.output if o and o in needed_outside] or [o for o in chosen[-1].output if o]
+    if outputs is None:
+        outputs = [o for node in chosen for o in node.output if o and o in needed_outside] or [o for o in chosen[-1].output if o]
     sub = onnx.helper.make_graph(
         chosen,
         name or f"{graph.name or 'graph'}_nodes_{wanted[0]}_{wanted[-1]}",

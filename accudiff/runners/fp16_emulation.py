@@ -25,7 +25,9 @@ FP32 = TensorProto.FLOAT
 def lower_fp16(model: onnx.ModelProto) -> dict[str, str]:
     """Lower `model` in place to FP32 with FP16 rounding at every former FP16 value; return, for each such
     value, the name of its FP16 copy (`fp16_name`): marking that copy as output returns the value as FP16
-    at no extra cost. A model without FP16 values is left unchanged, and the mapping is empty.
+    at no extra cost. FP16 graph inputs keep their type and are widened by a Cast inside the graph, so
+    FP16 values (a segment's boundary) are fed without a copy. A model without FP16 values is left
+    unchanged, and the mapping is empty.
     """
     infer_shapes_in_place(model)
     graph = model.graph
@@ -35,8 +37,10 @@ def lower_fp16(model: onnx.ModelProto) -> dict[str, str]:
     )
     if not has_fp16:
         return {}
-    lowered: list[onnx.NodeProto] = []
+    fp16_inputs = {vi.name for vi in graph.input if vi.type.tensor_type.elem_type == FP16}
+    lowered: list[onnx.NodeProto] = [helper.make_node("Cast", [name], [name + "__as_fp32"], to=FP32) for name in fp16_inputs]
     for node in graph.node:
+        node.input[:] = [name + "__as_fp32" if name in fp16_inputs else name for name in node.input]
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == FP16:
                 attr.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(attr.t).astype(np.float32), attr.t.name))
@@ -56,7 +60,7 @@ def lower_fp16(model: onnx.ModelProto) -> dict[str, str]:
     for init in graph.initializer:
         if init.data_type == FP16:
             init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float32), init.name))
-    for vi in [*graph.input, *graph.output]:
+    for vi in graph.output:  # FP16 graph inputs stay FP16: FP16 values are fed as they are, and widened in the graph
         if vi.type.tensor_type.elem_type == FP16:
             vi.type.tensor_type.elem_type = FP32
     del graph.value_info[:]  # stale shapes of renamed values would mislead the runtime

@@ -1,79 +1,71 @@
-"""Runner outputs as .npy files: mapped lazily, and kept on disk across runs.
+"""Reference outputs kept on disk, for callers that compare the same model on the same inputs many times.
 
-Keeping the reference's outputs on disk lets its runner shut down before the candidate starts, so only
-one backend holds a model in memory at a time, and no run's tensors need to fit in memory at once.
+A comparison streams its tensors and keeps none. But the pytest plugin checks one model in several
+precisions, and the bisectors compare it again and again under changes: with a `ReferenceCache`, the
+first comparison records the reference's outputs and the later ones replay them instead of running the
+reference again. Only such callers write tensors to disk.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-
-class NpyFiles(Mapping):
-    """Tensors as .npy files, each memory-mapped only when asked for: a caller that drops each array once
-    measured never holds more than one tensor's pages, however large the model."""
-
-    def __init__(self, files: Mapping[str, str | Path]):
-        self._files = dict(files)
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        return np.load(self._files[name], mmap_mode="r", allow_pickle=False)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._files)
-
-    def __len__(self) -> int:
-        return len(self._files)
+COMPLETE = "complete"
 
 
-class OutputStore:
-    """The outputs of successive runs, one folder per run; `store[i]` reads run i back lazily."""
+class ReferenceStore:
+    """One model's reference outputs for one list of samples: `<folder>/<sample>/<tensor file>.npy`."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, tensors: Sequence[str]):
         self.folder = Path(folder)
-        self._runs: list[NpyFiles] = []
+        self._files = {name: f"{index}.npy" for index, name in enumerate(tensors)}
 
-    def keep(self, outputs: Mapping[str, np.ndarray]) -> None:
-        run = self.folder / str(len(self._runs))
-        run.mkdir(parents=True)
-        files = {}
-        for index, name in enumerate(outputs):
-            array, target = outputs[name], run / f"{index}.npy"
-            already_a_file = isinstance(array, np.memmap) and array.filename and _link(array.filename, target)
-            if not already_a_file:  # an .npy file is kept by a hard link, without copying a byte
-                np.save(target, np.asarray(array), allow_pickle=False)
-            files[name] = target
-        self._runs.append(NpyFiles(files))
+    @property
+    def complete(self) -> bool:
+        """Recorded for every sample, so the reference need not run."""
+        return (self.folder / COMPLETE).exists()
 
-    def __getitem__(self, run: int) -> NpyFiles:
-        return self._runs[run]
+    def write(self, sample: int, outputs: Mapping[str, np.ndarray]) -> None:
+        folder = self.folder / str(sample)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, array in outputs.items():
+            if name in self._files:
+                np.save(folder / self._files[name], np.ascontiguousarray(array), allow_pickle=False)
 
-    def __len__(self) -> int:
-        return len(self._runs)
+    def finish(self) -> None:
+        (self.folder / COMPLETE).touch()
 
-
-def _link(source: str, target: Path) -> bool:
-    try:
-        os.link(source, target)
-        return True
-    except OSError:
-        return False  # another file system: the caller copies instead
+    def read(self, sample: int, names: Iterable[str]) -> dict[str, np.ndarray]:
+        """The recorded values, memory-mapped: reading one touches only its pages."""
+        folder = self.folder / str(sample)
+        found = {}
+        for name in names:
+            path = folder / self._files.get(name, "-")
+            if path.exists():
+                found[name] = np.load(path, mmap_mode="r", allow_pickle=False)
+        return found
 
 
 class ReferenceCache:
-    """Reference outputs reused across comparisons: the same model file fed the same inputs gives the same
-    reference, so a test session runs it once however many precisions or tolerances it checks."""
+    """Reference stores kept for a session: the same model file fed the same inputs gives the same reference,
+    so a test session runs it once however many precisions or tolerances it checks."""
 
     def __init__(self, folder: Path | None = None):
         self.folder = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="accudiff-reference-cache-"))
-        self._entries: dict[str, tuple[OutputStore, dict[str, str]]] = {}
+
+    def store(self, model: Path, feeds: Sequence[Mapping[str, np.ndarray]], tensors: Sequence[str]) -> ReferenceStore:
+        """The store for `model` and `feeds`: complete when recorded before, empty (to record) otherwise."""
+        key = self.key(model, feeds)
+        store = ReferenceStore(self.folder / key, tensors)
+        if not store.complete:
+            shutil.rmtree(store.folder, ignore_errors=True)  # a recording that was interrupted
+        return store
 
     @staticmethod
     def key(model: Path, feeds: Sequence[Mapping[str, np.ndarray]]) -> str:
@@ -87,16 +79,5 @@ class ReferenceCache:
                 digest.update(array.tobytes())
         return digest.hexdigest()[:32]
 
-    def get(self, key: str) -> tuple[OutputStore, dict[str, str]] | None:
-        return self._entries.get(key)
-
-    def new_store(self, key: str) -> OutputStore:
-        shutil.rmtree(self.folder / key, ignore_errors=True)  # a run that was interrupted
-        return OutputStore(self.folder / key)
-
-    def put(self, key: str, store: OutputStore, not_observable: dict[str, str]) -> None:
-        self._entries[key] = (store, not_observable)
-
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
-        self._entries.clear()

@@ -1,0 +1,265 @@
+"""The comparison as a reduction over streamed units of work: sample x segment.
+
+For every sample, the graph runs one segment at a time (model/segments.py): the reference segment first,
+then each candidate pass of the same segment, whose tensors are reduced into mergeable statistics
+(comparison/metrics.py) as soon as they exist, and dropped unless a later segment reads them. A pass is
+fed its own earlier segments' values, so a candidate's error accumulates exactly as in a full run; the
+isolated pass also reads the reference's value of every compared tensor (`fed_from_reference`). What
+leaves the engine is statistics, never arrays: merged over samples, processes or machines they give the
+same table.
+
+Everything here runs in the comparison worker process (worker.py) and knows backends only through the
+runner interface.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import onnx
+
+from accudiff.comparison.metrics import StatsSet, finish, reduce_tensor, reference_range
+from accudiff.comparison.tolerances import Tolerance, Tolerances
+from accudiff.model.inputs import Feed
+from accudiff.model.loading import infer_shapes_in_place
+from accudiff.model.subgraph import extract
+from accudiff.runners.base import Runner
+from accudiff.runners.outputs import ReferenceStore
+from accudiff.transforms.base import QuantRange
+
+Progress = Callable[[str], None]
+_RANGE_ONLY = Tolerance(atol=1.0, rtol=0.0)  # for a tensor compared with itself: no error, only its range
+RunnerFactory = Callable[[Path, list[str]], Runner]  # (model file, tensors to return) -> runner
+
+
+@dataclass
+class PassPlan:
+    """One candidate pass: a model to run segment by segment, and its inputs fed from the reference."""
+
+    name: str  # "candidate", "isolated", or a second backend's name
+    model: Path
+    make_runner: RunnerFactory
+    fed_from_reference: dict[str, str] = field(default_factory=dict)  # input -> the reference tensor it is fed
+
+
+@dataclass
+class SampleOutcome:
+    """One graph output on one sample (the per-sample view of a dataset)."""
+
+    sample: int
+    tensor: str
+    max_abs_err: float
+    tol_ratio: float
+    outside_share: float
+    sqnr_db: float
+
+
+@dataclass
+class PassResult:
+    """What one pass leaves: statistics, and what a reader of the table must know about them."""
+
+    stats: StatsSet
+    seen: dict[int, tuple[str, str, str]] = field(default_factory=dict)  # tensor row -> (dtype, cand dtype, shape)
+    notes: dict[int, str] = field(default_factory=dict)  # tensor row -> why it was not compared
+    not_observable: dict[str, str] = field(default_factory=dict)
+    label: str = ""
+    notices: list[str] = field(default_factory=list)
+    outcomes: list[SampleOutcome] = field(default_factory=list)
+
+
+@dataclass
+class _Segment:
+    runner: Runner | None  # None: the reference replayed from a store
+    inputs: set[str]  # what the segment model reads (graph inputs and earlier segments' values)
+    compared: list[str]  # the compared tensors it produces
+    wanted: list[str]  # what it returns: those, and what later segments read
+
+
+class Engine:
+    """Runs the reference and the candidate passes over samples, segment by segment, into statistics."""
+
+    def __init__(
+        self,
+        reference: Path,
+        make_reference: RunnerFactory,
+        passes: Sequence[PassPlan],
+        tensors: Sequence[str],
+        outputs: Sequence[str],
+        segments: Sequence[Sequence[str]],
+        tolerances: Tolerances,
+        quant_ranges: Mapping[str, QuantRange],
+        scratch: Path,
+        store: ReferenceStore | None = None,
+        progress: Progress = lambda step: None,
+        inputs: Sequence[str] = (),
+    ):
+        """`segments`: the original model's node names per segment. `store`: reference outputs recorded
+        earlier (then replayed, and the reference never runs) or to record now. `inputs`: the graph inputs
+        whose ranges the diagnosis needs (an input beyond FP16 or outside its INT8 range)."""
+        self.tensors, self.outputs = list(tensors), set(outputs)
+        self.inputs = list(inputs)
+        self.input_stats = StatsSet(len(self.inputs))
+        self.row = {name: index for index, name in enumerate(self.tensors)}
+        self.tolerances, self.quant_ranges, self.progress, self.store = tolerances, quant_ranges, progress, store
+        self.passes = list(passes)
+        self.results = {p.name: PassResult(StatsSet(len(self.tensors))) for p in self.passes}
+        self.reference_not_observable: dict[str, str] = {}
+        self._active: list[Runner] = []
+        # Statistics of one pass are computed while the backend runs the next (the kernel and the backends
+        # release the GIL): one reduction in flight at a time, in order, so sums add up in a fixed order.
+        self._ranges: dict[str, tuple[float, float]] = {}  # each reference tensor's range, found once per sample
+        self._reducer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="accudiff-reduce")
+        self._pending: Future | None = None
+        node_segment = {name: k for k, names in enumerate(segments) for name in names}
+        self._later_reference_reads: list[set[str]] = []
+        try:
+            replay = store is not None and store.complete
+            self.reference = self._segments(reference, node_segment, len(segments), None if replay else make_reference, scratch / "reference")
+            self.pass_segments = {
+                p.name: self._segments(p.model, node_segment, len(segments), p.make_runner, scratch / _safe(p.name)) for p in self.passes
+            }
+        except BaseException:
+            self.close()
+            raise
+        for k in range(len(segments)):  # reference values later segments read, as inputs or fed to a pass
+            later = {n for s in self.reference[k + 1 :] for n in s.inputs}
+            for plan in self.passes:
+                later |= {plan.fed_from_reference[n] for s in self.pass_segments[plan.name][k + 1 :] for n in s.inputs if n in plan.fed_from_reference}
+            self._later_reference_reads.append(later)
+
+    def _segments(self, path: Path, node_segment: Mapping[str, int], count: int, make: RunnerFactory | None, folder: Path) -> list[_Segment]:
+        """One runner per segment of the model at `path` (its nodes placed by name; nodes a transform added
+        go with their first reader), each returning its compared tensors and what later segments read."""
+        compared = set(self.tensors)
+        model = onnx.load(str(path), load_external_data=count > 1)
+        if count > 1:
+            infer_shapes_in_place(model)  # the cut models' inputs and outputs need their types
+        nodes = list(model.graph.node)
+        placed = _place_nodes(nodes, node_segment, count)
+        graph_outputs = {o.name for o in model.graph.output}
+        segments = []
+        for k in range(count):
+            indices = [i for i, segment in enumerate(placed) if segment == k]
+            later_reads = {n for i, segment in enumerate(placed) if segment > k for n in nodes[i].input}
+            produced = [o for i in indices for o in nodes[i].output if o]
+            own = [o for o in produced if o in compared]
+            wanted = own + [o for o in produced if o not in compared and (o in later_reads or o in graph_outputs)]
+            if count == 1:
+                segment_path, inputs = path, {i.name for i in model.graph.input}
+            else:
+                sub = extract(model, indices, outputs=wanted)
+                inputs = {i.name for i in sub.graph.input}
+                folder.mkdir(parents=True, exist_ok=True)
+                segment_path = folder / f"segment{k}.onnx"
+                onnx.save(sub, str(segment_path), save_as_external_data=True, location=segment_path.name + ".data", size_threshold=1024)
+                del sub
+            runner = None
+            if make is not None:
+                runner = make(segment_path, wanted)
+                runner.activate()
+                self._active.append(runner)
+            segments.append(_Segment(runner, inputs, own, wanted))
+        return segments
+
+    def run_sample(self, sample: int, feed: Feed) -> None:
+        """Reduce one sample into the statistics, one segment at a time."""
+        self._ranges = {}
+        for row, name in enumerate(self.inputs):  # a graph input is its own candidate: only its range counts
+            self.input_stats.add(row, *reduce_tensor(feed[name], feed[name], _RANGE_ONLY, self.quant_ranges.get(name), sample))
+        reference_values: dict[str, np.ndarray] = dict(feed)
+        pass_values = {p.name: dict(feed) for p in self.passes}
+        for k, reference in enumerate(self.reference):
+            reference_values.update(self._reference_outputs(sample, reference, reference_values))
+            for plan in self.passes:
+                segment = self.pass_segments[plan.name][k]
+                values = pass_values[plan.name]
+                for name in segment.inputs & plan.fed_from_reference.keys():
+                    values[name] = reference_values[plan.fed_from_reference[name]]
+                self.progress(f"running the {plan.name} pass on sample {sample}")
+                out = segment.runner.infer(values)
+                self._reduce(plan.name, sample, reference_values, out, reference.compared)
+                later = self.pass_segments[plan.name][k + 1 :]
+                needed = {n for s in later for n in s.inputs}
+                pass_values[plan.name] = {name: value for name, value in {**values, **out}.items() if name in needed or name in feed}
+                del out, values
+            reference_values = {n: v for n, v in reference_values.items() if n in self._later_reference_reads[k] or n in feed}
+
+    def _reference_outputs(self, sample: int, segment: _Segment, values: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        if segment.runner is None:
+            return self.store.read(sample, segment.wanted)
+        self.progress(f"running the reference on sample {sample}")
+        out = segment.runner.infer(values)
+        if self.store is not None:
+            self.store.write(sample, out)
+        return out
+
+    def _reduce(self, name: str, sample: int, reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray], tensors: Sequence[str]) -> None:
+        result = self.results[name]
+        pairs = []
+        for tensor in tensors:
+            row = self.row[tensor]
+            if tensor not in reference or tensor not in candidate:
+                result.notes.setdefault(row, "not returned by the reference" if tensor not in reference else "not returned by the candidate")
+                continue
+            ref, cand = reference[tensor], candidate[tensor]
+            result.seen[row] = (str(ref.dtype), str(cand.dtype), "x".join(map(str, ref.shape)))
+            if ref.shape != cand.shape:
+                result.notes[row] = f"shape differs: reference {ref.shape}, candidate {cand.shape}"
+                continue
+            pairs.append((tensor, ref, cand))
+
+        def reduce_one(pair):
+            tensor, ref, cand = pair
+            if tensor not in self._ranges:  # the same range serves every pass of this sample
+                self._ranges[tensor] = reference_range(np.asarray(ref).reshape(-1))
+            return reduce_tensor(ref, cand, self.tolerances.for_tensor(tensor), self.quant_ranges.get(tensor), sample, self._ranges[tensor])
+
+        reductions = self._reducer.map(reduce_one, pairs) if len(pairs) > 1 else map(reduce_one, pairs)
+        for (tensor, _, _), (values, sketch) in zip(pairs, reductions):
+            result.stats.add(self.row[tensor], values, sketch)
+            if tensor in self.outputs:
+                one = finish(values, sketch)
+                result.outcomes.append(SampleOutcome(sample, tensor, one["max_abs_err"], one["tol_ratio"], one["outside_share"], one["sqnr_db"]))
+
+    def close(self) -> None:
+        """Collect what the runners know about what they observed, and shut them down."""
+        for plan in self.passes:
+            runners = [s.runner for s in getattr(self, "pass_segments", {}).get(plan.name, [])]
+            result = self.results[plan.name]
+            if runners:
+                result.label = runners[0].label
+                result.notices = list(dict.fromkeys(n for r in runners for n in r.notices))
+            for runner in runners:
+                result.not_observable.update(runner.not_observable)
+        for segment in getattr(self, "reference", []):
+            if segment.runner is not None:
+                self.reference_not_observable.update(segment.runner.not_observable)
+        self._reducer.shutdown(wait=True)
+        for runner in self._active:
+            runner.deactivate()
+        self._active = []
+
+
+def _place_nodes(nodes: Sequence[onnx.NodeProto], node_segment: Mapping[str, int], count: int) -> list[int]:
+    """The segment of each node: its own for nodes of the original model, its first reader's for nodes a
+    transform added (casts, Q/DQ), the last one for nodes only graph outputs read."""
+    placed = [node_segment.get(node.name, -1) for node in nodes]
+    readers: dict[str, list[int]] = {}
+    for index, node in enumerate(nodes):
+        for name in node.input:
+            readers.setdefault(name, []).append(index)
+    for index in reversed(range(len(nodes))):
+        if placed[index] < 0:
+            segments = [placed[r] for o in nodes[index].output for r in readers.get(o, []) if placed[r] >= 0]
+            placed[index] = min(segments) if segments else count - 1
+    return placed
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)

@@ -1,0 +1,205 @@
+"""The comparison worker: a child process that runs the engine (engine.py) on a list of samples.
+
+Backends run here, never in the caller's process, so a native crash (seen in ONNX Runtime on converted
+models) ends the worker, and the caller reports which step it died in. A worker returns statistics, never
+arrays: several workers (or Ray tasks) on different samples give results that merge into one table.
+
+Protocol: the job (a JSON object, see `Job`) on stdin; events on stdout, one JSON object per line:
+{"event": "step", "text": ...}, {"event": "sample", "done": k, "total": n}, and last {"event": "done"} or
+{"event": "error", "message": ...}. The result is written next to the job's `result` path: statistics as
+.npz (no pickle) and the rest as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from accudiff.errors import AccudiffError
+from accudiff.memory import map_large_blocks_separately
+
+BACKEND_NAMES = {"onnxrt": "ONNX Runtime", "trt": "TensorRT"}
+
+
+@dataclass
+class Job:
+    """Everything a worker needs, as plain data (it crosses a process or machine boundary as JSON)."""
+
+    reference: str
+    passes: list[dict]  # {"name", "model", "backend", "fed_from_reference": {input: tensor}, "layer_report": bool}
+    precision: str
+    tensors: list[str]
+    outputs: list[str]
+    segments: list[list[str]]
+    tolerances: dict
+    quant_ranges: dict[str, list[float]]  # tensor -> [scale, low, high]
+    samples: str  # .npz with keys "<sample>/<input>"
+    sample_indices: list[int]
+    result: str  # where the worker writes its result (<result>.npz and <result>.json)
+    trt: dict = field(default_factory=dict)
+    input_shapes: dict[str, list[int]] = field(default_factory=dict)
+    store: str | None = None  # a reference store folder to replay (when complete) or record
+    layer_report: str | None = None
+    inputs: list[str] = field(default_factory=list)  # graph inputs whose ranges the diagnosis needs
+
+
+def run_job(job: Job, progress: Callable[[str, int, int], None] | None = None) -> dict:
+    """Run `job` in a worker process and return its result (see `load_result`)."""
+    with tempfile.TemporaryFile("w+") as stderr_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "accudiff.comparison.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr_file, text=True
+        )
+        try:
+            process.stdin.write(json.dumps(asdict(job)))
+            process.stdin.close()
+            step, outcome = "starting", None
+            for line in process.stdout:
+                event = json.loads(line)
+                if event["event"] == "step":
+                    step = event["text"]
+                elif event["event"] == "sample":
+                    if progress is not None:
+                        progress("compare", event["done"], event["total"])
+                else:
+                    outcome = event
+            code = process.wait()
+        finally:
+            if process.poll() is None:  # interrupted: the worker goes with the caller
+                process.kill()
+                process.wait()
+        stderr_file.seek(0)
+        stderr = stderr_file.read()
+    if outcome is None:
+        backend = BACKEND_NAMES.get(job.passes[0]["backend"] if job.passes else "onnxrt", "the backend")
+        last = next((line.strip() for line in reversed(stderr.splitlines()) if line.strip()), "")
+        raise AccudiffError(
+            f"{backend} {_how_it_died(code)} while {step} of '{Path(job.reference).name}'" + (f" (last message: {last})" if last else "")
+        )
+    if outcome["event"] == "error":
+        raise AccudiffError(outcome["message"])
+    if outcome["event"] == "bug":
+        raise RuntimeError(f"the comparison worker failed: {outcome['message']}")
+    return load_result(Path(job.result))
+
+
+def load_result(path: Path) -> dict:
+    """A worker's result: {"passes": {name: {...}}, ...}, with each pass's statistics as numpy arrays."""
+    document = json.loads(path.with_suffix(".json").read_text())
+    with np.load(path.with_suffix(".npz"), allow_pickle=False) as arrays:
+        for name, result in document["passes"].items():
+            result["values"], result["sketch"] = arrays[f"{name}/values"], arrays[f"{name}/sketch"]
+        document["inputs"] = {"values": arrays["inputs/values"], "sketch": arrays["inputs/sketch"]}
+    return document
+
+
+def _how_it_died(code: int) -> str:
+    if code < 0:
+        try:
+            return f"crashed ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"crashed (signal {-code})"
+    return f"exited unexpectedly (code {code})"
+
+
+def _work(job: Job, emit: Callable[[dict], None]) -> None:
+    """The worker's side: build the engine, reduce every sample, write the result."""
+    from accudiff.comparison.engine import Engine, PassPlan
+    from accudiff.comparison.tolerances import Tolerances
+    from accudiff.runners import TrtOptions, candidate_runner, reference_runner
+    from accudiff.runners.outputs import ReferenceStore
+    from accudiff.transforms.base import QuantRange
+
+    trt = TrtOptions(**{k: (Path(v) if k in ("cache_dir", "engine") and v is not None else v) for k, v in job.trt.items()})
+    shapes = {name: tuple(dims) for name, dims in job.input_shapes.items()}
+    layer_report = Path(job.layer_report) if job.layer_report else None
+
+    def factory(spec: dict):
+        layers = layer_report if spec.get("layer_report") else None
+        return lambda path, outputs: candidate_runner(spec["backend"], path, outputs, job.precision, trt, shapes, layers)
+
+    passes = [PassPlan(p["name"], Path(p["model"]), factory(p), p["fed_from_reference"]) for p in job.passes]
+    store = ReferenceStore(Path(job.store), job.tensors) if job.store else None
+    with tempfile.TemporaryDirectory(prefix="accudiff-worker-") as scratch:
+        engine = Engine(
+            Path(job.reference),
+            lambda path, outputs: reference_runner(path, outputs),
+            passes,
+            job.tensors,
+            job.outputs,
+            job.segments,
+            Tolerances.from_dict(job.tolerances),
+            {name: QuantRange(*values) for name, values in job.quant_ranges.items()},
+            Path(scratch),
+            store,
+            progress=lambda text: emit({"event": "step", "text": text}),
+            inputs=job.inputs,
+        )
+        try:
+            with np.load(job.samples, allow_pickle=False) as samples:
+                names = {}
+                for key in samples.files:
+                    index, _, name = key.partition("/")
+                    names.setdefault(int(index), []).append(name)
+                for done, sample in enumerate(job.sample_indices, 1):
+                    emit({"event": "step", "text": f"reading sample {sample}"})
+                    engine.run_sample(sample, {name: samples[f"{sample}/{name}"] for name in names[sample]})
+                    emit({"event": "sample", "done": done, "total": len(job.sample_indices)})
+        finally:
+            engine.close()
+        if store is not None and not store.complete:
+            store.finish()
+    _write_result(engine, Path(job.result))
+
+
+def _write_result(engine, path: Path) -> None:
+    arrays = {"inputs/values": engine.input_stats.values, "inputs/sketch": engine.input_stats.sketch}
+    document = {"passes": {}, "reference_not_observable": engine.reference_not_observable}
+    for name, result in engine.results.items():
+        arrays[f"{name}/values"], arrays[f"{name}/sketch"] = result.stats.values, result.stats.sketch
+        document["passes"][name] = {
+            "seen": {str(k): v for k, v in result.seen.items()},
+            "notes": {str(k): v for k, v in result.notes.items()},
+            "not_observable": result.not_observable,
+            "label": result.label,
+            "notices": result.notices,
+            "outcomes": [asdict(o) for o in result.outcomes],
+        }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".npz"), "wb") as handle:
+        np.savez(handle, **arrays)
+    path.with_suffix(".json").write_text(json.dumps(document, default=float))
+
+
+def main() -> None:
+    map_large_blocks_separately()
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # anything a library prints goes to stderr, never into the protocol
+
+    def emit(event: dict) -> None:
+        out.write(json.dumps(event) + "\n")
+        out.flush()
+
+    try:
+        _work(Job(**json.loads(sys.stdin.read())), emit)
+    except AccudiffError as exc:
+        emit({"event": "error", "message": str(exc)})
+        return
+    except Exception as exc:  # a bug of ours: the traceback goes to stderr, one line to the caller
+        traceback.print_exc()
+        emit({"event": "bug", "message": f"{type(exc).__name__}: {exc}"})
+        return
+    emit({"event": "done"})
+
+
+if __name__ == "__main__":
+    main()

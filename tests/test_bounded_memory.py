@@ -1,0 +1,68 @@
+"""Models whose tensors exceed the memory budget: compared segment by segment, in bounded memory, with the
+same table as a one-shot comparison (small sizes, so CI stays fast)."""
+
+from __future__ import annotations
+
+import sys
+
+import pandas as pd
+import pytest
+
+import accudiff
+from accudiff.errors import AccudiffError
+from accudiff.model.segments import memory_budget
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT))
+from benchmarks import models  # noqa: E402
+from benchmarks.measure import measure  # noqa: E402
+
+MB = 1 << 20
+
+
+def test_segmented_and_one_shot_comparisons_give_identical_tables(tmp_path):
+    chain = models.elementwise_chain(tmp_path, 24, 250_000)  # 24 tensors of 1 MB
+    one_shot = accudiff.compare(chain, "fp16", candidate="onnxrt", iterations=2)
+    segmented = accudiff.compare(chain, "fp16", candidate="onnxrt", iterations=2, max_memory="16M")  # a few tensors per segment
+    assert "isolated_sqnr_db" in one_shot.table.columns
+    pd.testing.assert_frame_equal(one_shot.table, segmented.table)
+
+
+def test_segments_follow_kept_nodes_and_quantization(tmp_path):
+    """Nodes the transforms add (casts around a node kept in FP32, Q/DQ pairs) go with their readers."""
+    chain = models.elementwise_chain(tmp_path, 12, 250_000)
+    for precision, options in (("fp16", {"keep_fp32": ["op3", "op7"]}), ("int8", {})):
+        whole = accudiff.compare(chain, precision, candidate="onnxrt", **options)
+        parts = accudiff.compare(chain, precision, candidate="onnxrt", max_memory="16M", **options)
+        pd.testing.assert_frame_equal(whole.table, parts.table)
+
+
+def test_peak_memory_stays_within_the_budget(tmp_path):
+    """320 MB of tensors compared within a 32 MB budget: the process tree's peak grows by about the budget
+    over a comparison of the same chain with tiny tensors, far less than the tensors' size."""
+    big = models.elementwise_chain(tmp_path, 40, 2_000_000)  # 40 tensors of 8 MB
+    tiny = models.elementwise_chain(tmp_path, 40, 1_000)
+
+    def peak(model, *extra) -> float:
+        result = measure([sys.executable, "-m", "accudiff.cli", "compare", str(model), "--fp16", "--candidate", "onnxrt",
+                          "--report-dir", str(tmp_path / f"r{len(list(tmp_path.iterdir()))}"), *extra])
+        assert result["exit"] == 0, result["stderr_tail"]
+        return result["peak_mb"]
+
+    overhead = peak(tiny)
+    bounded = peak(big, "--max-memory", "32M")
+    one_shot = peak(big, "--max-memory", "4G")
+    inputs = 2 * 8  # the 8 MB input, held by the caller and the worker
+    assert bounded - overhead < 32 * 2 + inputs + 40, (overhead, bounded)
+    assert one_shot - overhead > 320, (overhead, one_shot)  # without segments, every tensor is held
+
+
+@pytest.mark.parametrize("given, expected", [("512M", 512 * MB), ("2G", 2048 * MB), ("1.5GB", int(1.5 * 1024 * MB)), (64 * MB, 64 * MB)])
+def test_memory_budget_sizes(given, expected):
+    assert memory_budget(given) == expected
+
+
+@pytest.mark.parametrize("given, message", [("lots", "is not a size such as 512M or 2G"), ("1M", "below 16M")])
+def test_memory_budget_refuses_what_cannot_work(given, message):
+    with pytest.raises(AccudiffError, match=message):
+        memory_budget(given)
