@@ -141,7 +141,7 @@ def compare(
     folder = ReportFolder(Path(report_dir) if report_dir is not None else None)
     try:
         shapes = {spec.name: feeds[0][spec.name].shape for spec in info.inputs}
-        segments = _segments(info, shapes, max_memory, single=trt.engine is not None)
+        segments = _segments(info, shapes, max_memory, single="trt" in (kind, also))  # one engine: the one that ships
         transformed = transform_model(info, precision, shapes, calib_data, keep_fp32, autokeep, seed, trt.engine)
         candidate_path = folder.path / CANDIDATE_MODEL_FILE.format(precision=precision)
         save_model(transformed.model, candidate_path)

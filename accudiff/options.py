@@ -36,7 +36,7 @@ def add_run_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--atol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="absolute tolerance, default and per tensor")
     cmd.add_argument("--rtol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="relative tolerance, default and per tensor")
     cmd.add_argument("--stol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="tolerance as a fraction of the tensor's reference absmax")
-    cmd.add_argument("--max-memory", metavar="SIZE", help="memory the compared tensors may take, e.g. 512M or 4G (default: 1G, or a quarter of the free memory if less); larger models are compared segment by segment")
+    cmd.add_argument("--max-memory", metavar="SIZE", help="memory the compared tensors may take, e.g. 512M or 4G (default: 256M, or a quarter of the free memory if less); larger models are compared segment by segment")
     trt = cmd.add_argument_group("TensorRT candidate")
     trt.add_argument("--trt-module", choices=MODULES, help="TensorRT package to use (default: the first importable)")
     trt.add_argument("--trt-mark", choices=MARK_MODES, default="auto", help="what to observe: all layer outputs, unfused debug tensors, or graph outputs")

@@ -22,7 +22,7 @@ import onnx
 from accudiff.errors import AccudiffError
 from accudiff.model.loading import ModelInfo, copy_without_initializers, infer_shapes_in_place
 
-DEFAULT_MAX_MEMORY = 1 << 30
+DEFAULT_MAX_MEMORY = 256 << 20
 # A segment's compared tensors are held twice at once (the reference's and one pass's), beside the values
 # later segments need and the statistics pass's buffers: a segment gets a third of the budget.
 SEGMENTS_PER_BUDGET = 3
@@ -31,7 +31,7 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 def memory_budget(given: int | str | None = None) -> int:
     """Bytes the compared tensors may take: `given` (a number of bytes, or "512M", "2G", "1.5GB"), else
-    1 GiB or a quarter of the memory available now, whichever is smaller."""
+    256 MiB or a quarter of the memory available now, whichever is smaller."""
     if given is None:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else DEFAULT_MAX_MEMORY * 4
         return min(DEFAULT_MAX_MEMORY, available // 4)
