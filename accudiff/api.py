@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -14,24 +14,17 @@ import onnx
 import pandas as pd
 
 from accudiff.comparison.metrics import StatsSet
-from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, build_table, graph_input_table, with_side_run
-from accudiff.comparison.worker import Job, run_job
+from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, STATUS_PASS, build_table, graph_input_table, with_side_run
+from accudiff.comparison.shards import run_shards
+from accudiff.comparison.worker import Job
 from accudiff.comparison.tolerances import Tolerances
 from accudiff.diagnosis.cause import Cause, ancestor_tensors, find_cause
 from accudiff.diagnosis.rules import DiagnosisContext, Finding, diagnose
 from accudiff.errors import AccudiffError
 from accudiff.memory import return_freed_memory
-from accudiff.model.inputs import (
-    Feed,
-    generate_feeds,
-    load_feeds,
-    parse_input_shapes,
-    parse_val_ranges,
-    resolve_shapes,
-    save_feeds,
-    validate_feeds,
-)
+from accudiff.model.inputs import Feed, generate_feeds, parse_input_shapes, parse_val_ranges, resolve_shapes, validate_feeds
 from accudiff.model.loading import ModelInfo, load_model, save_model
+from accudiff.model.samples import Samples, samples_from_feeds, samples_from_path
 from accudiff.model.segments import SEGMENTS_PER_BUDGET, memory_budget, plan_segments, tensor_sizes
 from accudiff.report.folder import ReportFolder
 from accudiff.runners import TrtOptions, resolve_candidate
@@ -61,6 +54,8 @@ class TensorFailure:
 
 @dataclass
 class CompareResult:
+    """What a comparison found: the per-tensor table and per-sample outcomes, the verdict, and the causes."""
+
     model: Path
     precision: str
     candidate: str
@@ -73,14 +68,30 @@ class CompareResult:
     converted: frozenset[str] = frozenset()  # nodes that compute in reduced precision
     not_observable: dict[str, str] = field(default_factory=dict)
     notices: list[str] = field(default_factory=list)
-    iterations: int = 1
+    iterations: int = 1  # samples compared
     seed: int | None = 0
     timings: dict[str, float] = field(default_factory=dict)
     report_dir: Path | None = None
+    samples: pd.DataFrame | None = None  # one row per sample and graph output (see SAMPLE_COLUMNS)
+    inputs: str = ""  # where the samples came from
 
     @property
     def outputs(self) -> pd.DataFrame:
         return self.table[self.table["is_output"]]
+
+    @property
+    def failing_samples(self) -> pd.DataFrame:
+        """Rows of `samples` out of tolerance, worst first (by how many tolerances they reach)."""
+        return self.samples[self.samples["status"] == STATUS_FAIL].sort_values("tol_ratio", ascending=False)
+
+    def class_agreement(self) -> dict[str, dict | None]:
+        """Per graph output: top-1 and top-5 agreement of reference and candidate over every sample, for
+        outputs that look like class scores; None (not applicable) for the others."""
+        agreement = {}
+        for output, rows in self.samples.groupby("tensor", sort=False):
+            count = int(rows["rows"].sum())
+            agreement[output] = {"rows": count, "top1": rows["top1"].sum() / count, "top5": rows["top5"].sum() / count} if count else None
+        return agreement
 
 
 def compare(
@@ -106,10 +117,13 @@ def compare(
     isolate: bool = True,
     also: str | None = None,
     max_memory: int | str | None = None,
+    workers: int = 1,
+    ray: str | None = None,
 ) -> CompareResult:
     """Compare every tensor of `model` run in FP32 (reference) against the `precision` candidate.
 
-    Inputs come from `inputs` (an .npz/polygraphy JSON path, or a list of feeds) or are generated from
+    Inputs come from `inputs` (an .npz file, a folder of them, a polygraphy JSON file, or a list of feeds;
+    files are read one sample at a time) or are generated from
     `seed` and `val_range` for `iterations` iterations. With `report_dir`, the report folder is written
     there atomically. A `reference_cache` shared between calls runs each model's reference only once per
     set of inputs. `isolate` (on by default) adds, for every tensor, the error its node makes when fed the
@@ -118,7 +132,9 @@ def compare(
     on a second backend too (columns `onnxrt_*`), separating the model's own error from what a TensorRT
     build adds. The cause of each failing output is named from these runs (see diagnosis/cause.py).
     `max_memory` (bytes, or a size such as "2G") bounds the memory the compared tensors take: larger
-    models are compared segment by segment (default: see `memory_budget`).
+    models are compared segment by segment (default: see `memory_budget`). `workers` splits the samples
+    over that many worker processes; `ray` runs them as tasks on a Ray cluster ("local" starts one, an
+    address joins one). Either way the statistics merge into the same table.
     Raises AccudiffError (one sentence) for any problem with the inputs.
     """
     if precision not in PRECISIONS:
@@ -135,57 +151,42 @@ def compare(
     info = load_model(model)
     NodeSelector(keep_fp32).require_matches(info.proto.graph.node)
     tolerances.require_known_tensors({t.name for t in info.tensors})
-    feeds = prepare_feeds(info, inputs, input_shapes, seed, val_range, iterations)
-    step.lap("load")
-
     folder = ReportFolder(Path(report_dir) if report_dir is not None else None)
+    scratch = Path(tempfile.mkdtemp(prefix="accudiff-compare-"))
     try:
-        shapes = {spec.name: feeds[0][spec.name].shape for spec in info.inputs}
+        samples = prepare_samples(info, inputs, input_shapes, seed, val_range, iterations, folder.path / INPUTS_FILE)
+        step.lap("load")
+        shapes = {spec.name: samples[0][spec.name].shape for spec in info.inputs}
         segments = _segments(info, shapes, max_memory, single="trt" in (kind, also))  # one engine: the one that ships
-        transformed = transform_model(info, precision, shapes, calib_data, keep_fp32, autokeep, seed, trt.engine)
+        transformed = transform_model(info, precision, shapes, calib_data, keep_fp32, autokeep, seed, trt.engine, scratch)
         candidate_path = folder.path / CANDIDATE_MODEL_FILE.format(precision=precision)
         save_model(transformed.model, candidate_path)
         passes = [{"name": "candidate", "model": str(candidate_path), "backend": kind, "fed_from_reference": {}, "layer_report": True}]
         if also is not None and also != kind:  # the same model on a second backend: the model's own error next to what a build adds
             passes.append({"name": also, "model": str(candidate_path), "backend": also, "fed_from_reference": {}})
-        scratch = Path(tempfile.mkdtemp(prefix="accudiff-compare-"))
-        cleanup_scratch = lambda: shutil.rmtree(scratch, ignore_errors=True)  # noqa: E731
         if isolate:
             types = {t.name: onnx.helper.np_dtype_to_tensor_dtype(t.dtype) for t in info.tensors if t.dtype is not None}
             fed = isolate_in_place(transformed.model, types, transformed.storage_copies)
             save_model(transformed.model, scratch / "isolated.onnx")
             passes.append({"name": "isolated", "model": str(scratch / "isolated.onnx"), "backend": kind, "fed_from_reference": fed})
-        # From here on the worker reads files and the table needs only the tensor inventory: free the
+        # From here on the workers read files and the table needs only the tensor inventory: free the
         # weights before any backend loads a model, so at most one copy of them is in memory at a time.
         transformed.model = info.proto = onnx.ModelProto()
         return_freed_memory()
-        save_feeds(feeds, folder.path / INPUTS_FILE)
         step.lap("transform")
-        store = reference_cache.store(info.path, feeds, [t.name for t in info.tensors]) if reference_cache is not None else None
-        job = Job(
-            reference=str(info.path),
-            passes=passes,
-            precision=precision,
-            tensors=[t.name for t in info.tensors],
-            outputs=info.output_names,
-            segments=segments,
-            tolerances=tolerances.as_dict(),
-            quant_ranges={name: [q.scale, q.low, q.high] for name, q in transformed.quant_ranges.items()},
-            samples=str(folder.path / INPUTS_FILE),
-            sample_indices=list(range(len(feeds))),
-            result=str(scratch / "result"),
+        store = reference_cache.store(info.path, samples, [t.name for t in info.tensors]) if reference_cache is not None else None
+        job = _job(info, samples, segments, precision, passes, tolerances, transformed.quant_ranges, scratch, store)
+        job = replace(
+            job,
             trt={k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(trt).items()},
             input_shapes={name: list(shape) for name, shape in shapes.items()},
-            store=str(store.folder) if store is not None else None,
             layer_report=str(folder.path / ENGINE_LAYERS_FILE) if report_dir is not None else None,
-            inputs=[spec.name for spec in info.inputs if np.issubdtype(spec.dtype, np.floating)],
         )
-        try:
-            outcome = run_job(job, progress)
-        finally:
-            cleanup_scratch()
+        outcome = run_shards(job, samples.as_json(), workers, ray, progress)
+        if store is not None:
+            store.finish()
         step.lap("run")
-        result = _judge(info, precision, outcome, tolerances, transformed, isolate, also, seed if inputs is None else None, len(feeds))
+        result = _judge(info, precision, outcome, tolerances, transformed, isolate, also, seed if inputs is None else None, samples)
         candidate_pass = outcome["passes"]["candidate"]
         result.notices = [n for n in [notice, *transformed.warnings, *candidate_pass["notices"]] if n]
         result.timings = step.laps  # the same dict: the report sees every phase before its own
@@ -193,29 +194,46 @@ def compare(
         if report_dir is not None:
             from accudiff.report.writer import write_report
 
-            write_report(result, folder)
+            write_report(result, folder, samples)
         result.report_dir = folder.commit()
         step.lap("report")
     except BaseException:
         folder.discard()
         raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     return result
 
 
-def record_reference(info: ModelInfo, feeds: Sequence[Feed], cache: ReferenceCache, max_memory=None) -> ReferenceStore:
-    """The reference's outputs for `feeds`, recorded in `cache` (run now unless recorded before)."""
-    store = cache.store(info.path, feeds, [t.name for t in info.tensors])
-    if store.complete:
-        return store
-    with tempfile.TemporaryDirectory(prefix="accudiff-reference-") as scratch:
-        save_feeds(list(feeds), Path(scratch) / INPUTS_FILE)
-        shapes = {spec.name: feeds[0][spec.name].shape for spec in info.inputs}
-        run_job(Job(
-            reference=str(info.path), passes=[], precision="fp32", tensors=[t.name for t in info.tensors], outputs=info.output_names,
-            segments=_segments(info, shapes, max_memory, single=False), tolerances=Tolerances.build("fp32").as_dict(), quant_ranges={},
-            samples=str(Path(scratch) / INPUTS_FILE), sample_indices=list(range(len(feeds))), result=str(Path(scratch) / "result"),
-            store=str(store.folder),
-        ))
+def _job(info: ModelInfo, samples: Samples, segments, precision: str, passes: list[dict], tolerances: Tolerances, quant_ranges, scratch: Path, store) -> Job:
+    """The worker job for these samples (sharding fills in each worker's part)."""
+    return Job(
+        reference=str(info.path),
+        passes=passes,
+        precision=precision,
+        tensors=[t.name for t in info.tensors],
+        outputs=info.output_names,
+        segments=segments,
+        tolerances=tolerances.as_dict(),
+        quant_ranges={name: [q.scale, q.low, q.high] for name, q in quant_ranges.items()},
+        samples=samples.as_json(),
+        sample_indices=list(range(len(samples))),
+        result=str(scratch / "result"),
+        store=str(store.folder) if store is not None else None,
+        inputs=[spec.name for spec in info.inputs if np.issubdtype(spec.dtype, np.floating)],
+        input_specs=[[spec.name, str(spec.dtype), list(spec.shape)] for spec in info.inputs],
+    )
+
+
+def record_reference(info: ModelInfo, samples: Samples, cache: ReferenceCache, max_memory=None) -> ReferenceStore:
+    """The reference's outputs for `samples`, recorded in `cache` (run now unless recorded before)."""
+    store = cache.store(info.path, samples, [t.name for t in info.tensors])
+    if not store.complete:
+        with tempfile.TemporaryDirectory(prefix="accudiff-reference-") as scratch:
+            shapes = {spec.name: samples[0][spec.name].shape for spec in info.inputs}
+            segments = _segments(info, shapes, max_memory, single=False)
+            run_shards(_job(info, samples, segments, "fp32", [], Tolerances.build("fp32"), {}, Path(scratch), store), samples.as_json())
+        store.finish()
     return store
 
 
@@ -242,21 +260,29 @@ class _Stopwatch:
         self._last = now
 
 
-def prepare_feeds(info: ModelInfo, inputs=None, input_shapes=(), seed: int = 0, val_range=(), iterations: int = 1) -> list[Feed]:
-    """The feeds `compare` uses: loaded (path), given (list), or generated from seed and ranges."""
+def prepare_samples(
+    info: ModelInfo, inputs=None, input_shapes=(), seed: int = 0, val_range=(), iterations: int = 1, path: Path | None = None
+) -> Samples:
+    """The samples `compare` uses: loaded (a file or a folder of files, read one at a time), given (a list of
+    feeds), or generated from seed and ranges; given and generated feeds are written to `path`."""
+    if isinstance(inputs, Samples):
+        return inputs
     if isinstance(inputs, (str, Path)):
-        return load_feeds(inputs, info.inputs)
+        return samples_from_path(inputs, info.inputs, "input file", path.parent if path is not None else None)
     if inputs is not None:
         feeds = [dict(feed) for feed in inputs]
         validate_feeds(feeds, info.inputs, "the given inputs")
-        return feeds
-    shapes = input_shapes if isinstance(input_shapes, dict) else parse_input_shapes(input_shapes)
-    resolved = resolve_shapes(info.inputs, shapes)
-    return generate_feeds(info.inputs, resolved, seed, parse_val_ranges(val_range), iterations)
+    else:
+        shapes = input_shapes if isinstance(input_shapes, dict) else parse_input_shapes(input_shapes)
+        resolved = resolve_shapes(info.inputs, shapes)
+        feeds = generate_feeds(info.inputs, resolved, seed, parse_val_ranges(val_range), iterations)
+    if path is None:
+        path = Path(tempfile.mkdtemp(prefix="accudiff-inputs-")) / INPUTS_FILE
+    return samples_from_feeds(feeds, path, info.inputs)
 
 
 def transform_model(
-    info: ModelInfo, precision: str, shapes, calib_data=None, keep_fp32=(), autokeep: bool = True, seed: int = 0, engine=None
+    info: ModelInfo, precision: str, shapes, calib_data=None, keep_fp32=(), autokeep: bool = True, seed: int = 0, engine=None, scratch: Path | None = None
 ) -> TransformResult:
     """The candidate model exactly as `compare` builds it (also used for the bisectors' repaired model)."""
     if engine is not None:  # a pre-built engine is the candidate: there is nothing to transform
@@ -264,18 +290,20 @@ def transform_model(
     if precision == "fp16":
         return to_fp16(info.proto, keep_fp32, autokeep)
     if precision == "int8":
-        return to_int8(info.proto, calibration_feeds(info, shapes, calib_data, seed), keep_fp32, calibrated_on_random_data=calib_data is None)
+        return to_int8(info.proto, calibration_samples(info, shapes, calib_data, seed, scratch), keep_fp32, calibrated_on_random_data=calib_data is None)
     return TransformResult(model=info.proto, precision="fp32")
 
 
-def calibration_feeds(info: ModelInfo, shapes, calib_data=None, seed: int = 0) -> list[Feed]:
-    """The INT8 calibration samples: loaded from `calib_data`, else seeded random data (seed + 1)."""
+def calibration_samples(info: ModelInfo, shapes, calib_data=None, seed: int = 0, scratch: Path | None = None) -> Samples:
+    """The INT8 calibration samples: `calib_data` (a file or a folder, read one at a time), else seeded
+    random data (seed + 1, written into `scratch`)."""
     if calib_data is not None:
-        return load_feeds(calib_data, info.inputs, "calibration file")
-    return generate_feeds(info.inputs, shapes, seed + 1, iterations=8)
+        return samples_from_path(calib_data, info.inputs, "calibration file", scratch)
+    folder = scratch if scratch is not None else Path(tempfile.mkdtemp(prefix="accudiff-calibration-"))
+    return samples_from_feeds(generate_feeds(info.inputs, shapes, seed + 1, iterations=8), folder / "calibration.npz", info.inputs)
 
 
-def _judge(info, precision, outcome: dict, tolerances, transformed, isolate: bool, also, seed, samples: int) -> CompareResult:
+def _judge(info, precision, outcome: dict, tolerances, transformed, isolate: bool, also, seed, samples: Samples) -> CompareResult:
     """Tables from the worker's statistics; verdict from the graph outputs; the first failing tensor, and
     the failing outputs with their causes."""
     def table_of(name: str) -> pd.DataFrame:
@@ -327,6 +355,18 @@ def _judge(info, precision, outcome: dict, tolerances, transformed, isolate: boo
         kept=transformed.kept,
         converted=frozenset(transformed.converted),
         not_observable=not_observable,
-        iterations=samples,
+        iterations=len(samples),
         seed=seed,
+        samples=_sample_table(candidate_pass["outcomes"]),
+        inputs=samples.source,
     )
+
+
+SAMPLE_COLUMNS = ["sample", "tensor", "status", "max_abs_err", "tol_ratio", "outside_share", "sqnr_db", "rows", "top1", "top5"]
+
+
+def _sample_table(outcomes: list[dict]) -> pd.DataFrame:
+    """One row per sample and graph output, in sample order."""
+    table = pd.DataFrame(outcomes, columns=[c for c in SAMPLE_COLUMNS if c != "status"])
+    table.insert(2, "status", np.where(table["outside_share"] > 0, STATUS_FAIL, STATUS_PASS))
+    return table.sort_values("sample", kind="stable").reset_index(drop=True)

@@ -36,6 +36,8 @@ def add_run_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--atol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="absolute tolerance, default and per tensor")
     cmd.add_argument("--rtol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="relative tolerance, default and per tensor")
     cmd.add_argument("--stol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="tolerance as a fraction of the tensor's reference absmax")
+    cmd.add_argument("--workers", type=int, default=1, metavar="N", help="split the samples over N worker processes (default 1)")
+    cmd.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS", help="run the workers as Ray tasks: 'local' (the default) starts a local cluster, an address joins one")
     cmd.add_argument("--max-memory", metavar="SIZE", help="memory the compared tensors may take, e.g. 512M or 4G (default: 256M, or a quarter of the free memory if less); larger models are compared segment by segment")
     trt = cmd.add_argument_group("TensorRT candidate")
     trt.add_argument("--trt-module", choices=MODULES, help="TensorRT package to use (default: the first importable)")
@@ -66,6 +68,8 @@ def run_options(args: argparse.Namespace) -> dict:
         "rtol": args.rtol,
         "stol": args.stol,
         "max_memory": args.max_memory,
+        "workers": args.workers,
+        "ray": args.ray,
         "trt": TrtOptions(args.trt_module, args.trt_mark, args.trt_workspace, args.trt_legacy_precision, engine=args.engine),
     }
 
@@ -91,6 +95,10 @@ def run_arguments(model: str, precision: str, options: dict) -> list[str]:
             args += [f"--{key}", *(str(v) for v in ([value] if isinstance(value, (int, float)) else value))]
     if options.get("max_memory") is not None:
         args += ["--max-memory", str(options["max_memory"])]
+    if options.get("workers", 1) != 1:
+        args += ["--workers", str(options["workers"])]
+    if options.get("ray") is not None:
+        args += ["--ray", options["ray"]]
     trt = options.get("trt") or TrtOptions()
     for flag, value, default in (
         ("--trt-module", trt.module, None),

@@ -20,7 +20,7 @@ def test_passing_model_exits_0_and_writes_a_complete_report(run_cli, tmp_path):
     assert code == 0, err
     assert "verdict: PASS" in out
     report = tmp_path / "report"
-    assert sorted(p.name for p in report.iterdir()) == ["candidate-fp16.onnx", "inputs.npz", "summary.json", "tensors.csv"]
+    assert sorted(p.name for p in report.iterdir()) == ["candidate-fp16.onnx", "inputs.npz", "samples.csv", "summary.json", "tensors.csv"]
     summary = json.loads((report / "summary.json").read_text())
     assert summary["schema"] == "accudiff.compare.summary" and summary["schema_version"] == 2
     assert summary["verdict"] == "pass" and summary["precision"] == "fp16"
@@ -167,3 +167,10 @@ def test_no_onnxruntime_log_line_reaches_the_console(tmp_path):
         )
         assert done.returncode in (0, 1), done.stderr
         assert "onnxruntime" not in done.stdout + done.stderr and "\x1b[" not in done.stderr
+
+
+def test_report_of_a_scalar_input_model_replays(tmp_path):
+    """A 0-d input (an If's condition) is saved as 0-d, so the report's inputs load back."""
+    first = accudiff.compare(fixture("if_model"), "fp16", candidate="onnxrt", report_dir=tmp_path / "r")
+    replay = accudiff.compare(fixture("if_model"), "fp16", candidate="onnxrt", inputs=tmp_path / "r" / "inputs.npz")
+    pd.testing.assert_frame_equal(first.table, replay.table)

@@ -8,7 +8,8 @@ from polygraphy.json import save_json
 
 import accudiff
 from accudiff.errors import AccudiffError
-from accudiff.model.inputs import generate_feeds, load_feeds, parse_input_shapes, parse_val_ranges, resolve_shapes, save_feeds
+from accudiff.model.inputs import generate_feeds, parse_input_shapes, parse_val_ranges, resolve_shapes, save_feeds
+from accudiff.model.samples import samples_from_path
 from accudiff.model.loading import load_model
 from conftest import fixture
 
@@ -71,7 +72,7 @@ def test_feeds_round_trip_through_npz(tmp_path):
     info = load_model(fixture("multi_io"))
     feeds = generate_feeds(info.inputs, resolve_shapes(info.inputs, {}), iterations=3)
     save_feeds(feeds, tmp_path / "inputs.npz")
-    loaded = load_feeds(tmp_path / "inputs.npz", info.inputs)
+    loaded = list(samples_from_path(tmp_path / "inputs.npz", info.inputs))
     assert len(loaded) == 3
     for a, b in zip(feeds, loaded):
         for name in a:
@@ -81,7 +82,7 @@ def test_feeds_round_trip_through_npz(tmp_path):
 def test_plain_npz_is_one_feed(tmp_path):
     info = load_model(fixture("clean"))
     np.savez(tmp_path / "x.npz", x=np.ones((1, 3, 16, 16), np.float32))
-    [feed] = load_feeds(tmp_path / "x.npz", info.inputs)
+    [feed] = samples_from_path(tmp_path / "x.npz", info.inputs)
     assert feed["x"].shape == (1, 3, 16, 16)
 
 
@@ -89,7 +90,7 @@ def test_polygraphy_saved_inputs_load(tmp_path):
     info = load_model(fixture("clean"))
     arrays = [{"x": np.full((1, 3, 16, 16), i, np.float32)} for i in range(2)]
     save_json(arrays, str(tmp_path / "inputs.json"))
-    feeds = load_feeds(tmp_path / "inputs.json", info.inputs)
+    feeds = list(samples_from_path(tmp_path / "inputs.json", info.inputs, scratch=tmp_path))
     assert [float(f["x"][0, 0, 0, 0]) for f in feeds] == [0.0, 1.0]
 
 
@@ -97,7 +98,7 @@ def test_pickled_npz_is_refused(tmp_path):
     info = load_model(fixture("clean"))
     np.savez(tmp_path / "evil.npz", x=np.array([object()], dtype=object))
     with pytest.raises(AccudiffError, match="could not be read"):
-        load_feeds(tmp_path / "evil.npz", info.inputs)
+        samples_from_path(tmp_path / "evil.npz", info.inputs)
 
 
 @pytest.mark.parametrize(
@@ -112,7 +113,7 @@ def test_loaded_inputs_are_validated(tmp_path, arrays, message):
     info = load_model(fixture("clean"))
     np.savez(tmp_path / "in.npz", **arrays)
     with pytest.raises(AccudiffError, match=message):
-        load_feeds(tmp_path / "in.npz", info.inputs)
+        samples_from_path(tmp_path / "in.npz", info.inputs)
 
 
 def test_scalar_inputs_are_arrays():
@@ -164,5 +165,22 @@ def test_empty_loaded_inputs_and_mismatched_calibration_are_refused(tmp_path):
     with pytest.raises(AccudiffError, match="gives input 'x' an empty array"):
         accudiff.compare(fixture("dynamic_batch"), "fp16", candidate="onnxrt", inputs=tmp_path / "empty.npz")
     np.savez(tmp_path / "calib.npz", image=np.ones((1, 3, 16, 16), np.float32))
-    with pytest.raises(AccudiffError, match=r"calibration file '.*calib.npz' names an input 'image' that the model does not have"):
+    with pytest.raises(AccudiffError, match=r"calibration file '.*calib.npz', sample 0 \('calib.npz'\) names an input 'image' that the model does not have"):
         accudiff.compare(fixture("clean"), "int8", candidate="onnxrt", calib_data=tmp_path / "calib.npz")
+
+
+def test_a_folder_of_npz_files_is_a_dataset_read_one_sample_at_a_time(tmp_path):
+    """Files holding one sample or several, in name order; each sample is checked as it is read."""
+    info = load_model(fixture("clean"))
+    folder = tmp_path / "dataset"
+    folder.mkdir()
+    np.savez(folder / "a.npz", x=np.full((1, 3, 16, 16), 0, np.float32))
+    save_feeds([{"x": np.full((1, 3, 16, 16), i, np.float32)} for i in (1, 2)], folder / "b.npz")
+    (folder / "notes.txt").write_text("not a sample")
+    samples = samples_from_path(folder, info.inputs)
+    assert len(samples) == 3 and [float(s["x"][0, 0, 0, 0]) for s in samples] == [0.0, 1.0, 2.0]
+    np.savez(folder / "c.npz", x=np.ones((1, 3, 8, 8), np.float32))
+    with pytest.raises(AccudiffError, match=r"sample 3 \('c.npz'\) gives input 'x' the shape 1x3x8x8"):
+        list(samples_from_path(folder, info.inputs))
+    with pytest.raises(AccudiffError, match="holds no .npz file"):
+        samples_from_path(tmp_path, info.inputs)

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, TextIO
 
-from accudiff.api import CompareResult, calibration_feeds, compare, prepare_feeds, record_reference
-from accudiff.model.inputs import Feed
+from accudiff.api import CompareResult, calibration_samples, compare, prepare_samples, record_reference
 from accudiff.model.loading import ModelInfo, load_model
+from accudiff.model.samples import Samples
 from accudiff.runners.outputs import ReferenceCache, ReferenceStore
 
 # Options of `accudiff.compare` that define the inputs; the rest (precision, tolerances...) pass through.
@@ -31,9 +31,9 @@ class BisectSession:
         self.model = Path(self.model)
         self.info: ModelInfo = load_model(self.model)
         input_options = {k: self.options.pop(k) for k in INPUT_OPTIONS if k in self.options}
-        self.feeds = prepare_feeds(self.info, **input_options)
-        self.seed = input_options.get("seed", 0)  # random INT8 calibration derives from it, as in compare
         self.cache = ReferenceCache()
+        self.feeds = prepare_samples(self.info, path=self.cache.folder / "inputs.npz", **input_options)
+        self.seed = input_options.get("seed", 0)  # random INT8 calibration derives from it, as in compare
 
     def compare(self, model: Path | None = None, feeds=None, isolate: bool = False, **changes) -> CompareResult:
         """A comparison with the session's inputs and options (without the isolated run unless asked: the
@@ -44,14 +44,14 @@ class BisectSession:
         self.candidate_runs += 2 if isolate else 1
         return result
 
-    def reference_outputs(self, feeds: list[Feed] | None = None) -> ReferenceStore:
-        """The full model's reference outputs for `feeds` (default: the session's), run once and kept on disk."""
-        return record_reference(self.info, feeds if feeds is not None else self.feeds, self.cache, self.options.get("max_memory"))
+    def reference_outputs(self, samples: Samples | None = None) -> ReferenceStore:
+        """The full model's reference outputs for `samples` (default: the session's), run once and kept on disk."""
+        return record_reference(self.info, samples if samples is not None else self.feeds, self.cache, self.options.get("max_memory"))
 
-    def calibration_feeds(self) -> list[Feed]:
+    def calibration_feeds(self) -> Samples:
         """The INT8 calibration samples of the full model, exactly as `compare` uses them."""
         shapes = {spec.name: self.feeds[0][spec.name].shape for spec in self.info.inputs}
-        return calibration_feeds(self.info, shapes, self.options.get("calib_data"), self.seed)
+        return calibration_samples(self.info, shapes, self.options.get("calib_data"), self.seed, self.cache.folder)
 
     def close(self) -> None:
         self.cache.close()

@@ -50,7 +50,9 @@ class PassPlan:
 
 @dataclass
 class SampleOutcome:
-    """One graph output on one sample (the per-sample view of a dataset)."""
+    """One graph output on one sample (the per-sample view of a dataset). For outputs that look like class
+    scores (see `_class_rows`), how many rows (score vectors) there are and in how many the reference's
+    top class is the candidate's top class (top1) or among its five highest (top5); rows is 0 otherwise."""
 
     sample: int
     tensor: str
@@ -58,6 +60,9 @@ class SampleOutcome:
     tol_ratio: float
     outside_share: float
     sqnr_db: float
+    rows: int = 0
+    top1: int = 0
+    top5: int = 0
 
 
 @dataclass
@@ -225,7 +230,10 @@ class Engine:
             result.stats.add(self.row[tensor], values, sketch)
             if tensor in self.outputs:
                 one = finish(values, sketch)
-                result.outcomes.append(SampleOutcome(sample, tensor, one["max_abs_err"], one["tol_ratio"], one["outside_share"], one["sqnr_db"]))
+                agreement = _class_agreement(reference[tensor], candidate[tensor])
+                result.outcomes.append(
+                    SampleOutcome(sample, tensor, one["max_abs_err"], one["tol_ratio"], one["outside_share"], one["sqnr_db"], *agreement)
+                )
 
     def close(self) -> None:
         """Collect what the runners know about what they observed, and shut them down."""
@@ -244,6 +252,26 @@ class Engine:
         for runner in self._active:
             runner.deactivate()
         self._active = []
+
+
+def _class_agreement(ref: np.ndarray, cand: np.ndarray) -> tuple[int, int, int]:
+    """(rows, top-1 agreements, top-5 agreements) for class scores; (0, 0, 0) for anything else.
+
+    Class scores: a float tensor of rank 2 ([batch, classes]), or of higher rank whose reference rows along
+    the last axis are probabilities (non-negative, summing to 1: a softmax), with at least two classes.
+    """
+    if ref.ndim < 2 or ref.shape[-1] < 2 or not np.issubdtype(ref.dtype, np.floating) or ref.shape != cand.shape:
+        return 0, 0, 0
+    r = np.asarray(ref, np.float32).reshape(-1, ref.shape[-1])
+    c = np.asarray(cand, np.float32).reshape(-1, ref.shape[-1])
+    if ref.ndim > 2 and not (r.min() >= 0 and np.allclose(r.sum(axis=1), 1.0, atol=1e-3)):
+        return 0, 0, 0
+    top = r.argmax(axis=1)
+    top1 = int(np.count_nonzero(c.argmax(axis=1) == top))
+    k = min(5, r.shape[1])
+    five = np.argpartition(-c, k - 1, axis=1)[:, :k]
+    top5 = int(np.count_nonzero((five == top[:, None]).any(axis=1)))
+    return r.shape[0], top1, top5
 
 
 def _place_nodes(nodes: Sequence[onnx.NodeProto], node_segment: Mapping[str, int], count: int) -> list[int]:

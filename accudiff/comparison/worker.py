@@ -43,14 +43,15 @@ class Job:
     segments: list[list[str]]
     tolerances: dict
     quant_ranges: dict[str, list[float]]  # tensor -> [scale, low, high]
-    samples: str  # .npz with keys "<sample>/<input>"
-    sample_indices: list[int]
+    samples: list[list[str]]  # this worker's samples: [file, key prefix] (model/samples.py)
+    sample_indices: list[int]  # their positions among all samples
     result: str  # where the worker writes its result (<result>.npz and <result>.json)
     trt: dict = field(default_factory=dict)
     input_shapes: dict[str, list[int]] = field(default_factory=dict)
     store: str | None = None  # a reference store folder to replay (when complete) or record
     layer_report: str | None = None
     inputs: list[str] = field(default_factory=list)  # graph inputs whose ranges the diagnosis needs
+    input_specs: list[list] = field(default_factory=list)  # [name, dtype, shape]: each sample is checked as it is read
 
 
 def run_job(job: Job, progress: Callable[[str, int, int], None] | None = None) -> dict:
@@ -115,6 +116,8 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
     """The worker's side: build the engine, reduce every sample, write the result."""
     from accudiff.comparison.engine import Engine, PassPlan
     from accudiff.comparison.tolerances import Tolerances
+    from accudiff.model.loading import InputSpec
+    from accudiff.model.samples import Samples
     from accudiff.runners import TrtOptions, candidate_runner, reference_runner
     from accudiff.runners.outputs import ReferenceStore
     from accudiff.transforms.base import QuantRange
@@ -144,20 +147,14 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
             progress=lambda text: emit({"event": "step", "text": text}),
             inputs=job.inputs,
         )
+        specs = [InputSpec(name, np.dtype(dtype), tuple(shape)) for name, dtype, shape in job.input_specs]
+        samples = Samples.from_json(job.samples, "the inputs", specs)
         try:
-            with np.load(job.samples, allow_pickle=False) as samples:
-                names = {}
-                for key in samples.files:
-                    index, _, name = key.partition("/")
-                    names.setdefault(int(index), []).append(name)
-                for done, sample in enumerate(job.sample_indices, 1):
-                    emit({"event": "step", "text": f"reading sample {sample}"})
-                    engine.run_sample(sample, {name: samples[f"{sample}/{name}"] for name in names[sample]})
-                    emit({"event": "sample", "done": done, "total": len(job.sample_indices)})
+            for done, (sample, index) in enumerate(zip(samples, job.sample_indices), 1):
+                engine.run_sample(index, sample)
+                emit({"event": "sample", "done": done, "total": len(samples)})
         finally:
             engine.close()
-        if store is not None and not store.complete:
-            store.finish()
     _write_result(engine, Path(job.result))
 
 

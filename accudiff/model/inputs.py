@@ -1,7 +1,8 @@
-"""Input data for the runs: seeded random feeds, or feeds loaded from .npz / polygraphy JSON.
+"""Input data for the runs: seeded random feeds, their validation, and the .npz layout they are saved in.
 
-A feed is one `{input name: array}` mapping; a run uses a list of feeds (one per iteration). The feeds
-used are always saved with the report (`save_feeds`), so any run can be replayed with `--load-inputs`.
+A feed is one `{input name: array}` mapping (a sample). Samples on disk, including datasets, are read
+one at a time through `samples.py`; the feeds a run generated are saved with the report (`save_feeds`),
+so any run can be replayed with `--load-inputs`.
 """
 
 from __future__ import annotations
@@ -9,8 +10,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import re
-import zipfile
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -22,7 +21,6 @@ from accudiff.model.loading import InputSpec
 Feed = dict[str, np.ndarray]
 
 DEFAULT_VAL_RANGE = (0.0, 1.0)
-_ITERATION_KEY = re.compile(r"^(\d+)/(.+)$")
 
 
 def parse_input_shapes(items: Iterable[str]) -> dict[str, tuple[int, ...]]:
@@ -108,26 +106,9 @@ def generate_feeds(
     return feeds
 
 
-def load_feeds(path: str | Path, specs: list[InputSpec], role: str = "input file") -> list[Feed]:
-    """Load feeds from `.npz` (never with pickle) or polygraphy's `--save-inputs` JSON, and validate them.
-    `role` names the file in errors ("input file", "calibration file")."""
-    path = Path(path)
-    source = f"{role} '{path}'"
-    if not path.is_file():
-        raise AccudiffError(f"{source} does not exist")
-    try:
-        feeds = _load_json(path) if path.suffix.lower() == ".json" else _load_npz(path)
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile, json.JSONDecodeError) as exc:
-        raise AccudiffError(f"{source} could not be read as .npz or polygraphy JSON ({exc})") from exc
-    if not feeds:
-        raise AccudiffError(f"{source} holds no arrays")
-    validate_feeds(feeds, specs, source)
-    return feeds
-
-
 def save_feeds(feeds: list[Feed], path: Path) -> None:
     """Save feeds as .npz with keys `<iteration>/<input name>`, the layout `load_feeds` reads back."""
-    arrays = {f"{i}/{name}": np.ascontiguousarray(array) for i, feed in enumerate(feeds) for name, array in feed.items()}
+    arrays = {f"{i}/{name}": np.asarray(array) for i, feed in enumerate(feeds) for name, array in feed.items()}  # 0-d stays 0-d
     with open(path, "wb") as handle:
         np.savez(handle, **arrays)
 
@@ -147,20 +128,8 @@ def validate_feeds(feeds: list[Feed], specs: list[InputSpec], source: str) -> No
                 raise AccudiffError(f"{source} gives input '{spec.name}' an empty array (shape {array.shape}): the comparison would cover no element")
 
 
-def _load_npz(path: Path) -> list[Feed]:
-    with np.load(path, allow_pickle=False) as archive:
-        items = {key: archive[key] for key in archive.files}
-    indexed = {key: _ITERATION_KEY.match(key) for key in items}
-    if items and all(indexed.values()):
-        count = 1 + max(int(m.group(1)) for m in indexed.values())
-        feeds: list[Feed] = [{} for _ in range(count)]
-        for key, match in indexed.items():
-            feeds[int(match.group(1))][match.group(2)] = items[key]
-        return feeds
-    return [items] if items else []
-
-
-def _load_json(path: Path) -> list[Feed]:
+def load_json_feeds(path: Path) -> list[Feed]:
+    """Feeds from polygraphy's `--save-inputs` JSON (arrays as base64 .npy, read without pickle)."""
     data = json.loads(path.read_text())
     if isinstance(data, dict):
         data = [data]

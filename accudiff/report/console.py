@@ -44,6 +44,7 @@ def format_summary(result) -> str:
         if out.first_failing_upstream not in (None, out.tensor, out.cause.tensor):
             lines.append(f"    (the first tensor out of tolerance on its way is '{out.first_failing_upstream}')")
         lines += _backend_lines(indexed.loc[out.cause.tensor if out.cause.tensor else out.tensor])
+    lines += _sample_lines(result)
     if failure is not None:
         lines.append("  worst tensors (failing first, then lowest SQNR):")
         for _, worst in worst_tensors(table).iterrows():
@@ -57,6 +58,28 @@ def format_summary(result) -> str:
     if result.report_dir is not None:
         lines.append(f"  report: {result.report_dir}")
     return "\n".join(lines)
+
+
+def _sample_lines(result) -> list[str]:
+    """Per-sample outcome (with several samples) and class-score agreement, per graph output."""
+    lines = []
+    samples = result.samples
+    for output, rows in samples.groupby("tensor", sort=False):
+        failing = rows[rows["status"] == "fail"]
+        if result.iterations > 1:
+            text = f"  samples: output '{output}' fails on {len(failing)} of {len(rows)}"
+            if len(failing):
+                worst = failing.loc[failing["tol_ratio"].idxmax()]
+                text += f" (worst: sample {int(worst['sample'])}, {worst['outside_share']:.1%} of elements outside, {worst['tol_ratio']:.3g}x its tolerance)"
+            lines.append(text)
+        agreement = result.class_agreement().get(output)
+        if agreement is not None:
+            lines.append(
+                f"  class scores '{output}': top-1 agreement {agreement['top1']:.2%}, top-5 {agreement['top5']:.2%} over {agreement['rows']} score vector(s)"
+            )
+    if result.report_dir is not None and len(result.failing_samples):
+        lines.append(f"  the worst failing samples are saved for replay: --load-inputs {result.report_dir / 'worst_samples.npz'}")
+    return lines
 
 
 def cause_lines(cause, result) -> list[str]:

@@ -11,12 +11,17 @@ import math
 from dataclasses import asdict
 
 from accudiff import __version__
+from accudiff.model.inputs import save_feeds
 from accudiff.report.folder import ReportFolder
 
 SUMMARY_SCHEMA = "accudiff.compare.summary"
 SUMMARY_SCHEMA_VERSION = 2
 SUMMARY_FILE = "summary.json"
 TENSORS_FILE = "tensors.csv"
+SAMPLES_FILE = "samples.csv"
+WORST_SAMPLES_FILE = "worst_samples.npz"
+INPUTS_FILE = "inputs.npz"
+WORST_SAMPLE_COUNT = 5
 WORST_COUNT = 5
 OUTPUT_COLUMNS = ["tensor", "status", "max_abs_err", "max_rel_err", "tol_ratio", "outside_share", "cosine", "sqnr_db"]
 
@@ -57,9 +62,20 @@ def summary(result) -> dict:
         "not_observable": result.not_observable,
         "notices": result.notices,
         "timings_s": result.timings,
-        "files": {"tensors": TENSORS_FILE, "inputs": "inputs.npz", "candidate_model": f"candidate-{result.precision}.onnx"},
+        "inputs": result.inputs,
+        "samples": _samples_summary(result),
+        "files": {"tensors": TENSORS_FILE, "samples": SAMPLES_FILE, "inputs": INPUTS_FILE, "candidate_model": f"candidate-{result.precision}.onnx"},
     }
     return finite(document)
+
+
+def _samples_summary(result) -> dict:
+    """How many samples were compared, which fail per graph output, and class-score agreement."""
+    per_output = {}
+    for output, rows in result.samples.groupby("tensor", sort=False):
+        failing = rows[rows["status"] == "fail"]
+        per_output[output] = {"failing": int(len(failing)), "failing_samples": [int(s) for s in failing["sample"][:100]]}
+    return {"compared": result.iterations, "per_output": per_output, "class_agreement": result.class_agreement()}
 
 
 def worst_tensors(table, count: int = WORST_COUNT):
@@ -74,9 +90,25 @@ def worst_tensors(table, count: int = WORST_COUNT):
     return order.head(count)[["tensor", "op_type", "status", "max_abs_err", "sqnr_db", "outside_share"]]
 
 
-def write_report(result, folder: ReportFolder) -> None:
+def write_report(result, folder: ReportFolder, samples) -> None:
+    """tensors.csv, samples.csv, worst_samples.npz (the inputs of the worst samples, to replay them with
+    --load-inputs) and summary.json, beside the inputs and the candidate model already there."""
     result.table.to_csv(folder.path / TENSORS_FILE, index=False)
-    folder.write_text(SUMMARY_FILE, json.dumps(summary(result), indent=2) + "\n")
+    result.samples.to_csv(folder.path / SAMPLES_FILE, index=False)
+    worst = worst_samples(result)
+    if worst:
+        save_feeds([samples[i] for i in worst], folder.path / WORST_SAMPLES_FILE)
+    document = summary(result)
+    document["worst_samples"] = {"file": WORST_SAMPLES_FILE if worst else None, "samples": worst}
+    if not (folder.path / INPUTS_FILE).exists():  # a dataset is not copied: the summary says where it is
+        document["files"]["inputs"] = None
+    folder.write_text(SUMMARY_FILE, json.dumps(finite(document), indent=2) + "\n")
+
+
+def worst_samples(result, count: int = WORST_SAMPLE_COUNT) -> list[int]:
+    """The failing samples reaching the most tolerances on some graph output, worst first."""
+    failing = result.failing_samples
+    return list(dict.fromkeys(int(s) for s in failing["sample"]))[:count]
 
 
 def finite(value):

@@ -59,20 +59,23 @@ class ReferenceCache:
     def __init__(self, folder: Path | None = None):
         self.folder = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="accudiff-reference-cache-"))
 
-    def store(self, model: Path, feeds: Sequence[Mapping[str, np.ndarray]], tensors: Sequence[str]) -> ReferenceStore:
-        """The store for `model` and `feeds`: complete when recorded before, empty (to record) otherwise."""
-        key = self.key(model, feeds)
+    def store(self, model: Path, samples, tensors: Sequence[str]) -> ReferenceStore:
+        """The store for `model` and `samples` (model/samples.py): complete when recorded before, empty (to
+        record) otherwise."""
+        key = self.key(model, samples)
         store = ReferenceStore(self.folder / key, tensors)
         if not store.complete:
             shutil.rmtree(store.folder, ignore_errors=True)  # a recording that was interrupted
         return store
 
     @staticmethod
-    def key(model: Path, feeds: Sequence[Mapping[str, np.ndarray]]) -> str:
+    def key(model: Path, samples) -> str:
+        """The model file (path, size, time) and the samples' data, by content: the same inputs saved again
+        elsewhere still find their reference."""
         digest = hashlib.sha256()
         stat = Path(model).stat()
         digest.update(f"{Path(model).resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-        for feed in feeds:
+        for feed in samples:
             for name in sorted(feed):
                 array = np.ascontiguousarray(feed[name])
                 digest.update(f"{name}|{array.dtype}|{array.shape}".encode())

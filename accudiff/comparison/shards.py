@@ -1,0 +1,180 @@
+"""A comparison's samples split over several workers: local processes, or Ray tasks across machines.
+
+Each worker (worker.py) compares a contiguous shard of the samples and returns statistics, never arrays;
+`merge_results` adds them up in shard order. Counts, minima and maxima are the same for any number of
+workers; float64 sums agree up to the order of addition (documented in metrics.py).
+
+With Ray (an optional extra, imported only here), every shard is a task. Its files (the models and the
+sample files it reads) travel through Ray's object store as bytes, so workers on other machines need no
+shared file system; a task writes them to a temporary folder and runs the same worker code there.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+import threading
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from accudiff.comparison.metrics import StatsSet
+from accudiff.comparison.worker import Job, load_result, run_job
+from accudiff.errors import AccudiffError
+
+Progress = Callable[[str, int, int], None]
+RAY_LOG_LEVEL = 40  # logging.ERROR: Ray's own log lines stay off the console
+
+
+def run_shards(job: Job, entries: Sequence[Sequence[str]], workers: int = 1, ray: str | None = None, progress: Progress | None = None) -> dict:
+    """Compare the samples `entries` (model/samples.py) in `workers` shards; their merged result."""
+    if workers < 1:
+        raise AccudiffError("--workers must be at least 1")
+    count = len(entries)
+    size = math.ceil(count / min(workers, count))
+    shards = [list(range(start, min(start + size, count))) for start in range(0, count, size)]
+    jobs = [replace(job, samples=[list(entries[i]) for i in shard], sample_indices=shard, result=f"{job.result}-{k}") for k, shard in enumerate(shards)]
+    if ray is not None:
+        return merge_results(_run_on_ray(jobs, ray, progress))
+    done = [0] * len(jobs)
+
+    def report(k: int):
+        def step(phase: str, finished: int, total: int) -> None:
+            done[k] = finished
+            if progress is not None:
+                progress(phase, sum(done), count)
+
+        return step
+
+    if len(jobs) == 1:
+        return merge_results([run_job(jobs[0], report(0))])
+    results: list[dict | None] = [None] * len(jobs)
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            results[k] = run_job(jobs[k], report(k))
+        except BaseException as exc:  # raised in the caller's thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(len(jobs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return merge_results(results)
+
+
+def merge_results(results: Sequence[dict]) -> dict:
+    """One result from several workers' results (same job, other samples), added up in their order."""
+    merged = {"passes": {}, "reference_not_observable": {}, "inputs": None}
+    for result in results:
+        merged["reference_not_observable"].update(result["reference_not_observable"])
+        inputs = StatsSet.from_arrays(result["inputs"])
+        if merged["inputs"] is None:
+            merged["inputs"] = inputs
+        else:
+            merged["inputs"].merge(inputs)
+        for name, part in result["passes"].items():
+            stats = StatsSet.from_arrays(part)
+            if name not in merged["passes"]:
+                merged["passes"][name] = {**part, "stats": stats, "seen": dict(part["seen"]), "notes": dict(part["notes"]),
+                                          "not_observable": dict(part["not_observable"]), "outcomes": list(part["outcomes"])}
+                continue
+            into = merged["passes"][name]
+            into["stats"].merge(stats)
+            for key in ("seen", "notes", "not_observable"):
+                into[key] = {**part[key], **into[key]}
+            into["outcomes"] += part["outcomes"]
+    merged["inputs"] = merged["inputs"].arrays()
+    for part in merged["passes"].values():
+        part.update(part.pop("stats").arrays())
+    return merged
+
+
+def _run_on_ray(jobs: list[Job], address: str, progress: Progress | None) -> list[dict]:
+    """Every shard as a Ray task (`address`: "local" starts a local cluster; else the one to join)."""
+    try:
+        import ray
+    except ImportError:
+        raise AccudiffError("--ray needs Ray: install it with pip install 'accudiff[ray]'") from None
+    started = not ray.is_initialized()
+    if started:
+        try:
+            ray.init(address=None if address == "local" else address, logging_level=RAY_LOG_LEVEL, log_to_driver=False,
+                     include_dashboard=False, configure_logging=True)
+        except Exception as exc:  # connection errors of many kinds
+            raise AccudiffError(f"could not start or join the Ray cluster '{address}': {str(exc).strip().splitlines()[0]}") from exc
+    try:
+        files = sorted({path for job in jobs for path in _files_of(job)})
+        payloads = {path: ray.put(Path(path).read_bytes()) for path in files}
+        task = ray.remote(max_retries=0)(_ray_task)
+        pending = {task.remote(asdict(job), {path: payloads[path] for path in _files_of(job)}): k for k, job in enumerate(jobs)}
+        results: list[dict | None] = [None] * len(jobs)
+        finished = 0
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            k = pending.pop(ready[0])
+            try:
+                results[k] = ray.get(ready[0])
+            except ray.exceptions.RayError as exc:
+                raise AccudiffError(_ray_failure(exc, jobs[k])) from exc
+            finished += len(jobs[k].sample_indices)
+            if progress is not None:
+                progress("compare", finished, sum(len(job.sample_indices) for job in jobs))
+        return results
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _files_of(job: Job) -> list[str]:
+    """The files a worker reads: the models (with their external data) and the sample files."""
+    models = [job.reference, *(p["model"] for p in job.passes)]
+    data = [f"{m}.data" for m in models if Path(f"{m}.data").exists()]
+    return list(dict.fromkeys([*models, *data, *(entry[0] for entry in job.samples)]))
+
+
+def _ray_task(job: dict, payloads: dict) -> dict:
+    """A Ray task: the job's files written locally, the worker's code run here, the result returned."""
+    import ray
+
+    folder = Path(tempfile.mkdtemp(prefix="accudiff-ray-"))
+    try:
+        local = {}
+        for index, (path, ref) in enumerate(payloads.items()):
+            name = Path(path).name
+            # external data keeps the name its model records; models and sample files get a unique one
+            target = folder / (name if name.endswith(".data") else f"{index}-{name}")
+            target.write_bytes(ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref)
+            local[path] = str(target)
+        moved = Job(**job)
+        moved = replace(
+            moved,
+            reference=local[moved.reference],
+            passes=[{**p, "model": local[p["model"]]} for p in moved.passes],
+            samples=[[local[file], prefix] for file, prefix in moved.samples],
+            result=str(folder / "result"),
+            store=None,
+            layer_report=None,
+        )
+        from accudiff.comparison.worker import _work
+
+        _work(moved, lambda event: None)
+        result = load_result(Path(moved.result))
+        return {**result, "passes": {name: {**part, "values": np.array(part["values"]), "sketch": np.array(part["sketch"])} for name, part in result["passes"].items()}}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _ray_failure(exc: BaseException, job: Job) -> str:
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, AccudiffError):
+        return str(cause)
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"a Ray task comparing samples {job.sample_indices[0]}-{job.sample_indices[-1]} of '{Path(job.reference).name}' failed: {first}"

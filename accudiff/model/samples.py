@@ -1,0 +1,129 @@
+"""Input samples on disk, read one at a time: a dataset is streamed through a comparison, never held.
+
+A sample is one `{input name: array}` feed, stored in an .npz file either alone (keys are input names) or
+among others (keys `<index>/<input name>`, the layout accudiff writes). `--load-inputs` takes such a file,
+a folder of them (every .npz in it, in name order), or polygraphy's `--save-inputs` JSON (converted once).
+Only the list of (file, prefix) entries travels to workers and machines; each reads its samples itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from accudiff.errors import AccudiffError
+from accudiff.model.inputs import Feed, load_json_feeds, save_feeds, validate_feeds
+from accudiff.model.loading import InputSpec
+
+_INDEXED = re.compile(r"^(\d+)/(.+)$")
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    file: str
+    prefix: str  # "" for a file holding one sample, "<index>/" for one of several
+
+
+class Samples(Sequence):
+    """The samples of a comparison, in order; `samples[i]` reads sample i from disk."""
+
+    def __init__(self, refs: Sequence[SampleRef], source: str, specs: Sequence[InputSpec] = ()):
+        self.refs, self.source, self.specs = list(refs), source, list(specs)
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def __getitem__(self, index: int) -> Feed:
+        ref = self.refs[index]
+        try:
+            with np.load(ref.file, allow_pickle=False) as archive:
+                feed = {key[len(ref.prefix):]: archive[key] for key in archive.files if key.startswith(ref.prefix) and (ref.prefix or "/" not in key)}
+        except (OSError, ValueError, zipfile.BadZipFile) as exc:
+            raise AccudiffError(f"sample {index} ('{ref.file}') could not be read ({exc})") from exc
+        if self.specs:
+            validate_feeds([feed], self.specs, f"{self.source}, sample {index} ('{Path(ref.file).name}')")
+        return feed
+
+    def __iter__(self) -> Iterator[Feed]:
+        return (self[i] for i in range(len(self)))
+
+    def subset(self, indices: Sequence[int]) -> "Samples":
+        return Samples([self.refs[i] for i in indices], self.source, self.specs)
+
+    def fingerprint(self) -> str:
+        """Identifies the data without reading it: files, their sizes and times, and the entries taken."""
+        digest = hashlib.sha256()
+        stats = {}
+        for ref in self.refs:
+            if ref.file not in stats:
+                stat = Path(ref.file).stat()
+                stats[ref.file] = f"{Path(ref.file).resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+            digest.update(f"{stats[ref.file]}|{ref.prefix};".encode())
+        return digest.hexdigest()
+
+    def as_json(self) -> list[list[str]]:
+        return [[ref.file, ref.prefix] for ref in self.refs]
+
+    @classmethod
+    def from_json(cls, entries: Sequence[Sequence[str]], source: str = "the inputs", specs: Sequence[InputSpec] = ()) -> "Samples":
+        return cls([SampleRef(file, prefix) for file, prefix in entries], source, specs)
+
+
+def samples_from_path(path: str | Path, specs: Sequence[InputSpec], role: str = "input file", scratch: Path | None = None) -> Samples:
+    """The samples of an .npz file, a folder of .npz files, or a polygraphy JSON file (converted into
+    `scratch`). The first sample is validated now; each one is validated again as it is read."""
+    path = Path(path)
+    source = f"{role} '{path}'"
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() == ".npz")
+        if not files:
+            raise AccudiffError(f"{role} folder '{path}' holds no .npz file")
+    elif path.is_file():
+        files = [path]
+        if path.suffix.lower() == ".json":
+            files = [_json_as_npz(path, source, scratch)]
+    else:
+        raise AccudiffError(f"{source} does not exist")
+    refs = [ref for file in files for ref in _entries(file, source)]
+    if not refs:
+        raise AccudiffError(f"{source} holds no arrays")
+    samples = Samples(refs, source, specs)
+    samples[0]  # noqa: B018 (a bad first sample stops here, before anything runs)
+    return samples
+
+
+def samples_from_feeds(feeds: Sequence[Feed], path: Path, specs: Sequence[InputSpec] = ()) -> Samples:
+    """Feeds held in memory, written to `path` (.npz) to be read back one at a time."""
+    save_feeds(list(feeds), path)
+    return Samples([SampleRef(str(path), f"{i}/") for i in range(len(feeds))], "the given inputs", specs)
+
+
+def _entries(file: Path, source: str) -> list[SampleRef]:
+    try:
+        with zipfile.ZipFile(file) as archive:
+            keys = [name[: -len(".npy")] for name in archive.namelist() if name.endswith(".npy")]
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise AccudiffError(f"{source} could not be read as .npz ({exc})") from exc
+    indexed = [_INDEXED.match(key) for key in keys]
+    if keys and all(indexed):
+        return [SampleRef(str(file), f"{index}/") for index in sorted({int(m.group(1)) for m in indexed})]
+    return [SampleRef(str(file), "")] if keys else []
+
+
+def _json_as_npz(path: Path, source: str, scratch: Path | None) -> Path:
+    try:
+        feeds = load_json_feeds(path)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+        raise AccudiffError(f"{source} could not be read as polygraphy JSON ({exc})") from exc
+    folder = scratch if scratch is not None else Path(tempfile.mkdtemp(prefix="accudiff-inputs-"))
+    target = folder / f"{path.stem}.npz"
+    save_feeds(feeds, target)
+    return target

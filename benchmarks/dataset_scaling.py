@@ -1,0 +1,96 @@
+"""Dataset-scale comparison of the PP-OCRv4 recognizer: one worker, two, and Ray; and a 1,000-sample run.
+
+    python benchmarks/dataset_scaling.py [--samples 16] [--large 1000] [--out benchmarks/out]
+
+The dataset is made here: text lines drawn with PIL (benchmarks/realistic_inputs.py), one .npz file per
+sample in a folder, read by accudiff one sample at a time. Each run is `accudiff compare --fp16
+--candidate onnxrt --load-inputs FOLDER` as a fresh process (wall time, peak memory of the process tree).
+The Ray per-task overhead is the wall time of a one-sample shard on Ray minus that of the same work in a
+local worker process, measured on the local cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import models, realistic_inputs  # noqa: E402
+from benchmarks.measure import measure  # noqa: E402
+
+
+def make_dataset(folder: Path, count: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for seed in range(count):
+        np.savez(folder / f"line{seed:05d}.npz", **realistic_inputs.ppocr_rec(seed))
+    return folder
+
+
+def compare(model: Path, data: Path, report: Path, *extra: str) -> dict:
+    command = [sys.executable, "-m", "accudiff.cli", "compare", str(model), "--fp16", "--candidate", "onnxrt", "--load-inputs", str(data), "--report-dir", str(report), *extra]
+    result = measure(command)
+    summary = json.loads((report / "summary.json").read_text()) if (report / "summary.json").exists() else {}
+    result["phases"] = summary.get("timings_s")
+    result["failing"] = {k: v["failing"] for k, v in summary.get("samples", {}).get("per_output", {}).items()}
+    return result
+
+
+def ray_task_overhead(model: Path, data: Path) -> float:
+    """Seconds Ray adds per task: a one-sample shard on the local cluster against a local worker."""
+    import ray
+
+    import accudiff
+
+    one = data / "one"
+    one.mkdir(exist_ok=True)
+    first = sorted(data.glob("*.npz"))[0]
+    (one / first.name).write_bytes(first.read_bytes())
+    start = time.perf_counter()
+    accudiff.compare(model, "fp16", candidate="onnxrt", inputs=one)
+    local = time.perf_counter() - start
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=40)
+    try:
+        accudiff.compare(model, "fp16", candidate="onnxrt", inputs=one, ray="local")  # warm the cluster
+        start = time.perf_counter()
+        accudiff.compare(model, "fp16", candidate="onnxrt", inputs=one, ray="local")
+        on_ray = time.perf_counter() - start
+    finally:
+        ray.shutdown()
+    return on_ray - local
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--large", type=int, default=1000, help="samples of the large run (0: skip it)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = models.ppocr_rec_v4()
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="accudiff-dataset-") as tmp:
+        folder = Path(tmp)
+        data = make_dataset(folder / "small", args.samples)
+        for label, extra in (("1 worker", []), ("2 workers", ["--workers", "2"]), ("ray local", ["--ray", "local"])):
+            rows[label] = compare(model, data, folder / f"report-{len(rows)}", *extra)
+            r = rows[label]
+            print(f"{args.samples} samples, {label:9}: {r['seconds']:6.1f} s, {r['peak_mb']:6.0f} MB, exit {r['exit']}, failing {r['failing']}", flush=True)
+        print(f"two workers / one: {rows['2 workers']['seconds'] / rows['1 worker']['seconds']:.2f}x wall time")
+        rows["ray_task_overhead_s"] = ray_task_overhead(model, data)
+        print(f"Ray per-task overhead: {rows['ray_task_overhead_s']:.2f} s")
+        if args.large:
+            large = make_dataset(folder / "large", args.large)
+            rows["large"] = compare(model, large, folder / "report-large", "--workers", "2")
+            r = rows["large"]
+            print(f"{args.large} samples, 2 workers: {r['seconds']:6.1f} s, {r['peak_mb']:6.0f} MB, exit {r['exit']}, failing {r['failing']}")
+    (args.out / "dataset_scaling.json").write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Datasets: many samples, per-sample outcomes, class-score agreement, and the same table from one worker,
+several worker processes, or a local Ray cluster."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import accudiff
+from accudiff.model.inputs import save_feeds
+from conftest import fixture
+
+
+def _dataset(folder, count: int, scale_of=lambda i: 1.0):
+    """`count` samples for the overflow_activation fixture ([1, 16] inputs), two per file."""
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    feeds = [{"x": (rng.uniform(0, 1, (1, 16)) * scale_of(i)).astype(np.float32)} for i in range(count)]
+    for start in range(0, count, 2):
+        save_feeds(feeds[start : start + 2], folder / f"part{start // 2:03d}.npz")
+    return folder
+
+
+def _assert_same(a: accudiff.CompareResult, b: accudiff.CompareResult) -> None:
+    """Counts, minima and maxima identical; float64 sums equal up to the order of addition."""
+    exact = ["status", "elements", "samples", "outside_count", "max_abs_err", "tol_ratio", "worst_index", "worst_sample", "ref_min", "ref_max", "cand_inf"]
+    pd.testing.assert_frame_equal(a.table[["tensor", *exact]], b.table[["tensor", *exact]])
+    pd.testing.assert_frame_equal(a.table, b.table, check_exact=False, rtol=1e-12)
+    pd.testing.assert_frame_equal(a.samples, b.samples)
+
+
+def test_one_worker_two_workers_and_ray_give_the_same_table(tmp_path):
+    ray = pytest.importorskip("ray", reason="Ray is an optional extra (pip install 'accudiff[ray]')")
+    data = _dataset(tmp_path / "data", 8, lambda i: 0.5 if i % 3 else 8.0)
+    options = {"candidate": "onnxrt", "inputs": data}
+    one = accudiff.compare(fixture("overflow_activation"), "fp16", **options)
+    two = accudiff.compare(fixture("overflow_activation"), "fp16", workers=2, **options)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=40)
+    try:
+        on_ray = accudiff.compare(fixture("overflow_activation"), "fp16", ray="local", **options)
+    finally:
+        ray.shutdown()
+    assert one.iterations == 8 and not one.passed
+    _assert_same(one, two)
+    _assert_same(one, on_ray)
+
+
+def test_failing_samples_are_named_and_the_worst_replay(tmp_path):
+    """Samples 2 and 5 hold values that overflow FP16 in 'amplified'; the others pass."""
+    data = _dataset(tmp_path / "data", 6, lambda i: 8.0 if i in (2, 5) else 0.2)
+    result = accudiff.compare(fixture("overflow_activation"), "fp16", candidate="onnxrt", inputs=data, report_dir=tmp_path / "r")
+    assert sorted(result.failing_samples["sample"]) == [2, 5]
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["samples"]["compared"] == 6 and summary["samples"]["per_output"]["y"]["failing_samples"] == [2, 5]
+    assert sorted(summary["worst_samples"]["samples"]) == [2, 5]
+    assert summary["files"]["inputs"] is None and summary["inputs"].endswith("data'")  # a dataset is not copied
+    replay = accudiff.compare(fixture("overflow_activation"), "fp16", candidate="onnxrt", inputs=tmp_path / "r" / "worst_samples.npz")
+    assert replay.iterations == 2 and len(replay.failing_samples) == 2
+
+
+def test_class_score_agreement_over_a_dataset(tmp_path):
+    """'logits' of the clean fixture are [batch, classes]: top-1/top-5 agreement is counted per sample."""
+    result = accudiff.compare(fixture("clean"), "int8", candidate="onnxrt", iterations=6)
+    agreement = result.class_agreement()
+    assert agreement["logits"]["rows"] == 6 and 0 <= agreement["logits"]["top1"] <= agreement["logits"]["top5"] == 1.0
+    rows = result.samples.set_index("sample")
+    assert list(rows.index) == list(range(6)) and (rows["rows"] == 1).all()
+    feature_map = accudiff.compare(fixture("drift_then_constant_overflow"), "fp16", candidate="onnxrt")
+    assert feature_map.class_agreement() == {"y": None}  # [1, 4, 2, 2] activations: not class scores
+
+
+def test_a_dataset_calibrates_int8_too(tmp_path):
+    data = tmp_path / "calibration"
+    data.mkdir()
+    for i in range(3):
+        np.savez(data / f"{i}.npz", x=np.random.default_rng(i).uniform(0, 1, (1, 3, 16, 16)).astype(np.float32))
+    result = accudiff.compare(fixture("clean"), "int8", candidate="onnxrt", calib_data=data)
+    assert not any("random data" in notice for notice in result.notices)
