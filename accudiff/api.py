@@ -117,7 +117,7 @@ def compare(
     isolate: bool = True,
     also: str | None = None,
     max_memory: int | str | None = None,
-    workers: int = 1,
+    workers: int | None = None,
     ray: str | None = None,
 ) -> CompareResult:
     """Compare every tensor of `model` run in FP32 (reference) against the `precision` candidate.
@@ -133,8 +133,8 @@ def compare(
     build adds. The cause of each failing output is named from these runs (see diagnosis/cause.py).
     `max_memory` (bytes, or a size such as "2G") bounds the memory the compared tensors take: larger
     models are compared segment by segment (default: see `memory_budget`). `workers` splits the samples
-    over that many worker processes; `ray` runs them as tasks on a Ray cluster ("local" starts one, an
-    address joins one). Either way the statistics merge into the same table.
+    over that many worker processes (default 1); `ray` runs the shards as tasks on a Ray cluster ("local"
+    starts one, an address joins one; default one shard per CPU of the cluster). Either way the statistics merge into the same table.
     Raises AccudiffError (one sentence) for any problem with the inputs.
     """
     if precision not in PRECISIONS:

@@ -36,7 +36,7 @@ def add_run_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--atol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="absolute tolerance, default and per tensor")
     cmd.add_argument("--rtol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="relative tolerance, default and per tensor")
     cmd.add_argument("--stol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="tolerance as a fraction of the tensor's reference absmax")
-    cmd.add_argument("--workers", type=int, default=1, metavar="N", help="split the samples over N worker processes (default 1)")
+    cmd.add_argument("--workers", type=int, metavar="N", help="split the samples over N worker processes or Ray tasks (default 1; with --ray, one per CPU of the cluster)")
     cmd.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS", help="run the workers as Ray tasks: 'local' (the default) starts a local cluster, an address joins one")
     cmd.add_argument("--max-memory", metavar="SIZE", help="memory the compared tensors may take, e.g. 512M or 4G (default: 256M, or a quarter of the free memory if less); larger models are compared segment by segment")
     trt = cmd.add_argument_group("TensorRT candidate")
@@ -95,7 +95,7 @@ def run_arguments(model: str, precision: str, options: dict) -> list[str]:
             args += [f"--{key}", *(str(v) for v in ([value] if isinstance(value, (int, float)) else value))]
     if options.get("max_memory") is not None:
         args += ["--max-memory", str(options["max_memory"])]
-    if options.get("workers", 1) != 1:
+    if options.get("workers") is not None:
         args += ["--workers", str(options["workers"])]
     if options.get("ray") is not None:
         args += ["--ray", options["ray"]]

@@ -43,11 +43,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--accudiff-candidate", help="candidate backend for accuracy checks (auto, onnxrt, trt)")
     group.addoption("--accudiff-report-dir", help=f"folder for the reports of accuracy checks (default {REPORT_ROOT})")
     group.addoption("--accudiff-update-baseline", action="store_true", help="rewrite accuracy baselines from passing runs")
+    group.addoption("--accudiff-workers", type=int, help="worker processes per accuracy check (default 1)")
     parser.addini("accudiff_candidate", "candidate backend for accuracy checks", default="auto")
     parser.addini("accudiff_report_dir", "folder for the reports of accuracy checks", default=REPORT_ROOT)
     parser.addini("accudiff_tolerances", "per-precision defaults, one per line: 'fp16 atol=1e-3 rtol=1e-2 stol=2e-3'", type="linelist", default=[])
     parser.addini("accudiff_sqnr_margin_db", "fail when SQNR drops this many dB below the baseline", default=str(DEFAULT_SQNR_MARGIN_DB))
     parser.addini("accudiff_error_growth", "fail when max abs error grows this many times over the baseline", default=str(DEFAULT_ERROR_GROWTH))
+    parser.addini("accudiff_workers", "worker processes per accuracy check (samples split over them)", default="")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -112,6 +114,7 @@ class Settings:
     tolerances: dict[str, dict[str, float]]
     sqnr_margin_db: float
     error_growth: float
+    workers: int | None = None
     cache: ReferenceCache | None = None  # made on first use: plugin registration stays light
 
     @classmethod
@@ -123,6 +126,7 @@ class Settings:
             tolerances=_parse_tolerances(config.getini("accudiff_tolerances")),
             sqnr_margin_db=float(config.getini("accudiff_sqnr_margin_db")),
             error_growth=float(config.getini("accudiff_error_growth")),
+            workers=config.getoption("accudiff_workers") or (int(config.getini("accudiff_workers")) if config.getini("accudiff_workers") else None),
         )
 
     def reference_cache(self) -> ReferenceCache:
@@ -196,7 +200,7 @@ class AccuracyCheck:
         from accudiff.report.folder import default_report_dir
         from accudiff.runners import unavailable_reason
 
-        options = dict(self.options)
+        options = {"workers": self.settings.workers, **self.options}
         candidate = options.pop("candidate", self.settings.candidate)
         reason = unavailable_reason(candidate)
         if reason is not None:
@@ -264,10 +268,11 @@ def _tolerance_problem(row) -> str:
 
 
 def _message(result, problems: list[str]) -> str:
-    from accudiff.report.console import cause_lines
+    from accudiff.report.console import cause_lines, sample_lines
 
     lines = [f"accudiff: {result.model.name} [{result.precision}] is out of bounds ({result.candidate})"]
     lines += [f"  {problem}" for problem in problems]
+    lines += sample_lines(result)
     for failure in result.output_failures:
         lines.append(f"  output '{failure.tensor}':")
         lines += [f"    {line}" for line in cause_lines(failure.cause, result)]

@@ -5,8 +5,8 @@
 The dataset is made here: text lines drawn with PIL (benchmarks/realistic_inputs.py), one .npz file per
 sample in a folder, read by accudiff one sample at a time. Each run is `accudiff compare --fp16
 --candidate onnxrt --load-inputs FOLDER` as a fresh process (wall time, peak memory of the process tree).
-The Ray per-task overhead is the wall time of a one-sample shard on Ray minus that of the same work in a
-local worker process, measured on the local cluster.
+The Ray per-task overhead is measured on a one-CPU local cluster: the same samples as one task and as
+eight, the difference spread over the seven extra tasks.
 """
 
 from __future__ import annotations
@@ -41,28 +41,24 @@ def compare(model: Path, data: Path, report: Path, *extra: str) -> dict:
     return result
 
 
-def ray_task_overhead(model: Path, data: Path) -> float:
-    """Seconds Ray adds per task: a one-sample shard on the local cluster against a local worker."""
+def ray_task_overhead(model: Path, data: Path, tasks: int = 8) -> float:
+    """Seconds each extra Ray task costs: the same samples as 1 task and as `tasks` tasks on a one-CPU
+    local cluster (so tasks run one after another), the difference spread over the extra tasks."""
     import ray
 
     import accudiff
 
-    one = data / "one"
-    one.mkdir(exist_ok=True)
-    first = sorted(data.glob("*.npz"))[0]
-    (one / first.name).write_bytes(first.read_bytes())
-    start = time.perf_counter()
-    accudiff.compare(model, "fp16", candidate="onnxrt", inputs=one)
-    local = time.perf_counter() - start
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=40)
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level=40)
     try:
-        accudiff.compare(model, "fp16", candidate="onnxrt", inputs=one, ray="local")  # warm the cluster
-        start = time.perf_counter()
-        accudiff.compare(model, "fp16", candidate="onnxrt", inputs=one, ray="local")
-        on_ray = time.perf_counter() - start
+        accudiff.compare(model, "fp16", candidate="onnxrt", inputs=data, ray="local", workers=1)  # warm the cluster
+        seconds = {}
+        for count in (1, tasks):
+            start = time.perf_counter()
+            accudiff.compare(model, "fp16", candidate="onnxrt", inputs=data, ray="local", workers=count)
+            seconds[count] = time.perf_counter() - start
     finally:
         ray.shutdown()
-    return on_ray - local
+    return (seconds[tasks] - seconds[1]) / (tasks - 1)
 
 
 def main() -> None:

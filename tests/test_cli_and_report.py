@@ -86,6 +86,7 @@ def test_failed_run_leaves_nothing_behind(run_cli, tmp_path):
         (["compare", fixture("dynamic_batch"), "--input-shapes", "y:1x3x8x8"], "names an input 'y' that the model does not have"),
         (["compare", fixture("clean"), "--atol", "abc"], "--atol value 'abc' is not a number"),
         (["compare", fixture("clean"), "--fp16", "--int8"], "not allowed with argument"),
+        (["compare", fixture("clean"), "--workers", "0"], "--workers must be at least 1"),
         (["compare"], "the following arguments are required: model (see accudiff compare --help)"),
         (["bisect", "subgraph", fixture("clean"), "--nope"], "unrecognized arguments: --nope (see accudiff bisect subgraph --help)"),
         ([], "the following arguments are required: command (see accudiff --help)"),

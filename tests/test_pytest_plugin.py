@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
+from accudiff.model.inputs import save_feeds
 from accudiff.runners import unavailable_reason
 from conftest import fixture
 
@@ -47,6 +49,7 @@ def test_broken(accudiff):
 
 def test_marker_form_pass_and_fail(pytester):
     result = _run(pytester, f"""
+import numpy as np
 import pytest
 
 @pytest.mark.accudiff(model=r"{CLEAN}", precision="fp16", atol=1e-2)
@@ -72,6 +75,7 @@ def test_named(accudiff):
 
 def test_baseline_is_created_then_catches_a_regression(pytester):
     source = """
+import numpy as np
 import pytest
 
 @pytest.mark.accudiff(model=r"{model}", precision="{precision}", atol=1, rtol=1, baseline=True)
@@ -125,6 +129,7 @@ def test_broken_but_tolerated(accudiff):
 
 def test_works_under_xdist(pytester):
     result = _run(pytester, f"""
+import numpy as np
 import pytest
 
 @pytest.mark.parametrize("precision", ["fp16", "int8"])
@@ -136,3 +141,21 @@ def test_broken(accudiff):
 """, "-n", "2")
     result.assert_outcomes(passed=2, failed=1)
     assert "FAILED " in result.stdout.str() and "layernorm_overflow.onnx [fp16]" in result.stdout.str()
+
+
+def test_a_dataset_split_over_workers_names_the_failing_samples(pytester, tmp_path):
+    rng = np.random.default_rng(0)
+    feeds = [{"x": (rng.uniform(0, 1, (1, 16)) * (8.0 if i in (1, 4) else 0.2)).astype(np.float32)} for i in range(6)]
+    save_feeds(feeds, tmp_path / "samples.npz")
+    pytester.makeini("""
+[pytest]
+accudiff_workers = 2
+""")
+    result = _run(pytester, f"""
+def test_dataset(accudiff):
+    accudiff.compare(r"{fixture('overflow_activation')}", precision="fp16", inputs=r"{tmp_path / 'samples.npz'}").assert_within()
+""")
+    result.assert_outcomes(failed=1)
+    text = result.stdout.str()
+    assert "samples: output 'y' fails on 2 of 6 (worst: sample " in text
+    assert "worst_samples.npz" in text

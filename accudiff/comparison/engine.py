@@ -24,7 +24,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import onnx
 
-from accudiff.comparison.metrics import StatsSet, finish, reduce_tensor, reference_range
+from accudiff.comparison.metrics import EMPTY_ROW, SKETCH_BUCKETS, StatsSet, finish, reduce_tensor, reference_range
 from accudiff.comparison.tolerances import Tolerance, Tolerances
 from accudiff.model.inputs import Feed
 from accudiff.model.loading import infer_shapes_in_place
@@ -35,6 +35,7 @@ from accudiff.transforms.base import QuantRange
 
 Progress = Callable[[str], None]
 _RANGE_ONLY = Tolerance(atol=1.0, rtol=0.0)  # for a tensor compared with itself: no error, only its range
+PARALLEL_ELEMENTS = 1 << 18  # tensors this large are reduced on several cores at once
 RunnerFactory = Callable[[Path, list[str]], Runner]  # (model file, tensors to return) -> runner
 
 
@@ -103,6 +104,7 @@ class Engine:
         store: ReferenceStore | None = None,
         progress: Progress = lambda step: None,
         inputs: Sequence[str] = (),
+        threads: int = 1,
     ):
         """`segments`: the original model's node names per segment. `store`: reference outputs recorded
         earlier (then replayed, and the reference never runs) or to record now. `inputs`: the graph inputs
@@ -116,11 +118,10 @@ class Engine:
         self.results = {p.name: PassResult(StatsSet(len(self.tensors))) for p in self.passes}
         self.reference_not_observable: dict[str, str] = {}
         self._active: list[Runner] = []
-        # Statistics of one pass are computed while the backend runs the next (the kernel and the backends
-        # release the GIL): one reduction in flight at a time, in order, so sums add up in a fixed order.
         self._ranges: dict[str, tuple[float, float]] = {}  # each reference tensor's range, found once per sample
-        self._reducer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="accudiff-reduce")
-        self._pending: Future | None = None
+        # A pass's tensors are reduced on `threads` cores at once, between backend runs (which use them too);
+        # each tensor's statistics are its own, so the order they finish in changes nothing.
+        self._reducer = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="accudiff-reduce")
         node_segment = {name: k for k, names in enumerate(segments) for name in names}
         self._later_reference_reads: list[set[str]] = []
         try:
@@ -219,17 +220,25 @@ class Engine:
                 continue
             pairs.append((tensor, ref, cand))
 
-        def reduce_one(pair):
-            tensor, ref, cand = pair
+        values = np.tile(EMPTY_ROW, (len(pairs), 1))
+        sketches = np.zeros((len(pairs), SKETCH_BUCKETS), np.int64)
+
+        def reduce_one(index: int) -> None:
+            tensor, ref, cand = pairs[index]
             if tensor not in self._ranges:  # the same range serves every pass of this sample
                 self._ranges[tensor] = reference_range(np.asarray(ref).reshape(-1))
-            return reduce_tensor(ref, cand, self.tolerances.for_tensor(tensor), self.quant_ranges.get(tensor), sample, self._ranges[tensor])
+            tolerance, quant = self.tolerances.for_tensor(tensor), self.quant_ranges.get(tensor)
+            reduce_tensor(ref, cand, tolerance, quant, sample, self._ranges[tensor], (values[index], sketches[index]))
 
-        reductions = self._reducer.map(reduce_one, pairs) if len(pairs) > 1 else map(reduce_one, pairs)
-        for (tensor, _, _), (values, sketch) in zip(pairs, reductions):
-            result.stats.add(self.row[tensor], values, sketch)
+        large = [i for i, (_, ref, _) in enumerate(pairs) if ref.size >= PARALLEL_ELEMENTS]
+        for _ in self._reducer.map(reduce_one, large):  # large tensors on every core; small ones cost more to hand over
+            pass
+        for index in sorted(set(range(len(pairs))) - set(large)):
+            reduce_one(index)
+        result.stats.add_rows([self.row[tensor] for tensor, _, _ in pairs], values, sketches)
+        for index, (tensor, _, _) in enumerate(pairs):
             if tensor in self.outputs:
-                one = finish(values, sketch)
+                one = finish(values[index], sketches[index])
                 agreement = _class_agreement(reference[tensor], candidate[tensor])
                 result.outcomes.append(
                     SampleOutcome(sample, tensor, one["max_abs_err"], one["tol_ratio"], one["outside_share"], one["sqnr_db"], *agreement)

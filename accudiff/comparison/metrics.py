@@ -29,6 +29,7 @@ Counts, minima and maxima merge exactly; float64 sums merge up to the order of a
 from __future__ import annotations
 
 import threading
+from typing import Sequence
 
 import numpy as np
 
@@ -74,8 +75,15 @@ class StatsSet:
 
     def add(self, row: int, values: np.ndarray, sketch: np.ndarray) -> None:
         """Merge one tensor's reduction (one sample, or any accumulation) into row `row`."""
-        _merge_rows(self.values[row : row + 1], values[None, :])
-        self.sketch[row] += sketch
+        self.add_rows([row], values[None, :], sketch[None, :])
+
+    def add_rows(self, rows: Sequence[int], values: np.ndarray, sketch: np.ndarray) -> None:
+        """Merge reductions of several tensors (rows `rows`, each once) at once."""
+        rows = np.asarray(rows, dtype=np.intp)
+        merged = self.values[rows]
+        _merge_rows(merged, values)
+        self.values[rows] = merged
+        self.sketch[rows] += sketch
 
     def merge(self, other: "StatsSet") -> None:
         """Merge another set of the same tensors (other samples, another worker) into this one."""
@@ -105,7 +113,8 @@ def _merge_rows(into: np.ndarray, new: np.ndarray) -> None:
     into[:, _MIN] = np.minimum(into[:, _MIN], new[:, _MIN])
     into[:, _MAX] = np.maximum(into[:, _MAX], new[:, _MAX])
     newer = new[:, F["worst_distance"]] > into[:, F["worst_distance"]]
-    into[np.ix_(newer, _WORST)] = new[np.ix_(newer, _WORST)]
+    if newer.any():
+        into[np.ix_(newer, _WORST)] = new[np.ix_(newer, _WORST)]
 
 
 def finish(v: np.ndarray, sketch: np.ndarray) -> dict[str, float]:
@@ -144,12 +153,19 @@ def finish(v: np.ndarray, sketch: np.ndarray) -> dict[str, float]:
 
 
 def reduce_tensor(
-    ref: np.ndarray, cand: np.ndarray, tol: Tolerance, quant: QuantRange | None = None, sample: int = 0, ref_range: tuple[float, float] | None = None
+    ref: np.ndarray,
+    cand: np.ndarray,
+    tol: Tolerance,
+    quant: QuantRange | None = None,
+    sample: int = 0,
+    ref_range: tuple[float, float] | None = None,
+    out: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """One sample of one tensor as an accumulator row and its sketch (shapes must already match): the
     reference's finite range first (the tolerance scales with its absmax; `ref_range` when already known
-    from `reference_range`), then the fused pass of the compiled kernel."""
-    values, sketch = EMPTY_ROW.copy(), np.zeros(SKETCH_BUCKETS, np.int64)
+    from `reference_range`), then the fused pass of the compiled kernel. `out`: an empty row and a zeroed
+    sketch to fill (rows of a caller's arrays), else new ones."""
+    values, sketch = out if out is not None else (EMPTY_ROW.copy(), np.zeros(SKETCH_BUCKETS, np.int64))
     r, c = np.ascontiguousarray(ref).reshape(-1), np.ascontiguousarray(cand).reshape(-1)
     values[F["elements"]], values[F["samples"]] = r.size, 1
     if r.size == 0:

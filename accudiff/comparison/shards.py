@@ -12,12 +12,14 @@ shared file system; a task writes them to a temporary folder and runs the same w
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import tempfile
 import threading
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -29,23 +31,24 @@ Progress = Callable[[str, int, int], None]
 RAY_LOG_LEVEL = 40  # logging.ERROR: Ray's own log lines stay off the console
 
 
-def run_shards(job: Job, entries: Sequence[Sequence[str]], workers: int = 1, ray: str | None = None, progress: Progress | None = None) -> dict:
-    """Compare the samples `entries` (model/samples.py) in `workers` shards; their merged result."""
-    if workers < 1:
+def run_shards(job: Job, entries: Sequence[Sequence[str]], workers: int | None = None, ray: str | None = None, progress: Progress | None = None) -> dict:
+    """Compare the samples `entries` (model/samples.py) in shards; their merged result.
+
+    `workers`: how many shards (default: 1 locally; with Ray, one per CPU of the cluster)."""
+    if workers is not None and workers < 1:
         raise AccudiffError("--workers must be at least 1")
-    count = len(entries)
-    size = math.ceil(count / min(workers, count))
-    shards = [list(range(start, min(start + size, count))) for start in range(0, count, size)]
-    jobs = [replace(job, samples=[list(entries[i]) for i in shard], sample_indices=shard, result=f"{job.result}-{k}") for k, shard in enumerate(shards)]
     if ray is not None:
-        return merge_results(_run_on_ray(jobs, ray, progress))
+        with _ray_cluster(ray) as cpus:
+            return merge_results(_run_on_ray(_split(job, entries, workers or cpus, threads=1), progress))
+    # Workers on one machine share its cores; a Ray task has the one CPU Ray gives it.
+    jobs = _split(job, entries, workers or 1, threads=None)
     done = [0] * len(jobs)
 
     def report(k: int):
         def step(phase: str, finished: int, total: int) -> None:
             done[k] = finished
             if progress is not None:
-                progress(phase, sum(done), count)
+                progress(phase, sum(done), len(entries))
 
         return step
 
@@ -68,6 +71,19 @@ def run_shards(job: Job, entries: Sequence[Sequence[str]], workers: int = 1, ray
     if errors:
         raise errors[0]
     return merge_results(results)
+
+
+def _split(job: Job, entries: Sequence[Sequence[str]], workers: int, threads: int | None) -> list[Job]:
+    """`workers` contiguous shards of the samples, one job each (`threads`: None shares this machine's cores)."""
+    count = len(entries)
+    size = math.ceil(count / min(workers, count))
+    shards = [list(range(start, min(start + size, count))) for start in range(0, count, size)]
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // len(shards))
+    return [
+        replace(job, samples=[list(entries[i]) for i in shard], sample_indices=shard, result=f"{job.result}-{k}", threads=threads)
+        for k, shard in enumerate(shards)
+    ]
 
 
 def merge_results(results: Sequence[dict]) -> dict:
@@ -97,8 +113,9 @@ def merge_results(results: Sequence[dict]) -> dict:
     return merged
 
 
-def _run_on_ray(jobs: list[Job], address: str, progress: Progress | None) -> list[dict]:
-    """Every shard as a Ray task (`address`: "local" starts a local cluster; else the one to join)."""
+@contextmanager
+def _ray_cluster(address: str) -> Iterator[int]:
+    """Ray started or joined (`address`: "local" starts a local cluster), for the duration; yields its CPUs."""
     try:
         import ray
     except ImportError:
@@ -111,26 +128,33 @@ def _run_on_ray(jobs: list[Job], address: str, progress: Progress | None) -> lis
         except Exception as exc:  # connection errors of many kinds
             raise AccudiffError(f"could not start or join the Ray cluster '{address}': {str(exc).strip().splitlines()[0]}") from exc
     try:
-        files = sorted({path for job in jobs for path in _files_of(job)})
-        payloads = {path: ray.put(Path(path).read_bytes()) for path in files}
-        task = ray.remote(max_retries=0)(_ray_task)
-        pending = {task.remote(asdict(job), {path: payloads[path] for path in _files_of(job)}): k for k, job in enumerate(jobs)}
-        results: list[dict | None] = [None] * len(jobs)
-        finished = 0
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
-            k = pending.pop(ready[0])
-            try:
-                results[k] = ray.get(ready[0])
-            except ray.exceptions.RayError as exc:
-                raise AccudiffError(_ray_failure(exc, jobs[k])) from exc
-            finished += len(jobs[k].sample_indices)
-            if progress is not None:
-                progress("compare", finished, sum(len(job.sample_indices) for job in jobs))
-        return results
+        yield max(1, int(ray.cluster_resources().get("CPU", 1)))
     finally:
         if started:
             ray.shutdown()
+
+
+def _run_on_ray(jobs: list[Job], progress: Progress | None) -> list[dict]:
+    """Every shard as a Ray task; the files each reads go through the object store once."""
+    import ray
+
+    files = sorted({path for job in jobs for path in _files_of(job)})
+    payloads = {path: ray.put(Path(path).read_bytes()) for path in files}
+    task = ray.remote(max_retries=0)(_ray_task)
+    pending = {task.remote(asdict(job), {path: payloads[path] for path in _files_of(job)}): k for k, job in enumerate(jobs)}
+    results: list[dict | None] = [None] * len(jobs)
+    finished = 0
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        k = pending.pop(ready[0])
+        try:
+            results[k] = ray.get(ready[0])
+        except ray.exceptions.RayError as exc:
+            raise AccudiffError(_ray_failure(exc, jobs[k])) from exc
+        finished += len(jobs[k].sample_indices)
+        if progress is not None:
+            progress("compare", finished, sum(len(job.sample_indices) for job in jobs))
+    return results
 
 
 def _files_of(job: Job) -> list[str]:

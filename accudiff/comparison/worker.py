@@ -52,6 +52,7 @@ class Job:
     layer_report: str | None = None
     inputs: list[str] = field(default_factory=list)  # graph inputs whose ranges the diagnosis needs
     input_specs: list[list] = field(default_factory=list)  # [name, dtype, shape]: each sample is checked as it is read
+    threads: int = 0  # cores this worker may use (0: all); several workers on one machine share them
 
 
 def run_job(job: Job, progress: Callable[[str, int, int], None] | None = None) -> dict:
@@ -126,16 +127,18 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
     shapes = {name: tuple(dims) for name, dims in job.input_shapes.items()}
     layer_report = Path(job.layer_report) if job.layer_report else None
 
+    threads = job.threads or os.cpu_count() or 1
+
     def factory(spec: dict):
         layers = layer_report if spec.get("layer_report") else None
-        return lambda path, outputs: candidate_runner(spec["backend"], path, outputs, job.precision, trt, shapes, layers)
+        return lambda path, outputs: candidate_runner(spec["backend"], path, outputs, job.precision, trt, shapes, layers, threads)
 
     passes = [PassPlan(p["name"], Path(p["model"]), factory(p), p["fed_from_reference"]) for p in job.passes]
     store = ReferenceStore(Path(job.store), job.tensors) if job.store else None
     with tempfile.TemporaryDirectory(prefix="accudiff-worker-") as scratch:
         engine = Engine(
             Path(job.reference),
-            lambda path, outputs: reference_runner(path, outputs),
+            lambda path, outputs: reference_runner(path, outputs, threads),
             passes,
             job.tensors,
             job.outputs,
@@ -146,6 +149,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
             store,
             progress=lambda text: emit({"event": "step", "text": text}),
             inputs=job.inputs,
+            threads=threads,
         )
         specs = [InputSpec(name, np.dtype(dtype), tuple(shape)) for name, dtype, shape in job.input_specs]
         samples = Samples.from_json(job.samples, "the inputs", specs)

@@ -44,7 +44,7 @@ def format_summary(result) -> str:
         if out.first_failing_upstream not in (None, out.tensor, out.cause.tensor):
             lines.append(f"    (the first tensor out of tolerance on its way is '{out.first_failing_upstream}')")
         lines += _backend_lines(indexed.loc[out.cause.tensor if out.cause.tensor else out.tensor])
-    lines += _sample_lines(result)
+    lines += sample_lines(result)
     if failure is not None:
         lines.append("  worst tensors (failing first, then lowest SQNR):")
         for _, worst in worst_tensors(table).iterrows():
@@ -60,7 +60,7 @@ def format_summary(result) -> str:
     return "\n".join(lines)
 
 
-def _sample_lines(result) -> list[str]:
+def sample_lines(result) -> list[str]:
     """Per-sample outcome (with several samples) and class-score agreement, per graph output."""
     lines = []
     samples = result.samples

@@ -21,8 +21,8 @@ _ONNXRT_LABELS = {
 }
 
 
-def reference_runner(model_path: Path, outputs: Sequence[str]) -> Runner:
-    return OnnxrtRunner(model_path, outputs, label="ONNX Runtime CPU, FP32 (reference)")
+def reference_runner(model_path: Path, outputs: Sequence[str], threads: int = 0) -> Runner:
+    return OnnxrtRunner(model_path, outputs, label="ONNX Runtime CPU, FP32 (reference)", threads=threads)
 
 
 @dataclass(frozen=True)
@@ -64,15 +64,14 @@ def candidate_runner(
     trt: TrtOptions = TrtOptions(),
     input_shapes: Mapping[str, Sequence[int]] | None = None,
     layer_report: Path | None = None,
+    threads: int = 0,
 ) -> Runner:
     if kind == "trt":
         from accudiff.runners.trt import TrtRunner
 
         settings = BuildSettings(trt.mark, dict(input_shapes or {}), trt.workspace_mb, trt.legacy_precision)
         return TrtRunner(model_path, outputs, settings, trt.module, trt.cache_dir, layer_report, trt.engine)
-    return OnnxrtRunner(
-        model_path, outputs, label=_ONNXRT_LABELS[precision], emulate_fp16=precision == "fp16"
-    )
+    return OnnxrtRunner(model_path, outputs, label=_ONNXRT_LABELS[precision], emulate_fp16=precision == "fp16", threads=threads)
 
 
 __all__ = ["CANDIDATES", "OnnxrtRunner", "Runner", "TrtOptions", "candidate_runner", "reference_runner", "resolve_candidate", "unavailable_reason"]

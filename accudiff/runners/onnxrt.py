@@ -21,8 +21,12 @@ from accudiff.runners.base import Runner
 
 
 class OnnxrtRunner(Runner):
-    def __init__(self, model_path: str | Path, outputs: Sequence[str] = (), label: str = "ONNX Runtime CPU", emulate_fp16: bool = False):
-        """`emulate_fp16`: run an FP16 model through `fp16_emulation`, so every FP16 tensor is really rounded."""
+    def __init__(
+        self, model_path: str | Path, outputs: Sequence[str] = (), label: str = "ONNX Runtime CPU", emulate_fp16: bool = False, threads: int = 0
+    ):
+        """`emulate_fp16`: run an FP16 model through `fp16_emulation`, so every FP16 tensor is really rounded.
+        `threads`: cores a run may use (0: ONNX Runtime's default, all)."""
+        self.threads = threads
         self.model_path = Path(model_path)
         self.outputs = list(outputs)
         self.label = label
@@ -40,6 +44,7 @@ class OnnxrtRunner(Runner):
         options = ort.SessionOptions()
         options.log_severity_level = 3
         options.enable_cpu_mem_arena = False
+        options.intra_op_num_threads = self.threads
         try:
             self._session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         except Exception as exc:  # ONNX Runtime raises its own exception types, and RuntimeError
