@@ -15,6 +15,7 @@ import pandas as pd
 
 from accudiff.comparison.metrics import StatsSet
 from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, STATUS_PASS, build_table, graph_input_table, with_side_run
+from accudiff.comparison.branches import BranchGroup, branch_groups, describe_groups, merge_group_results
 from accudiff.comparison.shards import run_shards
 from accudiff.comparison.worker import Job
 from accudiff.comparison.tolerances import Tolerances
@@ -23,7 +24,7 @@ from accudiff.diagnosis.rules import DiagnosisContext, Finding, diagnose
 from accudiff.errors import AccudiffError
 from accudiff.memory import return_freed_memory
 from accudiff.model.inputs import Feed, generate_feeds, parse_input_shapes, parse_val_ranges, resolve_shapes, validate_feeds
-from accudiff.model.loading import ModelInfo, load_model, save_model
+from accudiff.model.loading import ModelInfo, describe, load_model, save_model
 from accudiff.model.samples import Samples, samples_from_feeds, samples_from_path
 from accudiff.model.segments import SEGMENTS_PER_BUDGET, memory_budget, plan_segments, tensor_sizes
 from accudiff.report.folder import ReportFolder
@@ -33,7 +34,8 @@ from accudiff.transforms import KeptNode, NodeSelector, TransformResult, to_fp16
 from accudiff.transforms.isolate import isolate_in_place
 
 PRECISIONS = ("fp32", "fp16", "int8")
-CANDIDATE_MODEL_FILE = "candidate-{precision}.onnx"
+MIN_COVERAGE = 0.5  # below this share of the model's tensors compared, a clean result is not a pass
+CANDIDATE_MODEL_FILE = "candidate-{precision}{group}.onnx"
 INPUTS_FILE = "inputs.npz"
 ENGINE_LAYERS_FILE = "engine_layers.json"
 
@@ -74,10 +76,28 @@ class CompareResult:
     report_dir: Path | None = None
     samples: pd.DataFrame | None = None  # one row per sample and graph output (see SAMPLE_COLUMNS)
     inputs: str = ""  # where the samples came from
+    candidate_models: list[str] = field(default_factory=list)  # the candidate model files in the report (one per branch group)
+    branches: list[dict] = field(default_factory=list)  # per group of samples: {"samples": [...], "taken": {If node: branch}}
 
     @property
     def outputs(self) -> pd.DataFrame:
         return self.table[self.table["is_output"]]
+
+    @property
+    def coverage(self) -> tuple[int, int]:
+        """(tensors compared, tensors the model computes on these samples): bodies of If branches not taken
+        are not counted, those of Loops and Scans are (they run, but cannot be observed)."""
+        compared = int((self.table["status"] != STATUS_MISSING).sum())
+        listed = set(self.table["tensor"])
+        return compared, len(self.table) + sum(1 for name in self.not_observable if name not in listed)
+
+    @property
+    def verdict(self) -> str:
+        """"pass", "fail" (a graph output out of tolerance) or "inconclusive" (no graph output failed, but
+        less than MIN_COVERAGE of the model's tensors, or no graph output, was compared)."""
+        if self.output_failures:
+            return "fail"
+        return "pass" if self.passed else "inconclusive"
 
     @property
     def failing_samples(self) -> pd.DataFrame:
@@ -155,40 +175,28 @@ def compare(
     scratch = Path(tempfile.mkdtemp(prefix="accudiff-compare-"))
     try:
         samples = prepare_samples(info, inputs, input_shapes, seed, val_range, iterations, folder.path / INPUTS_FILE)
+        groups = branch_groups(info.proto, samples)
+        if any(group.taken for group in groups):
+            info.proto = onnx.ModelProto()  # each group has its own specialized copy
         step.lap("load")
-        shapes = {spec.name: samples[0][spec.name].shape for spec in info.inputs}
-        segments = _segments(info, shapes, max_memory, single="trt" in (kind, also))  # one engine: the one that ships
-        transformed = transform_model(info, precision, shapes, calib_data, keep_fp32, autokeep, seed, trt.engine, scratch)
-        candidate_path = folder.path / CANDIDATE_MODEL_FILE.format(precision=precision)
-        save_model(transformed.model, candidate_path)
-        passes = [{"name": "candidate", "model": str(candidate_path), "backend": kind, "fed_from_reference": {}, "layer_report": True}]
-        if also is not None and also != kind:  # the same model on a second backend: the model's own error next to what a build adds
-            passes.append({"name": also, "model": str(candidate_path), "backend": also, "fed_from_reference": {}})
-        if isolate:
-            types = {t.name: onnx.helper.np_dtype_to_tensor_dtype(t.dtype) for t in info.tensors if t.dtype is not None}
-            fed = isolate_in_place(transformed.model, types, transformed.storage_copies)
-            save_model(transformed.model, scratch / "isolated.onnx")
-            passes.append({"name": "isolated", "model": str(scratch / "isolated.onnx"), "backend": kind, "fed_from_reference": fed})
-        # From here on the workers read files and the table needs only the tensor inventory: free the
-        # weights before any backend loads a model, so at most one copy of them is in memory at a time.
-        transformed.model = info.proto = onnx.ModelProto()
-        return_freed_memory()
-        step.lap("transform")
-        store = reference_cache.store(info.path, samples, [t.name for t in info.tensors]) if reference_cache is not None else None
-        job = _job(info, samples, segments, precision, passes, tolerances, transformed.quant_ranges, scratch, store)
-        job = replace(
-            job,
-            trt={k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(trt).items()},
-            input_shapes={name: list(shape) for name, shape in shapes.items()},
-            layer_report=str(folder.path / ENGINE_LAYERS_FILE) if report_dir is not None else None,
+        run = _GroupSettings(
+            precision, kind, also, trt, {spec.name: samples[0][spec.name].shape for spec in info.inputs}, calib_data, keep_fp32, autokeep,
+            seed, isolate, tolerances, max_memory, workers, ray, reference_cache, folder, scratch, report_dir is not None, step,
         )
-        outcome = run_shards(job, samples.as_json(), workers, ray, progress)
-        if store is not None:
-            store.finish()
-        step.lap("run")
+        runs = []
+        for k, group in enumerate(groups):
+            group_info = info if not group.taken else _specialized(group, scratch / f"specialized-{k}.onnx")
+            group.model = onnx.ModelProto()  # the group's inventory holds the model until its candidate is written
+            name = CANDIDATE_MODEL_FILE.format(precision=precision, group="" if len(groups) == 1 else f"-group{k}")
+            done = sum(len(g.samples) for g in groups[:k])
+            report = (lambda phase, finished, total, done=done: progress(phase, done + finished, len(samples))) if progress else None
+            runs.append(_compare_group(run, group_info, samples, group.samples, name, report))
+        info, transformed, outcome = _combine(info.path, runs)
         result = _judge(info, precision, outcome, tolerances, transformed, isolate, also, seed if inputs is None else None, samples)
         candidate_pass = outcome["passes"]["candidate"]
-        result.notices = [n for n in [notice, *transformed.warnings, *candidate_pass["notices"]] if n]
+        result.notices = [n for n in [notice, *describe_groups(groups, len(samples)), *transformed.warnings, *candidate_pass["notices"]] if n]
+        result.candidate_models = [r.candidate_model for r in runs]
+        result.branches = [{"samples": g.samples, "taken": g.taken} for g in groups if g.taken]
         result.timings = step.laps  # the same dict: the report sees every phase before its own
         step.lap("diagnose")
         if report_dir is not None:
@@ -203,6 +211,115 @@ def compare(
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return result
+
+
+@dataclass
+class _GroupSettings:
+    """What every branch group's comparison shares (see compare)."""
+
+    precision: str
+    kind: str
+    also: str | None
+    trt: TrtOptions
+    shapes: dict[str, tuple[int, ...]]
+    calib_data: str | Path | None
+    keep_fp32: Iterable[str]
+    autokeep: bool
+    seed: int
+    isolate: bool
+    tolerances: Tolerances
+    max_memory: int | str | None
+    workers: int | None
+    ray: str | None
+    reference_cache: ReferenceCache | None
+    folder: ReportFolder
+    scratch: Path
+    layer_report: bool
+    stopwatch: _Stopwatch
+
+
+@dataclass
+class _GroupRun:
+    """One group's comparison: its tensor inventory, how its candidate was made, and the merged statistics."""
+
+    info: ModelInfo
+    transformed: TransformResult
+    outcome: dict
+    candidate_model: str
+
+
+def _compare_group(run: _GroupSettings, info: ModelInfo, samples: Samples, indices: list[int], candidate_name: str, progress) -> _GroupRun:
+    """Transform `info`'s model, and compare it on the samples `indices` in worker processes or Ray tasks."""
+    segments = _segments(info, run.shapes, run.max_memory, single="trt" in (run.kind, run.also))  # one engine: the one that ships
+    transformed = transform_model(info, run.precision, run.shapes, run.calib_data, run.keep_fp32, run.autokeep, run.seed, run.trt.engine, run.scratch)
+    candidate_path = run.folder.path / candidate_name
+    save_model(transformed.model, candidate_path)
+    passes = [{"name": "candidate", "model": str(candidate_path), "backend": run.kind, "fed_from_reference": {}, "layer_report": True}]
+    if run.also is not None and run.also != run.kind:  # the same model on a second backend: the model's own error next to what a build adds
+        passes.append({"name": run.also, "model": str(candidate_path), "backend": run.also, "fed_from_reference": {}})
+    if run.isolate:
+        types = {t.name: onnx.helper.np_dtype_to_tensor_dtype(t.dtype) for t in info.tensors if t.dtype is not None}
+        fed = isolate_in_place(transformed.model, types, transformed.storage_copies)
+        isolated = run.scratch / f"isolated-{candidate_path.stem}.onnx"
+        save_model(transformed.model, isolated)
+        passes.append({"name": "isolated", "model": str(isolated), "backend": run.kind, "fed_from_reference": fed})
+    # From here on the workers read files and the table needs only the tensor inventory: free the
+    # weights before any backend loads a model, so at most one copy of them is in memory at a time.
+    transformed.model = info.proto = onnx.ModelProto()
+    return_freed_memory()
+    run.stopwatch.lap("transform")
+    entries = [samples.as_json()[i] for i in indices]
+    specialized = info.path.parent == run.scratch  # a specialized model lives only for this call: nothing to cache
+    store = run.reference_cache.store(info.path, samples, [t.name for t in info.tensors]) if run.reference_cache is not None and not specialized else None
+    job = _job(info, samples, segments, run.precision, passes, run.tolerances, transformed.quant_ranges, run.scratch / candidate_path.stem, store)
+    job = replace(
+        job,
+        trt={k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(run.trt).items()},
+        input_shapes={name: list(shape) for name, shape in run.shapes.items()},
+        layer_report=str(run.folder.path / ENGINE_LAYERS_FILE) if run.layer_report else None,
+    )
+    outcome = run_shards(job, entries, run.workers, run.ray, progress, indices)
+    if store is not None:
+        store.finish()
+    run.stopwatch.lap("run")
+    return _GroupRun(info, transformed, outcome, candidate_name)
+
+
+def _specialized(group: BranchGroup, path: Path) -> ModelInfo:
+    """The inventory of a group's specialized model, saved at `path` for the workers."""
+    save_model(group.model, path)
+    return describe(path, group.model)
+
+
+def _combine(model: Path, runs: Sequence[_GroupRun]) -> tuple[ModelInfo, TransformResult, dict]:
+    """One inventory, one account of the transform and one result from the branch groups' runs (with a
+    single group: that group's, under the model's own path)."""
+    if len(runs) == 1:
+        outcome = runs[0].outcome
+        tensors = [t.name for t in runs[0].info.tensors]
+    else:
+        tensors, outcome = merge_group_results([([t.name for t in r.info.tensors], r.outcome) for r in runs])
+    by_name = {t.name: t for r in reversed(runs) for t in r.info.tensors}
+    upstream: dict[str, list[str]] = {}
+    for r in runs:
+        for name, reads in r.info.upstream.items():
+            upstream[name] = list(dict.fromkeys([*upstream.get(name, []), *reads]))
+    first = runs[0].info
+    info = ModelInfo(
+        Path(model), onnx.ModelProto(), first.inputs, first.output_names, [by_name[name] for name in tensors], upstream,
+        {name: why for r in runs for name, why in r.info.not_observable.items() if name not in by_name},
+    )
+    transforms = [r.transformed for r in runs]
+    transformed = TransformResult(
+        model=onnx.ModelProto(),
+        precision=transforms[0].precision,
+        kept=list({k.node: k for t in transforms for k in t.kept}.values()),
+        converted=set().union(*(t.converted for t in transforms)),
+        quant_ranges={name: q for t in reversed(transforms) for name, q in t.quant_ranges.items()},
+        warnings=list(dict.fromkeys(w for t in transforms for w in t.warnings)),
+        constant_overflows={node: text for t in transforms for node, text in t.constant_overflows.items()},
+    )
+    return info, transformed, outcome
 
 
 def _job(info: ModelInfo, samples: Samples, segments, precision: str, passes: list[dict], tolerances: Tolerances, quant_ranges, scratch: Path, store) -> Job:
@@ -255,8 +372,9 @@ class _Stopwatch:
         self._last = time.perf_counter()
 
     def lap(self, phase: str) -> None:
+        """Time since the last lap goes to `phase` (added up, for phases that recur: one per branch group)."""
         now = time.perf_counter()
-        self.laps[phase] = round(now - self._last, 4)
+        self.laps[phase] = round(self.laps.get(phase, 0.0) + now - self._last, 4)
         self._last = now
 
 
@@ -343,12 +461,12 @@ def _judge(info, precision, outcome: dict, tolerances, transformed, isolate: boo
     observed_outputs = table.loc[(table["status"] != STATUS_MISSING) & table["is_output"], "tensor"].tolist()
     candidate_pass = outcome["passes"]["candidate"]
     not_observable = {**info.not_observable, **outcome["reference_not_observable"], **candidate_pass["not_observable"]}
-    return CompareResult(
+    result = CompareResult(
         model=info.path,
         precision=precision,
         candidate=candidate_pass["label"],
         table=table,
-        passed=bool(observed_outputs) and not failing_outputs,
+        passed=False,
         first_failure=first_failure,
         output_failures=[output_failure(name) for name in failing_outputs],
         tolerances=tolerances,
@@ -360,6 +478,9 @@ def _judge(info, precision, outcome: dict, tolerances, transformed, isolate: boo
         samples=_sample_table(candidate_pass["outcomes"]),
         inputs=samples.source,
     )
+    compared, computed = result.coverage
+    result.passed = bool(observed_outputs) and not failing_outputs and compared >= MIN_COVERAGE * computed
+    return result
 
 
 SAMPLE_COLUMNS = ["sample", "tensor", "status", "max_abs_err", "tol_ratio", "outside_share", "sqnr_db", "rows", "top1", "top5"]

@@ -31,17 +31,26 @@ Progress = Callable[[str, int, int], None]
 RAY_LOG_LEVEL = 40  # logging.ERROR: Ray's own log lines stay off the console
 
 
-def run_shards(job: Job, entries: Sequence[Sequence[str]], workers: int | None = None, ray: str | None = None, progress: Progress | None = None) -> dict:
+def run_shards(
+    job: Job,
+    entries: Sequence[Sequence[str]],
+    workers: int | None = None,
+    ray: str | None = None,
+    progress: Progress | None = None,
+    indices: Sequence[int] | None = None,
+) -> dict:
     """Compare the samples `entries` (model/samples.py) in shards; their merged result.
 
-    `workers`: how many shards (default: 1 locally; with Ray, one per CPU of the cluster)."""
+    `workers`: how many shards (default: 1 locally; with Ray, one per CPU of the cluster). `indices`: the
+    samples' numbers in the whole dataset, which the per-sample results carry (default 0, 1, ...)."""
+    indices = list(indices) if indices is not None else list(range(len(entries)))
     if workers is not None and workers < 1:
         raise AccudiffError("--workers must be at least 1")
     if ray is not None:
         with _ray_cluster(ray) as cpus:
-            return merge_results(_run_on_ray(_split(job, entries, workers or cpus, threads=1), progress))
+            return merge_results(_run_on_ray(_split(job, entries, indices, workers or cpus, threads=1), progress))
     # Workers on one machine share its cores; a Ray task has the one CPU Ray gives it.
-    jobs = _split(job, entries, workers or 1, threads=None)
+    jobs = _split(job, entries, indices, workers or 1, threads=None)
     done = [0] * len(jobs)
 
     def report(k: int):
@@ -73,7 +82,7 @@ def run_shards(job: Job, entries: Sequence[Sequence[str]], workers: int | None =
     return merge_results(results)
 
 
-def _split(job: Job, entries: Sequence[Sequence[str]], workers: int, threads: int | None) -> list[Job]:
+def _split(job: Job, entries: Sequence[Sequence[str]], indices: list[int], workers: int, threads: int | None) -> list[Job]:
     """`workers` contiguous shards of the samples, one job each (`threads`: None shares this machine's cores)."""
     count = len(entries)
     size = math.ceil(count / min(workers, count))
@@ -81,7 +90,7 @@ def _split(job: Job, entries: Sequence[Sequence[str]], workers: int, threads: in
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // len(shards))
     return [
-        replace(job, samples=[list(entries[i]) for i in shard], sample_indices=shard, result=f"{job.result}-{k}", threads=threads)
+        replace(job, samples=[list(entries[i]) for i in shard], sample_indices=[indices[i] for i in shard], result=f"{job.result}-{k}", threads=threads)
         for k, shard in enumerate(shards)
     ]
 

@@ -170,6 +170,17 @@ def infer_shapes_in_place(proto: onnx.ModelProto) -> None:
         return
     del proto.graph.value_info[:]
     proto.graph.value_info.extend(inferred.graph.value_info)
+    _copy_body_value_info(proto.graph.node, inferred.graph.node)
+
+
+def _copy_body_value_info(nodes: Iterable[onnx.NodeProto], inferred: Iterable[onnx.NodeProto]) -> None:
+    """Inferred types inside If/Loop/Scan bodies too: the FP16 transform converts bodies by them."""
+    for node, done in zip(nodes, inferred):
+        for attr, attr_done in zip(node.attribute, done.attribute):
+            for body, body_done in zip(_attribute_graphs(attr), _attribute_graphs(attr_done)):
+                del body.value_info[:]
+                body.value_info.extend(body_done.value_info)
+                _copy_body_value_info(body.node, body_done.node)
 
 
 def copy_without_initializers(proto: onnx.ModelProto) -> onnx.ModelProto:

@@ -11,11 +11,11 @@ from accudiff.report.writer import worst_tensors
 def format_summary(result) -> str:
     table = result.table
     indexed = table.set_index("tensor")
-    compared = int((table["status"] != "not observed").sum())
+    compared, computed = result.coverage
     lines = [
         f"accudiff compare {result.model.name} [{result.precision}]",
         f"  candidate: {result.candidate}",
-        f"  tensors compared: {compared} of {len(table)}, iterations: {result.iterations}, "
+        f"  tensors compared: {compared} of {computed} ({compared / max(computed, 1):.0%}), samples: {result.iterations}, "
         f"tolerance: atol={result.tolerances.default.atol:g} rtol={result.tolerances.default.rtol:g} stol={result.tolerances.default.stol:g}",
     ]
     lines += [f"  notice: {notice}" for notice in result.notices]
@@ -52,9 +52,15 @@ def format_summary(result) -> str:
                 f"    {worst['tensor']:<32} {worst['op_type']:<14} {worst['status']:<5} max abs err {worst['max_abs_err']:<10.3g} SQNR {worst['sqnr_db']:6.1f} dB"
             )
     outputs = result.outputs
-    lines.append(
-        f"  verdict: {'PASS' if result.passed else 'FAIL'} ({len(result.output_failures)} of {len(outputs)} graph output(s) out of tolerance)"
-    )
+    if result.verdict == "inconclusive":
+        lines.append(
+            f"  verdict: INCONCLUSIVE (no graph output out of tolerance, but only {compared} of the {computed} tensors the model computes "
+            f"({compared / max(computed, 1):.0%}) were compared: see 'not observable')"
+        )
+    else:
+        lines.append(
+            f"  verdict: {result.verdict.upper()} ({len(result.output_failures)} of {len(outputs)} graph output(s) out of tolerance)"
+        )
     if result.report_dir is not None:
         lines.append(f"  report: {result.report_dir}")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ from accudiff.model.inputs import save_feeds
 from accudiff.report.folder import ReportFolder
 
 SUMMARY_SCHEMA = "accudiff.compare.summary"
-SUMMARY_SCHEMA_VERSION = 2
+SUMMARY_SCHEMA_VERSION = 3
 SUMMARY_FILE = "summary.json"
 TENSORS_FILE = "tensors.csv"
 SAMPLES_FILE = "samples.csv"
@@ -46,10 +46,12 @@ def summary(result) -> dict:
         "model": str(result.model),
         "precision": result.precision,
         "candidate": result.candidate,
-        "verdict": "pass" if result.passed else "fail",
+        "verdict": result.verdict,
         "tolerances": result.tolerances.as_dict(),
         "iterations": result.iterations,
         "seed": result.seed,
+        "coverage": {"compared": result.coverage[0], "computed": result.coverage[1], "share": result.coverage[0] / max(result.coverage[1], 1)},
+        "branches": result.branches,
         "counts": {
             "tensors": len(table),
             "failing": int((table["status"] == "fail").sum()),
@@ -64,7 +66,7 @@ def summary(result) -> dict:
         "timings_s": result.timings,
         "inputs": result.inputs,
         "samples": _samples_summary(result),
-        "files": {"tensors": TENSORS_FILE, "samples": SAMPLES_FILE, "inputs": INPUTS_FILE, "candidate_model": f"candidate-{result.precision}.onnx"},
+        "files": {"tensors": TENSORS_FILE, "samples": SAMPLES_FILE, "inputs": INPUTS_FILE, "candidate_models": result.candidate_models},
     }
     return finite(document)
 

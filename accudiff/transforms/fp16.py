@@ -6,7 +6,9 @@ retyping and subgraphs. Here:
 
 * a node runs in FP16 when its op schema allows FP16 for its float inputs, unless it is kept;
 * kept in FP32: nodes named by `keep_fp32`, nodes that read a constant beyond +-65504 (autokeep),
-  nodes whose outputs If/Loop/Scan bodies read, ops outside the default domain, ops with subgraphs;
+  nodes whose outputs If/Loop/Scan bodies read, ops outside the default domain;
+* If/Loop/Scan bodies are converted by the same rules; the node's inputs and outputs, and so its
+  bodies' inputs and outputs, keep their types (Casts inside the body bridge them);
 * every node output keeps its name and holds the node's own result; Casts are inserted between
   FP16 and FP32 regions under new names, and graph inputs and outputs keep their FP32 types
   (a graph output computed in FP16 is produced by a Cast under its original name).
@@ -31,54 +33,69 @@ def to_fp16(model: onnx.ModelProto, keep_fp32: Iterable[str] = (), autokeep: boo
     """Convert a shape-inferred FP32 model to FP16 mixed precision (see the module docstring)."""
     source = {init.name: init for init in model.graph.initializer}
     model = copy_without_initializers(model)  # weights are added back as each is needed, in its new type
-    graph = model.graph
-    opset = _default_opset(model)
-    types = _elem_types(graph, source.values())
-    constants = _constant_absmax(graph, source.values())
-    outer_refs = subgraph_outer_references(graph.node)
-    selector = NodeSelector(keep_fp32)
-
-    kept: list[KeptNode] = []
-    converted_params: dict[str, set[str]] = {}  # fp16 node name -> its type parameters bound to FP16
-    for node in graph.node:
-        decision = _decide(node, opset, types, constants, outer_refs, selector, autokeep)
-        if isinstance(decision, KeptNode):
-            kept.append(decision)
-        elif decision:
-            converted_params[node.name] = decision
-
-    # New element type of every FP32 value: FP16 when an FP16 node produced it through a converted parameter.
-    new_types = dict(types)
-    for node in graph.node:
-        params = converted_params.get(node.name)
-        if not params:
-            continue
-        schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
-        for index, out in enumerate(node.output):
-            if out and types.get(out) == TensorProto.FLOAT and _formal_type(schema.outputs, index) in params:
-                new_types[out] = TensorProto.FLOAT16
-
-    constant_overflows = {}
-    for node in graph.node:
-        if node.name in converted_params:
-            for name in node.input:
-                absmax = constants.get(name, 0.0)
-                if absmax > FP16_MAX:
-                    constant_overflows[node.name] = f"its constant '{name}' (absmax {absmax:.3g}) is beyond the FP16 maximum 65504 and became Inf"
-    warnings = [f"node '{node}': {text} (--no-autokeep)" for node, text in constant_overflows.items()]
-
-    converted = set(converted_params)
-    _retype_graph_outputs(graph, types, new_types, converted_params)
-    copies = _insert_casts(graph, source, opset, types, new_types, converted_params)
+    conversion = _GraphConversion(_default_opset(model), NodeSelector(keep_fp32), autokeep)
+    conversion.convert(model.graph, source, {}, "")
+    warnings = [f"node '{node}': {text} (--no-autokeep)" for node, text in conversion.constant_overflows.items()]
     return TransformResult(
         model=model,
         precision="fp16",
-        kept=kept,
-        converted=converted,
+        kept=conversion.kept,
+        converted=conversion.converted,
         warnings=warnings,
-        constant_overflows=constant_overflows,
-        storage_copies=copies,
+        constant_overflows=conversion.constant_overflows,
+        storage_copies=conversion.copies,
     )
+
+
+class _GraphConversion:
+    """Converts a graph, then the bodies of its If/Loop/Scan nodes the same way: a body's inputs and
+    outputs keep their types (so do the values it reads from outside), its inner nodes run in FP16."""
+
+    def __init__(self, opset: int, selector: NodeSelector, autokeep: bool):
+        self.opset, self.selector, self.autokeep = opset, selector, autokeep
+        self.kept: list[KeptNode] = []
+        self.converted: set[str] = set()
+        self.constant_overflows: dict[str, str] = {}
+        self.copies: dict[str, str] = {}
+
+    def convert(self, graph: onnx.GraphProto, source: dict[str, onnx.TensorProto], outer_types: dict[str, int], scope: str) -> None:
+        """Convert `graph` in place; `source` holds its weights (removed from it), `outer_types` the types of
+        what it reads from enclosing graphs, `scope` a suffix that keeps its Cast names unique."""
+        opset = self.opset
+        types = {**outer_types, **_elem_types(graph, source.values())}
+        constants = _constant_absmax(graph, source.values())
+        outer_refs = subgraph_outer_references(graph.node)
+        converted_params: dict[int, set[str]] = {}  # fp16 node (index) -> its type parameters bound to FP16
+        for index, node in enumerate(graph.node):
+            decision = _decide(node, opset, types, constants, outer_refs, self.selector, self.autokeep)
+            if isinstance(decision, KeptNode):
+                self.kept.append(decision)
+            elif decision:
+                converted_params[index] = decision
+                self.converted.add(node.name)
+            for attr in node.attribute:
+                for k, body in enumerate([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
+                    weights = {init.name: init for init in body.initializer}
+                    del body.initializer[:]
+                    self.convert(body, weights, types, f"{scope}_{node.name or node.op_type}_{attr.name}{k or ''}")
+
+        # New element type of every FP32 value: FP16 when an FP16 node produced it through a converted parameter.
+        new_types = dict(types)
+        for index, params in converted_params.items():
+            node = graph.node[index]
+            schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+            for position, out in enumerate(node.output):
+                if out and types.get(out) == TensorProto.FLOAT and _formal_type(schema.outputs, position) in params:
+                    new_types[out] = TensorProto.FLOAT16
+            for name in node.input:
+                absmax = constants.get(name, 0.0)
+                if absmax > FP16_MAX:
+                    self.constant_overflows[node.name] = f"its constant '{name}' (absmax {absmax:.3g}) is beyond the FP16 maximum 65504 and became Inf"
+
+        _retype_graph_outputs(graph, types, new_types, converted_params)
+        copies = _insert_casts(graph, source, opset, types, new_types, converted_params, scope)
+        if not scope:  # only the main graph's copies can be fed in an isolated run
+            self.copies.update(copies)
 
 
 def _decide(node, opset, types, constants, outer_refs, selector, autokeep) -> set[str] | KeptNode | None:
@@ -91,7 +108,7 @@ def _decide(node, opset, types, constants, outer_refs, selector, autokeep) -> se
     if node.domain not in ("", "ai.onnx"):
         return keep(f"op of domain '{node.domain}' has no known FP16 schema")
     if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
-        return keep("it owns a subgraph, whose types are left untouched")
+        return None  # If/Loop/Scan: its inputs and outputs keep their types; its bodies are converted
     pattern = selector.matches(node)
     if pattern is not None:
         return keep(f"selected by --keep-fp32 {pattern}")
@@ -127,11 +144,11 @@ def _retype_graph_outputs(graph, types, new_types, converted_params) -> None:
         types[inner], new_types[inner] = TensorProto.FLOAT, TensorProto.FLOAT16
         new_types[out.name] = TensorProto.FLOAT
         cast = helper.make_node("Cast", [inner], [out.name], name=out.name + "__to_fp32", to=TensorProto.FLOAT)
-        converted_params[cast.name] = {"T1"}  # the Cast reads the FP16 value as it is
+        converted_params[len(graph.node)] = {"T1"}  # the Cast reads the FP16 value as it is
         graph.node.append(cast)
 
 
-def _insert_casts(graph, initializers, opset, types, new_types, converted_params) -> dict[str, str]:
+def _insert_casts(graph, initializers, opset, types, new_types, converted_params, scope: str) -> dict[str, str]:
     """Give every node input the element type its node now needs: FP16 copies of weights, Casts otherwise.
 
     Original weights are added back only where something still reads them in their own type. Returns the
@@ -144,7 +161,7 @@ def _insert_casts(graph, initializers, opset, types, new_types, converted_params
     def convert(name: str, target: int) -> str:
         key = (name, target)
         if key not in produced:
-            suffix = "__fp16" if target == TensorProto.FLOAT16 else "__fp32"
+            suffix = ("__fp16" if target == TensorProto.FLOAT16 else "__fp32") + scope
             produced[key] = name + suffix
             if name in initializers and target == TensorProto.FLOAT16:
                 with np.errstate(over="ignore"):  # only with --no-autokeep, and then reported
@@ -155,8 +172,8 @@ def _insert_casts(graph, initializers, opset, types, new_types, converted_params
                 copies[produced[key]] = name
         return produced[key]
 
-    for node in list(graph.node):
-        params = converted_params.get(node.name, set())
+    for index, node in enumerate(list(graph.node)):
+        params = converted_params.get(index, set())
         schema = onnx.defs.get_schema(node.op_type, opset, node.domain) if params else None
         for i, name in enumerate(node.input):
             if types.get(name) != TensorProto.FLOAT:

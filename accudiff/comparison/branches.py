@@ -1,0 +1,185 @@
+"""Control flow: which branch each If takes on each sample, the model specialized per group of samples
+that take the same branches, and one result from the groups' results.
+
+Tensors inside an If body cannot be marked as outputs, so a comparison of the model as written would
+observe nothing of a network that sits in a branch. The conditions are evaluated on every sample (the
+FP32 model cut down to what computes them, run by ONNX Runtime); samples that take the same branches form
+a group, whose model has those branches inlined (transforms/inline_branches.py) and is compared like any
+model. Nested Ifs surface as their enclosing If is inlined and are resolved the same way, round after
+round. With one group (the usual case: the condition is a mode flag or a shape test) the comparison is
+the plain one on the specialized model; with several, each group is compared on its own samples and the
+statistics merge by tensor name: a tensor only one branch computes is compared over that branch's samples
+(the table's `samples` column says how many).
+"""
+
+from __future__ import annotations
+
+import heapq
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from accudiff.comparison.metrics import EMPTY_ROW, SKETCH_BUCKETS
+from accudiff.comparison.shards import merge_results
+from accudiff.model.loading import infer_shapes_in_place, subgraph_outer_references
+from accudiff.model.samples import Samples
+from accudiff.model.subgraph import extract
+from accudiff.transforms.inline_branches import BRANCHES, if_nodes, inline_branches
+
+MAX_NESTING = 16  # rounds of inlining (If inside If inside ...) before the rest is left as written
+
+
+@dataclass
+class BranchGroup:
+    """Samples that take the same branches, and the model specialized for them."""
+
+    model: onnx.ModelProto
+    samples: list[int]
+    taken: dict[str, str] = field(default_factory=dict)  # If node -> "then_branch" or "else_branch"
+
+
+def branch_groups(model: onnx.ModelProto, samples: Samples) -> list[BranchGroup]:
+    """The groups of samples by the branches their Ifs take (one group, `model` itself, without Ifs)."""
+    groups = [BranchGroup(model, list(range(len(samples))))]
+    for _ in range(MAX_NESTING):
+        if not any(if_nodes(group.model.graph) for group in groups):
+            break
+        split = []
+        for group in groups:
+            nodes = if_nodes(group.model.graph)
+            if not nodes:
+                split.append(group)
+                continue
+            by_branches: dict[tuple[bool, ...], list[int]] = {}
+            values = _condition_values(group.model, [node.input[0] for node in nodes], samples, group.samples)
+            for index, value in zip(group.samples, values):
+                by_branches.setdefault(value, []).append(index)
+            for value, indices in by_branches.items():
+                taken = {node.name: branch for node, branch in zip(nodes, value)}
+                specialized = inline_branches(group.model, taken)
+                infer_shapes_in_place(specialized)
+                split.append(BranchGroup(specialized, indices, {**group.taken, **{k: BRANCHES[v] for k, v in taken.items()}}))
+        groups = split
+    return groups
+
+
+def describe_groups(groups: Sequence[BranchGroup], total: int) -> list[str]:
+    """What the report says about the specialization: per If, which branch was compared on which samples."""
+    if not any(group.taken for group in groups):
+        return []
+    lines = []
+    for node in dict.fromkeys(name for group in groups for name in group.taken):
+        per_branch: dict[str, list[int]] = {}
+        for group in groups:
+            if node in group.taken:
+                per_branch.setdefault(group.taken[node], []).extend(group.samples)
+        parts = [
+            f"its {branch} on {f'every sample ({total})' if len(indices) == total else 'samples ' + _sample_list(indices)}"
+            for branch, indices in per_branch.items()
+        ]
+        lines.append(f"If '{node}' took {' and '.join(parts)}: the branch taken was inlined and compared like the rest of the model")
+    if len(groups) > 1:
+        lines.append(f"the samples take {len(groups)} different combinations of branches: each is compared on its own samples, and a tensor only one branch computes is compared over that branch's samples")
+    return lines
+
+
+def merge_group_results(groups: Sequence[tuple[Sequence[str], dict]]) -> tuple[list[str], dict]:
+    """One result over the union of the groups' tensors (in an order that respects every group's
+    topological order) from each group's (tensors, result)."""
+    union = union_order([tensors for tensors, _ in groups])
+    position = {name: k for k, name in enumerate(union)}
+    widened = []
+    for tensors, result in groups:
+        rows = np.array([position[name] for name in tensors], dtype=np.intp)
+        passes = {}
+        for name, part in result["passes"].items():
+            values = np.tile(EMPTY_ROW, (len(union), 1))
+            sketch = np.zeros((len(union), SKETCH_BUCKETS), np.int64)
+            values[rows], sketch[rows] = part["values"], part["sketch"]
+            remap = lambda mapping: {str(rows[int(k)]): v for k, v in mapping.items()}  # noqa: E731
+            passes[name] = {**part, "values": values, "sketch": sketch, "seen": remap(part["seen"]), "notes": remap(part["notes"])}
+        widened.append({**result, "passes": passes})
+    return union, merge_results(widened)
+
+
+def union_order(orders: Sequence[Sequence[str]]) -> list[str]:
+    """Every name of every list once, each list's order kept; ties go to the name seen first."""
+    first_seen: dict[str, tuple[int, int]] = {}
+    after: dict[str, set[str]] = {}
+    for k, order in enumerate(orders):
+        for position, name in enumerate(order):
+            first_seen.setdefault(name, (k, position))
+            after.setdefault(name, set())
+        for earlier, later in zip(order, order[1:]):
+            after[earlier].add(later)
+    waiting = {name: 0 for name in first_seen}
+    for successors in after.values():
+        for name in successors:
+            waiting[name] += 1
+    ready = [(first_seen[name], name) for name, count in waiting.items() if count == 0]
+    heapq.heapify(ready)
+    merged = []
+    while ready:
+        _, name = heapq.heappop(ready)
+        merged.append(name)
+        for successor in after[name]:
+            waiting[successor] -= 1
+            if waiting[successor] == 0:
+                heapq.heappush(ready, (first_seen[successor], successor))
+    return merged
+
+
+def _condition_values(model: onnx.ModelProto, conditions: list[str], samples: Samples, indices: Sequence[int]) -> list[tuple[bool, ...]]:
+    """Each sample's value of every condition: from the sample, a weight, or the FP32 model cut down to
+    the nodes that compute them, run by ONNX Runtime."""
+    from accudiff.runners.onnxrt import OnnxrtRunner
+
+    graph = model.graph
+    weights = {init.name: init for init in graph.initializer}
+    computed = [name for name in conditions if name not in weights and name not in {i.name for i in graph.input}]
+    with tempfile.TemporaryDirectory(prefix="accudiff-conditions-") as scratch:
+        runner = None
+        if computed:
+            path = Path(scratch) / "conditions.onnx"
+            onnx.save(extract(model, _producers(graph, computed), "conditions", outputs=computed), str(path))
+            runner = OnnxrtRunner(path, computed)
+            runner.activate()
+        try:
+            values = []
+            for index in indices:
+                feed = samples[index]
+                got = runner.infer(feed) if runner is not None else {}
+                row = []
+                for name in conditions:
+                    value = numpy_helper.to_array(weights[name]) if name in weights else feed[name] if name in feed else got[name]
+                    row.append(bool(np.asarray(value).reshape(-1)[0]))
+                values.append(tuple(row))
+        finally:
+            if runner is not None:
+                runner.deactivate()
+    return values
+
+
+def _producers(graph: onnx.GraphProto, names: Sequence[str]) -> list[int]:
+    """Indices of the nodes `names` depend on (what their bodies read from outside included)."""
+    producer = {out: k for k, node in enumerate(graph.node) for out in node.output if out}
+    chosen: set[int] = set()
+    stack = list(names)
+    while stack:
+        k = producer.get(stack.pop())
+        if k is None or k in chosen:
+            continue
+        chosen.add(k)
+        node = graph.node[k]
+        stack += [*node.input, *subgraph_outer_references([node])]
+    return sorted(chosen)
+
+
+def _sample_list(indices: Sequence[int]) -> str:
+    shown = ", ".join(str(i) for i in sorted(indices)[:8])
+    return f"{shown}{', ...' if len(indices) > 8 else ''} ({len(indices)})"
