@@ -176,12 +176,13 @@ def compare(
     try:
         samples = prepare_samples(info, inputs, input_shapes, seed, val_range, iterations, folder.path / INPUTS_FILE)
         groups = branch_groups(info.proto, samples)
+        calibration = _calibration_per_group(info, groups, calib_data, scratch) if precision == "int8" and trt.engine is None else {}
         if any(group.taken for group in groups):
             info.proto = onnx.ModelProto()  # each group has its own specialized copy
         step.lap("load")
         run = _GroupSettings(
-            precision, kind, also, trt, {spec.name: samples[0][spec.name].shape for spec in info.inputs}, calib_data, keep_fp32, autokeep,
-            seed, isolate, tolerances, max_memory, workers, ray, reference_cache, folder, scratch, report_dir is not None, step,
+            precision, kind, also, trt, keep_fp32, autokeep, seed, isolate, tolerances, max_memory, workers, ray, reference_cache, folder,
+            scratch, report_dir is not None, step,
         )
         runs = []
         for k, group in enumerate(groups):
@@ -190,7 +191,7 @@ def compare(
             name = CANDIDATE_MODEL_FILE.format(precision=precision, group="" if len(groups) == 1 else f"-group{k}")
             done = sum(len(g.samples) for g in groups[:k])
             report = (lambda phase, finished, total, done=done: progress(phase, done + finished, len(samples))) if progress else None
-            runs.append(_compare_group(run, group_info, samples, group.samples, name, report))
+            runs.append(_compare_group(run, group_info, samples, group.samples, name, report, calibration.get(k, calib_data)))
         info, transformed, outcome = _combine(info.path, runs)
         result = _judge(info, precision, outcome, tolerances, transformed, isolate, also, seed if inputs is None else None, samples)
         candidate_pass = outcome["passes"]["candidate"]
@@ -221,8 +222,6 @@ class _GroupSettings:
     kind: str
     also: str | None
     trt: TrtOptions
-    shapes: dict[str, tuple[int, ...]]
-    calib_data: str | Path | None
     keep_fp32: Iterable[str]
     autokeep: bool
     seed: int
@@ -248,10 +247,19 @@ class _GroupRun:
     candidate_model: str
 
 
-def _compare_group(run: _GroupSettings, info: ModelInfo, samples: Samples, indices: list[int], candidate_name: str, progress) -> _GroupRun:
-    """Transform `info`'s model, and compare it on the samples `indices` in worker processes or Ray tasks."""
-    segments = _segments(info, run.shapes, run.max_memory, single="trt" in (run.kind, run.also))  # one engine: the one that ships
-    transformed = transform_model(info, run.precision, run.shapes, run.calib_data, run.keep_fp32, run.autokeep, run.seed, run.trt.engine, run.scratch)
+def _compare_group(
+    run: _GroupSettings, info: ModelInfo, samples: Samples, indices: list[int], candidate_name: str, progress, calibration: Samples | str | Path | None
+) -> _GroupRun:
+    """Transform `info`'s model (INT8: calibrated on `calibration`), and compare it on the samples
+    `indices` in worker processes or Ray tasks."""
+    first = samples[indices[0]]
+    shapes = {spec.name: first[spec.name].shape for spec in info.inputs}
+    specialized = info.path.parent == run.scratch  # a model specialized for these samples' branches, made by this call
+    # Random calibration data must keep the branches: a specialized model takes its integer and bool inputs
+    # (its conditions' sources) as its samples have them.
+    fixed = {name: value for name, value in first.items() if not np.issubdtype(value.dtype, np.floating)} if specialized else {}
+    segments = _segments(info, shapes, run.max_memory, single="trt" in (run.kind, run.also))  # one engine: the one that ships
+    transformed = transform_model(info, run.precision, shapes, calibration, run.keep_fp32, run.autokeep, run.seed, run.trt.engine, run.scratch, fixed)
     candidate_path = run.folder.path / candidate_name
     save_model(transformed.model, candidate_path)
     passes = [{"name": "candidate", "model": str(candidate_path), "backend": run.kind, "fed_from_reference": {}, "layer_report": True}]
@@ -269,13 +277,12 @@ def _compare_group(run: _GroupSettings, info: ModelInfo, samples: Samples, indic
     return_freed_memory()
     run.stopwatch.lap("transform")
     entries = [samples.as_json()[i] for i in indices]
-    specialized = info.path.parent == run.scratch  # a specialized model lives only for this call: nothing to cache
     store = run.reference_cache.store(info.path, samples, [t.name for t in info.tensors]) if run.reference_cache is not None and not specialized else None
     job = _job(info, samples, segments, run.precision, passes, run.tolerances, transformed.quant_ranges, run.scratch / candidate_path.stem, store)
     job = replace(
         job,
         trt={k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(run.trt).items()},
-        input_shapes={name: list(shape) for name, shape in run.shapes.items()},
+        input_shapes={name: list(shape) for name, shape in shapes.items()},
         layer_report=str(run.folder.path / ENGINE_LAYERS_FILE) if run.layer_report else None,
     )
     outcome = run_shards(job, entries, run.workers, run.ray, progress, indices)
@@ -283,6 +290,25 @@ def _compare_group(run: _GroupSettings, info: ModelInfo, samples: Samples, indic
         store.finish()
     run.stopwatch.lap("run")
     return _GroupRun(info, transformed, outcome, candidate_name)
+
+
+def _calibration_per_group(info: ModelInfo, groups: Sequence[BranchGroup], calib_data, scratch: Path) -> dict[int, Samples]:
+    """For a model specialized per branch group and calibrated on `calib_data`: each group's calibration
+    samples are those that take its branches (a specialized model computes only those)."""
+    if calib_data is None or not any(group.taken for group in groups):
+        return {}
+    calibration = samples_from_path(calib_data, info.inputs, "calibration file", scratch)
+    by_branches = {tuple(sorted(g.taken.items())): g.samples for g in branch_groups(info.proto, calibration)}
+    chosen = {}
+    for k, group in enumerate(groups):
+        indices = by_branches.get(tuple(sorted(group.taken.items())))
+        if indices is None:
+            taken = ", ".join(f"If '{node}' its {branch}" for node, branch in list(group.taken.items())[:3])
+            raise AccudiffError(
+                f"no calibration sample takes the branches that sample(s) {', '.join(map(str, group.samples[:5]))} take ({taken}): add such samples to --calib-data"
+            )
+        chosen[k] = calibration.subset(indices)
+    return chosen
 
 
 def _specialized(group: BranchGroup, path: Path) -> ModelInfo:
@@ -400,7 +426,16 @@ def prepare_samples(
 
 
 def transform_model(
-    info: ModelInfo, precision: str, shapes, calib_data=None, keep_fp32=(), autokeep: bool = True, seed: int = 0, engine=None, scratch: Path | None = None
+    info: ModelInfo,
+    precision: str,
+    shapes,
+    calib_data=None,
+    keep_fp32=(),
+    autokeep: bool = True,
+    seed: int = 0,
+    engine=None,
+    scratch: Path | None = None,
+    fixed: Feed | None = None,
 ) -> TransformResult:
     """The candidate model exactly as `compare` builds it (also used for the bisectors' repaired model)."""
     if engine is not None:  # a pre-built engine is the candidate: there is nothing to transform
@@ -408,17 +443,20 @@ def transform_model(
     if precision == "fp16":
         return to_fp16(info.proto, keep_fp32, autokeep)
     if precision == "int8":
-        return to_int8(info.proto, calibration_samples(info, shapes, calib_data, seed, scratch), keep_fp32, calibrated_on_random_data=calib_data is None)
+        return to_int8(info.proto, calibration_samples(info, shapes, calib_data, seed, scratch, fixed), keep_fp32, calibrated_on_random_data=calib_data is None)
     return TransformResult(model=info.proto, precision="fp32")
 
 
-def calibration_samples(info: ModelInfo, shapes, calib_data=None, seed: int = 0, scratch: Path | None = None) -> Samples:
-    """The INT8 calibration samples: `calib_data` (a file or a folder, read one at a time), else seeded
-    random data (seed + 1, written into `scratch`)."""
+def calibration_samples(info: ModelInfo, shapes, calib_data=None, seed: int = 0, scratch: Path | None = None, fixed: Feed | None = None) -> Samples:
+    """The INT8 calibration samples: `calib_data` (samples, or a file or a folder, read one at a time), else
+    seeded random data (seed + 1, written into `scratch`) with the inputs in `fixed` taken as they are."""
+    if isinstance(calib_data, Samples):
+        return calib_data
     if calib_data is not None:
         return samples_from_path(calib_data, info.inputs, "calibration file", scratch)
     folder = scratch if scratch is not None else Path(tempfile.mkdtemp(prefix="accudiff-calibration-"))
-    return samples_from_feeds(generate_feeds(info.inputs, shapes, seed + 1, iterations=8), folder / "calibration.npz", info.inputs)
+    feeds = [{**feed, **(fixed or {})} for feed in generate_feeds(info.inputs, shapes, seed + 1, iterations=8)]
+    return samples_from_feeds(feeds, folder / "calibration.npz", info.inputs)
 
 
 def _judge(info, precision, outcome: dict, tolerances, transformed, isolate: bool, also, seed, samples: Samples) -> CompareResult:

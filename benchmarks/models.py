@@ -78,6 +78,12 @@ def ppocr_cls_v2(folder: Path | None = None) -> Path:
     return _packaged("rapidocr_onnxruntime", "models/ch_ppocr_mobile_v2.0_cls_infer.onnx")
 
 
+def silero_vad(folder: Path | None = None) -> Path:
+    """A voice-activity detector exported by scripting: its whole network sits inside If nodes (16 kHz
+    and 8 kHz branches, nested Ifs on the state)."""
+    return _packaged("silero_vad", "data/silero_vad.onnx")
+
+
 def elementwise_chain(folder: Path, length: int = 60, elements: int = 25_000_000) -> Path:
     """`length` elementwise ops (Add, Mul, Sub, alternating) on one [1, elements] float tensor: every tensor
     is `elements` floats, so the marked tensors of a comparison take length * elements * 4 bytes."""
@@ -148,4 +154,5 @@ MODELS = {
     "ppocr_det_v4": ppocr_det_v4,
     "ppocr_rec_v4": ppocr_rec_v4,
     "ppocr_cls_v2": ppocr_cls_v2,
+    "silero_vad": silero_vad,
 }

@@ -122,7 +122,27 @@ def _ppocr_normalise(image) -> np.ndarray:
 
 
 # The trained models of models.py, and the input each is fed.
-FEEDS = {"nudenet_320n": detector_scene, "ppocr_det_v4": ppocr_det, "ppocr_rec_v4": ppocr_rec, "ppocr_cls_v2": ppocr_cls}
+def voice_chunk(seed: int = 0, rate: int | None = None) -> dict[str, np.ndarray]:
+    """One chunk of a voiced sound for the VAD, as its wrapper feeds it (512 new samples after 64 of context
+    at 16 kHz; 256 after 32 at 8 kHz): a pitch with harmonics shaped by two formants, its loudness rising
+    and falling at a syllable rate, a little noise; and the detector's zero initial state. `rate`: 16000 or
+    8000 (default: 16 kHz for even seeds, 8 kHz for odd ones, as a service taking both would see)."""
+    rng = np.random.default_rng(seed)
+    rate = rate or (16000 if seed % 2 == 0 else 8000)
+    length = 512 + 64 if rate == 16000 else 256 + 32
+    t = (np.arange(length) + rng.integers(0, rate)) / rate
+    pitch = rng.uniform(100, 220)
+    formants = rng.uniform(500, 900), rng.uniform(1200, 2400)
+    voiced = sum(
+        np.sin(2 * np.pi * k * pitch * t) / k * sum(np.exp(-(((k * pitch) - f) / 300.0) ** 2) for f in formants)
+        for k in range(1, int(3500 / pitch))
+    )
+    envelope = 0.6 + 0.4 * np.sin(2 * np.pi * rng.uniform(3, 6) * t)
+    chunk = voiced * envelope / np.abs(voiced).max() * rng.uniform(0.2, 0.6) + rng.normal(0, 0.005, length)
+    return {"input": chunk.astype(np.float32)[None], "state": np.zeros((2, 1, 128), np.float32), "sr": np.array(rate, np.int64)}
+
+
+FEEDS = {"nudenet_320n": detector_scene, "ppocr_det_v4": ppocr_det, "ppocr_rec_v4": ppocr_rec, "ppocr_cls_v2": ppocr_cls, "silero_vad": voice_chunk}
 
 
 def dataset(model: str, samples: int, first_seed: int = 0) -> list[dict[str, np.ndarray]]:

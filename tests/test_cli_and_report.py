@@ -170,6 +170,31 @@ def test_no_onnxruntime_log_line_reaches_the_console(tmp_path):
         assert "onnxruntime" not in done.stdout + done.stderr and "\x1b[" not in done.stderr
 
 
+def test_an_onnxruntime_error_is_one_sentence_without_its_log_line(tmp_path):
+    """Calibration data that the model cannot run (a Squeeze of a dimension that is 2, not 1): ONNX Runtime
+    logs an error line of its own before raising; only accudiff's sentence may reach the console."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"), helper.make_node("Squeeze", ["h", "axes"], ["y"], name="squeeze")],
+        "squeezing",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+        [onnx.numpy_helper.from_array(np.eye(4, dtype=np.float32), "w"), onnx.numpy_helper.from_array(np.array([0], np.int64), "axes")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "squeeze.onnx"))
+    np.savez(tmp_path / "calib.npz", x=np.ones((2, 4), np.float32))
+    done = subprocess.run(
+        [sys.executable, "-m", "accudiff.cli", "compare", "squeeze.onnx", "--int8", "--input-shapes", "x:1x4", "--calib-data", "calib.npz"],
+        capture_output=True, text=True, cwd=tmp_path,
+    )
+    assert done.returncode == 2
+    assert "could not quantize the model" in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "[E:onnxruntime" not in done.stderr and "\x1b[" not in done.stderr
+
+
 def test_report_of_a_scalar_input_model_replays(tmp_path):
     """A 0-d input (an If's condition) is saved as 0-d, so the report's inputs load back."""
     first = accudiff.compare(fixture("if_model"), "fp16", candidate="onnxrt", report_dir=tmp_path / "r")

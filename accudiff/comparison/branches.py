@@ -68,11 +68,12 @@ def branch_groups(model: onnx.ModelProto, samples: Samples) -> list[BranchGroup]
     return groups
 
 
-def describe_groups(groups: Sequence[BranchGroup], total: int) -> list[str]:
-    """What the report says about the specialization: per If, which branch was compared on which samples."""
+def describe_groups(groups: Sequence[BranchGroup], total: int, shown: int = 3) -> list[str]:
+    """What the report says about the specialization: per If, which branch was compared on which samples
+    (beyond `shown` Ifs, one line with the count; summary.json lists them all)."""
     if not any(group.taken for group in groups):
         return []
-    lines = []
+    described = []
     for node in dict.fromkeys(name for group in groups for name in group.taken):
         per_branch: dict[str, list[int]] = {}
         for group in groups:
@@ -82,7 +83,10 @@ def describe_groups(groups: Sequence[BranchGroup], total: int) -> list[str]:
             f"its {branch} on {f'every sample ({total})' if len(indices) == total else 'samples ' + _sample_list(indices)}"
             for branch, indices in per_branch.items()
         ]
-        lines.append(f"If '{node}' took {' and '.join(parts)}: the branch taken was inlined and compared like the rest of the model")
+        described.append(f"If '{node}' took {' and '.join(parts)}")
+    lines = [f"{text}: the branch taken was inlined and compared like the rest of the model" for text in described[:shown]]
+    if len(described) > shown:
+        lines.append(f"{len(described) - shown} more If node(s) were resolved and inlined the same way (summary.json: branches)")
     if len(groups) > 1:
         lines.append(f"the samples take {len(groups)} different combinations of branches: each is compared on its own samples, and a tensor only one branch computes is compared over that branch's samples")
     return lines

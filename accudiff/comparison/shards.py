@@ -25,7 +25,7 @@ import numpy as np
 
 from accudiff.comparison.metrics import StatsSet
 from accudiff.comparison.worker import Job, load_result, run_job
-from accudiff.errors import AccudiffError
+from accudiff.errors import AccudiffError, first_line
 
 Progress = Callable[[str, int, int], None]
 RAY_LOG_LEVEL = 40  # logging.ERROR: Ray's own log lines stay off the console
@@ -135,7 +135,7 @@ def _ray_cluster(address: str) -> Iterator[int]:
             ray.init(address=None if address == "local" else address, logging_level=RAY_LOG_LEVEL, log_to_driver=False,
                      include_dashboard=False, configure_logging=True)
         except Exception as exc:  # connection errors of many kinds
-            raise AccudiffError(f"could not start or join the Ray cluster '{address}': {str(exc).strip().splitlines()[0]}") from exc
+            raise AccudiffError(f"could not start or join the Ray cluster '{address}': {first_line(exc)}") from exc
     try:
         yield max(1, int(ray.cluster_resources().get("CPU", 1)))
     finally:
@@ -209,5 +209,5 @@ def _ray_failure(exc: BaseException, job: Job) -> str:
     cause = getattr(exc, "cause", None)
     if isinstance(cause, AccudiffError):
         return str(cause)
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    first = first_line(exc)
     return f"a Ray task comparing samples {job.sample_indices[0]}-{job.sample_indices[-1]} of '{Path(job.reference).name}' failed: {first}"

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 
-from accudiff.errors import AccudiffError
+from accudiff.errors import AccudiffError, first_line
 
 # Protobuf refuses to serialise messages beyond 2 GiB; above this we keep weights as external data.
 EXTERNAL_DATA_THRESHOLD = 1_500_000_000
@@ -72,7 +72,7 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
     try:
         proto = onnx.load(str(path), load_external_data=True)
     except (DecodeError, ValueError, RuntimeError) as exc:
-        raise AccudiffError(f"'{path}' is not a readable ONNX model ({_first_line(exc)})") from exc
+        raise AccudiffError(f"'{path}' is not a readable ONNX model ({first_line(exc)})") from exc
     except FileNotFoundError as exc:
         raise AccudiffError(f"'{path}' refers to external data that is missing: {exc.filename}") from exc
     if len(proto.graph.node) == 0:
@@ -80,7 +80,7 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
     try:
         onnx.checker.check_model(str(path) if _is_large(proto) else proto)
     except onnx.checker.ValidationError as exc:
-        raise AccudiffError(f"'{path}' fails the ONNX checker: {_first_line(exc)}") from exc
+        raise AccudiffError(f"'{path}' fails the ONNX checker: {first_line(exc)}") from exc
     name_unnamed_nodes(proto)
     clear_unknown_dims(proto)
     infer_shapes_in_place(proto)
@@ -299,8 +299,3 @@ def toposort(graph: onnx.GraphProto) -> None:
 def _is_large(proto: onnx.ModelProto) -> bool:
     total = sum(len(init.raw_data) for init in proto.graph.initializer)
     return total > EXTERNAL_DATA_THRESHOLD
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import onnx
 
-from accudiff.errors import AccudiffError
+from accudiff.errors import AccudiffError, first_line
 from accudiff.runners.base import Runner
 
 
@@ -42,13 +42,13 @@ class OnnxrtRunner(Runner):
         self._scratch = Path(tempfile.mkdtemp(prefix="accudiff-ort-"))
         path = self._marked_model()
         options = ort.SessionOptions()
-        options.log_severity_level = 3
+        options.log_severity_level = 4  # errors still raise, as one sentence; ONNX Runtime's own lines stay off the console
         options.enable_cpu_mem_arena = False
         options.intra_op_num_threads = self.threads
         try:
             self._session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         except Exception as exc:  # ONNX Runtime raises its own exception types, and RuntimeError
-            raise AccudiffError(f"ONNX Runtime failed while loading '{self.model_path.name}': {_first_line(exc)}") from exc
+            raise AccudiffError(f"ONNX Runtime failed while loading '{self.model_path.name}': {first_line(exc)}") from exc
         self._input_types = {i.name: _NUMPY_TYPES.get(i.type) for i in self._session.get_inputs()}
 
     def infer(self, feed: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
@@ -62,7 +62,7 @@ class OnnxrtRunner(Runner):
         try:
             results = self._session.run(list(self._answers), inputs)
         except Exception as exc:
-            raise AccudiffError(f"ONNX Runtime failed while running '{self.model_path.name}': {_first_line(exc)}") from exc
+            raise AccudiffError(f"ONNX Runtime failed while running '{self.model_path.name}': {first_line(exc)}") from exc
         return {self._answers[name]: value for name, value in zip(self._answers, results) if isinstance(value, np.ndarray)}
 
     def deactivate(self) -> None:
@@ -85,7 +85,7 @@ class OnnxrtRunner(Runner):
         try:
             model = onnx.load(str(self.model_path), load_external_data=True)
         except Exception as exc:
-            raise AccudiffError(f"'{self.model_path.name}' could not be read: {_first_line(exc)}") from exc
+            raise AccudiffError(f"'{self.model_path.name}' could not be read: {first_line(exc)}") from exc
         clear_unknown_dims(model)  # a size written as 0 means "unknown", not an empty tensor
         fp16_copies = lower_fp16(model) if self.emulate_fp16 else {}
         produced = {o for node in model.graph.node for o in node.output}
@@ -102,8 +102,3 @@ class OnnxrtRunner(Runner):
 
 
 _NUMPY_TYPES = {"tensor(float)": np.dtype(np.float32), "tensor(float16)": np.dtype(np.float16), "tensor(double)": np.dtype(np.float64)}
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from accudiff.errors import AccudiffError
+from accudiff.errors import AccudiffError, first_line
 from accudiff.model.inputs import Feed
 from accudiff.model.loading import toposort
 from accudiff.transforms.base import KeptNode, NodeSelector, QuantRange, TransformResult
@@ -56,7 +56,7 @@ def to_int8(
 
     import onnxruntime
 
-    onnxruntime.set_default_logger_severity(3)  # the calibration sessions the quantizer makes log warnings otherwise
+    onnxruntime.set_default_logger_severity(4)  # the quantizer's calibration sessions log warnings and errors otherwise (errors still raise)
     model, upgraded = _with_per_channel_opset(model)
     selector = NodeSelector(keep_fp32)
     excluded = [node.name for node in model.graph.node if selector.matches(node) is not None]
@@ -84,7 +84,7 @@ def to_int8(
                     },
                 )
         except Exception as exc:  # the quantizer raises bare exceptions of many kinds
-            raise AccudiffError(f"ONNX Runtime's quantization tool could not quantize the model: {exc}") from exc
+            raise AccudiffError(f"ONNX Runtime's quantization tool could not quantize the model: {first_line(exc)}") from exc
         quantized = onnx.load(str(target))
     toposort(quantized.graph)
     converted = _unshare_quantized_activations(quantized.graph)
@@ -110,7 +110,7 @@ def _with_per_channel_opset(model: onnx.ModelProto) -> tuple[onnx.ModelProto, li
     except Exception as exc:  # the converter raises bare errors of many kinds
         raise AccudiffError(
             f"the INT8 candidate needs opset {PER_CHANNEL_OPSET} (per-channel quantization), and ONNX's version converter "
-            f"cannot convert this opset-{opset} model: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
+            f"cannot convert this opset-{opset} model: {first_line(exc)}"
         ) from exc
     return upgraded, [f"the model is at opset {opset}; its INT8 candidate was converted to opset {PER_CHANNEL_OPSET}, which per-channel quantization needs"]
 
