@@ -254,12 +254,8 @@ def _compare_group(
     `indices` in worker processes or Ray tasks."""
     first = samples[indices[0]]
     shapes = {spec.name: first[spec.name].shape for spec in info.inputs}
-    specialized = info.path.parent == run.scratch  # a model specialized for these samples' branches, made by this call
-    # Random calibration data must keep the branches: a specialized model takes its integer and bool inputs
-    # (its conditions' sources) as its samples have them.
-    fixed = {name: value for name, value in first.items() if not np.issubdtype(value.dtype, np.floating)} if specialized else {}
     segments = _segments(info, shapes, run.max_memory, single="trt" in (run.kind, run.also))  # one engine: the one that ships
-    transformed = transform_model(info, run.precision, shapes, calibration, run.keep_fp32, run.autokeep, run.seed, run.trt.engine, run.scratch, fixed)
+    transformed = transform_model(info, run.precision, first, calibration, run.keep_fp32, run.autokeep, run.seed, run.trt.engine, run.scratch)
     candidate_path = run.folder.path / candidate_name
     save_model(transformed.model, candidate_path)
     passes = [{"name": "candidate", "model": str(candidate_path), "backend": run.kind, "fed_from_reference": {}, "layer_report": True}]
@@ -277,6 +273,7 @@ def _compare_group(
     return_freed_memory()
     run.stopwatch.lap("transform")
     entries = [samples.as_json()[i] for i in indices]
+    specialized = info.path.parent == run.scratch  # a model specialized for these samples' branches lives only for this call
     store = run.reference_cache.store(info.path, samples, [t.name for t in info.tensors]) if run.reference_cache is not None and not specialized else None
     job = _job(info, samples, segments, run.precision, passes, run.tolerances, transformed.quant_ranges, run.scratch / candidate_path.stem, store)
     job = replace(
@@ -428,34 +425,39 @@ def prepare_samples(
 def transform_model(
     info: ModelInfo,
     precision: str,
-    shapes,
+    sample: Feed,
     calib_data=None,
     keep_fp32=(),
     autokeep: bool = True,
     seed: int = 0,
     engine=None,
     scratch: Path | None = None,
-    fixed: Feed | None = None,
 ) -> TransformResult:
-    """The candidate model exactly as `compare` builds it (also used for the bisectors' repaired model)."""
+    """The candidate model exactly as `compare` builds it (also used for the bisectors' repaired model);
+    `sample` is the first sample compared (see calibration_samples)."""
     if engine is not None:  # a pre-built engine is the candidate: there is nothing to transform
         return TransformResult(model=info.proto, precision=precision)
     if precision == "fp16":
         return to_fp16(info.proto, keep_fp32, autokeep)
     if precision == "int8":
-        return to_int8(info.proto, calibration_samples(info, shapes, calib_data, seed, scratch, fixed), keep_fp32, calibrated_on_random_data=calib_data is None)
+        return to_int8(info.proto, calibration_samples(info, sample, calib_data, seed, scratch), keep_fp32, calibrated_on_random_data=calib_data is None)
     return TransformResult(model=info.proto, precision="fp32")
 
 
-def calibration_samples(info: ModelInfo, shapes, calib_data=None, seed: int = 0, scratch: Path | None = None, fixed: Feed | None = None) -> Samples:
+def calibration_samples(info: ModelInfo, sample: Feed, calib_data=None, seed: int = 0, scratch: Path | None = None) -> Samples:
     """The INT8 calibration samples: `calib_data` (samples, or a file or a folder, read one at a time), else
-    seeded random data (seed + 1, written into `scratch`) with the inputs in `fixed` taken as they are."""
+    seeded random data (seed + 1, written into `scratch`) shaped like `sample`. Only the floating-point
+    inputs are random: integer and bool inputs (shapes, indices, flags, the conditions of a model
+    specialized for its branches) are taken from `sample`, as random values would make invalid shapes
+    and take other branches."""
     if isinstance(calib_data, Samples):
         return calib_data
     if calib_data is not None:
         return samples_from_path(calib_data, info.inputs, "calibration file", scratch)
+    shapes = {spec.name: sample[spec.name].shape for spec in info.inputs}
+    fixed = {name: value for name, value in sample.items() if not np.issubdtype(value.dtype, np.floating)}
     folder = scratch if scratch is not None else Path(tempfile.mkdtemp(prefix="accudiff-calibration-"))
-    feeds = [{**feed, **(fixed or {})} for feed in generate_feeds(info.inputs, shapes, seed + 1, iterations=8)]
+    feeds = [{**feed, **fixed} for feed in generate_feeds(info.inputs, shapes, seed + 1, iterations=8)]
     return samples_from_feeds(feeds, folder / "calibration.npz", info.inputs)
 
 

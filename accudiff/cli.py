@@ -36,9 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="accudiff", description="Find where an ONNX model loses accuracy in FP16/INT8, and why.")
     parser.add_argument("--version", action="version", version=f"accudiff {__version__}")
     parser.add_argument("--debug", action="store_true", help="show a traceback for internal errors")
+    # --debug is also taken after the command, where a user rerunning a failed command adds it.
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show a traceback for internal errors")
     commands = parser.add_subparsers(dest="command", parser_class=_Parser, required=True)
 
-    cmp = commands.add_parser("compare", help="compare every tensor of an FP32 reference against a reduced-precision candidate")
+    cmp = commands.add_parser("compare", parents=[debug], help="compare every tensor of an FP32 reference against a reduced-precision candidate")
     add_run_options(cmp)
     add_report_dir_option(cmp, "reports/<model>-<precision>-<time>/")
     cmp.set_defaults(parser=cmp)
@@ -47,12 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bisect = commands.add_parser("bisect", help="isolate what fails").add_subparsers(dest="bisector", parser_class=_Parser, required=True)
     for name, text in BISECTORS.items():
-        sub = bisect.add_parser(name, help=text)
+        sub = bisect.add_parser(name, parents=[debug], help=text)
         add_run_options(sub)
         add_report_dir_option(sub, f"reports/<model>-bisect-{name}-<time>/")
         sub.set_defaults(parser=sub)
 
-    part = commands.add_parser("partition", help="save the parts of a model TensorRT can and cannot convert")
+    part = commands.add_parser("partition", parents=[debug], help="save the parts of a model TensorRT can and cannot convert")
     part.add_argument("model", help="ONNX model file")
     add_report_dir_option(part, "reports/<model>-partitions-<time>/")
     part.add_argument("--trt-module", choices=MODULES, help="TensorRT package to use (default: the first importable)")
@@ -79,6 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # a bug of ours: one sentence by default, the traceback on request
         if args.debug:
             traceback.print_exc()
+            if getattr(exc, "detail", None):
+                print(exc.detail, file=sys.stderr)
         print(f"accudiff: internal error: {type(exc).__name__}: {exc} (rerun with --debug for details)", file=sys.stderr)
         return EXIT_ERROR
 

@@ -28,6 +28,21 @@ def test_segmented_and_one_shot_comparisons_give_identical_tables(tmp_path):
     pd.testing.assert_frame_equal(one_shot.table, segmented.table)
 
 
+def test_a_model_with_unnamed_nodes_is_cut_into_the_same_segments(tmp_path):
+    """Found by the backend sweep (light_bvlc_alexnet): segments name their nodes, and the reference file's
+    unnamed nodes must get the names the plan gave them."""
+    import onnx
+
+    chain = models.elementwise_chain(tmp_path, 12, 250_000)
+    model = onnx.load(str(chain))
+    for node in model.graph.node:
+        node.name = ""
+    onnx.save(model, str(tmp_path / "unnamed.onnx"))
+    whole = accudiff.compare(tmp_path / "unnamed.onnx", "fp16", candidate="onnxrt")
+    parts = accudiff.compare(tmp_path / "unnamed.onnx", "fp16", candidate="onnxrt", max_memory="16M")
+    pd.testing.assert_frame_equal(whole.table, parts.table)
+
+
 def test_segments_follow_kept_nodes_and_quantization(tmp_path):
     """Nodes the transforms add (casts around a node kept in FP32, Q/DQ pairs) go with their readers."""
     chain = models.elementwise_chain(tmp_path, 12, 250_000)

@@ -164,8 +164,7 @@ def _run_bound(ranked: int) -> int:
 
 def _repaired(session: BisectSession, keep: list[str]):
     """The transformed model with the keep-list applied, built as `compare --keep-fp32` builds it."""
-    shapes = {spec.name: session.feeds[0][spec.name].shape for spec in session.info.inputs}
     options = session.options
     return transform_model(
-        session.info, session.precision, shapes, options.get("calib_data"), keep, options.get("autokeep", True), session.seed
+        session.info, session.precision, session.feeds[0], options.get("calib_data"), keep, options.get("autokeep", True), session.seed
     ).model

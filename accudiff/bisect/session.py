@@ -50,8 +50,7 @@ class BisectSession:
 
     def calibration_feeds(self) -> Samples:
         """The INT8 calibration samples of the full model, exactly as `compare` uses them."""
-        shapes = {spec.name: self.feeds[0][spec.name].shape for spec in self.info.inputs}
-        return calibration_samples(self.info, shapes, self.options.get("calib_data"), self.seed, self.cache.folder)
+        return calibration_samples(self.info, self.feeds[0], self.options.get("calib_data"), self.seed, self.cache.folder)
 
     def close(self) -> None:
         self.cache.close()

@@ -27,7 +27,7 @@ import onnx
 from accudiff.comparison.metrics import EMPTY_ROW, SKETCH_BUCKETS, StatsSet, finish, reduce_tensor, reference_range
 from accudiff.comparison.tolerances import Tolerance, Tolerances
 from accudiff.model.inputs import Feed
-from accudiff.model.loading import infer_shapes_in_place
+from accudiff.model.loading import infer_shapes_in_place, name_unnamed_nodes
 from accudiff.model.subgraph import extract
 from accudiff.runners.base import Runner
 from accudiff.runners.outputs import ReferenceStore
@@ -144,6 +144,7 @@ class Engine:
         go with their first reader), each returning its compared tensors and what later segments read."""
         compared = set(self.tensors)
         model = onnx.load(str(path), load_external_data=count > 1)
+        name_unnamed_nodes(model)  # the names the plan uses (the reference file may leave nodes unnamed)
         if count > 1:
             infer_shapes_in_place(model)  # the cut models' inputs and outputs need their types
         nodes = list(model.graph.node)

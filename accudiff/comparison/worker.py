@@ -31,6 +31,14 @@ from accudiff.memory import map_large_blocks_separately
 BACKEND_NAMES = {"onnxrt": "ONNX Runtime", "trt": "TensorRT"}
 
 
+class WorkerBug(RuntimeError):
+    """A bug of ours inside the worker; `detail` holds the worker's traceback (shown with --debug)."""
+
+    def __init__(self, message: str, detail: str):
+        super().__init__(message)
+        self.detail = detail
+
+
 @dataclass
 class Job:
     """Everything a worker needs, as plain data (it crosses a process or machine boundary as JSON)."""
@@ -90,7 +98,7 @@ def run_job(job: Job, progress: Callable[[str, int, int], None] | None = None) -
     if outcome["event"] == "error":
         raise AccudiffError(outcome["message"])
     if outcome["event"] == "bug":
-        raise RuntimeError(f"the comparison worker failed: {outcome['message']}")
+        raise WorkerBug(f"the comparison worker failed: {outcome['message']}", stderr.strip()[-4000:])
     return load_result(Path(job.result))
 
 

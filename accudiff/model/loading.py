@@ -169,8 +169,13 @@ def infer_shapes_in_place(proto: onnx.ModelProto) -> None:
     except (onnx.shape_inference.InferenceError, ValueError):
         return
     del proto.graph.value_info[:]
-    proto.graph.value_info.extend(inferred.graph.value_info)
+    proto.graph.value_info.extend(_known(inferred.graph.value_info))
     _copy_body_value_info(proto.graph.node, inferred.graph.node)
+
+
+def _known(value_info: Iterable[onnx.ValueInfoProto]) -> list[onnx.ValueInfoProto]:
+    """Entries whose element type inference could not tell (0) say nothing, and ONNX Runtime refuses them."""
+    return [vi for vi in value_info if not (vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type == 0)]
 
 
 def _copy_body_value_info(nodes: Iterable[onnx.NodeProto], inferred: Iterable[onnx.NodeProto]) -> None:
@@ -179,7 +184,7 @@ def _copy_body_value_info(nodes: Iterable[onnx.NodeProto], inferred: Iterable[on
         for attr, attr_done in zip(node.attribute, done.attribute):
             for body, body_done in zip(_attribute_graphs(attr), _attribute_graphs(attr_done)):
                 del body.value_info[:]
-                body.value_info.extend(body_done.value_info)
+                body.value_info.extend(_known(body_done.value_info))
                 _copy_body_value_info(body.node, body_done.node)
 
 

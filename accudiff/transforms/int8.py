@@ -33,7 +33,7 @@ from accudiff.transforms.base import KeptNode, NodeSelector, QuantRange, Transfo
 QUANTIZED_OPS = ["Conv", "ConvTranspose", "MatMul", "Gemm"]
 PER_CHANNEL_OPSET = 13
 RANDOM_CALIBRATION_WARNING = (
-    "INT8 scales were calibrated on random data: pass --calib-data with real samples, "
+    "INT8 scales were calibrated on random data (integer and bool inputs as in the first sample): pass --calib-data with real samples, "
     "or clipping and resolution errors will not match deployment"
 )
 
