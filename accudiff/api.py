@@ -24,9 +24,10 @@ from accudiff.diagnosis.rules import DiagnosisContext, Finding, diagnose
 from accudiff.errors import AccudiffError
 from accudiff.memory import return_freed_memory
 from accudiff.model.inputs import Feed, generate_feeds, parse_input_shapes, parse_val_ranges, resolve_shapes, validate_feeds
-from accudiff.model.loading import ModelInfo, describe, load_model, save_model
+from accudiff.model.loading import ModelInfo, NodeSummary, describe, load_model, save_model
 from accudiff.model.samples import Samples, samples_from_feeds, samples_from_path
 from accudiff.model.segments import SEGMENTS_PER_BUDGET, memory_budget, plan_segments, tensor_sizes
+from accudiff.options import run_arguments
 from accudiff.report.folder import ReportFolder
 from accudiff.runners import TrtOptions, resolve_candidate
 from accudiff.runners.outputs import ReferenceCache, ReferenceStore
@@ -78,6 +79,13 @@ class CompareResult:
     inputs: str = ""  # where the samples came from
     candidate_models: list[str] = field(default_factory=list)  # the candidate model files in the report (one per branch group)
     branches: list[dict] = field(default_factory=list)  # per group of samples: {"samples": [...], "taken": {If node: branch}}
+    replay: list[str] = field(default_factory=list)  # the command that runs this comparison again on the same inputs
+    # For the HTML report: the nodes and weights as written, every failing output's and cause's error
+    # sketch (metrics.error_histogram), and sampled [reference, candidate] pairs of each graph output.
+    nodes: dict[str, NodeSummary] = field(default_factory=dict)
+    weights: dict[str, str] = field(default_factory=dict)
+    error_sketches: dict[str, np.ndarray] = field(default_factory=dict)
+    points: dict[str, list[list[float]]] = field(default_factory=dict)
 
     @property
     def outputs(self) -> pd.DataFrame:
@@ -198,6 +206,15 @@ def compare(
         result.notices = [n for n in [notice, *describe_groups(groups, len(samples)), *transformed.warnings, *candidate_pass["notices"]] if n]
         result.candidate_models = [r.candidate_model for r in runs]
         result.branches = [{"samples": g.samples, "taken": g.taken} for g in groups if g.taken]
+        if folder.final is not None:
+            copied = (folder.path / INPUTS_FILE).exists()
+            replay_options = {
+                "candidate": candidate, "inputs": folder.final / INPUTS_FILE if copied else inputs, "calib_data": calib_data, "seed": seed,
+                "keep_fp32": keep_fp32, "autokeep": autokeep, "atol": atol, "rtol": rtol, "stol": stol, "max_memory": max_memory,
+                "workers": workers, "ray": ray, "trt": trt,
+            }
+            extra = ["--no-isolate"] * (not isolate) + (["--also", also] if also else [])
+            result.replay = ["accudiff", "compare", *run_arguments(model, precision, replay_options), *extra]
         result.timings = step.laps  # the same dict: the report sees every phase before its own
         step.lap("diagnose")
         if report_dir is not None:
@@ -331,6 +348,8 @@ def _combine(model: Path, runs: Sequence[_GroupRun]) -> tuple[ModelInfo, Transfo
     info = ModelInfo(
         Path(model), onnx.ModelProto(), first.inputs, first.output_names, [by_name[name] for name in tensors], upstream,
         {name: why for r in runs for name, why in r.info.not_observable.items() if name not in by_name},
+        {name: node for r in runs for name, node in r.info.nodes.items()},
+        {name: text for r in runs for name, text in r.info.weights.items()},
     )
     transforms = [r.transformed for r in runs]
     transformed = TransformResult(
@@ -471,6 +490,7 @@ def _judge(info, precision, outcome: dict, tolerances, transformed, isolate: boo
         return build_table(info.tensors, StatsSet.from_arrays(result), seen, notes, tolerances, transformed.quant_ranges)
 
     table = table_of("candidate")
+    row_of = {t.name: k for k, t in enumerate(info.tensors)}
     if isolate:
         table = with_side_run(table, table_of("isolated"), "isolated")
     if also is not None and also in outcome["passes"]:
@@ -520,6 +540,11 @@ def _judge(info, precision, outcome: dict, tolerances, transformed, isolate: boo
     )
     compared, computed = result.coverage
     result.passed = bool(observed_outputs) and not failing_outputs and compared >= MIN_COVERAGE * computed
+    shown = {f.tensor for f in result.output_failures} | {f.cause.tensor for f in result.output_failures if f.cause.tensor}
+    sketch = np.asarray(candidate_pass["sketch"])
+    result.error_sketches = {name: sketch[row_of[name]] for name in shown if name in row_of}
+    result.points = candidate_pass.get("points", {})
+    result.nodes, result.weights = info.nodes, info.weights
     return result
 
 

@@ -85,6 +85,8 @@ def run_arguments(model: str, precision: str, options: dict) -> list[str]:
     for key, flag in (("inputs", "--load-inputs"), ("calib_data", "--calib-data")):
         if options.get(key) is not None:
             args += [flag, str(options[key])]
+    if options.get("seed", 0) != 0:  # random calibration data (and generated inputs) come from it
+        args += ["--seed", str(options["seed"])]
     for pattern in options.get("keep_fp32") or []:
         args += ["--keep-fp32", pattern]
     if options.get("autokeep", True) is False:

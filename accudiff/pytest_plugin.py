@@ -269,6 +269,7 @@ def _tolerance_problem(row) -> str:
 
 def _message(result, problems: list[str]) -> str:
     from accudiff.report.console import cause_lines, sample_lines
+    from accudiff.report.html import HTML_FILE
 
     lines = [f"accudiff: {result.model.name} [{result.precision}] is out of bounds ({result.candidate})"]
     lines += [f"  {problem}" for problem in problems]
@@ -279,7 +280,7 @@ def _message(result, problems: list[str]) -> str:
     if result.first_failure is not None:
         lines.append(f"  first tensor out of tolerance (topological order): '{result.first_failure.tensor}' ({result.first_failure.op_type})")
     if result.report_dir is not None:
-        lines.append(f"  full report: {result.report_dir}")
+        lines.append(f"  full report: {result.report_dir / HTML_FILE} (summary.json, tensors.csv beside it)")
     return "\n".join(lines)
 
 

@@ -61,6 +61,7 @@ def test_trained_models_compare_end_to_end_on_realistic_inputs(name, precision, 
     summary = json.loads((tmp_path / "report" / "summary.json").read_text())
     assert summary["coverage"]["share"] == 1.0 and summary["samples"]["compared"] == 2
     assert (code == 1) == (summary["verdict"] == "fail")
+    assert (tmp_path / "report" / "report.html").stat().st_size < 3_000_000  # small enough to attach to a bug report
     for output in summary["outputs"]:
         if output["status"] == "fail":
             cause = output["cause"]

@@ -1,4 +1,5 @@
-"""Run a bisector into a report folder (result.json plus its models), and word its result for the console."""
+"""Run a bisector into a report folder (result.json, report.html, and its models), and word its result for the
+console."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from accudiff.bisect.precision import KEEP_LIST_FILE, RANKING_FILE, bisect_preci
 from accudiff.bisect.session import BisectSession, stderr_progress
 from accudiff.bisect.subgraph import bisect_subgraph
 from accudiff.report.folder import ReportFolder
+from accudiff.report.html import HTML_FILE, bisect_page
 from accudiff.report.writer import finite
 
 RESULT_FILE = "result.json"
@@ -21,7 +23,14 @@ RESULT_SCHEMA = "accudiff.bisect.result"
 def run_bisector(name: str, model: str | Path, precision: str, options: dict, out_dir: Path) -> tuple[str, bool]:
     """Run bisector `name`; returns the console summary and whether a failure was found."""
     folder = ReportFolder(Path(out_dir))
-    session = BisectSession(Path(model), precision, dict(options), stderr_progress())
+    steps: list[str] = []
+    show = stderr_progress()
+
+    def progress(message: str) -> None:
+        steps.append(message)
+        show(message)
+
+    session = BisectSession(Path(model), precision, dict(options), progress)
     try:
         if name == "subgraph":
             result = bisect_subgraph(session, folder.path)
@@ -32,6 +41,8 @@ def run_bisector(name: str, model: str | Path, precision: str, options: dict, ou
         fields = {key: value for key, value in vars(result).items() if not isinstance(value, pd.DataFrame)}
         document = {"schema": RESULT_SCHEMA, "schema_version": 2, "bisector": name, "model": str(model), "precision": precision, **fields}
         folder.write_text(RESULT_FILE, json.dumps(finite(document), indent=2) + "\n")
+        files = {"keep_list": KEEP_LIST_FILE if name == "precision" and getattr(result, "keep", None) else None}
+        folder.write_text(HTML_FILE, bisect_page(name, Path(model).name, precision, result, steps, files))
         folder.commit()
     except BaseException:
         folder.discard()

@@ -24,7 +24,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import onnx
 
-from accudiff.comparison.metrics import EMPTY_ROW, SKETCH_BUCKETS, StatsSet, finish, reduce_tensor, reference_range
+from accudiff.comparison.metrics import EMPTY_ROW, F, SKETCH_BUCKETS, StatsSet, finish, reduce_tensor, reference_range
 from accudiff.comparison.tolerances import Tolerance, Tolerances
 from accudiff.model.inputs import Feed
 from accudiff.model.loading import infer_shapes_in_place, name_unnamed_nodes
@@ -36,6 +36,8 @@ from accudiff.transforms.base import QuantRange
 Progress = Callable[[str], None]
 _RANGE_ONLY = Tolerance(atol=1.0, rtol=0.0)  # for a tensor compared with itself: no error, only its range
 PARALLEL_ELEMENTS = 1 << 18  # tensors this large are reduced on several cores at once
+POINTS_PER_SAMPLE = 512  # (reference, candidate) pairs of each graph output kept per sample, for plots
+POINTS_PER_OUTPUT = 2048  # ... and in all
 RunnerFactory = Callable[[Path, list[str]], Runner]  # (model file, tensors to return) -> runner
 
 
@@ -77,6 +79,7 @@ class PassResult:
     label: str = ""
     notices: list[str] = field(default_factory=list)
     outcomes: list[SampleOutcome] = field(default_factory=list)
+    points: dict[str, list[list[float]]] = field(default_factory=dict)  # graph output -> sampled [reference, candidate] pairs
 
 
 @dataclass
@@ -244,6 +247,8 @@ class Engine:
                 result.outcomes.append(
                     SampleOutcome(sample, tensor, one["max_abs_err"], one["tol_ratio"], one["outside_share"], one["sqnr_db"], *agreement)
                 )
+                kept = result.points.setdefault(tensor, [])
+                kept += sample_points(reference[tensor], candidate[tensor], int(values[index][F["worst_index"]]), POINTS_PER_OUTPUT - len(kept))
 
     def close(self) -> None:
         """Collect what the runners know about what they observed, and shut them down."""
@@ -262,6 +267,19 @@ class Engine:
         for runner in self._active:
             runner.deactivate()
         self._active = []
+
+
+def sample_points(ref: np.ndarray, cand: np.ndarray, worst: int, room: int) -> list[list[float]]:
+    """Up to min(POINTS_PER_SAMPLE, room) [reference, candidate] pairs, evenly strided, the worst element
+    first: what the report's scatter plot shows of a graph output."""
+    if room <= 0 or not np.issubdtype(np.asarray(ref).dtype, np.floating):
+        return []
+    r, c = np.asarray(ref).reshape(-1), np.asarray(cand).reshape(-1)
+    count = min(POINTS_PER_SAMPLE, room, r.size)
+    picked = np.unique(np.linspace(0, r.size - 1, count).astype(np.int64))
+    if 0 <= worst < r.size:
+        picked = np.concatenate([[worst], picked[picked != worst]])[:count]
+    return np.stack([r[picked].astype(np.float64), c[picked].astype(np.float64)], axis=1).tolist()
 
 
 def _class_agreement(ref: np.ndarray, cand: np.ndarray) -> tuple[int, int, int]:

@@ -247,6 +247,21 @@ def _quantile(sketch: np.ndarray, q: float) -> float:
     return float(np.sqrt(low * high))
 
 
+def error_histogram(sketch: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """The absolute error's distribution from a sketch, one bin per octave: (bin edges, counts, errors
+    counted as 0), the occupied octaves only. Every element is in it, not a sample."""
+    buckets = np.asarray(sketch, np.int64)
+    per_octave = buckets.reshape(-1, 1 << SKETCH_BITS).sum(axis=1)
+    zeros = int(buckets[0])
+    per_octave[0] -= zeros
+    occupied = np.flatnonzero(per_octave)
+    if not occupied.size:
+        return np.array([]), np.array([], np.int64), zeros
+    first, last = occupied[0], occupied[-1] + 1
+    edges = 2.0 ** (np.arange(first, last + 1) + SKETCH_LOW_EXPONENT)
+    return edges, per_octave[first:last], zeros
+
+
 def _cosine(dot: float, ref_energy: float, cand_energy: float) -> float:
     if ref_energy == 0 and cand_energy == 0:
         return 1.0

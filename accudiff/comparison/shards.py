@@ -23,6 +23,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from accudiff.comparison.engine import POINTS_PER_OUTPUT
 from accudiff.comparison.metrics import StatsSet
 from accudiff.comparison.worker import Job, load_result, run_job
 from accudiff.errors import AccudiffError, first_line
@@ -109,13 +110,17 @@ def merge_results(results: Sequence[dict]) -> dict:
             stats = StatsSet.from_arrays(part)
             if name not in merged["passes"]:
                 merged["passes"][name] = {**part, "stats": stats, "seen": dict(part["seen"]), "notes": dict(part["notes"]),
-                                          "not_observable": dict(part["not_observable"]), "outcomes": list(part["outcomes"])}
+                                          "not_observable": dict(part["not_observable"]), "outcomes": list(part["outcomes"]),
+                                          "points": {k: list(v) for k, v in part["points"].items()}}
                 continue
             into = merged["passes"][name]
             into["stats"].merge(stats)
             for key in ("seen", "notes", "not_observable"):
                 into[key] = {**part[key], **into[key]}
             into["outcomes"] += part["outcomes"]
+            for output, points in part["points"].items():
+                kept = into["points"].setdefault(output, [])
+                kept += points[: POINTS_PER_OUTPUT - len(kept)]
     merged["inputs"] = merged["inputs"].arrays()
     for part in merged["passes"].values():
         part.update(part.pop("stats").arrays())

@@ -182,6 +182,7 @@ def _write_result(engine, path: Path) -> None:
             "label": result.label,
             "notices": result.notices,
             "outcomes": [asdict(o) for o in result.outcomes],
+            "points": result.points,
         }
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".npz"), "wb") as handle:

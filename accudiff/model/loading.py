@@ -49,6 +49,17 @@ class TensorInfo:
     is_output: bool
 
 
+@dataclass(frozen=True)
+class NodeSummary:
+    """A node as a report shows it (kept after the weights are freed): op, wiring, attributes in short."""
+
+    name: str
+    op_type: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attributes: tuple[tuple[str, str], ...]
+
+
 @dataclass
 class ModelInfo:
     path: Path
@@ -58,6 +69,8 @@ class ModelInfo:
     tensors: list[TensorInfo]
     upstream: dict[str, list[str]] = field(default_factory=dict)  # tensor -> tensors and graph inputs its node reads
     not_observable: dict[str, str] = field(default_factory=dict)
+    nodes: dict[str, NodeSummary] = field(default_factory=dict)
+    weights: dict[str, str] = field(default_factory=dict)  # weight -> "float32[64x3x3x3]"
 
     @property
     def stem(self) -> str:
@@ -117,7 +130,23 @@ def describe(path: Path, proto: onnx.ModelProto) -> ModelInfo:
     produced = {t.name for t in tensors}
     produced |= {spec.name for spec in inputs}  # graph inputs too: INT8 quantizes them like any tensor
     upstream = {out: [name for name in node.input if name in produced] for node in graph.node for out in node.output if out}
-    return ModelInfo(path, proto, inputs, output_names, tensors, upstream, not_observable)
+    nodes = {node.name: _summary(node) for node in graph.node}
+    weights = {init.name: f"{_np_dtype(init.data_type)}[{'x'.join(map(str, init.dims))}]" for init in graph.initializer}
+    return ModelInfo(path, proto, inputs, output_names, tensors, upstream, not_observable, nodes, weights)
+
+
+def _summary(node: onnx.NodeProto) -> NodeSummary:
+    attributes = []
+    for attr in node.attribute:
+        if attr.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS):
+            text = f"subgraph ({sum(len(g.node) for g in _attribute_graphs(attr))} nodes)"
+        elif attr.type == onnx.AttributeProto.TENSOR:
+            text = f"tensor {_np_dtype(attr.t.data_type)}[{'x'.join(map(str, attr.t.dims))}]"
+        else:
+            value = onnx.helper.get_attribute_value(attr)
+            text = value.decode(errors="replace") if isinstance(value, bytes) else repr(value)
+        attributes.append((attr.name, text if len(text) <= 120 else text[:117] + "..."))
+    return NodeSummary(node.name, node.op_type, tuple(node.input), tuple(node.output), tuple(attributes))
 
 
 def name_unnamed_nodes(proto: onnx.ModelProto) -> None:

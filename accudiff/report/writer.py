@@ -1,4 +1,5 @@
-"""The report folder's contents: summary.json (versioned schema, see README) and tensors.csv.
+"""The report folder's contents: summary.json (versioned schema, see README), tensors.csv, samples.csv,
+report.html and summary.md (report/html.py).
 
 The caller has already put the inputs and the candidate model into the staging folder; everything
 becomes visible at once when the folder is committed.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from dataclasses import asdict
 
 from accudiff import __version__
@@ -19,6 +21,7 @@ SUMMARY_SCHEMA_VERSION = 3
 SUMMARY_FILE = "summary.json"
 TENSORS_FILE = "tensors.csv"
 SAMPLES_FILE = "samples.csv"
+MARKDOWN_FILE = "summary.md"
 WORST_SAMPLES_FILE = "worst_samples.npz"
 INPUTS_FILE = "inputs.npz"
 WORST_SAMPLE_COUNT = 5
@@ -66,7 +69,9 @@ def summary(result) -> dict:
         "timings_s": result.timings,
         "inputs": result.inputs,
         "samples": _samples_summary(result),
-        "files": {"tensors": TENSORS_FILE, "samples": SAMPLES_FILE, "inputs": INPUTS_FILE, "candidate_models": result.candidate_models},
+        "files": {"tensors": TENSORS_FILE, "samples": SAMPLES_FILE, "inputs": INPUTS_FILE, "candidate_models": result.candidate_models,
+                  "html": "report.html", "markdown": MARKDOWN_FILE},
+        "replay": shlex.join(result.replay) if result.replay else None,
     }
     return finite(document)
 
@@ -105,6 +110,10 @@ def write_report(result, folder: ReportFolder, samples) -> None:
     if not (folder.path / INPUTS_FILE).exists():  # a dataset is not copied: the summary says where it is
         document["files"]["inputs"] = None
     folder.write_text(SUMMARY_FILE, json.dumps(finite(document), indent=2) + "\n")
+    from accudiff.report.html import HTML_FILE, compare_page, summary_markdown
+
+    folder.write_text(HTML_FILE, compare_page(result))
+    folder.write_text(MARKDOWN_FILE, summary_markdown(result))
 
 
 def worst_samples(result, count: int = WORST_SAMPLE_COUNT) -> list[int]:

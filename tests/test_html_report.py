@@ -1,0 +1,101 @@
+"""report.html and summary.md: self-contained, escaped, with the verdict, the cause and the plots, for
+compare and both bisectors; and rendered by a real browser (headless Chromium) where one is installed."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import onnx
+import pytest
+
+import accudiff
+from accudiff.bisect.report import run_bisector
+from conftest import ROOT, fixture
+
+sys.path.insert(0, str(ROOT))
+from benchmarks.report_screenshot import browser, render, screenshot  # noqa: E402
+
+HOSTILE_NODE = '<script>alert("node")</script>'
+HOSTILE_TENSOR = "amp'\"<b>lified"
+
+
+def _hostile_model(path):
+    """overflow_activation with a node and a tensor named to break out of HTML if they were not escaped."""
+    model = onnx.load(str(fixture("overflow_activation")))
+    for node in model.graph.node:
+        if node.name == "amplify":
+            node.name = HOSTILE_NODE
+        node.input[:] = [HOSTILE_TENSOR if n == "amplified" else n for n in node.input]
+        node.output[:] = [HOSTILE_TENSOR if n == "amplified" else n for n in node.output]
+    model.graph.doc_string = "</style><script>alert('doc')</script>"
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def hostile_report(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hostile")
+    result = accudiff.compare(_hostile_model(folder / "hostile.onnx"), "fp16", candidate="onnxrt", report_dir=folder / "report")
+    return result, (folder / "report" / "report.html").read_text()
+
+
+def test_every_model_string_is_escaped(hostile_report):
+    _, page = hostile_report
+    assert page.count("<script") == 1  # ours, at the end
+    assert "&lt;script&gt;alert(&quot;node&quot;)&lt;/script&gt;" in page
+    assert "amp&#x27;&quot;&lt;b&gt;lified" in page and "<b>lified" not in page
+
+
+def test_the_page_is_self_contained(hostile_report):
+    _, page = hostile_report
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:|//)""", page)  # nothing fetched from anywhere
+    assert "@import" not in page and not re.search(r"url\((?!#)", page)  # only references within the page
+    assert "default-src 'none'" in page  # and the browser is told to refuse any request
+
+
+def test_compare_page_holds_verdict_cause_plots_table_and_replay(hostile_report, tmp_path):
+    result, page = hostile_report
+    assert 'id="verdict">FAIL<' in page
+    assert "introduces the error" in page and "&lt;script&gt;" in page  # the cause names the (escaped) node
+    assert page.count("<svg") >= 3  # the error's path, the error histogram, the scatter
+    assert 'id="error-path"' in page and 'id="tensors"' in page
+    assert "Around the cause" in page and "consumers" in page
+    assert "accudiff compare" in page and "--load-inputs" in page  # the replay command
+    summary = (result.report_dir / "summary.md").read_text()
+    assert "**FAIL**" in summary and "report.html" in summary and "<script>" not in summary
+
+
+def test_without_matplotlib_the_page_degrades_to_tables(tmp_path, monkeypatch):
+    from accudiff.report import plots
+
+    monkeypatch.setattr(plots, "available", lambda: False)
+    result = accudiff.compare(fixture("overflow_activation"), "fp16", candidate="onnxrt", report_dir=tmp_path / "r")
+    page = (result.report_dir / "report.html").read_text()
+    assert "<svg" not in page and plots.MISSING_NOTICE.replace("'", "&#x27;") in page and 'id="worst-tensors"' in page
+
+
+@pytest.mark.parametrize("bisector", ["subgraph", "precision"])
+def test_bisect_folders_get_a_page(bisector, tmp_path):
+    run_bisector(bisector, fixture("overflow_activation"), "fp16", {"candidate": "onnxrt"}, tmp_path / "b")
+    page = (tmp_path / "b" / "report.html").read_text()
+    assert "Steps taken" in page and "<li>step 1" in page
+    if bisector == "subgraph":
+        assert "FAILING SUBGRAPH FOUND" in page and "Run the reproducer" in page and "accudiff compare subgraph.onnx" in page
+    else:
+        assert "REPAIRED" in page and "Keep in higher precision" in page and 'id="ranking"' in page
+
+
+needs_browser = pytest.mark.skipif(browser() is None, reason="no headless Chromium here (Debian: apt-get install chromium)")
+
+
+@needs_browser
+def test_the_page_renders_in_chromium_without_script_errors(hostile_report, tmp_path):
+    result, _ = hostile_report
+    done = render(result.report_dir / "report.html", "--dump-dom", "--virtual-time-budget=3000")
+    dom = done.stdout
+    assert 'id="verdict">FAIL<' in dom
+    assert "introduces the error" in dom and "<svg" in dom
+    assert "Uncaught" not in done.stderr and "alert(" not in done.stderr
+    shot = screenshot(result.report_dir / "report.html", tmp_path / "page.png", 1280, 1600)
+    assert shot.stat().st_size > 20_000  # a real picture of a real page
