@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_dir_option(part, "reports/<model>-partitions-<time>/")
     part.add_argument("--trt-module", choices=MODULES, help="TensorRT package to use (default: the first importable)")
     part.set_defaults(parser=part)
+
+    doctor = commands.add_parser("doctor", parents=[debug], help="check the TensorRT path on this machine (a screen to paste into a bug report)")
+    doctor.set_defaults(parser=doctor)
     return parser
 
 
@@ -72,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # usage errors, --help, --version: argparse has already printed
         return int(exc.code or 0)
     try:
-        return {"compare": _run_compare, "bisect": _run_bisect, "partition": _run_partition}[args.command](args)
+        return {"compare": _run_compare, "bisect": _run_bisect, "partition": _run_partition, "doctor": _run_doctor}[args.command](args)
     except AccudiffError as exc:
         print(f"accudiff: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -119,6 +122,14 @@ def _run_partition(args: argparse.Namespace) -> int:
         print(f"  nodes {part.start}-{part.end}: {status}: {part.op_types}{reason}")
     print(f"  saved in {out_dir} (partitions.csv lists them)")
     return EXIT_PASS
+
+
+def _run_doctor(args: argparse.Namespace) -> int:
+    from accudiff.doctor import run_doctor
+
+    report = run_doctor()
+    print(report.text())
+    return EXIT_PASS if report.verified else EXIT_FAIL
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ elsewhere; they make the same assertions as the ONNX Runtime candidate's tests."
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 import pytest
 
@@ -167,3 +168,108 @@ def test_three_way_view_and_prebuilt_engine(tmp_path):
 def test_engine_needs_the_tensorrt_candidate(run_cli, tmp_path):
     code, _, err = run_cli("compare", fixture("clean"), "--candidate", "onnxrt", "--engine", tmp_path / "x.plan")
     assert code == 2 and "--engine compares a TensorRT engine" in err
+
+
+# The inference path, checked on the CPU as far as it can be without a GPU (issue: line-by-line review).
+
+
+def _capsule(address: int):
+    import ctypes
+
+    api = ctypes.pythonapi
+    api.PyCapsule_New.restype, api.PyCapsule_New.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    return api.PyCapsule_New(address, None, None)
+
+
+def test_a_debug_address_reads_as_an_integer_or_from_a_capsule():
+    from accudiff.runners.trt import device_pointer
+
+    array = np.arange(4, dtype=np.float32)
+    assert device_pointer(array.ctypes.data) == array.ctypes.data
+    assert device_pointer(_capsule(array.ctypes.data)) == array.ctypes.data
+
+
+def test_the_listener_matches_the_installed_bindings_signature():
+    import inspect
+
+    from accudiff.runners.trt import debug_listener
+
+    documented = TRT.IDebugListener.process_debug_tensor.__doc__.split("(", 1)[1].split(")", 1)[0]
+    names = [part.split(":")[0].strip() for part in documented.split(",")]
+    assert names == ["self", "addr", "location", "type", "shape", "name", "stream"]
+    ours = list(inspect.signature(type(debug_listener(TRT)).process_debug_tensor).parameters)
+    assert ours == names
+
+
+def test_the_listener_reads_host_tensors_and_keeps_its_errors():
+    """TensorLocation.HOST takes the same path as a device copy, minus CUDA: run it for real."""
+    from accudiff.runners.trt import debug_listener
+
+    listener = debug_listener(TRT)
+    values = np.linspace(-2, 2, 6, dtype=np.float32).reshape(2, 3)
+    listener.process_debug_tensor(values.ctypes.data, TRT.TensorLocation.HOST, TRT.DataType.FLOAT, TRT.Dims([2, 3]), "as_int", 0)
+    listener.process_debug_tensor(_capsule(values.ctypes.data), TRT.TensorLocation.HOST, TRT.DataType.FLOAT, TRT.Dims([2, 3]), "as_capsule", 0)
+    np.testing.assert_array_equal(listener.tensors["as_int"], values)
+    np.testing.assert_array_equal(listener.tensors["as_capsule"], values)
+    listener.process_debug_tensor(values.ctypes.data, TRT.TensorLocation.HOST, TRT.DataType.INT4, TRT.Dims([2, 3]), "packed", 0)
+    assert "packed" not in listener.tensors and "no numpy form" in listener.unreadable["packed"]
+    listener.process_debug_tensor(object(), TRT.TensorLocation.HOST, TRT.DataType.FLOAT, TRT.Dims([2, 3]), "broken", 0)
+    assert listener.errors and "debug tensor 'broken'" in listener.errors[0]  # kept for infer to raise, not printed
+
+
+def test_every_tensorrt_type_has_a_defined_reading():
+    from accudiff.runners.trt import host_reading
+
+    kinds = [name for name in dir(TRT.DataType) if name.isupper()]
+    readings = {name: host_reading(TRT, getattr(TRT.DataType, name)) for name in kinds}
+    assert {"FLOAT", "HALF", "INT8", "INT32", "INT64", "BOOL", "UINT8", "BF16", "FP8"} <= {k for k, r in readings.items() if not isinstance(r, str)}
+    assert all(isinstance(r, str) for k, r in readings.items() if k in ("INT4", "FP4", "E8M0"))
+
+
+def test_bf16_and_fp8_decode_exactly():
+    from accudiff.runners.trt import bfloat16_to_float32, fp8_e4m3_to_float32
+
+    wide = np.array([1.0, -2.5, 3.140625, 65280.0, 2.0**-126], np.float32)  # values BF16 holds exactly
+    assert np.array_equal(bfloat16_to_float32((wide.view(np.uint32) >> 16).astype(np.uint16)), wide)
+    codes = np.array([0x00, 0x01, 0x08, 0x38, 0x7E, 0xFE, 0x7F], np.uint8)
+    decoded = fp8_e4m3_to_float32(codes)
+    assert decoded[:6].tolist() == [0.0, 2.0**-9, 2.0**-6, 1.0, 448.0, -448.0] and np.isnan(decoded[6])
+
+
+def test_engine_layers_map_to_onnx_nodes_exactly():
+    """Inspector JSON as TensorRT writes it at detailed verbosity: the ONNX parser's metadata per layer,
+    several for a fused layer; a node 'conv1' is never matched by a layer built from 'conv10'."""
+    from accudiff.runners.trt import layer_nodes
+
+    nodes = {"conv1", "conv10", "relu1", "add | odd"}
+    fused = {"Name": "conv10 + relu1", "Metadata": "[ONNX Layer: conv10]\x1e[ONNX Layer: relu1]"}
+    assert layer_nodes(fused, nodes) == ["conv10", "relu1"]
+    assert layer_nodes({"Name": "x", "Metadata": "[ONNX Layer: conv1 | Local Function: block]"}, nodes) == ["conv1"]
+    assert layer_nodes({"Name": "Reformatting CopyNode for Input Tensor 0 to conv10", "Metadata": ""}, nodes) == []
+    assert layer_nodes("conv10 + relu1", nodes) == ["conv10", "relu1"]  # layer names only (not detailed)
+    assert layer_nodes("conv1", nodes) == ["conv1"]
+
+
+def test_the_parser_writes_the_metadata_the_mapping_reads():
+    _, network, _, _ = create_network(TRT, fixture("clean"))
+    metadata = {network.get_layer(i).name: network.get_layer(i).metadata for i in range(network.num_layers)}
+    assert metadata["conv1"] == "[ONNX Layer: conv1]"
+
+
+def test_polygraphy_runs_the_same_tensorrt_module():
+    from accudiff.runners.trt import polygraphy_runner
+
+    runner = polygraphy_runner(TRT, None, None)
+    import polygraphy.backend.trt.runner as module
+
+    assert module.trt.__name__ == TRT.__name__ and runner.debug_listener is None
+
+
+def test_doctor_says_what_it_verified(run_cli):
+    code, out, _ = run_cli("doctor")
+    assert "tensorrt-rtx" in out and "GPU" in out
+    assert "[  ok   ] build the clean fixture, --trt-mark unfused" in out
+    if NO_INFERENCE is None:
+        assert code == 0 and "verdict: TensorRT inference verified end to end" in out
+    else:
+        assert code == 1 and f"verdict: TensorRT inference NOT verified here: {NO_INFERENCE}" in out

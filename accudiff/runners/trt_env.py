@@ -61,7 +61,12 @@ def gpu_compute_capability(device: int = 0) -> tuple[int, int]:
 
 
 def require_inference(trt: ModuleType) -> tuple[int, int]:
-    """Check that `trt` can run engines on this machine's GPU; return its compute capability."""
+    """Check that `trt` can run engines on this machine's GPU (polygraphy runs them); return its compute
+    capability."""
+    try:
+        import polygraphy  # noqa: F401
+    except ImportError:
+        raise AccudiffError(f"TensorRT inference runs through polygraphy, which is not installed; install it with {INSTALL_HINT}") from None
     capability = gpu_compute_capability()
     if is_rtx(trt) and capability not in RTX_COMPUTE_CAPABILITIES and capability[0] != 12:
         raise AccudiffError(
