@@ -24,7 +24,7 @@ from accudiff.diagnosis.rules import DiagnosisContext, Finding, diagnose
 from accudiff.errors import AccudiffError
 from accudiff.memory import return_freed_memory
 from accudiff.model.inputs import Feed, generate_feeds, parse_input_shapes, parse_val_ranges, resolve_shapes, validate_feeds
-from accudiff.model.loading import ModelInfo, NodeSummary, describe, load_model, save_model
+from accudiff.model.loading import ModelInfo, NodeSummary, all_nodes, describe, load_model, save_model
 from accudiff.model.samples import Samples, samples_from_feeds, samples_from_path
 from accudiff.model.segments import SEGMENTS_PER_BUDGET, memory_budget, plan_segments, tensor_sizes
 from accudiff.options import run_arguments
@@ -35,6 +35,8 @@ from accudiff.transforms import KeptNode, NodeSelector, TransformResult, to_fp16
 from accudiff.transforms.isolate import isolate_in_place
 
 PRECISIONS = ("fp32", "fp16", "int8")
+BRANCHES_INLINED_FOR_TRT = ("the TensorRT engine is built from the model with its taken branches inlined, so its tensors can be marked; "
+                            "the shipped engine, with conditional layers, may fuse and round differently around them")
 MIN_COVERAGE = 0.5  # below this share of the model's tensors compared, a clean result is not a pass
 CANDIDATE_MODEL_FILE = "candidate-{precision}{group}.onnx"
 INPUTS_FILE = "inputs.npz"
@@ -177,15 +179,18 @@ def compare(
     if trt.engine is not None and kind != "trt":
         raise AccudiffError("--engine compares a TensorRT engine: it needs --candidate trt (or auto, where TensorRT can run)")
     info = load_model(model)
-    NodeSelector(keep_fp32).require_matches(info.proto.graph.node)
+    NodeSelector(keep_fp32).require_matches(all_nodes(info.proto.graph))
     tolerances.require_known_tensors({t.name for t in info.tensors})
     folder = ReportFolder(Path(report_dir) if report_dir is not None else None)
     scratch = Path(tempfile.mkdtemp(prefix="accudiff-compare-"))
     try:
         samples = prepare_samples(info, inputs, input_shapes, seed, val_range, iterations, folder.path / INPUTS_FILE)
         groups = branch_groups(info.proto, samples)
+        specialized = any(group.taken for group in groups)
+        if specialized:  # a pattern that named only an If, now replaced by its branch, would keep nothing
+            NodeSelector(keep_fp32).require_matches([node for group in groups for node in all_nodes(group.model.graph)])
         calibration = _calibration_per_group(info, groups, calib_data, scratch) if precision == "int8" and trt.engine is None else {}
-        if any(group.taken for group in groups):
+        if specialized:
             info.proto = onnx.ModelProto()  # each group has its own specialized copy
         step.lap("load")
         run = _GroupSettings(
@@ -203,7 +208,8 @@ def compare(
         info, transformed, outcome = _combine(info.path, runs)
         result = _judge(info, precision, outcome, tolerances, transformed, isolate, also, seed if inputs is None else None, samples)
         candidate_pass = outcome["passes"]["candidate"]
-        result.notices = [n for n in [notice, *describe_groups(groups, len(samples)), *transformed.warnings, *candidate_pass["notices"]] if n]
+        inlined_engine = BRANCHES_INLINED_FOR_TRT if specialized and "trt" in (kind, also) else None
+        result.notices = [n for n in [notice, *describe_groups(groups, len(samples)), inlined_engine, *transformed.warnings, *candidate_pass["notices"]] if n]
         result.candidate_models = [r.candidate_model for r in runs]
         result.branches = [{"samples": g.samples, "taken": g.taken} for g in groups if g.taken]
         if folder.final is not None:

@@ -154,3 +154,12 @@ def test_loop_bodies_are_converted_and_listed_and_a_mostly_hidden_model_is_incon
     assert "verdict: INCONCLUSIVE (no graph output out of tolerance, but only 3 of the 16 tensors" in out
     small = _loop_model(tmp_path / "small.onnx", body_nodes=2)
     assert accudiff.compare(small, "fp16", candidate="onnxrt").passed  # 3 of 6: enough is observed
+
+
+def test_a_keep_pattern_naming_only_the_if_is_refused():
+    """The If is replaced by its branch, so a pattern that selected only the If would keep nothing."""
+    with pytest.raises(accudiff.AccudiffError, match="--keep-fp32 'choose_path' matches no node"):
+        accudiff.compare(BRANCHY, "fp16", candidate="onnxrt", inputs=[_feed(True)], keep_fp32=["choose_path"])
+    kept = accudiff.compare(BRANCHY, "fp16", candidate="onnxrt", inputs=[_feed(True)], keep_fp32=["full_amplify"])
+    assert [k.node for k in kept.kept] == ["full_amplify"]  # a node inside the branch can be kept
+    assert kept.output_failures[0].cause.node == "full_rescale"  # which then reads its 2e5 output in FP16

@@ -279,6 +279,17 @@ def _attribute_graphs(attr: onnx.AttributeProto) -> list[onnx.GraphProto]:
     return []
 
 
+def all_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """The graph's nodes and, recursively, those inside its If/Loop/Scan bodies."""
+    nodes = []
+    for node in graph.node:
+        nodes.append(node)
+        for attr in node.attribute:
+            for body in _attribute_graphs(attr):
+                nodes += all_nodes(body)
+    return nodes
+
+
 def _all_node_outputs(graph: onnx.GraphProto) -> list[str]:
     names = []
     for node in graph.node:

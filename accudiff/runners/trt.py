@@ -78,7 +78,10 @@ class TrtRunner(Runner):
         for index in range(engine.num_io_tensors):
             name = engine.get_tensor_name(index)
             if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
-                inputs[name] = np.ascontiguousarray(feed[name], dtype=trt.nptype(engine.get_tensor_dtype(name)))
+                reading = host_reading(trt, engine.get_tensor_dtype(name))
+                if isinstance(reading, str) or reading[1] is not None:  # no numpy type to write it in
+                    raise AccudiffError(f"the engine's input '{name}' is {engine.get_tensor_dtype(name).name}: accudiff cannot feed that type")
+                inputs[name] = np.ascontiguousarray(feed[name], dtype=reading[0])
         if self._listener is not None:
             self._listener.clear()
         outputs = self._guarded("running", lambda: self._runner.infer(inputs, copy_outputs_to_host=True))
