@@ -164,7 +164,9 @@ def compare(
     `max_memory` (bytes, or a size such as "2G") bounds the memory the compared tensors take: larger
     models are compared segment by segment (default: see `memory_budget`). `workers` splits the samples
     over that many worker processes (default 1); `ray` runs the shards as tasks on a Ray cluster ("local"
-    starts one, an address joins one; default one shard per CPU of the cluster). Either way the statistics merge into the same table.
+    starts one, an address joins one; default one shard per CPU of the cluster). Either way the statistics
+    merge into the same table. Ifs are resolved per sample and their taken branches compared (see
+    comparison/branches.py).
     Raises AccudiffError (one sentence) for any problem with the inputs.
     """
     if precision not in PRECISIONS:
@@ -187,7 +189,7 @@ def compare(
         samples = prepare_samples(info, inputs, input_shapes, seed, val_range, iterations, folder.path / INPUTS_FILE)
         groups = branch_groups(info.proto, samples)
         specialized = any(group.taken for group in groups)
-        if specialized:  # a pattern that named only an If, now replaced by its branch, would keep nothing
+        if specialized:  # a pattern that selected only an If (now replaced by its branch) would keep nothing
             NodeSelector(keep_fp32).require_matches([node for group in groups for node in all_nodes(group.model.graph)])
         calibration = _calibration_per_group(info, groups, calib_data, scratch) if precision == "int8" and trt.engine is None else {}
         if specialized:
@@ -213,14 +215,11 @@ def compare(
         result.candidate_models = [r.candidate_model for r in runs]
         result.branches = [{"samples": g.samples, "taken": g.taken} for g in groups if g.taken]
         if folder.final is not None:
-            copied = (folder.path / INPUTS_FILE).exists()
-            replay_options = {
-                "candidate": candidate, "inputs": folder.final / INPUTS_FILE if copied else inputs, "calib_data": calib_data, "seed": seed,
-                "keep_fp32": keep_fp32, "autokeep": autokeep, "atol": atol, "rtol": rtol, "stol": stol, "max_memory": max_memory,
-                "workers": workers, "ray": ray, "trt": trt,
-            }
+            saved = folder.final / INPUTS_FILE if (folder.path / INPUTS_FILE).exists() else inputs  # a dataset stays where it is
+            options = {"candidate": candidate, "inputs": saved, "calib_data": calib_data, "seed": seed, "keep_fp32": keep_fp32, "autokeep": autokeep,
+                       "atol": atol, "rtol": rtol, "stol": stol, "max_memory": max_memory, "workers": workers, "ray": ray, "trt": trt}
             extra = ["--no-isolate"] * (not isolate) + (["--also", also] if also else [])
-            result.replay = ["accudiff", "compare", *run_arguments(model, precision, replay_options), *extra]
+            result.replay = ["accudiff", "compare", *run_arguments(model, precision, options), *extra]
         result.timings = step.laps  # the same dict: the report sees every phase before its own
         step.lap("diagnose")
         if report_dir is not None:

@@ -8,7 +8,6 @@ Only the list of (file, prefix) entries travels to workers and machines; each re
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import tempfile
@@ -57,17 +56,6 @@ class Samples(Sequence):
 
     def subset(self, indices: Sequence[int]) -> "Samples":
         return Samples([self.refs[i] for i in indices], self.source, self.specs)
-
-    def fingerprint(self) -> str:
-        """Identifies the data without reading it: files, their sizes and times, and the entries taken."""
-        digest = hashlib.sha256()
-        stats = {}
-        for ref in self.refs:
-            if ref.file not in stats:
-                stat = Path(ref.file).stat()
-                stats[ref.file] = f"{Path(ref.file).resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-            digest.update(f"{stats[ref.file]}|{ref.prefix};".encode())
-        return digest.hexdigest()
 
     def as_json(self) -> list[list[str]]:
         return [[ref.file, ref.prefix] for ref in self.refs]
