@@ -1,6 +1,6 @@
 """Bounded memory on models whose tensors do not fit: a chain of elementwise ops on one [1, N] tensor.
 
-    python benchmarks/chain_memory.py [--sizes 2 6 30] [--polygraphy-up-to 2] [--out benchmarks/out]
+    python benchmarks/chain_memory.py [--sizes 2 6 30] [--polygraphy-up-to 2] [--max-memory SIZE] [--out benchmarks/out]
 
 For each size (GB of marked tensors: 100 MB tensors, 10 per GB), `accudiff compare --fp16 --candidate
 onnxrt` runs as a fresh process, with the isolated run (the default) and without (`--no-isolate`); wall
@@ -111,8 +111,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", type=int, default=[2, 6, 30], help="GB of marked tensors")
     parser.add_argument("--polygraphy-up-to", type=int, default=2, help="run polygraphy's flow up to this size (GB)")
+    parser.add_argument("--max-memory", help="accudiff's --max-memory (default: accudiff's own default)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = parser.parse_args()
+    budget = ["--max-memory", args.max_memory] if args.max_memory else []
     args.out.mkdir(parents=True, exist_ok=True)
     rows = {}
     with tempfile.TemporaryDirectory(prefix="accudiff-chain-") as tmp:
@@ -123,7 +125,8 @@ def main() -> None:
             model = models.elementwise_chain(folder, length, ELEMENTS)
             work = folder / f"{size}gb"
             work.mkdir()
-            row = {"floor": floor(model, small, length, PER_GB), "accudiff": accudiff_run(model, work), "accudiff_no_isolate": accudiff_run(model, work, "--no-isolate")}
+            row = {"floor": floor(model, small, length, PER_GB), "accudiff": accudiff_run(model, work, *budget),
+                   "accudiff_no_isolate": accudiff_run(model, work, "--no-isolate", *budget)}
             if size <= args.polygraphy_up_to:
                 (work / "pg").mkdir()
                 row["polygraphy"] = polygraphy_run(model, work / "pg")

@@ -83,7 +83,7 @@ def sample_lines(result) -> list[str]:
             lines.append(
                 f"  class scores '{output}': top-1 agreement {agreement['top1']:.2%}, top-5 {agreement['top5']:.2%} over {agreement['rows']} score vector(s)"
             )
-    if result.report_dir is not None and len(result.failing_samples):
+    if result.report_dir is not None and result.iterations > 1 and len(result.failing_samples):
         lines.append(f"  the worst failing samples are saved for replay: --load-inputs {result.report_dir / 'worst_samples.npz'}")
     return lines
 
