@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnx
 import pandas as pd
 import pytest
 
 import accudiff
+from accudiff.comparison.engine import MAX_CLASSES
 from accudiff.model.inputs import save_feeds
 from conftest import fixture
 
@@ -70,6 +72,23 @@ def test_class_score_agreement_over_a_dataset(tmp_path):
     assert list(rows.index) == list(range(6)) and (rows["rows"] == 1).all()
     feature_map = accudiff.compare(fixture("drift_then_constant_overflow"), "fp16", candidate="onnxrt")
     assert feature_map.class_agreement() == {"y": None}  # [1, 4, 2, 2] activations: not class scores
+
+
+def test_a_wide_signal_is_not_class_scores(tmp_path):
+    """A [1, N] output wider than any classifier (a signal, a flattened map) is not ranked as class scores:
+    ranking millions of values per sample cost seconds on the chain benchmark, and meant nothing."""
+    from onnx import helper, numpy_helper
+
+    width = MAX_CLASSES + 1
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "k"], ["y"], name="scale")], "wide",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, width])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, width])],
+        [numpy_helper.from_array(np.array(1.5, np.float32), "k")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "wide.onnx")
+    result = accudiff.compare(tmp_path / "wide.onnx", "fp16", candidate="onnxrt")
+    assert result.class_agreement() == {"y": None}
 
 
 def test_a_dataset_calibrates_int8_too(tmp_path):

@@ -38,6 +38,7 @@ _RANGE_ONLY = Tolerance(atol=1.0, rtol=0.0)  # for a tensor compared with itself
 PARALLEL_ELEMENTS = 1 << 18  # tensors this large are reduced on several cores at once
 POINTS_PER_SAMPLE = 512  # (reference, candidate) pairs of each graph output kept per sample, for plots
 POINTS_PER_OUTPUT = 2048  # ... and in all
+MAX_CLASSES = 1 << 20  # wider rows are not class scores (a [1, N] signal, say), and ranking them costs seconds
 RunnerFactory = Callable[[Path, list[str]], Runner]  # (model file, tensors to return) -> runner
 
 
@@ -286,9 +287,9 @@ def _class_agreement(ref: np.ndarray, cand: np.ndarray) -> tuple[int, int, int]:
     """(rows, top-1 agreements, top-5 agreements) for class scores; (0, 0, 0) for anything else.
 
     Class scores: a float tensor of rank 2 ([batch, classes]), or of higher rank whose reference rows along
-    the last axis are probabilities (non-negative, summing to 1: a softmax), with at least two classes.
+    the last axis are probabilities (non-negative, summing to 1: a softmax), with 2 to MAX_CLASSES classes.
     """
-    if ref.ndim < 2 or ref.shape[-1] < 2 or not np.issubdtype(ref.dtype, np.floating) or ref.shape != cand.shape:
+    if ref.ndim < 2 or not 2 <= ref.shape[-1] <= MAX_CLASSES or not np.issubdtype(ref.dtype, np.floating) or ref.shape != cand.shape:
         return 0, 0, 0
     r = np.asarray(ref, np.float32).reshape(-1, ref.shape[-1])
     c = np.asarray(cand, np.float32).reshape(-1, ref.shape[-1])

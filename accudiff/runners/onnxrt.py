@@ -45,6 +45,9 @@ class OnnxrtRunner(Runner):
         options.log_severity_level = 4  # errors still raise, as one sentence; ONNX Runtime's own lines stay off the console
         options.enable_cpu_mem_arena = False
         options.intra_op_num_threads = self.threads
+        # A segmented comparison alternates many sessions and the statistics pass on the same cores: threads
+        # left spinning after a run would steal them from whatever runs next.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
             self._session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         except Exception as exc:  # ONNX Runtime raises its own exception types, and RuntimeError
