@@ -19,13 +19,11 @@ import threading
 from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
-
-import numpy as np
+from typing import Callable, Iterable, Iterator, Sequence
 
 from accudiff.comparison.engine import POINTS_PER_OUTPUT
 from accudiff.comparison.metrics import StatsSet
-from accudiff.comparison.worker import Job, load_result, run_job
+from accudiff.comparison.worker import Job, decode_result, result_files, run_job
 from accudiff.errors import AccudiffError, first_line
 
 Progress = Callable[[str, int, int], None]
@@ -96,8 +94,9 @@ def _split(job: Job, entries: Sequence[Sequence[str]], indices: list[int], worke
     ]
 
 
-def merge_results(results: Sequence[dict]) -> dict:
-    """One result from several workers' results (same job, other samples), added up in their order."""
+def merge_results(results: Iterable[dict]) -> dict:
+    """One result from several workers' results (same job, other samples), added up in their order, each
+    as it comes: only the running total is held, whatever the number of shards."""
     merged = {"passes": {}, "reference_not_observable": {}, "inputs": None}
     for result in results:
         merged["reference_not_observable"].update(result["reference_not_observable"])
@@ -148,27 +147,30 @@ def _ray_cluster(address: str) -> Iterator[int]:
             ray.shutdown()
 
 
-def _run_on_ray(jobs: list[Job], progress: Progress | None) -> list[dict]:
-    """Every shard as a Ray task; the files each reads go through the object store once."""
+def _run_on_ray(jobs: list[Job], progress: Progress | None) -> Iterator[dict]:
+    """Every shard as a Ray task; the files each reads go through the object store once. Results are
+    yielded in shard order as they finish (a shard that finishes early waits, decoded, for its elders)."""
     import ray
 
     files = sorted({path for job in jobs for path in _files_of(job)})
     payloads = {path: ray.put(Path(path).read_bytes()) for path in files}
     task = ray.remote(max_retries=0)(_ray_task)
     pending = {task.remote(asdict(job), {path: payloads[path] for path in _files_of(job)}): k for k, job in enumerate(jobs)}
-    results: list[dict | None] = [None] * len(jobs)
-    finished = 0
+    early: dict[int, dict] = {}
+    next_shard, finished = 0, 0
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=1)
         k = pending.pop(ready[0])
         try:
-            results[k] = ray.get(ready[0])
+            early[k] = decode_result(*ray.get(ready[0]))
         except ray.exceptions.RayError as exc:
             raise AccudiffError(_ray_failure(exc, jobs[k])) from exc
         finished += len(jobs[k].sample_indices)
         if progress is not None:
             progress("compare", finished, sum(len(job.sample_indices) for job in jobs))
-    return results
+        while next_shard in early:
+            yield early.pop(next_shard)
+            next_shard += 1
 
 
 def _files_of(job: Job) -> list[str]:
@@ -178,8 +180,8 @@ def _files_of(job: Job) -> list[str]:
     return list(dict.fromkeys([*models, *data, *(entry[0] for entry in job.samples)]))
 
 
-def _ray_task(job: dict, payloads: dict) -> dict:
-    """A Ray task: the job's files written locally, the worker's code run here, the result returned."""
+def _ray_task(job: dict, payloads: dict) -> tuple[str, bytes]:
+    """A Ray task: the job's files written locally, the worker's code run here, its result files returned."""
     import ray
 
     folder = Path(tempfile.mkdtemp(prefix="accudiff-ray-"))
@@ -204,8 +206,7 @@ def _ray_task(job: dict, payloads: dict) -> dict:
         from accudiff.comparison.worker import _work
 
         _work(moved, lambda event: None)
-        result = load_result(Path(moved.result))
-        return {**result, "passes": {name: {**part, "values": np.array(part["values"]), "sketch": np.array(part["sketch"])} for name, part in result["passes"].items()}}
+        return result_files(Path(moved.result))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

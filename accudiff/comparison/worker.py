@@ -12,6 +12,7 @@ Protocol: the job (a JSON object, see `Job`) on stdin; events on stdout, one JSO
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -104,8 +105,19 @@ def run_job(job: Job, progress: Callable[[str, int, int], None] | None = None) -
 
 def load_result(path: Path) -> dict:
     """A worker's result: {"passes": {name: {...}}, ...}, with each pass's statistics as numpy arrays."""
-    document = json.loads(path.with_suffix(".json").read_text())
-    with np.load(path.with_suffix(".npz"), allow_pickle=False) as arrays:
+    return decode_result(path.with_suffix(".json").read_text(), path.with_suffix(".npz").read_bytes())
+
+
+def result_files(path: Path) -> tuple[str, bytes]:
+    """A worker's result as it was written (its JSON text and its compressed arrays): what a Ray task
+    sends back, ~30x smaller than the decoded arrays (the sketches are mostly empty buckets)."""
+    return path.with_suffix(".json").read_text(), path.with_suffix(".npz").read_bytes()
+
+
+def decode_result(document_text: str, arrays_npz: bytes) -> dict:
+    """The result `load_result` returns, from the two files' contents."""
+    document = json.loads(document_text)
+    with np.load(io.BytesIO(arrays_npz), allow_pickle=False) as arrays:
         for name, result in document["passes"].items():
             result["values"], result["sketch"] = arrays[f"{name}/values"], arrays[f"{name}/sketch"]
         document["inputs"] = {"values": arrays["inputs/values"], "sketch": arrays["inputs/sketch"]}
@@ -186,7 +198,7 @@ def _write_result(engine, path: Path) -> None:
         }
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".npz"), "wb") as handle:
-        np.savez(handle, **arrays)
+        np.savez_compressed(handle, **arrays)
     path.with_suffix(".json").write_text(json.dumps(document, default=float))
 
 
