@@ -191,7 +191,7 @@ def compare(
         specialized = any(group.taken for group in groups)
         if specialized:  # a pattern that selected only an If (now replaced by its branch) would keep nothing
             NodeSelector(keep_fp32).require_matches([node for group in groups for node in all_nodes(group.model.graph)])
-        calibration = _calibration_per_group(info, groups, calib_data, scratch) if precision == "int8" and trt.engine is None else {}
+        calibration = calibration_per_group(info, groups, calib_data, scratch) if precision == "int8" and trt.engine is None else {}
         if specialized:
             info.proto = onnx.ModelProto()  # each group has its own specialized copy
         step.lap("load")
@@ -311,7 +311,7 @@ def _compare_group(
     return _GroupRun(info, transformed, outcome, candidate_name)
 
 
-def _calibration_per_group(info: ModelInfo, groups: Sequence[BranchGroup], calib_data, scratch: Path) -> dict[int, Samples]:
+def calibration_per_group(info: ModelInfo, groups: Sequence[BranchGroup], calib_data, scratch: Path) -> dict[int, Samples]:
     """For a model specialized per branch group and calibrated on `calib_data`: each group's calibration
     samples are those that take its branches (a specialized model computes only those)."""
     if calib_data is None or not any(group.taken for group in groups):

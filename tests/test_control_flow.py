@@ -163,3 +163,22 @@ def test_a_keep_pattern_naming_only_the_if_is_refused():
     kept = accudiff.compare(BRANCHY, "fp16", candidate="onnxrt", inputs=[_feed(True)], keep_fp32=["full_amplify"])
     assert [k.node for k in kept.kept] == ["full_amplify"]  # a node inside the branch can be kept
     assert kept.output_failures[0].cause.node == "full_rescale"  # which then reads its 2e5 output in FP16
+
+
+def test_subgraph_bisect_cuts_inside_the_branch_the_samples_take(tmp_path, run_cli):
+    """The cause sits inside an If body: the reproducer is cut from the model with the taken branches
+    inlined, and its command fails when run from the result folder. Samples that take different
+    branches cannot share one cut: one sentence."""
+    save_feeds([_feed(True, seed=1), _feed(True, seed=2)], tmp_path / "full.npz")
+    code, out, err = run_cli("bisect", "subgraph", BRANCHY, "--fp16", "--candidate", "onnxrt", "--load-inputs", tmp_path / "full.npz", "-o", "b")
+    assert code == 1, err
+    result = json.loads((tmp_path / "b" / "result.json").read_text())
+    assert result["nodes"] == ["full_amplify"] and result["confirmed"]
+    assert "If 'choose_path' took its then_branch on every sample (2)" in err
+    reproducer = onnx.load(str(tmp_path / "b" / "subgraph.onnx"))
+    assert [n.op_type for n in reproducer.graph.node] == ["Mul"]
+
+    save_feeds([_feed(True, seed=1), _feed(False, seed=2)], tmp_path / "mixed.npz")
+    code, out, err = run_cli("bisect", "subgraph", BRANCHY, "--fp16", "--candidate", "onnxrt", "--load-inputs", tmp_path / "mixed.npz", "-o", "m")
+    assert code == 2 and err.count("\n") == 1 and "different" in err and "Traceback" not in err
+    assert not (tmp_path / "m").exists()

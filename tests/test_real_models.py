@@ -4,8 +4,13 @@ trained detector and recognizer that PyPI wheels ship. Skipped (with the reason)
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
+import onnx
 import pytest
 
 import accudiff
@@ -66,3 +71,23 @@ def test_trained_models_compare_end_to_end_on_realistic_inputs(name, precision, 
         if output["status"] == "fail":
             cause = output["cause"]
             assert (cause["kind"] == "local" and cause["node"]) or (cause["kind"] == "accumulated" and cause["contributors"])
+
+
+def test_subgraph_bisect_on_a_model_whose_network_sits_in_if_bodies(run_cli, tmp_path):
+    """silero VAD: its whole network is inside nested Ifs and its weights are Constant nodes. bisect
+    subgraph cuts the reproducer from the model with the taken branches inlined, its weight travels with
+    it, and the printed command fails when run from the result folder."""
+    path = _model("silero_vad", tmp_path)
+    save_feeds([realistic_inputs.voice_chunk(0, 16000)], tmp_path / "voice.npz")
+    save_feeds([realistic_inputs.voice_chunk(seed, 16000) for seed in range(100, 104)], tmp_path / "calib.npz")
+    options = ["--int8", "--candidate", "onnxrt", "--load-inputs", "voice.npz", "--calib-data", "calib.npz"]
+    code, out, err = run_cli("bisect", "subgraph", path, *options, "-o", "b")
+    assert code == 1, err
+    result = json.loads((tmp_path / "b" / "result.json").read_text())
+    assert result["confirmed"] and 1 <= len(result["nodes"]) <= 3 and result["nodes"][0].startswith("If_0_then_branch")
+    reproducer = onnx.load(str(tmp_path / "b" / "subgraph.onnx"))
+    saved = {name.partition("/")[2] for name in np.load(tmp_path / "b" / "subgraph_inputs.npz").files}  # "<sample>/<input>"
+    assert {i.name for i in reproducer.graph.input} <= saved
+    done = subprocess.run(["bash", "-c", result["command"]], cwd=tmp_path / "b", capture_output=True, text=True,
+                          env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"})
+    assert done.returncode == 1, done.stdout + done.stderr

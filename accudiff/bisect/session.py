@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, TextIO
 
-from accudiff.api import CompareResult, calibration_samples, compare, prepare_samples, record_reference
-from accudiff.model.loading import ModelInfo, load_model
+from accudiff.api import CompareResult, calibration_per_group, calibration_samples, compare, prepare_samples, record_reference
+from accudiff.comparison.branches import branch_groups, describe_groups
+from accudiff.errors import AccudiffError
+from accudiff.model.loading import ModelInfo, load_model, save_model
 from accudiff.model.samples import Samples
 from accudiff.runners.outputs import ReferenceCache, ReferenceStore
 
@@ -43,6 +45,27 @@ class BisectSession:
         result = compare(model or self.model, self.precision, inputs=inputs, reference_cache=self.cache, isolate=isolate, **options)
         self.candidate_runs += 2 if isolate else 1
         return result
+
+    def specialize(self) -> None:
+        """Continue on the model with the If branches the samples take inlined (names kept), so that every
+        node the comparison can name is a node of the graph a bisector cuts. Samples that take different
+        branches have no one such graph: one sentence. INT8 calibration keeps the samples that take the
+        same branches, as in `compare`."""
+        groups = branch_groups(self.info.proto, self.feeds)
+        if not any(group.taken for group in groups):
+            return
+        if len(groups) > 1:
+            raise AccudiffError(
+                f"the samples take {len(groups)} different combinations of the model's If branches, and a subgraph is cut from one: "
+                "bisect samples that take the same branches (accudiff compare lists them under 'branches' in summary.json)"
+            )
+        if self.precision == "int8" and self.options.get("calib_data") is not None:
+            self.options["calib_data"] = calibration_per_group(self.info, groups, self.options["calib_data"], self.cache.folder)[0]
+        for line in describe_groups(groups, len(self.feeds)):
+            self.progress(line)
+        self.model = self.cache.folder / "specialized.onnx"
+        save_model(groups[0].model, self.model)
+        self.info = load_model(self.model)
 
     def reference_outputs(self, samples: Samples | None = None) -> ReferenceStore:
         """The full model's reference outputs for `samples` (default: the session's), run once and kept on disk."""

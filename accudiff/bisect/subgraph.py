@@ -55,6 +55,7 @@ class SubgraphResult:
 
 
 def bisect_subgraph(session: BisectSession, out_dir: Path) -> SubgraphResult:
+    session.specialize()  # a cause inside an If body is a node of the graph cut here
     nodes = list(session.info.proto.graph.node)
     result = SubgraphResult(bound=math.ceil(math.log2(max(len(nodes), 2))) + 4)
     session.progress("step 1: compare the whole model (with isolated errors) and name the cause")

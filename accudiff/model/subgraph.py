@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import onnx
 
 from accudiff.model.loading import subgraph_outer_references
 
 
 def extract(model: onnx.ModelProto, indices: Sequence[int], name: str | None = None, outputs: Sequence[str] | None = None) -> onnx.ModelProto:
-    """The nodes at `indices` (kept in graph order) as a model: its inputs are what they read from outside,
-    its outputs `outputs` if given, else what the rest of the graph (or the graph's outputs) reads from
+    """The nodes at `indices` (kept in graph order) as a model: its inputs are what they read from outside
+    (values of Constant nodes outside come along as initializers), its outputs `outputs` if given, else what the rest of the graph (or the graph's outputs) reads from
     them, or else the last node's outputs. Types and shapes come from the model's value_info (run shape
     inference first)."""
     graph = model.graph
@@ -21,6 +22,9 @@ def extract(model: onnx.ModelProto, indices: Sequence[int], name: str | None = N
     produced = {o for node in chosen for o in node.output if o}
     initializers = {init.name: init for init in graph.initializer}
     reads = [n for node in chosen for n in node.input if n] + sorted(subgraph_outer_references(chosen))
+    # A Constant node outside the cut is a weight (exporters write them so), not an input anyone feeds.
+    read = set(reads)
+    initializers.update({node.output[0]: _constant_tensor(node) for node in rest if node.op_type == "Constant" and node.output[0] in read})
     needed_outside = {n for node in rest for n in node.input} | {o.name for o in graph.output}
     needed_outside |= subgraph_outer_references(rest)
     typed = {vi.name: vi for vi in [*graph.input, *graph.value_info, *graph.output]}
@@ -37,6 +41,14 @@ def extract(model: onnx.ModelProto, indices: Sequence[int], name: str | None = N
     extracted = onnx.helper.make_model(sub, opset_imports=model.opset_import, ir_version=model.ir_version)
     extracted.graph.value_info.extend(typed[n] for n in produced if n in typed and n not in outputs)
     return extracted
+
+
+def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto:
+    """The value of a Constant node (whichever of its attribute forms it uses), as an initializer."""
+    from onnx.reference import ReferenceEvaluator
+
+    (value,) = ReferenceEvaluator(node).run(None, {})
+    return onnx.numpy_helper.from_array(np.asarray(value), node.output[0])
 
 
 def _value_info(typed: dict, name: str) -> onnx.ValueInfoProto:
