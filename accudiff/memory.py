@@ -1,4 +1,5 @@
-"""Giving memory back to the system (glibc's malloc keeps freed memory unless asked; elsewhere these do nothing).
+"""How accudiff's processes use memory with glibc's malloc: giving it back to the system (glibc keeps freed
+memory unless asked), and backing large blocks with huge pages. Elsewhere these do nothing.
 
 accudiff bounds the memory of its process tree: what it frees must leave the process, not wait in
 malloc's free lists for an allocation that may never come.
@@ -9,8 +10,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+from typing import Mapping
 
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc's malloc.h)
+HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb"  # glibc >= 2.35; older glibc and other C libraries ignore it
 
 
 def _libc():
@@ -34,3 +37,14 @@ def map_large_blocks_separately() -> None:
     libc = _libc()
     if libc is not None and hasattr(libc, "mallopt"):
         libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+
+
+def with_huge_pages(environment: Mapping[str, str]) -> dict[str, str]:
+    """`environment` for a process whose malloc asks for transparent huge pages on its large blocks (unless
+    the user already chose). Every tensor a segmented comparison produces is a fresh mapping, and with 4 KiB
+    pages a 100 MB tensor costs ~25,000 page faults: half the time of an elementwise node. Memory still
+    goes back to the system when a block is freed."""
+    tunables = [t for t in environment.get("GLIBC_TUNABLES", "").split(":") if t]
+    if not any(t.startswith(HUGE_PAGES_TUNABLE + "=") for t in tunables):
+        tunables.append(HUGE_PAGES_TUNABLE + "=1")
+    return {**environment, "GLIBC_TUNABLES": ":".join(tunables)}

@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 
 from accudiff.errors import AccudiffError
-from accudiff.memory import map_large_blocks_separately
+from accudiff.memory import map_large_blocks_separately, with_huge_pages
 
 BACKEND_NAMES = {"onnxrt": "ONNX Runtime", "trt": "TensorRT"}
 
@@ -68,7 +68,8 @@ def run_job(job: Job, progress: Callable[[str, int, int], None] | None = None) -
     """Run `job` in a worker process and return its result (see `load_result`)."""
     with tempfile.TemporaryFile("w+") as stderr_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", "accudiff.comparison.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr_file, text=True
+            [sys.executable, "-m", "accudiff.comparison.worker"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr_file, text=True, env=with_huge_pages(os.environ),
         )
         try:
             process.stdin.write(json.dumps(asdict(job)))
