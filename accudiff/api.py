@@ -302,6 +302,7 @@ def _compare_group(
         job,
         trt={k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(run.trt).items()},
         input_shapes={name: list(shape) for name, shape in shapes.items()},
+        shape_values={name: first[name].reshape(-1).tolist() for name in shapes if _could_be_a_shape(first[name])},
         layer_report=str(run.folder.path / ENGINE_LAYERS_FILE) if run.layer_report else None,
     )
     outcome = run_shards(job, entries, run.workers, run.ray, progress, indices)
@@ -309,6 +310,11 @@ def _compare_group(
         store.finish()
     run.stopwatch.lap("run")
     return _GroupRun(info, transformed, outcome, candidate_name)
+
+
+def _could_be_a_shape(value: np.ndarray) -> bool:
+    """An integer scalar or short vector: what TensorRT may read as a shape (its shapes have at most 8 dims)."""
+    return np.issubdtype(value.dtype, np.integer) and value.ndim <= 1 and value.size <= 8
 
 
 def calibration_per_group(info: ModelInfo, groups: Sequence[BranchGroup], calib_data, scratch: Path) -> dict[int, Samples]:

@@ -134,6 +134,36 @@ def test_fully_convertible_model_is_one_part(tmp_path):
     assert part.supported and (part.start, part.end) == (0, 6)
 
 
+def _shape_input_model(path):
+    """Reshape to a target shape given as a graph input: TensorRT reads that input as a shape tensor."""
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Reshape", ["x", "target"], ["r"], name="reshape"), onnx.helper.make_node("Relu", ["r"], ["y"], name="relu")],
+        "shape_input",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 8]), onnx.helper.make_tensor_value_info("target", onnx.TensorProto.INT64, [2])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4, 4])],
+    )
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def test_a_shape_tensor_input_is_fixed_to_its_value_in_the_profile(tmp_path):
+    """Without a profile value TensorRT refused to build ("Network has dynamic or shape inputs, but no
+    optimization profile has been defined"); the sample's value now fixes it."""
+    model = _shape_input_model(tmp_path / "shape_input.onnx")
+    built = build_engine(TRT, model, ["r", "y"], BuildSettings(mark="all", shape_values={"target": [4, 4]}), tmp_path / "cache")
+    assert built.plan and set(built.outputs) == {"r", "y"}
+    with pytest.raises(AccudiffError, match="TensorRT reads input 'target' as a shape"):
+        build_engine(TRT, model, ["r", "y"], BuildSettings(mark="all"), tmp_path / "cache")
+
+
+@needs_gpu
+def test_tensorrt_candidate_runs_a_model_with_a_shape_tensor_input(tmp_path):
+    model = _shape_input_model(tmp_path / "shape_input.onnx")
+    feed = {"x": np.random.default_rng(0).uniform(-1, 1, (2, 8)).astype(np.float32), "target": np.array([4, 4], np.int64)}
+    result = accudiff.compare(model, "fp16", candidate="trt", inputs=[feed], trt=accudiff.TrtOptions(mark="all"))
+    assert result.passed and result.table.set_index("tensor").loc["r", "shape"] == "4x4"
+
+
 @needs_gpu
 @pytest.mark.parametrize("name, precision, options, node, kind, first", FAULTS, ids=[f[0] for f in FAULTS])
 def test_tensorrt_candidate_names_the_planted_causes(name, precision, options, node, kind, first):

@@ -57,6 +57,7 @@ class Job:
     result: str  # where the worker writes its result (<result>.npz and <result>.json)
     trt: dict = field(default_factory=dict)
     input_shapes: dict[str, list[int]] = field(default_factory=dict)
+    shape_values: dict[str, list[int]] = field(default_factory=dict)  # small integer inputs: TensorRT's shape-tensor inputs
     store: str | None = None  # a reference store folder to replay (when complete) or record
     layer_report: str | None = None
     inputs: list[str] = field(default_factory=list)  # graph inputs whose ranges the diagnosis needs
@@ -152,7 +153,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
 
     def factory(spec: dict):
         layers = layer_report if spec.get("layer_report") else None
-        return lambda path, outputs: candidate_runner(spec["backend"], path, outputs, job.precision, trt, shapes, layers, threads)
+        return lambda path, outputs: candidate_runner(spec["backend"], path, outputs, job.precision, trt, shapes, layers, threads, job.shape_values)
 
     passes = [PassPlan(p["name"], Path(p["model"]), factory(p), p["fed_from_reference"]) for p in job.passes]
     store = ReferenceStore(Path(job.store), job.tensors) if job.store else None

@@ -65,11 +65,14 @@ def candidate_runner(
     input_shapes: Mapping[str, Sequence[int]] | None = None,
     layer_report: Path | None = None,
     threads: int = 0,
+    shape_values: Mapping[str, Sequence[int]] | None = None,
 ) -> Runner:
+    """`shape_values`: the compared samples' values of small integer inputs, which a TensorRT engine fixes
+    where it reads them as shapes."""
     if kind == "trt":
         from accudiff.runners.trt import TrtRunner
 
-        settings = BuildSettings(trt.mark, dict(input_shapes or {}), trt.workspace_mb, trt.legacy_precision)
+        settings = BuildSettings(trt.mark, dict(input_shapes or {}), dict(shape_values or {}), trt.workspace_mb, trt.legacy_precision)
         return TrtRunner(model_path, outputs, settings, trt.module, trt.cache_dir, layer_report, trt.engine)
     return OnnxrtRunner(model_path, outputs, label=_ONNXRT_LABELS[precision], emulate_fp16=precision == "fp16", threads=threads)
 

@@ -82,6 +82,12 @@ class TrtRunner(Runner):
                 if isinstance(reading, str) or reading[1] is not None:  # no numpy type to write it in
                     raise AccudiffError(f"the engine's input '{name}' is {engine.get_tensor_dtype(name).name}: accudiff cannot feed that type")
                 inputs[name] = np.ascontiguousarray(feed[name], dtype=reading[0])
+                built_for = self.settings.shape_values.get(name)
+                if engine.is_shape_inference_io(name) and built_for is not None and inputs[name].reshape(-1).tolist() != list(built_for):
+                    raise AccudiffError(
+                        f"TensorRT reads input '{name}' as a shape and its engine was built for the first sample's value {list(built_for)}; "
+                        f"this sample has {inputs[name].reshape(-1).tolist()}: compare samples with other values separately"
+                    )
         if self._listener is not None:
             self._listener.clear()
         outputs = self._guarded("running", lambda: self._runner.infer(inputs, copy_outputs_to_host=True))

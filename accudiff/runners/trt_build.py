@@ -36,6 +36,7 @@ ALL_CHANGES_FUSION = "--trt-mark all makes every tensor a network output, which 
 class BuildSettings:
     mark: str = "auto"
     input_shapes: Mapping[str, Sequence[int]] = field(default_factory=dict)  # one fixed profile (min = opt = max)
+    shape_values: Mapping[str, Sequence[int]] = field(default_factory=dict)  # values of small integer inputs, for shape-tensor inputs
     workspace_mb: int | None = None
     legacy_precision: str | None = None
     compute_capability: tuple[int, int] | None = None  # TensorRT-RTX build target; None = the current GPU
@@ -139,7 +140,7 @@ def _build(trt: ModuleType, model_path: Path, tensors: Sequence[str], settings: 
         major, minor = settings.compute_capability
         config.num_compute_capabilities = 1
         config.set_compute_capability(getattr(trt.ComputeCapability, f"SM{major}{minor}"), 0)
-    _add_profile(builder, network, config, settings.input_shapes)
+    _add_profile(builder, network, config, settings.input_shapes, settings.shape_values)
     cache = _load_timing_cache(trt, config, timing_cache)
     plan = builder.build_serialized_network(network, config)
     if plan is None:
@@ -189,10 +190,13 @@ def _unmarkable(trt: ModuleType, tensor, layer) -> str | None:
     return None
 
 
-def _add_profile(builder, network, config, input_shapes: Mapping[str, Sequence[int]]) -> None:
-    """One optimization profile fixing every dynamic input to the shape it is compared at."""
-    dynamic = [network.get_input(i) for i in range(network.num_inputs) if -1 in tuple(network.get_input(i).shape)]
-    if not dynamic:
+def _add_profile(builder, network, config, input_shapes: Mapping[str, Sequence[int]], shape_values: Mapping[str, Sequence[int]]) -> None:
+    """One optimization profile fixing every dynamic input to the shape it is compared at, and every
+    shape-tensor input (an integer input TensorRT reads as a shape, e.g. Reshape's target) to its value."""
+    inputs = [network.get_input(i) for i in range(network.num_inputs)]
+    dynamic = [tensor for tensor in inputs if -1 in tuple(tensor.shape)]
+    shape_tensors = [tensor for tensor in inputs if tensor.is_shape_tensor]
+    if not dynamic and not shape_tensors:
         return
     profile = builder.create_optimization_profile()
     for tensor in dynamic:
@@ -200,6 +204,11 @@ def _add_profile(builder, network, config, input_shapes: Mapping[str, Sequence[i
             raise AccudiffError(f"input '{tensor.name}' is dynamic; give its shape with --input-shapes {tensor.name}:...")
         shape = tuple(input_shapes[tensor.name])
         profile.set_shape(tensor.name, shape, shape, shape)
+    for tensor in shape_tensors:
+        if tensor.name not in shape_values:
+            raise AccudiffError(f"TensorRT reads input '{tensor.name}' as a shape, and its engine needs that input's value: give a sample with it")
+        values = [int(v) for v in shape_values[tensor.name]]
+        profile.set_shape_input(tensor.name, values, values, values)
     config.add_optimization_profile(profile)
 
 
