@@ -174,7 +174,7 @@ def test_subgraph_bisect_cuts_inside_the_branch_the_samples_take(tmp_path, run_c
     assert code == 1, err
     result = json.loads((tmp_path / "b" / "result.json").read_text())
     assert result["nodes"] == ["full_amplify"] and result["confirmed"]
-    assert "If 'choose_path' took its then_branch on every sample (2)" in err
+    assert "every sample takes the same branches of 2 If node(s) (If 'choose_path' its then_branch, If 'full_sign' its then_branch)" in err
     reproducer = onnx.load(str(tmp_path / "b" / "subgraph.onnx"))
     assert [n.op_type for n in reproducer.graph.node] == ["Mul"]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from accudiff.api import CompareResult, calibration_per_group, calibration_samples, compare, prepare_samples, record_reference
-from accudiff.comparison.branches import branch_groups, describe_groups
+from accudiff.comparison.branches import branch_groups
 from accudiff.errors import AccudiffError
 from accudiff.model.loading import ModelInfo, load_model, save_model
 from accudiff.model.samples import Samples
@@ -61,8 +61,9 @@ class BisectSession:
             )
         if self.precision == "int8" and self.options.get("calib_data") is not None:
             self.options["calib_data"] = calibration_per_group(self.info, groups, self.options["calib_data"], self.cache.folder)[0]
-        for line in describe_groups(groups, len(self.feeds)):
-            self.progress(line)
+        taken = groups[0].taken
+        shown = ", ".join(f"If '{node}' its {branch}" for node, branch in list(taken.items())[:2])
+        self.progress(f"every sample takes the same branches of {len(taken)} If node(s) ({shown}{', ...' if len(taken) > 2 else ''}): working on the model with them inlined")
         self.model = self.cache.folder / "specialized.onnx"
         save_model(groups[0].model, self.model)
         self.info = load_model(self.model)
