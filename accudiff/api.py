@@ -181,6 +181,9 @@ def compare(
     if trt.engine is not None and kind != "trt":
         raise AccudiffError("--engine compares a TensorRT engine: it needs --candidate trt (or auto, where TensorRT can run)")
     info = load_model(model)
+    if not info.tensors:
+        reasons = sorted(set(info.not_observable.values()))
+        raise AccudiffError(f"'{info.path.name}' computes no tensor accudiff can compare" + (f": {reasons[0]}" if reasons else ""))
     NodeSelector(keep_fp32).require_matches(all_nodes(info.proto.graph))
     tolerances.require_known_tensors({t.name for t in info.tensors})
     folder = ReportFolder(Path(report_dir) if report_dir is not None else None)
@@ -209,6 +212,8 @@ def compare(
             runs.append(_compare_group(run, group_info, samples, group.samples, name, report, calibration.get(k, calib_data)))
         info, transformed, outcome = _combine(info.path, runs)
         result = _judge(info, precision, outcome, tolerances, transformed, isolate, also, seed if inputs is None else None, samples)
+        if len(result.outputs) and not result.outputs["elements"].any():
+            raise AccudiffError(f"every graph output of '{info.path.name}' is empty on these inputs: the comparison would cover no element")
         candidate_pass = outcome["passes"]["candidate"]
         inlined_engine = BRANCHES_INLINED_FOR_TRT if specialized and "trt" in (kind, also) else None
         result.notices = [n for n in [notice, *describe_groups(groups, len(samples)), inlined_engine, *transformed.warnings, *candidate_pass["notices"]] if n]

@@ -22,7 +22,22 @@ SAMPLE = {
     "test_if",
     "test_loop11",
     "test_scan9_sum",
+    "test_reduce_log_sum_default",  # an empty 'axes' input
+    "test_slice_start_out_of_bounds",  # an empty intermediate tensor: its range and class scores
+    "test_constantofshape_int_shape_zero",  # an empty integer tensor
+    "test_identity_sequence",  # a sequence input: one sentence
+    "test_split_to_sequence_1",  # nothing but sequences to compare: one sentence
+    "test_attention_4d_fp16",  # an output the model already computes in FP16
+    "test_linear_attention_linear_expanded",  # a Scan whose body leaves its carried state untyped
 }
+
+
+@pytest.mark.parametrize("name, outcome", [("test_reduce_log_sum_default", "pass"), ("test_slice_start_out_of_bounds", "refused")])
+def test_empty_inputs_are_judged_by_what_the_comparison_covers(records, name, outcome):
+    """An empty integer input (ReduceLogSum's 'axes': reduce over all) is a parameter and is compared;
+    a model whose every output is empty on its inputs covers no element and is refused."""
+    record = next(r for r in records if r["name"] == name)
+    assert {backend_sweep.classify(record, p) for p in backend_sweep.PRECISIONS} == {outcome}
 
 
 @pytest.fixture(scope="module")

@@ -289,7 +289,7 @@ def _class_agreement(ref: np.ndarray, cand: np.ndarray) -> tuple[int, int, int]:
     Class scores: a float tensor of rank 2 ([batch, classes]), or of higher rank whose reference rows along
     the last axis are probabilities (non-negative, summing to 1: a softmax), with 2 to MAX_CLASSES classes.
     """
-    if ref.ndim < 2 or not 2 <= ref.shape[-1] <= MAX_CLASSES or not np.issubdtype(ref.dtype, np.floating) or ref.shape != cand.shape:
+    if ref.ndim < 2 or ref.size == 0 or not 2 <= ref.shape[-1] <= MAX_CLASSES or not np.issubdtype(ref.dtype, np.floating) or ref.shape != cand.shape:
         return 0, 0, 0
     r = np.asarray(ref, np.float32).reshape(-1, ref.shape[-1])
     c = np.asarray(cand, np.float32).reshape(-1, ref.shape[-1])

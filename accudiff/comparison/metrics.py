@@ -28,6 +28,7 @@ Counts, minima and maxima merge exactly; float64 sums merge up to the order of a
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Sequence
 
@@ -191,6 +192,8 @@ def reduce_tensor(
 
 def reference_range(ref: np.ndarray) -> tuple[float, float]:
     """The smallest and largest finite reference values (low > high when none is finite)."""
+    if ref.size == 0:
+        return math.inf, -math.inf
     if not np.issubdtype(ref.dtype, np.floating):
         return float(ref.min()), float(ref.max())
     if ref.dtype == np.float32 and ref.flags.c_contiguous:

@@ -77,7 +77,8 @@ class _GraphConversion:
                 for k, body in enumerate([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
                     weights = {init.name: init for init in body.initializer}
                     del body.initializer[:]
-                    self.convert(body, weights, types, f"{scope}_{node.name or node.op_type}_{attr.name}{k or ''}")
+                    inner = {**types, **_undeclared_body_inputs(node, body, types, opset)}
+                    self.convert(body, weights, inner, f"{scope}_{node.name or node.op_type}_{attr.name}{k or ''}")
 
         # New element type of every FP32 value: FP16 when an FP16 node produced it through a converted parameter.
         new_types = dict(types)
@@ -133,9 +134,10 @@ def _decide(node, opset, types, constants, outer_refs, selector, autokeep) -> se
 
 
 def _retype_graph_outputs(graph, types, new_types, converted_params) -> None:
-    """A graph output computed in FP16 is renamed `<name>__fp16`; a Cast then restores `<name>` in FP32."""
+    """A graph output converted to FP16 is renamed `<name>__fp16`; a Cast then restores `<name>` in FP32.
+    (An output the model already computes in FP16 stays as it is.)"""
     for out in graph.output:
-        if new_types.get(out.name) != TensorProto.FLOAT16:
+        if new_types.get(out.name) != TensorProto.FLOAT16 or types.get(out.name) == TensorProto.FLOAT16:
             continue
         inner = out.name + "__fp16"
         for node in graph.node:
@@ -191,6 +193,18 @@ def _insert_casts(graph, initializers, opset, types, new_types, converted_params
         if vi.name in new_types and vi.type.HasField("tensor_type"):
             vi.type.tensor_type.elem_type = new_types[vi.name]
     return copies
+
+
+def _undeclared_body_inputs(node: onnx.NodeProto, body: onnx.GraphProto, types: dict[str, int], opset: int) -> dict[str, int]:
+    """Element types of a Loop/Scan body's inputs that the body leaves undeclared (function expansions do),
+    from the values the node feeds them: a carried FP32 value is then cast where an FP16 node reads it."""
+    if node.op_type == "Loop":
+        fed = [None, None, *node.input[2:]]  # iteration number, condition, then the carried values
+    elif node.op_type == "Scan":
+        fed = list(node.input[1:] if opset < 9 else node.input)  # opset 8 reads sequence_lens first
+    else:
+        return {}
+    return {vi.name: types[name] for vi, name in zip(body.input, fed) if name and not vi.type.tensor_type.elem_type and types.get(name)}
 
 
 def _default_opset(model: onnx.ModelProto) -> int:

@@ -33,7 +33,8 @@ def isolate_in_place(candidate: onnx.ModelProto, tensors: Mapping[str, int], sto
     graph = candidate.graph
     source_of = {name: name for name in tensors}
     source_of.update({copy: source for copy, source in (storage_copies or {}).items() if source in tensors})
-    types = {vi.name: vi.type.tensor_type.elem_type for vi in [*graph.value_info, *graph.output, *graph.input]}
+    declared = {vi.name: vi.type.tensor_type for vi in [*graph.value_info, *graph.output, *graph.input]}
+    types = {name: kind.elem_type for name, kind in declared.items()}
     fed: dict[str, str] = {}
     casts: dict[tuple[str, int], str] = {}
     new_nodes: list[onnx.NodeProto] = []
@@ -55,6 +56,10 @@ def isolate_in_place(candidate: onnx.ModelProto, tensors: Mapping[str, int], sto
         new_nodes.append(node)
     del graph.node[:]
     graph.node.extend(new_nodes)  # each Cast sits right before its first reader
-    for name, source in fed.items():
-        graph.input.append(onnx.helper.make_tensor_value_info(name, tensors[source], None))
+    for name, source in fed.items():  # shaped as the value it replaces: a Scan reading it needs the shape
+        shape = declared[source].shape if source in declared and declared[source].HasField("shape") else None
+        reference_input = onnx.helper.make_tensor_value_info(name, tensors[source], None)
+        if shape is not None:
+            reference_input.type.tensor_type.shape.CopyFrom(shape)
+        graph.input.append(reference_input)
     return fed
