@@ -75,6 +75,17 @@ def test_without_matplotlib_the_page_degrades_to_tables(tmp_path, monkeypatch):
     assert "<svg" not in page and plots.MISSING_NOTICE.replace("'", "&#x27;") in page and 'id="worst-tensors"' in page
 
 
+def test_plotting_leaves_the_callers_matplotlib_as_it_was(tmp_path):
+    """The pytest plugin writes reports inside a user's test session: its backend and settings stay theirs."""
+    matplotlib = pytest.importorskip("matplotlib")
+    backend = matplotlib.get_backend()
+    with matplotlib.rc_context({"font.size": 13.0, "svg.fonttype": "path"}):
+        result = accudiff.compare(fixture("overflow_activation"), "fp16", candidate="onnxrt", report_dir=tmp_path / "r")
+        assert matplotlib.rcParams["font.size"] == 13.0 and matplotlib.rcParams["svg.fonttype"] == "path"
+        assert matplotlib.get_backend() == backend
+    assert "<svg" in (result.report_dir / "report.html").read_text()
+
+
 @pytest.mark.parametrize("bisector", ["subgraph", "precision"])
 def test_bisect_folders_get_a_page(bisector, tmp_path):
     run_bisector(bisector, fixture("overflow_activation"), "fp16", {"candidate": "onnxrt"}, tmp_path / "b")

@@ -68,6 +68,9 @@ def find_cause(output: str, table: pd.DataFrame, context: DiagnosisContext) -> C
     contributors = [
         replace(c, findings=range_findings(c.tensor, table, context)) for c in rank_contributors(rows, context.converted)[:CONTRIBUTOR_COUNT]
     ]
+    if isolation_ran(table):  # only a node whose output fails alone or turns finite values into NaN/Inf can introduce error
+        suspect = (rows["isolated_status"] == STATUS_FAIL) | (rows["cand_nan"] > rows["ref_nan"]) | (rows["cand_inf"] > rows["ref_inf"])
+        rows = rows[rows["node"].isin(set(rows.loc[suspect, "node"]))]
     for node, node_rows in rows.groupby("node", sort=False):
         findings = _introduced_error(node_rows, table, context)
         if findings:

@@ -8,8 +8,9 @@ so a plot's size does not grow with the number of points.
 
 from __future__ import annotations
 
+import functools
 import io
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -17,6 +18,7 @@ import pandas as pd
 from accudiff.comparison.metrics import SQNR_CAP_DB, error_histogram
 
 MISSING_NOTICE = "plots need matplotlib (pip install 'accudiff[plots]'): tables are shown instead"
+STYLE = {"svg.fonttype": "none", "svg.hashsalt": "accudiff", "font.size": 9}  # text stays text; stable ids
 FAIL_COLOUR, KEPT_COLOUR, CAUSE_COLOUR, LINE_COLOUR, ISOLATED_COLOUR = "#c62828", "#6a1b9a", "#ef6c00", "#1565c0", "#2e7d32"
 
 
@@ -28,16 +30,30 @@ def available() -> bool:
     return True
 
 
+def _styled(draw: Callable[..., str | None]) -> Callable[..., str | None]:
+    """`draw` run with the report's matplotlib settings (restored after), or None without matplotlib."""
+
+    @functools.wraps(draw)
+    def styled(*args, **kwargs) -> str | None:
+        if not available():
+            return None
+        import matplotlib
+
+        with matplotlib.rc_context(STYLE):
+            return draw(*args, **kwargs)
+
+    return styled
+
+
+@_styled
 def error_path(table: pd.DataFrame, causes: Sequence[str], kept_nodes: Sequence[str]) -> str | None:
     """SQNR of every compared float tensor along topological order: accumulated (the normal run) and
     isolated (each node fed the reference); failing tensors, nodes kept in FP32 and the causes marked."""
-    plt = _pyplot()
-    if plt is None:
-        return None
     rows = table.reset_index(drop=True)
     position = np.arange(len(rows))
     measured = rows["sqnr_db"].notna().to_numpy()
-    figure, axes = plt.subplots(figsize=(11, 3.6))
+    figure = _figure(figsize=(11, 3.6))
+    axes = figure.subplots()
     axes.plot(position[measured], rows.loc[measured, "sqnr_db"].clip(-SQNR_CAP_DB, SQNR_CAP_DB), color=LINE_COLOUR, lw=1.2, label="accumulated (normal run)")
     if "isolated_sqnr_db" in rows:
         isolated = rows["isolated_sqnr_db"].notna().to_numpy()
@@ -64,14 +80,13 @@ def error_path(table: pd.DataFrame, causes: Sequence[str], kept_nodes: Sequence[
     return _svg(figure)
 
 
+@_styled
 def error_distribution(sketch: np.ndarray, name: str, non_finite: int = 0) -> str | None:
     """Histogram of the absolute error of every element (one bar per octave, from the sketch); elements
     where either side is NaN/Inf have no finite error and are counted in the title instead."""
-    plt = _pyplot()
-    if plt is None:
-        return None
     edges, counts, zeros = error_histogram(sketch)
-    figure, axes = plt.subplots(figsize=(5.2, 3.2))
+    figure = _figure(figsize=(5.2, 3.2))
+    axes = figure.subplots()
     if counts.size:
         axes.bar(edges[:-1], counts, width=np.diff(edges), align="edge", color=LINE_COLOUR, edgecolor="white", lw=0.5)
         axes.set_xscale("log")
@@ -83,15 +98,16 @@ def error_distribution(sketch: np.ndarray, name: str, non_finite: int = 0) -> st
     return _svg(figure)
 
 
+@_styled
 def candidate_vs_reference(points: Sequence[Sequence[float]], name: str) -> str | None:
     """Candidate against reference for sampled elements; non-finite candidates drawn at the plot's edge."""
-    plt = _pyplot()
-    if plt is None or not points:
+    if not points:
         return None
     pairs = np.asarray(points, np.float64)
     ref, cand = pairs[:, 0], pairs[:, 1]
     finite = np.isfinite(ref) & np.isfinite(cand)
-    figure, axes = plt.subplots(figsize=(4.4, 3.8))
+    figure = _figure(figsize=(4.4, 3.8))
+    axes = figure.subplots()
     axes.scatter(ref[finite], cand[finite], s=5, alpha=0.6, color=LINE_COLOUR, rasterized=True)
     if finite.any():
         low, high = float(min(ref[finite].min(), cand[finite].min())), float(max(ref[finite].max(), cand[finite].max()))
@@ -107,25 +123,21 @@ def candidate_vs_reference(points: Sequence[Sequence[float]], name: str) -> str 
     return _svg(figure)
 
 
-def _pyplot():
-    if not available():
-        return None
-    import matplotlib
+def _figure(**options):
+    """A figure of matplotlib's object API. No pyplot: the caller's backend and global state stay as they
+    were (the pytest plugin runs inside a user's test session), and it imports faster."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg", force=True)
-    matplotlib.rcParams.update({"svg.fonttype": "none", "svg.hashsalt": "accudiff", "font.size": 9})
-    import matplotlib.pyplot as plt
-
-    return plt
+    return Figure(**options)
 
 
 def _svg(figure) -> str:
-    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_svg import FigureCanvasSVG
 
     buffer = io.StringIO()
+    FigureCanvasSVG(figure)
     figure.tight_layout()
     figure.savefig(buffer, format="svg", dpi=110, metadata={"Date": None})
-    plt.close(figure)
     text = buffer.getvalue()
     return text[text.index("<svg"):]  # the XML prolog and doctype do not belong inside HTML
 
