@@ -1,6 +1,6 @@
 """Wall time and peak memory of `accudiff compare --fp16` next to polygraphy doing the same job.
 
-    python benchmarks/compare_vs_polygraphy.py [--models resnet18 ppocr_rec_v4 nudenet_320n] [--out benchmarks/out]
+    python benchmarks/compare_vs_polygraphy.py [--models resnet18 ppocr_rec_v4 nudenet_320n] [--repeat 3] [--out benchmarks/out]
 
 polygraphy's flow (0.53): `run M --onnxrt --onnx-outputs mark all --save-outputs ref.json`, then
 `convert M --fp-to-fp16 -o M16`, then `run M16 --onnxrt --onnx-outputs mark all --load-outputs ref.json`.
@@ -80,9 +80,17 @@ def floor(model: Path, shape: str) -> dict:
     return {"seconds": runs + stats, "two_runs": runs, "stats_pass": stats, "tensor_mb": megabytes}
 
 
+def _median_run(results: list[dict]) -> dict:
+    """The run of median wall time, with the largest peak memory of all runs and every run's time."""
+    chosen = dict(sorted(results, key=lambda r: r["seconds"])[len(results) // 2])
+    chosen.update(peak_mb=max(r["peak_mb"] for r in results), all_seconds=[round(r["seconds"], 2) for r in results])
+    return chosen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(SHAPES))
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each flow; the median time and the largest peak are reported")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -90,14 +98,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             model = models.MODELS[name](Path(tmp))
-            work = Path(tmp) / name
-            (work / "pg").mkdir(parents=True)
-            (work / "ad").mkdir()
-            rows[name] = {
-                "polygraphy": polygraphy_flow(model, SHAPES[name], work / "pg"),
-                "accudiff": accudiff_flow(model, SHAPES[name], work / "ad"),
-                "floor": floor(model, SHAPES[name]),
-            }
+            runs = {"polygraphy": [], "accudiff": []}
+            for repeat in range(args.repeat):  # alternated, so a noisy spell on this shared machine hits both
+                work = Path(tmp) / name / str(repeat)
+                (work / "pg").mkdir(parents=True)
+                (work / "ad").mkdir()
+                runs["polygraphy"].append(polygraphy_flow(model, SHAPES[name], work / "pg"))
+                runs["accudiff"].append(accudiff_flow(model, SHAPES[name], work / "ad"))
+            rows[name] = {tool: _median_run(results) for tool, results in runs.items()}
+            rows[name]["floor"] = floor(model, SHAPES[name])
             row = rows[name]
             pg, ad, fl = row["polygraphy"], row["accudiff"], row["floor"]
             print(
