@@ -12,9 +12,9 @@ from accudiff.model.loading import subgraph_outer_references
 
 def extract(model: onnx.ModelProto, indices: Sequence[int], name: str | None = None, outputs: Sequence[str] | None = None) -> onnx.ModelProto:
     """The nodes at `indices` (kept in graph order) as a model: its inputs are what they read from outside
-    (values of Constant nodes outside come along as initializers), its outputs `outputs` if given, else what the rest of the graph (or the graph's outputs) reads from
-    them, or else the last node's outputs. Types and shapes come from the model's value_info (run shape
-    inference first)."""
+    (values of Constant nodes outside come along as initializers), its outputs `outputs` if given, else
+    what the rest of the graph (or the graph's outputs) reads from them, or else the last node's outputs.
+    Types and shapes come from the model's value_info (run shape inference first)."""
     graph = model.graph
     wanted = sorted(set(indices))
     chosen = [graph.node[i] for i in wanted]
