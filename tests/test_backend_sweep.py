@@ -29,6 +29,7 @@ SAMPLE = {
     "test_split_to_sequence_1",  # nothing but sequences to compare: one sentence
     "test_attention_4d_fp16",  # an output the model already computes in FP16
     "test_linear_attention_linear_expanded",  # a Scan whose body leaves its carried state untyped
+    "test_ELU",  # IR version 3: the INT8 candidate's calibration graph needs a newer IR
 }
 
 

@@ -112,6 +112,9 @@ def _with_per_channel_opset(model: onnx.ModelProto) -> tuple[onnx.ModelProto, li
             f"the INT8 candidate needs opset {PER_CHANNEL_OPSET} (per-channel quantization), and ONNX's version converter "
             f"cannot convert this opset-{opset} model: {first_line(exc)}"
         ) from exc
+    # The converter keeps the IR version; below 4 every initializer must also be a graph input, which the
+    # quantizer's calibration graph (new initializers, no new inputs) breaks. The opset's own IR is the floor.
+    upgraded.ir_version = max(upgraded.ir_version, onnx.helper.find_min_ir_version_for(list(upgraded.opset_import)))
     return upgraded, [f"the model is at opset {opset}; its INT8 candidate was converted to opset {PER_CHANNEL_OPSET}, which per-channel quantization needs"]
 
 
