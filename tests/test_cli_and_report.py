@@ -200,3 +200,11 @@ def test_report_of_a_scalar_input_model_replays(tmp_path):
     first = accudiff.compare(fixture("if_model"), "fp16", candidate="onnxrt", report_dir=tmp_path / "r")
     replay = accudiff.compare(fixture("if_model"), "fp16", candidate="onnxrt", inputs=tmp_path / "r" / "inputs.npz")
     pd.testing.assert_frame_equal(first.table, replay.table)
+
+
+def test_worst_tensor_lines_stay_aligned_with_long_op_names(run_cli):
+    """'BatchNormalization' is longer than the op column was: the error figures stay in one column."""
+    code, out, _ = run_cli("compare", fixture("drift_then_constant_overflow"), "--fp16", "--no-autokeep", "--candidate", "onnxrt", "-o", "r")
+    block = out.split("worst tensors (failing first, then lowest SQNR):\n")[1].split("  verdict:")[0].splitlines()
+    assert code == 1 and any("BatchNormalization" in line for line in block)
+    assert len({line.index("max abs err") for line in block}) == 1, block

@@ -47,9 +47,11 @@ def format_summary(result) -> str:
     lines += sample_lines(result)
     if failure is not None:
         lines.append("  worst tensors (failing first, then lowest SQNR):")
-        for _, worst in worst_tensors(table).iterrows():
+        shown = worst_tensors(table)
+        names, ops = max([32, *shown["tensor"].str.len()]), max([14, *shown["op_type"].str.len()])  # columns stay aligned
+        for _, worst in shown.iterrows():
             lines.append(
-                f"    {worst['tensor']:<32} {worst['op_type']:<14} {worst['status']:<5} max abs err {worst['max_abs_err']:<10.3g} SQNR {worst['sqnr_db']:6.1f} dB"
+                f"    {worst['tensor']:<{names}} {worst['op_type']:<{ops}} {worst['status']:<5} max abs err {worst['max_abs_err']:<10.3g} SQNR {worst['sqnr_db']:6.1f} dB"
             )
     outputs = result.outputs
     if result.verdict == "inconclusive":
