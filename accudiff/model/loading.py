@@ -106,10 +106,9 @@ def describe(path: Path, proto: onnx.ModelProto) -> ModelInfo:
     initializer_names = {init.name for init in graph.initializer}
     dtypes = _value_dtypes(graph)
     for vi in graph.input:
-        kind = vi.type.WhichOneof("value")
-        if vi.name not in initializer_names and kind != "tensor_type":
-            what = kind.replace("_type", "") if kind else "value of no declared type"
-            raise AccudiffError(f"input '{vi.name}' is a {what}, which accudiff cannot feed: it compares models whose inputs are tensors")
+        kind = dtypes.get(vi.name, "value of no declared type")  # a string for a sequence, map or optional
+        if vi.name not in initializer_names and isinstance(kind, str):
+            raise AccudiffError(f"input '{vi.name}' is a {kind}, which accudiff cannot feed: it compares models whose inputs are tensors")
     inputs = [
         InputSpec(vi.name, _np_dtype(vi.type.tensor_type.elem_type), _shape(vi))
         for vi in graph.input
