@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,12 @@ from accudiff.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "fixtures"
+
+
+def user_shell_environment() -> dict:
+    """The environment a user's shell has: the `accudiff` script of this Python on PATH (printed commands
+    are run through it, verbatim)."""
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
 def fixture(name: str) -> Path:

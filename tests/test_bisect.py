@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import onnx
 import pytest
@@ -16,7 +13,7 @@ import accudiff
 from accudiff.bisect.precision import bisect_precision
 from accudiff.bisect.session import BisectSession
 from accudiff.bisect.subgraph import bisect_subgraph
-from conftest import fixture
+from conftest import fixture, user_shell_environment
 
 CPU = {"candidate": "onnxrt"}
 
@@ -65,13 +62,8 @@ def test_subgraph_bisect_starts_from_the_cause_and_its_command_fails_when_pasted
     onnx.checker.check_model(onnx.load(str(tmp_path / result.model_path)), full_check=True)
     # The printed command runs verbatim in a POSIX shell from the result folder, and fails.
     assert result.command.startswith("accudiff compare subgraph.onnx")
-    done = subprocess.run(["bash", "-c", result.command], cwd=tmp_path, capture_output=True, text=True, env=_with_accudiff_on_path())
+    done = subprocess.run(["bash", "-c", result.command], cwd=tmp_path, capture_output=True, text=True, env=user_shell_environment())
     assert done.returncode == 1, done.stdout + done.stderr
-
-
-def _with_accudiff_on_path() -> dict:
-    """The environment a user's shell has: the `accudiff` script of this Python on PATH."""
-    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
 def test_subgraph_bisect_finds_an_accumulating_chain_in_log_runs(tmp_path):

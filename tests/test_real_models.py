@@ -4,10 +4,8 @@ trained detector and recognizer that PyPI wheels ship. Skipped (with the reason)
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -15,7 +13,7 @@ import pytest
 
 import accudiff
 from accudiff.model.inputs import save_feeds
-from conftest import ROOT
+from conftest import ROOT, user_shell_environment
 
 sys.path.insert(0, str(ROOT))
 from benchmarks import models, realistic_inputs  # noqa: E402
@@ -88,6 +86,5 @@ def test_subgraph_bisect_on_a_model_whose_network_sits_in_if_bodies(run_cli, tmp
     reproducer = onnx.load(str(tmp_path / "b" / "subgraph.onnx"))
     saved = {name.partition("/")[2] for name in np.load(tmp_path / "b" / "subgraph_inputs.npz").files}  # "<sample>/<input>"
     assert {i.name for i in reproducer.graph.input} <= saved
-    done = subprocess.run(["bash", "-c", result["command"]], cwd=tmp_path / "b", capture_output=True, text=True,
-                          env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"})
+    done = subprocess.run(["bash", "-c", result["command"]], cwd=tmp_path / "b", capture_output=True, text=True, env=user_shell_environment())
     assert done.returncode == 1, done.stdout + done.stderr
