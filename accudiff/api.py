@@ -19,7 +19,9 @@ from accudiff.comparison.branches import BranchGroup, branch_groups, describe_gr
 from accudiff.comparison.shards import run_shards
 from accudiff.comparison.worker import Job
 from accudiff.comparison.tolerances import Tolerances
+from accudiff.comparison.trial import TrialSetup, Trials
 from accudiff.diagnosis.cause import Cause, ancestor_tensors, find_cause
+from accudiff.diagnosis.verify import DEFAULT_BUDGET, Repair, verify_causes
 from accudiff.diagnosis.rules import DiagnosisContext, Finding, diagnose
 from accudiff.errors import AccudiffError
 from accudiff.memory import return_freed_memory
@@ -31,7 +33,8 @@ from accudiff.options import run_arguments
 from accudiff.report.folder import ReportFolder
 from accudiff.runners import TrtOptions, resolve_candidate
 from accudiff.runners.outputs import ReferenceCache, ReferenceStore
-from accudiff.transforms import KeptNode, NodeSelector, TransformResult, to_fp16, to_int8
+from accudiff.transforms import KeptNode, NodeSelector, TransformResult
+from accudiff.transforms.candidate import CandidateRecipe, CandidateVariants, calibration_samples, transform_model
 from accudiff.transforms.isolate import isolate_in_place
 
 PRECISIONS = ("fp32", "fp16", "int8")
@@ -55,6 +58,7 @@ class TensorFailure:
     findings: list[Finding]
     first_failing_upstream: str | None = None
     cause: Cause | None = None
+    repair: Repair | None = None  # verified: what to keep in higher precision for this output, step by step
 
 
 @dataclass
@@ -145,6 +149,8 @@ def compare(
     reference_cache: ReferenceCache | None = None,
     trt: TrtOptions = TrtOptions(),
     isolate: bool = True,
+    verify: bool = True,
+    verify_budget: int = DEFAULT_BUDGET,
     also: str | None = None,
     max_memory: int | str | None = None,
     workers: int | None = None,
@@ -158,7 +164,9 @@ def compare(
     there atomically. A `reference_cache` shared between calls runs each model's reference only once per
     set of inputs. `isolate` (on by default) adds, for every tensor, the error its node makes when fed the
     reference's values (columns `isolated_*`; one extra candidate run): without it, a cause can be named
-    only from range evidence. `also="onnxrt"` runs the same transformed model
+    only from range evidence. `verify` (on by default) tests every suspect at the failing outputs: the
+    candidate runs again with it kept in higher precision, graph outputs only, at most `verify_budget`
+    runs per failing output (see diagnosis/verify.py). `also="onnxrt"` runs the same transformed model
     on a second backend too (columns `onnxrt_*`), separating the model's own error from what a TensorRT
     build adds. The cause of each failing output is named from these runs (see diagnosis/cause.py).
     `max_memory` (bytes, or a size such as "2G") bounds the memory the compared tensors take: larger
@@ -173,6 +181,8 @@ def compare(
         raise AccudiffError(f"unknown precision '{precision}'; choose one of: {', '.join(PRECISIONS)}")
     if iterations < 1:
         raise AccudiffError("--iterations must be at least 1")
+    if verify and verify_budget < 1:
+        raise AccudiffError("--verify-budget must be at least 1 (or pass --no-verify)")
     step = _Stopwatch()
     tolerances = Tolerances.build(precision, atol, rtol, stol)
     kind, notice = resolve_candidate(candidate, trt)
@@ -211,22 +221,28 @@ def compare(
             report = (lambda phase, finished, total, done=done: progress(phase, done + finished, len(samples))) if progress else None
             runs.append(_compare_group(run, group_info, samples, group.samples, name, report, calibration.get(k, calib_data)))
         info, transformed, outcome = _combine(info.path, runs)
-        result = _judge(info, precision, outcome, tolerances, transformed, isolate, also, seed if inputs is None else None, samples)
+        result, context = _judge(info, precision, outcome, tolerances, transformed, isolate, also, seed if inputs is None else None, samples)
         if len(result.outputs) and not result.outputs["elements"].any():
             raise AccudiffError(f"every graph output of '{info.path.name}' is empty on these inputs: the comparison would cover no element")
+        step.lap("diagnose")
+        verification_notice = None
+        if verify and result.output_failures:
+            verification_notice = _verify(result, context, run, runs, samples, verify_budget)
+            step.lap("verify")
+        _attach_sketches(result, info, outcome)
         candidate_pass = outcome["passes"]["candidate"]
         inlined_engine = BRANCHES_INLINED_FOR_TRT if specialized and "trt" in (kind, also) else None
-        result.notices = [n for n in [notice, *describe_groups(groups, len(samples)), inlined_engine, *transformed.warnings, *candidate_pass["notices"]] if n]
+        result.notices = [n for n in [notice, *describe_groups(groups, len(samples)), inlined_engine, *transformed.warnings, *candidate_pass["notices"], verification_notice] if n]
         result.candidate_models = [r.candidate_model for r in runs]
         result.branches = [{"samples": g.samples, "taken": g.taken} for g in groups if g.taken]
         if folder.final is not None:
             saved = folder.final / INPUTS_FILE if (folder.path / INPUTS_FILE).exists() else inputs  # a dataset stays where it is
             options = {"candidate": candidate, "inputs": saved, "calib_data": calib_data, "seed": seed, "keep_fp32": keep_fp32, "autokeep": autokeep,
                        "atol": atol, "rtol": rtol, "stol": stol, "max_memory": max_memory, "workers": workers, "ray": ray, "trt": trt}
-            extra = ["--no-isolate"] * (not isolate) + (["--also", also] if also else [])
+            extra = ["--no-isolate"] * (not isolate) + ["--no-verify"] * (not verify) + (["--also", also] if also else [])
+            extra += ["--verify-budget", str(verify_budget)] if verify and verify_budget != DEFAULT_BUDGET else []
             result.replay = ["accudiff", "compare", *run_arguments(model, precision, options), *extra]
         result.timings = step.laps  # the same dict: the report sees every phase before its own
-        step.lap("diagnose")
         if report_dir is not None:
             from accudiff.report.writer import write_report
 
@@ -282,7 +298,8 @@ def _compare_group(
     first = samples[indices[0]]
     shapes = {spec.name: first[spec.name].shape for spec in info.inputs}
     segments = _segments(info, shapes, run.max_memory, single="trt" in (run.kind, run.also))  # one engine: the one that ships
-    transformed = transform_model(info, run.precision, first, calibration, run.keep_fp32, run.autokeep, run.seed, run.trt.engine, run.scratch)
+    recipe = CandidateRecipe(run.precision, tuple(run.keep_fp32), run.autokeep, calibration, run.seed, run.trt.engine)
+    transformed = transform_model(info, recipe, first, run.scratch)
     candidate_path = run.folder.path / candidate_name
     save_model(transformed.model, candidate_path)
     passes = [{"name": "candidate", "model": str(candidate_path), "backend": run.kind, "fed_from_reference": {}, "layer_report": True}]
@@ -457,45 +474,6 @@ def prepare_samples(
     return samples_from_feeds(feeds, path, info.inputs)
 
 
-def transform_model(
-    info: ModelInfo,
-    precision: str,
-    sample: Feed,
-    calib_data=None,
-    keep_fp32=(),
-    autokeep: bool = True,
-    seed: int = 0,
-    engine=None,
-    scratch: Path | None = None,
-) -> TransformResult:
-    """The candidate model exactly as `compare` builds it (also used for the bisectors' repaired model);
-    `sample` is the first sample compared (see calibration_samples)."""
-    if engine is not None:  # a pre-built engine is the candidate: there is nothing to transform
-        return TransformResult(model=info.proto, precision=precision)
-    if precision == "fp16":
-        return to_fp16(info.proto, keep_fp32, autokeep)
-    if precision == "int8":
-        return to_int8(info.proto, calibration_samples(info, sample, calib_data, seed, scratch), keep_fp32, calibrated_on_random_data=calib_data is None)
-    return TransformResult(model=info.proto, precision="fp32")
-
-
-def calibration_samples(info: ModelInfo, sample: Feed, calib_data=None, seed: int = 0, scratch: Path | None = None) -> Samples:
-    """The INT8 calibration samples: `calib_data` (samples, or a file or a folder, read one at a time), else
-    seeded random data (seed + 1, written into `scratch`) shaped like `sample`. Only the floating-point
-    inputs are random: integer and bool inputs (shapes, indices, flags, the conditions of a model
-    specialized for its branches) are taken from `sample`, as random values would make invalid shapes
-    and take other branches."""
-    if isinstance(calib_data, Samples):
-        return calib_data
-    if calib_data is not None:
-        return samples_from_path(calib_data, info.inputs, "calibration file", scratch)
-    shapes = {spec.name: sample[spec.name].shape for spec in info.inputs}
-    fixed = {name: value for name, value in sample.items() if not np.issubdtype(value.dtype, np.floating)}
-    folder = scratch if scratch is not None else Path(tempfile.mkdtemp(prefix="accudiff-calibration-"))
-    feeds = [{**feed, **fixed} for feed in generate_feeds(info.inputs, shapes, seed + 1, iterations=8)]
-    return samples_from_feeds(feeds, folder / "calibration.npz", info.inputs)
-
-
 def _judge(info, precision, outcome: dict, tolerances, transformed, isolate: bool, also, seed, samples: Samples) -> CompareResult:
     """Tables from the worker's statistics; verdict from the graph outputs; the first failing tensor, and
     the failing outputs with their causes."""
@@ -506,7 +484,6 @@ def _judge(info, precision, outcome: dict, tolerances, transformed, isolate: boo
         return build_table(info.tensors, StatsSet.from_arrays(result), seen, notes, tolerances, transformed.quant_ranges)
 
     table = table_of("candidate")
-    row_of = {t.name: k for k, t in enumerate(info.tensors)}
     if isolate:
         table = with_side_run(table, table_of("isolated"), "isolated")
     if also is not None and also in outcome["passes"]:
@@ -556,12 +533,49 @@ def _judge(info, precision, outcome: dict, tolerances, transformed, isolate: boo
     )
     compared, computed = result.coverage
     result.passed = bool(observed_outputs) and not failing_outputs and compared >= MIN_COVERAGE * computed
-    shown = {f.tensor for f in result.output_failures} | {f.cause.tensor for f in result.output_failures if f.cause.tensor}
-    sketch = np.asarray(candidate_pass["sketch"])
-    result.error_sketches = {name: sketch[row_of[name]] for name in shown if name in row_of}
     result.points = candidate_pass.get("points", {})
     result.nodes, result.weights = info.nodes, info.weights
-    return result
+    return result, context
+
+
+def _attach_sketches(result: CompareResult, info: ModelInfo, outcome: dict) -> None:
+    """The error sketches the report plots: every failing output's and its cause's."""
+    row_of = {t.name: k for k, t in enumerate(info.tensors)}
+    shown = {f.tensor for f in result.output_failures} | {f.cause.tensor for f in result.output_failures if f.cause.tensor}
+    sketch = np.asarray(outcome["passes"]["candidate"]["sketch"])
+    result.error_sketches = {name: sketch[row_of[name]] for name in shown if name in row_of}
+
+
+MAX_TRIAL_SAMPLES = 8  # verification runs on the worst failing samples, at most this many
+
+
+def _verify(result: CompareResult, context: DiagnosisContext, run: _GroupSettings, runs: Sequence[_GroupRun], samples: Samples, budget: int) -> str | None:
+    """The verify stage: each failing output's suspects tested at the output (diagnosis/verify.py) on the
+    worst failing samples; returns a notice when verification could not run."""
+    if len(runs) > 1:
+        return (f"causes were not verified: the samples take {len(runs)} different combinations of If branches "
+                "(compare each group's samples on their own to verify)")
+    if run.trt.engine is not None:
+        return "causes were not verified: a pre-built engine (--engine) cannot be rebuilt with nodes kept in higher precision"
+    group = runs[0]
+    failing = result.samples[result.samples["status"] == STATUS_FAIL].sort_values("tol_ratio", ascending=False)
+    chosen = list(dict.fromkeys(int(s) for s in failing["sample"]))[:MAX_TRIAL_SAMPLES] or [0]
+    info = load_model(group.info.path)
+    base = replace(group.transformed, model=onnx.load(str(run.folder.path / group.candidate_model)))
+    recipe = CandidateRecipe(run.precision, tuple(run.keep_fp32), run.autokeep, seed=run.seed)
+    first = samples[chosen[0]]
+    setup = TrialSetup(
+        info, CandidateVariants(info, recipe, base=base), samples.subset(chosen), run.tolerances, run.kind, run.scratch / "verify", run.trt,
+        {name: first[name].reshape(-1).tolist() for name in first if _could_be_a_shape(first[name])},
+    )
+    indexed = result.table.set_index("tensor", drop=False)
+    trials = Trials(setup, indexed)
+    ratios = {f.tensor: float(indexed.loc[f.tensor, "tol_ratio"]) for f in result.output_failures}
+    verdicts = verify_causes(ratios, indexed, context, trials, budget, run.tolerances.default.rtol)
+    result.output_failures = [
+        replace(f, cause=verdicts[f.tensor][0], repair=replace(verdicts[f.tensor][1], samples=chosen)) for f in result.output_failures
+    ]
+    return None
 
 
 SAMPLE_COLUMNS = ["sample", "tensor", "status", "max_abs_err", "tol_ratio", "outside_share", "sqnr_db", "rows", "top1", "top5"]

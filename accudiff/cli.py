@@ -10,6 +10,7 @@ from typing import Sequence
 
 from accudiff import __version__
 from accudiff.api import compare
+from accudiff.diagnosis.verify import DEFAULT_BUDGET
 from accudiff.errors import AccudiffError
 from accudiff.options import add_report_dir_option, add_run_options, run_options
 from accudiff.report.console import ProgressBar, format_summary
@@ -46,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_dir_option(cmp, "reports/<model>-<precision>-<time>/")
     cmp.set_defaults(parser=cmp)
     cmp.add_argument("--no-isolate", dest="isolate", action="store_false", help="skip the run that measures each node's own error (faster; the cause is then named only from range evidence)")
+    cmp.add_argument("--no-verify", dest="verify", action="store_false", help="skip testing each suspect at the failing outputs (the cause is then the rules' hypothesis, not verified)")
+    cmp.add_argument("--verify-budget", type=int, default=DEFAULT_BUDGET, metavar="N", help=f"candidate runs per failing output to verify its cause and repair (default {DEFAULT_BUDGET})")
     cmp.add_argument("--also", choices=("onnxrt", "trt"), help="run the same transformed model on a second backend too (three-way table)")
 
     bisect = commands.add_parser("bisect", help="isolate what fails").add_subparsers(dest="bisector", parser_class=_Parser, required=True)
@@ -94,7 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run_compare(args: argparse.Namespace) -> int:
     report_dir = args.report_dir or default_report_dir(Path(args.model).stem, args.precision)
     result = compare(
-        args.model, args.precision, report_dir=report_dir, progress=ProgressBar(), isolate=args.isolate, also=args.also, **run_options(args)
+        args.model, args.precision, report_dir=report_dir, progress=ProgressBar(), isolate=args.isolate, verify=args.verify,
+        verify_budget=args.verify_budget, also=args.also, **run_options(args)
     )
     print(format_summary(result))
     return EXIT_PASS if result.passed else EXIT_FAIL

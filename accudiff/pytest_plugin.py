@@ -276,7 +276,7 @@ def _message(result, problems: list[str]) -> str:
     lines += sample_lines(result)
     for failure in result.output_failures:
         lines.append(f"  output '{failure.tensor}':")
-        lines += [f"    {line}" for line in cause_lines(failure.cause, result)]
+        lines += [f"    {line}" for line in cause_lines(failure, result)]
     if result.first_failure is not None:
         lines.append(f"  first tensor out of tolerance (topological order): '{result.first_failure.tensor}' ({result.first_failure.op_type})")
     if result.report_dir is not None:

@@ -78,6 +78,12 @@ def ppocr_cls_v2(folder: Path | None = None) -> Path:
     return _packaged("rapidocr_onnxruntime", "models/ch_ppocr_mobile_v2.0_cls_infer.onnx")
 
 
+def magika_v3(folder: Path | None = None) -> Path:
+    """Google's file-type classifier (magika 1.0.3 wheel): dense layers, a tanh-form GELU and LayerNorm
+    written as E[x^2] - E[x]^2. Input: 1024 leading and 1024 trailing bytes of a file (realistic_inputs.file_bytes)."""
+    return _packaged("magika", "models/standard_v3_3/model.onnx")
+
+
 def silero_vad(folder: Path | None = None) -> Path:
     """A voice-activity detector exported by scripting: its whole network sits inside If nodes (16 kHz
     and 8 kHz branches, nested Ifs on the state)."""
@@ -155,4 +161,5 @@ MODELS = {
     "ppocr_rec_v4": ppocr_rec_v4,
     "ppocr_cls_v2": ppocr_cls_v2,
     "silero_vad": silero_vad,
+    "magika_v3": magika_v3,
 }

@@ -142,7 +142,30 @@ def voice_chunk(seed: int = 0, rate: int | None = None) -> dict[str, np.ndarray]
     return {"input": chunk.astype(np.float32)[None], "state": np.zeros((2, 1, 128), np.float32), "sr": np.array(rate, np.int64)}
 
 
-FEEDS = {"nudenet_320n": detector_scene, "ppocr_det_v4": ppocr_det, "ppocr_rec_v4": ppocr_rec, "ppocr_cls_v2": ppocr_cls, "silero_vad": voice_chunk}
+FILE_SUFFIXES = (".py", ".json", ".so", ".png", ".txt", ".html", ".xml", ".csv", ".c", ".h", ".svg", ".pyi", ".cfg", ".toml", ".md", ".ttf")
+PADDING_TOKEN, BLOCK, HALF = 256, 4096, 1024
+
+
+def file_bytes(seed: int = 0) -> dict[str, np.ndarray]:
+    """The bytes of a real file of this machine's Python standard library (chosen by `seed` among those with
+    common suffixes), prepared as magika prepares them: the first 1024 bytes after leading whitespace and
+    the last 1024 before trailing whitespace (both within 4 KiB), padded with the token 256."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        p for p in root.rglob("*")
+        if p.suffix in FILE_SUFFIXES and "site-packages" not in p.parts and p.is_file() and not p.is_symlink() and p.stat().st_size >= 64
+    )
+    data = files[np.random.default_rng(seed).integers(len(files))].read_bytes()
+    begin, end = data[:BLOCK].lstrip()[:HALF], data[-BLOCK:].rstrip()[-HALF:]
+    tokens = np.full(2 * HALF, PADDING_TOKEN, np.int32)
+    tokens[: len(begin)] = np.frombuffer(begin, np.uint8)
+    tokens[2 * HALF - len(end):] = np.frombuffer(end, np.uint8)
+    return {"bytes": tokens[None]}
+
+
+FEEDS = {"nudenet_320n": detector_scene, "ppocr_det_v4": ppocr_det, "ppocr_rec_v4": ppocr_rec, "ppocr_cls_v2": ppocr_cls, "silero_vad": voice_chunk, "magika_v3": file_bytes}
 
 
 def dataset(model: str, samples: int, first_seed: int = 0) -> list[dict[str, np.ndarray]]:

@@ -203,3 +203,100 @@ def _fake_quant(q: onnx.NodeProto, initializers):
         return ((levels - zero) * scale).astype(np.float32)
 
     return apply
+
+
+# --- Keep-one-node oracle: every converted node stores in FP16 but one (and what its boundaries need) ---
+
+FP16 = onnx.TensorProto.FLOAT16
+FP16_LARGEST = 65504.0
+FP16_TINY = 6.1e-5
+
+
+def output_ratios(model_path: Path, values: dict[str, np.ndarray], feed: dict[str, np.ndarray], reduced: set[str], keep: set[str],
+                  tolerance: tuple[float, float, float], outputs: list[str]) -> dict[str, float]:
+    """Each graph output's worst |cand - ref| / tolerance when the nodes `reduced - keep` read and write
+    their float values rounded to FP16 (Cast to FP16 and back on every such edge; arithmetic in FP32, as
+    ONNX Runtime's CPU provider does) and every other node runs in FP32."""
+    model = _rounded_model(onnx.load(str(model_path)), values, reduced - keep)
+    names = list(outputs)
+    produced = dict(zip(names, _session(model).run(names, feed)))
+    return {name: _ratio(values[name], produced[name], tolerance) for name in names}
+
+
+def closed_keep(model_path: Path, values: dict[str, np.ndarray], reduced: set[str], keep: set[str]) -> set[str]:
+    """`keep` plus the reduced nodes that read a kept node's output FP16 cannot hold (beyond 65504, or
+    1% or more of its nonzero values below FP16's normal range), transitively."""
+    model = onnx.load(str(model_path))
+    nodes = {(n.name or f"{n.op_type}_{i}"): n for i, n in enumerate(model.graph.node)}
+    closed, queue = set(keep), list(keep)
+    while queue:
+        node = nodes[queue.pop()]
+        for out in node.output:
+            value = values.get(out)
+            if value is None or not np.issubdtype(value.dtype, np.floating) or not _unfit(value):
+                continue
+            for name, reader in nodes.items():
+                if name in reduced and name not in closed and out in reader.input:
+                    closed.add(name)
+                    queue.append(name)
+    return closed
+
+
+def single_keep_ranking(model_path: Path, values, feed, reduced: set[str], tolerance, output: str) -> list[tuple[float, str]]:
+    """(the output's ratio, node) for each reduced node kept alone (closed over boundaries), best first."""
+    ranking = []
+    for node in sorted(reduced):
+        keep = closed_keep(model_path, values, reduced, {node})
+        ranking.append((output_ratios(model_path, values, feed, reduced, keep, tolerance, [output])[output], node))
+    return sorted(ranking)
+
+
+def _unfit(value: np.ndarray) -> bool:
+    finite = np.abs(value[np.isfinite(value)])
+    if not finite.size:
+        return False
+    return bool(finite.max() > FP16_LARGEST or ((finite > 0) & (finite < FP16_TINY)).mean() >= 0.01)
+
+
+def _rounded_model(model: onnx.ModelProto, values: dict[str, np.ndarray], rounded: set[str]) -> onnx.ModelProto:
+    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    nodes = []
+    for index, node in enumerate(model.graph.node):
+        name = node.name or f"{node.op_type}_{index}"
+        if name not in rounded:
+            nodes.append(node)
+            continue
+        for position, value_name in enumerate(node.input):
+            value = values.get(value_name)
+            if value_name and value is not None and value.dtype == np.float32 and _allows_fp16(node, position, opset, "inputs"):
+                stored = f"{value_name}__fp16_for_{name}_{position}"
+                nodes += _round_trip(value_name, stored)
+                node.input[position] = stored
+        outs = []
+        for position, out in enumerate(node.output):
+            value = values.get(out)
+            if out and value is not None and value.dtype == np.float32 and _allows_fp16(node, position, opset, "outputs"):
+                raw = f"{out}__fp32_raw"
+                node.output[position] = raw
+                outs += _round_trip(raw, out)
+        nodes += [node, *outs]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return model
+
+
+def _round_trip(source: str, target: str) -> list[onnx.NodeProto]:
+    middle = f"{target}__as_fp16"
+    return [helper.make_node("Cast", [source], [middle], to=FP16), helper.make_node("Cast", [middle], [target], to=FLOAT)]
+
+
+def _ratio(ref: np.ndarray, cand: np.ndarray, tolerance: tuple[float, float, float]) -> float:
+    atol, rtol, stol = tolerance
+    ref, cand = ref.astype(np.float64), cand.astype(np.float64)
+    finite = np.isfinite(ref)
+    absmax = float(np.abs(ref[finite]).max()) if finite.any() else 0.0
+    with np.errstate(invalid="ignore"):
+        error = np.abs(cand - ref)
+    same = (np.isnan(ref) & np.isnan(cand)) | (np.isinf(ref) & (ref == cand))
+    error = np.where(same, 0.0, np.nan_to_num(error, nan=np.inf))
+    return float((error / (atol + rtol * np.abs(ref) + stol * absmax)).max(initial=0.0))

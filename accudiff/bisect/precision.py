@@ -1,32 +1,32 @@
 """A small set of nodes to keep in FP32 (for INT8: to leave unquantized) so the graph outputs meet tolerance.
 
-1. One comparison with the isolated run names the cause of each failing output and ranks the converted
-   nodes: the local causes first, then every other node by the error it makes on its own (how many
-   tolerances its isolated error reaches). That ranking is the table written out.
-2. Keeping the top k nodes is tried for k found by bisection over the ranking (about log2(N) runs, not N):
-   first the whole ranking (if even that fails, no keep-list of these nodes repairs the model), then
-   halving towards the smallest k that passes. A short passing list (up to PRUNE_LIMIT nodes) is then
-   pruned: each node, lowest ranked first, is dropped if the rest still passes (one run each).
-3. A keep-list is closed over precision boundaries before it is tried: a node kept in FP32 whose output
-   exceeds 65504 would overflow where an FP16 consumer reads it, so such consumers are kept too.
-4. The keep-list (node names as exact-match patterns, usable with --keep-fp32), the repaired model and
-   the ranking are written out. The reference runs once for all of it.
+1. One comparison with the isolated run and verification (diagnosis/verify.py) names the cause of each
+   failing output and its verified repair, and ranks the converted nodes: the repairs' nodes first, then
+   the contributors by their measured effect at the output, then every other node by its own error.
+2. Where every failing output has a verified repair, their union is tried on all the samples and pruned
+   node by node (each dropped if the rest still passes): the keep-list is never longer than compare's.
+3. Otherwise, keeping the top k nodes is tried for k found by bisection over the ranking (about log2(N)
+   runs): first the whole ranking (if even that fails, no keep-list of these nodes repairs the model),
+   then halving towards the smallest k that passes; a short list (up to PRUNE_LIMIT nodes) is pruned.
+4. Every keep-list is closed over precision boundaries and judged at the graph outputs by the same trial
+   mechanism verification uses (comparison/trial.py); the keep-list, the repaired model (exactly the
+   variant that passed) and the ranking are written out. The reference runs once for all of it.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
-from accudiff.api import CompareResult, transform_model
+from accudiff.api import CompareResult
 from accudiff.bisect.session import BisectSession
 from accudiff.diagnosis.cause import rank_contributors
+from accudiff.comparison.trial import Trials
 from accudiff.model.loading import save_model
-from accudiff.transforms.fp16 import FP16_MAX
+from accudiff.transforms.candidate import keep_pattern
 
 KEEP_LIST_FILE, RANKING_FILE = "keep_fp32.txt", "ranking.csv"
 PRUNE_LIMIT = 8
@@ -45,20 +45,24 @@ class PrecisionResult:
 
 
 def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
-    session.progress("step 1: compare the whole model (with isolated errors) and name the causes")
-    full = session.compare(isolate=True)
+    session.progress("step 1: compare the whole model (with isolated errors), name and verify the causes")
+    full = session.compare(isolate=True, verify=True)
     result = PrecisionResult(passed_without_changes=full.passed)
     if full.passed:
         result.candidate_runs = session.candidate_runs
         return result
     ranking = rank(full)
     result.ranking = ranking
-    result.bound = _run_bound(len(ranking))
+    repairs = [f.repair for f in full.output_failures]
+    verified = all(r is not None and r.verified for r in repairs)
+    start = list(dict.fromkeys(n for r in repairs if r is not None for n in r.keep)) if verified else []
+    result.bound = _run_bound(len(ranking), len(start))
     ranking.to_csv(out_dir / RANKING_FILE, index=False)
-    boundaries = _Boundaries(session, full)
-    user_keep = list(session.options.get("keep_fp32", []))
+    trials = session.trials(full)
     try:
-        best = _smallest_passing_prefix(session, list(ranking["node"]), boundaries, user_keep)
+        best = _from_repair(session, trials, start, full) if verified else None
+        if best is None:
+            best = _smallest_passing_prefix(session, trials, list(ranking["node"]), full)
     except KeyboardInterrupt:
         result.interrupted = True
         best = None
@@ -70,81 +74,68 @@ def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
     ranking.to_csv(out_dir / RANKING_FILE, index=False)
     (out_dir / KEEP_LIST_FILE).write_text("".join(f"{keep_pattern(name)}\n" for name in result.keep))
     result.repaired_model = f"repaired-{session.precision}.onnx"
-    save_model(_repaired(session, user_keep + [keep_pattern(n) for n in result.keep]), out_dir / result.repaired_model)
+    save_model(trials.setup.variants.with_kept(result.keep).model, out_dir / result.repaired_model)
     return result
 
 
-def keep_pattern(node: str) -> str:
-    """A --keep-fp32 pattern that selects exactly this node name (names may hold regex characters)."""
-    return re.escape(node)
-
-
 def rank(full: CompareResult) -> pd.DataFrame:
-    """The converted nodes in the order to try keeping them: local causes first, then by own error."""
+    """The converted nodes in the order to try keeping them: the verified repairs' nodes (or the rules'
+    local causes), then contributors by their measured effect at the output, then by own error."""
     table = full.table.set_index("tensor", drop=False)
-    causes = [f.cause for f in full.output_failures if f.cause.kind == "local"]
-    rows = [
-        {"node": c.node, "op_type": c.op_type, "tensor": c.tensor, "why": "cause of a failing output"}
-        for c in dict((c.node, c) for c in causes).values()
-    ]
-    named = {row["node"] for row in rows}
-    rows += [
-        {"node": c.node, "op_type": c.op_type, "tensor": c.tensor, "why": "own error (isolated run)"}
-        for c in rank_contributors(table, full.converted)
-        if c.node not in named
-    ]
-    ranked = pd.DataFrame(rows, columns=["node", "op_type", "tensor", "why"])
+    tensor_of = dict(zip(table["node"], table.index))
+    op_of = dict(zip(table["node"], table["op_type"]))
+    rows = []
+    for failure in full.output_failures:
+        cause, repair = failure.cause, failure.repair
+        if repair is not None and repair.verified:
+            rows += [{"node": n, "why": "in the verified repair of a failing output"} for n in repair.keep]
+        elif cause.kind in ("local", "several"):
+            rows.append({"node": cause.node, "why": "cause of a failing output"})
+        rows += [{"node": c.node, "why": "effect at the output (verification)"} for c in cause.contributors if c.tol_ratio_kept is not None]
+    rows += [{"node": c.node, "why": "own error (isolated run)"} for c in rank_contributors(table, full.converted)]
+    ranked = pd.DataFrame(rows, columns=["node", "why"]).drop_duplicates("node")
+    ranked = ranked[ranked["node"].isin(tensor_of.keys())].reset_index(drop=True)
+    ranked.insert(1, "op_type", [op_of[n] for n in ranked["node"]])
+    ranked.insert(2, "tensor", [tensor_of[n] for n in ranked["node"]])
     for column in ("isolated_tol_ratio", "isolated_sqnr_db", "isolated_max_abs_err", "sqnr_db", "status"):
-        ranked[column] = table.loc[ranked["tensor"], column].to_numpy() if len(ranked) else []
+        ranked[column] = table.loc[ranked["tensor"], column].to_numpy() if len(ranked) and column in table.columns else None
     ranked = ranked.rename(columns={"sqnr_db": "accumulated_sqnr_db", "status": "accumulated_status"})
     ranked.insert(0, "rank", range(1, len(ranked) + 1))
     ranked["kept"] = False
     return ranked
 
 
-class _Boundaries:
-    """Which FP16 consumers must join a keep-list: those reading a kept node's output beyond 65504."""
-
-    def __init__(self, session: BisectSession, full: CompareResult):
-        graph = session.info.proto.graph
-        absmax = full.table.set_index("tensor")["ref_absmax"]
-        self.overflowing = {
-            node.name: [o for o in node.output if o in absmax.index and absmax[o] > FP16_MAX] for node in graph.node
-        }
-        self.consumers: dict[str, list[str]] = {}
-        for node in graph.node:
-            for name in node.input:
-                if node.name in full.converted:
-                    self.consumers.setdefault(name, []).append(node.name)
-        self.active = session.precision == "fp16"
-
-    def close(self, keep: list[str]) -> list[str]:
-        closed, queue = list(keep), list(keep)
-        while self.active and queue:
-            for tensor in self.overflowing.get(queue.pop(), []):
-                for consumer in self.consumers.get(tensor, []):
-                    if consumer not in closed:
-                        closed.append(consumer)
-                        queue.append(consumer)
-        return closed
+def _passes(session: BisectSession, trials: Trials, chosen: list[str], full: CompareResult, what: str, total: int) -> bool:
+    keep = trials.boundaries.close(chosen)
+    session.progress(f"step {session.candidate_runs + 1} of at most {total}: keep {len(keep)} node(s) in higher precision ({what} and what they need)")
+    [outcome] = trials.run([keep])
+    session.candidate_runs += 1
+    return outcome.passes(list(full.outputs["tensor"]))
 
 
-def _smallest_passing_prefix(session: BisectSession, nodes: list[str], boundaries: _Boundaries, user_keep: list[str]) -> list[str] | None:
+def _from_repair(session: BisectSession, trials: Trials, start: list[str], full: CompareResult) -> list[str] | None:
+    """compare's verified repairs, together, tried on every sample and pruned; None if they fail there."""
+    total = _run_bound(0, len(start))
+    if not _passes(session, trials, start, full, f"the {len(start)} of the verified repairs", total):
+        return None
+    chosen = list(start)
+    for node in reversed(start[1:]):
+        rest = [n for n in chosen if n != node]
+        if _passes(session, trials, rest, full, f"all but '{node}'", total):
+            chosen = rest
+    return trials.boundaries.close(chosen)
+
+
+def _smallest_passing_prefix(session: BisectSession, trials: Trials, nodes: list[str], full: CompareResult) -> list[str] | None:
     """The keep-list of the smallest k such that keeping nodes[:k] (closed over boundaries) passes; None if
     keeping all of them still fails."""
-
-    def passes(chosen: list[str], what: str) -> bool:
-        keep = boundaries.close(chosen)
-        session.progress(f"step {session.candidate_runs} of at most {total}: keep {len(keep)} node(s) in FP32 ({what} and what they need)")
-        return session.compare(keep_fp32=user_keep + [keep_pattern(n) for n in keep]).passed
-
-    total = _run_bound(len(nodes))
-    if not nodes or not passes(nodes, f"all {len(nodes)} ranked"):
+    total = _run_bound(len(nodes), 0)
+    if not nodes or not _passes(session, trials, nodes, full, f"all {len(nodes)} ranked", total):
         return None
     failing, passing = 0, len(nodes)
     while passing - failing > 1:
         middle = (failing + passing) // 2
-        if passes(nodes[:middle], f"the top {middle}"):
+        if _passes(session, trials, nodes[:middle], full, f"the top {middle}", total):
             passing = middle
         else:
             failing = middle
@@ -152,19 +143,14 @@ def _smallest_passing_prefix(session: BisectSession, nodes: list[str], boundarie
     if len(chosen) <= PRUNE_LIMIT:
         for node in reversed(chosen[1:]):
             rest = [n for n in chosen if n != node]
-            if passes(rest, f"all but '{node}'"):
+            if _passes(session, trials, rest, full, f"all but '{node}'", total):
                 chosen = rest
-    return boundaries.close(chosen)
+    return trials.boundaries.close(chosen)
 
 
-def _run_bound(ranked: int) -> int:
-    """Candidate runs at most: the isolated comparison (2), all ranked kept, the bisection, the pruning."""
-    return 3 + math.ceil(math.log2(max(ranked, 1))) + max(min(PRUNE_LIMIT, ranked) - 1, 0)
-
-
-def _repaired(session: BisectSession, keep: list[str]):
-    """The transformed model with the keep-list applied, built as `compare --keep-fp32` builds it."""
-    options = session.options
-    return transform_model(
-        session.info, session.precision, session.feeds[0], options.get("calib_data"), keep, options.get("autokeep", True), session.seed
-    ).model
+def _run_bound(ranked: int, repair: int) -> int:
+    """Candidate runs at most: the comparison with its isolated run (2) and verification (reported apart),
+    then either the repair and its pruning, or all ranked kept, the bisection and the pruning."""
+    from_repair = 1 + max(repair - 1, 0) if repair else 0
+    bisection = 1 + math.ceil(math.log2(max(ranked, 1))) + max(min(PRUNE_LIMIT, ranked) - 1, 0) if ranked else 0
+    return 2 + from_repair + bisection

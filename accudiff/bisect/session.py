@@ -8,12 +8,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, TextIO
 
-from accudiff.api import CompareResult, calibration_per_group, calibration_samples, compare, prepare_samples, record_reference
+from accudiff.api import CompareResult, calibration_per_group, compare, prepare_samples, record_reference
+from accudiff.comparison.trial import TrialSetup, Trials
 from accudiff.comparison.branches import branch_groups
 from accudiff.errors import AccudiffError
 from accudiff.model.loading import ModelInfo, load_model, save_model
 from accudiff.model.samples import Samples
+from accudiff.runners import TrtOptions, resolve_candidate
 from accudiff.runners.outputs import ReferenceCache, ReferenceStore
+from accudiff.transforms.candidate import CandidateRecipe, CandidateVariants, calibration_samples, transform_model
 
 # Options of `accudiff.compare` that define the inputs; the rest (precision, tolerances...) pass through.
 INPUT_OPTIONS = ("inputs", "input_shapes", "seed", "val_range", "iterations")
@@ -75,6 +78,19 @@ class BisectSession:
     def calibration_feeds(self) -> Samples:
         """The INT8 calibration samples of the full model, exactly as `compare` uses them."""
         return calibration_samples(self.info, self.feeds[0], self.options.get("calib_data"), self.seed, self.cache.folder)
+
+    def trials(self, full: CompareResult) -> Trials:
+        """Trials of the candidate with nodes kept in higher precision, on every sample of the session,
+        built from the same recipe as `compare`'s candidate (so the repaired model is the one verified)."""
+        options = self.options
+        trt = options.get("trt", TrtOptions())
+        recipe = CandidateRecipe(
+            self.precision, tuple(options.get("keep_fp32", ())), options.get("autokeep", True), options.get("calib_data"), self.seed, trt.engine
+        )
+        base = transform_model(self.info, recipe, self.feeds[0], self.cache.folder)
+        backend, _ = resolve_candidate(options.get("candidate", "auto"), trt)
+        setup = TrialSetup(self.info, CandidateVariants(self.info, recipe, base), self.feeds, full.tolerances, backend, self.cache.folder / "trials", trt)
+        return Trials(setup, full.table.set_index("tensor"))
 
     def close(self) -> None:
         self.cache.close()

@@ -54,6 +54,9 @@ class SubgraphResult:
     findings: list[dict] = field(default_factory=list)
 
 
+SINGLE_NODE_CAUSES = ("local", "several")  # a verified cause node to start the cut from
+
+
 def bisect_subgraph(session: BisectSession, out_dir: Path) -> SubgraphResult:
     session.specialize()  # a cause inside an If body is a node of the graph cut here
     nodes = list(session.info.proto.graph.node)
@@ -69,7 +72,7 @@ def bisect_subgraph(session: BisectSession, out_dir: Path) -> SubgraphResult:
     result.findings = [vars(f) for f in cause.findings]
     index = {node.name: i for i, node in enumerate(nodes)}
     try:
-        if cause.kind == "local":
+        if cause.kind in SINGLE_NODE_CAUSES:
             result.tensor = cause.tensor
             own = index[cause.node]
             for chosen in dict.fromkeys(tuple(_with_producers(nodes, own, limit)) for limit in (1, GROWN_REPRODUCER_NODES)):
@@ -90,7 +93,7 @@ def bisect_subgraph(session: BisectSession, out_dir: Path) -> SubgraphResult:
 def _most_local(failures: list[TensorFailure], nodes) -> TensorFailure:
     """The failing output whose cause is a single node, earliest in the graph; else the first failure."""
     order = {node.name: i for i, node in enumerate(nodes)}
-    local = [f for f in failures if f.cause.kind == "local"]
+    local = [f for f in failures if f.cause.kind in SINGLE_NODE_CAUSES]
     return min(local, key=lambda f: order[f.cause.node]) if local else failures[0]
 
 

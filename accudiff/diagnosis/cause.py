@@ -13,6 +13,10 @@ that breaks the output. So the cause is sought among the output's ancestors, in 
   finds which of them to keep in higher precision.
 * `unknown` — without the isolated run and without range evidence, local and accumulated error cannot
   be told apart; the report says so instead of guessing.
+
+What these rules name is a hypothesis: an overflow that a later Tanh absorbs changes nothing at the
+output. diagnosis/verify.py tests each suspect at the output and may name another node, several
+(`several`), or confirm the error accumulates; `Cause.verified` says whether that was done.
 """
 
 from __future__ import annotations
@@ -49,36 +53,66 @@ class Contributor:
     isolated_max_abs_err: float
     isolated_tol_ratio: float
     findings: list[Finding] = field(default_factory=list)
+    tol_ratio_kept: float | None = None  # verified: the failing output's tolerance ratio with this node kept (and what its boundaries need)
+    keep: list[str] = field(default_factory=list)  # verified: the nodes that keep-list held
+
+
+@dataclass(frozen=True)
+class Absorbed:
+    """A node the rules flagged whose keep in higher precision leaves the output as it was: its error
+    never reaches the output (`by`: the first node downstream whose output is back within tolerance)."""
+
+    node: str
+    op_type: str
+    tensor: str
+    tol_ratio_kept: float  # the output's tolerance ratio with this node kept
+    by: str | None = None
+    by_op_type: str | None = None
 
 
 @dataclass(frozen=True)
 class Cause:
-    kind: str  # local | accumulated | unknown
+    kind: str  # local | several | accumulated | unknown
     node: str | None = None
     tensor: str | None = None
     op_type: str | None = None
     findings: list[Finding] = field(default_factory=list)
     contributors: list[Contributor] = field(default_factory=list)
+    verified: bool = False  # tested at the output by keeping suspects in higher precision (diagnosis/verify.py)
+    co_causes: list[Contributor] = field(default_factory=list)  # kind "several": the other nodes the repair needs
+    absorbed: list[Absorbed] = field(default_factory=list)
 
 
 def find_cause(output: str, table: pd.DataFrame, context: DiagnosisContext) -> Cause:
-    """The cause of `output`'s failure (`table` is indexed by tensor name, in topological order)."""
+    """The cause of `output`'s failure by the rules alone (`table` is indexed by tensor name, in
+    topological order): the first flagged node upstream."""
     ancestors = ancestor_tensors(output, context.upstream)
-    rows = table[table.index.isin(ancestors)]
     contributors = [
-        replace(c, findings=range_findings(c.tensor, table, context)) for c in rank_contributors(rows, context.converted)[:CONTRIBUTOR_COUNT]
+        replace(c, findings=range_findings(c.tensor, table, context))
+        for c in rank_contributors(table[table.index.isin(ancestors)], context.converted)[:CONTRIBUTOR_COUNT]
     ]
+    flagged = flagged_nodes(output, table, context)
+    if flagged:
+        return replace(flagged[0], contributors=contributors)
+    return Cause("accumulated" if isolation_ran(table) else "unknown", contributors=contributors)
+
+
+def flagged_nodes(output: str, table: pd.DataFrame, context: DiagnosisContext) -> list[Cause]:
+    """Every node upstream of `output` with evidence that it introduces error itself, in topological
+    order, each as a local cause (the suspects verification tests)."""
+    rows = table[table.index.isin(ancestor_tensors(output, context.upstream))]
     if isolation_ran(table):  # only a node whose output fails alone or turns finite values into NaN/Inf can introduce error
         suspect = (rows["isolated_status"] == STATUS_FAIL) | (rows["cand_nan"] > rows["ref_nan"]) | (rows["cand_inf"] > rows["ref_inf"])
         rows = rows[rows["node"].isin(set(rows.loc[suspect, "node"]))]
+    flagged = []
     for node, node_rows in rows.groupby("node", sort=False):
         findings = _introduced_error(node_rows, table, context)
         if findings:
             first = node_rows.iloc[0]
             failing = node_rows[node_rows["status"] == STATUS_FAIL]
             tensor = (failing.iloc[0] if len(failing) else first)["tensor"]
-            return Cause("local", str(node), tensor, first["op_type"], findings, contributors)
-    return Cause("accumulated" if isolation_ran(table) else "unknown", contributors=contributors)
+            flagged.append(Cause("local", str(node), tensor, first["op_type"], findings))
+    return flagged
 
 
 def rank_contributors(rows: pd.DataFrame, converted: frozenset[str]) -> list[Contributor]:

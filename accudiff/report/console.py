@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import sys
 from typing import TextIO
 
@@ -40,7 +42,7 @@ def format_summary(result) -> str:
             f"  output '{out.tensor}' FAILS: {int(row['outside_count'])} of {int(row['elements'])} elements ({row['outside_share']:.1%}) outside tolerance; "
             f"worst element {element_index(row)}: reference {row['worst_ref']:.6g}, candidate {row['worst_cand']:.6g}"
         )
-        lines += ["    " + line for line in cause_lines(out.cause, result)]
+        lines += ["    " + line for line in cause_lines(out, result)]
         if out.first_failing_upstream not in (None, out.tensor, out.cause.tensor):
             lines.append(f"    (the first tensor out of tolerance on its way is '{out.first_failing_upstream}')")
         lines += _backend_lines(indexed.loc[out.cause.tensor if out.cause.tensor else out.tensor])
@@ -90,28 +92,59 @@ def sample_lines(result) -> list[str]:
     return lines
 
 
-def cause_lines(cause, result) -> list[str]:
-    """The cause of one failing output, as the console and the pytest plugin show it."""
-    if cause.kind == "local":
-        lines = [f"cause: {cause.op_type} '{cause.node}' introduces the error (its output '{cause.tensor}')"]
+def cause_lines(failure, result) -> list[str]:
+    """The cause of one failing output and its repair, as the console, report and pytest plugin show it."""
+    cause = failure.cause
+    status = "verified at the output" if cause.verified else "not verified (--no-verify): the rules' hypothesis"
+    if cause.kind in ("local", "several"):
+        what = "introduces the error" if cause.kind == "local" else "is one of several causes"
+        lines = [f"cause: {cause.op_type} '{cause.node}' {what} (its output '{cause.tensor}'; {status})"]
         lines += [f"  {f.kind}: {f.message}" for f in cause.findings]
-        return lines
-    if cause.kind == "accumulated":
-        lines = ["cause: accumulated error: no node leaves tolerance on its own; errors each within tolerance grow past it on the way to this output"]
+        lines += [f"  also: {c.op_type} '{c.node}' ({_kept_effect(c)})" for c in cause.co_causes]
+    elif cause.kind == "accumulated":
+        lines = ["cause: accumulated error: no single node breaks this output; small errors grow past the tolerance on the way"]
+        lines += [f"  {f.kind}: {f.message}" for f in cause.findings]
     else:
         lines = ["cause: unknown: no range fault found, and without the isolated run (--no-isolate) one node's own error "
                  "cannot be told from error that adds up"]
-    if cause.contributors:
-        lines.append("  largest own errors upstream (isolated run):")
+    for absorbed in cause.absorbed:
+        by = f"its error is absorbed downstream by {absorbed.by_op_type} '{absorbed.by}'; " if absorbed.by else ""
+        lines.append(f"  ruled out: {absorbed.op_type} '{absorbed.node}' (flagged by the rules): {by}kept in higher precision alone, it leaves the output at {absorbed.tol_ratio_kept:.3g}x its tolerance")
+    if cause.kind in ("accumulated", "unknown") and cause.contributors:
+        measured = cause.contributors[0].tol_ratio_kept is not None
+        lines.append("  contributors, by their effect at the output (the output's tolerance ratio with each kept):" if measured
+                     else "  largest own errors upstream (isolated run):")
         for c in cause.contributors:
-            lines.append(
-                f"    {c.op_type} '{c.node}': SQNR {c.isolated_sqnr_db:.1f} dB, max abs err {c.isolated_max_abs_err:.3g} "
-                f"({c.isolated_tol_ratio:.2g}x its tolerance)"
-            )
-            lines += [f"      {f.kind}: {f.message}" for f in c.findings]
-    flag = {"fp16": " --fp16", "int8": " --int8"}.get(result.precision, "")
-    lines.append(f"  to find the nodes to keep in higher precision: accudiff bisect precision {result.model}{flag}")
+            lines.append(f"    {c.op_type} '{c.node}': {_kept_effect(c) if measured else _own_error(c)}")
+            if not measured:
+                lines += [f"      {f.kind}: {f.message}" for f in c.findings]
+    lines += repair_lines(failure, result)
     return lines
+
+
+def repair_lines(failure, result) -> list[str]:
+    """The verified repair, one line per step; without one, how to look for it."""
+    repair = failure.repair
+    flag = {"fp16": " --fp16", "int8": " --int8"}.get(result.precision, "")
+    if repair is None or len(repair.steps) < 2:
+        return [f"  to find the nodes to keep in higher precision: accudiff bisect precision {result.model}{flag}"]
+    samples = f"on {len(repair.samples)} failing sample(s)" if repair.samples else ""
+    head = "repair (verified" if repair.verified else "repair (NOT verified: the output still fails"
+    lines = [f"  {head} {samples}): keep {len(repair.keep)} node(s) in higher precision: " + ", ".join(f"'{n}'" for n in repair.keep)]
+    for number, step in enumerate(repair.steps):
+        kept = "nothing kept" if not step.keep else f"keep {len(step.keep)} node(s)"
+        lines.append(f"    step {number}: {kept} -> output at {step.tol_ratio:.3g}x its tolerance")
+    if repair.verified:
+        lines.append("    apply it: " + " ".join(f"--keep-fp32 '{re.escape(n)}'" for n in repair.keep))
+    return lines
+
+
+def _kept_effect(c) -> str:
+    return f"kept, the output is at {c.tol_ratio_kept:.3g}x its tolerance" + (f" ({len(c.keep)} nodes kept with what its boundaries need)" if len(c.keep) > 1 else "")
+
+
+def _own_error(c) -> str:
+    return f"SQNR {c.isolated_sqnr_db:.1f} dB, max abs err {c.isolated_max_abs_err:.3g} ({c.isolated_tol_ratio:.2g}x its tolerance)"
 
 
 def _backend_lines(row) -> list[str]:

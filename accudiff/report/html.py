@@ -138,8 +138,8 @@ def summary_markdown(result, html_name: str = HTML_FILE) -> str:
         "",
     ]
     for failure in result.output_failures:
-        lines.append(f"- output `{_md(failure.tensor)}` fails: " + _md(cause_lines(failure.cause, result)[0].removeprefix("cause: ")))
-        lines += [f"  - {_md(line.strip())}" for line in cause_lines(failure.cause, result)[1:] if not line.strip().startswith("to find")]
+        lines.append(f"- output `{_md(failure.tensor)}` fails: " + _md(cause_lines(failure, result)[0].removeprefix("cause: ")))
+        lines += [f"  - {_md(line.strip())}" for line in cause_lines(failure, result)[1:] if not line.strip().startswith("to find")]
     worst = worst_tensors(result.table)
     if len(worst) and result.output_failures:
         lines += ["", "| tensor | op | status | max abs err | SQNR (dB) |", "|---|---|---|---|---|"]
@@ -191,7 +191,7 @@ def _causes(result) -> str:
         head = (f"output '{failure.tensor}': {int(row['outside_count'])} of {int(row['elements'])} elements ({row['outside_share']:.1%}) outside "
                 f"tolerance; worst element {element_index(row)}: reference {row['worst_ref']:.6g}, candidate {row['worst_cand']:.6g}")
         blocks.append(f'<div class="cause" id="cause-{escape(failure.tensor)}"><strong>{escape(head)}</strong>'
-                      f"<pre>{escape(chr(10).join(cause_lines(failure.cause, result)))}</pre></div>")
+                      f"<pre>{escape(chr(10).join(cause_lines(failure, result)))}</pre></div>")
     return _section("Cause", "".join(blocks))
 
 

@@ -17,7 +17,7 @@ from accudiff.model.inputs import save_feeds
 from accudiff.report.folder import ReportFolder
 
 SUMMARY_SCHEMA = "accudiff.compare.summary"
-SUMMARY_SCHEMA_VERSION = 3
+SUMMARY_SCHEMA_VERSION = 4
 SUMMARY_FILE = "summary.json"
 TENSORS_FILE = "tensors.csv"
 SAMPLES_FILE = "samples.csv"
@@ -40,6 +40,7 @@ def summary(result) -> dict:
             failure = failures[row["tensor"]]
             entry["findings"] = [asdict(f) for f in failure.findings]
             entry["cause"] = asdict(failure.cause)
+            entry["repair"] = asdict(failure.repair) if failure.repair is not None else None
             entry["first_failing_upstream"] = failure.first_failing_upstream
         outputs.append(entry)
     document = {

@@ -189,3 +189,40 @@ def quant_ranges(model: onnx.ModelProto) -> dict[str, QuantRange]:
         offset = int(np.asarray(zero_point).reshape(()))
         ranges[node.input[0]] = QuantRange(scale=step, low=(info.min - offset) * step, high=(info.max - offset) * step)
     return ranges
+
+
+def leave_unquantized(quantized: TransformResult, fp32: onnx.ModelProto, nodes: Iterable[str], reason: str) -> TransformResult:
+    """`quantized` with `nodes` reading their float inputs again, as `to_int8(keep_fp32=nodes)` would make
+    it without calibrating anew (calibration runs on the FP32 model, so the other nodes' scales are the
+    same): each node gets back the inputs it has in `fp32`, and Q/DQ nodes nobody reads any more go."""
+    leave = set(nodes) & quantized.converted
+    model = onnx.ModelProto()
+    model.CopyFrom(quantized.model)
+    graph = model.graph
+    original = {node.name: node for node in fp32.graph.node if node.name in leave}
+    present = {init.name for init in graph.initializer}
+    for node in graph.node:
+        if node.name in original:
+            node.input[:] = original[node.name].input
+    needed = {name for node in graph.node for name in node.input} - present
+    graph.initializer.extend(init for init in fp32.graph.initializer if init.name in needed)
+    _drop_unread_quantization(graph)
+    kept = quantized.kept + [KeptNode(name, original[name].op_type, reason) for name in sorted(leave)]
+    return TransformResult(
+        model=model, precision="int8", kept=kept, converted=quantized.converted - leave, quant_ranges=quant_ranges(model), warnings=quantized.warnings
+    )
+
+
+def _drop_unread_quantization(graph: onnx.GraphProto) -> None:
+    """Remove Q/DQ nodes whose outputs nobody reads, then the initializers nobody reads."""
+    while True:
+        read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+        unread = [n for n in graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear") and not any(o in read for o in n.output)]
+        if not unread:
+            break
+        for node in unread:
+            graph.node.remove(node)
+    read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    unused = [init for init in graph.initializer if init.name not in read]
+    for init in unused:
+        graph.initializer.remove(init)

@@ -1,0 +1,152 @@
+"""Trials: run the candidate again with some nodes kept in higher precision, graph outputs only, and say
+how far each output is from the reference (its tolerance ratio).
+
+This is the one mechanism behind verified causes (diagnosis/verify.py) and `accudiff bisect precision`:
+a keep-list is judged by what it does at the graph outputs, not by what a rule says about one node.
+Nothing is marked (these runs are cheap), every variant of one call runs in one worker process with the
+reference run once per sample, and every keep-list is closed over precision boundaries first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import onnx
+import pandas as pd
+
+from accudiff.comparison.shards import run_shards
+from accudiff.comparison.tolerances import Tolerances
+from accudiff.comparison.worker import Job
+from accudiff.model.loading import ModelInfo, save_model
+from accudiff.model.samples import Samples
+from accudiff.runners import TrtOptions
+from accudiff.transforms.candidate import CandidateVariants
+from accudiff.transforms.fp16 import FP16_MAX
+
+VARIANTS_PER_WORKER = 8  # every variant's session is open at once in the worker: bound that
+UNDERFLOW_SHARE = 0.01  # as diagnosis/rules.py: a smaller share of tiny values is noise
+
+
+@dataclass(frozen=True)
+class TrialOutcome:
+    """One keep-list tried: each graph output's tolerance ratio (worst over the samples; at most 1 means
+    within tolerance) and, for class scores, the share of score vectors whose top class agrees."""
+
+    keep: list[str]
+    tol_ratio: dict[str, float]
+    top1: dict[str, float | None] = field(default_factory=dict)
+
+    def passes(self, outputs: Sequence[str]) -> bool:
+        return all(self.tol_ratio.get(name, np.inf) <= 1.0 for name in outputs)
+
+
+@dataclass
+class TrialSetup:
+    """What every trial of one comparison shares: the FP32 model, how its candidate is made, the samples
+    tried (usually the failing ones), the tolerances and the backend."""
+
+    info: ModelInfo  # with its proto loaded
+    variants: CandidateVariants
+    samples: Samples
+    tolerances: Tolerances
+    backend: str  # "onnxrt" or "trt"
+    scratch: Path
+    trt: TrtOptions = TrtOptions()
+    shape_values: Mapping[str, list[int]] = field(default_factory=dict)
+
+
+class Trials:
+    """Counted trials over one setup; `boundaries` closes every keep-list before it is tried."""
+
+    def __init__(self, setup: TrialSetup, table: pd.DataFrame):
+        """`table`: the comparison's statistics (ranges of the reference tensors), indexed by tensor."""
+        self.setup = setup
+        self.runs = 0
+        self.boundaries = Boundaries(setup.info.proto.graph, unfit_for_fp16(table), setup.variants.base.converted, setup.variants.recipe.precision)
+
+    def run(self, keep_lists: Sequence[Sequence[str]]) -> list[TrialOutcome]:
+        """Each keep-list (closed over boundaries) tried on the setup's samples; outcomes in the same order."""
+        outcomes: list[TrialOutcome] = []
+        for start in range(0, len(keep_lists), VARIANTS_PER_WORKER):
+            outcomes += self._run_batch([self.boundaries.close(keep) for keep in keep_lists[start : start + VARIANTS_PER_WORKER]])
+        return outcomes
+
+    def _run_batch(self, keep_lists: list[list[str]]) -> list[TrialOutcome]:
+        setup = self.setup
+        folder = setup.scratch / f"trials-{self.runs}"
+        folder.mkdir(parents=True, exist_ok=True)
+        passes = []
+        for k, keep in enumerate(keep_lists):
+            path = folder / f"variant{k}.onnx"
+            save_model(setup.variants.with_kept(keep).model, path)
+            passes.append({"name": f"variant{k}", "model": str(path), "backend": setup.backend, "fed_from_reference": {}})
+        self.runs += len(keep_lists)
+        info = setup.info
+        first = setup.samples[0]
+        job = Job(
+            reference=str(info.path),
+            passes=passes,
+            precision=setup.variants.recipe.precision,
+            tensors=list(info.output_names),
+            outputs=list(info.output_names),
+            segments=[[node.name for node in info.proto.graph.node]],
+            tolerances=setup.tolerances.as_dict(),
+            quant_ranges={},
+            samples=setup.samples.as_json(),
+            sample_indices=list(range(len(setup.samples))),
+            result=str(folder / "result"),
+            trt={k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(setup.trt).items()},
+            input_shapes={spec.name: list(first[spec.name].shape) for spec in info.inputs},
+            shape_values=dict(setup.shape_values),
+            input_specs=[[spec.name, str(spec.dtype), list(spec.shape)] for spec in info.inputs],
+        )
+        result = run_shards(job, setup.samples.as_json())
+        return [_outcome(keep, result["passes"][p["name"]]["outcomes"]) for keep, p in zip(keep_lists, passes)]
+
+
+def _outcome(keep: list[str], samples: list[dict]) -> TrialOutcome:
+    ratio: dict[str, float] = {}
+    rows: dict[str, list[int]] = {}
+    for one in samples:
+        name = one["tensor"]
+        ratio[name] = max(ratio.get(name, 0.0), float(one["tol_ratio"]))
+        counts = rows.setdefault(name, [0, 0])
+        counts[0] += one["rows"]
+        counts[1] += one["top1"]
+    return TrialOutcome(keep, ratio, {name: (top / count if count else None) for name, (count, top) in rows.items()})
+
+
+def unfit_for_fp16(table: pd.DataFrame) -> set[str]:
+    """Tensors whose reference values FP16 cannot hold: beyond 65504, or a significant share of them
+    nonzero below FP16's normal range (where they lose their bits or become 0)."""
+    elements = table["elements"].where(table["elements"] > 0)
+    tiny = (table["below_fp16_normal"] / elements).fillna(0) >= UNDERFLOW_SHARE
+    return set(table.index[(table["ref_absmax"] > FP16_MAX) | tiny])
+
+
+class Boundaries:
+    """Which FP16 consumers must join a keep-list: a node kept in FP32 whose output FP16 cannot hold (an
+    overflow, or values that underflow) would break where a converted consumer reads it in FP16, so that
+    consumer is kept too (transitively)."""
+
+    def __init__(self, graph: onnx.GraphProto, unfit: set[str], converted: set[str], precision: str):
+        self.overflowing = {node.name: [o for o in node.output if o in unfit] for node in graph.node}
+        self.consumers: dict[str, list[str]] = {}
+        for node in graph.node:
+            if node.name in converted:
+                for name in node.input:
+                    self.consumers.setdefault(name, []).append(node.name)
+        self.active = precision == "fp16"
+
+    def close(self, keep: Sequence[str]) -> list[str]:
+        closed, queue = list(dict.fromkeys(keep)), list(dict.fromkeys(keep))
+        while self.active and queue:
+            for tensor in self.overflowing.get(queue.pop(), []):
+                for consumer in self.consumers.get(tensor, []):
+                    if consumer not in closed:
+                        closed.append(consumer)
+                        queue.append(consumer)
+        return closed

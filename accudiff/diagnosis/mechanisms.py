@@ -1,0 +1,131 @@
+"""Numerical mechanisms a numerical analyst would name, read from the statistics table with their figures.
+
+* cancellation: an Add/Sub whose result is much smaller than its operands. Each operand carries FP16's
+  rounding (2^-11 of its size); relative to the result that error is amplified by (|a|+|b|)/|a±b|. The
+  classic case is a variance computed as E[x²] − E[x]².
+* amplifiers: ops downstream that grow a small relative error (Reciprocal, Sqrt, Div, Exp, Pow, Log):
+  where the accumulated SQNR falls across such a node, it is named with the drop.
+* absorption: a node whose NaN/Inf a later saturating op (Tanh, Sigmoid, Min/Clip, Softmax...) turns back
+  into the right value: the first node downstream whose output is within tolerance again.
+These are findings to explain a cause, never a cause on their own: verify.py decides what matters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+from accudiff.comparison.table import STATUS_PASS
+from accudiff.diagnosis.cause import ancestor_tensors
+from accudiff.diagnosis.rules import DiagnosisContext, Finding, new_non_finite
+
+UNIT_ROUNDOFF = {"fp16": 2.0**-11}
+AMPLIFYING_OPS = frozenset({"Reciprocal", "Sqrt", "Div", "Exp", "Pow", "Log"})
+SATURATING_OPS = frozenset({"Tanh", "Sigmoid", "HardSigmoid", "Min", "Clip", "Softmax", "LogSoftmax", "Erf", "Relu"})
+AMPLIFIER_DROP_DB = 6.0  # an SQNR fall of at least this across one node is worth naming
+MAX_UNIT_NODES = 12
+
+
+@dataclass(frozen=True)
+class Cancellation:
+    """An Add/Sub that cancels: the node, the finding with its figures, and the nodes that compute its
+    operands from their common source (keeping those in FP32 is what removes the cancellation's error)."""
+
+    node: str
+    tensor: str
+    op_type: str
+    finding: Finding
+    unit: list[str]
+
+
+def cancellations(output: str, table: pd.DataFrame, context: DiagnosisContext, rtol: float) -> list[Cancellation]:
+    """Add/Sub nodes upstream of `output` whose operands' rounding, amplified by cancellation, exceeds `rtol`
+    of the result (`table` indexed by tensor, topological order)."""
+    roundoff = UNIT_ROUNDOFF.get(context.precision)
+    if roundoff is None:
+        return []
+    ancestors = ancestor_tensors(output, context.upstream)
+    found = []
+    for tensor, row in table[table.index.isin(ancestors) & table["op_type"].isin(["Add", "Sub"])].iterrows():
+        if row["node"] not in context.converted or not row["ref_absmax"] > 0:
+            continue
+        operands = [name for name in context.upstream.get(tensor, []) if name in table.index]
+        if len(operands) != 2:
+            continue
+        sizes = [float(table.loc[name, "ref_absmax"]) for name in operands]
+        amplification = sum(sizes) / float(row["ref_absmax"])
+        if amplification * roundoff < rtol:
+            continue
+        form = "the variance computed as E[x²] − E[x]² cancels" if any(_is_square(name, table, context) for name in operands) else "it cancels"
+        message = (
+            f"{form}: its operands reach {sizes[0]:.3g} and {sizes[1]:.3g}, its result only {row['ref_absmax']:.3g}, so FP16's rounding "
+            f"of the operands (2^-11 of their size) is amplified {amplification:.0f}x, to {amplification * roundoff:.1%} of the result "
+            f"(tolerance rtol {rtol:g})"
+        )
+        found.append(Cancellation(row["node"], tensor, row["op_type"], Finding("cancellation", message), _operand_unit(tensor, operands, table, context)))
+    return found
+
+
+def amplifiers(start: str, output: str, table: pd.DataFrame, context: DiagnosisContext, limit: int = 2) -> list[Finding]:
+    """Amplifying ops on the way from `start` to `output` across which the accumulated SQNR falls."""
+    findings = []
+    for tensor, row in _path_rows(start, output, table, context).iterrows():
+        if row["op_type"] not in AMPLIFYING_OPS:
+            continue
+        inputs = [name for name in context.upstream.get(tensor, []) if name in table.index]
+        before = min((float(table.loc[name, "sqnr_db"]) for name in inputs), default=float("nan"))
+        if before - float(row["sqnr_db"]) >= AMPLIFIER_DROP_DB:
+            findings.append(
+                Finding("amplified", f"then amplified by {row['op_type']} '{row['node']}': accumulated SQNR {before:.1f} dB before it, {row['sqnr_db']:.1f} dB after")
+            )
+            if len(findings) == limit:
+                break
+    return findings
+
+
+def absorber(start: str, output: str, table: pd.DataFrame, context: DiagnosisContext) -> tuple[str, str] | None:
+    """(node, op type) of the first node after `start` on the way to `output` that undoes its fault: where
+    `start` has new NaN/Inf, the first whose output has none (a Tanh turning Inf into 1); otherwise the
+    first whose output is within tolerance again. None when the fault never fades."""
+    poisoned = new_non_finite(table.loc[start])
+    for _, row in _path_rows(start, output, table, context).iterrows():
+        if not new_non_finite(row) and (poisoned or row["status"] == STATUS_PASS):
+            return row["node"], row["op_type"]
+    return None
+
+
+def is_saturating(op_type: str | None) -> bool:
+    return op_type in SATURATING_OPS
+
+
+def _path_rows(start: str, output: str, table: pd.DataFrame, context: DiagnosisContext) -> pd.DataFrame:
+    """Rows strictly after `start` that depend on it and feed `output`, in topological order."""
+    readers: dict[str, list[str]] = {}
+    for tensor, reads in context.upstream.items():
+        for name in reads:
+            readers.setdefault(name, []).append(tensor)
+    descendants, stack = set(), [start]
+    while stack:
+        for reader in readers.get(stack.pop(), []):
+            if reader not in descendants:
+                descendants.add(reader)
+                stack.append(reader)
+    return table[table.index.isin(descendants & ancestor_tensors(output, context.upstream))]
+
+
+def _is_square(tensor: str, table: pd.DataFrame, context: DiagnosisContext) -> bool:
+    reads = context.upstream.get(tensor, [])
+    op = table.loc[tensor, "op_type"]
+    return (op == "Mul" and len(reads) == 2 and reads[0] == reads[1]) or op == "Pow"
+
+
+def _operand_unit(tensor: str, operands: list[str], table: pd.DataFrame, context: DiagnosisContext) -> list[str]:
+    """The nodes computing the operands from their common source, and the cancelling node itself."""
+    first, second = (ancestor_tensors(name, context.upstream) for name in operands)
+    own = (first | second) - (first & second)
+    nodes = list(dict.fromkeys(table.loc[table.index.isin(own), "node"].tolist() + [table.loc[tensor, "node"]]))
+    if len(nodes) > MAX_UNIT_NODES:
+        nodes = [table.loc[name, "node"] for name in operands] + [table.loc[tensor, "node"]]
+    return [node for node in nodes if node in context.converted]
+

@@ -1,0 +1,214 @@
+"""Verified causes: every suspect is tested where it matters, at the failing output.
+
+The rules (cause.py) and mechanisms (mechanisms.py) only nominate suspects. For each failing output:
+
+1. Suspects: every node the rules flag upstream (overflow, NaN/Inf origin, a constant that became Inf,
+   INT8 clipping, failing on its own), every cancelling Add/Sub (kept with the nodes computing its
+   operands), and the top contributors by their own error and by how far the accumulated SQNR falls
+   across them (where error enters: early layers, whose rounding depth amplifies, show up here).
+2. Screen: each suspect kept in higher precision on its own (closed over precision boundaries), the
+   candidate run again on the failing samples, graph outputs only (comparison/trial.py). A flagged node
+   whose keep leaves the output as it was is `absorbed`: its error never reaches the output.
+3. Confirm greedily: keep the suspect that helps most, add the next while the output still fails, within
+   the budget of runs per output. The steps and their tolerance ratios are the `Repair`; it is verified
+   only when its last run is within tolerance.
+
+The cause is then `local` (one suspect's keep repairs the output), `several` (two or three suspects repair
+it together, each step of the repair improving the output at least twofold) or `accumulated` (no single keep among those
+tried repairs it; contributors ranked by their measured effect at the output).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from accudiff.comparison.trial import Trials
+from accudiff.diagnosis.cause import Absorbed, Cause, Contributor, ancestor_tensors, flagged_nodes, rank_contributors
+from accudiff.diagnosis.mechanisms import absorber, amplifiers, cancellations
+from accudiff.diagnosis.rules import VALUE_PRESERVING_OPS, DiagnosisContext, Finding, isolated_figures, isolation_ran
+
+DEFAULT_BUDGET = 8  # candidate runs per failing output
+HELPS = 0.8  # a keep helps when it brings the output's tolerance ratio below this share of what it was
+GREEDY_RESERVE = 3  # runs of the budget kept for confirming combinations after the screen
+SEVERAL_LIMIT = 3
+SEVERAL_FACTOR = 2.0  # each of several causes must improve the output at least this much on its own
+CONTRIBUTORS_PER_RANKING = 3
+SQNR_CAP = 200.0
+
+
+@dataclass(frozen=True)
+class RepairStep:
+    keep: list[str]
+    tol_ratio: float  # the output's tolerance ratio with `keep` in higher precision
+
+
+@dataclass(frozen=True)
+class Repair:
+    """Nodes to keep in higher precision for one output, the steps that found them (the first: nothing
+    kept), and whether the last step brought the output within tolerance on the samples tried."""
+
+    keep: list[str]
+    steps: list[RepairStep]
+    verified: bool
+    samples: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Suspect:
+    node: str
+    tensor: str
+    op_type: str
+    keep: list[str]
+    findings: list[Finding]
+    flagged: bool = False
+    tried: list[str] = field(default_factory=list)  # the keep-list as tried (closed over boundaries)
+    tol_ratio: float = math.inf
+
+
+def verify_causes(
+    ratios: dict[str, float], table: pd.DataFrame, context: DiagnosisContext, trials: Trials, budget: int, rtol: float
+) -> dict[str, tuple[Cause, Repair]]:
+    """For each failing output (with its tolerance ratio), the verified cause and repair (`table` indexed
+    by tensor, topological order). The screens of all outputs run as one batch."""
+    suspects = {output: _suspects(output, table, context, rtol)[: max(budget - GREEDY_RESERVE, 1)] for output in ratios}
+    keep_lists = list(dict.fromkeys(tuple(s.keep) for group in suspects.values() for s in group))
+    screened = dict(zip(keep_lists, trials.run([list(k) for k in keep_lists])))
+    verdicts = {}
+    for output, group in suspects.items():
+        for suspect in group:
+            outcome = screened[tuple(suspect.keep)]
+            suspect.tried, suspect.tol_ratio = outcome.keep, outcome.tol_ratio.get(output, math.inf)
+        verdicts[output] = _conclude(output, ratios[output], group, table, context, trials, budget - len(group))
+    return verdicts
+
+
+def _suspects(output: str, table: pd.DataFrame, context: DiagnosisContext, rtol: float) -> list[_Suspect]:
+    found = [_Suspect(c.node, c.tensor, c.op_type, [c.node], c.findings, flagged=True) for c in flagged_nodes(output, table, context)]
+    for cancel in cancellations(output, table, context, rtol):
+        found.append(_Suspect(cancel.node, cancel.tensor, cancel.op_type, cancel.unit, [cancel.finding, *amplifiers(cancel.tensor, output, table, context)]))
+    rows = table[table.index.isin(ancestor_tensors(output, context.upstream))]
+    by_own_error = [(c.node, c.tensor, c.op_type) for c in rank_contributors(rows, context.converted)[:CONTRIBUTORS_PER_RANKING]]
+    for node, tensor, op_type in _interleave(by_own_error, _by_sqnr_fall(rows, table, context)[:CONTRIBUTORS_PER_RANKING]):
+        found.append(_Suspect(node, tensor, op_type, [node], _own_error(table.loc[tensor])))
+    unique, seen = [], set()
+    for suspect in found:
+        if suspect.node not in seen and suspect.keep:
+            seen.add(suspect.node)
+            unique.append(suspect)
+    return unique
+
+
+def _by_sqnr_fall(rows: pd.DataFrame, table: pd.DataFrame, context: DiagnosisContext) -> list[tuple[str, str, str]]:
+    """Converted nodes that compute, ordered by how far the accumulated SQNR falls from their inputs to
+    their output: where error enters the path (graph inputs and weights count as exact)."""
+    falls = []
+    for tensor, row in rows.iterrows():
+        if row["node"] not in context.converted or row["op_type"] in VALUE_PRESERVING_OPS or not np.isfinite(row["sqnr_db"]):
+            continue
+        before = min((float(table.loc[n, "sqnr_db"]) for n in context.upstream.get(tensor, []) if n in table.index), default=SQNR_CAP)
+        falls.append((min(before, SQNR_CAP) - float(row["sqnr_db"]), row["node"], tensor, row["op_type"]))
+    falls.sort(key=lambda item: -item[0])
+    return list(dict.fromkeys((node, tensor, op_type) for _, node, tensor, op_type in falls))
+
+
+def _interleave(first: list, second: list) -> list:
+    merged = []
+    for pair in zip(first, second):
+        merged += pair
+    longer = first if len(first) > len(second) else second
+    return merged + longer[min(len(first), len(second)) :]
+
+
+def _own_error(row: pd.Series) -> list[Finding]:
+    if "isolated_status" not in row.index or not isinstance(row["isolated_status"], str):
+        return []
+    return [Finding("own_error", f"its own rounding, fed the reference's values: {isolated_figures(row)}")]
+
+
+def _conclude(
+    output: str, before: float, suspects: list[_Suspect], table: pd.DataFrame, context: DiagnosisContext, trials: Trials, runs_left: int
+) -> tuple[Cause, Repair]:
+    helpful = sorted((s for s in suspects if improvement(before, s.tol_ratio) > 1 / HELPS), key=lambda s: s.tol_ratio)
+    contributors = [_contributor(s, table) for s in sorted(suspects, key=lambda s: s.tol_ratio)]
+    steps = [RepairStep([], before)]
+    used: list[_Suspect] = []
+    if helpful:
+        used, keep, ratio = [helpful[0]], helpful[0].tried, helpful[0].tol_ratio
+        steps.append(RepairStep(keep, ratio))
+        # The others that help alone first; then the rest, as a node may help only beside another (an
+        # input it reads must be exact too).
+        for suspect in helpful[1:] + [s for s in suspects if s not in helpful]:
+            if ratio <= 1.0 or runs_left <= 0:
+                break
+            if set(suspect.tried) <= set(keep):
+                continue
+            [outcome] = trials.run([keep + [n for n in suspect.tried if n not in keep]])
+            runs_left -= 1
+            tried = outcome.tol_ratio.get(output, math.inf)
+            if improvement(ratio, tried) > 1 / HELPS or (tried <= 1.0 < ratio):
+                used.append(suspect)
+                keep, ratio = outcome.keep, tried
+                steps.append(RepairStep(keep, ratio))
+    repair = Repair(steps[-1].keep, steps, verified=steps[-1].tol_ratio <= 1.0)
+    ruled_out = [_absorbed(s, output, table, context) for s in suspects if s.flagged and s not in helpful and s.node not in repair.keep]
+    common = dict(contributors=contributors, verified=True, absorbed=ruled_out)
+    phrase = keep_phrase(context.precision)
+    if repair.verified and len(used) == 1:
+        best = used[0]
+        extra = len(best.tried) - 1
+        needs = f" (with {extra} node(s) its boundaries need)" if extra else ""
+        verdict = Finding("verified", f"{phrase}{needs} brings the output from {before:.3g}x to {best.tol_ratio:.3g}x its tolerance")
+        return Cause("local", best.node, best.tensor, best.op_type, [*best.findings, verdict], **common), repair
+    gains = [improvement(a.tol_ratio, b.tol_ratio) for a, b in zip(steps, steps[1:])]
+    if repair.verified and len(used) <= SEVERAL_LIMIT and all(gain >= SEVERAL_FACTOR for gain in gains):
+        best = used[0]
+        verdict = Finding(
+            "verified",
+            f"{phrase} alone brings the output from {before:.3g}x to {best.tol_ratio:.3g}x its tolerance; with "
+            + ", ".join(f"{s.op_type} '{s.node}'" for s in used[1:]) + f" too, {repair.steps[-1].tol_ratio:.3g}x",
+        )
+        return Cause("several", best.node, best.tensor, best.op_type, [*best.findings, verdict], co_causes=[_contributor(s, table) for s in used[1:]], **common), repair
+    tried = len(suspects)
+    best = contributors[0] if contributors else None
+    summary = f"{phrase.replace(' it ', ' any one node ')}, among the {tried} tried, leaves the output out of tolerance" + (
+        f" (best: {best.op_type} '{best.node}', {best.tol_ratio_kept:.3g}x of {before:.3g}x)" if best else ""
+    )
+    return Cause("accumulated", findings=[Finding("verified", summary)], **common), repair
+
+
+def improvement(before: float, after: float) -> float:
+    """How many times smaller the tolerance ratio became (Inf to finite: infinitely; Inf to Inf: not at all)."""
+    if math.isinf(after):
+        return 1.0 if math.isinf(before) else 0.0
+    return math.inf if math.isinf(before) or after == 0 else before / after
+
+
+def keep_phrase(precision: str) -> str:
+    """How keeping a node in higher precision is said for this precision."""
+    return "leaving it unquantized" if precision == "int8" else "keeping it in FP32"
+
+
+def _contributor(suspect: _Suspect, table: pd.DataFrame) -> Contributor:
+    row = table.loc[suspect.tensor]
+    isolated = isolation_ran(table) and isinstance(row["isolated_status"], str)
+    return Contributor(
+        suspect.node,
+        suspect.op_type,
+        suspect.tensor,
+        float(row["isolated_sqnr_db"]) if isolated else math.nan,
+        float(row["isolated_max_abs_err"]) if isolated else math.nan,
+        float(row["isolated_tol_ratio"]) if isolated else math.nan,
+        suspect.findings,
+        tol_ratio_kept=suspect.tol_ratio,
+        keep=suspect.tried,
+    )
+
+
+def _absorbed(suspect: _Suspect, output: str, table: pd.DataFrame, context: DiagnosisContext) -> Absorbed:
+    by = absorber(suspect.tensor, output, table, context)
+    return Absorbed(suspect.node, suspect.op_type, suspect.tensor, suspect.tol_ratio, *(by or (None, None)))
+

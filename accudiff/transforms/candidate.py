@@ -1,0 +1,91 @@
+"""The candidate model as `compare` builds it, and variants of it with more nodes kept in higher precision.
+
+One recipe (precision, the user's keep-list, autokeep, INT8 calibration) makes the candidate that
+`compare` runs, the variants that verification and `accudiff bisect precision` try, and the repaired model
+they save: so what is saved is exactly what was verified.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from accudiff.model.inputs import Feed, generate_feeds
+from accudiff.model.loading import ModelInfo
+from accudiff.model.samples import Samples, samples_from_feeds, samples_from_path
+from accudiff.transforms.base import TransformResult
+from accudiff.transforms.fp16 import to_fp16
+from accudiff.transforms.int8 import leave_unquantized, to_int8
+
+KEPT_TO_VERIFY = "kept in higher precision to verify a cause"
+
+
+@dataclass(frozen=True)
+class CandidateRecipe:
+    """How the candidate is made from the FP32 model (what the user asked for)."""
+
+    precision: str
+    keep_fp32: tuple[str, ...] = ()
+    autokeep: bool = True
+    calib_data: Samples | str | Path | None = None
+    seed: int = 0
+    engine: Path | None = None  # a pre-built TensorRT engine: nothing to transform
+
+
+def transform_model(info: ModelInfo, recipe: CandidateRecipe, sample: Feed, scratch: Path | None = None) -> TransformResult:
+    """The candidate model exactly as `compare` builds it; `sample` is the first sample compared (see
+    calibration_samples)."""
+    if recipe.engine is not None:
+        return TransformResult(model=info.proto, precision=recipe.precision)
+    if recipe.precision == "fp16":
+        return to_fp16(info.proto, recipe.keep_fp32, recipe.autokeep)
+    if recipe.precision == "int8":
+        calibration = calibration_samples(info, sample, recipe.calib_data, recipe.seed, scratch)
+        return to_int8(info.proto, calibration, recipe.keep_fp32, calibrated_on_random_data=recipe.calib_data is None)
+    return TransformResult(model=info.proto, precision="fp32")
+
+
+class CandidateVariants:
+    """The candidate, and the same candidate with more nodes kept in higher precision (INT8: left
+    unquantized). FP16 variants are converted anew with the nodes added to the keep-list (a fast pass);
+    INT8 variants reuse the calibrated model, as calibration runs on the FP32 model and its scales do not
+    depend on which nodes read them."""
+
+    def __init__(self, info: ModelInfo, recipe: CandidateRecipe, base: TransformResult):
+        """`base`: the candidate `transform_model(info, recipe, ...)` made."""
+        self.info, self.recipe, self.base = info, recipe, base
+
+    def with_kept(self, nodes: Iterable[str]) -> TransformResult:
+        nodes = list(nodes)
+        if not nodes or self.recipe.precision == "fp32" or self.recipe.engine is not None:
+            return self.base
+        if self.recipe.precision == "int8":
+            return leave_unquantized(self.base, self.info.proto, nodes, KEPT_TO_VERIFY)
+        return to_fp16(self.info.proto, [*self.recipe.keep_fp32, *map(keep_pattern, nodes)], self.recipe.autokeep)
+
+
+def keep_pattern(node: str) -> str:
+    """A --keep-fp32 pattern that selects exactly this node name (names may hold regex characters)."""
+    return re.escape(node)
+
+
+def calibration_samples(info: ModelInfo, sample: Feed, calib_data=None, seed: int = 0, scratch: Path | None = None) -> Samples:
+    """The INT8 calibration samples: `calib_data` (samples, or a file or a folder, read one at a time), else
+    seeded random data (seed + 1, written into `scratch`) shaped like `sample`. Only the floating-point
+    inputs are random: integer and bool inputs (shapes, indices, flags, the conditions of a model
+    specialized for its branches) are taken from `sample`, as random values would make invalid shapes
+    and take other branches."""
+    if isinstance(calib_data, Samples):
+        return calib_data
+    if calib_data is not None:
+        return samples_from_path(calib_data, info.inputs, "calibration file", scratch)
+    shapes = {spec.name: sample[spec.name].shape for spec in info.inputs}
+    fixed = {name: value for name, value in sample.items() if not np.issubdtype(value.dtype, np.floating)}
+    folder = scratch if scratch is not None else Path(tempfile.mkdtemp(prefix="accudiff-calibration-"))
+    feeds = [{**feed, **fixed} for feed in generate_feeds(info.inputs, shapes, seed + 1, iterations=8)]
+    return samples_from_feeds(feeds, folder / "calibration.npz", info.inputs)
