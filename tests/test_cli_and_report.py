@@ -32,7 +32,7 @@ def test_passing_model_exits_0_and_writes_a_complete_report(run_cli, tmp_path):
 def test_failing_model_exits_1_and_names_the_cause(run_cli, tmp_path):
     code, out, _ = run_cli("compare", fixture("layernorm_overflow"), "--fp16", "--report-dir", tmp_path / "r")
     assert code == 1
-    assert "output 'y' FAILS" in out and "cause: Pow 'ln_square' introduces the error (its output 'squared')" in out
+    assert "output 'y' FAILS" in out and "cause: Pow 'ln_square' introduces the error (its output 'squared'; verified at the output)" in out
     assert "overflow: reference absmax" in out and "exceeds the FP16 maximum 65504" in out
     assert "verdict: FAIL" in out
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
@@ -40,7 +40,8 @@ def test_failing_model_exits_1_and_names_the_cause(run_cli, tmp_path):
     [output] = summary["outputs"]
     cause = output["cause"]
     assert (cause["kind"], cause["node"], cause["tensor"], cause["op_type"]) == ("local", "ln_square", "squared", "Pow")
-    assert cause["findings"][0]["kind"] == "overflow" and cause["contributors"]
+    assert cause["findings"][0]["kind"] == "overflow" and cause["contributors"] and cause["verified"]
+    assert output["repair"]["verified"] and output["repair"]["keep"][0] == "ln_square" and output["repair"]["steps"][-1]["tol_ratio"] <= 1
     assert output["first_failing_upstream"] == "squared"
 
 
@@ -48,7 +49,7 @@ def test_first_failure_is_a_fact_never_called_the_cause(run_cli, tmp_path):
     code, out, _ = run_cli("compare", fixture("kept_feeds_fp16"), "--fp16", "--report-dir", tmp_path / "r")
     assert code == 1
     assert "first tensor out of tolerance (topological order): 'centred'" in out
-    assert "cause: Mul 'attenuate' introduces the error" in out
+    assert "cause: Mul 'attenuate' is one of several causes" in out  # verified: it and 'lift' repair the output together
     assert "on its own" not in out.split("cause:")[0]  # nothing before the cause claims an isolated result
 
 
@@ -137,7 +138,8 @@ def test_console_script_is_installed_and_runs(tmp_path):
         cwd=ROOT,
     )
     assert done.returncode == 1
-    assert "nan_inf_origin: its output 'ratio' has NaN/Inf in the candidate" in done.stdout
+    # Both operands of the Div underflow to 0 in FP16: the verified repair keeps them (and the Div reading them) in FP32.
+    assert "cause: Mul 'denominator' is one of several causes" in done.stdout and "repair (verified" in done.stdout
 
 
 def test_result_table_is_a_dataframe_with_documented_columns():

@@ -57,7 +57,8 @@ def _subgraph_text(result, folder: Path) -> str:
     if result.output is None:
         lines.append("  every graph output is within tolerance: nothing to isolate")
         return "\n".join(lines)
-    what = {"local": "one node introduces the error", "accumulated": "no node fails on its own: the error accumulates"}
+    what = {"local": "one node introduces the error", "several": "several nodes introduce the error",
+            "accumulated": "no single node breaks it: the error accumulates"}
     lines.append(f"  failing output: '{result.output}' ({what.get(result.cause_kind, 'cause unknown')})")
     if result.interrupted:
         lines.append("  interrupted before a reproducer was confirmed")
