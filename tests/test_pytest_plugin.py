@@ -38,7 +38,7 @@ def test_broken(accudiff):
     assert "layernorm_overflow.onnx [fp16] is out of bounds" in text
     assert "tensor 'y': 128 of 128 elements (100.00%) outside atol=0.001" in text
     assert "worst element [" in text and "reference" in text and "candidate" in text
-    assert "cause: Pow 'ln_square' introduces the error (its output 'squared')" in text
+    assert "cause: Pow 'ln_square' introduces the error (its output 'squared'; verified at the output)" in text and "repair (verified" in text
     assert "overflow: reference absmax" in text
     assert "full report: " in text
     assert "pytest_plugin.py" not in text and "api.py" not in text  # no internal traceback noise
