@@ -115,16 +115,23 @@ def cause(model_path: Path, output: str, verdicts: list[NodeVerdict]) -> NodeVer
 
 
 def _judge(ref: np.ndarray, cand: np.ndarray, tolerance: tuple[float, float, float]) -> tuple[float, bool]:
+    """(worst absolute error, whether any element is out of tolerance)."""
+    error, allowed = _errors(ref, cand, tolerance)
+    return float(error.max(initial=0.0)), bool((error > allowed).any())
+
+
+def _errors(ref: np.ndarray, cand: np.ndarray, tolerance: tuple[float, float, float]) -> tuple[np.ndarray, np.ndarray]:
+    """|cand - ref| per element (0 where both hold the same NaN/Inf, Inf where only one is NaN) and the
+    tolerance each element is allowed: atol + rtol·|ref| + stol·absmax(ref)."""
     atol, rtol, stol = tolerance
     ref, cand = ref.astype(np.float64), cand.astype(np.float64)
     finite = np.isfinite(ref)
     absmax = float(np.abs(ref[finite]).max()) if finite.any() else 0.0
     with np.errstate(invalid="ignore"):
         error = np.abs(cand - ref)
-        same_non_finite = (np.isnan(ref) & np.isnan(cand)) | (np.isinf(ref) & (ref == cand))
-        within = (error <= atol + rtol * np.abs(ref) + stol * absmax) | same_non_finite
+    same_non_finite = (np.isnan(ref) & np.isnan(cand)) | (np.isinf(ref) & (ref == cand))
     error = np.where(same_non_finite, 0.0, np.nan_to_num(error, nan=np.inf))
-    return float(error.max(initial=0.0)), bool(not within.all())
+    return error, atol + rtol * np.abs(ref) + stol * absmax
 
 
 def _run_alone(node: onnx.NodeProto, inputs: dict[str, np.ndarray], opset: int) -> dict[str, np.ndarray]:
@@ -291,12 +298,5 @@ def _round_trip(source: str, target: str) -> list[onnx.NodeProto]:
 
 
 def _ratio(ref: np.ndarray, cand: np.ndarray, tolerance: tuple[float, float, float]) -> float:
-    atol, rtol, stol = tolerance
-    ref, cand = ref.astype(np.float64), cand.astype(np.float64)
-    finite = np.isfinite(ref)
-    absmax = float(np.abs(ref[finite]).max()) if finite.any() else 0.0
-    with np.errstate(invalid="ignore"):
-        error = np.abs(cand - ref)
-    same = (np.isnan(ref) & np.isnan(cand)) | (np.isinf(ref) & (ref == cand))
-    error = np.where(same, 0.0, np.nan_to_num(error, nan=np.inf))
-    return float((error / (atol + rtol * np.abs(ref) + stol * absmax)).max(initial=0.0))
+    error, allowed = _errors(ref, cand, tolerance)
+    return float((error / allowed).max(initial=0.0))
