@@ -3,13 +3,16 @@ how far each output is from the reference (its tolerance ratio).
 
 This is the one mechanism behind verified causes (diagnosis/verify.py) and `accudiff bisect precision`:
 a keep-list is judged by what it does at the graph outputs, not by what a rule says about one node.
-Nothing is marked (these runs are cheap), every variant of one call runs in one worker process with the
-reference run once per sample, and every keep-list is closed over precision boundaries first.
+Nothing is marked (these runs are cheap), the variants of one call share one worker per core (each
+worker runs the reference once per sample), and every keep-list is closed over precision boundaries first.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -17,16 +20,16 @@ import numpy as np
 import onnx
 import pandas as pd
 
-from accudiff.comparison.shards import run_shards
+from accudiff.comparison.shards import merge_results
 from accudiff.comparison.tolerances import Tolerances
-from accudiff.comparison.worker import Job
+from accudiff.comparison.worker import Job, run_job
 from accudiff.model.loading import ModelInfo, save_model
 from accudiff.model.samples import Samples
 from accudiff.runners import TrtOptions
 from accudiff.transforms.candidate import CandidateVariants
 from accudiff.transforms.fp16 import FP16_MAX
 
-VARIANTS_PER_WORKER = 8  # every variant's session is open at once in the worker: bound that
+VARIANTS_PER_WORKER = 8  # every variant's session is open at once in a worker: bound that
 UNDERFLOW_SHARE = 0.01  # as diagnosis/rules.py: a smaller share of tiny values is noise
 
 
@@ -68,13 +71,23 @@ class Trials:
         self.boundaries = Boundaries(setup.info.proto.graph, unfit_for_fp16(table), setup.variants.base.converted, setup.variants.recipe.precision)
 
     def run(self, keep_lists: Sequence[Sequence[str]]) -> list[TrialOutcome]:
-        """Each keep-list (closed over boundaries) tried on the setup's samples; outcomes in the same order."""
+        """Each keep-list (closed over boundaries) tried on the setup's samples; outcomes in the same order.
+        The variants are shared among as many workers as there are cores, at once: what a trial costs is
+        mostly single-threaded (preparing each variant and creating its session)."""
+        closed = [self.boundaries.close(keep) for keep in keep_lists]
+        cores = os.cpu_count() or 1
+        size = min(VARIANTS_PER_WORKER, math.ceil(len(closed) / cores)) or 1
+        jobs = [self._job(closed[start : start + size]) for start in range(0, len(closed), size)]
+        threads = max(1, cores // min(cores, len(jobs) or 1))
+        with ThreadPoolExecutor(max_workers=min(cores, len(jobs) or 1)) as pool:
+            results = list(pool.map(lambda batch: merge_results([run_job(replace(batch.job, threads=threads))]), jobs))
         outcomes: list[TrialOutcome] = []
-        for start in range(0, len(keep_lists), VARIANTS_PER_WORKER):
-            outcomes += self._run_batch([self.boundaries.close(keep) for keep in keep_lists[start : start + VARIANTS_PER_WORKER]])
+        for job, result in zip(jobs, results):
+            outcomes += [_outcome(keep, result["passes"][p["name"]]["outcomes"]) for keep, p in zip(job.keep_lists, job.job.passes)]
         return outcomes
 
-    def _run_batch(self, keep_lists: list[list[str]]) -> list[TrialOutcome]:
+    def _job(self, keep_lists: list[list[str]]) -> _Batch:
+        """The variants of `keep_lists` saved, and the worker job that tries them."""
         setup = self.setup
         folder = setup.scratch / f"trials-{self.runs}"
         folder.mkdir(parents=True, exist_ok=True)
@@ -103,8 +116,13 @@ class Trials:
             shape_values=dict(setup.shape_values),
             input_specs=[[spec.name, str(spec.dtype), list(spec.shape)] for spec in info.inputs],
         )
-        result = run_shards(job, setup.samples.as_json())
-        return [_outcome(keep, result["passes"][p["name"]]["outcomes"]) for keep, p in zip(keep_lists, passes)]
+        return _Batch(keep_lists, job)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    keep_lists: list[list[str]]
+    job: Job
 
 
 def _outcome(keep: list[str], samples: list[dict]) -> TrialOutcome:

@@ -111,8 +111,8 @@ def load_result(path: Path) -> dict:
 
 
 def result_files(path: Path) -> tuple[str, bytes]:
-    """A worker's result as it was written (its JSON text and its compressed arrays): what a Ray task
-    sends back, ~30x smaller than the decoded arrays (the sketches are mostly empty buckets)."""
+    """A worker's result as it was written (its JSON text and its arrays, sketches sparse): what a Ray task
+    sends back, far smaller than the decoded arrays (the sketches are mostly empty buckets)."""
     return path.with_suffix(".json").read_text(), path.with_suffix(".npz").read_bytes()
 
 
@@ -121,8 +121,8 @@ def decode_result(document_text: str, arrays_npz: bytes) -> dict:
     document = json.loads(document_text)
     with np.load(io.BytesIO(arrays_npz), allow_pickle=False) as arrays:
         for name, result in document["passes"].items():
-            result["values"], result["sketch"] = arrays[f"{name}/values"], arrays[f"{name}/sketch"]
-        document["inputs"] = {"values": arrays["inputs/values"], "sketch": arrays["inputs/sketch"]}
+            result["values"], result["sketch"] = arrays[f"{name}/values"], _dense(arrays, f"{name}/sketch")
+        document["inputs"] = {"values": arrays["inputs/values"], "sketch": _dense(arrays, "inputs/sketch")}
     return document
 
 
@@ -185,10 +185,10 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
 
 
 def _write_result(engine, path: Path) -> None:
-    arrays = {"inputs/values": engine.input_stats.values, "inputs/sketch": engine.input_stats.sketch}
+    arrays = {"inputs/values": engine.input_stats.values, **_sparse("inputs/sketch", engine.input_stats.sketch)}
     document = {"passes": {}, "reference_not_observable": engine.reference_not_observable}
     for name, result in engine.results.items():
-        arrays[f"{name}/values"], arrays[f"{name}/sketch"] = result.stats.values, result.stats.sketch
+        arrays.update({f"{name}/values": result.stats.values, **_sparse(f"{name}/sketch", result.stats.sketch)})
         document["passes"][name] = {
             "seen": {str(k): v for k, v in result.seen.items()},
             "notes": {str(k): v for k, v in result.notes.items()},
@@ -200,8 +200,21 @@ def _write_result(engine, path: Path) -> None:
         }
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".npz"), "wb") as handle:
-        np.savez_compressed(handle, **arrays)
+        np.savez(handle, **arrays)  # sketches are written sparse: compressing would cost more than it saves
     path.with_suffix(".json").write_text(json.dumps(document, default=float))
+
+
+def _sparse(key: str, sketch: np.ndarray) -> dict[str, np.ndarray]:
+    """A sketch as its nonzero buckets (most of its buckets are empty): flat positions, counts, shape."""
+    flat = sketch.reshape(-1)
+    at = np.flatnonzero(flat)
+    return {f"{key}/at": at, f"{key}/count": flat[at], f"{key}/shape": np.asarray(sketch.shape, np.int64)}
+
+
+def _dense(arrays, key: str) -> np.ndarray:
+    sketch = np.zeros(int(np.prod(arrays[f"{key}/shape"])), np.int64)
+    sketch[arrays[f"{key}/at"]] = arrays[f"{key}/count"]
+    return sketch.reshape(tuple(arrays[f"{key}/shape"]))
 
 
 def main() -> None:

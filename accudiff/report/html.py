@@ -88,9 +88,8 @@ def compare_page(result) -> str:
     kept nodes and notices, samples, the full table, the replay command."""
     sections = [_heading(result), _causes(result), _error_path(result), _failing_outputs(result), _neighbourhoods(result),
                 _kept_and_notices(result), _samples(result), _full_table(result), _replay(result)]
-    notices = [] if plots.available() else [plots.MISSING_NOTICE]
     title = f"accudiff compare {result.model.name} [{result.precision}]"
-    return _page(title, notices, sections)
+    return _page(title, [], sections)
 
 
 def bisect_page(bisector: str, model: str, precision: str, result, steps: Sequence[str], folder_files: dict[str, str | None]) -> str:
@@ -197,15 +196,24 @@ def _causes(result) -> str:
 
 def _error_path(result) -> str:
     table = result.table
-    causes = [f.cause.tensor for f in result.output_failures if f.cause is not None and f.cause.tensor]
-    svg = plots.error_path(table, causes, [k.node for k in result.kept])
+    causes, absorbed = [], []
+    for failure in result.output_failures:
+        cause = failure.cause
+        if cause is None:
+            continue
+        label = "verified cause" if cause.verified else "cause (not verified)"
+        causes += [(t, label) for t in dict.fromkeys([cause.tensor, *(c.tensor for c in cause.co_causes)]) if t]
+        for drop in cause.absorbed:
+            by = table.loc[table["node"] == drop.by, "tensor"] if drop.by else ()
+            absorbed.append((drop.tensor, by.iloc[0] if len(by) else None, f"absorbed by {drop.by_op_type} '{drop.by}'" if drop.by else "absorbed"))
+    svg = plots.error_path(table, list(dict.fromkeys(causes)), [k.node for k in result.kept], absorbed)
     intro = ("<p>SQNR of every compared tensor, in topological order: the normal run (error accumulated from every node upstream) "
              "and the isolated run (each node fed the reference's values: its own error). A node whose isolated SQNR drops "
-             "makes error; a drop only in the normal run is carried in.</p>")
-    if svg is not None:
-        return _section("The error's path", intro + f'<div class="plots" id="error-path">{svg}</div>')
-    worst = worst_tensors(table, 30)
-    return _section("The error's path", intro + _data_table(worst, list(worst.columns), "worst-tensors"))
+             "makes error; a drop only in the normal run is carried in. A drop marked absorbed was tested: keeping that node "
+             "in higher precision left the output as it was.</p>")
+    if svg is None:
+        return ""
+    return _section("The error's path", intro + f'<div class="plots" id="error-path">{svg}</div>')
 
 
 def _failing_outputs(result) -> str:
