@@ -219,21 +219,24 @@ FP16_LARGEST = 65504.0
 FP16_TINY = 6.1e-5
 
 
-def output_ratios(model_path: Path, values: dict[str, np.ndarray], feed: dict[str, np.ndarray], reduced: set[str], keep: set[str],
+def output_ratios(model: Path | onnx.ModelProto, values: dict[str, np.ndarray], feed: dict[str, np.ndarray], reduced: set[str], keep: set[str],
                   tolerance: tuple[float, float, float], outputs: list[str]) -> dict[str, float]:
     """Each graph output's worst |cand - ref| / tolerance when the nodes `reduced - keep` read and write
     their float values rounded to FP16 (Cast to FP16 and back on every such edge; arithmetic in FP32, as
-    ONNX Runtime's CPU provider does) and every other node runs in FP32."""
-    model = _rounded_model(onnx.load(str(model_path)), values, reduced - keep)
+    ONNX Runtime's CPU provider does) and every other node runs in FP32. `model`: a file, or a loaded
+    model (left unchanged)."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(_loaded(model))
+    model = _rounded_model(copy, values, reduced - keep)
     names = list(outputs)
     produced = dict(zip(names, _session(model).run(names, feed)))
     return {name: _ratio(values[name], produced[name], tolerance) for name in names}
 
 
-def closed_keep(model_path: Path, values: dict[str, np.ndarray], reduced: set[str], keep: set[str]) -> set[str]:
+def closed_keep(model: Path | onnx.ModelProto, values: dict[str, np.ndarray], reduced: set[str], keep: set[str]) -> set[str]:
     """`keep` plus the reduced nodes that read a kept node's output FP16 cannot hold (beyond 65504, or
     1% or more of its nonzero values below FP16's normal range), transitively."""
-    model = onnx.load(str(model_path))
+    model = _loaded(model)
     nodes = {(n.name or f"{n.op_type}_{i}"): n for i, n in enumerate(model.graph.node)}
     closed, queue = set(keep), list(keep)
     while queue:
@@ -251,11 +254,16 @@ def closed_keep(model_path: Path, values: dict[str, np.ndarray], reduced: set[st
 
 def single_keep_ranking(model_path: Path, values, feed, reduced: set[str], tolerance, output: str) -> list[tuple[float, str]]:
     """(the output's ratio, node) for each reduced node kept alone (closed over boundaries), best first."""
+    model = onnx.load(str(model_path))
     ranking = []
     for node in sorted(reduced):
-        keep = closed_keep(model_path, values, reduced, {node})
-        ranking.append((output_ratios(model_path, values, feed, reduced, keep, tolerance, [output])[output], node))
+        keep = closed_keep(model, values, reduced, {node})
+        ranking.append((output_ratios(model, values, feed, reduced, keep, tolerance, [output])[output], node))
     return sorted(ranking)
+
+
+def _loaded(model: Path | onnx.ModelProto) -> onnx.ModelProto:
+    return model if isinstance(model, onnx.ModelProto) else onnx.load(str(model))
 
 
 def _unfit(value: np.ndarray) -> bool:
@@ -299,4 +307,5 @@ def _round_trip(source: str, target: str) -> list[onnx.NodeProto]:
 
 def _ratio(ref: np.ndarray, cand: np.ndarray, tolerance: tuple[float, float, float]) -> float:
     error, allowed = _errors(ref, cand, tolerance)
-    return float((error / allowed).max(initial=0.0))
+    with np.errstate(over="ignore"):  # an Inf error over a tiny tolerance is an infinite ratio, as meant
+        return float((error / allowed).max(initial=0.0))
