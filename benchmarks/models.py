@@ -4,7 +4,10 @@
 * bert_small: a 2-layer BERT from a `transformers` config, random weights;
 * nudenet_320n: the trained YOLOv8n detector inside the `nudenet` wheel;
 * ppocr_det_v4, ppocr_rec_v4, ppocr_cls_v2: the trained text detector, recognizer and direction classifier
-  inside the `rapidocr-onnxruntime` wheel.
+  inside the `rapidocr-onnxruntime` wheel;
+* ppocr_cls_v2_dynamic_int8, ppocr_cls_v2_qdq_int8: that classifier already quantized, as users receive such
+  models: dynamically (ConvInteger, DynamicQuantizeLinear; IR 6, importing seven domains no node uses, as
+  exported by older tools) and statically (Q/DQ pairs everywhere, calibrated on drawn text lines).
 Realistic inputs for the trained ones are in `realistic_inputs.py`.
 Each function returns the path of an ONNX file (exported once into `folder`), or raises ModuleNotFoundError
 when the package it needs is not installed, so callers can skip.
@@ -142,6 +145,46 @@ def _register_torchvision_ops(torch) -> None:
             pass  # already defined (by a real CPU torchvision, or an earlier call)
 
 
+UNUSED_DOMAINS = ["com.microsoft.nchwc", "com.microsoft.mlfeaturizers", "ai.onnx.ml", "ai.onnx.training", "ai.onnx.preview.training",
+                  "com.microsoft", "com.microsoft.experimental"]
+
+
+def ppocr_cls_v2_dynamic_int8(folder: Path) -> Path:
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    target = Path(folder) / "ppocr_cls_v2_dynamic_int8.onnx"
+    if not target.exists():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quantize_dynamic(str(ppocr_cls_v2()), str(target), weight_type=QuantType.QInt8, op_types_to_quantize=["Conv"])
+        model = onnx.load(str(target))
+        model.opset_import.extend(onnx.helper.make_opsetid(domain, 1) for domain in UNUSED_DOMAINS)
+        model.ir_version = 6
+        onnx.save(model, str(target))
+    return target
+
+
+def ppocr_cls_v2_qdq_int8(folder: Path) -> Path:
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    from benchmarks.realistic_inputs import ppocr_cls
+
+    class Lines(CalibrationDataReader):
+        def __init__(self):
+            self.feeds = iter([ppocr_cls(seed) for seed in range(200, 204)])
+
+        def get_next(self):
+            return next(self.feeds, None)
+
+    target = Path(folder) / "ppocr_cls_v2_qdq_int8.onnx"
+    if not target.exists():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quantize_static(str(ppocr_cls_v2()), str(target), Lines(), quant_format=QuantFormat.QDQ, activation_type=QuantType.QInt8, weight_type=QuantType.QInt8)
+    return target
+
+
 def _packaged(package: str, relative: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -162,4 +205,6 @@ MODELS = {
     "ppocr_cls_v2": ppocr_cls_v2,
     "silero_vad": silero_vad,
     "magika_v3": magika_v3,
+    "ppocr_cls_v2_dynamic_int8": ppocr_cls_v2_dynamic_int8,
+    "ppocr_cls_v2_qdq_int8": ppocr_cls_v2_qdq_int8,
 }

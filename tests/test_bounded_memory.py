@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
+import onnx
 import pandas as pd
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 import accudiff
 from accudiff.errors import AccudiffError
@@ -46,11 +49,25 @@ def test_a_model_with_unnamed_nodes_is_cut_into_the_same_segments(tmp_path):
 
 def test_segments_follow_kept_nodes_and_quantization(tmp_path):
     """Nodes the transforms add (casts around a node kept in FP32, Q/DQ pairs) go with their readers."""
-    chain = models.elementwise_chain(tmp_path, 12, 250_000)
-    for precision, options in (("fp16", {"keep_fp32": ["op3", "op7"]}), ("int8", {})):
-        whole = accudiff.compare(chain, precision, candidate="onnxrt", **options)
-        parts = accudiff.compare(chain, precision, candidate="onnxrt", max_memory="16M", **options)
+    chain, layers = models.elementwise_chain(tmp_path, 12, 250_000), _matmul_chain(tmp_path / "layers.onnx")
+    for model, precision, options in ((chain, "fp16", {"keep_fp32": ["op3", "op7"]}), (layers, "int8", {})):
+        whole = accudiff.compare(model, precision, candidate="onnxrt", **options)
+        parts = accudiff.compare(model, precision, candidate="onnxrt", max_memory="16M", **options)
         pd.testing.assert_frame_equal(whole.table, parts.table)
+
+
+def _matmul_chain(path, layers: int = 8, rows: int = 32768, width: int = 64):
+    """MatMul + Relu layers on a [rows, width] tensor (8 MB each): INT8 quantizes the MatMuls' inputs."""
+    rng = np.random.default_rng(0)
+    nodes, weights, previous = [], [], "x"
+    for k in range(layers):
+        weights.append(numpy_helper.from_array((rng.standard_normal((width, width)) / 8).astype(np.float32), f"w{k}"))
+        nodes += [helper.make_node("MatMul", [previous, f"w{k}"], [f"m{k}"], name=f"matmul{k}"),
+                  helper.make_node("Relu", [f"m{k}"], [f"r{k}" if k < layers - 1 else "y"], name=f"relu{k}")]
+        previous = f"r{k}"
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [rows, width]) for n in ("x", "y")]
+    onnx.save(helper.make_model(helper.make_graph(nodes, "layers", io[:1], io[1:], weights), opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
 
 
 def test_peak_memory_stays_within_the_budget(tmp_path):

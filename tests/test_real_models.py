@@ -4,6 +4,7 @@ trained detector and recognizer that PyPI wheels ship. Skipped (with the reason)
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -69,6 +70,29 @@ def test_trained_models_compare_end_to_end_on_realistic_inputs(name, precision, 
         if output["status"] == "fail":
             cause = output["cause"]
             assert (cause["kind"] == "local" and cause["node"]) or (cause["kind"] == "accumulated" and cause["contributors"])
+
+
+@pytest.mark.parametrize("precision", ["--fp16", "--int8"])
+@pytest.mark.parametrize("name", ["ppocr_cls_v2_dynamic_int8", "ppocr_cls_v2_qdq_int8"])
+def test_already_quantized_models(name, precision, run_cli, tmp_path):
+    """A model that is already quantized: FP16 keeps its integer parts as they are; --int8 quantizes only the
+    float parts left and says so, or, with none left (every Conv reads a DequantizeLinear), refuses in one
+    sentence instead of comparing the model with itself. The dynamic one also imports seven domains no
+    node uses, at IR 6 (the opset upgrade once asked onnx for their IR versions and crashed)."""
+    path = _model(name, tmp_path)
+    save_feeds([realistic_inputs.ppocr_cls(0)], tmp_path / "inputs.npz")
+    save_feeds(realistic_inputs.dataset("ppocr_cls_v2", 4, 100), tmp_path / "calib.npz")
+    calibration = ["--calib-data", "calib.npz"] if precision == "--int8" else []
+    code, out, err = run_cli("compare", path, precision, "--candidate", "onnxrt", "--load-inputs", "inputs.npz", *calibration, "-o", "report")
+    assert "Traceback" not in err and "internal error" not in err
+    if precision == "--fp16":
+        assert code in (0, 1), err
+    elif name == "ppocr_cls_v2_dynamic_int8":
+        assert code in (0, 1), err
+        assert re.search(r"notice: the model is already quantized \(\d+ DynamicQuantizeLinear, \d+ ConvInteger\): .* only its 1 float", out), out
+    else:
+        assert code == 2 and not (tmp_path / "report").exists()
+        assert err.count("\n") == 1 and "already quantized" in err and "no float Conv/ConvTranspose/MatMul/Gemm left" in err, err
 
 
 def test_subgraph_bisect_on_a_model_whose_network_sits_in_if_bodies(run_cli, tmp_path):

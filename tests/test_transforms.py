@@ -11,7 +11,9 @@ from onnx import TensorProto, numpy_helper
 
 from accudiff.model.loading import load_model
 from accudiff.runners.onnxrt import OnnxrtRunner
+from accudiff.errors import AccudiffError
 from accudiff.transforms import to_fp16, to_int8
+from accudiff.transforms.int8 import QUANTIZED_OPS
 from accudiff.model.inputs import generate_feeds, resolve_shapes
 from conftest import FIXTURES, fixture
 
@@ -46,7 +48,11 @@ def test_fp16_model_is_valid_keeps_names_and_io_types(name, tmp_path):
     assert {t.name for t in info.tensors} <= set(outputs)
 
 
-@pytest.mark.parametrize("name", ALL_FIXTURES)
+def _has_quantizable_nodes(name: str) -> bool:
+    return any(node.op_type in QUANTIZED_OPS for node in onnx.load(str(fixture(name))).graph.node)
+
+
+@pytest.mark.parametrize("name", [n for n in ALL_FIXTURES if _has_quantizable_nodes(n)])
 def test_int8_model_is_valid_and_keeps_names(name, tmp_path):
     info = load_model(fixture(name))
     feeds = generate_feeds(info.inputs, resolve_shapes(info.inputs, SHAPES.get(name, {})), iterations=2)
@@ -54,6 +60,15 @@ def test_int8_model_is_valid_and_keeps_names(name, tmp_path):
     onnx.checker.check_model(result.model)
     assert {t.name for t in info.tensors} <= _produced(result.model)
     _runs_in_onnxruntime(result.model, info, tmp_path)
+
+
+@pytest.mark.parametrize("name", [n for n in ALL_FIXTURES if not _has_quantizable_nodes(n)])
+def test_int8_of_a_model_with_nothing_to_quantize_is_refused(name):
+    """No Conv/ConvTranspose/MatMul/Gemm: the INT8 candidate would be the model itself, a vacuous check."""
+    info = load_model(fixture(name))
+    feeds = generate_feeds(info.inputs, resolve_shapes(info.inputs, SHAPES.get(name, {})), iterations=1)
+    with pytest.raises(AccudiffError, match="would compare it with itself"):
+        to_int8(info.proto, feeds)
 
 
 def test_fp16_converts_weights_without_clamping():

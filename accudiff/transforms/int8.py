@@ -31,6 +31,10 @@ from accudiff.model.loading import toposort
 from accudiff.transforms.base import KeptNode, NodeSelector, QuantRange, TransformResult
 
 QUANTIZED_OPS = ["Conv", "ConvTranspose", "MatMul", "Gemm"]
+PREQUANTIZED_OPS = frozenset({  # besides QLinear*: what an already-quantized model holds
+    "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "ConvInteger", "MatMulInteger", "DynamicQuantizeLSTM",
+    "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "QAttention", "QGemm", "QEmbedLayerNormalization",
+})
 PER_CHANNEL_OPSET = 13
 RANDOM_CALIBRATION_WARNING = (
     "INT8 scales were calibrated on random data (integer and bool inputs as in the first sample): pass --calib-data with real samples, "
@@ -57,9 +61,11 @@ def to_int8(
     import onnxruntime
 
     onnxruntime.set_default_logger_severity(4)  # the quantizer's calibration sessions log warnings and errors otherwise (errors still raise)
-    model, upgraded = _with_per_channel_opset(model)
     selector = NodeSelector(keep_fp32)
     excluded = [node.name for node in model.graph.node if selector.matches(node) is not None]
+    already = _what_remains_to_quantize(model, excluded)  # before the opset upgrade, which a model with nothing to quantize may not survive
+    model, upgraded = _with_per_channel_opset(model)
+    notices = [*already, *upgraded, *([RANDOM_CALIBRATION_WARNING] if calibrated_on_random_data else [])]
     with tempfile.TemporaryDirectory(prefix="accudiff-int8-") as tmp:
         source, target = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
         onnx.save(model, str(source))
@@ -95,8 +101,45 @@ def to_int8(
         kept=kept,
         converted=converted,
         quant_ranges=quant_ranges(quantized),
-        warnings=[*upgraded, *([RANDOM_CALIBRATION_WARNING] if calibrated_on_random_data else [])],
+        warnings=notices,
     )
+
+
+def _what_remains_to_quantize(model: onnx.ModelProto, excluded: list[str]) -> list[str]:
+    """Check that the INT8 candidate will differ from the model: some float Conv/ConvTranspose/MatMul/Gemm
+    is left to quantize, else one sentence says why not. In a model that is already quantized (Q/DQ
+    pairs, QLinear*, dynamic quantization's integer ops), those parts stay as they are on both sides and
+    the nodes a DequantizeLinear feeds join `excluded`; the notice that says so is returned."""
+    found: dict[str, int] = {}
+    for node in model.graph.node:
+        if node.op_type in PREQUANTIZED_OPS or node.op_type.startswith("QLinear"):
+            found[node.op_type] = found.get(node.op_type, 0) + 1
+    dequantized = {out for node in model.graph.node if node.op_type == "DequantizeLinear" for out in node.output}
+    candidates = [node for node in model.graph.node if node.op_type in QUANTIZED_OPS]
+    remaining = []
+    for node in candidates:
+        if node.name in excluded:
+            continue
+        if any(name in dequantized for name in node.input):
+            excluded.append(node.name)
+        else:
+            remaining.append(node.name)
+    ops = "/".join(QUANTIZED_OPS)
+    what = ", ".join(f"{count} {op}" for op, count in sorted(found.items(), key=lambda item: -item[1]))
+    if not remaining and any(node.name in excluded and node.op_type in QUANTIZED_OPS for node in candidates) and not found:
+        return [f"every {ops} node is kept in FP32 (--keep-fp32): the INT8 candidate has nothing quantized"]  # a repair being checked
+    if not remaining:
+        if found:
+            reason = f"is already quantized ({what}) and has no float {ops} left to quantize"
+        else:
+            reason = f"has no {ops} node (the only nodes --int8 quantizes, as TensorRT's INT8 kernels are there)"
+        raise AccudiffError(
+            f"the model {reason}, so --int8 would compare it with itself"
+            + ("; to measure what its quantization costs, compare the FP32 model it was made from with --int8 --calib-data" if found else "")
+        )
+    if not found:
+        return []
+    return [f"the model is already quantized ({what}): those parts run as they are on both sides, and only its {len(remaining)} float {ops} node(s) left were quantized"]
 
 
 def _with_per_channel_opset(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
@@ -114,8 +157,15 @@ def _with_per_channel_opset(model: onnx.ModelProto) -> tuple[onnx.ModelProto, li
         ) from exc
     # The converter keeps the IR version; below 4 every initializer must also be a graph input, which the
     # quantizer's calibration graph (new initializers, no new inputs) breaks. The opset's own IR is the floor.
-    upgraded.ir_version = max(upgraded.ir_version, onnx.helper.find_min_ir_version_for(list(upgraded.opset_import)))
+    upgraded.ir_version = max(upgraded.ir_version, _ir_floor(upgraded.opset_import))
     return upgraded, [f"the model is at opset {opset}; its INT8 candidate was converted to opset {PER_CHANNEL_OPSET}, which per-channel quantization needs"]
+
+
+def _ir_floor(opsets: Iterable[onnx.OperatorSetIdProto]) -> int:
+    """The lowest IR version the imported opsets need, from the versions onnx knows: real models import
+    domains it has never heard of (com.microsoft, com.microsoft.nchwc, ...), which need nothing of it."""
+    known = [o for o in opsets if (o.domain or "ai.onnx", o.version) in onnx.helper.OP_SET_ID_VERSION_MAP]
+    return onnx.helper.find_min_ir_version_for(known) if known else 3
 
 
 def _unshare_quantized_activations(graph: onnx.GraphProto) -> set[str]:
