@@ -30,19 +30,18 @@ from accudiff.model.loading import ModelInfo, NodeSummary, all_nodes, describe, 
 from accudiff.model.samples import Samples, samples_from_feeds, samples_from_path
 from accudiff.model.segments import SEGMENTS_PER_BUDGET, memory_budget, plan_segments, tensor_sizes
 from accudiff.options import run_arguments
+from accudiff.report.content import CANDIDATE_MODEL_FILE, INPUTS_FILE
 from accudiff.report.folder import ReportFolder
 from accudiff.runners import TrtOptions, resolve_candidate
 from accudiff.runners.outputs import ReferenceCache, ReferenceStore
 from accudiff.transforms import KeptNode, NodeSelector, TransformResult
-from accudiff.transforms.candidate import CandidateRecipe, CandidateVariants, calibration_samples, transform_model
+from accudiff.transforms.candidate import CandidateRecipe, CandidateVariants, transform_model
 from accudiff.transforms.isolate import isolate_in_place
 
 PRECISIONS = ("fp32", "fp16", "int8")
 BRANCHES_INLINED_FOR_TRT = ("the TensorRT engine is built from the model with its taken branches inlined, so its tensors can be marked; "
                             "the shipped engine, with conditional layers, may fuse and round differently around them")
 MIN_COVERAGE = 0.5  # below this share of the model's tensors compared, a clean result is not a pass
-CANDIDATE_MODEL_FILE = "candidate-{precision}{group}.onnx"
-INPUTS_FILE = "inputs.npz"
 ENGINE_LAYERS_FILE = "engine_layers.json"
 
 

@@ -256,7 +256,7 @@ def _select(table, tensors: str | Sequence[str]):
 
 
 def _tolerance_problem(row) -> str:
-    from accudiff.report.console import element_index
+    from accudiff.report.content import element_index
 
     if row["note"]:
         return f"tensor '{row['tensor']}': {row['note']}"
@@ -268,8 +268,7 @@ def _tolerance_problem(row) -> str:
 
 
 def _message(result, problems: list[str]) -> str:
-    from accudiff.report.console import cause_lines, sample_lines
-    from accudiff.report.html import HTML_FILE
+    from accudiff.report.content import HTML_FILE, cause_lines, sample_lines
 
     lines = [f"accudiff: {result.model.name} [{result.precision}] is out of bounds ({result.candidate})"]
     lines += [f"  {problem}" for problem in problems]

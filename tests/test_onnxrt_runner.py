@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 
 import numpy as np
 import onnx

@@ -13,8 +13,8 @@ from accudiff.bisect.precision import KEEP_LIST_FILE, RANKING_FILE, bisect_preci
 from accudiff.bisect.session import BisectSession, stderr_progress
 from accudiff.bisect.subgraph import bisect_subgraph
 from accudiff.report.folder import ReportFolder
-from accudiff.report.html import HTML_FILE, bisect_page
-from accudiff.report.writer import finite
+from accudiff.report.content import HTML_FILE, finite
+from accudiff.report.html import bisect_page
 
 RESULT_FILE = "result.json"
 RESULT_SCHEMA = "accudiff.bisect.result"

@@ -16,10 +16,8 @@ import numpy as np
 import pandas as pd
 
 from accudiff.report import plots
-from accudiff.report.console import cause_lines, element_index, sample_lines
-from accudiff.report.writer import worst_tensors
+from accudiff.report.content import HTML_FILE, cause_lines, element_index, sample_lines, worst_tensors
 
-HTML_FILE = "report.html"
 MAX_TABLE_ROWS = 2000
 TABLE_COLUMNS = [
     "tensor", "node", "op_type", "status", "max_abs_err", "tol_ratio", "sqnr_db", "isolated_sqnr_db", "isolated_status",

@@ -10,9 +10,8 @@ Accumulated error (the normal run) next to isolated error tells inherited error 
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Mapping
 
-import numpy as np
 import onnx
 
 from accudiff.model.loading import infer_shapes_in_place

@@ -1,0 +1,206 @@
+"""What a compare report says, computed once: the summary document (summary.json), the worst tensors and
+samples, and the lines that state each cause and repair. The console (console.py), the HTML page and
+summary.md (html.py) and the report folder (writer.py) are views of it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+from dataclasses import asdict
+
+from accudiff import __version__
+
+SUMMARY_SCHEMA = "accudiff.compare.summary"
+SUMMARY_SCHEMA_VERSION = 4
+SUMMARY_FILE = "summary.json"
+TENSORS_FILE = "tensors.csv"
+SAMPLES_FILE = "samples.csv"
+MARKDOWN_FILE = "summary.md"
+WORST_SAMPLES_FILE = "worst_samples.npz"
+INPUTS_FILE = "inputs.npz"
+WORST_SAMPLE_COUNT = 5
+WORST_COUNT = 5
+OUTPUT_COLUMNS = ["tensor", "status", "max_abs_err", "max_rel_err", "tol_ratio", "outside_share", "cosine", "sqnr_db"]
+HTML_FILE = "report.html"
+CANDIDATE_MODEL_FILE = "candidate-{precision}{group}.onnx"
+
+
+def summary(result) -> dict:
+    """The summary document of a CompareResult (non-finite numbers are written as "inf"/"-inf"/"nan")."""
+    table = result.table
+    outputs = []
+    failures = {f.tensor: f for f in result.output_failures}
+    for _, row in result.outputs.iterrows():
+        entry = {column: row[column] for column in OUTPUT_COLUMNS}
+        if row["tensor"] in failures:
+            failure = failures[row["tensor"]]
+            entry["findings"] = [asdict(f) for f in failure.findings]
+            entry["cause"] = asdict(failure.cause)
+            entry["repair"] = asdict(failure.repair) if failure.repair is not None else None
+            entry["first_failing_upstream"] = failure.first_failing_upstream
+        outputs.append(entry)
+    document = {
+        "schema": SUMMARY_SCHEMA,
+        "schema_version": SUMMARY_SCHEMA_VERSION,
+        "accudiff_version": __version__,
+        "model": str(result.model),
+        "precision": result.precision,
+        "candidate": result.candidate,
+        "verdict": result.verdict,
+        "tolerances": result.tolerances.as_dict(),
+        "iterations": result.iterations,
+        "seed": result.seed,
+        "coverage": {"compared": result.coverage[0], "computed": result.coverage[1], "share": result.coverage[0] / max(result.coverage[1], 1)},
+        "branches": result.branches,
+        "counts": {
+            "tensors": len(table),
+            "failing": int((table["status"] == "fail").sum()),
+            "not_observed": int((table["status"] == "not observed").sum()) + len(result.not_observable),
+        },
+        "first_failure": asdict(result.first_failure) if result.first_failure else None,
+        "outputs": outputs,
+        "worst_tensors": worst_tensors(table).to_dict("records"),
+        "kept_fp32": [asdict(k) for k in result.kept],
+        "not_observable": result.not_observable,
+        "notices": result.notices,
+        "timings_s": result.timings,
+        "inputs": result.inputs,
+        "samples": _samples_summary(result),
+        "files": {"tensors": TENSORS_FILE, "samples": SAMPLES_FILE, "inputs": INPUTS_FILE, "candidate_models": result.candidate_models,
+                  "html": HTML_FILE, "markdown": MARKDOWN_FILE},
+        "replay": shlex.join(result.replay) if result.replay else None,
+    }
+    return finite(document)
+
+
+def _samples_summary(result) -> dict:
+    """How many samples were compared, which fail per graph output, and class-score agreement."""
+    per_output = {}
+    for output, rows in result.samples.groupby("tensor", sort=False):
+        failing = rows[rows["status"] == "fail"]
+        per_output[output] = {"failing": int(len(failing)), "failing_samples": [int(s) for s in failing["sample"][:100]]}
+    return {"compared": result.iterations, "per_output": per_output, "class_agreement": result.class_agreement()}
+
+
+def worst_tensors(table, count: int = WORST_COUNT):
+    """The worst compared float tensors: failing ones first, then by SQNR. A tensor whose reference is all
+    within its absolute tolerance of zero has an SQNR that means nothing (any rounding is loud next to
+    no signal): it ranks after the others of its group."""
+    compared = table[table["sqnr_db"].notna()]
+    order = compared.assign(
+        _passes=compared["status"] != "fail",
+        _near_zero=compared["ref_absmax"] <= compared["atol"],
+    ).sort_values(["_passes", "_near_zero", "sqnr_db"], kind="stable")
+    return order.head(count)[["tensor", "op_type", "status", "max_abs_err", "sqnr_db", "outside_share"]]
+
+
+def sample_lines(result) -> list[str]:
+    """Per-sample outcome (with several samples) and class-score agreement, per graph output."""
+    lines = []
+    samples = result.samples
+    for output, rows in samples.groupby("tensor", sort=False):
+        failing = rows[rows["status"] == "fail"]
+        if result.iterations > 1:
+            text = f"  samples: output '{output}' fails on {len(failing)} of {len(rows)}"
+            if len(failing):
+                worst = failing.loc[failing["tol_ratio"].idxmax()]
+                text += f" (worst: sample {int(worst['sample'])}, {worst['outside_share']:.1%} of elements outside, {worst['tol_ratio']:.3g}x its tolerance)"
+            lines.append(text)
+        agreement = result.class_agreement().get(output)
+        if agreement is not None:
+            lines.append(
+                f"  class scores '{output}': top-1 agreement {agreement['top1']:.2%}, top-5 {agreement['top5']:.2%} over {agreement['rows']} score vector(s)"
+            )
+    if result.report_dir is not None and result.iterations > 1 and len(result.failing_samples):
+        lines.append(f"  the worst failing samples are saved for replay: --load-inputs {result.report_dir / 'worst_samples.npz'}")
+    return lines
+
+
+def cause_lines(failure, result) -> list[str]:
+    """The cause of one failing output and its repair, as the console, report and pytest plugin show it."""
+    cause = failure.cause
+    status = "verified at the output" if cause.verified else "not verified (--no-verify): the rules' hypothesis"
+    if cause.kind in ("local", "several"):
+        what = "introduces the error" if cause.kind == "local" else "is one of several causes"
+        lines = [f"cause: {cause.op_type} '{cause.node}' {what} (its output '{cause.tensor}'; {status})"]
+        lines += [f"  {f.kind}: {f.message}" for f in cause.findings]
+        lines += [f"  also: {c.op_type} '{c.node}' ({_kept_effect(c)})" for c in cause.co_causes]
+    elif cause.kind == "accumulated":
+        lines = ["cause: accumulated error: no single node breaks this output; small errors grow past the tolerance on the way"]
+        lines += [f"  {f.kind}: {f.message}" for f in cause.findings]
+    else:
+        lines = ["cause: unknown: no range fault found, and without the isolated run (--no-isolate) one node's own error "
+                 "cannot be told from error that adds up"]
+    for absorbed in cause.absorbed:
+        by = f"its error is absorbed downstream by {absorbed.by_op_type} '{absorbed.by}'; " if absorbed.by else ""
+        lines.append(f"  ruled out: {absorbed.op_type} '{absorbed.node}' (flagged by the rules): {by}kept in higher precision alone, it leaves the output at {absorbed.tol_ratio_kept:.3g}x its tolerance")
+    if cause.kind in ("accumulated", "unknown") and cause.contributors:
+        measured = cause.contributors[0].tol_ratio_kept is not None
+        lines.append("  contributors, by their effect at the output (the output's tolerance ratio with each kept):" if measured
+                     else "  largest own errors upstream (isolated run):")
+        for c in cause.contributors:
+            lines.append(f"    {c.op_type} '{c.node}': {_kept_effect(c) if measured else _own_error(c)}")
+            if not measured:
+                lines += [f"      {f.kind}: {f.message}" for f in c.findings]
+    lines += repair_lines(failure, result)
+    return lines
+
+
+def repair_lines(failure, result) -> list[str]:
+    """The verified repair, one line per step; without one, how to look for it."""
+    repair = failure.repair
+    flag = {"fp16": " --fp16", "int8": " --int8"}.get(result.precision, "")
+    if repair is None or len(repair.steps) < 2:
+        return [f"  to find the nodes to keep in higher precision: accudiff bisect precision {result.model}{flag}"]
+    samples = f"on {len(repair.samples)} failing sample(s)" if repair.samples else ""
+    head = "repair (verified" if repair.verified else "repair (NOT verified: the output still fails"
+    lines = [f"  {head} {samples}): keep {len(repair.keep)} node(s) in higher precision: " + ", ".join(f"'{n}'" for n in repair.keep)]
+    for number, step in enumerate(repair.steps):
+        kept = "nothing kept" if not step.keep else f"keep {len(step.keep)} node(s)"
+        lines.append(f"    step {number}: {kept} -> output at {step.tol_ratio:.3g}x its tolerance")
+    if repair.verified:
+        lines.append("    apply it: " + " ".join(f"--keep-fp32 '{re.escape(n)}'" for n in repair.keep))
+    return lines
+
+
+def _kept_effect(c) -> str:
+    return f"kept, the output is at {c.tol_ratio_kept:.3g}x its tolerance" + (f" ({len(c.keep)} nodes kept with what its boundaries need)" if len(c.keep) > 1 else "")
+
+
+def _own_error(c) -> str:
+    return f"SQNR {c.isolated_sqnr_db:.1f} dB, max abs err {c.isolated_max_abs_err:.3g} ({c.isolated_tol_ratio:.2g}x its tolerance)"
+
+
+def element_index(row) -> str:
+    shape = [int(d) for d in str(row["shape"]).split("x") if d]
+    flat = int(row["worst_index"])
+    if flat < 0:
+        return "?"
+    index = []
+    for size in reversed(shape):
+        index.append(flat % size)
+        flat //= size
+    return "[" + ", ".join(map(str, reversed(index))) + "]"
+
+
+def worst_samples(result, count: int = WORST_SAMPLE_COUNT) -> list[int]:
+    """The failing samples reaching the most tolerances on some graph output, worst first (none to pick
+    out of a single sample: inputs.npz replays it)."""
+    if result.iterations < 2:
+        return []
+    failing = result.failing_samples
+    return list(dict.fromkeys(int(s) for s in failing["sample"]))[:count]
+
+
+def finite(value):
+    if isinstance(value, dict):
+        return {str(k): finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
