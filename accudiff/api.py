@@ -17,7 +17,7 @@ from accudiff.comparison.metrics import StatsSet
 from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, STATUS_PASS, build_table, graph_input_table, with_side_run
 from accudiff.comparison.branches import BranchGroup, branch_groups, describe_groups, merge_group_results
 from accudiff.comparison.shards import run_shards
-from accudiff.comparison.worker import Job
+from accudiff.comparison.worker import Job, discard_spares, prestart
 from accudiff.comparison.tolerances import Tolerances
 from accudiff.comparison.trial import TrialSetup, Trials
 from accudiff.diagnosis.cause import Cause, ancestor_tensors, find_cause
@@ -198,6 +198,8 @@ def compare(
     folder = ReportFolder(Path(report_dir) if report_dir is not None else None)
     scratch = Path(tempfile.mkdtemp(prefix="accudiff-compare-"))
     try:
+        if ray is None:
+            prestart()  # the first worker starts while the samples are read and the candidate is built
         samples = prepare_samples(info, inputs, input_shapes, seed, val_range, iterations, folder.path / INPUTS_FILE)
         groups = branch_groups(info.proto, samples)
         specialized = any(group.taken for group in groups)
@@ -252,6 +254,7 @@ def compare(
         folder.discard()
         raise
     finally:
+        discard_spares()
         shutil.rmtree(scratch, ignore_errors=True)
     return result
 

@@ -22,7 +22,7 @@ import pandas as pd
 
 from accudiff.comparison.shards import merge_results
 from accudiff.comparison.tolerances import Tolerances
-from accudiff.comparison.worker import Job, run_job
+from accudiff.comparison.worker import Job, discard_spares, prestart, run_job
 from accudiff.model.loading import ModelInfo, save_model
 from accudiff.model.samples import Samples
 from accudiff.runners import TrtOptions
@@ -77,13 +77,22 @@ class Trials:
         closed = [self.boundaries.close(keep) for keep in keep_lists]
         cores = os.cpu_count() or 1
         size = min(VARIANTS_PER_WORKER, math.ceil(len(closed) / cores)) or 1
-        jobs = [self._job(closed[start : start + size]) for start in range(0, len(closed), size)]
-        threads = max(1, cores // min(cores, len(jobs) or 1))
-        with ThreadPoolExecutor(max_workers=min(cores, len(jobs) or 1)) as pool:
-            results = list(pool.map(lambda batch: merge_results([run_job(replace(batch.job, threads=threads))]), jobs))
+        chunks = [closed[start : start + size] for start in range(0, len(closed), size)]
+        threads = max(1, cores // min(cores, len(chunks) or 1))
+        prestart(len(chunks))  # their start overlaps the building of the variants
         outcomes: list[TrialOutcome] = []
-        for job, result in zip(jobs, results):
-            outcomes += [_outcome(keep, result["passes"][p["name"]]["outcomes"]) for keep, p in zip(job.keep_lists, job.job.passes)]
+        with ThreadPoolExecutor(max_workers=min(cores, len(chunks) or 1)) as pool:
+            sent = []
+            try:
+                for chunk in chunks:  # each job leaves as soon as its variants are saved
+                    batch = self._job(chunk)
+                    sent.append((batch, pool.submit(lambda job: merge_results([run_job(replace(job, threads=threads))]), batch.job)))
+            except BaseException:
+                discard_spares()
+                raise
+            for batch, future in sent:
+                passes = future.result()["passes"]
+                outcomes += [_outcome(keep, passes[p["name"]]["outcomes"]) for keep, p in zip(batch.keep_lists, batch.job.passes)]
         return outcomes
 
     def _job(self, keep_lists: list[list[str]]) -> _Batch:
