@@ -9,11 +9,8 @@ from pathlib import Path
 from typing import Sequence
 
 from accudiff import __version__
-from accudiff.api import compare
-from accudiff.diagnosis.verify import DEFAULT_BUDGET
 from accudiff.errors import AccudiffError
 from accudiff.options import add_report_dir_option, add_run_options, run_options
-from accudiff.report.console import ProgressBar, format_summary
 from accudiff.report.folder import default_report_dir
 from accudiff.runners.trt_env import MODULES
 
@@ -34,6 +31,8 @@ BISECTORS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from accudiff.diagnosis.verify import DEFAULT_BUDGET
+
     parser = _Parser(prog="accudiff", description="Find where an ONNX model loses accuracy in FP16/INT8, and why.")
     parser.add_argument("--version", action="version", version=f"accudiff {__version__}")
     parser.add_argument("--debug", action="store_true", help="show a traceback for internal errors")
@@ -70,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if "compare" in list(sys.argv[1:] if argv is None else argv)[:2]:
+        from accudiff.comparison.worker import prestart
+
+        prestart()  # the comparison worker starts while this process imports what a comparison needs (~0.5 s)
     try:
         parser = build_parser()
         args, extras = parser.parse_known_args(argv)
@@ -95,6 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_compare(args: argparse.Namespace) -> int:
+    from accudiff.api import compare
+    from accudiff.report.console import ProgressBar, format_summary
+
     report_dir = args.report_dir or default_report_dir(Path(args.model).stem, args.precision)
     result = compare(
         args.model, args.precision, report_dir=report_dir, progress=ProgressBar(), isolate=args.isolate, verify=args.verify,

@@ -30,22 +30,17 @@ def measure(command: list[str]) -> dict:
 
 
 def tree_rss(root: int) -> int:
-    children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            status = Path(f"/proc/{entry}/status").read_text()
-        except OSError:
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        pid, ppid = int(entry), int(fields.get("PPid", "0").strip())
-        children.setdefault(ppid, []).append(pid)
-        rss[pid] = int(fields.get("VmRSS", "0 kB").split()[0]) * 1024
+    """Resident bytes of `root` and all its descendants. Only the tree is read (each thread's `children`
+    file): scanning all of /proc every 10 ms took ~20% of a core, which the measured command lost."""
     total, stack = 0, [root]
     while stack:
         pid = stack.pop()
-        total += rss.get(pid, 0)
-        stack.extend(children.get(pid, []))
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            for task in os.listdir(f"/proc/{pid}/task"):
+                stack.extend(int(child) for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split())
+        except OSError:  # gone meanwhile
+            continue
+        rss = next((line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")), "0")
+        total += int(rss) * 1024
     return total

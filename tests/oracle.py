@@ -309,3 +309,34 @@ def _ratio(ref: np.ndarray, cand: np.ndarray, tolerance: tuple[float, float, flo
     error, allowed = _errors(ref, cand, tolerance)
     with np.errstate(over="ignore"):  # an Inf error over a tiny tolerance is an infinite ratio, as meant
         return float((error / allowed).max(initial=0.0))
+
+
+# --- Keep-one-node oracle, INT8: the candidate's Q/DQ model with one quantized node reading FP32 again ---
+
+
+def int8_single_keep_ranking(model_path: Path, candidate_path: Path, values, feed, tolerance, output: str) -> list[tuple[float, str]]:
+    """(the output's ratio, node) for each node of the INT8 candidate that reads a DequantizeLinear, kept
+    alone (`int8_output_ratio`), best first."""
+    model, candidate = onnx.load(str(model_path)), onnx.load(str(candidate_path))
+    dequantized = {o for n in candidate.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    quantized = [n.name for n in candidate.graph.node if n.op_type not in ("QuantizeLinear", "DequantizeLinear") and any(i in dequantized for i in n.input)]
+    return sorted((int8_output_ratio(model, candidate, values, feed, tolerance, output, {name}), name) for name in quantized)
+
+
+def int8_output_ratio(model: Path | onnx.ModelProto, candidate: Path | onnx.ModelProto, values, feed, tolerance, output: str, keep: set[str]) -> float:
+    """`output`'s worst |cand - ref| / tolerance when the INT8 candidate runs in ONNX Runtime with the nodes
+    `keep` reading the FP32 model's inputs again (activations unquantized, FP32 weights). Only the
+    candidate's facts come from accudiff: its Q/DQ model."""
+    original_model = _loaded(model)
+    original = {(n.name or f"{n.op_type}_{i}"): n for i, n in enumerate(original_model.graph.node)}
+    weights = {init.name: init for init in original_model.graph.initializer}
+    variant = onnx.ModelProto()
+    variant.CopyFrom(_loaded(candidate))
+    present = {init.name for init in variant.graph.initializer}
+    for node in variant.graph.node:
+        if node.name in keep:
+            node.input[:] = list(original[node.name].input)
+            variant.graph.initializer.extend(weights[i] for i in node.input if i in weights and i not in present)
+            present |= set(node.input)
+    produced = _session(variant).run([output], feed)[0]
+    return _ratio(values[output], produced, tolerance)

@@ -7,8 +7,13 @@ cancellation is repaired only with the means that feed it, so there the oracle c
 "accumulated" only where no single keep repairs the output; the verified repair must pass when the
 oracle applies it. Fixtures plant each pattern (an absorbed overflow upstream of a real one, a cancelling
 variance, two causes on one path); the trained file-type classifier (magika) is fed the bytes of real
-files and the trained text recognizer (PP-OCRv4) a drawn line of text. INT8 and the larger trained models: the verified repair passes when compare applies it, and
-"accumulated" only where no suspect's keep repaired the output.
+files and the trained text recognizer (PP-OCRv4) a drawn line of text.
+
+INT8: the oracle takes the Q/DQ model compare built (a fact, like its scales) and lets one quantized node
+at a time read its FP32 inputs again (activations unquantized, the FP32 weights), in ONNX Runtime; the
+same three checks, on a fixture, the trained recognizer and the trained YOLOv8n detector. The trained
+text detector (PP-OCRv4 det, 640x640, FP16 and INT8): the verified repair passes when compare applies it,
+and "accumulated" only where no suspect's keep repaired the output.
 """
 
 from __future__ import annotations
@@ -43,11 +48,10 @@ EXPECTED = {  # the planted patterns: (kind, cause node, co-causes)
     "two_faults_one_path": ("several", "ln2_sum_of_squares", ["ln1_variance"]),
 }
 OTHER_CASES = [  # (model, precision, options): the repair is checked by compare itself
-    ("int8_outlier_channel", "int8", {}),
     ("ppocr_det_v4", "fp16", {"autokeep": False}),
     ("ppocr_det_v4", "int8", {}),
-    ("nudenet_320n", "int8", {}),
 ]
+INT8_CASES = ["int8_outlier_channel", "nudenet_320n", "ppocr_rec_v4"]  # held to the INT8 keep-one oracle
 TOP = 3
 
 
@@ -55,36 +59,67 @@ def _ids(value):
     return ",".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else str(value)
 
 
-def _hold_to_the_keep_one_oracle(path, feed, result):
+def _hold_to_the_keep_one_oracle(path, feed, result, candidate=None):
+    """FP16: the oracle's own Cast pairs; INT8 (`candidate`: the Q/DQ model compare built): one quantized
+    node at a time reading its FP32 inputs again."""
     tol = result.tolerances.default
     tolerance = (tol.atol, tol.rtol, tol.stol)
     values = oracle.reference_values(path, feed)
     reduced = set(result.converted)
     for failure in result.output_failures:
-        cause, repair = failure.cause, failure.repair
-        assert cause.verified
-        ranking = oracle.single_keep_ranking(path, values, feed, reduced, tolerance, failure.tensor)
-        best = [node for ratio, node in ranking if ratio <= ranking[min(TOP, len(ranking)) - 1][0]]
-        cancels = any(f.kind == "cancellation" for f in cause.findings)
-        if cause.kind in ("local", "several") and not cancels:
-            assert cause.node in best, f"{failure.tensor}: named {cause.node}; the oracle's best single keeps: {ranking[:TOP]}"
-        if cause.kind == "accumulated":
-            assert ranking[0][0] > 1, f"{failure.tensor}: 'accumulated', but keeping {ranking[0][1]} alone repairs it"
-        if cause.kind == "local" and not cancels:
-            assert ranking[0][0] <= 1, f"{failure.tensor}: 'local', but no single keep repairs it: {ranking[:TOP]}"
-        if repair is not None and repair.verified:
-            keep = oracle.closed_keep(path, values, reduced, set(repair.keep))
-            ratio = oracle.output_ratios(path, values, feed, reduced, keep, tolerance, [failure.tensor])[failure.tensor]
-            assert ratio <= 1, f"{failure.tensor}: the verified repair {repair.keep} leaves {ratio:.3g}x when the oracle applies it"
+        assert failure.cause.verified
+        if candidate is None:
+            ranking = oracle.single_keep_ranking(path, values, feed, reduced, tolerance, failure.tensor)
+            repaired = lambda keep: oracle.output_ratios(path, values, feed, reduced, oracle.closed_keep(path, values, reduced, keep), tolerance, [failure.tensor])[failure.tensor]  # noqa: E731
+        else:
+            ranking = oracle.int8_single_keep_ranking(path, candidate, values, feed, tolerance, failure.tensor)
+            repaired = lambda keep: oracle.int8_output_ratio(path, candidate, values, feed, tolerance, failure.tensor, keep)  # noqa: E731
+        _agree(failure, ranking, repaired)
+
+
+def _agree(failure, ranking, repaired):
+    """The cause named among the oracle's best single keeps, "accumulated" only where none repairs the
+    output, and the verified repair passing when the oracle applies it (`repaired(keep)`: its ratio)."""
+    cause, repair = failure.cause, failure.repair
+    best = [node for ratio, node in ranking if ratio <= ranking[min(TOP, len(ranking)) - 1][0]]
+    cancels = any(f.kind == "cancellation" for f in cause.findings)
+    if cause.kind in ("local", "several") and not cancels:
+        assert cause.node in best, f"{failure.tensor}: named {cause.node}; the oracle's best single keeps: {ranking[:TOP]}"
+    if cause.kind == "accumulated":
+        assert ranking[0][0] > 1, f"{failure.tensor}: 'accumulated', but keeping {ranking[0][1]} alone repairs it"
+    if cause.kind == "local" and not cancels:
+        assert ranking[0][0] <= 1, f"{failure.tensor}: 'local', but no single keep repairs it: {ranking[:TOP]}"
+    if repair is not None and repair.verified:
+        ratio = repaired(set(repair.keep))
+        assert ratio <= 1, f"{failure.tensor}: the verified repair {repair.keep} leaves {ratio:.3g}x when the oracle applies it"
+
+
+def _case(name, precision, tmp_path):
+    """A fixture (generated inputs), or a trained model with one realistic sample; INT8 calibrated on four
+    other realistic samples, as a user would."""
+    if name not in models.MODELS:
+        return fixture(name), None, None
+    try:
+        path = models.MODELS[name](tmp_path)
+    except ModuleNotFoundError as exc:
+        pytest.skip(str(exc))
+    calibration = None
+    if precision == "int8":
+        calibration = tmp_path / "calibration.npz"
+        np.savez(calibration, **{f"{i}/{k}": v for i, sample in enumerate(realistic_inputs.dataset(name, 4, 100)) for k, v in sample.items()})
+    return path, [realistic_inputs.FEEDS[name](0)], calibration
+
+
+def _saved_feed(report_dir):
+    with np.load(report_dir / "inputs.npz") as saved:
+        return {key.split("/", 1)[1]: saved[key] for key in saved.files}
 
 
 @pytest.mark.parametrize("name, options", FP16_FIXTURES, ids=_ids)
 def test_fp16_fixture_causes_agree_with_the_keep_one_oracle(name, options, tmp_path):
     result = accudiff.compare(fixture(name), "fp16", candidate="onnxrt", report_dir=tmp_path / "r", **options)
     assert result.output_failures
-    with np.load(tmp_path / "r" / "inputs.npz") as saved:
-        feed = {key.split("/", 1)[1]: saved[key] for key in saved.files}
-    _hold_to_the_keep_one_oracle(fixture(name), feed, result)
+    _hold_to_the_keep_one_oracle(fixture(name), _saved_feed(result.report_dir), result)
     if name in EXPECTED:
         kind, node, co_causes = EXPECTED[name]
         [failure] = result.output_failures
@@ -131,20 +166,18 @@ def test_trained_recognizer_fed_a_drawn_text_line(tmp_path):
     _hold_to_the_keep_one_oracle(path, feed, result)
 
 
+@pytest.mark.parametrize("name", INT8_CASES)
+def test_int8_causes_agree_with_the_keep_one_oracle(name, tmp_path):
+    path, feeds, calibration = _case(name, "int8", tmp_path)
+    result = accudiff.compare(path, "int8", candidate="onnxrt", inputs=feeds, calib_data=calibration, report_dir=tmp_path / "r")
+    assert result.output_failures
+    [candidate] = result.candidate_models
+    _hold_to_the_keep_one_oracle(path, _saved_feed(result.report_dir), result, candidate=result.report_dir / candidate)
+
+
 @pytest.mark.parametrize("name, precision, options", OTHER_CASES, ids=_ids)
 def test_verified_repairs_hold_when_compare_applies_them(name, precision, options, tmp_path):
-    if name in models.MODELS:
-        try:
-            path = models.MODELS[name](tmp_path)
-        except ModuleNotFoundError as exc:
-            pytest.skip(str(exc))
-        feeds = [realistic_inputs.FEEDS[name](0)]
-    else:
-        path, feeds = fixture(name), None
-    calibration = None
-    if precision == "int8" and feeds is not None:  # calibrated on other realistic samples, as a user would
-        calibration = tmp_path / "calibration.npz"
-        np.savez(calibration, **{f"{i}/{k}": v for i, sample in enumerate(realistic_inputs.dataset(name, 4, 100)) for k, v in sample.items()})
+    path, feeds, calibration = _case(name, precision, tmp_path)
     result = accudiff.compare(path, precision, candidate="onnxrt", inputs=feeds, calib_data=calibration, **options)
     for failure in result.output_failures:
         cause, repair = failure.cause, failure.repair

@@ -70,10 +70,11 @@ _SPARES: list[tuple[subprocess.Popen, IO[str]]] = []  # started ahead of their j
 
 
 def prestart(count: int = 1) -> None:
-    """Start `count` workers now; the next jobs are handed to them. A worker's Python start and imports
-    (about 0.35 s) then overlap the caller's own work (loading the model, building variants) instead of
-    following it. Those left unused are ended by `discard_spares` (and at exit)."""
-    _SPARES.extend(_spawn() for _ in range(count))
+    """Have `count` workers started now (those already waiting count); the next jobs are handed to them.
+    A worker's Python start and imports (about 0.35 s) then overlap the caller's own work (importing,
+    loading the model, building variants) instead of following it. Those left unused are ended by
+    `discard_spares` (and at exit)."""
+    _SPARES.extend(_spawn() for _ in range(count - len(_SPARES)))
 
 
 def discard_spares() -> None:

@@ -83,9 +83,11 @@ def _backend_lines(row) -> list[str]:
 class ProgressBar:
     """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
 
-    def __init__(self, stream: TextIO = sys.stderr, width: int = 30):
-        self.stream, self.width = stream, width
-        self.enabled = stream.isatty()
+    def __init__(self, stream: TextIO | None = None, width: int = 30):
+        """`stream`: default, sys.stderr as it is now (not as it was when this module was imported: a
+        caller may have replaced it since, as pytest's capture does)."""
+        self.stream, self.width = stream if stream is not None else sys.stderr, width
+        self.enabled = self.stream.isatty()
 
     def __call__(self, phase: str, done: int, total: int) -> None:
         if not self.enabled:
