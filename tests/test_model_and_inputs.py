@@ -36,6 +36,29 @@ def test_external_data_is_loaded(tmp_path):
     assert result.passed
 
 
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_weights_past_the_external_data_threshold_travel_beside_each_model(precision, tmp_path, monkeypatch):
+    """A model whose weights pass the threshold (lowered here from 1.5 GB, as protobuf stops at 2 GiB) is
+    saved with its weights beside it at every step: the candidate in the report, and the isolated model
+    built from that candidate afterwards (once pointed at the candidate's data file, not beside it)."""
+    import onnx
+
+    from accudiff.model import loading
+
+    folder = tmp_path / "a folder with spaces"
+    folder.mkdir()
+    model = onnx.load(str(fixture("int8_outlier_channel")))
+    onnx.save(model, str(folder / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=False, size_threshold=0)
+    monkeypatch.setattr(loading, "EXTERNAL_DATA_THRESHOLD", 100)
+    monkeypatch.setattr(loading, "EXTERNAL_DATA_MIN_TENSOR", 0)
+    result = accudiff.compare(folder / "model.onnx", precision, candidate="onnxrt", report_dir=tmp_path / "r")
+    assert result.verdict in ("pass", "fail") and result.coverage[0] == result.coverage[1]
+    [candidate] = result.candidate_models
+    saved = onnx.load(str(result.report_dir / candidate), load_external_data=False)
+    assert {e.value for init in saved.graph.initializer for e in init.external_data if e.key == "location"} == {f"{candidate}.data"}
+    onnx.checker.check_model(str(result.report_dir / candidate))
+
+
 def test_dynamic_dimension_needs_a_shape():
     info = load_model(fixture("dynamic_batch"))
     with pytest.raises(AccudiffError, match=r"dynamic dimension 'batch'.*--input-shapes x:<batch>x3x8x8"):

@@ -13,12 +13,14 @@ from typing import Iterable
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 from google.protobuf.message import DecodeError
 
 from accudiff.errors import AccudiffError, first_line
 
 # Protobuf refuses to serialise messages beyond 2 GiB; above this we keep weights as external data.
-EXTERNAL_DATA_THRESHOLD = 1_500_000_000
+EXTERNAL_DATA_THRESHOLD = 1_500_000_000  # weights beyond this are saved beside the model (protobuf stops at 2 GiB)
+EXTERNAL_DATA_MIN_TENSOR = 1024  # ... each weight of at least this many bytes
 # Initializers up to this size are kept for shape inference (shape arithmetic reads their values).
 SMALL_INITIALIZER_BYTES = 4096
 
@@ -176,11 +178,26 @@ def clear_unknown_dims(proto: onnx.ModelProto) -> None:
 
 
 def save_model(proto: onnx.ModelProto, path: Path) -> None:
-    """Save a model, moving weights to a side file when protobuf's 2 GiB limit would be hit."""
-    if _is_large(proto):
-        onnx.save(proto, str(path), save_as_external_data=True, location=path.name + ".data")
-    else:
+    """Save a model, its weights in a side file (`<name>.data`) when protobuf's 2 GiB limit would be hit.
+    `proto` is left as it was: onnx's own external-data save rewrites the caller's tensors into references
+    to that file, and a model built from it afterwards (the isolated run's) then points at a file that is
+    not beside it."""
+    if not _is_large(proto):
         onnx.save(proto, str(path))
+        return
+    light = copy_without_initializers(proto)
+    location = path.name + ".data"
+    with open(path.parent / location, "wb") as data:
+        for init in proto.graph.initializer:
+            if init.data_location == onnx.TensorProto.EXTERNAL or init.ByteSize() < EXTERNAL_DATA_MIN_TENSOR:
+                light.graph.initializer.append(init)
+                continue
+            raw = init.raw_data if init.HasField("raw_data") else numpy_helper.to_array(init).tobytes()
+            reference = light.graph.initializer.add(name=init.name, data_type=init.data_type, dims=init.dims, data_location=onnx.TensorProto.EXTERNAL)
+            for key, value in (("location", location), ("offset", str(data.tell())), ("length", str(len(raw)))):
+                reference.external_data.add(key=key, value=value)
+            data.write(raw)
+    onnx.save(light, str(path))
 
 
 def infer_shapes_in_place(proto: onnx.ModelProto) -> None:
@@ -346,5 +363,5 @@ def toposort(graph: onnx.GraphProto) -> None:
 
 
 def _is_large(proto: onnx.ModelProto) -> bool:
-    total = sum(len(init.raw_data) for init in proto.graph.initializer)
+    total = sum(init.ByteSize() for init in proto.graph.initializer)  # raw or typed fields alike
     return total > EXTERNAL_DATA_THRESHOLD

@@ -40,7 +40,7 @@ class OnnxrtRunner(Runner):
         import onnxruntime as ort
 
         self._scratch = Path(tempfile.mkdtemp(prefix="accudiff-ort-"))
-        source = self._marked_model()
+        path = self._marked_model()
         options = ort.SessionOptions()
         options.log_severity_level = 4  # errors still raise, as one sentence; ONNX Runtime's own lines stay off the console
         options.enable_cpu_mem_arena = False
@@ -49,7 +49,7 @@ class OnnxrtRunner(Runner):
         # left spinning after a run would steal them from whatever runs next.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
-            self._session = ort.InferenceSession(source if isinstance(source, bytes) else str(source), options, providers=["CPUExecutionProvider"])
+            self._session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         except Exception as exc:  # ONNX Runtime raises its own exception types, and RuntimeError
             raise AccudiffError(f"ONNX Runtime failed while loading '{self.model_path.name}': {first_line(exc)}") from exc
         self._input_types = {i.name: _NUMPY_TYPES.get(i.type) for i in self._session.get_inputs()}
@@ -79,10 +79,9 @@ class OnnxrtRunner(Runner):
         returned = set(self._answers.values())
         return {name: "ONNX Runtime did not return it" for name in self.outputs if name not in returned}
 
-    def _marked_model(self) -> bytes | Path:
-        """The model with the requested tensors marked as outputs: as bytes when it is small, else
-        saved beside its weights as external data (ONNX Runtime then maps the weights from the file instead
-        of copying them out of a protobuf, and no protobuf passes 2 GB)."""
+    def _marked_model(self) -> Path:
+        """The model with the requested tensors marked as outputs, saved beside its weights as external data:
+        ONNX Runtime then maps the weights from the file instead of copying them out of a protobuf."""
         from accudiff.model.loading import clear_unknown_dims
         from accudiff.runners.fp16_emulation import lower_fp16
 
@@ -100,13 +99,9 @@ class OnnxrtRunner(Runner):
                 self._answers[marked] = name
         del model.graph.output[:]  # exactly what was asked for: a graph output nobody wants is not kept alive
         model.graph.output.extend(onnx.ValueInfoProto(name=name) for name in self._answers)
-        if model.ByteSize() < IN_MEMORY_BYTES:
-            return model.SerializeToString()
         target = self._scratch / "marked.onnx"
         onnx.save(model, str(target), save_as_external_data=True, location="marked.onnx.data", size_threshold=1024)
         return target
 
-
-IN_MEMORY_BYTES = 64 << 20  # a smaller model is handed over as bytes: copying its weights costs less than writing them to a file
 
 _NUMPY_TYPES = {"tensor(float)": np.dtype(np.float32), "tensor(float16)": np.dtype(np.float16), "tensor(double)": np.dtype(np.float64)}
