@@ -7,9 +7,9 @@ the pytest plugin's registration) do not pay for pandas and the whole pipeline a
 from accudiff.errors import AccudiffError
 
 __version__ = "0.1.0"
-__all__ = ["AccudiffError", "CompareResult", "TensorFailure", "TrtOptions", "__version__", "compare"]
+__all__ = ["AccudiffError", "CompareResult", "RunSettings", "TensorFailure", "TrtOptions", "__version__", "compare"]
 
-_API = {"compare", "CompareResult", "TensorFailure", "TrtOptions"}
+_API = {"compare", "CompareResult", "RunSettings", "TensorFailure", "TrtOptions"}
 
 
 def __getattr__(name: str):

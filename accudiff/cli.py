@@ -10,9 +10,10 @@ from typing import Sequence
 
 from accudiff import __version__
 from accudiff.errors import AccudiffError
-from accudiff.options import add_report_dir_option, add_run_options, run_options
+from accudiff.options import add_report_dir_option, add_run_options, run_settings
 from accudiff.report.folder import default_report_dir
 from accudiff.runners.trt_env import MODULES
+from accudiff.settings import DEFAULT_VERIFY_BUDGET, SIDE_BACKENDS
 
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 
@@ -31,8 +32,6 @@ BISECTORS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from accudiff.diagnosis.verify import DEFAULT_BUDGET
-
     parser = _Parser(prog="accudiff", description="Find where an ONNX model loses accuracy in FP16/INT8, and why.")
     parser.add_argument("--version", action="version", version=f"accudiff {__version__}")
     parser.add_argument("--debug", action="store_true", help="show a traceback for internal errors")
@@ -47,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.set_defaults(parser=cmp)
     cmp.add_argument("--no-isolate", dest="isolate", action="store_false", help="skip the run that measures each node's own error (faster; the cause is then named only from range evidence)")
     cmp.add_argument("--no-verify", dest="verify", action="store_false", help="skip testing each suspect at the failing outputs (the cause is then the rules' hypothesis, not verified)")
-    cmp.add_argument("--verify-budget", type=int, default=DEFAULT_BUDGET, metavar="N", help=f"candidate runs per failing output to verify its cause and repair (default {DEFAULT_BUDGET})")
-    cmp.add_argument("--also", choices=("onnxrt", "trt"), help="run the same transformed model on a second backend too (three-way table)")
+    cmp.add_argument("--verify-budget", type=int, default=DEFAULT_VERIFY_BUDGET, metavar="N", help=f"candidate runs per failing output to verify its cause and repair (default {DEFAULT_VERIFY_BUDGET})")
+    cmp.add_argument("--also", choices=SIDE_BACKENDS, help="run the same transformed model on a second backend too (three-way table)")
 
     bisect = commands.add_parser("bisect", help="isolate what fails").add_subparsers(dest="bisector", parser_class=_Parser, required=True)
     for name, text in BISECTORS.items():
@@ -98,14 +97,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_compare(args: argparse.Namespace) -> int:
-    from accudiff.api import compare
+    from accudiff.api import run
     from accudiff.report.console import ProgressBar, format_summary
 
     report_dir = args.report_dir or default_report_dir(Path(args.model).stem, args.precision)
-    result = compare(
-        args.model, args.precision, report_dir=report_dir, progress=ProgressBar(), isolate=args.isolate, verify=args.verify,
-        verify_budget=args.verify_budget, also=args.also, **run_options(args)
-    )
+    only_compare = {"isolate": args.isolate, "verify": args.verify, "verify_budget": args.verify_budget, "also": args.also}
+    result = run(run_settings(args, report_dir=report_dir, **only_compare), progress=ProgressBar())
     print(format_summary(result))
     return EXIT_PASS if result.passed else EXIT_FAIL
 
@@ -114,7 +111,7 @@ def _run_bisect(args: argparse.Namespace) -> int:
     from accudiff.bisect.report import run_bisector
 
     out_dir = args.report_dir or default_report_dir(Path(args.model).stem, f"bisect-{args.bisector}")
-    summary, found = run_bisector(args.bisector, args.model, args.precision, run_options(args), out_dir)
+    summary, found = run_bisector(args.bisector, run_settings(args), out_dir)
     print(summary)
     return EXIT_FAIL if found else EXIT_PASS
 

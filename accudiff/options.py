@@ -1,8 +1,7 @@
 """The run options every command shares, in one place: one name for one thing, on every command.
 
-`add_run_options` declares them on a parser, `run_options` turns parsed arguments into keywords of
-`accudiff.compare`, and `run_arguments` does the reverse: it writes keywords back as command-line
-arguments, so a saved command (a bisect reproducer) says exactly what was run.
+`add_run_options` declares them on a parser and `run_settings` turns parsed arguments into the run's
+settings (`RunSettings.arguments` does the reverse, so a saved command says exactly what was run).
 """
 
 from __future__ import annotations
@@ -13,8 +12,7 @@ from pathlib import Path
 from accudiff.runners import CANDIDATES, TrtOptions
 from accudiff.runners.trt_build import LEGACY_PRECISIONS, MARK_MODES
 from accudiff.runners.trt_env import MODULES
-
-PRECISION_FLAGS = {"fp16": "--fp16", "int8": "--int8"}
+from accudiff.settings import RunSettings
 
 
 def add_run_options(cmd: argparse.ArgumentParser) -> None:
@@ -52,62 +50,26 @@ def add_report_dir_option(cmd: argparse.ArgumentParser, default: str) -> None:
     cmd.add_argument("-o", "--report-dir", type=Path, metavar="DIR", help=f"folder to write (default {default}); never overwritten")
 
 
-def run_options(args: argparse.Namespace) -> dict:
-    """`accudiff.compare` keywords from the shared options (everything but model and precision)."""
-    return {
-        "candidate": args.candidate,
-        "input_shapes": args.input_shapes,
-        "inputs": args.load_inputs,
-        "seed": args.seed,
-        "val_range": args.val_range,
-        "iterations": args.iterations,
-        "calib_data": args.calib_data,
-        "keep_fp32": args.keep_fp32,
-        "autokeep": args.autokeep,
-        "atol": args.atol,
-        "rtol": args.rtol,
-        "stol": args.stol,
-        "max_memory": args.max_memory,
-        "workers": args.workers,
-        "ray": args.ray,
-        "trt": TrtOptions(args.trt_module, args.trt_mark, args.trt_workspace, args.trt_legacy_precision, engine=args.engine),
-    }
-
-
-def run_arguments(model: str, precision: str, options: dict) -> list[str]:
-    """The command-line arguments (after `accudiff compare`) that `run_options` reads back as `options`.
-
-    Input data must be given as files (`inputs`, `calib_data`); options left at their defaults are not written.
-    """
-    args = [str(model), *([PRECISION_FLAGS[precision]] if precision in PRECISION_FLAGS else [])]
-    if options.get("candidate", "auto") != "auto":
-        args += ["--candidate", options["candidate"]]
-    for key, flag in (("inputs", "--load-inputs"), ("calib_data", "--calib-data")):
-        if options.get(key) is not None:
-            args += [flag, str(options[key])]
-    if options.get("seed", 0) != 0:  # random calibration data (and generated inputs) come from it
-        args += ["--seed", str(options["seed"])]
-    for pattern in options.get("keep_fp32") or []:
-        args += ["--keep-fp32", pattern]
-    if options.get("autokeep", True) is False:
-        args.append("--no-autokeep")
-    for key in ("atol", "rtol", "stol"):
-        value = options.get(key)
-        if value is not None:
-            args += [f"--{key}", *(str(v) for v in ([value] if isinstance(value, (int, float)) else value))]
-    if options.get("max_memory") is not None:
-        args += ["--max-memory", str(options["max_memory"])]
-    if options.get("workers") is not None:
-        args += ["--workers", str(options["workers"])]
-    if options.get("ray") is not None:
-        args += ["--ray", options["ray"]]
-    trt = options.get("trt") or TrtOptions()
-    for flag, value, default in (
-        ("--trt-module", trt.module, None),
-        ("--trt-mark", trt.mark, "auto"),
-        ("--trt-legacy-precision", trt.legacy_precision, None),
-        ("--trt-workspace", trt.workspace_mb, None),
-    ):
-        if value != default:
-            args += [flag, str(value)]
-    return args
+def run_settings(args: argparse.Namespace, **only_compare) -> RunSettings:
+    """The run the shared options describe (`only_compare`: what compare adds, such as the report folder)."""
+    return RunSettings(
+        args.model,
+        args.precision,
+        candidate=args.candidate,
+        input_shapes=args.input_shapes,
+        inputs=args.load_inputs,
+        seed=args.seed,
+        val_range=args.val_range,
+        iterations=args.iterations,
+        calib_data=args.calib_data,
+        keep_fp32=args.keep_fp32,
+        autokeep=args.autokeep,
+        atol=args.atol,
+        rtol=args.rtol,
+        stol=args.stol,
+        max_memory=args.max_memory,
+        workers=args.workers,
+        ray=args.ray,
+        trt=TrtOptions(args.trt_module, args.trt_mark, args.trt_workspace, args.trt_legacy_precision, engine=args.engine),
+        **only_compare,
+    )

@@ -13,13 +13,14 @@ import accudiff
 from accudiff.bisect.precision import bisect_precision
 from accudiff.bisect.session import BisectSession
 from accudiff.bisect.subgraph import bisect_subgraph
+from accudiff.settings import RunSettings
 from conftest import fixture, user_shell_environment
 
 CPU = {"candidate": "onnxrt"}
 
 
 def _session(name: str, precision: str, **options) -> BisectSession:
-    return BisectSession(fixture(name), precision, {**CPU, **options})
+    return BisectSession(RunSettings(fixture(name), precision, **{**CPU, **options}))
 
 
 def test_isolated_error_separates_local_from_inherited():

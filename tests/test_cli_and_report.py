@@ -210,3 +210,23 @@ def test_worst_tensor_lines_stay_aligned_with_long_op_names(run_cli):
     block = out.split("worst tensors (failing first, then lowest SQNR):\n")[1].split("  verdict:")[0].splitlines()
     assert code == 1 and any("BatchNormalization" in line for line in block)
     assert len({line.index("max abs err") for line in block}) == 1, block
+
+
+def test_settings_written_as_a_command_line_read_back_the_same():
+    """The replay command and a bisect reproducer come from `RunSettings.arguments`: parsed by the CLI,
+    they must give the settings they were written from, every option that differs from its default included."""
+    from accudiff.cli import build_parser
+    from accudiff.options import run_settings
+    from accudiff.runners import TrtOptions
+    from accudiff.settings import RunSettings
+
+    written = RunSettings(
+        "m.onnx", "int8", candidate="onnxrt", inputs="in.npz", seed=7, calib_data="cal.json", keep_fp32=["Softmax", "node_3"],
+        autokeep=False, atol=["1e-3", "out:0.5"], rtol=["0.02"], stol=["0.01"], isolate=False, verify_budget=3, also="trt",
+        max_memory="2G", workers=2, trt=TrtOptions(mark="outputs", workspace_mb=512),
+    )
+    args, extras = build_parser().parse_known_args(["compare", *written.arguments()])
+    assert not extras
+    only_compare = {"isolate": args.isolate, "verify": args.verify, "verify_budget": args.verify_budget, "also": args.also}
+    read = run_settings(args, **only_compare)
+    assert read == written

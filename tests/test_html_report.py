@@ -11,6 +11,7 @@ import pytest
 
 import accudiff
 from accudiff.bisect.report import run_bisector
+from accudiff.settings import RunSettings
 from conftest import ROOT, fixture
 
 sys.path.insert(0, str(ROOT))
@@ -87,7 +88,7 @@ def test_plots_are_drawn_without_a_plotting_library(hostile_report):
 
 @pytest.mark.parametrize("bisector", ["subgraph", "precision"])
 def test_bisect_folders_get_a_page(bisector, tmp_path):
-    run_bisector(bisector, fixture("overflow_activation"), "fp16", {"candidate": "onnxrt"}, tmp_path / "b")
+    run_bisector(bisector, RunSettings(fixture("overflow_activation"), "fp16", candidate="onnxrt"), tmp_path / "b")
     page = (tmp_path / "b" / "report.html").read_text()
     assert "Steps taken" in page and "<li>step 1" in page
     if bisector == "subgraph":

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from accudiff.api import CompareResult
+from accudiff.result import CompareResult
 from accudiff.bisect.session import BisectSession
 from accudiff.diagnosis.cause import rank_contributors
 from accudiff.comparison.trial import Trials

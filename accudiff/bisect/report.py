@@ -15,12 +15,13 @@ from accudiff.bisect.subgraph import bisect_subgraph
 from accudiff.report.folder import ReportFolder
 from accudiff.report.content import HTML_FILE, finite
 from accudiff.report.html import bisect_page
+from accudiff.settings import RunSettings
 
 RESULT_FILE = "result.json"
 RESULT_SCHEMA = "accudiff.bisect.result"
 
 
-def run_bisector(name: str, model: str | Path, precision: str, options: dict, out_dir: Path) -> tuple[str, bool]:
+def run_bisector(name: str, settings: RunSettings, out_dir: Path) -> tuple[str, bool]:
     """Run bisector `name`; returns the console summary and whether a failure was found."""
     folder = ReportFolder(Path(out_dir))
     steps: list[str] = []
@@ -30,7 +31,8 @@ def run_bisector(name: str, model: str | Path, precision: str, options: dict, ou
         steps.append(message)
         show(message)
 
-    session = BisectSession(Path(model), precision, dict(options), progress)
+    session = BisectSession(settings, progress)
+    model, precision = settings.model, settings.precision
     try:
         if name == "subgraph":
             result = bisect_subgraph(session, folder.path)

@@ -4,48 +4,49 @@ clean stop on Ctrl-C that keeps what was found so far."""
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, TextIO
 
-from accudiff.api import CompareResult, calibration_per_group, compare, prepare_samples, record_reference
+from accudiff.api import run
+from accudiff.comparison.group import record_reference
 from accudiff.comparison.trial import TrialSetup, Trials
-from accudiff.comparison.branches import branch_groups
+from accudiff.comparison.branches import branch_groups, calibration_per_group
 from accudiff.errors import AccudiffError
 from accudiff.model.loading import ModelInfo, load_model, save_model
-from accudiff.model.samples import Samples
-from accudiff.runners import TrtOptions, resolve_candidate
+from accudiff.model.samples import Samples, prepare_samples
+from accudiff.result import CompareResult
 from accudiff.runners.outputs import ReferenceCache, ReferenceStore
-from accudiff.transforms.candidate import CandidateRecipe, CandidateVariants, calibration_samples, transform_model
-
-# Options of `accudiff.compare` that define the inputs; the rest (precision, tolerances...) pass through.
-INPUT_OPTIONS = ("inputs", "input_shapes", "seed", "val_range", "iterations")
+from accudiff.settings import RunSettings
+from accudiff.transforms.candidate import CandidateVariants, calibration_samples, transform_model
 
 
 @dataclass
 class BisectSession:
     """One model, one set of inputs and one reference, compared again and again under changes."""
 
-    model: Path
-    precision: str
-    options: dict = field(default_factory=dict)
+    settings: RunSettings
     progress: Callable[[str], None] = lambda message: None
     candidate_runs: int = 0
 
     def __post_init__(self) -> None:
-        self.model = Path(self.model)
-        self.info: ModelInfo = load_model(self.model)
-        input_options = {k: self.options.pop(k) for k in INPUT_OPTIONS if k in self.options}
+        self.info: ModelInfo = load_model(self.settings.model)
         self.cache = ReferenceCache()
-        self.feeds = prepare_samples(self.info, path=self.cache.folder / "inputs.npz", **input_options)
-        self.seed = input_options.get("seed", 0)  # random INT8 calibration derives from it, as in compare
+        self.feeds = prepare_samples(self.info, self.settings, self.cache.folder / "inputs.npz")
 
-    def compare(self, model: Path | None = None, feeds=None, isolate: bool = False, **changes) -> CompareResult:
-        """A comparison with the session's inputs and options (without the isolated run unless asked: the
-        bisection steps only need a verdict); counts the candidate runs it makes."""
-        options = {**self.options, **changes}
-        inputs = feeds if feeds is not None else self.feeds
-        result = compare(model or self.model, self.precision, inputs=inputs, reference_cache=self.cache, isolate=isolate, **options)
+    @property
+    def model(self) -> Path:
+        return Path(self.settings.model)
+
+    @property
+    def precision(self) -> str:
+        return self.settings.precision
+
+    def compare(self, isolate: bool = False, **changes) -> CompareResult:
+        """A comparison with the session's inputs and settings (without the isolated run unless asked: the
+        bisection steps only need a verdict) under `changes`; counts the candidate runs it makes."""
+        settings = replace(self.settings, **{"inputs": self.feeds, "report_dir": None, "isolate": isolate, **changes})
+        result = run(settings, reference_cache=self.cache)
         self.candidate_runs += 2 if isolate else 1
         return result
 
@@ -62,34 +63,30 @@ class BisectSession:
                 f"the samples take {len(groups)} different combinations of the model's If branches, and a subgraph is cut from one: "
                 "bisect samples that take the same branches (accudiff compare lists them under 'branches' in summary.json)"
             )
-        if self.precision == "int8" and self.options.get("calib_data") is not None:
-            self.options["calib_data"] = calibration_per_group(self.info, groups, self.options["calib_data"], self.cache.folder)[0]
+        if self.precision == "int8" and self.settings.calib_data is not None:
+            calibration = calibration_per_group(self.info, groups, self.settings.calib_data, self.cache.folder)[0]
+            self.settings = replace(self.settings, calib_data=calibration)
         taken = groups[0].taken
         shown = ", ".join(f"If '{node}' its {branch}" for node, branch in list(taken.items())[:2])
         self.progress(f"every sample takes the same branches of {len(taken)} If node(s) ({shown}{', ...' if len(taken) > 2 else ''}): working on the model with them inlined")
-        self.model = self.cache.folder / "specialized.onnx"
+        self.settings = replace(self.settings, model=self.cache.folder / "specialized.onnx")
         save_model(groups[0].model, self.model)
         self.info = load_model(self.model)
 
     def reference_outputs(self, samples: Samples | None = None) -> ReferenceStore:
         """The full model's reference outputs for `samples` (default: the session's), run once and kept on disk."""
-        return record_reference(self.info, samples if samples is not None else self.feeds, self.cache, self.options.get("max_memory"))
+        return record_reference(self.info, samples if samples is not None else self.feeds, self.cache, self.settings.max_memory)
 
     def calibration_feeds(self) -> Samples:
         """The INT8 calibration samples of the full model, exactly as `compare` uses them."""
-        return calibration_samples(self.info, self.feeds[0], self.options.get("calib_data"), self.seed, self.cache.folder)
+        return calibration_samples(self.info, self.feeds[0], self.settings.calib_data, self.settings.seed, self.cache.folder)
 
     def trials(self, full: CompareResult) -> Trials:
         """Trials of the candidate with nodes kept in higher precision, on every sample of the session,
         built from the same recipe as `compare`'s candidate (so the repaired model is the one verified)."""
-        options = self.options
-        trt = options.get("trt", TrtOptions())
-        recipe = CandidateRecipe(
-            self.precision, tuple(options.get("keep_fp32", ())), options.get("autokeep", True), options.get("calib_data"), self.seed, trt.engine
-        )
+        recipe = self.settings.recipe()
         base = transform_model(self.info, recipe, self.feeds[0], self.cache.folder)
-        backend, _ = resolve_candidate(options.get("candidate", "auto"), trt)
-        setup = TrialSetup(self.info, CandidateVariants(self.info, recipe, base), self.feeds, full.tolerances, backend, self.cache.folder / "trials", trt)
+        setup = TrialSetup(self.info, CandidateVariants(self.info, recipe, base), self.feeds, self.settings, self.cache.folder / "trials")
         return Trials(setup, full.table.set_index("tensor"))
 
     def close(self) -> None:

@@ -19,18 +19,18 @@ from __future__ import annotations
 
 import math
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import onnx
 
-from accudiff.api import TensorFailure
 from accudiff.bisect.session import BisectSession
 from accudiff.comparison.table import STATUS_FAIL
 from accudiff.model.inputs import Feed, save_feeds
 from accudiff.model.subgraph import extract
-from accudiff.options import run_arguments
+from accudiff.result import TensorFailure
+from accudiff.settings import RunSettings
 from accudiff.transforms.base import NodeSelector
 
 MODEL_FILE, INPUTS_FILE, CALIBRATION_FILE = "subgraph.onnx", "subgraph_inputs.npz", "subgraph_calibration.npz"
@@ -129,52 +129,54 @@ def _bisect(session, ancestors, result) -> int:
 def _fails(session, chosen, target) -> bool:
     scratch = Path(session.cache.folder) / f"cut-{chosen[0]}-{chosen[-1]}"  # one folder per cut: cached runs never mix
     scratch.mkdir(exist_ok=True)
-    options = _save_cut(session, chosen, scratch)
-    table = _run_cut(session, scratch, options).table.set_index("tensor")
+    cut = _save_cut(session, chosen, scratch)
+    table = _run_cut(session, scratch, cut).table.set_index("tensor")
     return table.loc[target, "status"] == STATUS_FAIL
 
 
 def _write_reproducer(session, chosen: list[int], out_dir: Path, result: SubgraphResult) -> None:
     result.nodes = [session.info.proto.graph.node[i].name for i in chosen]
-    options = _save_cut(session, chosen, out_dir)
-    result.model_path, result.inputs_path, result.calibration_path = MODEL_FILE, INPUTS_FILE, options.get("calib_data")
-    result.command = shlex.join(["accudiff", "compare", *run_arguments(MODEL_FILE, session.precision, options)])
+    cut = _save_cut(session, chosen, out_dir)
+    result.model_path, result.inputs_path, result.calibration_path = MODEL_FILE, INPUTS_FILE, cut.calib_data
+    result.command = shlex.join(["accudiff", "compare", *cut.arguments()])
     session.progress(f"confirming that the reproducer ({len(chosen)} node(s)) fails on its own")
-    confirm = _run_cut(session, out_dir, options)
+    confirm = _run_cut(session, out_dir, cut)
     result.confirmed = confirm.table.set_index("tensor").loc[result.tensor, "status"] == STATUS_FAIL
 
 
-def _save_cut(session, chosen: list[int], folder: Path) -> dict:
+def _save_cut(session, chosen: list[int], folder: Path) -> RunSettings:
     """Save the nodes as `subgraph.onnx` with the reference's values of its inputs (and for INT8 its
-    calibration samples) in `folder`; return the compare options that run it, with file names relative
-    to `folder`: the session's options narrowed to what applies to this cut."""
+    calibration samples) in `folder`; return the settings that run it, with file names relative to
+    `folder`: the session's settings narrowed to what applies to this cut."""
     model = extract(session.info.proto, chosen)
     onnx.save(model, str(folder / MODEL_FILE))
     inputs = [i.name for i in model.graph.input]
     save_feeds(_values_at(inputs, session.feeds, session.reference_outputs()), folder / INPUTS_FILE)
-    options = {key: value for key, value in session.options.items() if key not in ("calib_data", "keep_fp32", "atol", "rtol", "stol")}
-    options["inputs"] = INPUTS_FILE
+    calibration = None
     if session.precision == "int8":
         # Calibrated on the values its inputs take on the full model's calibration samples, the cut's
         # quantized tensors get exactly the ranges, and so the scales, they have in the full model.
         samples = session.calibration_feeds()
         save_feeds(_values_at(inputs, samples, session.reference_outputs(samples)), folder / CALIBRATION_FILE)
-        options["calib_data"] = CALIBRATION_FILE
+        calibration = CALIBRATION_FILE
     nodes = list(model.graph.node)
-    options["keep_fp32"] = [p for p in session.options.get("keep_fp32", []) if any(NodeSelector([p]).matches(n) for n in nodes)]
+    settings = session.settings
+    keep = [p for p in settings.keep_fp32 if any(NodeSelector([p]).matches(n) for n in nodes)]
     tensors = {o for n in nodes for o in n.output}
+    tolerances = {}
     for key in ("atol", "rtol", "stol"):
-        value = session.options.get(key)
+        value = getattr(settings, key)
         if value is not None:
             items = [value] if isinstance(value, (int, float)) else list(value)
-            options[key] = [v for v in map(str, items) if ":" not in v or v.rpartition(":")[0] in tensors]
-    return options
+            tolerances[key] = [v for v in map(str, items) if ":" not in v or v.rpartition(":")[0] in tensors]
+    return replace(settings, model=MODEL_FILE, inputs=INPUTS_FILE, calib_data=calibration, keep_fp32=keep, report_dir=None, **tolerances)
 
 
-def _run_cut(session, folder: Path, options: dict):
-    """Compare a saved cut with its options, its files read from `folder`."""
-    in_folder = {key: folder / value if key in ("inputs", "calib_data") else value for key, value in options.items()}
-    return session.compare(folder / MODEL_FILE, str(in_folder.pop("inputs")), **in_folder)
+def _run_cut(session, folder: Path, cut: RunSettings):
+    """Compare a saved cut, its files read from `folder` (only its verdicts are needed: no verification)."""
+    calibration = folder / cut.calib_data if cut.calib_data is not None else None
+    narrowed = {"keep_fp32": cut.keep_fp32, "atol": cut.atol, "rtol": cut.rtol, "stol": cut.stol}
+    return session.compare(model=folder / cut.model, inputs=str(folder / cut.inputs), calib_data=calibration, verify=False, **narrowed)
 
 
 def _values_at(names: list[str], feeds: list[Feed], reference) -> list[Feed]:

@@ -18,7 +18,7 @@ import heapq
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import onnx
@@ -26,10 +26,15 @@ from onnx import numpy_helper
 
 from accudiff.comparison.metrics import EMPTY_ROW, SKETCH_BUCKETS
 from accudiff.comparison.shards import merge_results
-from accudiff.model.loading import infer_shapes_in_place, subgraph_outer_references
-from accudiff.model.samples import Samples
+from accudiff.errors import AccudiffError
+from accudiff.model.loading import ModelInfo, all_nodes, infer_shapes_in_place, subgraph_outer_references
+from accudiff.model.samples import Samples, samples_from_path
 from accudiff.model.subgraph import extract
+from accudiff.transforms import NodeSelector
 from accudiff.transforms.inline_branches import BRANCHES, if_nodes, inline_branches
+
+if TYPE_CHECKING:
+    from accudiff.settings import RunSettings
 
 MAX_NESTING = 16  # rounds of inlining (If inside If inside ...) before the rest is left as written
 
@@ -41,6 +46,25 @@ class BranchGroup:
     model: onnx.ModelProto
     samples: list[int]
     taken: dict[str, str] = field(default_factory=dict)  # If node -> "then_branch" or "else_branch"
+    calibration: Samples | None = None  # INT8 of a specialized model: the calibration samples that take these branches
+    before: int = 0  # samples of the groups before this one (progress counts over all of them)
+
+
+def plan_groups(info: ModelInfo, samples: Samples, settings: RunSettings, scratch: Path) -> list[BranchGroup]:
+    """The branch-groups stage: the groups of `samples`, each with its own calibration samples. With
+    specialized groups, the keep-list is checked against their nodes (a pattern that selected only an If,
+    now replaced by its branch, would keep nothing) and `info` lets go of its model: each group has its own."""
+    groups = branch_groups(info.proto, samples)
+    for k, group in enumerate(groups):
+        group.before = sum(len(g.samples) for g in groups[:k])
+    if not any(group.taken for group in groups):
+        return groups
+    NodeSelector(settings.keep_fp32).require_matches([node for group in groups for node in all_nodes(group.model.graph)])
+    if settings.precision == "int8" and settings.trt.engine is None:
+        for k, calibration in calibration_per_group(info, groups, settings.calib_data, scratch).items():
+            groups[k].calibration = calibration
+    info.proto = onnx.ModelProto()
+    return groups
 
 
 def branch_groups(model: onnx.ModelProto, samples: Samples) -> list[BranchGroup]:
@@ -67,6 +91,24 @@ def branch_groups(model: onnx.ModelProto, samples: Samples) -> list[BranchGroup]
         groups = split
     return groups
 
+
+def calibration_per_group(info: ModelInfo, groups: Sequence[BranchGroup], calib_data, scratch: Path) -> dict[int, Samples]:
+    """For a model specialized per branch group and calibrated on `calib_data`: each group's calibration
+    samples are those that take its branches (a specialized model computes only those)."""
+    if calib_data is None or not any(group.taken for group in groups):
+        return {}
+    calibration = samples_from_path(calib_data, info.inputs, "calibration file", scratch)
+    by_branches = {tuple(sorted(g.taken.items())): g.samples for g in branch_groups(info.proto, calibration)}
+    chosen = {}
+    for k, group in enumerate(groups):
+        indices = by_branches.get(tuple(sorted(group.taken.items())))
+        if indices is None:
+            taken = ", ".join(f"If '{node}' its {branch}" for node, branch in list(group.taken.items())[:3])
+            raise AccudiffError(
+                f"no calibration sample takes the branches that sample(s) {', '.join(map(str, group.samples[:5]))} take ({taken}): add such samples to --calib-data"
+            )
+        chosen[k] = calibration.subset(indices)
+    return chosen
 
 def describe_groups(groups: Sequence[BranchGroup], total: int, shown: int = 3) -> list[str]:
     """What the report says about the specialization: per If, which branch was compared on which samples

@@ -90,6 +90,20 @@ class _Segment:
     wanted: list[str]  # what it returns: those, and what later segments read
 
 
+@dataclass(frozen=True)
+class Measured:
+    """What the engine measures: the compared tensors (and which are graph outputs), the segments that
+    produce them (the original model's node names per segment), how they are judged, and the graph inputs
+    whose ranges the diagnosis needs (an input beyond FP16 or outside its INT8 range)."""
+
+    tensors: Sequence[str]
+    outputs: Sequence[str]
+    segments: Sequence[Sequence[str]]
+    tolerances: Tolerances
+    quant_ranges: Mapping[str, QuantRange]
+    inputs: Sequence[str] = ()
+
+
 class Engine:
     """Runs the reference and the candidate passes over samples, segment by segment, into statistics."""
 
@@ -98,22 +112,17 @@ class Engine:
         reference: Path,
         make_reference: RunnerFactory,
         passes: Sequence[PassPlan],
-        tensors: Sequence[str],
-        outputs: Sequence[str],
-        segments: Sequence[Sequence[str]],
-        tolerances: Tolerances,
-        quant_ranges: Mapping[str, QuantRange],
+        measured: Measured,
         scratch: Path,
         store: ReferenceStore | None = None,
         progress: Progress = lambda step: None,
-        inputs: Sequence[str] = (),
         threads: int = 1,
     ):
-        """`segments`: the original model's node names per segment. `store`: reference outputs recorded
-        earlier (then replayed, and the reference never runs) or to record now. `inputs`: the graph inputs
-        whose ranges the diagnosis needs (an input beyond FP16 or outside its INT8 range)."""
-        self.tensors, self.outputs = list(tensors), set(outputs)
-        self.inputs = list(inputs)
+        """`store`: reference outputs recorded earlier (then replayed, and the reference never runs) or to
+        record now."""
+        self.tensors, self.outputs = list(measured.tensors), set(measured.outputs)
+        self.inputs = list(measured.inputs)
+        tolerances, quant_ranges, segments = measured.tolerances, measured.quant_ranges, measured.segments
         self.input_stats = StatsSet(len(self.inputs))
         self.row = {name: index for index, name in enumerate(self.tensors)}
         self.tolerances, self.quant_ranges, self.progress, self.store = tolerances, quant_ranges, progress, store

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -21,11 +21,10 @@ import onnx
 import pandas as pd
 
 from accudiff.comparison.shards import merge_results
-from accudiff.comparison.tolerances import Tolerances
 from accudiff.comparison.worker import Job, discard_spares, prestart, run_job
 from accudiff.model.loading import ModelInfo, save_model
 from accudiff.model.samples import Samples
-from accudiff.runners import TrtOptions
+from accudiff.settings import RunSettings
 from accudiff.transforms.candidate import CandidateVariants
 from accudiff.transforms.fp16 import FP16_MAX
 
@@ -49,15 +48,13 @@ class TrialOutcome:
 @dataclass
 class TrialSetup:
     """What every trial of one comparison shares: the FP32 model, how its candidate is made, the samples
-    tried (usually the failing ones), the tolerances and the backend."""
+    tried (usually the failing ones) and the run's settings (tolerances, backend, TensorRT options)."""
 
     info: ModelInfo  # with its proto loaded
     variants: CandidateVariants
     samples: Samples
-    tolerances: Tolerances
-    backend: str  # "onnxrt" or "trt"
+    settings: RunSettings
     scratch: Path
-    trt: TrtOptions = TrtOptions()
     shape_values: Mapping[str, list[int]] = field(default_factory=dict)
 
 
@@ -104,7 +101,7 @@ class Trials:
         for k, keep in enumerate(keep_lists):
             path = folder / f"variant{k}.onnx"
             save_model(setup.variants.with_kept(keep).model, path)
-            passes.append({"name": f"variant{k}", "model": str(path), "backend": setup.backend, "fed_from_reference": {}})
+            passes.append({"name": f"variant{k}", "model": str(path), "backend": setup.settings.backend[0], "fed_from_reference": {}})
         self.runs += len(keep_lists)
         info = setup.info
         first = setup.samples[0]
@@ -115,12 +112,12 @@ class Trials:
             tensors=list(info.output_names),
             outputs=list(info.output_names),
             segments=[[node.name for node in info.proto.graph.node]],
-            tolerances=setup.tolerances.as_dict(),
+            tolerances=setup.settings.tolerances.as_dict(),
             quant_ranges={},
             samples=setup.samples.as_json(),
             sample_indices=list(range(len(setup.samples))),
             result=str(folder / "result"),
-            trt={k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(setup.trt).items()},
+            trt=setup.settings.trt.as_json(),
             input_shapes={spec.name: list(first[spec.name].shape) for spec in info.inputs},
             shape_values=dict(setup.shape_values),
             input_specs=[[spec.name, str(spec.dtype), list(spec.shape)] for spec in info.inputs],

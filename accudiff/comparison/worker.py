@@ -169,40 +169,43 @@ def _how_it_died(code: int) -> str:
 
 def _work(job: Job, emit: Callable[[dict], None]) -> None:
     """The worker's side: build the engine, reduce every sample, write the result."""
-    from accudiff.comparison.engine import Engine, PassPlan
+    from accudiff.comparison.engine import Engine, Measured, PassPlan
     from accudiff.comparison.tolerances import Tolerances
     from accudiff.model.loading import InputSpec
     from accudiff.model.samples import Samples
-    from accudiff.runners import TrtOptions, candidate_runner, reference_runner
+    from accudiff.runners import EngineShapes, TrtOptions, candidate_runner, reference_runner
     from accudiff.runners.outputs import ReferenceStore
     from accudiff.transforms.base import QuantRange
 
     trt = TrtOptions(**{k: (Path(v) if k in ("cache_dir", "engine") and v is not None else v) for k, v in job.trt.items()})
-    shapes = {name: tuple(dims) for name, dims in job.input_shapes.items()}
+    shapes = EngineShapes({name: tuple(dims) for name, dims in job.input_shapes.items()}, job.shape_values)
     layer_report = Path(job.layer_report) if job.layer_report else None
 
     threads = job.threads or os.cpu_count() or 1
 
     def factory(spec: dict):
         layers = layer_report if spec.get("layer_report") else None
-        return lambda path, outputs: candidate_runner(spec["backend"], path, outputs, job.precision, trt, shapes, layers, threads, job.shape_values)
+        return lambda path, outputs: candidate_runner(spec["backend"], path, outputs, job.precision, trt, shapes, layers, threads)
 
     passes = [PassPlan(p["name"], Path(p["model"]), factory(p), p["fed_from_reference"]) for p in job.passes]
     store = ReferenceStore(Path(job.store), job.tensors) if job.store else None
     with tempfile.TemporaryDirectory(prefix="accudiff-worker-") as scratch:
-        engine = Engine(
-            Path(job.reference),
-            lambda path, outputs: reference_runner(path, outputs, threads),
-            passes,
+        measured = Measured(
             job.tensors,
             job.outputs,
             job.segments,
             Tolerances.from_dict(job.tolerances),
             {name: QuantRange(*values) for name, values in job.quant_ranges.items()},
+            job.inputs,
+        )
+        engine = Engine(
+            Path(job.reference),
+            lambda path, outputs: reference_runner(path, outputs, threads),
+            passes,
+            measured,
             Path(scratch),
             store,
             progress=lambda text: emit({"event": "step", "text": text}),
-            inputs=job.inputs,
             threads=threads,
         )
         specs = [InputSpec(name, np.dtype(dtype), tuple(shape)) for name, dtype, shape in job.input_specs]

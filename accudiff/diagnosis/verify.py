@@ -21,17 +21,28 @@ tried repairs it; contributors ranked by their measured effect at the output).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
+import onnx
 import pandas as pd
 
-from accudiff.comparison.trial import Trials
+from accudiff.comparison.group import GroupRun, could_be_a_shape
+from accudiff.comparison.trial import TrialSetup, Trials
 from accudiff.diagnosis.cause import Absorbed, Cause, Contributor, ancestor_tensors, flagged_nodes, rank_contributors
 from accudiff.diagnosis.mechanisms import absorber, amplifiers, cancellations
 from accudiff.diagnosis.rules import VALUE_PRESERVING_OPS, DiagnosisContext, Finding, isolated_figures, isolation_ran
+from accudiff.model.loading import load_model
+from accudiff.model.samples import Samples
+from accudiff.transforms.candidate import CandidateVariants
 
-DEFAULT_BUDGET = 8  # candidate runs per failing output
+if TYPE_CHECKING:
+    from accudiff.result import CompareResult
+    from accudiff.settings import RunSettings
+
+MAX_TRIAL_SAMPLES = 8  # verification runs on the worst failing samples, at most this many
 HELPS = 0.8  # a keep helps when it brings the output's tolerance ratio below this share of what it was
 GREEDY_RESERVE = 3  # runs of the budget kept for confirming combinations after the screen
 SEVERAL_LIMIT = 3
@@ -67,6 +78,33 @@ class _Suspect:
     flagged: bool = False
     tried: list[str] = field(default_factory=list)  # the keep-list as tried (closed over boundaries)
     tol_ratio: float = math.inf
+
+
+def verify_outputs(result: CompareResult, context: DiagnosisContext, settings: RunSettings, runs: Sequence[GroupRun], samples: Samples, scratch: Path) -> str | None:
+    """The verify stage: each failing output's suspects tested at the output (`verify_causes`) on the
+    worst failing samples, by trials of the candidate `compare` built; the output failures get their
+    verified causes and repairs. Returns a notice when verification cannot run."""
+    if len(runs) > 1:
+        return (f"causes were not verified: the samples take {len(runs)} different combinations of If branches "
+                "(compare each group's samples on their own to verify)")
+    if settings.trt.engine is not None:
+        return "causes were not verified: a pre-built engine (--engine) cannot be rebuilt with nodes kept in higher precision"
+    candidate = runs[0].candidate
+    chosen = list(dict.fromkeys(int(s) for s in result.failing_samples["sample"]))[:MAX_TRIAL_SAMPLES] or [0]
+    info = load_model(candidate.info.path)
+    base = replace(candidate.transformed, model=onnx.load(str(candidate.path)))
+    first = samples[chosen[0]]
+    setup = TrialSetup(
+        info, CandidateVariants(info, settings.recipe(), base=base), samples.subset(chosen), settings, scratch / "verify",
+        {name: first[name].reshape(-1).tolist() for name in first if could_be_a_shape(first[name])},
+    )
+    indexed = result.table.set_index("tensor", drop=False)
+    ratios = {f.tensor: float(indexed.loc[f.tensor, "tol_ratio"]) for f in result.output_failures}
+    verdicts = verify_causes(ratios, indexed, context, Trials(setup, indexed), settings.verify_budget, settings.tolerances.default.rtol)
+    result.output_failures = [
+        replace(f, cause=verdicts[f.tensor][0], repair=replace(verdicts[f.tensor][1], samples=chosen)) for f in result.output_failures
+    ]
+    return None
 
 
 def verify_causes(

@@ -14,13 +14,18 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 
 from accudiff.errors import AccudiffError
-from accudiff.model.inputs import Feed, load_json_feeds, save_feeds, validate_feeds
-from accudiff.model.loading import InputSpec
+from accudiff.model.inputs import (
+    Feed, generate_feeds, load_json_feeds, parse_input_shapes, parse_val_ranges, resolve_shapes, save_feeds, validate_feeds,
+)
+from accudiff.model.loading import InputSpec, ModelInfo
+
+if TYPE_CHECKING:
+    from accudiff.settings import RunSettings
 
 _INDEXED = re.compile(r"^(\d+)/(.+)$")
 
@@ -63,6 +68,27 @@ class Samples(Sequence):
     @classmethod
     def from_json(cls, entries: Sequence[Sequence[str]], source: str = "the inputs", specs: Sequence[InputSpec] = ()) -> "Samples":
         return cls([SampleRef(file, prefix) for file, prefix in entries], source, specs)
+
+
+def prepare_samples(info: ModelInfo, settings: RunSettings, path: Path | None = None) -> Samples:
+    """The samples a run compares: loaded (a file or a folder of files, read one at a time), given (a list
+    of feeds), or generated from the settings' seed and ranges; given and generated feeds are written to
+    `path` (default: a new temporary folder)."""
+    inputs = settings.inputs
+    if isinstance(inputs, Samples):
+        return inputs
+    if isinstance(inputs, (str, Path)):
+        return samples_from_path(inputs, info.inputs, "input file", path.parent if path is not None else None)
+    if inputs is not None:
+        feeds = [dict(feed) for feed in inputs]
+        validate_feeds(feeds, info.inputs, "the given inputs")
+    else:
+        shapes = settings.input_shapes
+        resolved = resolve_shapes(info.inputs, shapes if isinstance(shapes, dict) else parse_input_shapes(shapes))
+        feeds = generate_feeds(info.inputs, resolved, settings.seed, parse_val_ranges(settings.val_range), settings.iterations)
+    if path is None:
+        path = Path(tempfile.mkdtemp(prefix="accudiff-inputs-")) / "inputs.npz"
+    return samples_from_feeds(feeds, path, info.inputs)
 
 
 def samples_from_path(path: str | Path, specs: Sequence[InputSpec], role: str = "input file", scratch: Path | None = None) -> Samples:

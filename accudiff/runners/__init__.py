@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -36,6 +36,25 @@ class TrtOptions:
     cache_dir: Path | None = None  # engine and timing cache; default ~/.cache/accudiff
     engine: Path | None = None  # a pre-built engine to compare (its graph outputs only) instead of building one
 
+    def as_json(self) -> dict:
+        """These options as a worker job carries them."""
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
+
+    def arguments(self) -> list[str]:
+        """These options as command-line arguments; defaults are not written (the cache folder is the
+        user's environment, not part of what was compared)."""
+        args = []
+        for flag, value, default in (
+            ("--trt-module", self.module, None),
+            ("--trt-mark", self.mark, "auto"),
+            ("--trt-legacy-precision", self.legacy_precision, None),
+            ("--trt-workspace", self.workspace_mb, None),
+            ("--engine", self.engine, None),
+        ):
+            if value != default:
+                args += [flag, str(value)]
+        return args
+
 
 def resolve_candidate(kind: str, trt: TrtOptions = TrtOptions()) -> tuple[str, str | None]:
     """The concrete candidate for `kind`, and a one-line notice when 'auto' had to fall back."""
@@ -56,25 +75,33 @@ def unavailable_reason(kind: str, module: str | None = None) -> str | None:
     return inference_unavailable_reason(module) if kind == "trt" else None
 
 
+@dataclass(frozen=True)
+class EngineShapes:
+    """What a TensorRT engine is built for: each input's shape, and the compared samples' values of small
+    integer inputs, which an engine fixes where it reads them as shapes."""
+
+    inputs: Mapping[str, Sequence[int]] = field(default_factory=dict)
+    values: Mapping[str, Sequence[int]] = field(default_factory=dict)
+
+
 def candidate_runner(
     kind: str,
     model_path: Path,
     outputs: Sequence[str],
     precision: str,
     trt: TrtOptions = TrtOptions(),
-    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    shapes: EngineShapes = EngineShapes(),
     layer_report: Path | None = None,
     threads: int = 0,
-    shape_values: Mapping[str, Sequence[int]] | None = None,
 ) -> Runner:
-    """`shape_values`: the compared samples' values of small integer inputs, which a TensorRT engine fixes
-    where it reads them as shapes."""
+    """The runner of a candidate pass: TensorRT (`layer_report`: where the engine's layer report goes) or
+    ONNX Runtime (`threads`: cores it may use; 0: all)."""
     if kind == "trt":
         from accudiff.runners.trt import TrtRunner
 
-        settings = BuildSettings(trt.mark, dict(input_shapes or {}), dict(shape_values or {}), trt.workspace_mb, trt.legacy_precision)
+        settings = BuildSettings(trt.mark, dict(shapes.inputs), dict(shapes.values), trt.workspace_mb, trt.legacy_precision)
         return TrtRunner(model_path, outputs, settings, trt.module, trt.cache_dir, layer_report, trt.engine)
     return OnnxrtRunner(model_path, outputs, label=_ONNXRT_LABELS[precision], emulate_fp16=precision == "fp16", threads=threads)
 
 
-__all__ = ["CANDIDATES", "OnnxrtRunner", "Runner", "TrtOptions", "candidate_runner", "reference_runner", "resolve_candidate", "unavailable_reason"]
+__all__ = ["CANDIDATES", "EngineShapes", "OnnxrtRunner", "Runner", "TrtOptions", "candidate_runner", "reference_runner", "resolve_candidate", "unavailable_reason"]

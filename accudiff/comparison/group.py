@@ -1,0 +1,196 @@
+"""One branch group's comparison, as three stages: its candidate made (transform), its segments planned
+(plan), and its samples run in worker processes or Ray tasks (run); then one result from the groups'.
+
+A model without Ifs is one group: the model itself, every sample.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import onnx
+
+from accudiff.comparison.branches import BranchGroup, merge_group_results
+from accudiff.comparison.shards import run_shards
+from accudiff.comparison.tolerances import Tolerances
+from accudiff.comparison.worker import Job
+from accudiff.memory import return_freed_memory
+from accudiff.model.loading import ModelInfo, describe, save_model
+from accudiff.model.inputs import Feed
+from accudiff.model.samples import Samples
+from accudiff.model.segments import SEGMENTS_PER_BUDGET, memory_budget, plan_segments, tensor_sizes
+from accudiff.runners.outputs import ReferenceCache, ReferenceStore
+from accudiff.transforms import TransformResult
+from accudiff.transforms.candidate import transform_model
+from accudiff.transforms.isolate import isolate_in_place
+
+if TYPE_CHECKING:
+    from accudiff.workspace import Workspace
+    from accudiff.settings import RunSettings
+
+ENGINE_LAYERS_FILE = "engine_layers.json"
+
+
+@dataclass
+class Candidate:
+    """A group's candidate as the workers run it: its inventory, how it was made, and its passes (the
+    candidate; the same model on a second backend; the isolated run, each node fed the reference's values)."""
+
+    info: ModelInfo
+    transformed: TransformResult
+    path: Path  # the candidate model, in the report folder
+    passes: list[dict]
+
+
+@dataclass
+class GroupRun:
+    """One group's comparison: its candidate and the merged statistics of its samples."""
+
+    candidate: Candidate
+    outcome: dict
+
+
+def group_model(info: ModelInfo, group: BranchGroup, scratch: Path) -> ModelInfo:
+    """The inventory of the model the group runs: `info`'s, or its specialized model's (saved in
+    `scratch` for the workers)."""
+    if group.taken:
+        path = scratch / f"specialized-{group.before}.onnx"
+        save_model(group.model, path)
+        info = describe(path, group.model)
+    group.model = onnx.ModelProto()  # from here on the inventory holds the model, until its candidate is written
+    return info
+
+
+def plan(info: ModelInfo, first: Feed, max_memory: int | str | None, one_segment: bool) -> list[list[str]]:
+    """The plan stage: the node names of each segment the comparison runs at a time, sized so that the
+    tensors of a segment fit `max_memory` (one segment when everything fits, or when asked: a TensorRT
+    engine is compared whole, as it ships)."""
+    names = [node.name for node in info.proto.graph.node]
+    if one_segment:
+        return [names]
+    shapes = {spec.name: first[spec.name].shape for spec in info.inputs}
+    budget = memory_budget(max_memory) // SEGMENTS_PER_BUDGET
+    return [[names[i] for i in segment.nodes] for segment in plan_segments(info, tensor_sizes(info, shapes), budget)]
+
+
+def make_candidate(info: ModelInfo, group: BranchGroup, samples: Samples, settings: RunSettings, path: Path, scratch: Path) -> Candidate:
+    """The transform stage: the group's candidate (INT8: calibrated on its samples) saved at `path`, and its
+    isolated twin. The weights are let go of before any backend loads a model, so at most one copy of
+    them is in memory at a time (from here on the workers read files)."""
+    transformed = transform_model(info, settings.recipe(group.calibration), samples[group.samples[0]], scratch)
+    save_model(transformed.model, path)
+    kind = settings.backend[0]
+    passes = [{"name": "candidate", "model": str(path), "backend": kind, "fed_from_reference": {}, "layer_report": True}]
+    if settings.also is not None and settings.also != kind:  # the model's own error next to what a build adds
+        passes.append({"name": settings.also, "model": str(path), "backend": settings.also, "fed_from_reference": {}})
+    if settings.isolate:
+        types = {t.name: onnx.helper.np_dtype_to_tensor_dtype(t.dtype) for t in info.tensors if t.dtype is not None}
+        fed = isolate_in_place(transformed.model, types, transformed.storage_copies)
+        isolated = scratch / f"isolated-{path.stem}.onnx"
+        save_model(transformed.model, isolated)
+        passes.append({"name": "isolated", "model": str(isolated), "backend": kind, "fed_from_reference": fed})
+    transformed.model = info.proto = onnx.ModelProto()
+    return_freed_memory()
+    return Candidate(info, transformed, path, passes)
+
+
+def run_group(candidate: Candidate, segments: list[list[str]], group: BranchGroup, samples: Samples, settings: RunSettings, where: Workspace) -> GroupRun:
+    """The run stage: the group's samples through the reference and the candidate's passes, in worker
+    processes or Ray tasks, their statistics merged (and kept in the reference cache when there is one)."""
+    info, first = candidate.info, samples[group.samples[0]]
+    specialized = info.path.parent == where.scratch  # a model specialized for these samples' branches lives only for this call
+    cache = where.reference_cache
+    store = cache.store(info.path, samples, [t.name for t in info.tensors]) if cache is not None and not specialized else None
+    job = job_for(info, samples, segments, settings.precision, settings.tolerances, where.scratch / candidate.path.stem, store)
+    job = replace(
+        job,
+        passes=candidate.passes,
+        quant_ranges=quant_ranges_json(candidate.transformed),
+        trt=settings.trt.as_json(),
+        input_shapes={spec.name: list(first[spec.name].shape) for spec in info.inputs},
+        shape_values={name: first[name].reshape(-1).tolist() for name in first if could_be_a_shape(first[name])},
+        layer_report=str(where.folder.path / ENGINE_LAYERS_FILE) if where.folder.final is not None else None,
+    )
+    progress = where.progress_from(group.before, len(samples))
+    outcome = run_shards(job, [samples.as_json()[i] for i in group.samples], settings.workers, settings.ray, progress, group.samples)
+    if store is not None:
+        store.finish()
+    return GroupRun(candidate, outcome)
+
+
+def could_be_a_shape(value: np.ndarray) -> bool:
+    """An integer scalar or short vector: what TensorRT may read as a shape (its shapes have at most 8 dims)."""
+    return np.issubdtype(value.dtype, np.integer) and value.ndim <= 1 and value.size <= 8
+
+
+def combine(model: Path, runs: Sequence[GroupRun]) -> tuple[ModelInfo, TransformResult, dict]:
+    """One inventory, one account of the transform and one result from the branch groups' runs (with a
+    single group: that group's, under the model's own path)."""
+    infos = [r.candidate.info for r in runs]
+    if len(runs) == 1:
+        outcome = runs[0].outcome
+        tensors = [t.name for t in infos[0].tensors]
+    else:
+        tensors, outcome = merge_group_results([([t.name for t in info.tensors], r.outcome) for info, r in zip(infos, runs)])
+    by_name = {t.name: t for info in reversed(infos) for t in info.tensors}
+    upstream: dict[str, list[str]] = {}
+    for each in infos:
+        for name, reads in each.upstream.items():
+            upstream[name] = list(dict.fromkeys([*upstream.get(name, []), *reads]))
+    info = ModelInfo(
+        Path(model), onnx.ModelProto(), infos[0].inputs, infos[0].output_names, [by_name[name] for name in tensors], upstream,
+        {name: why for each in infos for name, why in each.not_observable.items() if name not in by_name},
+        {name: node for each in infos for name, node in each.nodes.items()},
+        {name: text for each in infos for name, text in each.weights.items()},
+    )
+    transforms = [r.candidate.transformed for r in runs]
+    transformed = TransformResult(
+        model=onnx.ModelProto(),
+        precision=transforms[0].precision,
+        kept=list({k.node: k for t in transforms for k in t.kept}.values()),
+        converted=set().union(*(t.converted for t in transforms)),
+        quant_ranges={name: q for t in reversed(transforms) for name, q in t.quant_ranges.items()},
+        warnings=list(dict.fromkeys(w for t in transforms for w in t.warnings)),
+        constant_overflows={node: text for t in transforms for node, text in t.constant_overflows.items()},
+    )
+    return info, transformed, outcome
+
+
+def quant_ranges_json(transformed: TransformResult) -> dict[str, list[float]]:
+    return {name: [q.scale, q.low, q.high] for name, q in transformed.quant_ranges.items()}
+
+
+def job_for(info: ModelInfo, samples: Samples, segments, precision: str, tolerances: Tolerances, scratch: Path, store: ReferenceStore | None) -> Job:
+    """The worker job for these samples, reference only (sharding fills in each worker's part; a
+    comparison adds its passes)."""
+    return Job(
+        reference=str(info.path),
+        passes=[],
+        precision=precision,
+        tensors=[t.name for t in info.tensors],
+        outputs=info.output_names,
+        segments=segments,
+        tolerances=tolerances.as_dict(),
+        quant_ranges={},
+        samples=samples.as_json(),
+        sample_indices=list(range(len(samples))),
+        result=str(scratch / "result"),
+        store=str(store.folder) if store is not None else None,
+        inputs=[spec.name for spec in info.inputs if np.issubdtype(spec.dtype, np.floating)],
+        input_specs=[[spec.name, str(spec.dtype), list(spec.shape)] for spec in info.inputs],
+    )
+
+
+def record_reference(info: ModelInfo, samples: Samples, cache: ReferenceCache, max_memory: int | str | None = None) -> ReferenceStore:
+    """The reference's outputs for `samples`, recorded in `cache` (run now unless recorded before)."""
+    store = cache.store(info.path, samples, [t.name for t in info.tensors])
+    if not store.complete:
+        with tempfile.TemporaryDirectory(prefix="accudiff-reference-") as scratch:
+            segments = plan(info, samples[0], max_memory, one_segment=False)
+            run_shards(job_for(info, samples, segments, "fp32", Tolerances.build("fp32"), Path(scratch), store), samples.as_json())
+        store.finish()
+    return store

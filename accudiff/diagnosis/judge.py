@@ -1,0 +1,106 @@
+"""The judge stage: the worker's statistics become the table, the verdict comes from the graph outputs,
+and every failing output gets the rules' cause (a hypothesis until the verify stage tests it)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+
+from accudiff.comparison.metrics import StatsSet
+from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, STATUS_PASS, build_table, graph_input_table, with_side_run
+from accudiff.diagnosis.cause import ancestor_tensors, find_cause
+from accudiff.diagnosis.rules import DiagnosisContext, diagnose
+from accudiff.errors import AccudiffError
+from accudiff.model.loading import ModelInfo
+from accudiff.model.samples import Samples
+from accudiff.result import MIN_COVERAGE, CompareResult, TensorFailure
+from accudiff.transforms import TransformResult
+
+if TYPE_CHECKING:
+    from accudiff.settings import RunSettings
+
+SAMPLE_COLUMNS = ["sample", "tensor", "status", "max_abs_err", "tol_ratio", "outside_share", "sqnr_db", "rows", "top1", "top5"]
+
+
+def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings: RunSettings, samples: Samples) -> tuple[CompareResult, DiagnosisContext]:
+    """The result of a comparison (tables, verdict, the first failing tensor, the failing outputs with
+    their causes) and what the rules knew when they named them."""
+    tolerances = settings.tolerances
+
+    def table_of(name: str) -> pd.DataFrame:
+        result = outcome["passes"][name]
+        seen = {int(k): v for k, v in result["seen"].items()}
+        notes = {int(k): v for k, v in result["notes"].items()}
+        return build_table(info.tensors, StatsSet.from_arrays(result), seen, notes, tolerances, transformed.quant_ranges)
+
+    table = table_of("candidate")
+    if settings.isolate:
+        table = with_side_run(table, table_of("isolated"), "isolated")
+    if settings.also is not None and settings.also in outcome["passes"]:
+        table = with_side_run(table, table_of(settings.also), settings.also)
+    float_inputs = [spec for spec in info.inputs if np.issubdtype(spec.dtype, np.floating)]
+    context = DiagnosisContext(
+        settings.precision,
+        info.upstream,
+        frozenset(transformed.converted),
+        {k.node: k.reason for k in transformed.kept},
+        transformed.constant_overflows,
+        graph_input_table(float_inputs, StatsSet.from_arrays(outcome["inputs"]), transformed.quant_ranges),
+    )
+    indexed = table.set_index("tensor", drop=False)
+    failing = table.loc[table["status"] == STATUS_FAIL, "tensor"].tolist()
+
+    def output_failure(name: str) -> TensorFailure:
+        row = indexed.loc[name]
+        upstream = ancestor_tensors(name, info.upstream)
+        first = next(t for t in failing if t in upstream)
+        return TensorFailure(name, row["node"], row["op_type"], diagnose(name, indexed, context), first, find_cause(name, indexed, context))
+
+    first_failure = None
+    if failing:
+        row = indexed.loc[failing[0]]
+        first_failure = TensorFailure(failing[0], row["node"], row["op_type"], diagnose(failing[0], indexed, context))
+    failing_outputs = table.loc[(table["status"] == STATUS_FAIL) & table["is_output"], "tensor"].tolist()
+    observed_outputs = table.loc[(table["status"] != STATUS_MISSING) & table["is_output"], "tensor"].tolist()
+    candidate_pass = outcome["passes"]["candidate"]
+    result = CompareResult(
+        model=info.path,
+        precision=settings.precision,
+        candidate=candidate_pass["label"],
+        table=table,
+        passed=False,
+        first_failure=first_failure,
+        output_failures=[output_failure(name) for name in failing_outputs],
+        tolerances=tolerances,
+        kept=transformed.kept,
+        converted=frozenset(transformed.converted),
+        not_observable={**info.not_observable, **outcome["reference_not_observable"], **candidate_pass["not_observable"]},
+        iterations=len(samples),
+        seed=settings.seed if settings.inputs is None else None,
+        samples=_sample_table(candidate_pass["outcomes"]),
+        inputs=samples.source,
+    )
+    if len(result.outputs) and not result.outputs["elements"].any():
+        raise AccudiffError(f"every graph output of '{info.path.name}' is empty on these inputs: the comparison would cover no element")
+    compared, computed = result.coverage
+    result.passed = bool(observed_outputs) and not failing_outputs and compared >= MIN_COVERAGE * computed
+    result.points = candidate_pass.get("points", {})
+    result.nodes, result.weights = info.nodes, info.weights
+    return result, context
+
+
+def attach_sketches(result: CompareResult, info: ModelInfo, outcome: dict) -> None:
+    """The error sketches the report plots: every failing output's and its (verified) cause's."""
+    row_of = {t.name: k for k, t in enumerate(info.tensors)}
+    shown = {f.tensor for f in result.output_failures} | {f.cause.tensor for f in result.output_failures if f.cause.tensor}
+    sketch = np.asarray(outcome["passes"]["candidate"]["sketch"])
+    result.error_sketches = {name: sketch[row_of[name]] for name in shown if name in row_of}
+
+
+def _sample_table(outcomes: list[dict]) -> pd.DataFrame:
+    """One row per sample and graph output, in sample order."""
+    table = pd.DataFrame(outcomes, columns=[c for c in SAMPLE_COLUMNS if c != "status"])
+    table.insert(2, "status", np.where(table["outside_share"] > 0, STATUS_FAIL, STATUS_PASS))
+    return table.sort_values("sample", kind="stable").reset_index(drop=True)

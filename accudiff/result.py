@@ -1,0 +1,102 @@
+"""What a comparison found: the table, the samples, the verdict and the causes (the product of
+`accudiff.compare`, read by the reports, the bisectors and the pytest plugin)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING
+from accudiff.comparison.tolerances import Tolerances
+from accudiff.diagnosis.cause import Cause
+from accudiff.diagnosis.rules import Finding
+from accudiff.diagnosis.verify import Repair
+from accudiff.model.loading import NodeSummary
+from accudiff.transforms import KeptNode
+
+MIN_COVERAGE = 0.5  # below this share of the model's tensors compared, a clean result is not a pass
+
+
+@dataclass(frozen=True)
+class TensorFailure:
+    """A tensor out of tolerance and what was found at it; for a graph output also the cause of its failure
+    and the first tensor out of tolerance upstream (a fact about where the drift crossed the line, which
+    is often not where it started)."""
+
+    tensor: str
+    node: str
+    op_type: str
+    findings: list[Finding]
+    first_failing_upstream: str | None = None
+    cause: Cause | None = None
+    repair: Repair | None = None  # verified: what to keep in higher precision for this output, step by step
+
+
+@dataclass
+class CompareResult:
+    """What a comparison found: the per-tensor table and per-sample outcomes, the verdict, and the causes."""
+
+    model: Path
+    precision: str
+    candidate: str
+    table: pd.DataFrame
+    passed: bool
+    first_failure: TensorFailure | None
+    output_failures: list[TensorFailure]
+    tolerances: Tolerances
+    kept: list[KeptNode] = field(default_factory=list)
+    converted: frozenset[str] = frozenset()  # nodes that compute in reduced precision
+    not_observable: dict[str, str] = field(default_factory=dict)
+    notices: list[str] = field(default_factory=list)
+    iterations: int = 1  # samples compared
+    seed: int | None = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    report_dir: Path | None = None
+    samples: pd.DataFrame | None = None  # one row per sample and graph output (see diagnosis/judge.py SAMPLE_COLUMNS)
+    inputs: str = ""  # where the samples came from
+    candidate_models: list[str] = field(default_factory=list)  # the candidate model files in the report (one per branch group)
+    branches: list[dict] = field(default_factory=list)  # per group of samples: {"samples": [...], "taken": {If node: branch}}
+    replay: list[str] = field(default_factory=list)  # the command that runs this comparison again on the same inputs
+    # For the HTML report: the nodes and weights as written, every failing output's and cause's error
+    # sketch (metrics.error_histogram), and sampled [reference, candidate] pairs of each graph output.
+    nodes: dict[str, NodeSummary] = field(default_factory=dict)
+    weights: dict[str, str] = field(default_factory=dict)
+    error_sketches: dict[str, np.ndarray] = field(default_factory=dict)
+    points: dict[str, list[list[float]]] = field(default_factory=dict)
+
+    @property
+    def outputs(self) -> pd.DataFrame:
+        return self.table[self.table["is_output"]]
+
+    @property
+    def coverage(self) -> tuple[int, int]:
+        """(tensors compared, tensors the model computes on these samples): bodies of If branches not taken
+        are not counted, those of Loops and Scans are (they run, but cannot be observed)."""
+        compared = int((self.table["status"] != STATUS_MISSING).sum())
+        listed = set(self.table["tensor"])
+        return compared, len(self.table) + sum(1 for name in self.not_observable if name not in listed)
+
+    @property
+    def verdict(self) -> str:
+        """"pass", "fail" (a graph output out of tolerance) or "inconclusive" (no graph output failed, but
+        less than MIN_COVERAGE of the model's tensors, or no graph output, was compared)."""
+        if self.output_failures:
+            return "fail"
+        return "pass" if self.passed else "inconclusive"
+
+    @property
+    def failing_samples(self) -> pd.DataFrame:
+        """Rows of `samples` out of tolerance, worst first (by how many tolerances they reach)."""
+        return self.samples[self.samples["status"] == STATUS_FAIL].sort_values("tol_ratio", ascending=False)
+
+    def class_agreement(self) -> dict[str, dict | None]:
+        """Per graph output: top-1 and top-5 agreement of reference and candidate over every sample, for
+        outputs that look like class scores; None (not applicable) for the others."""
+        agreement = {}
+        for output, rows in self.samples.groupby("tensor", sort=False):
+            count = int(rows["rows"].sum())
+            agreement[output] = {"rows": count, "top1": rows["top1"].sum() / count, "top5": rows["top5"].sum() / count} if count else None
+        return agreement

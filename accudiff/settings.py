@@ -1,0 +1,154 @@
+"""What the user asked for one run, validated once: the only thing the stages of a comparison receive
+besides their data. `accudiff.compare`'s keywords, the CLI's options and the pytest plugin all become
+one `RunSettings`; `arguments()` writes it back as the command line that runs it again."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+from accudiff.comparison.tolerances import Tolerances
+from accudiff.errors import AccudiffError
+from accudiff.runners import TrtOptions, resolve_candidate
+from accudiff.transforms import NodeSelector
+
+if TYPE_CHECKING:
+    from accudiff.model.inputs import Feed
+    from accudiff.model.loading import ModelInfo
+    from accudiff.model.samples import Samples
+    from accudiff.transforms.candidate import CandidateRecipe
+
+PRECISIONS = ("fp32", "fp16", "int8")
+PRECISION_FLAGS = {"fp16": "--fp16", "int8": "--int8"}
+SIDE_BACKENDS = ("onnxrt", "trt")
+DEFAULT_VERIFY_BUDGET = 8  # candidate runs that may test suspects, per failing output (diagnosis/verify.py)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """One comparison, as asked.
+
+    Inputs come from `inputs` (an .npz file, a folder of them, a polygraphy JSON file, or a list of feeds;
+    files are read one sample at a time) or are generated from `seed` and `val_range` (shapes of dynamic
+    inputs from `input_shapes`) for `iterations` iterations. INT8 calibrates on `calib_data` (random
+    samples from `seed` otherwise). `keep_fp32` names nodes, op types or regexes left in FP32; `autokeep`
+    also keeps nodes whose constants exceed FP16's range. Tolerances are a default and per-tensor
+    values ("NAME:VALUE"). With `report_dir`, the report folder is written there atomically.
+    `isolate` adds, for every tensor, the error its node makes when fed the reference's values (one extra
+    candidate run): without it a cause can be named only from range evidence. `verify` tests every
+    suspect at the failing outputs (the candidate run again with it kept in higher precision, graph
+    outputs only, at most `verify_budget` runs per failing output). `also` runs the same transformed
+    model on a second backend (columns `<also>_*`). `max_memory` (bytes, or a size such as "2G") bounds
+    the memory the compared tensors take. `workers` splits the samples over worker processes; `ray`
+    runs them as Ray tasks ("local" starts a cluster, an address joins one).
+    """
+
+    model: str | Path
+    precision: str = "fp32"
+    candidate: str = "auto"
+    input_shapes: Iterable[str] | dict[str, tuple[int, ...]] = ()
+    inputs: str | Path | Sequence[Feed] | None = None
+    seed: int = 0
+    val_range: Iterable[str] = ()
+    iterations: int = 1
+    calib_data: str | Path | None = None
+    keep_fp32: Sequence[str] = ()
+    autokeep: bool = True
+    atol: Iterable[str] | float | None = None
+    rtol: Iterable[str] | float | None = None
+    stol: Iterable[str] | float | None = None
+    report_dir: str | Path | None = None
+    trt: TrtOptions = field(default_factory=TrtOptions)
+    isolate: bool = True
+    verify: bool = True
+    verify_budget: int = DEFAULT_VERIFY_BUDGET
+    also: str | None = None
+    max_memory: int | str | None = None
+    workers: int | None = None
+    ray: str | None = None
+
+    def __post_init__(self) -> None:
+        """Checks that need no model; `check_against` does the rest once the model is loaded."""
+        for name in ("keep_fp32", "val_range", "input_shapes", "atol", "rtol", "stol"):  # lists and tuples alike compare equal
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, int, float, dict)):
+                object.__setattr__(self, name, tuple(value))
+        if self.precision not in PRECISIONS:
+            raise AccudiffError(f"unknown precision '{self.precision}'; choose one of: {', '.join(PRECISIONS)}")
+        if self.iterations < 1:
+            raise AccudiffError("--iterations must be at least 1")
+        if self.verify and self.verify_budget < 1:
+            raise AccudiffError("--verify-budget must be at least 1 (or pass --no-verify)")
+        if self.also is not None and self.also not in SIDE_BACKENDS:
+            raise AccudiffError(f"--also takes {' or '.join(SIDE_BACKENDS)}, not '{self.also}'")
+        self.tolerances  # noqa: B018 - a malformed tolerance is an error now, not after the runs
+
+    @cached_property
+    def tolerances(self) -> Tolerances:
+        return Tolerances.build(self.precision, self.atol, self.rtol, self.stol)
+
+    @cached_property
+    def backend(self) -> tuple[str, str | None]:
+        """(the backend that runs the candidate, a notice when `candidate="auto"` chose for the user)."""
+        kind, notice = resolve_candidate(self.candidate, self.trt)
+        if self.trt.engine is not None and kind != "trt":
+            raise AccudiffError("--engine compares a TensorRT engine: it needs --candidate trt (or auto, where TensorRT can run)")
+        return kind, notice
+
+    @property
+    def uses_trt(self) -> bool:
+        return "trt" in (self.backend[0], self.also)
+
+    def recipe(self, calibration: Samples | str | Path | None = None) -> CandidateRecipe:
+        """How the candidate is made; `calibration` replaces `calib_data` (a branch group's own samples)."""
+        from accudiff.transforms.candidate import CandidateRecipe
+
+        chosen = calibration if calibration is not None else self.calib_data
+        return CandidateRecipe(self.precision, self.keep_fp32, self.autokeep, chosen, self.seed, self.trt.engine)
+
+    def check_against(self, info: ModelInfo) -> None:
+        """What can only be checked with the model: something to compare, and every keep pattern and
+        per-tensor tolerance names something in it (an option that matches nothing is an error)."""
+        from accudiff.model.loading import all_nodes
+
+        if not info.tensors:
+            reasons = sorted(set(info.not_observable.values()))
+            raise AccudiffError(f"'{info.path.name}' computes no tensor accudiff can compare" + (f": {reasons[0]}" if reasons else ""))
+        NodeSelector(self.keep_fp32).require_matches(all_nodes(info.proto.graph))
+        self.tolerances.require_known_tensors({t.name for t in info.tensors})
+
+    def arguments(self) -> list[str]:
+        """The command-line arguments after `accudiff compare` that run this again; options left at their
+        defaults are not written. Input data must be files (`inputs`, `calib_data`); the report folder is
+        left to the default, so the command never collides with the folder it came from."""
+        args = [str(self.model), *([PRECISION_FLAGS[self.precision]] if self.precision in PRECISION_FLAGS else [])]
+        if self.candidate != "auto":
+            args += ["--candidate", self.candidate]
+        for value, flag in ((self.inputs, "--load-inputs"), (self.calib_data, "--calib-data")):
+            if value is not None:
+                args += [flag, str(value)]
+        if self.seed != 0:  # random calibration data (and generated inputs) come from it
+            args += ["--seed", str(self.seed)]
+        if self.inputs is None:  # generated inputs: how
+            shapes = self.input_shapes
+            texts = [f"{name}:{'x'.join(map(str, dims))}" for name, dims in shapes.items()] if isinstance(shapes, dict) else list(shapes)
+            for text in texts:
+                args += ["--input-shapes", text]
+            for text in self.val_range:
+                args += ["--val-range", text]
+            args += ["--iterations", str(self.iterations)] * (self.iterations != 1)
+        for pattern in self.keep_fp32:
+            args += ["--keep-fp32", pattern]
+        args += ["--no-autokeep"] * (not self.autokeep)
+        for flag, value in (("--atol", self.atol), ("--rtol", self.rtol), ("--stol", self.stol)):
+            if value is not None:
+                args += [flag, *(str(v) for v in ([value] if isinstance(value, (int, float)) else value))]
+        for flag, value in (("--max-memory", self.max_memory), ("--workers", self.workers), ("--ray", self.ray), ("--also", self.also)):
+            if value is not None:
+                args += [flag, str(value)]
+        args += ["--no-isolate"] * (not self.isolate) + ["--no-verify"] * (not self.verify)
+        if self.verify and self.verify_budget != DEFAULT_VERIFY_BUDGET:
+            args += ["--verify-budget", str(self.verify_budget)]
+        return args + self.trt.arguments()
