@@ -188,7 +188,10 @@ class AccuracyCheck:
                 _write_baseline(baseline_path, result, rows)
                 written = str(baseline_path)
             else:
-                problems += _regressions(baseline_path, rows, self.settings)
+                try:
+                    problems += _regressions(baseline_path, rows, self.settings)
+                except AccudiffError as exc:
+                    pytest.fail(str(exc), pytrace=False)
         self._record(result, problems, written)
         if problems:
             pytest.fail(_message(result, problems), pytrace=False)
@@ -301,8 +304,24 @@ def _write_baseline(path: Path, result, rows) -> None:
     write_atomically(path, (json.dumps(document, indent=2, sort_keys=True) + "\n").encode())
 
 
+def read_baseline(path: Path) -> dict[str, dict]:
+    """The per-tensor figures of a baseline file; a damaged one is one sentence, not a traceback."""
+    try:
+        tensors = json.loads(path.read_bytes())["tensors"]
+        for figures in tensors.values():
+            for metric in ("sqnr_db", "max_abs_err"):  # what a regression is judged on
+                if figures[metric] is not None and not isinstance(figures[metric], (int, float)):
+                    raise ValueError(f"{metric} is not a number")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        reason = f"{type(exc).__name__}: {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise AccudiffError(
+            f"baseline '{path}' cannot be read ({reason}): delete it, or run with --accudiff-update-baseline to write it again"
+        ) from None
+    return tensors
+
+
 def _regressions(path: Path, rows, settings: Settings) -> list[str]:
-    baseline = json.loads(path.read_text())["tensors"]
+    baseline = read_baseline(path)
     problems = []
     for _, row in rows.iterrows():
         before = baseline.get(row["tensor"])

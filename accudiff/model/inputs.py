@@ -137,7 +137,7 @@ def load_json_feeds(path: Path) -> list[Feed]:
 
 
 def _decode_polygraphy_array(value: object) -> np.ndarray:
-    if not isinstance(value, dict) or "array" not in value:
+    if not isinstance(value, dict) or not isinstance(value.get("array"), str):
         raise ValueError("an input is not a polygraphy-encoded array")
     raw = base64.b64decode(value["array"].encode(), validate=True)
     return np.load(io.BytesIO(raw), allow_pickle=False)

@@ -92,6 +92,9 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
         raise AccudiffError(f"'{path}' refers to external data that is missing: {exc.filename}") from exc
     if len(proto.graph.node) == 0:
         raise AccudiffError(f"'{path}' is not a valid ONNX model: its graph has no nodes")
+    undecodable = _undecodable_text(proto)
+    if undecodable is not None:
+        raise AccudiffError(f"'{path}' is not a valid ONNX model: a {undecodable} is not UTF-8 text")
     try:
         onnx.checker.check_model(str(path) if _is_large(proto) else proto)
     except onnx.checker.ValidationError as exc:
@@ -100,6 +103,31 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
     clear_unknown_dims(proto)
     infer_shapes_in_place(proto)
     return describe(path, proto)
+
+
+def _undecodable_text(message) -> str | None:
+    """The first string field of `message` (names, op types, domains, anywhere in the model) that is not
+    valid UTF-8, as "NodeProto.input (b'c\\xe5ntered')"; protobuf hands such fields over as bytes, which
+    every later step would trip on. Only string and message fields are read: weights are never copied."""
+    for spec in message.DESCRIPTOR.fields:
+        if spec.type not in (spec.TYPE_STRING, spec.TYPE_MESSAGE):
+            continue
+        repeated = spec.is_repeated if hasattr(spec, "is_repeated") else spec.label == spec.LABEL_REPEATED
+        if repeated:
+            items = getattr(message, spec.name)
+        elif spec.type == spec.TYPE_MESSAGE and not message.HasField(spec.name):
+            continue
+        else:
+            items = [getattr(message, spec.name)]
+        for item in items:
+            if spec.type == spec.TYPE_STRING:
+                if isinstance(item, bytes):
+                    return f"{message.DESCRIPTOR.name}.{spec.name} ({item[:40]!r})"
+            else:
+                found = _undecodable_text(item)
+                if found is not None:
+                    return found
+    return None
 
 
 def describe(path: Path, proto: onnx.ModelProto) -> ModelInfo:

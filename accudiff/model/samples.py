@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import re
 import tempfile
+import tokenize
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
@@ -36,6 +38,14 @@ class SampleRef:
     prefix: str  # "" for a file holding one sample, "<index>/" for one of several
 
 
+# What reading a damaged .npz can raise, from the zip layer (unsupported flags and methods, encrypted
+# members, bad CRCs, truncated deflate streams) and numpy's .npy header parser (which tokenizes the
+# header as Python); all of it is the file's fault.
+NPZ_READ_ERRORS = (
+    OSError, ValueError, EOFError, NotImplementedError, RuntimeError, SyntaxError, tokenize.TokenError, zipfile.BadZipFile, zlib.error,
+)
+
+
 class Samples(Sequence):
     """The samples of a comparison, in order; `samples[i]` reads sample i from disk."""
 
@@ -50,8 +60,11 @@ class Samples(Sequence):
         try:
             with np.load(ref.file, allow_pickle=False) as archive:
                 feed = {key[len(ref.prefix):]: archive[key] for key in archive.files if key.startswith(ref.prefix) and (ref.prefix or "/" not in key)}
-        except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        except NPZ_READ_ERRORS as exc:
             raise AccudiffError(f"sample {index} ('{ref.file}') could not be read ({exc})") from exc
+        not_arrays = [name for name, value in feed.items() if not isinstance(value, np.ndarray)]  # numpy hands those over as bytes
+        if not_arrays:
+            raise AccudiffError(f"sample {index} ('{ref.file}') could not be read ('{not_arrays[0]}.npy' is not a .npy array)")
         if self.specs:
             validate_feeds([feed], self.specs, f"{self.source}, sample {index} ('{Path(ref.file).name}')")
         return feed
@@ -124,7 +137,7 @@ def _entries(file: Path, source: str) -> list[SampleRef]:
     try:
         with zipfile.ZipFile(file) as archive:
             keys = [name[: -len(".npy")] for name in archive.namelist() if name.endswith(".npy")]
-    except (OSError, zipfile.BadZipFile) as exc:
+    except NPZ_READ_ERRORS as exc:
         raise AccudiffError(f"{source} could not be read as .npz ({exc})") from exc
     indexed = [_INDEXED.match(key) for key in keys]
     if keys and all(indexed):

@@ -1,0 +1,207 @@
+"""Mutation fuzzing of every file accudiff reads: seeded byte flips, truncation and spliced junk in a
+model, a model's external-data file, an .npz of inputs, a polygraphy JSON of inputs, INT8 calibration data and a pytest-plugin
+baseline, each fed to the command that reads it. Every case must end with exit 0 or 1, or exit 2 with one
+sentence on stderr (never "internal error", never a traceback), and leave no half-written report.
+
+    python benchmarks/fuzz.py --cases 2000            # counts per format and outcome; defects listed
+    python benchmarks/fuzz.py --cases 200 --formats npz json
+
+The test suite runs a small seeded share of the same cases (tests/test_fuzz.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import io
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+import zipfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "fixtures"
+SEED_MODELS = ("layernorm_overflow", "if_model", "int8_outlier_channel")
+FAST = ["--candidate", "onnxrt", "--no-verify"]  # what is fuzzed is the reading, not the diagnosis
+
+
+@dataclass(frozen=True)
+class Outcome:
+    format: str
+    case: int
+    code: int
+    message: str  # the last line on stderr
+    defect: str | None  # None: the case ended as promised
+
+
+def mutate(data: bytes, rng: random.Random) -> bytes:
+    """One seeded mutation: flipped bytes, a truncation, junk spliced in, or a span repeated."""
+    data = bytearray(data)
+    kind = rng.choice(("flip", "flip", "truncate", "splice", "repeat"))
+    if kind == "flip":
+        for _ in range(rng.randint(1, 8)):
+            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    elif kind == "truncate":
+        del data[rng.randrange(1, len(data)) :]
+    elif kind == "splice":
+        at = rng.randrange(len(data))
+        data[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 64)))
+    else:
+        start = rng.randrange(len(data))
+        data[start:start] = data[start : start + rng.randint(1, 256)]
+    return bytes(data)
+
+
+def mutate_npz_member(data: bytes, rng: random.Random) -> bytes:
+    """A whole zip whose one .npy member is mutated (its header or its values): what reaches numpy's
+    parser and the input checks, past the zip layer's CRCs."""
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    victim = rng.choice(sorted(members))
+    members[victim] = mutate(members[victim], rng)
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for name, content in members.items():
+            archive.writestr(name, content)
+    return buffer.getvalue()
+
+
+def _seed_files(work: Path) -> dict[str, tuple[Path, Path]]:
+    """For each format: a valid file of it, and the model it goes with."""
+    from accudiff.model.inputs import save_feeds
+    from accudiff.model.loading import load_model
+
+    model = FIXTURES / "int8_outlier_channel.onnx"
+    info = load_model(model)
+    rng = np.random.default_rng(0)
+    feeds = [{spec.name: rng.standard_normal(spec.shape).astype(spec.dtype) for spec in info.inputs} for _ in range(2)]
+    save_feeds(feeds, work / "inputs.npz")
+    _write_polygraphy_json(feeds, work / "inputs.json")
+    figures = {"sqnr_db": 61.5, "max_abs_err": 0.00123, "cosine": 0.99999, "outside_share": 0.0}
+    baseline = {"schema_version": 1, "model": "m.onnx", "precision": "fp16", "tensors": {name: figures for name in ("logits", "y")}}
+    (work / "baseline.json").write_text(json.dumps(baseline, indent=2, sort_keys=True))
+    external = work / "external"
+    external.mkdir()
+    proto = onnx.load(str(FIXTURES / "layernorm_overflow.onnx"))
+    onnx.save_model(proto, str(external / "model.onnx"), save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    return {
+        "external": (external / "model.onnx.data", external / "model.onnx"),
+        **{f"onnx:{name}": (FIXTURES / f"{name}.onnx", FIXTURES / f"{name}.onnx") for name in SEED_MODELS},
+        "npz": (work / "inputs.npz", model),
+        "npz-member": (work / "inputs.npz", model),
+        "json": (work / "inputs.json", model),
+        "calibration": (work / "inputs.npz", model),
+        "baseline": (work / "baseline.json", model),
+    }
+
+
+def _write_polygraphy_json(feeds, path: Path) -> None:
+    """Inputs as polygraphy's --save-inputs writes them: a list of feeds, each array a base64 .npy."""
+
+    def encoded(value: np.ndarray) -> dict:
+        buffer = io.BytesIO()
+        np.save(buffer, value, allow_pickle=False)
+        return {"array": base64.b64encode(buffer.getvalue()).decode(), "polygraphy_class": "ndarray"}
+
+    path.write_text(json.dumps([{name: encoded(value) for name, value in feed.items()} for feed in feeds]))
+
+
+def _command(fmt: str, mutated: Path, model: Path, out: Path) -> list[str]:
+    if fmt == "onnx":
+        return ["compare", str(mutated), "--fp16", *FAST, "-o", str(out)]
+    if fmt == "external":  # the damaged data file sits beside a copy of its model
+        shutil.copy(model, mutated.parent / model.name)
+        return ["compare", str(mutated.parent / model.name), "--fp16", *FAST, "-o", str(out)]
+    if fmt in ("npz", "npz-member", "json"):
+        return ["compare", str(model), "--fp16", *FAST, "--load-inputs", str(mutated), "-o", str(out)]
+    return ["compare", str(model), "--int8", *FAST, "--calib-data", str(mutated), "-o", str(out)]
+
+
+def run_case(fmt: str, case: int, seeds: dict[str, tuple[Path, Path]], work: Path) -> Outcome:
+    """Mutate `fmt`'s seed file with seed `case`, run the command that reads it in this process, and judge."""
+    from accudiff.cli import main
+
+    source, model = seeds[fmt if fmt != "onnx" else f"onnx:{SEED_MODELS[case % len(SEED_MODELS)]}"]
+    rng = random.Random(f"{fmt}-{case}")
+    folder = work / f"{fmt}-{case}"
+    folder.mkdir()
+    mutated = folder / (source.name if fmt == "external" else f"mutated{source.suffix}")
+    mutated.write_bytes((mutate_npz_member if fmt == "npz-member" else mutate)(source.read_bytes(), rng))
+    out = folder / "report"
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(_command(fmt, mutated, model, out)) if fmt != "baseline" else _read_baseline(mutated)
+        except BaseException as exc:  # noqa: BLE001 - anything escaping is a defect
+            code = -1
+            print(f"escaped: {type(exc).__name__}: {exc}", file=stderr)
+    lines = [line for line in stderr.getvalue().splitlines() if line.strip()]
+    message = lines[-1] if lines else ""
+    defect = None
+    if code not in (0, 1, 2):
+        defect = f"exit {code}"
+    elif code == 2 and (len(lines) != 1 or not message.startswith("accudiff: error: ")):
+        defect = "not one sentence" if "internal error" not in message else "internal error"
+    elif code == 2 and out.exists():
+        defect = "report left behind after an error"
+    elif any(p.name.startswith(".report.partial") for p in folder.iterdir()):
+        defect = "half-written report left behind"
+    shutil.rmtree(folder, ignore_errors=True)
+    return Outcome(fmt, case, code, message, defect)
+
+
+def _read_baseline(path: Path) -> int:
+    """The pytest plugin's baseline reader, as the plugin calls it: 0 when read, 2 and one sentence when not."""
+    from accudiff.errors import AccudiffError
+    from accudiff.pytest_plugin import read_baseline
+
+    try:
+        read_baseline(path)
+    except AccudiffError as exc:
+        print(f"accudiff: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+FORMATS = ("onnx", "external", "npz", "npz-member", "json", "calibration", "baseline")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", type=int, default=200, help="cases per format")
+    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    parser.add_argument("--first", type=int, default=0, help="first case number (to continue a run)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="accudiff-fuzz-") as scratch:
+        work = Path(scratch)
+        seeds = _seed_files(work)
+        counts: Counter = Counter()
+        defects: list[Outcome] = []
+        started = time.perf_counter()
+        for fmt in args.formats:
+            for case in range(args.first, args.first + args.cases):
+                outcome = run_case(fmt, case, seeds, work)
+                counts[(fmt, "defect" if outcome.defect else f"exit {outcome.code}")] += 1
+                if outcome.defect:
+                    defects.append(outcome)
+                    print(f"DEFECT {fmt} case {case}: {outcome.defect}: {outcome.message}", flush=True)
+        elapsed = time.perf_counter() - started
+    print(f"{sum(counts.values())} cases in {elapsed:.0f} s")
+    for fmt in args.formats:
+        row = {key[1]: n for key, n in counts.items() if key[0] == fmt}
+        print(f"  {fmt:12s} " + ", ".join(f"{k}: {v}" for k, v in sorted(row.items())))
+    return 1 if defects else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Damaged files: every reader turns what its parser raises into one sentence naming the file (never an
+internal error), and a seeded share of benchmarks/fuzz.py's mutation cases runs here."""
+
+from __future__ import annotations
+
+import io
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from accudiff.cli import main
+from accudiff.errors import AccudiffError
+from accudiff.model.inputs import save_feeds
+from accudiff.pytest_plugin import read_baseline
+from conftest import ROOT, fixture
+
+sys.path.insert(0, str(ROOT))
+from benchmarks import fuzz  # noqa: E402
+
+CASES_PER_FORMAT = 6  # x 7 formats; `python benchmarks/fuzz.py --cases N` runs many more
+
+
+@pytest.fixture(scope="module")
+def seeds():
+    with tempfile.TemporaryDirectory(prefix="accudiff-fuzz-seeds-") as folder:
+        yield fuzz._seed_files(Path(folder))
+
+
+@pytest.mark.parametrize("fmt", fuzz.FORMATS)
+def test_mutated_files_end_in_a_result_or_one_sentence(fmt, seeds, tmp_path):
+    defects = [o for o in (fuzz.run_case(fmt, case, seeds, tmp_path) for case in range(CASES_PER_FORMAT)) if o.defect]
+    assert not defects, [f"case {o.case}: {o.defect}: {o.message}" for o in defects]
+
+
+def _compare(args: list[str], capsys) -> tuple[int, str]:
+    code = main(["compare", *args, "--fp16", "--candidate", "onnxrt", "--no-verify"])
+    return code, capsys.readouterr().err.strip()
+
+
+def test_a_name_that_is_not_utf8_is_one_sentence(tmp_path, capsys):
+    """protobuf hands an undecodable name over as bytes: the checker raised UnicodeDecodeError, and a
+    name it let through broke the worker's JSON job later."""
+    data = fixture("layernorm_overflow").read_bytes()
+    assert data.count(b"centered") > 0
+    damaged = tmp_path / "damaged.onnx"
+    damaged.write_bytes(data.replace(b"centered", b"c\xe5ntered", 1))  # same length: the protobuf stays well formed
+    code, err = _compare([str(damaged), "-o", str(tmp_path / "r")], capsys)
+    assert code == 2 and err.count("\n") == 0
+    assert "is not a valid ONNX model: a NodeProto" in err and "is not UTF-8 text" in err
+    assert not (tmp_path / "r").exists()
+
+
+def _npz(tmp_path: Path) -> tuple[Path, Path]:
+    model = fixture("layernorm_overflow")
+    info_inputs = onnx.load(str(model)).graph.input
+    shape = [d.dim_value for d in info_inputs[0].type.tensor_type.shape.dim]
+    path = tmp_path / "inputs.npz"
+    save_feeds([{info_inputs[0].name: np.ones(shape, np.float32)}], path)
+    return model, path
+
+
+@pytest.mark.parametrize("flag, why", [(0x1, "encrypted"), (0x20, "flag bit 5")])
+def test_zip_members_the_zip_layer_refuses_are_one_sentence(flag, why, tmp_path, capsys):
+    """zipfile raises RuntimeError for an encrypted member and NotImplementedError for compressed patched data."""
+    model, path = _npz(tmp_path)
+    data = bytearray(path.read_bytes())
+    at = data.find(b"PK\x01\x02")  # the central directory entry: general-purpose flags at offset 8
+    data[at + 8] |= flag
+    path.write_bytes(bytes(data))
+    code, err = _compare([str(model), "--load-inputs", str(path)], capsys)
+    assert code == 2 and err.count("\n") == 0 and err.startswith("accudiff: error: ") and "could not be read" in err, err
+
+
+@pytest.mark.parametrize("member", [b"\x93NUMPY\x01\x00\x20\x00{'descr': '<f4', 'shape': (1,  \n", b"not an array at all"])
+def test_npy_members_numpy_cannot_parse_are_one_sentence(member, tmp_path, capsys):
+    """A header numpy tokenizes as Python raised tokenize.TokenError; a member without the .npy magic came back as bytes."""
+    model, path = _npz(tmp_path)
+    name = onnx.load(str(model)).graph.input[0].name
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr(f"{name}.npy", member)
+    path.write_bytes(buffer.getvalue())
+    code, err = _compare([str(model), "--load-inputs", str(path)], capsys)
+    assert code == 2 and err.count("\n") == 0 and "could not be read" in err, err
+
+
+@pytest.mark.parametrize("text", ["{", '{"tensors": []}', '{"tensors": {"y": {"sqnr_db": "high"}}}', '{"schema": 1}'])
+def test_a_damaged_baseline_is_one_sentence(text, tmp_path):
+    path = tmp_path / "baseline.json"
+    path.write_text(text)
+    with pytest.raises(AccudiffError, match=r"^baseline '.*' cannot be read \(.*\): delete it, or run with --accudiff-update-baseline"):
+        read_baseline(path)
