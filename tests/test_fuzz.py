@@ -95,3 +95,16 @@ def test_a_damaged_baseline_is_one_sentence(text, tmp_path):
     path.write_text(text)
     with pytest.raises(AccudiffError, match=r"^baseline '.*' cannot be read \(.*\): delete it, or run with --accudiff-update-baseline"):
         read_baseline(path)
+
+
+def test_a_weight_whose_data_does_not_fill_its_shape_is_one_sentence(tmp_path, capsys):
+    """The checker lets a weight through whose data holds more values than its dims say; the FP16
+    transform's read of it raised 'cannot reshape array' (found by benchmarks/fuzz.py, onnx case 660)."""
+    proto = onnx.load(str(fixture("layernorm_overflow")))
+    weight = max(proto.graph.initializer, key=lambda t: len(t.raw_data))
+    weight.dims[-1] -= 1
+    damaged = tmp_path / "damaged.onnx"
+    onnx.save(proto, str(damaged))
+    code, err = _compare([str(damaged)], capsys)
+    assert code == 2 and err.count("\n") == 0, err
+    assert f"weight '{weight.name}' holds" in err and "values for shape" in err

@@ -6,6 +6,7 @@ is parsed, checked and shape-inferred exactly once.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,6 +96,9 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
     undecodable = _undecodable_text(proto)
     if undecodable is not None:
         raise AccudiffError(f"'{path}' is not a valid ONNX model: a {undecodable} is not UTF-8 text")
+    misshapen = _misshapen_weight(proto.graph)
+    if misshapen is not None:
+        raise AccudiffError(f"'{path}' is not a valid ONNX model: {misshapen}")
     try:
         onnx.checker.check_model(str(path) if _is_large(proto) else proto)
     except onnx.checker.ValidationError as exc:
@@ -103,6 +107,31 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
     clear_unknown_dims(proto)
     infer_shapes_in_place(proto)
     return describe(path, proto)
+
+
+def _misshapen_weight(graph: onnx.GraphProto) -> str | None:
+    """The first weight (initializer or Constant) whose data does not hold as many values as its shape
+    says (the checker lets that through; every later read of it fails). Types packed below a byte,
+    strings and complex numbers are not checked."""
+    tensors = [*graph.initializer, *(a.t for n in all_nodes(graph) if n.op_type == "Constant" for a in n.attribute if a.name == "value")]
+    for tensor in tensors:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL or tensor.data_type in _UNCHECKED_TYPES:
+            continue
+        expected = math.prod(tensor.dims)
+        if tensor.HasField("raw_data"):
+            held = len(tensor.raw_data) / onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+        else:
+            held = len(getattr(tensor, onnx.helper.tensor_dtype_to_field(tensor.data_type)))
+        if held != expected:
+            return f"weight '{tensor.name}' holds {held:g} values for shape {list(tensor.dims)} ({expected} values)"
+    return None
+
+
+_UNCHECKED_TYPES = {
+    getattr(onnx.TensorProto, name)
+    for name in ("UNDEFINED", "STRING", "COMPLEX64", "COMPLEX128", "INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
+    if hasattr(onnx.TensorProto, name)
+}
 
 
 def _undecodable_text(message) -> str | None:
