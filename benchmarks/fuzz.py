@@ -1,6 +1,6 @@
 """Mutation fuzzing of every file accudiff reads: seeded byte flips, truncation and spliced junk in a
 model, a model's external-data file, an .npz of inputs, a polygraphy JSON of inputs, INT8 calibration data and a pytest-plugin
-baseline, each fed to the command that reads it. Every case must end with exit 0 or 1, or exit 2 with one
+baseline, each fed to the command that reads it; and random, often adversarial command lines. Every case must end with exit 0 or 1, or exit 2 with one
 sentence on stderr (never "internal error", never a traceback), and leave no half-written report.
 
     python benchmarks/fuzz.py --cases 2000            # counts per format and outcome; defects listed
@@ -18,6 +18,7 @@ import io
 import json
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -127,21 +128,91 @@ def _command(fmt: str, mutated: Path, model: Path, out: Path) -> list[str]:
     return ["compare", str(model), "--int8", *FAST, "--calib-data", str(mutated), "-o", str(out)]
 
 
+# Each option with values that get past argparse (so that accudiff's own checks are reached), often
+# adversarial ones; --ray is left out: a valid address would start or join a cluster.
+OPTIONS = {
+    "--fp16": (), "--int8": (), "--no-autokeep": (), "--no-isolate": (), "--no-verify": (),
+    "--candidate": ("auto", "onnxrt", "trt"),
+    "--input-shapes": ("x:1x3x16x16", "x:99999x99999", "x:0", "x:-1", "x:", ":", "y:1", "x:1x3x16x16x1"),
+    "--seed": ("0", "-1", "99999999999999999999"),
+    "--val-range": ("0,1", "1,0", "x:-5,5", "1e30,1e31", "nan,1", "0,1e39", "y:0,1", "0,0"),
+    "--iterations": ("0", "1", "3", "-1", "99999999999"),
+    "--load-inputs": ("/dev/null", "/tmp", "/nonexistent/file.npz", "inputs.npz", "."),
+    "--calib-data": ("/dev/null", "/tmp", "/nonexistent/file.npz", "."),
+    "--keep-fp32": ("Relu", ".*", "[", "nothing_like_it", "MatMul", ""),
+    "--atol": ("1e-3", "0", "-1", "nan", "inf", "y:0.5", "nope:0.1", "x", "1e999"),
+    "--rtol": ("1e-2", "0", "-1", "nan", "logits:0.1"),
+    "--stol": ("2e-3", "0", "-1", "nan", "1e999"),
+    "--workers": ("0", "1", "2", "-3", "99999999999"),
+    "--max-memory": ("512M", "4G", "1T", "0", "-5M", "16M", "x", "1e999"),
+    "--trt-module": ("tensorrt", "tensorrt_rtx"),
+    "--trt-mark": ("all", "outputs", "unfused", "auto"),
+    "--trt-legacy-precision": ("fp16", "int8"),
+    "--trt-workspace": ("0", "-1", "99999999999999"),
+    "--engine": ("/dev/null", "/tmp", "/nonexistent/model.plan"),
+    "--verify-budget": ("0", "1", "-1", "99999999999"),
+    "--also": ("onnxrt", "trt"),
+    "--nope": (),
+    "-o": (),
+}
+ANY_VALUE = ("", " ", "1e999", "nan", "-inf", "0x10", "é", "\\x00", "-", "--", "/dev/zero")
+
+
+def _arguments(rng: random.Random, work: Path) -> list[str]:
+    """A random, often adversarial, command line: a command, perhaps a model, options with random values."""
+    model = str(FIXTURES / rng.choice(("clean.onnx", "layernorm_overflow.onnx", "if_model.onnx")))
+    commands = (["compare"],) * 6 + (["bisect", "subgraph"], ["bisect", "precision"], ["partition"], ["bisect"], [])
+    command = rng.choice(commands)
+    args = [*command, *([model] if rng.random() < 0.9 else [rng.choice(("/tmp", "/dev/null", "/dev/zero", "missing.onnx", ""))])]
+    for _ in range(rng.randint(0, 5)):
+        option = rng.choice(sorted(OPTIONS))
+        args.append(option)
+        if option == "-o":
+            args.append(str(work / f"out{rng.randrange(4)}"))
+        elif OPTIONS[option] or rng.random() < 0.1:
+            args.append(rng.choice(ANY_VALUE) if rng.random() < 0.15 or not OPTIONS[option] else rng.choice(OPTIONS[option]))
+    if rng.random() < 0.05:
+        rng.shuffle(args)
+    return args
+
+
+def _run_arguments(case: int, folder: Path) -> tuple[int, str]:
+    """Run one random command line in this process, with a 120 s alarm (a hang is a defect too)."""
+    from accudiff.cli import main
+
+    def hang(*_):
+        raise TimeoutError("no result in 120 s")
+
+    previous = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(120)
+    try:
+        return main(_arguments(random.Random(f"arguments-{case}"), folder)), ""
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def run_case(fmt: str, case: int, seeds: dict[str, tuple[Path, Path]], work: Path) -> Outcome:
     """Mutate `fmt`'s seed file with seed `case`, run the command that reads it in this process, and judge."""
     from accudiff.cli import main
 
-    source, model = seeds[fmt if fmt != "onnx" else f"onnx:{SEED_MODELS[case % len(SEED_MODELS)]}"]
-    rng = random.Random(f"{fmt}-{case}")
     folder = work / f"{fmt}-{case}"
     folder.mkdir()
-    mutated = folder / (source.name if fmt == "external" else f"mutated{source.suffix}")
-    mutated.write_bytes((mutate_npz_member if fmt == "npz-member" else mutate)(source.read_bytes(), rng))
     out = folder / "report"
+    if fmt != "arguments":
+        source, model = seeds[fmt if fmt != "onnx" else f"onnx:{SEED_MODELS[case % len(SEED_MODELS)]}"]
+        rng = random.Random(f"{fmt}-{case}")
+        mutated = folder / (source.name if fmt == "external" else f"mutated{source.suffix}")
+        mutated.write_bytes((mutate_npz_member if fmt == "npz-member" else mutate)(source.read_bytes(), rng))
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
         try:
-            code = main(_command(fmt, mutated, model, out)) if fmt != "baseline" else _read_baseline(mutated)
+            if fmt == "arguments":
+                code, _ = _run_arguments(case, folder)
+            elif fmt == "baseline":
+                code = _read_baseline(mutated)
+            else:
+                code = main(_command(fmt, mutated, model, out))
         except BaseException as exc:  # noqa: BLE001 - anything escaping is a defect
             code = -1
             print(f"escaped: {type(exc).__name__}: {exc}", file=stderr)
@@ -150,11 +221,13 @@ def run_case(fmt: str, case: int, seeds: dict[str, tuple[Path, Path]], work: Pat
     defect = None
     if code not in (0, 1, 2):
         defect = f"exit {code}"
+    elif code == 0 and fmt == "arguments" and lines and "usage:" in lines[0]:
+        pass  # --help
     elif code == 2 and (len(lines) != 1 or not message.startswith("accudiff: error: ")):
         defect = "not one sentence" if "internal error" not in message else "internal error"
     elif code == 2 and out.exists():
         defect = "report left behind after an error"
-    elif any(p.name.startswith(".report.partial") for p in folder.iterdir()):
+    elif any(".partial" in p.name for p in folder.iterdir()):
         defect = "half-written report left behind"
     shutil.rmtree(folder, ignore_errors=True)
     return Outcome(fmt, case, code, message, defect)
@@ -173,7 +246,7 @@ def _read_baseline(path: Path) -> int:
     return 0
 
 
-FORMATS = ("onnx", "external", "npz", "npz-member", "json", "calibration", "baseline")
+FORMATS = ("onnx", "external", "npz", "npz-member", "json", "calibration", "baseline", "arguments")
 
 
 def main() -> int:

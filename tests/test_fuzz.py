@@ -108,3 +108,14 @@ def test_a_weight_whose_data_does_not_fill_its_shape_is_one_sentence(tmp_path, c
     code, err = _compare([str(damaged)], capsys)
     assert code == 2 and err.count("\n") == 0, err
     assert f"weight '{weight.name}' holds" in err and "values for shape" in err
+
+
+@pytest.mark.parametrize("option, value, said", [
+    ("--val-range", "1e999,nan", "must have finite bounds"),  # was: internal error, OverflowError from NumPy's uniform
+    ("--val-range", "0,1e39", "goes beyond what float32 holds"),  # was: infinite inputs, compared as if meant
+    ("--iterations", "99999999999", "GiB of inputs, more than the"),  # was: generating until the machine gave up
+])
+def test_adversarial_generation_options_are_one_sentence(option, value, said, tmp_path, capsys):
+    code, err = _compare([str(fixture("clean")), option, value, "-o", str(tmp_path / "r")], capsys)
+    assert code == 2 and err.count("\n") == 0 and said in err, err
+    assert not (tmp_path / "r").exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -48,6 +49,8 @@ def parse_val_ranges(items: Iterable[str]) -> dict[str, tuple[float, float]]:
             low, high = (float(v) for v in bounds.split(","))
         except ValueError:
             raise AccudiffError(f"value range '{item}' is not of the form [name:]low,high") from None
+        if not (math.isfinite(low) and math.isfinite(high) and math.isfinite(high - low)):
+            raise AccudiffError(f"value range '{item}' must have finite bounds whose difference is finite too")
         if low > high:
             raise AccudiffError(f"value range '{item}' has its low bound above its high bound")
         ranges[name] = (low, high)
@@ -92,6 +95,7 @@ def generate_feeds(
         feed: Feed = {}
         for spec in specs:
             low, high = val_ranges.get(spec.name, default)
+            _require_representable(spec, low, high)
             shape = shapes[spec.name]
             if spec.dtype == np.bool_:
                 values = rng.random(shape) < 0.5
@@ -104,6 +108,15 @@ def generate_feeds(
             feed[spec.name] = np.asarray(values, dtype=spec.dtype)  # an array even for scalar inputs
         feeds.append(feed)
     return feeds
+
+
+def _require_representable(spec: InputSpec, low: float, high: float) -> None:
+    """A value range the input's type can hold (NumPy would wrap integers round, or make floats infinite)."""
+    if spec.dtype == np.bool_ or not (np.issubdtype(spec.dtype, np.integer) or np.issubdtype(spec.dtype, np.floating)):
+        return
+    info = np.iinfo(spec.dtype) if np.issubdtype(spec.dtype, np.integer) else np.finfo(spec.dtype)
+    if low < float(info.min) or high > float(info.max):
+        raise AccudiffError(f"value range {low:g},{high:g} for input '{spec.name}' goes beyond what {spec.dtype} holds ({info.min:g} to {info.max:g})")
 
 
 def save_feeds(feeds: list[Feed], path: Path) -> None:

@@ -9,7 +9,10 @@ Only the list of (file, prefix) entries travels to workers and machines; each re
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
+import shutil
 import tempfile
 import tokenize
 import zipfile
@@ -98,10 +101,27 @@ def prepare_samples(info: ModelInfo, settings: RunSettings, path: Path | None = 
     else:
         shapes = settings.input_shapes
         resolved = resolve_shapes(info.inputs, shapes if isinstance(shapes, dict) else parse_input_shapes(shapes))
+        if path is None:
+            path = Path(tempfile.mkdtemp(prefix="accudiff-inputs-")) / "inputs.npz"
+        per_sample = sum(math.prod(resolved[spec.name]) * spec.dtype.itemsize for spec in info.inputs)
+        _require_room(per_sample * settings.iterations, path.parent, f"--iterations {settings.iterations} of these input shapes")
         feeds = generate_feeds(info.inputs, resolved, settings.seed, parse_val_ranges(settings.val_range), settings.iterations)
     if path is None:
         path = Path(tempfile.mkdtemp(prefix="accudiff-inputs-")) / "inputs.npz"
     return samples_from_feeds(feeds, path, info.inputs)
+
+
+def _require_room(size: int, folder: Path, what: str) -> None:
+    """Generated inputs are held in memory, then written to `folder`: refuse what fits in neither
+    (an adversarial --iterations or --input-shapes would otherwise run until the machine gives up)."""
+    free_disk = shutil.disk_usage(folder).free
+    free_memory = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else free_disk
+    room = min(free_disk, free_memory)
+    if size > room:
+        raise AccudiffError(
+            f"{what} would generate {size / 2**30:.3g} GiB of inputs, more than the {room / 2**30:.3g} GiB of memory and disk free; "
+            "generate fewer, or give them with --load-inputs"
+        )
 
 
 def samples_from_path(path: str | Path, specs: Sequence[InputSpec], role: str = "input file", scratch: Path | None = None) -> Samples:
