@@ -100,6 +100,7 @@ def _seed_files(work: Path) -> dict[str, tuple[Path, Path]]:
         **{f"onnx:{name}": (FIXTURES / f"{name}.onnx", FIXTURES / f"{name}.onnx") for name in SEED_MODELS},
         "npz": (work / "inputs.npz", model),
         "npz-member": (work / "inputs.npz", model),
+        "npz-folder": (work / "inputs.npz", model),
         "json": (work / "inputs.json", model),
         "calibration": (work / "inputs.npz", model),
         "baseline": (work / "baseline.json", model),
@@ -123,6 +124,8 @@ def _command(fmt: str, mutated: Path, model: Path, out: Path) -> list[str]:
     if fmt == "external":  # the damaged data file sits beside a copy of its model
         shutil.copy(model, mutated.parent / model.name)
         return ["compare", str(mutated.parent / model.name), "--fp16", *FAST, "-o", str(out)]
+    if fmt == "npz-folder":  # the damaged file sits among intact ones in a folder of samples
+        return ["compare", str(model), "--fp16", *FAST, "--load-inputs", str(mutated.parent), "-o", str(out)]
     if fmt in ("npz", "npz-member", "json"):
         return ["compare", str(model), "--fp16", *FAST, "--load-inputs", str(mutated), "-o", str(out)]
     return ["compare", str(model), "--int8", *FAST, "--calib-data", str(mutated), "-o", str(out)]
@@ -204,6 +207,9 @@ def run_case(fmt: str, case: int, seeds: dict[str, tuple[Path, Path]], work: Pat
         rng = random.Random(f"{fmt}-{case}")
         mutated = folder / (source.name if fmt == "external" else f"mutated{source.suffix}")
         mutated.write_bytes((mutate_npz_member if fmt == "npz-member" else mutate)(source.read_bytes(), rng))
+        if fmt == "npz-folder":
+            for k in range(2):
+                shutil.copy(source, folder / f"intact{k}.npz")
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
         try:
@@ -246,7 +252,7 @@ def _read_baseline(path: Path) -> int:
     return 0
 
 
-FORMATS = ("onnx", "external", "npz", "npz-member", "json", "calibration", "baseline", "arguments")
+FORMATS = ("onnx", "external", "npz", "npz-member", "npz-folder", "json", "calibration", "baseline", "arguments")
 
 
 def main() -> int:

@@ -85,6 +85,29 @@ def test_second_build_comes_from_the_engine_cache(tmp_path):
     assert not other.from_cache  # other settings, other engine
 
 
+@pytest.mark.parametrize("damage", ["flip a plan byte", "truncate the plan", "damage the description", "remove the description"])
+def test_a_damaged_engine_cache_entry_is_rebuilt_with_a_notice(damage, tmp_path):
+    """Was: a damaged description was an internal error, and a damaged plan would have been handed to TensorRT."""
+    _, first = _build("clean", "outputs", tmp_path)
+    [plan] = (tmp_path / "cache" / "engines").glob("*.plan")
+    description = plan.with_suffix(".json")
+    if damage == "flip a plan byte":
+        data = bytearray(plan.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        plan.write_bytes(bytes(data))
+    elif damage == "truncate the plan":
+        plan.write_bytes(plan.read_bytes()[:100])
+    elif damage == "damage the description":
+        description.write_text('{"mark": "outputs", "outp')
+    else:
+        description.unlink()
+    _, again = _build("clean", "outputs", tmp_path)
+    assert not again.from_cache and again.plan == first.plan
+    assert any("could not be used" in n and "it was built again" in n for n in again.notices), again.notices
+    _, third = _build("clean", "outputs", tmp_path)
+    assert third.from_cache and not any("built again" in n for n in third.notices)
+
+
 @pytest.mark.parametrize("precision", ["fp16", "int8"])
 def test_strongly_typed_build_of_the_transformed_models(precision, tmp_path):
     info = load_model(fixture("clean"))

@@ -67,15 +67,34 @@ def build_engine(
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     key = _cache_key(trt, model_path, tensors, settings)
     plan_path, meta_path = cache_dir / "engines" / f"{key}.plan", cache_dir / "engines" / f"{key}.json"
-    if plan_path.exists() and meta_path.exists():
-        meta = json.loads(meta_path.read_text())
-        return BuiltEngine(plan_path.read_bytes(), meta["mark"], meta["outputs"], meta["not_observable"], True, meta["notices"])
+    damage = None
+    if plan_path.exists() or meta_path.exists():
+        cached, damage = _read_cached(plan_path, meta_path)
+        if cached is not None:
+            return cached
     built = _build(trt, model_path, tensors, settings, cache_dir / "timing.cache")
     plan_path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(plan_path, built.plan)
-    meta = {"mark": built.mark, "outputs": built.outputs, "not_observable": built.not_observable, "notices": built.notices}
+    meta = {"mark": built.mark, "outputs": built.outputs, "not_observable": built.not_observable, "notices": built.notices,
+            "sha256": hashlib.sha256(built.plan).hexdigest()}
     write_atomically(meta_path, json.dumps(meta).encode())
+    if damage is not None:
+        built.notices.append(f"the cached engine '{plan_path}' could not be used ({damage}); it was built again")
     return built
+
+
+def _read_cached(plan_path: Path, meta_path: Path) -> tuple[BuiltEngine | None, str | None]:
+    """A cached engine, or why it cannot be used (half of it missing, damaged, or from an older accudiff):
+    the plan is checked against the checksum written beside it, so a damaged one is rebuilt, not run."""
+    try:
+        meta = json.loads(meta_path.read_bytes())
+        plan = plan_path.read_bytes()
+        if hashlib.sha256(plan).hexdigest() != meta["sha256"]:
+            return None, "its plan does not match the checksum written with it"
+        fields = (str(meta["mark"]), list(meta["outputs"]), dict(meta["not_observable"]), True, list(meta["notices"]))
+        return BuiltEngine(plan, *fields), None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return None, f"{type(exc).__name__}: {exc}" if isinstance(exc, KeyError) else str(exc)
 
 
 def create_network(trt: ModuleType, model_path: Path, strongly_typed: bool = True):
@@ -216,7 +235,12 @@ def _load_timing_cache(trt: ModuleType, config, path: Path):
     """The timing cache, reused across runs (TensorRT-RTX has none: its timing cache is a no-op)."""
     if is_rtx(trt):
         return None
-    cache = config.create_timing_cache(path.read_bytes() if path.exists() else b"")
+    try:
+        cache = config.create_timing_cache(path.read_bytes() if path.exists() else b"")
+    except (OSError, RuntimeError, TypeError):
+        cache = None
+    if cache is None:  # damaged or from another TensorRT: start from an empty one, which the build rewrites
+        cache = config.create_timing_cache(b"")
     config.set_timing_cache(cache, ignore_mismatch=False)
     return cache
 
