@@ -3,10 +3,12 @@ call this; each stage is a function in the module that owns it:
 
     load      model/loading.py       the model's inventory; the settings checked against it
     samples   model/samples.py       inputs loaded, given or generated
+    captured  model/run_results.py   tensors captured elsewhere (polygraphy's RunResults), read into stores
     groups    comparison/branches.py samples grouped by the If branches they take
     plan      comparison/group.py    segments whose tensors fit the memory budget
     transform comparison/group.py    the candidate (and its isolated twin) made and saved
     run       comparison/group.py    reference and candidate runs in workers, statistics merged
+              (save_tensors: the tensors kept, written as RunResults when asked)
     judge     diagnosis/judge.py     table, verdict, the rules' cause of each failing output
     verify    diagnosis/verify.py    each cause tested at the output: kept in higher precision, rerun
     report    report/writer.py       the report folder, written whole or not at all
@@ -19,11 +21,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from accudiff.comparison.branches import describe_groups, plan_groups
-from accudiff.comparison.group import combine, group_model, make_candidate, plan, run_group
+from accudiff.comparison.group import combine, group_model, make_candidate, plan, run_group, save_tensors
 from accudiff.comparison.worker import prestart
 from accudiff.diagnosis.judge import attach_sketches, judge
 from accudiff.diagnosis.verify import verify_outputs
 from accudiff.model.loading import load_model
+from accudiff.model.run_results import read_captured
 from accudiff.model.samples import Samples, prepare_samples
 from accudiff.report.content import CANDIDATE_MODEL_FILE, INPUTS_FILE
 from accudiff.result import CompareResult, TensorFailure
@@ -60,6 +63,7 @@ def run(settings: RunSettings, progress: Progress | None = None, reference_cache
         if settings.ray is None:
             prestart()  # the first worker starts while the samples are read and the candidate is built
         samples = prepare_samples(info, settings, where.folder.path / INPUTS_FILE)
+        captured = read_captured([t.name for t in info.tensors], settings, len(samples), where.scratch)
         groups = plan_groups(info, samples, settings, where.scratch)
         laps.lap("load")
         runs = []
@@ -67,10 +71,11 @@ def run(settings: RunSettings, progress: Progress | None = None, reference_cache
             group_info = group_model(info, group, where.scratch)
             segments = plan(group_info, samples[group.samples[0]], settings.max_memory, one_segment=settings.uses_trt)
             name = CANDIDATE_MODEL_FILE.format(precision=settings.precision, group="" if len(groups) == 1 else f"-group{k}")
-            candidate = make_candidate(group_info, group, samples, settings, where.folder.path / name, where.scratch)
+            candidate = make_candidate(group_info, group, samples, settings, where.folder.path / name, where.scratch, captured)
             laps.lap("transform")
-            runs.append(run_group(candidate, segments, group, samples, settings, where))
+            runs.append(run_group(candidate, segments, group, samples, settings, where, captured))
             laps.lap("run")
+        save_tensors(settings, runs, len(samples))
         info, transformed, outcome = combine(info.path, runs)
         result, context = judge(info, transformed, outcome, settings, samples)
         laps.lap("diagnose")
@@ -80,7 +85,7 @@ def run(settings: RunSettings, progress: Progress | None = None, reference_cache
             laps.lap("verify")
         attach_sketches(result, info, outcome)
         inlined_engine = BRANCHES_INLINED_FOR_TRT if any(g.taken for g in groups) and settings.uses_trt else None
-        notices = [*describe_groups(groups, len(samples)), inlined_engine, *transformed.warnings, *outcome["passes"]["candidate"]["notices"]]
+        notices = [*captured.notices, *describe_groups(groups, len(samples)), inlined_engine, *transformed.warnings, *outcome["passes"]["candidate"]["notices"]]
         result.notices = [n for n in [chosen_backend, *notices, unverified] if n]
         result.candidate_models = [r.candidate.path.name for r in runs]
         result.branches = [{"samples": g.samples, "taken": g.taken} for g in groups if g.taken]

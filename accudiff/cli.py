@@ -16,6 +16,8 @@ from accudiff.runners.trt_env import MODULES
 from accudiff.settings import DEFAULT_VERIFY_BUDGET, SIDE_BACKENDS
 
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
+# Settings only `compare` takes (the bisectors rerun the candidate, so they neither skip nor replay runs).
+COMPARE_ONLY = ("isolate", "verify", "verify_budget", "also", "load_candidate", "load_reference", "candidate_runner", "save_reference", "save_candidate")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--no-verify", dest="verify", action="store_false", help="skip testing each suspect at the failing outputs (the cause is then the rules' hypothesis, not verified)")
     cmp.add_argument("--verify-budget", type=int, default=DEFAULT_VERIFY_BUDGET, metavar="N", help=f"candidate runs per failing output to verify its cause and repair (default {DEFAULT_VERIFY_BUDGET})")
     cmp.add_argument("--also", choices=SIDE_BACKENDS, help="run the same transformed model on a second backend too (three-way table)")
+    captured = cmp.add_argument_group("tensors captured elsewhere (polygraphy's RunResults JSON)")
+    captured.add_argument("--load-candidate", type=Path, metavar="FILE", help="the candidate's tensors from polygraphy run ... --save-outputs FILE (give --load-inputs too)")
+    captured.add_argument("--load-reference", type=Path, metavar="FILE", help="the reference's tensors from such a file, instead of running it")
+    captured.add_argument("--candidate-runner", metavar="NAME", help="the runner to read when the file holds several")
+    captured.add_argument("--save-reference", type=Path, metavar="FILE", help="write the reference's tensors as RunResults JSON (polygraphy --load-outputs reads it)")
+    captured.add_argument("--save-candidate", type=Path, metavar="FILE", help="write the candidate's tensors as RunResults JSON")
 
     bisect = commands.add_parser("bisect", help="isolate what fails").add_subparsers(dest="bisector", parser_class=_Parser, required=True)
     for name, text in BISECTORS.items():
@@ -101,7 +109,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     from accudiff.report.console import ProgressBar, format_summary
 
     report_dir = args.report_dir or default_report_dir(Path(args.model).stem, args.precision)
-    only_compare = {"isolate": args.isolate, "verify": args.verify, "verify_budget": args.verify_budget, "also": args.also}
+    only_compare = {name: getattr(args, name) for name in COMPARE_ONLY}
     result = run(run_settings(args, report_dir=report_dir, **only_compare), progress=ProgressBar())
     print(format_summary(result))
     return EXIT_PASS if result.passed else EXIT_FAIL

@@ -43,6 +43,10 @@ class RunSettings:
     model on a second backend (columns `<also>_*`). `max_memory` (bytes, or a size such as "2G") bounds
     the memory the compared tensors take. `workers` splits the samples over worker processes; `ray`
     runs them as Ray tasks ("local" starts a cluster, an address joins one).
+    `load_candidate` / `load_reference` take the candidate's / reference's tensors from a polygraphy
+    RunResults file (`polygraphy run ... --save-outputs`; `candidate_runner` picks one runner of several)
+    instead of running them: a TensorRT run from another machine is compared here, against an FP32 run on
+    the inputs it was made from. `save_reference` / `save_candidate` write this run's tensors as such a file.
     """
 
     model: str | Path
@@ -68,6 +72,11 @@ class RunSettings:
     max_memory: int | str | None = None
     workers: int | None = None
     ray: str | None = None
+    load_candidate: str | Path | None = None
+    load_reference: str | Path | None = None
+    candidate_runner: str | None = None
+    save_reference: str | Path | None = None
+    save_candidate: str | Path | None = None
 
     def __post_init__(self) -> None:
         """Checks that need no model; `check_against` does the rest once the model is loaded."""
@@ -84,6 +93,27 @@ class RunSettings:
         if self.also is not None and self.also not in SIDE_BACKENDS:
             raise AccudiffError(f"--also takes {' or '.join(SIDE_BACKENDS)}, not '{self.also}'")
         self.tolerances  # noqa: B018 - a malformed tolerance is an error now, not after the runs
+        self._check_captured()
+
+    def _check_captured(self) -> None:
+        """Tensors captured elsewhere: what goes with them, and what cannot. A candidate that ran elsewhere
+        cannot run again here, so isolation and verification are off; with --fp16/--int8, the ONNX Runtime
+        candidate of that precision runs beside it (does the model fail in that precision, or only the
+        captured engine?)."""
+        if self.candidate_runner is not None and self.load_candidate is None and self.load_reference is None:
+            raise AccudiffError("--candidate-runner picks a runner of a --load-candidate or --load-reference file; neither was given")
+        if self.load_candidate is None:
+            return
+        if self.inputs is None:
+            raise AccudiffError("--load-candidate needs the inputs its file was made from: give them with --load-inputs (polygraphy's --save-inputs JSON, or .npz)")
+        if self.candidate != "auto" or self.trt.engine is not None:
+            raise AccudiffError("--load-candidate gives the candidate's tensors: --candidate and --engine would give another candidate")
+        if self.save_candidate is not None:
+            raise AccudiffError("--save-candidate with --load-candidate would only copy the file it reads")
+        object.__setattr__(self, "isolate", False)
+        object.__setattr__(self, "verify", False)
+        if self.also is None and self.precision != "fp32":
+            object.__setattr__(self, "also", "onnxrt")
 
     @cached_property
     def tolerances(self) -> Tolerances:
@@ -91,7 +121,10 @@ class RunSettings:
 
     @cached_property
     def backend(self) -> tuple[str, str | None]:
-        """(the backend that runs the candidate, a notice when `candidate="auto"` chose for the user)."""
+        """(the backend that runs the candidate, a notice when `candidate="auto"` chose for the user);
+        "recorded" for a candidate captured elsewhere."""
+        if self.load_candidate is not None:
+            return "recorded", None
         kind, notice = resolve_candidate(self.candidate, self.trt)
         if self.trt.engine is not None and kind != "trt":
             raise AccudiffError("--engine compares a TensorRT engine: it needs --candidate trt (or auto, where TensorRT can run)")
@@ -145,7 +178,10 @@ class RunSettings:
         for flag, value in (("--atol", self.atol), ("--rtol", self.rtol), ("--stol", self.stol)):
             if value is not None:
                 args += [flag, *(str(v) for v in ([value] if isinstance(value, (int, float)) else value))]
-        for flag, value in (("--max-memory", self.max_memory), ("--workers", self.workers), ("--ray", self.ray), ("--also", self.also)):
+        for flag, value in (
+            ("--max-memory", self.max_memory), ("--workers", self.workers), ("--ray", self.ray), ("--also", self.also),
+            ("--load-candidate", self.load_candidate), ("--load-reference", self.load_reference), ("--candidate-runner", self.candidate_runner),
+        ):
             if value is not None:
                 args += [flag, str(value)]
         args += ["--no-isolate"] * (not self.isolate) + ["--no-verify"] * (not self.verify)

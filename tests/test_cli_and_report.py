@@ -215,7 +215,9 @@ def test_worst_tensor_lines_stay_aligned_with_long_op_names(run_cli):
 def test_settings_written_as_a_command_line_read_back_the_same():
     """The replay command and a bisect reproducer come from `RunSettings.arguments`: parsed by the CLI,
     they must give the settings they were written from, every option that differs from its default included."""
-    from accudiff.cli import build_parser
+    from pathlib import Path
+
+    from accudiff.cli import COMPARE_ONLY, build_parser
     from accudiff.options import run_settings
     from accudiff.runners import TrtOptions
     from accudiff.settings import RunSettings
@@ -224,9 +226,9 @@ def test_settings_written_as_a_command_line_read_back_the_same():
         "m.onnx", "int8", candidate="onnxrt", inputs="in.npz", seed=7, calib_data="cal.json", keep_fp32=["Softmax", "node_3"],
         autokeep=False, atol=["1e-3", "out:0.5"], rtol=["0.02"], stol=["0.01"], isolate=False, verify_budget=3, also="trt",
         max_memory="2G", workers=2, trt=TrtOptions(mark="outputs", workspace_mb=512),
+        load_reference=Path("ref.json"), candidate_runner="trt-runner-N0",
     )
     args, extras = build_parser().parse_known_args(["compare", *written.arguments()])
     assert not extras
-    only_compare = {"isolate": args.isolate, "verify": args.verify, "verify_budget": args.verify_budget, "also": args.also}
-    read = run_settings(args, **only_compare)
+    read = run_settings(args, **{name: getattr(args, name) for name in COMPARE_ONLY})
     assert read == written

@@ -49,6 +49,7 @@ class PassPlan:
     model: Path
     make_runner: RunnerFactory
     fed_from_reference: dict[str, str] = field(default_factory=dict)  # input -> the reference tensor it is fed
+    record: ReferenceStore | None = None  # where its tensors are kept, when the user asked to save them
 
 
 @dataclass
@@ -202,6 +203,8 @@ class Engine:
                     values[name] = reference_values[plan.fed_from_reference[name]]
                 self.progress(f"running the {plan.name} pass on sample {sample}")
                 out = segment.runner.infer(values)
+                if plan.record is not None:
+                    plan.record.write(sample, out)
                 self._reduce(plan.name, sample, reference_values, out, reference.compared)
                 later = self.pass_segments[plan.name][k + 1 :]
                 needed = {n for s in later for n in s.inputs}

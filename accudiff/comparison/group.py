@@ -21,6 +21,7 @@ from accudiff.comparison.worker import Job
 from accudiff.memory import return_freed_memory
 from accudiff.model.loading import ModelInfo, describe, save_model
 from accudiff.model.inputs import Feed
+from accudiff.model.run_results import Captured, write_run_results
 from accudiff.model.samples import Samples
 from accudiff.model.segments import SEGMENTS_PER_BUDGET, memory_budget, plan_segments, tensor_sizes
 from accudiff.runners.outputs import ReferenceCache, ReferenceStore
@@ -44,14 +45,18 @@ class Candidate:
     transformed: TransformResult
     path: Path  # the candidate model, in the report folder
     passes: list[dict]
+    record: ReferenceStore | None = None  # where the candidate's tensors are kept, to be saved (--save-candidate)
 
 
 @dataclass
 class GroupRun:
-    """One group's comparison: its candidate and the merged statistics of its samples."""
+    """One group's comparison: its candidate, the merged statistics of its samples, and the reference's
+    tensors when they were kept (replayed from a cache or a captured file, or recorded to be saved)."""
 
     candidate: Candidate
     outcome: dict
+    group_samples: list[int]
+    reference: ReferenceStore | None = None
 
 
 def group_model(info: ModelInfo, group: BranchGroup, scratch: Path) -> ModelInfo:
@@ -77,14 +82,23 @@ def plan(info: ModelInfo, first: Feed, max_memory: int | str | None, one_segment
     return [[names[i] for i in segment.nodes] for segment in plan_segments(info, tensor_sizes(info, shapes), budget)]
 
 
-def make_candidate(info: ModelInfo, group: BranchGroup, samples: Samples, settings: RunSettings, path: Path, scratch: Path) -> Candidate:
+def make_candidate(
+    info: ModelInfo, group: BranchGroup, samples: Samples, settings: RunSettings, path: Path, scratch: Path, captured: Captured
+) -> Candidate:
     """The transform stage: the group's candidate (INT8: calibrated on its samples) saved at `path`, and its
     isolated twin. The weights are let go of before any backend loads a model, so at most one copy of
-    them is in memory at a time (from here on the workers read files)."""
+    them is in memory at a time (from here on the workers read files). A candidate captured elsewhere is
+    replayed from its store instead of run."""
     transformed = transform_model(info, settings.recipe(group.calibration), samples[group.samples[0]], scratch)
     save_model(transformed.model, path)
     kind = settings.backend[0]
-    passes = [{"name": "candidate", "model": str(path), "backend": kind, "fed_from_reference": {}, "layer_report": True}]
+    if captured.candidate is not None:
+        label = f"polygraphy runner '{captured.candidate.runner}' ({Path(settings.load_candidate).name}), captured elsewhere"
+        candidate = {"model": str(info.path), "recorded": str(captured.candidate.store.folder), "label": label}
+    else:
+        candidate = {"model": str(path), "layer_report": True}
+    record = ReferenceStore(scratch / f"record-{path.stem}", [t.name for t in info.tensors]) if settings.save_candidate else None
+    passes = [{"name": "candidate", "backend": kind, "fed_from_reference": {}, "record": str(record.folder) if record else None, **candidate}]
     if settings.also is not None and settings.also != kind:  # the model's own error next to what a build adds
         passes.append({"name": settings.also, "model": str(path), "backend": settings.also, "fed_from_reference": {}})
     if settings.isolate:
@@ -95,16 +109,24 @@ def make_candidate(info: ModelInfo, group: BranchGroup, samples: Samples, settin
         passes.append({"name": "isolated", "model": str(isolated), "backend": kind, "fed_from_reference": fed})
     transformed.model = info.proto = onnx.ModelProto()
     return_freed_memory()
-    return Candidate(info, transformed, path, passes)
+    return Candidate(info, transformed, path, passes, record)
 
 
-def run_group(candidate: Candidate, segments: list[list[str]], group: BranchGroup, samples: Samples, settings: RunSettings, where: Workspace) -> GroupRun:
+def run_group(
+    candidate: Candidate, segments: list[list[str]], group: BranchGroup, samples: Samples, settings: RunSettings, where: Workspace, captured: Captured
+) -> GroupRun:
     """The run stage: the group's samples through the reference and the candidate's passes, in worker
-    processes or Ray tasks, their statistics merged (and kept in the reference cache when there is one)."""
+    processes or Ray tasks, their statistics merged. The reference is replayed from a captured file or
+    the reference cache, or recorded there (or kept to be saved) as it runs."""
     info, first = candidate.info, samples[group.samples[0]]
     specialized = info.path.parent == where.scratch  # a model specialized for these samples' branches lives only for this call
-    cache = where.reference_cache
-    store = cache.store(info.path, samples, [t.name for t in info.tensors]) if cache is not None and not specialized else None
+    cache, tensors = where.reference_cache, [t.name for t in info.tensors]
+    if captured.reference is not None:
+        store = ReferenceStore(captured.reference.store.folder, tensors)
+    elif cache is not None and not specialized:
+        store = cache.store(info.path, samples, tensors)
+    else:
+        store = ReferenceStore(where.scratch / f"reference-{candidate.path.stem}", tensors) if settings.save_reference else None
     job = job_for(info, samples, segments, settings.precision, settings.tolerances, where.scratch / candidate.path.stem, store)
     job = replace(
         job,
@@ -119,7 +141,23 @@ def run_group(candidate: Candidate, segments: list[list[str]], group: BranchGrou
     outcome = run_shards(job, [samples.as_json()[i] for i in group.samples], settings.workers, settings.ray, progress, group.samples)
     if store is not None:
         store.finish()
-    return GroupRun(candidate, outcome)
+    return GroupRun(candidate, outcome, group.samples, store)
+
+
+def save_tensors(settings: RunSettings, runs: Sequence[GroupRun], samples: int) -> None:
+    """--save-reference / --save-candidate: the tensors kept during the runs written as polygraphy
+    RunResults, every sample in order (each from the branch group that compared it)."""
+    for path, runner, stores in (
+        (settings.save_reference, "accudiff-reference-onnxrt-fp32", [r.reference for r in runs]),
+        (settings.save_candidate, f"accudiff-candidate-{settings.backend[0]}-{settings.precision}", [r.candidate.record for r in runs]),
+    ):
+        if path is None:
+            continue
+        group_of = {sample: k for k, r in enumerate(runs) for sample in r.group_samples}
+        tensors = [[t.name for t in r.candidate.info.tensors] for r in runs]
+        iterations = (stores[group_of[s]].read(s, tensors[group_of[s]]) for s in range(samples))
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_run_results(Path(path), runner, iterations)
 
 
 def could_be_a_shape(value: np.ndarray) -> bool:

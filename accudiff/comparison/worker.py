@@ -175,6 +175,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
     from accudiff.model.samples import Samples
     from accudiff.runners import EngineShapes, TrtOptions, candidate_runner, reference_runner
     from accudiff.runners.outputs import ReferenceStore
+    from accudiff.runners.recorded import recorded_runner
     from accudiff.transforms.base import QuantRange
 
     trt = TrtOptions(**{k: (Path(v) if k in ("cache_dir", "engine") and v is not None else v) for k, v in job.trt.items()})
@@ -184,10 +185,16 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
     threads = job.threads or os.cpu_count() or 1
 
     def factory(spec: dict):
+        if spec["backend"] == "recorded":
+            return lambda path, outputs: recorded_runner(Path(spec["recorded"]), job.tensors, outputs, job.sample_indices, spec["label"])
         layers = layer_report if spec.get("layer_report") else None
         return lambda path, outputs: candidate_runner(spec["backend"], path, outputs, job.precision, trt, shapes, layers, threads)
 
-    passes = [PassPlan(p["name"], Path(p["model"]), factory(p), p["fed_from_reference"]) for p in job.passes]
+    def plan(spec: dict) -> PassPlan:
+        record = ReferenceStore(Path(spec["record"]), job.tensors) if spec.get("record") else None
+        return PassPlan(spec["name"], Path(spec["model"]), factory(spec), spec["fed_from_reference"], record)
+
+    passes = [plan(p) for p in job.passes]
     store = ReferenceStore(Path(job.store), job.tensors) if job.store else None
     with tempfile.TemporaryDirectory(prefix="accudiff-worker-") as scratch:
         measured = Measured(

@@ -20,11 +20,12 @@ COMPLETE = "complete"
 
 
 class ReferenceStore:
-    """One model's reference outputs for one list of samples: `<folder>/<sample>/<tensor file>.npy`."""
+    """One model's tensors for one list of samples: `<folder>/<sample>/<digest of the tensor's name>.npy`
+    (by name, not position: a model specialized for its samples' If branches reads the same store)."""
 
     def __init__(self, folder: Path, tensors: Sequence[str]):
         self.folder = Path(folder)
-        self._files = {name: f"{index}.npy" for index, name in enumerate(tensors)}
+        self._files = {name: hashlib.sha256(name.encode()).hexdigest()[:24] + ".npy" for name in tensors}
 
     @property
     def complete(self) -> bool:

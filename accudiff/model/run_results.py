@@ -1,0 +1,174 @@
+"""polygraphy's RunResults JSON (`polygraphy run ... --save-outputs FILE`), the field's way of carrying
+tensors between machines: read into a store of recorded tensors, and written from one, without pickle.
+
+The file is `{"lst": [[runner name, [iteration, ...]], ...], "polygraphy_class": "RunResults"}`; each
+iteration is `{"outputs": {tensor: array}, "runtime": s, "runner_name": ..., "polygraphy_class":
+"IterationResult"}`, and each array a base64 .npy, wrapped in a LazyArray by recent polygraphy versions
+(`{"values": {"array": ...}}`) and bare by older ones (`{"array": ...}`).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from accudiff.errors import AccudiffError
+from accudiff.runners.outputs import ReferenceStore
+
+if TYPE_CHECKING:
+    from accudiff.settings import RunSettings
+
+
+@dataclass
+class Recorded:
+    """One runner's iterations from a RunResults file, saved as a store (one folder per iteration)."""
+
+    store: ReferenceStore
+    runner: str
+    iterations: int
+    found: list[str]  # tensors of the model the file holds
+    foreign: list[str] = field(default_factory=list)  # names in the file that are no tensor of the model
+
+
+def read_run_results(path: Path, tensors: Sequence[str], folder: Path, runner: str | None = None) -> Recorded:
+    """The iterations of `runner` (or of the file's only runner) in the RunResults file `path`, decoded one
+    array at a time into a store in `folder` for the model `tensors`. One sentence for anything wrong."""
+    path = Path(path)
+    document = _parse(path)
+    runners = document.get("lst") if isinstance(document, dict) else None
+    if not isinstance(runners, list) or not runners or document.get("polygraphy_class") != "RunResults":
+        raise AccudiffError(f"'{path}' is not a polygraphy RunResults file with results in it (polygraphy run ... --save-outputs writes one)")
+    try:
+        by_name = {str(name): iterations for name, iterations in runners}
+    except (TypeError, ValueError):
+        raise AccudiffError(f"'{path}' is not a polygraphy RunResults file: its runner list is damaged") from None
+    if runner is None and len(by_name) > 1:
+        raise AccudiffError(f"'{path}' holds the results of {len(by_name)} runners; choose one with --candidate-runner: {', '.join(by_name)}")
+    chosen = runner if runner is not None else next(iter(by_name))
+    if chosen not in by_name:
+        raise AccudiffError(f"'{path}' holds no runner '{chosen}'; its runners are: {', '.join(by_name)}")
+    iterations = by_name[chosen]
+    if not isinstance(iterations, list) or not iterations:
+        raise AccudiffError(f"'{path}' holds no iteration of runner '{chosen}'")
+    known = set(tensors)
+    store = ReferenceStore(folder, tensors)
+    names: dict[str, None] = {}
+    for index, iteration in enumerate(iterations):
+        outputs = iteration.get("outputs") if isinstance(iteration, dict) else None
+        if not isinstance(outputs, dict):
+            raise AccudiffError(f"'{path}': iteration {index} of runner '{chosen}' has no outputs")
+        for name, encoded in outputs.items():
+            names[name] = None
+            if name in known:
+                store.write(index, {name: _decode(encoded, path, f"tensor '{name}' of iteration {index}")})
+        iteration.clear()  # its arrays are on disk now
+    found = [name for name in tensors if name in names]
+    if not found:
+        shown = ", ".join(list(names)[:5])
+        raise AccudiffError(f"no tensor in '{path}' is a tensor of the model (it holds {shown}{', ...' if len(names) > 5 else ''}): was it saved from another model?")
+    store.finish()
+    return Recorded(store, chosen, len(iterations), found, [name for name in names if name not in known])
+
+
+@dataclass
+class Captured:
+    """Tensors captured elsewhere for this run (either side may be None: it runs here)."""
+
+    candidate: Recorded | None = None
+    reference: Recorded | None = None
+    notices: list[str] = field(default_factory=list)
+
+
+def read_captured(tensors: Sequence[str], settings: RunSettings, samples: int, scratch: Path) -> Captured:
+    """The captured stage: the --load-candidate and --load-reference files read into stores, one iteration
+    per sample (as polygraphy matches them), and what a reader must know about them."""
+    captured = Captured()
+    for side, path in (("candidate", settings.load_candidate), ("reference", settings.load_reference)):
+        if path is None:
+            continue
+        recorded = read_run_results(Path(path), tensors, scratch / f"captured-{side}", settings.candidate_runner)
+        if recorded.iterations != samples:
+            raise AccudiffError(
+                f"'{path}' holds {recorded.iterations} iteration(s) of runner '{recorded.runner}', but {samples} sample(s) were given: "
+                "give the inputs it was made from (polygraphy's --save-inputs file)"
+            )
+        setattr(captured, side, recorded)
+        captured.notices.append(
+            f"the {side}'s tensors were captured by polygraphy runner '{recorded.runner}' ({Path(path).name}): {len(recorded.found)} of the model's "
+            f"{len(tensors)} tensors"
+        )
+        if recorded.foreign:
+            shown = ", ".join(recorded.foreign[:3]) + (", ..." if len(recorded.foreign) > 3 else "")
+            captured.notices.append(
+                f"{len(recorded.foreign)} name(s) in {Path(path).name} are no tensor of the model (TensorRT layer names, or another model's): {shown}; not compared"
+            )
+    if captured.candidate is not None:
+        captured.notices.append("isolation and verification need the candidate to run again: off for a candidate captured elsewhere")
+    return captured
+
+
+def write_run_results(path: Path, runner: str, iterations: Iterable[Mapping[str, np.ndarray]]) -> None:
+    """A RunResults file polygraphy reads back (`polygraphy run ... --load-outputs FILE`), written one array
+    at a time into a hidden file that is renamed into place when whole."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        with open(partial, "w", encoding="utf-8") as out:
+            out.write('{"lst": [[' + json.dumps(runner) + ", [")
+            for index, outputs in enumerate(iterations):
+                out.write(", " if index else "")
+                out.write('{"outputs": {')
+                for k, (name, array) in enumerate(outputs.items()):
+                    out.write(", " if k else "")
+                    out.write(f'{json.dumps(name)}: {{"values": {_encode(array)}, "polygraphy_class": "LazyArray"}}')
+                out.write('}, "runtime": 0.0, "runner_name": ' + json.dumps(runner) + ', "polygraphy_class": "IterationResult"}')
+            out.write(']]], "polygraphy_class": "RunResults"}\n')
+        partial.replace(path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def store_iterations(store: ReferenceStore, samples: int, tensors: Sequence[str]) -> Iterable[dict[str, np.ndarray]]:
+    """Each sample's recorded tensors, in the model's order, read when asked for."""
+    for sample in range(samples):
+        yield store.read(sample, tensors)
+
+
+def _parse(path: Path) -> dict:
+    try:
+        with open(path, "rb") as file:
+            return json.load(file)
+    except FileNotFoundError:
+        raise AccudiffError(f"'{path}' does not exist") from None
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise AccudiffError(f"'{path}' is not a polygraphy RunResults file: it is not whole, readable JSON ({exc})") from None
+
+
+def _decode(encoded: object, path: Path, what: str) -> np.ndarray:
+    """A polygraphy-encoded array (bare or in a LazyArray), without pickle."""
+    if isinstance(encoded, dict) and encoded.get("polygraphy_class") == "LazyArray":
+        encoded = encoded.get("values")
+    text = encoded.get("array") if isinstance(encoded, dict) else None
+    if not isinstance(text, str):
+        raise AccudiffError(f"'{path}': {what} is not a polygraphy-encoded array")
+    try:
+        array = np.load(io.BytesIO(base64.b64decode(text.encode(), validate=True)), allow_pickle=False)
+    except (ValueError, OSError, EOFError, SyntaxError) as exc:
+        raise AccudiffError(f"'{path}': {what} cannot be decoded ({exc})") from None
+    if not isinstance(array, np.ndarray):
+        raise AccudiffError(f"'{path}': {what} is not an array")
+    return array
+
+
+def _encode(array: np.ndarray) -> str:
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
+    return json.dumps({"array": base64.b64encode(buffer.getvalue()).decode(), "polygraphy_class": "ndarray"})
