@@ -87,10 +87,14 @@ def _seed_files(work: Path) -> dict[str, tuple[Path, Path]]:
     rng = np.random.default_rng(0)
     feeds = [{spec.name: rng.standard_normal(spec.shape).astype(spec.dtype) for spec in info.inputs} for _ in range(2)]
     save_feeds(feeds, work / "inputs.npz")
+    save_feeds([{"x": rng.standard_normal((1, 8, 64)).astype(np.float32)} for _ in range(2)], work / "layernorm-inputs.npz")
     _write_polygraphy_json(feeds, work / "inputs.json")
     figures = {"sqnr_db": 61.5, "max_abs_err": 0.00123, "cosine": 0.99999, "outside_share": 0.0}
     baseline = {"schema_version": 1, "model": "m.onnx", "precision": "fp16", "tensors": {name: figures for name in ("logits", "y")}}
     (work / "baseline.json").write_text(json.dumps(baseline, indent=2, sort_keys=True))
+    from accudiff.model.run_results import write_run_results
+
+    write_run_results(work / "candidate.json", "trt-runner-N0", [{"squared": np.full((1, 8, 64), 2.0, np.float32), "y": np.ones((1, 8, 16), np.float32)}] * 2)
     external = work / "external"
     external.mkdir()
     proto = onnx.load(str(FIXTURES / "layernorm_overflow.onnx"))
@@ -104,6 +108,7 @@ def _seed_files(work: Path) -> dict[str, tuple[Path, Path]]:
         "json": (work / "inputs.json", model),
         "calibration": (work / "inputs.npz", model),
         "baseline": (work / "baseline.json", model),
+        "run-results": (work / "candidate.json", FIXTURES / "layernorm_overflow.onnx"),
     }
 
 
@@ -126,6 +131,9 @@ def _command(fmt: str, mutated: Path, model: Path, out: Path) -> list[str]:
         return ["compare", str(mutated.parent / model.name), "--fp16", *FAST, "-o", str(out)]
     if fmt == "npz-folder":  # the damaged file sits among intact ones in a folder of samples
         return ["compare", str(model), "--fp16", *FAST, "--load-inputs", str(mutated.parent), "-o", str(out)]
+    if fmt == "run-results":  # a candidate captured elsewhere, on the inputs it was made from
+        inputs = mutated.parent.parent / "layernorm-inputs.npz"
+        return ["compare", str(model), "--fp16", "--no-verify", "--load-inputs", str(inputs), "--load-candidate", str(mutated), "-o", str(out)]
     if fmt in ("npz", "npz-member", "json"):
         return ["compare", str(model), "--fp16", *FAST, "--load-inputs", str(mutated), "-o", str(out)]
     return ["compare", str(model), "--int8", *FAST, "--calib-data", str(mutated), "-o", str(out)]
@@ -252,7 +260,7 @@ def _read_baseline(path: Path) -> int:
     return 0
 
 
-FORMATS = ("onnx", "external", "npz", "npz-member", "npz-folder", "json", "calibration", "baseline", "arguments")
+FORMATS = ("onnx", "external", "npz", "npz-member", "npz-folder", "json", "calibration", "baseline", "run-results", "arguments")
 
 
 def main() -> int:

@@ -119,3 +119,23 @@ def test_adversarial_generation_options_are_one_sentence(option, value, said, tm
     code, err = _compare([str(fixture("clean")), option, value, "-o", str(tmp_path / "r")], capsys)
     assert code == 2 and err.count("\n") == 0 and said in err, err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_captured_array_numpy_cannot_parse_is_one_sentence(tmp_path, capsys):
+    """A RunResults array whose .npy header NumPy's tokenizer rejects raised tokenize.TokenError (found by
+    benchmarks/fuzz.py, run-results case 52)."""
+    import base64
+    import json
+
+    from accudiff.model.run_results import write_run_results
+
+    model = fixture("layernorm_overflow")
+    save_feeds([{"x": np.ones((1, 8, 64), np.float32)}], tmp_path / "inputs.npz")
+    write_run_results(tmp_path / "candidate.json", "trt-runner-N0", [{"y": np.ones((1, 8, 16), np.float32)}])
+    document = json.loads((tmp_path / "candidate.json").read_text())
+    bad = b"\x93NUMPY\x01\x00\x20\x00{'descr': '<f4', 'shape': (1,  \n"
+    document["lst"][0][1][0]["outputs"]["y"]["values"]["array"] = base64.b64encode(bad).decode()
+    (tmp_path / "candidate.json").write_text(json.dumps(document))
+    code = main(["compare", str(model), "--fp16", "--load-inputs", str(tmp_path / "inputs.npz"), "--load-candidate", str(tmp_path / "candidate.json")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "tensor 'y' of iteration 0 cannot be decoded" in err, err

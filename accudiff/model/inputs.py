@@ -11,6 +11,7 @@ import base64
 import io
 import json
 import math
+import tokenize
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -22,6 +23,11 @@ from accudiff.model.loading import InputSpec
 Feed = dict[str, np.ndarray]
 
 DEFAULT_VAL_RANGE = (0.0, 1.0)
+
+
+# What NumPy's .npy reader raises for a damaged array: the file's fault, never ours (it tokenizes the
+# header as Python, hence the tokenizer's and parser's errors).
+NPY_READ_ERRORS = (OSError, ValueError, EOFError, SyntaxError, tokenize.TokenError)
 
 
 def parse_input_shapes(items: Iterable[str]) -> dict[str, tuple[int, ...]]:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 import numpy as np
 
 from accudiff.errors import AccudiffError
+from accudiff.model.inputs import NPY_READ_ERRORS
 from accudiff.runners.outputs import ReferenceStore
 
 if TYPE_CHECKING:
@@ -161,7 +162,7 @@ def _decode(encoded: object, path: Path, what: str) -> np.ndarray:
         raise AccudiffError(f"'{path}': {what} is not a polygraphy-encoded array")
     try:
         array = np.load(io.BytesIO(base64.b64decode(text.encode(), validate=True)), allow_pickle=False)
-    except (ValueError, OSError, EOFError, SyntaxError) as exc:
+    except NPY_READ_ERRORS as exc:
         raise AccudiffError(f"'{path}': {what} cannot be decoded ({exc})") from None
     if not isinstance(array, np.ndarray):
         raise AccudiffError(f"'{path}': {what} is not an array")

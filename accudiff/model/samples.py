@@ -8,13 +8,11 @@ Only the list of (file, prefix) entries travels to workers and machines; each re
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 import shutil
 import tempfile
-import tokenize
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -25,6 +23,7 @@ import numpy as np
 
 from accudiff.errors import AccudiffError
 from accudiff.model.inputs import (
+    NPY_READ_ERRORS,
     Feed, generate_feeds, load_json_feeds, parse_input_shapes, parse_val_ranges, resolve_shapes, save_feeds, validate_feeds,
 )
 from accudiff.model.loading import InputSpec, ModelInfo
@@ -41,12 +40,9 @@ class SampleRef:
     prefix: str  # "" for a file holding one sample, "<index>/" for one of several
 
 
-# What reading a damaged .npz can raise, from the zip layer (unsupported flags and methods, encrypted
-# members, bad CRCs, truncated deflate streams) and numpy's .npy header parser (which tokenizes the
-# header as Python); all of it is the file's fault.
-NPZ_READ_ERRORS = (
-    OSError, ValueError, EOFError, NotImplementedError, RuntimeError, SyntaxError, tokenize.TokenError, zipfile.BadZipFile, zlib.error,
-)
+# What reading a damaged .npz can raise: the zip layer's errors (unsupported flags and methods, encrypted
+# members, bad CRCs, truncated deflate streams) and the .npy reader's; all of it is the file's fault.
+NPZ_READ_ERRORS = (*NPY_READ_ERRORS, NotImplementedError, RuntimeError, zipfile.BadZipFile, zlib.error)
 
 
 class Samples(Sequence):
@@ -168,7 +164,7 @@ def _entries(file: Path, source: str) -> list[SampleRef]:
 def _json_as_npz(path: Path, source: str, scratch: Path | None) -> Path:
     try:
         feeds = load_json_feeds(path)
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+    except (*NPY_READ_ERRORS, KeyError) as exc:  # JSONDecodeError is a ValueError
         raise AccudiffError(f"{source} could not be read as polygraphy JSON ({exc})") from exc
     folder = scratch if scratch is not None else Path(tempfile.mkdtemp(prefix="accudiff-inputs-"))
     target = folder / f"{path.stem}.npz"
