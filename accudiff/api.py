@@ -3,8 +3,8 @@ call this; each stage is a function in the module that owns it:
 
     load      model/loading.py       the model's inventory; the settings checked against it
     samples   model/samples.py       inputs loaded, given or generated
-    captured  model/run_results.py   tensors captured elsewhere (polygraphy's RunResults), read into stores
     groups    comparison/branches.py samples grouped by the If branches they take
+    captured  model/run_results.py   tensors captured elsewhere (polygraphy's RunResults), read into stores
     plan      comparison/group.py    segments whose tensors fit the memory budget
     transform comparison/group.py    the candidate (and its isolated twin) made and saved
     run       comparison/group.py    reference and candidate runs in workers, statistics merged
@@ -63,9 +63,10 @@ def run(settings: RunSettings, progress: Progress | None = None, reference_cache
         if settings.ray is None:
             prestart()  # the first worker starts while the samples are read and the candidate is built
         samples = prepare_samples(info, settings, where.folder.path / INPUTS_FILE)
-        captured = read_captured([t.name for t in info.tensors], settings, len(samples), where.scratch)
         groups = plan_groups(info, samples, settings, where.scratch)
         laps.lap("load")
+        captured = read_captured([t.name for t in info.tensors], settings, len(samples), where.scratch)
+        laps.lap("captured")
         runs = []
         for k, group in enumerate(groups):
             group_info = group_model(info, group, where.scratch)

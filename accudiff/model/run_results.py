@@ -21,6 +21,7 @@ import numpy as np
 
 from accudiff.errors import AccudiffError
 from accudiff.model.inputs import NPY_READ_ERRORS
+from accudiff.model.json_stream import leaves
 from accudiff.runners.outputs import ReferenceStore
 
 if TYPE_CHECKING:
@@ -40,42 +41,63 @@ class Recorded:
 
 def read_run_results(path: Path, tensors: Sequence[str], folder: Path, runner: str | None = None) -> Recorded:
     """The iterations of `runner` (or of the file's only runner) in the RunResults file `path`, decoded one
-    array at a time into a store in `folder` for the model `tensors`. One sentence for anything wrong."""
+    array at a time into a store in `folder` for the model `tensors`; the file is streamed twice (its
+    runners first, then the chosen one's arrays), never held whole. One sentence for anything wrong."""
     path = Path(path)
-    document = _parse(path)
-    runners = document.get("lst") if isinstance(document, dict) else None
-    if not isinstance(runners, list) or not runners or document.get("polygraphy_class") != "RunResults":
-        raise AccudiffError(f"'{path}' is not a polygraphy RunResults file with results in it (polygraphy run ... --save-outputs writes one)")
-    try:
-        by_name = {str(name): iterations for name, iterations in runners}
-    except (TypeError, ValueError):
-        raise AccudiffError(f"'{path}' is not a polygraphy RunResults file: its runner list is damaged") from None
-    if runner is None and len(by_name) > 1:
-        raise AccudiffError(f"'{path}' holds the results of {len(by_name)} runners; choose one with --candidate-runner: {', '.join(by_name)}")
-    chosen = runner if runner is not None else next(iter(by_name))
-    if chosen not in by_name:
-        raise AccudiffError(f"'{path}' holds no runner '{chosen}'; its runners are: {', '.join(by_name)}")
-    iterations = by_name[chosen]
-    if not isinstance(iterations, list) or not iterations:
+    runners = _survey(path)
+    if runner is None and len(runners) > 1:
+        raise AccudiffError(f"'{path}' holds the results of {len(runners)} runners; choose one with --candidate-runner: {', '.join(runners)}")
+    chosen = runner if runner is not None else next(iter(runners))
+    if chosen not in runners:
+        raise AccudiffError(f"'{path}' holds no runner '{chosen}'; its runners are: {', '.join(runners)}")
+    position, iterations = runners[chosen]
+    if iterations == 0:
         raise AccudiffError(f"'{path}' holds no iteration of runner '{chosen}'")
     known = set(tensors)
     store = ReferenceStore(folder, tensors)
     names: dict[str, None] = {}
-    for index, iteration in enumerate(iterations):
-        outputs = iteration.get("outputs") if isinstance(iteration, dict) else None
-        if not isinstance(outputs, dict):
-            raise AccudiffError(f"'{path}': iteration {index} of runner '{chosen}' has no outputs")
-        for name, encoded in outputs.items():
-            names[name] = None
-            if name in known:
-                store.write(index, {name: _decode(encoded, path, f"tensor '{name}' of iteration {index}")})
-        iteration.clear()  # its arrays are on disk now
+
+    def array_of_ours(where: tuple) -> bool:  # ("lst", runner, 1, iteration, "outputs", tensor, ["values",] "array")
+        return len(where) >= 7 and where[:3] == ("lst", position, 1) and where[4] == "outputs" and where[5] in known and where[-1] == "array"
+
+    for where, value in _leaves(path, array_of_ours):
+        if len(where) >= 6 and where[:3] == ("lst", position, 1) and where[4] == "outputs":
+            names[where[5]] = None
+            if array_of_ours(where):
+                store.write(where[3], {where[5]: _decode(value, path, f"tensor '{where[5]}' of iteration {where[3]}")})
     found = [name for name in tensors if name in names]
     if not found:
         shown = ", ".join(list(names)[:5])
         raise AccudiffError(f"no tensor in '{path}' is a tensor of the model (it holds {shown}{', ...' if len(names) > 5 else ''}): was it saved from another model?")
     store.finish()
-    return Recorded(store, chosen, len(iterations), found, [name for name in names if name not in known])
+    return Recorded(store, chosen, iterations, found, [name for name in names if name not in known])
+
+
+def _survey(path: Path) -> dict[str, tuple[int, int]]:
+    """Each runner of a RunResults file: its position in the file and how many iterations it holds."""
+    names: dict[int, str] = {}
+    iterations: dict[int, int] = {}
+    root = None
+    for where, value in _leaves(path, lambda where: where == ("polygraphy_class",) or (len(where) == 3 and where[0] == "lst" and where[2] == 0)):
+        if where == ("polygraphy_class",):
+            root = value
+        elif len(where) == 3 and where[0] == "lst" and where[2] == 0 and isinstance(value, str):
+            names[where[1]] = value
+        elif len(where) >= 4 and where[0] == "lst" and where[2] == 1 and isinstance(where[3], int):
+            iterations[where[1]] = max(iterations.get(where[1], 0), where[3] + 1)
+    if root != "RunResults" or not names:
+        raise AccudiffError(f"'{path}' is not a polygraphy RunResults file with results in it (polygraphy run ... --save-outputs writes one)")
+    return {name: (position, iterations.get(position, 0)) for position, name in names.items()}
+
+
+def _leaves(path: Path, keep):
+    """The file's leaves (model/json_stream.py); a file that is not whole, readable JSON is one sentence."""
+    try:
+        yield from leaves(path, keep)
+    except FileNotFoundError:
+        raise AccudiffError(f"'{path}' does not exist") from None
+    except (OSError, ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise AccudiffError(f"'{path}' is not a polygraphy RunResults file: it is not whole, readable JSON ({exc})") from None
 
 
 @dataclass
@@ -143,21 +165,8 @@ def store_iterations(store: ReferenceStore, samples: int, tensors: Sequence[str]
         yield store.read(sample, tensors)
 
 
-def _parse(path: Path) -> dict:
-    try:
-        with open(path, "rb") as file:
-            return json.load(file)
-    except FileNotFoundError:
-        raise AccudiffError(f"'{path}' does not exist") from None
-    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise AccudiffError(f"'{path}' is not a polygraphy RunResults file: it is not whole, readable JSON ({exc})") from None
-
-
-def _decode(encoded: object, path: Path, what: str) -> np.ndarray:
-    """A polygraphy-encoded array (bare or in a LazyArray), without pickle."""
-    if isinstance(encoded, dict) and encoded.get("polygraphy_class") == "LazyArray":
-        encoded = encoded.get("values")
-    text = encoded.get("array") if isinstance(encoded, dict) else None
+def _decode(text: object, path: Path, what: str) -> np.ndarray:
+    """A polygraphy-encoded array (base64 of a .npy), without pickle."""
     if not isinstance(text, str):
         raise AccudiffError(f"'{path}': {what} is not a polygraphy-encoded array")
     try:
