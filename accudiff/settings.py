@@ -97,9 +97,9 @@ class RunSettings:
 
     def _check_captured(self) -> None:
         """Tensors captured elsewhere: what goes with them, and what cannot. A candidate that ran elsewhere
-        cannot run again here, so isolation and verification are off; with --fp16/--int8, the ONNX Runtime
-        candidate of that precision runs beside it (does the model fail in that precision, or only the
-        captured engine?)."""
+        cannot run again here, so isolation is off; with --fp16/--int8, the ONNX Runtime candidate of that
+        precision runs beside it (does the model fail in that precision, or only the captured engine?) and
+        stands in for it when causes are verified."""
         if self.candidate_runner is not None and self.load_candidate is None and self.load_reference is None:
             raise AccudiffError("--candidate-runner picks a runner of a --load-candidate or --load-reference file; neither was given")
         if self.load_candidate is None:
@@ -111,7 +111,6 @@ class RunSettings:
         if self.save_candidate is not None:
             raise AccudiffError("--save-candidate with --load-candidate would only copy the file it reads")
         object.__setattr__(self, "isolate", False)
-        object.__setattr__(self, "verify", False)
         if self.also is None and self.precision != "fp32":
             object.__setattr__(self, "also", "onnxrt")
 

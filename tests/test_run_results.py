@@ -3,17 +3,23 @@ reference) captured on another machine compared here, and accudiff's runs saved 
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import onnx
+import onnx.numpy_helper
 import pandas as pd
 import pytest
 
 import accudiff
 from accudiff.errors import AccudiffError
+from accudiff.runners.outputs import ReferenceCache
 from conftest import fixture
 
 MODEL = fixture("layernorm_overflow")
@@ -67,10 +73,14 @@ def test_runners_are_chosen_by_name_when_a_file_holds_several(captured):
         _compare(captured, load_candidate=captured / "two_runners.json", candidate_runner="nope")
 
 
-def test_saved_runs_read_back_the_same_table_and_polygraphy_accepts_them(captured, tmp_path):
+def test_saved_runs_read_back_the_same_table_cause_and_repair_and_polygraphy_accepts_them(captured, tmp_path):
     live = _compare(captured, candidate="onnxrt", save_reference=tmp_path / "reference.json", save_candidate=tmp_path / "candidate.json")
     again = _compare(captured, load_reference=tmp_path / "reference.json", load_candidate=tmp_path / "candidate.json")
     pd.testing.assert_frame_equal(live.table[COLUMNS], again.table[COLUMNS])
+    (was,), (now,) = live.output_failures, again.output_failures
+    assert was.cause.verified and not was.cause.stand_in
+    assert now.cause.verified and now.cause.stand_in == "ONNX Runtime's FP16 model"  # the captured run cannot run again here
+    assert (now.cause.kind, now.cause.node, now.repair.keep) == (was.cause.kind, was.cause.node, was.repair.keep)
     log = _polygraphy("run", MODEL, "--onnxrt", "--onnx-outputs", "mark", "all", "--load-inputs", captured / "inputs.json",
                       "--load-outputs", tmp_path / "reference.json", cwd=tmp_path)
     assert "Passed: 2/2 iterations" in log and "accudiff-reference-onnxrt-fp32" in log
@@ -98,6 +108,56 @@ def test_files_that_do_not_fit_are_one_sentence(damage, said, captured, tmp_path
         path.write_text(json.dumps(document))
     with pytest.raises(AccudiffError, match=said):
         _compare(captured, load_candidate=path)
+
+
+def test_an_output_that_fails_only_in_the_captured_candidate_is_not_verified_on_a_stand_in(tmp_path):
+    """ONNX Runtime's FP16 model passes where the captured candidate fails (as when an engine's own kernel
+    is wrong): no stand-in can speak for the captured engine there, and the report says so."""
+    clean = fixture("clean")
+    live = accudiff.compare(clean, "fp16", candidate="onnxrt", save_candidate=tmp_path / "candidate.json", report_dir=tmp_path / "live")
+    assert live.passed
+    document = json.loads((tmp_path / "candidate.json").read_text())
+    outputs = document["lst"][0][1][0]["outputs"]
+    output = live.table[live.table["is_output"]]["tensor"].iloc[0]
+    wrapper = outputs[output]["values"] if "values" in outputs[output] else outputs[output]
+    array = np.load(io.BytesIO(base64.b64decode(wrapper["array"])), allow_pickle=False)
+    buffer = io.BytesIO()
+    np.save(buffer, array * 2 + 1, allow_pickle=False)
+    wrapper["array"] = base64.b64encode(buffer.getvalue()).decode()
+    (tmp_path / "damaged_engine.json").write_text(json.dumps(document))
+    result = accudiff.compare(clean, "fp16", inputs=tmp_path / "live" / "inputs.npz", load_candidate=tmp_path / "damaged_engine.json")
+    (failure,) = result.output_failures
+    assert not failure.cause.verified and failure.cause.stand_in is None
+    assert any(f"'{output}' fail only in the captured candidate (ONNX Runtime's FP16 model meets the tolerance there)" in n for n in result.notices)
+
+
+def _model_with_a_scalar_tensor(path: Path) -> Path:
+    """y = x * x.shape[1]: the Gather of a shape gives a 0-d tensor, as YOLO-style heads do."""
+    h = onnx.helper
+    nodes = [
+        h.make_node("Shape", ["x"], ["shape"], name="shape"),
+        h.make_node("Gather", ["shape", "one"], ["width"], name="width", axis=0),
+        h.make_node("Cast", ["width"], ["width_f"], name="width_f", to=onnx.TensorProto.FLOAT),
+        h.make_node("Mul", ["x", "width_f"], ["y"], name="scale"),
+    ]
+    graph = h.make_graph(nodes, "scalar", [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3])],
+                         [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 3])],
+                         [onnx.numpy_helper.from_array(np.array(1, np.int64), "one")])
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_scalar_tensors_keep_their_shape_through_saved_runs_and_the_reference_cache(tmp_path):
+    """0-d tensors were saved as 1-d (np.ascontiguousarray makes every array at least 1-d), so a replay
+    found 'shape differs: reference (), candidate (1,)' on every scalar of a YOLO head."""
+    model = _model_with_a_scalar_tensor(tmp_path / "scalar.onnx")
+    live = accudiff.compare(model, "fp16", candidate="onnxrt", save_candidate=tmp_path / "candidate.json", report_dir=tmp_path / "live")
+    again = accudiff.compare(model, "fp16", inputs=tmp_path / "live" / "inputs.npz", load_candidate=tmp_path / "candidate.json")
+    assert (again.table.set_index("tensor").loc[["width", "width_f"], "status"] == "pass").all()
+    pd.testing.assert_frame_equal(live.table[COLUMNS], again.table[COLUMNS])
+    cache = ReferenceCache(tmp_path / "cache")
+    first, replayed = (accudiff.compare(model, "fp16", candidate="onnxrt", reference_cache=cache) for _ in range(2))
+    pd.testing.assert_frame_equal(first.table[COLUMNS], replayed.table[COLUMNS])
 
 
 def test_a_captured_candidate_needs_the_inputs_it_was_made_from(captured):

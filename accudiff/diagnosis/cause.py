@@ -81,6 +81,7 @@ class Cause:
     verified: bool = False  # tested at the output by keeping suspects in higher precision (diagnosis/verify.py)
     co_causes: list[Contributor] = field(default_factory=list)  # kind "several": the other nodes the repair needs
     absorbed: list[Absorbed] = field(default_factory=list)
+    stand_in: str | None = None  # verified on this candidate instead (the compared one was captured elsewhere)
 
 
 def find_cause(output: str, table: pd.DataFrame, context: DiagnosisContext) -> Cause:

@@ -49,6 +49,7 @@ SEVERAL_LIMIT = 3
 SEVERAL_FACTOR = 2.0  # each of several causes must improve the output at least this much on its own
 CONTRIBUTORS_PER_RANKING = 3
 SQNR_CAP = 200.0
+BACKEND_NAMES = {"onnxrt": "ONNX Runtime", "trt": "TensorRT"}
 
 
 @dataclass(frozen=True)
@@ -83,12 +84,22 @@ class _Suspect:
 def verify_outputs(result: CompareResult, context: DiagnosisContext, settings: RunSettings, runs: Sequence[GroupRun], samples: Samples, scratch: Path) -> str | None:
     """The verify stage: each failing output's suspects tested at the output (`verify_causes`) on the
     worst failing samples, by trials of the candidate `compare` built; the output failures get their
-    verified causes and repairs. Returns a notice when verification cannot run."""
+    verified causes and repairs. A candidate captured elsewhere cannot run again: ONNX Runtime's model of
+    the same precision stands in for it, on the outputs that fail there too. Returns a notice when
+    verification cannot run (or not on every failing output)."""
     if len(runs) > 1:
         return (f"causes were not verified: the samples take {len(runs)} different combinations of If branches "
                 "(compare each group's samples on their own to verify)")
     if settings.trt.engine is not None:
         return "causes were not verified: a pre-built engine (--engine) cannot be rebuilt with nodes kept in higher precision"
+    indexed = result.table.set_index("tensor", drop=False)
+    failures = result.output_failures
+    ratio_column, stand_in, notice = "tol_ratio", None, None
+    if settings.backend[0] == "recorded":
+        stand_in, notice, failures = _stand_in(failures, indexed, settings)
+        if stand_in is None:
+            return notice
+        ratio_column, settings = f"{settings.also}_tol_ratio", replace(settings, load_candidate=None, candidate_runner=None, candidate=settings.also, also=None)
     candidate = runs[0].candidate
     chosen = list(dict.fromkeys(int(s) for s in result.failing_samples["sample"]))[:MAX_TRIAL_SAMPLES] or [0]
     info = load_model(candidate.info.path)
@@ -98,13 +109,33 @@ def verify_outputs(result: CompareResult, context: DiagnosisContext, settings: R
         info, CandidateVariants(info, settings.recipe(), base=base), samples.subset(chosen), settings, scratch / "verify",
         {name: first[name].reshape(-1).tolist() for name in first if could_be_a_shape(first[name])},
     )
-    indexed = result.table.set_index("tensor", drop=False)
-    ratios = {f.tensor: float(indexed.loc[f.tensor, "tol_ratio"]) for f in result.output_failures}
+    ratios = {f.tensor: float(indexed.loc[f.tensor, ratio_column]) for f in failures}
     verdicts = verify_causes(ratios, indexed, context, Trials(setup, indexed), settings.verify_budget, settings.tolerances.default.rtol)
     result.output_failures = [
-        replace(f, cause=verdicts[f.tensor][0], repair=replace(verdicts[f.tensor][1], samples=chosen)) for f in result.output_failures
+        replace(f, cause=replace(verdicts[f.tensor][0], stand_in=stand_in), repair=replace(verdicts[f.tensor][1], samples=chosen))
+        if f.tensor in verdicts else f
+        for f in result.output_failures
     ]
-    return None
+    return notice
+
+
+def _stand_in(failures: list, table: pd.DataFrame, settings: RunSettings) -> tuple[str | None, str | None, list]:
+    """For a captured candidate: the candidate that stands in for it in verification (ONNX Runtime's
+    model of the same precision), the failures it can verify (those it reproduces), and a notice for
+    the rest. A keep that repairs the stand-in is evidence about the model, not about the captured
+    engine's own kernels, and the report says which candidate it was."""
+    if settings.also is None or f"{settings.also}_status" not in table.columns:
+        return None, "causes were not verified: a candidate captured elsewhere cannot run again here, and no candidate of its precision ran beside it", []
+    stand_in = f"{BACKEND_NAMES.get(settings.also, settings.also)}'s {settings.precision.upper()} model"
+    reproduced = [f for f in failures if table.loc[f.tensor, f"{settings.also}_status"] == "fail"]
+    unexplained = [f"'{f.tensor}'" for f in failures if f not in reproduced]
+    notice = None
+    if unexplained:
+        notice = (f"output(s) {', '.join(unexplained)} fail only in the captured candidate ({stand_in} meets the tolerance there): "
+                  "what the engine adds (its kernels, fusions or tactics) cannot be verified here; their causes are the rules' hypotheses")
+    if not reproduced:
+        return None, notice, []
+    return stand_in, notice, reproduced
 
 
 def verify_causes(

@@ -133,7 +133,7 @@ def read_captured(tensors: Sequence[str], settings: RunSettings, samples: int, s
                 f"{len(recorded.foreign)} name(s) in {Path(path).name} are no tensor of the model (TensorRT layer names, or another model's): {shown}; not compared"
             )
     if captured.candidate is not None:
-        captured.notices.append("isolation and verification need the candidate to run again: off for a candidate captured elsewhere")
+        captured.notices.append("the isolated run needs the candidate to run again: off for a candidate captured elsewhere")
     return captured
 
 
@@ -180,5 +180,5 @@ def _decode(text: object, path: Path, what: str) -> np.ndarray:
 
 def _encode(array: np.ndarray) -> str:
     buffer = io.BytesIO()
-    np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
+    np.save(buffer, np.asarray(array, order="C"), allow_pickle=False)
     return json.dumps({"array": base64.b64encode(buffer.getvalue()).decode(), "polygraphy_class": "ndarray"})

@@ -121,7 +121,9 @@ def sample_lines(result) -> list[str]:
 def cause_lines(failure, result) -> list[str]:
     """The cause of one failing output and its repair, as the console, report and pytest plugin show it."""
     cause = failure.cause
-    status = "verified at the output" if cause.verified else "not verified (--no-verify): the rules' hypothesis"
+    status = "not verified: the rules' hypothesis"
+    if cause.verified:
+        status = f"verified at the output on {cause.stand_in}, standing in for the captured candidate" if cause.stand_in else "verified at the output"
     if cause.kind in ("local", "several"):
         what = "introduces the error" if cause.kind == "local" else "is one of several causes"
         lines = [f"cause: {cause.op_type} '{cause.node}' {what} (its output '{cause.tensor}'; {status})"]
@@ -155,6 +157,8 @@ def repair_lines(failure, result) -> list[str]:
     if repair is None or len(repair.steps) < 2:
         return [f"  to find the nodes to keep in higher precision: accudiff bisect precision {result.model}{flag}"]
     samples = f"on {len(repair.samples)} failing sample(s)" if repair.samples else ""
+    if failure.cause is not None and failure.cause.stand_in:
+        samples += f" of {failure.cause.stand_in}"
     head = "repair (verified" if repair.verified else "repair (NOT verified: the output still fails"
     lines = [f"  {head} {samples}): keep {len(repair.keep)} node(s) in higher precision: " + ", ".join(f"'{n}'" for n in repair.keep)]
     for number, step in enumerate(repair.steps):

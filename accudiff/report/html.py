@@ -199,7 +199,7 @@ def _error_path(result) -> str:
         cause = failure.cause
         if cause is None:
             continue
-        label = "verified cause" if cause.verified else "cause (not verified)"
+        label = ("verified cause" + (f" (on {cause.stand_in})" if cause.stand_in else "")) if cause.verified else "cause (not verified)"
         causes += [(t, label) for t in dict.fromkeys([cause.tensor, *(c.tensor for c in cause.co_causes)]) if t]
         for drop in cause.absorbed:
             by = table.loc[table["node"] == drop.by, "tensor"] if drop.by else ()

@@ -37,7 +37,7 @@ class ReferenceStore:
         folder.mkdir(parents=True, exist_ok=True)
         for name, array in outputs.items():
             if name in self._files:
-                np.save(folder / self._files[name], np.ascontiguousarray(array), allow_pickle=False)
+                np.save(folder / self._files[name], np.asarray(array, order="C"), allow_pickle=False)
 
     def finish(self) -> None:
         (self.folder / COMPLETE).touch()
@@ -78,7 +78,7 @@ class ReferenceCache:
         digest.update(f"{Path(model).resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
         for feed in samples:
             for name in sorted(feed):
-                array = np.ascontiguousarray(feed[name])
+                array = np.asarray(feed[name], order="C")
                 digest.update(f"{name}|{array.dtype}|{array.shape}".encode())
                 digest.update(array.tobytes())
         return digest.hexdigest()[:32]

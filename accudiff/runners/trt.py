@@ -81,7 +81,7 @@ class TrtRunner(Runner):
                 reading = host_reading(trt, engine.get_tensor_dtype(name))
                 if isinstance(reading, str) or reading[1] is not None:  # no numpy type to write it in
                     raise AccudiffError(f"the engine's input '{name}' is {engine.get_tensor_dtype(name).name}: accudiff cannot feed that type")
-                inputs[name] = np.ascontiguousarray(feed[name], dtype=reading[0])
+                inputs[name] = np.asarray(feed[name], dtype=reading[0], order="C")  # ascontiguousarray would make a scalar 1-d
                 built_for = self.settings.shape_values.get(name)
                 if engine.is_shape_inference_io(name) and built_for is not None and inputs[name].reshape(-1).tolist() != list(built_for):
                     raise AccudiffError(
