@@ -52,14 +52,15 @@ def _compare(folder: Path, **options) -> accudiff.CompareResult:
     return accudiff.compare(MODEL, "fp16", inputs=folder / "inputs.json", **options)
 
 
-def test_a_captured_candidate_is_compared_with_the_onnxrt_candidate_beside_it(captured):
-    result = _compare(captured, load_candidate=captured / "fp16.json")
+def test_a_captured_candidate_is_compared_with_the_onnxrt_candidate_beside_it(captured, tmp_path):
+    result = _compare(captured, load_candidate=captured / "fp16.json", report_dir=tmp_path / "report")
     assert result.candidate.startswith("polygraphy runner 'onnxrt-runner-N0")
     table = result.table.set_index("tensor")
     assert (table["status"] != "missing").all()  # every tensor of the model was in the file
     assert "onnxrt_sqnr_db" in table  # the three-way view: this precision run here too
     assert table.loc["squared", "status"] == "fail" and table.loc["squared", "onnxrt_status"] == "fail"  # the model's own overflow
     assert "isolated_status" not in table  # a captured candidate cannot be fed the reference's values
+    assert "no isolated run here" in (tmp_path / "report" / "report.html").read_text()  # the chart does not describe a run that did not happen
     assert any("no tensor of the model" in n and "_cast_to_" in n for n in result.notices)  # polygraphy's own Casts
 
 

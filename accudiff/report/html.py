@@ -205,10 +205,11 @@ def _error_path(result) -> str:
             by = table.loc[table["node"] == drop.by, "tensor"] if drop.by else ()
             absorbed.append((drop.tensor, by.iloc[0] if len(by) else None, f"absorbed by {drop.by_op_type} '{drop.by}'" if drop.by else "absorbed"))
     svg = plots.error_path(table, list(dict.fromkeys(causes)), [k.node for k in result.kept], absorbed)
+    isolated = ("and the isolated run (each node fed the reference's values: its own error). A node whose isolated SQNR drops "
+                "makes error; a drop only in the normal run is carried in." if "isolated_sqnr_db" in table
+                else "(no isolated run here, so a node's own error is not told apart from error carried in).")
     intro = ("<p>SQNR of every compared tensor, in topological order: the normal run (error accumulated from every node upstream) "
-             "and the isolated run (each node fed the reference's values: its own error). A node whose isolated SQNR drops "
-             "makes error; a drop only in the normal run is carried in. A drop marked absorbed was tested: keeping that node "
-             "in higher precision left the output as it was.</p>")
+             f"{isolated} A drop marked absorbed was tested: keeping that node in higher precision left the output as it was.</p>")
     if svg is None:
         return ""
     return _section("The error's path", intro + f'<div class="plots" id="error-path">{svg}</div>')
