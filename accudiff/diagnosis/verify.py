@@ -9,8 +9,8 @@ The rules (cause.py) and mechanisms (mechanisms.py) only nominate suspects. For 
 2. Screen: each suspect kept in higher precision on its own (closed over precision boundaries), the
    candidate run again on the failing samples, graph outputs only (comparison/trial.py). A flagged node
    whose keep leaves the output as it was is `absorbed`: its error never reaches the output.
-3. Confirm greedily: keep the suspect that helps most, add the next while the output still fails, within
-   the budget of runs per output. The steps and their tolerance ratios are the `Repair`; it is verified
+3. Confirm greedily: keep the suspect that helps most; while the output still fails, try the next two
+   beside it (at once) and add the better if it helps, within the budget of runs per output. The steps and their tolerance ratios are the `Repair`; it is verified
    only when its last run is within tolerance.
 
 The cause is then `local` (one suspect's keep repairs the output), `several` (two or three suspects repair
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 MAX_TRIAL_SAMPLES = 8  # verification runs on the worst failing samples, at most this many
 HELPS = 0.8  # a keep helps when it brings the output's tolerance ratio below this share of what it was
 GREEDY_RESERVE = 3  # runs of the budget kept for confirming combinations after the screen
+GREEDY_ROUND = 2  # combinations tried at once while confirming (in parallel, on two cores)
 SEVERAL_LIMIT = 3
 SEVERAL_FACTOR = 2.0  # each of several causes must improve the output at least this much on its own
 CONTRIBUTORS_PER_RANKING = 3
@@ -209,15 +210,20 @@ def _conclude(
         used, keep, ratio = [helpful[0]], helpful[0].tried, helpful[0].tol_ratio
         steps.append(RepairStep(keep, ratio))
         # The others that help alone first; then the rest, as a node may help only beside another (an
-        # input it reads must be exact too).
-        for suspect in helpful[1:] + [s for s in suspects if s not in helpful]:
-            if ratio <= 1.0 or runs_left <= 0:
+        # input it reads must be exact too). They are tried GREEDY_ROUND at a time, in parallel, and the
+        # round's best that helps is added (a fixed round, so the answer does not depend on the cores).
+        queue = helpful[1:] + [s for s in suspects if s not in helpful]
+        while queue and ratio > 1.0 and runs_left > 0:
+            size = min(GREEDY_ROUND, runs_left)
+            round_ = [s for s in queue if not set(s.tried) <= set(keep)][:size]
+            queue = queue[queue.index(round_[-1]) + 1 :] if round_ else []
+            if not round_:
                 break
-            if set(suspect.tried) <= set(keep):
-                continue
-            [outcome] = trials.run([keep + [n for n in suspect.tried if n not in keep]])
-            runs_left -= 1
-            tried = outcome.tol_ratio.get(output, math.inf)
+            outcomes = trials.run([keep + [n for n in s.tried if n not in keep] for s in round_])
+            runs_left -= len(round_)
+            tried, suspect, outcome = min(
+                ((o.tol_ratio.get(output, math.inf), s, o) for s, o in zip(round_, outcomes)), key=lambda t: t[0]
+            )
             if improvement(ratio, tried) > 1 / HELPS or (tried <= 1.0 < ratio):
                 used.append(suspect)
                 keep, ratio = outcome.keep, tried
