@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 from accudiff.comparison.tolerances import Tolerances
 from accudiff.errors import AccudiffError
+from accudiff.model.segments import memory_budget
 from accudiff.runners import TrtOptions, resolve_candidate
 from accudiff.transforms import NodeSelector
 
@@ -88,6 +89,12 @@ class RunSettings:
             raise AccudiffError(f"unknown precision '{self.precision}'; choose one of: {', '.join(PRECISIONS)}")
         if self.iterations < 1:
             raise AccudiffError("--iterations must be at least 1")
+        if self.workers is not None and self.workers < 1:
+            raise AccudiffError("--workers must be at least 1")
+        if self.seed < 0:
+            raise AccudiffError("--seed must be 0 or more")
+        if self.max_memory is not None:
+            memory_budget(self.max_memory)  # a malformed size is an error now, not after the model is loaded
         if self.verify and self.verify_budget < 1:
             raise AccudiffError("--verify-budget must be at least 1 (or pass --no-verify)")
         if self.also is not None and self.also not in SIDE_BACKENDS:

@@ -230,7 +230,7 @@ def run_case(fmt: str, case: int, seeds: dict[str, tuple[Path, Path]], work: Pat
         except BaseException as exc:  # noqa: BLE001 - anything escaping is a defect
             code = -1
             print(f"escaped: {type(exc).__name__}: {exc}", file=stderr)
-    lines = [line for line in stderr.getvalue().splitlines() if line.strip()]
+    lines = [line for line in stderr.getvalue().splitlines() if line.strip() and not line.startswith("  ")]  # a bisector's steps are indented
     message = lines[-1] if lines else ""
     defect = None
     if code not in (0, 1, 2):

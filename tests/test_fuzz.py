@@ -114,10 +114,23 @@ def test_a_weight_whose_data_does_not_fill_its_shape_is_one_sentence(tmp_path, c
     ("--val-range", "1e999,nan", "must have finite bounds"),  # was: internal error, OverflowError from NumPy's uniform
     ("--val-range", "0,1e39", "goes beyond what float32 holds"),  # was: infinite inputs, compared as if meant
     ("--iterations", "99999999999", "GiB of inputs, more than the"),  # was: generating until the machine gave up
+    ("--seed", "-1", "--seed must be 0 or more"),  # was: internal error, ValueError from NumPy's default_rng
 ])
 def test_adversarial_generation_options_are_one_sentence(option, value, said, tmp_path, capsys):
     code, err = _compare([str(fixture("clean")), option, value, "-o", str(tmp_path / "r")], capsys)
     assert code == 2 and err.count("\n") == 0 and said in err, err
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("option, value, said", [
+    ("--keep-fp32", "MatMul", "--keep-fp32 'MatMul' matches no node of the model"),
+    ("--workers", "-3", "--workers must be at least 1"),
+])
+def test_a_bisector_refuses_a_bad_option_before_its_first_step(option, value, said, tmp_path, capsys):
+    """The bisectors printed "step 1: compare the whole model ..." before the sentence (found by fuzz.py)."""
+    code = main(["bisect", "precision", str(fixture("if_model")), option, value, "-o", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and said in err, err
     assert not (tmp_path / "r").exists()
 
 

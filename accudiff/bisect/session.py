@@ -31,6 +31,7 @@ class BisectSession:
 
     def __post_init__(self) -> None:
         self.info: ModelInfo = load_model(self.settings.model)
+        self.settings.check_against(self.info)  # a bad option is one sentence before any step is shown
         self.cache = ReferenceCache()
         self.feeds = prepare_samples(self.info, self.settings, self.cache.folder / "inputs.npz")
 

@@ -43,8 +43,6 @@ def run_shards(
     `workers`: how many shards (default: 1 locally; with Ray, one per CPU of the cluster). `indices`: the
     samples' numbers in the whole dataset, which the per-sample results carry (default 0, 1, ...)."""
     indices = list(indices) if indices is not None else list(range(len(entries)))
-    if workers is not None and workers < 1:
-        raise AccudiffError("--workers must be at least 1")
     if ray is not None:
         with _ray_cluster(ray) as cpus:
             return merge_results(_run_on_ray(_split(job, entries, indices, workers or cpus, threads=1), progress))

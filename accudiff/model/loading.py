@@ -357,6 +357,12 @@ def _attribute_graphs(attr: onnx.AttributeProto) -> list[onnx.GraphProto]:
     return []
 
 
+def has_external_data(proto: onnx.ModelProto) -> bool:
+    """Whether any weight of the model (bodies included) lives in a data file beside it."""
+    graphs = [proto.graph, *(body for node in all_nodes(proto.graph) for attr in node.attribute for body in _attribute_graphs(attr))]
+    return any(init.data_location == onnx.TensorProto.EXTERNAL for graph in graphs for init in graph.initializer)
+
+
 def all_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
     """The graph's nodes and, recursively, those inside its If/Loop/Scan bodies."""
     nodes = []

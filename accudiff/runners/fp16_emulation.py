@@ -7,7 +7,7 @@ FP16 (an FP16 overflow inside the region vanishes; even a Cast of a graph input 
 So the ONNX Runtime candidate runs a lowered copy of the FP16 model: every FP16 value becomes FP32 and
 passes through an explicit Cast to FP16 and back. In an all-FP32 graph ONNX Runtime keeps such a pair,
 so each value is really rounded (nearest-even, subnormals, overflow to Inf) while arithmetic stays FP32.
-FP16 weights become the same values in FP32.
+FP16 weights become the same values in FP32 (a Cast ONNX Runtime folds at load).
 """
 
 from __future__ import annotations
@@ -56,15 +56,23 @@ def lower_fp16(model: onnx.ModelProto) -> dict[str, str]:
         for out in rounded:
             lowered += _round_nodes(out + "__unrounded", out)
     del graph.node[:]
-    graph.node.extend(lowered)
-    for init in graph.initializer:
-        if init.data_type == FP16:
-            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float32), init.name))
+    graph.node.extend(_widen_fp16_weights(graph) + lowered)
     for vi in graph.output:  # FP16 graph inputs stay FP16: FP16 values are fed as they are, and widened in the graph
         if vi.type.tensor_type.elem_type == FP16:
             vi.type.tensor_type.elem_type = FP32
     del graph.value_info[:]  # stale shapes of renamed values would mislead the runtime
     return {name: fp16_name(name) for name in fp16_values}
+
+
+def _widen_fp16_weights(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """FP16 weights become FP32 by a Cast that ONNX Runtime folds when it loads them (the Casts are
+    returned): their data is never read or copied here, wherever it lives (a data file, or the model)."""
+    casts = []
+    for init in graph.initializer:
+        if init.data_type == FP16:
+            casts.append(helper.make_node("Cast", [init.name + "__fp16"], [init.name], to=FP32))
+            init.name += "__fp16"
+    return casts
 
 
 def fp16_name(value: str) -> str:

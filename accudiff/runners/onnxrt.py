@@ -48,8 +48,10 @@ class OnnxrtRunner(Runner):
         # A segmented comparison alternates many sessions and the statistics pass on the same cores: threads
         # left spinning after a run would steal them from whatever runs next.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if isinstance(path, bytes):  # the marked graph alone; its weights stay in the model's own data files
+            options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(self.model_path.parent))
         try:
-            self._session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            self._session = ort.InferenceSession(path if isinstance(path, bytes) else str(path), options, providers=["CPUExecutionProvider"])
         except Exception as exc:  # ONNX Runtime raises its own exception types, and RuntimeError
             raise AccudiffError(f"ONNX Runtime failed while loading '{self.model_path.name}': {first_line(exc)}") from exc
         self._input_types = {i.name: _NUMPY_TYPES.get(i.type) for i in self._session.get_inputs()}
@@ -79,14 +81,16 @@ class OnnxrtRunner(Runner):
         returned = set(self._answers.values())
         return {name: "ONNX Runtime did not return it" for name in self.outputs if name not in returned}
 
-    def _marked_model(self) -> Path:
-        """The model with the requested tensors marked as outputs, saved beside its weights as external data:
-        ONNX Runtime then maps the weights from the file instead of copying them out of a protobuf."""
-        from accudiff.model.loading import clear_unknown_dims
+    def _marked_model(self) -> Path | bytes:
+        """The model with the requested tensors marked as outputs. Weights already in data files stay there
+        (the marked graph is handed over as bytes, pointed at the model's folder: nothing is copied or
+        written again); weights inside the model are saved beside the marked copy as external data, so
+        ONNX Runtime maps them from the file instead of copying them out of a protobuf."""
+        from accudiff.model.loading import clear_unknown_dims, has_external_data
         from accudiff.runners.fp16_emulation import lower_fp16
 
         try:
-            model = onnx.load(str(self.model_path), load_external_data=True)
+            model = onnx.load(str(self.model_path), load_external_data=False)
         except Exception as exc:
             raise AccudiffError(f"'{self.model_path.name}' could not be read: {first_line(exc)}") from exc
         clear_unknown_dims(model)  # a size written as 0 means "unknown", not an empty tensor
@@ -99,6 +103,8 @@ class OnnxrtRunner(Runner):
                 self._answers[marked] = name
         del model.graph.output[:]  # exactly what was asked for: a graph output nobody wants is not kept alive
         model.graph.output.extend(onnx.ValueInfoProto(name=name) for name in self._answers)
+        if has_external_data(model):
+            return model.SerializeToString()  # the graph, without the weights: far below protobuf's limit
         target = self._scratch / "marked.onnx"
         onnx.save(model, str(target), save_as_external_data=True, location="marked.onnx.data", size_threshold=1024)
         return target
