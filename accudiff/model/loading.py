@@ -19,8 +19,10 @@ from google.protobuf.message import DecodeError
 
 from accudiff.errors import AccudiffError, first_line
 
-# Protobuf refuses to serialise messages beyond 2 GiB; above this we keep weights as external data.
-EXTERNAL_DATA_THRESHOLD = 1_500_000_000  # weights beyond this are saved beside the model (protobuf stops at 2 GiB)
+# Weights beyond this are saved beside the model: protobuf refuses to serialise messages past 2 GiB, and
+# ONNX Runtime runs weights in a data file where they are, while a model held whole is copied again for
+# every marked run (runners/onnxrt.py).
+EXTERNAL_DATA_THRESHOLD = 256 << 20
 EXTERNAL_DATA_MIN_TENSOR = 1024  # ... each weight of at least this many bytes
 # Initializers up to this size are kept for shape inference (shape arithmetic reads their values).
 SMALL_INITIALIZER_BYTES = 4096
@@ -86,11 +88,9 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
     if not path.is_file():
         raise AccudiffError(f"model file '{path}' does not exist")
     try:
-        proto = onnx.load(str(path), load_external_data=True)
+        proto = onnx.load(str(path), load_external_data=False)
     except (DecodeError, ValueError, RuntimeError) as exc:
         raise AccudiffError(f"'{path}' is not a readable ONNX model ({first_line(exc)})") from exc
-    except FileNotFoundError as exc:
-        raise AccudiffError(f"'{path}' refers to external data that is missing: {exc.filename}") from exc
     if len(proto.graph.node) == 0:
         raise AccudiffError(f"'{path}' is not a valid ONNX model: its graph has no nodes")
     undecodable = _undecodable_text(proto)
@@ -99,10 +99,19 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
     misshapen = _misshapen_weight(proto.graph)
     if misshapen is not None:
         raise AccudiffError(f"'{path}' is not a valid ONNX model: {misshapen}")
-    try:
-        onnx.checker.check_model(str(path) if _is_large(proto) else proto)
+    external = has_external_data(proto)
+    missing = next((name for name in _data_files(proto) if not (path.parent / name).is_file()), None) if external else None
+    if missing is not None:
+        raise AccudiffError(f"'{path}' refers to external data that is missing: {path.parent / missing}")
+    try:  # a model with data files is checked from its file (the checker then checks them too), never serialized again
+        onnx.checker.check_model(str(path) if external or _is_large(proto) else proto)
     except onnx.checker.ValidationError as exc:
         raise AccudiffError(f"'{path}' fails the ONNX checker: {first_line(exc)}") from exc
+    if external:
+        try:
+            onnx.load_external_data_for_model(proto, str(path.parent))
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise AccudiffError(f"'{path}' refers to external data that cannot be read: {first_line(exc)}") from exc
     name_unnamed_nodes(proto)
     clear_unknown_dims(proto)
     infer_shapes_in_place(proto)
@@ -115,10 +124,13 @@ def _misshapen_weight(graph: onnx.GraphProto) -> str | None:
     strings and complex numbers are not checked."""
     tensors = [*graph.initializer, *(a.t for n in all_nodes(graph) if n.op_type == "Constant" for a in n.attribute if a.name == "value")]
     for tensor in tensors:
-        if tensor.data_location == onnx.TensorProto.EXTERNAL or tensor.data_type in _UNCHECKED_TYPES:
+        if tensor.data_type in _UNCHECKED_TYPES:
             continue
         expected = math.prod(tensor.dims)
-        if tensor.HasField("raw_data"):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:  # its length is written beside its location: nothing is read
+            length = next((int(e.value) for e in tensor.external_data if e.key == "length" and e.value.isdigit()), None)
+            held = expected if length is None else length / onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+        elif tensor.HasField("raw_data"):
             held = len(tensor.raw_data) / onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
         else:
             held = len(getattr(tensor, onnx.helper.tensor_dtype_to_field(tensor.data_type)))
@@ -246,7 +258,7 @@ def save_model(proto: onnx.ModelProto, path: Path) -> None:
     location = path.name + ".data"
     with open(path.parent / location, "wb") as data:
         for init in proto.graph.initializer:
-            if init.data_location == onnx.TensorProto.EXTERNAL or init.ByteSize() < EXTERNAL_DATA_MIN_TENSOR:
+            if init.data_location == onnx.TensorProto.EXTERNAL or tensor_bytes(init) < EXTERNAL_DATA_MIN_TENSOR:
                 light.graph.initializer.append(init)
                 continue
             raw = init.raw_data if init.HasField("raw_data") else numpy_helper.to_array(init).tobytes()
@@ -267,7 +279,7 @@ def infer_shapes_in_place(proto: onnx.ModelProto) -> None:
     light = copy_without_initializers(proto)
     declared = {i.name for i in light.graph.input}
     for init in proto.graph.initializer:
-        if len(init.raw_data) <= SMALL_INITIALIZER_BYTES:
+        if tensor_bytes(init) <= SMALL_INITIALIZER_BYTES:
             light.graph.initializer.append(init)
         elif init.name not in declared:
             light.graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
@@ -363,6 +375,11 @@ def has_external_data(proto: onnx.ModelProto) -> bool:
     return any(init.data_location == onnx.TensorProto.EXTERNAL for graph in graphs for init in graph.initializer)
 
 
+def _data_files(proto: onnx.ModelProto) -> list[str]:
+    """The data files the model's main graph keeps its weights in, as written in it (relative)."""
+    return list(dict.fromkeys(e.value for init in proto.graph.initializer for e in init.external_data if e.key == "location"))
+
+
 def all_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
     """The graph's nodes and, recursively, those inside its If/Loop/Scan bodies."""
     nodes = []
@@ -426,5 +443,11 @@ def toposort(graph: onnx.GraphProto) -> None:
 
 
 def _is_large(proto: onnx.ModelProto) -> bool:
-    total = sum(init.ByteSize() for init in proto.graph.initializer)  # raw or typed fields alike
-    return total > EXTERNAL_DATA_THRESHOLD
+    return sum(tensor_bytes(init) for init in proto.graph.initializer) > EXTERNAL_DATA_THRESHOLD
+
+
+def tensor_bytes(tensor: onnx.TensorProto) -> int:
+    """The bytes a weight's values take, from its shape and type: reading its data field would copy it."""
+    if tensor.data_type in _UNCHECKED_TYPES:
+        return tensor.ByteSize()
+    return math.prod(tensor.dims) * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
