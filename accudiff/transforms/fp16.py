@@ -232,7 +232,12 @@ def _constant_absmax(graph: onnx.GraphProto, initializers: Iterable[onnx.TensorP
     for node in graph.node:
         if node.op_type == "Constant":
             named += [(node.output[0], a.t) for a in node.attribute if a.name == "value" and a.t.data_type == TensorProto.FLOAT]
-    return {name: float(np.abs(numpy_helper.to_array(tensor)).max(initial=0.0)) for name, tensor in named}
+    return {name: _absmax(numpy_helper.to_array(tensor)) for name, tensor in named}
+
+
+def _absmax(values: np.ndarray) -> float:
+    """max(abs(values)) without an absolute copy of a weight that may take gigabytes."""
+    return float(max(values.max(initial=0.0), -values.min(initial=0.0))) if values.size else 0.0
 
 
 def _formal_type(formals, index: int) -> str:
