@@ -3,14 +3,16 @@ how far each output is from the reference (its tolerance ratio).
 
 This is the one mechanism behind verified causes (diagnosis/verify.py) and `accudiff bisect precision`:
 a keep-list is judged by what it does at the graph outputs, not by what a rule says about one node.
-Nothing is marked (these runs are cheap), the variants of one call share one worker per core (each
-worker runs the reference once per sample), and every keep-list is closed over precision boundaries first.
+Nothing is marked (these runs are cheap), the variants of one call share one worker per core, and every
+keep-list is closed over precision boundaries first. The reference's graph outputs are recorded by the
+first worker of the first call and replayed by every later one (a session and a run saved per worker).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -24,6 +26,7 @@ from accudiff.comparison.shards import merge_results
 from accudiff.comparison.worker import Job, discard_spares, prestart, run_job
 from accudiff.model.loading import ModelInfo, save_model
 from accudiff.model.samples import Samples
+from accudiff.runners.outputs import ReferenceStore
 from accudiff.settings import RunSettings
 from accudiff.transforms.candidate import CandidateVariants
 from accudiff.transforms.fp16 import FP16_MAX
@@ -65,6 +68,8 @@ class Trials:
         """`table`: the comparison's statistics (ranges of the reference tensors), indexed by tensor."""
         self.setup = setup
         self.runs = 0
+        setup.scratch.mkdir(parents=True, exist_ok=True)
+        self.reference = ReferenceStore(Path(tempfile.mkdtemp(prefix="reference-", dir=setup.scratch)), list(setup.info.output_names))
         self.boundaries = Boundaries(setup.info.proto.graph, unfit_for_fp16(table), setup.variants.base.converted, setup.variants.recipe.precision)
 
     def run(self, keep_lists: Sequence[Sequence[str]]) -> list[TrialOutcome]:
@@ -78,11 +83,12 @@ class Trials:
         threads = max(1, cores // min(cores, len(chunks) or 1))
         prestart(len(chunks))  # their start overlaps the building of the variants
         outcomes: list[TrialOutcome] = []
+        recording = not self.reference.complete
         with ThreadPoolExecutor(max_workers=min(cores, len(chunks) or 1)) as pool:
             sent = []
             try:
-                for chunk in chunks:  # each job leaves as soon as its variants are saved
-                    batch = self._job(chunk)
+                for index, chunk in enumerate(chunks):  # each job leaves as soon as its variants are saved
+                    batch = self._job(chunk, self.reference.folder if not recording or index == 0 else None)
                     sent.append((batch, pool.submit(lambda job: merge_results([run_job(replace(job, threads=threads))]), batch.job)))
             except BaseException:
                 discard_spares()
@@ -90,10 +96,13 @@ class Trials:
             for batch, future in sent:
                 passes = future.result()["passes"]
                 outcomes += [_outcome(keep, passes[p["name"]]["outcomes"]) for keep, p in zip(batch.keep_lists, batch.job.passes)]
+        if recording and sent:
+            self.reference.finish()
         return outcomes
 
-    def _job(self, keep_lists: list[list[str]]) -> _Batch:
-        """The variants of `keep_lists` saved, and the worker job that tries them."""
+    def _job(self, keep_lists: list[list[str]], reference: Path | None) -> _Batch:
+        """The variants of `keep_lists` saved, and the worker job that tries them (recording the reference's
+        outputs in `reference`, or replaying them from it once complete)."""
         setup = self.setup
         folder = setup.scratch / f"trials-{self.runs}"
         folder.mkdir(parents=True, exist_ok=True)
@@ -121,6 +130,7 @@ class Trials:
             input_shapes={spec.name: list(first[spec.name].shape) for spec in info.inputs},
             shape_values=dict(setup.shape_values),
             input_specs=[[spec.name, str(spec.dtype), list(spec.shape)] for spec in info.inputs],
+            store=str(reference) if reference is not None else None,
         )
         return _Batch(keep_lists, job)
 
