@@ -167,8 +167,11 @@ def _insert_casts(graph, initializers, opset, types, new_types, converted_params
             produced[key] = name + suffix
             if name in initializers and target == TensorProto.FLOAT16:
                 with np.errstate(over="ignore"):  # only with --no-autokeep, and then reported
-                    values = numpy_helper.to_array(initializers[name]).astype(np.float16)
-                graph.initializer.append(numpy_helper.from_array(values, produced[key]))
+                    values = numpy_helper.to_array(initializers[name]).astype("<f2")  # ONNX raw data is little-endian
+                # Built in place: a TensorProto made first and appended would be copied once more.
+                weight = graph.initializer.add(name=produced[key], data_type=TensorProto.FLOAT16, dims=initializers[name].dims)
+                weight.raw_data = values.tobytes()
+                del values
             else:
                 new_nodes.append(helper.make_node("Cast", [name], [produced[key]], name=produced[key] + "_cast", to=target))
                 copies[produced[key]] = name
