@@ -59,6 +59,34 @@ def test_weights_past_the_external_data_threshold_travel_beside_each_model(preci
     onnx.checker.check_model(str(result.report_dir / candidate))
 
 
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_no_model_past_the_threshold_is_saved_whole(precision, tmp_path, monkeypatch):
+    """INT8 saved the model it hands ONNX Runtime's quantizer whole, and let the quantizer save whole too:
+    past protobuf's 2 GB that was `internal error: EncodeError` (the 3 GiB MLP of benchmarks/big_weights.py).
+    Here the threshold is lowered, and saving a model whole past it fails as protobuf would."""
+    import onnx
+
+    from accudiff.model import loading
+
+    monkeypatch.setattr(loading, "EXTERNAL_DATA_THRESHOLD", 100)
+    monkeypatch.setattr(loading, "EXTERNAL_DATA_MIN_TENSOR", 0)
+    original = onnx.save_model
+
+    def like_protobuf(proto, f, *args, save_as_external_data=False, **kwargs):
+        if isinstance(proto, onnx.ModelProto) and not save_as_external_data:
+            inline = sum(len(init.raw_data) for init in proto.graph.initializer)
+            assert inline <= 100, f"a model with {inline} bytes of weights inside it was saved whole"
+        return original(proto, f, *args, save_as_external_data=save_as_external_data, **kwargs)
+
+    monkeypatch.setattr(onnx, "save_model", like_protobuf)
+    monkeypatch.setattr(onnx, "save", like_protobuf)
+    folder = tmp_path / "a folder with spaces"
+    folder.mkdir()
+    original(onnx.load(str(fixture("int8_outlier_channel"))), str(folder / "model.onnx"), save_as_external_data=True, size_threshold=0)
+    result = accudiff.compare(folder / "model.onnx", precision, candidate="onnxrt", report_dir=tmp_path / "r")
+    assert result.verdict in ("pass", "fail")
+
+
 def test_weights_in_data_files_are_run_where_they_are(tmp_path):
     """ONNX Runtime is handed the marked graph alone and reads the weights from the model's own data files
     (an FP16 model's too: widened by a Cast it folds), instead of a rewritten copy of every weight per run

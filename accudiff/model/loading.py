@@ -104,7 +104,7 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
     if missing is not None:
         raise AccudiffError(f"'{path}' refers to external data that is missing: {path.parent / missing}")
     try:  # a model with data files is checked from its file (the checker then checks them too), never serialized again
-        onnx.checker.check_model(str(path) if external or _is_large(proto) else proto)
+        onnx.checker.check_model(str(path) if external or needs_data_file(proto) else proto)
     except onnx.checker.ValidationError as exc:
         raise AccudiffError(f"'{path}' fails the ONNX checker: {first_line(exc)}") from exc
     if external:
@@ -251,7 +251,7 @@ def save_model(proto: onnx.ModelProto, path: Path) -> None:
     `proto` is left as it was: onnx's own external-data save rewrites the caller's tensors into references
     to that file, and a model built from it afterwards (the isolated run's) then points at a file that is
     not beside it."""
-    if not _is_large(proto):
+    if not needs_data_file(proto):
         onnx.save(proto, str(path))
         return
     light = copy_without_initializers(proto)
@@ -442,7 +442,8 @@ def toposort(graph: onnx.GraphProto) -> None:
         graph.node.extend(copies)
 
 
-def _is_large(proto: onnx.ModelProto) -> bool:
+def needs_data_file(proto: onnx.ModelProto) -> bool:
+    """Whether the model's weights are saved beside it (see EXTERNAL_DATA_THRESHOLD)."""
     return sum(tensor_bytes(init) for init in proto.graph.initializer) > EXTERNAL_DATA_THRESHOLD
 
 

@@ -27,7 +27,7 @@ from onnx import numpy_helper
 
 from accudiff.errors import AccudiffError, first_line
 from accudiff.model.inputs import Feed
-from accudiff.model.loading import toposort
+from accudiff.model.loading import needs_data_file, save_model, toposort
 from accudiff.transforms.base import KeptNode, NodeSelector, QuantRange, TransformResult
 
 QUANTIZED_OPS = ["Conv", "ConvTranspose", "MatMul", "Gemm"]
@@ -68,7 +68,7 @@ def to_int8(
     notices = [*already, *upgraded, *([RANDOM_CALIBRATION_WARNING] if calibrated_on_random_data else [])]
     with tempfile.TemporaryDirectory(prefix="accudiff-int8-") as tmp:
         source, target = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
-        onnx.save(model, str(source))
+        save_model(model, source)  # its weights beside it past the threshold: protobuf stops at 2 GB
         try:
             with warnings.catch_warnings(), _quiet_root_logger():
                 warnings.simplefilter("ignore")
@@ -82,6 +82,7 @@ def to_int8(
                     activation_type=QuantType.QInt8,
                     weight_type=QuantType.QInt8,
                     nodes_to_exclude=excluded,
+                    use_external_data_format=needs_data_file(model),
                     extra_options={
                         "ActivationSymmetric": True,
                         "WeightSymmetric": True,
