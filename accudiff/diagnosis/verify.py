@@ -214,11 +214,10 @@ def _conclude(
         # round's best that helps is added (a fixed round, so the answer does not depend on the cores).
         queue = helpful[1:] + [s for s in suspects if s not in helpful]
         while queue and ratio > 1.0 and runs_left > 0:
-            size = min(GREEDY_ROUND, runs_left)
-            round_ = [s for s in queue if not set(s.tried) <= set(keep)][:size]
-            queue = queue[queue.index(round_[-1]) + 1 :] if round_ else []
+            round_ = [s for s in queue if not set(s.tried) <= set(keep)][: min(GREEDY_ROUND, runs_left)]
             if not round_:
                 break
+            queue = queue[queue.index(round_[-1]) + 1 :]
             outcomes = trials.run([keep + [n for n in s.tried if n not in keep] for s in round_])
             runs_left -= len(round_)
             tried, suspect, outcome = min(

@@ -276,6 +276,18 @@ def infer_shapes_in_place(proto: onnx.ModelProto) -> None:
     shape arithmetic); large ones are declared as typed inputs. On failure the model keeps what it had:
     shapes are a convenience, and dtypes also come back from the runs themselves.
     """
+    try:
+        inferred = onnx.shape_inference.infer_shapes(shape_inference_copy(proto), strict_mode=False, data_prop=True)
+    except (onnx.shape_inference.InferenceError, ValueError):
+        return
+    del proto.graph.value_info[:]
+    proto.graph.value_info.extend(_known(inferred.graph.value_info))
+    _copy_body_value_info(proto.graph.node, inferred.graph.node)
+
+
+def shape_inference_copy(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy for shape inference: the graph and the small initializers (their values matter for shape
+    arithmetic), the large ones declared as typed inputs (their shapes matter, their values are not copied)."""
     light = copy_without_initializers(proto)
     declared = {i.name for i in light.graph.input}
     for init in proto.graph.initializer:
@@ -283,13 +295,7 @@ def infer_shapes_in_place(proto: onnx.ModelProto) -> None:
             light.graph.initializer.append(init)
         elif init.name not in declared:
             light.graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
-    try:
-        inferred = onnx.shape_inference.infer_shapes(light, strict_mode=False, data_prop=True)
-    except (onnx.shape_inference.InferenceError, ValueError):
-        return
-    del proto.graph.value_info[:]
-    proto.graph.value_info.extend(_known(inferred.graph.value_info))
-    _copy_body_value_info(proto.graph.node, inferred.graph.node)
+    return light
 
 
 def _known(value_info: Iterable[onnx.ValueInfoProto]) -> list[onnx.ValueInfoProto]:
@@ -371,13 +377,17 @@ def _attribute_graphs(attr: onnx.AttributeProto) -> list[onnx.GraphProto]:
 
 def has_external_data(proto: onnx.ModelProto) -> bool:
     """Whether any weight of the model (bodies included) lives in a data file beside it."""
-    graphs = [proto.graph, *(body for node in all_nodes(proto.graph) for attr in node.attribute for body in _attribute_graphs(attr))]
-    return any(init.data_location == onnx.TensorProto.EXTERNAL for graph in graphs for init in graph.initializer)
+    return any(init.data_location == onnx.TensorProto.EXTERNAL for init in _all_initializers(proto))
 
 
 def _data_files(proto: onnx.ModelProto) -> list[str]:
-    """The data files the model's main graph keeps its weights in, as written in it (relative)."""
-    return list(dict.fromkeys(e.value for init in proto.graph.initializer for e in init.external_data if e.key == "location"))
+    """The data files the model (bodies included) keeps its weights in, as written in it (relative)."""
+    return list(dict.fromkeys(e.value for init in _all_initializers(proto) for e in init.external_data if e.key == "location"))
+
+
+def _all_initializers(proto: onnx.ModelProto) -> list[onnx.TensorProto]:
+    bodies = [body for node in all_nodes(proto.graph) for attr in node.attribute for body in _attribute_graphs(attr)]
+    return [init for graph in [proto.graph, *bodies] for init in graph.initializer]
 
 
 def all_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 
 from accudiff.errors import AccudiffError
-from accudiff.model.loading import SMALL_INITIALIZER_BYTES, ModelInfo, copy_without_initializers, infer_shapes_in_place, tensor_bytes
+from accudiff.model.loading import ModelInfo, infer_shapes_in_place, shape_inference_copy
 
 DEFAULT_MAX_MEMORY = 256 << 20
 # A segment's compared tensors are held twice at once (the reference's and one pass's), beside the values
@@ -57,14 +57,8 @@ class Segment:
 
 def tensor_sizes(info: ModelInfo, input_shapes: Mapping[str, Sequence[int]]) -> dict[str, int]:
     """Bytes of every node output (and graph input) for inputs of the given shapes."""
-    light = copy_without_initializers(info.proto)
+    light = shape_inference_copy(info.proto)  # a large weight's shape is known, or its consumer would be sized like it
     initializers = {init.name: init for init in info.proto.graph.initializer}
-    declared = {vi.name for vi in light.graph.input}
-    for init in initializers.values():  # small weights by value (shape arithmetic reads them), large ones by type and shape
-        if tensor_bytes(init) <= SMALL_INITIALIZER_BYTES:
-            light.graph.initializer.append(init)
-        elif init.name not in declared:
-            light.graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
     for vi in light.graph.input:
         if vi.name in input_shapes:
             shape = vi.type.tensor_type.shape
