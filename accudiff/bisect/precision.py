@@ -66,6 +66,8 @@ def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
     except KeyboardInterrupt:
         result.interrupted = True
         best = None
+    finally:
+        trials.close()
     result.candidate_runs = session.candidate_runs
     if best is None:
         return result

@@ -50,6 +50,7 @@ class PassPlan:
     make_runner: RunnerFactory
     fed_from_reference: dict[str, str] = field(default_factory=dict)  # input -> the reference tensor it is fed
     record: ReferenceStore | None = None  # where its tensors are kept, when the user asked to save them
+    fixed_inputs: dict[str, np.ndarray] = field(default_factory=dict)  # inputs of the pass's own (a switchboard's switches)
 
 
 @dataclass
@@ -183,7 +184,8 @@ class Engine:
             if make is not None:
                 runner = make(segment_path, wanted)
                 runner.activate()
-                self._active.append(runner)
+                if runner not in self._active:
+                    self._active.append(runner)
             segments.append(_Segment(runner, inputs, own, wanted))
         return segments
 
@@ -202,7 +204,7 @@ class Engine:
                 for name in segment.inputs & plan.fed_from_reference.keys():
                     values[name] = reference_values[plan.fed_from_reference[name]]
                 self.progress(f"running the {plan.name} pass on sample {sample}")
-                out = segment.runner.infer(values)
+                out = segment.runner.infer({**values, **plan.fixed_inputs} if plan.fixed_inputs else values)
                 if plan.record is not None:
                     plan.record.write(sample, out)
                 self._reduce(plan.name, sample, reference_values, out, reference.compared)

@@ -3,9 +3,12 @@ how far each output is from the reference (its tolerance ratio).
 
 This is the one mechanism behind verified causes (diagnosis/verify.py) and `accudiff bisect precision`:
 a keep-list is judged by what it does at the graph outputs, not by what a rule says about one node.
-Nothing is marked (these runs are cheap), the variants of one call share one worker per core, and every
-keep-list is closed over precision boundaries first. The reference's graph outputs are recorded by the
-first worker of the first call and replayed by every later one (a session and a run saved per worker).
+Nothing is marked (these runs are cheap), the keep-lists of one call are shared among one worker per
+core, and every keep-list is closed over precision boundaries first. An FP16 candidate on ONNX Runtime is
+tried as one switchboard (transforms/switches.py): built, saved and loaded once, each keep-list a run
+with its switches set, in workers that stay up from one call to the next and keep its session open.
+Other candidates (INT8, TensorRT) get a variant per keep-list. The reference's graph outputs are recorded
+by the first worker of the first call and replayed by every later one.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ import onnx
 import pandas as pd
 
 from accudiff.comparison.shards import merge_results
-from accudiff.comparison.worker import Job, discard_spares, prestart, run_job
+from accudiff.comparison.worker import Job, Worker, discard_spares, prestart, take_worker
 from accudiff.model.loading import ModelInfo, save_model
 from accudiff.model.samples import Samples
 from accudiff.runners.outputs import ReferenceStore
 from accudiff.settings import RunSettings
 from accudiff.transforms.candidate import CandidateVariants
 from accudiff.transforms.fp16 import FP16_MAX
+from accudiff.transforms.switches import Switchboard
 
 VARIANTS_PER_WORKER = 8  # every variant's session is open at once in a worker: bound that
 UNDERFLOW_SHARE = 0.01  # as diagnosis/rules.py: a smaller share of tiny values is noise
@@ -62,7 +66,8 @@ class TrialSetup:
 
 
 class Trials:
-    """Counted trials over one setup; `boundaries` closes every keep-list before it is tried."""
+    """Counted trials over one setup; `boundaries` closes every keep-list before it is tried. Use it as a
+    context manager: its workers stay up until it closes."""
 
     def __init__(self, setup: TrialSetup, table: pd.DataFrame):
         """`table`: the comparison's statistics (ranges of the reference tensors), indexed by tensor."""
@@ -71,46 +76,92 @@ class Trials:
         setup.scratch.mkdir(parents=True, exist_ok=True)
         self.reference = ReferenceStore(Path(tempfile.mkdtemp(prefix="reference-", dir=setup.scratch)), list(setup.info.output_names))
         self.boundaries = Boundaries(setup.info.proto.graph, unfit_for_fp16(table), setup.variants.base.converted, setup.variants.recipe.precision)
+        self._workers: list[Worker] = []
+        self._board: tuple[Switchboard, Path] | None = None
+        self._switchable = setup.settings.backend[0] == "onnxrt"  # a TensorRT build of a switchboard would fuse differently
+
+    def __enter__(self) -> Trials:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        while self._workers:
+            self._workers.pop().close()
 
     def run(self, keep_lists: Sequence[Sequence[str]]) -> list[TrialOutcome]:
         """Each keep-list (closed over boundaries) tried on the setup's samples; outcomes in the same order.
-        The variants are shared among as many workers as there are cores, at once: what a trial costs is
-        mostly single-threaded (preparing each variant and creating its session)."""
+        The keep-lists are shared among as many workers as there are cores, at once: what a trial costs
+        is mostly single-threaded (preparing a model and creating its session)."""
         closed = [self.boundaries.close(keep) for keep in keep_lists]
         cores = os.cpu_count() or 1
         size = min(VARIANTS_PER_WORKER, math.ceil(len(closed) / cores)) or 1
         chunks = [closed[start : start + size] for start in range(0, len(closed), size)]
         threads = max(1, cores // min(cores, len(chunks) or 1))
-        prestart(len(chunks))  # their start overlaps the building of the variants
+        prestart(len(chunks) - len(self._workers))  # their start overlaps the building of the models
         outcomes: list[TrialOutcome] = []
         recording = not self.reference.complete
+        board = self._switchboard(closed)
         with ThreadPoolExecutor(max_workers=min(cores, len(chunks) or 1)) as pool:
             sent = []
             try:
-                for index, chunk in enumerate(chunks):  # each job leaves as soon as its variants are saved
-                    batch = self._job(chunk, self.reference.folder if not recording or index == 0 else None)
-                    sent.append((batch, pool.submit(lambda job: merge_results([run_job(replace(job, threads=threads))]), batch.job)))
+                for index, chunk in enumerate(chunks):  # each job leaves as soon as its models are saved
+                    batch = self._job(chunk, self.reference.folder if not recording or index == 0 else None, board)
+                    if index == len(self._workers):
+                        self._workers.append(take_worker())
+                    worker = self._workers[index]
+                    sent.append((batch, pool.submit(lambda job, worker: merge_results([worker.run(replace(job, threads=threads))]), batch.job, worker)))
+                for batch, future in sent:
+                    passes = future.result()["passes"]
+                    outcomes += [_outcome(keep, passes[p["name"]]["outcomes"]) for keep, p in zip(batch.keep_lists, batch.job.passes)]
             except BaseException:
                 discard_spares()
+                for worker in self._workers:
+                    worker.close(kill=True)
+                self._workers = []
                 raise
-            for batch, future in sent:
-                passes = future.result()["passes"]
-                outcomes += [_outcome(keep, passes[p["name"]]["outcomes"]) for keep, p in zip(batch.keep_lists, batch.job.passes)]
         if recording and sent:
             self.reference.finish()
         return outcomes
 
-    def _job(self, keep_lists: list[list[str]], reference: Path | None) -> _Batch:
-        """The variants of `keep_lists` saved, and the worker job that tries them (recording the reference's
-        outputs in `reference`, or replaying them from it once complete)."""
+    def _switchboard(self, keep_lists: list[list[str]]) -> tuple[Switchboard, Path] | None:
+        """The switchboard every keep-list of this call (and of the calls before) can be set on, built and
+        saved when the current one lacks a node; None when the candidate needs a variant per keep-list."""
+        converted = self.setup.variants.base.converted
+        wanted = [n for keep in keep_lists for n in keep if n in converted]  # keeping any other node changes nothing
+        if not self._switchable:
+            return None
+        if self._board is not None and set(wanted) <= self._board[0].switches.keys():
+            return self._board
+        nodes = [*(self._board[0].switches if self._board else []), *wanted]
+        board = self.setup.variants.switchboard(nodes)
+        if board is None:
+            self._switchable = False
+            return None
+        path = self.setup.scratch / f"switchboard-{self.runs}.onnx"
+        save_model(board.model, path)
+        board.model = onnx.ModelProto()
+        self._board = board, path
+        return self._board
+
+    def _job(self, keep_lists: list[list[str]], reference: Path | None, board: tuple[Switchboard, Path] | None) -> _Batch:
+        """The models of `keep_lists` (their switchboard, or a variant each, saved), and the worker job that
+        tries them (recording the reference's outputs in `reference`, or replaying them from it once complete)."""
         setup = self.setup
         folder = setup.scratch / f"trials-{self.runs}"
         folder.mkdir(parents=True, exist_ok=True)
         passes = []
         for k, keep in enumerate(keep_lists):
-            path = folder / f"variant{k}.onnx"
-            save_model(setup.variants.with_kept(keep).model, path)
-            passes.append({"name": f"variant{k}", "model": str(path), "backend": setup.settings.backend[0], "fed_from_reference": {}})
+            pass_ = {"name": f"variant{k}", "backend": setup.settings.backend[0], "fed_from_reference": {}}
+            if board is not None:
+                switchboard, path = board
+                pass_.update(model=str(path), fixed_inputs=switchboard.settings(keep), reuse=True)
+            else:
+                path = folder / f"variant{k}.onnx"
+                save_model(setup.variants.with_kept(keep).model, path)
+                pass_.update(model=str(path))
+            passes.append(pass_)
         self.runs += len(keep_lists)
         info = setup.info
         first = setup.samples[0]

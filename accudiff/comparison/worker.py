@@ -23,12 +23,13 @@ import tempfile
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Callable
+from typing import Callable
 
 import numpy as np
 
 from accudiff.errors import AccudiffError
 from accudiff.memory import map_large_blocks_separately, with_huge_pages
+from accudiff.runners.base import Runner
 
 BACKEND_NAMES = {"onnxrt": "ONNX Runtime", "trt": "TensorRT"}
 
@@ -66,49 +67,24 @@ class Job:
     threads: int = 0  # cores this worker may use (0: all); several workers on one machine share them
 
 
-_SPARES: list[tuple[subprocess.Popen, IO[str]]] = []  # started ahead of their jobs (see `prestart`)
+class Worker:
+    """A worker process that runs jobs one after another: the sessions of passes marked `reuse` stay open
+    between its jobs (verification's rounds run one candidate with different switches)."""
 
+    def __init__(self) -> None:
+        self._stderr, self._stderr_text = tempfile.TemporaryFile("w+"), ""
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "accudiff.comparison.worker"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=with_huge_pages(os.environ),
+        )
 
-def prestart(count: int = 1) -> None:
-    """Have `count` workers started now (those already waiting count); the next jobs are handed to them.
-    A worker's Python start and imports (about 0.35 s) then overlap the caller's own work (importing,
-    loading the model, building variants) instead of following it. Those left unused are ended by
-    `discard_spares` (and at exit)."""
-    _SPARES.extend(_spawn() for _ in range(count - len(_SPARES)))
-
-
-def discard_spares() -> None:
-    while _SPARES:
-        process, stderr_file = _SPARES.pop()
-        process.kill()
-        process.wait()
-        stderr_file.close()
-
-
-atexit.register(discard_spares)
-
-
-def _spawn() -> tuple[subprocess.Popen, IO[str]]:
-    stderr_file = tempfile.TemporaryFile("w+")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "accudiff.comparison.worker"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr_file, text=True, env=with_huge_pages(os.environ),
-    )
-    return process, stderr_file
-
-
-def run_job(job: Job, progress: Callable[[str, int, int], None] | None = None) -> dict:
-    """Run `job` in a worker process (one started ahead by `prestart`, if any) and return its result (see `load_result`)."""
-    try:
-        process, stderr_file = _SPARES.pop()
-    except IndexError:
-        process, stderr_file = _spawn()
-    with stderr_file:
+    def run(self, job: Job, progress: Callable[[str, int, int], None] | None = None) -> dict:
+        """Run `job` here and return its result (see `load_result`). After a failure the worker is closed."""
+        step, outcome = "starting", None
         try:
-            process.stdin.write(json.dumps(asdict(job)))
-            process.stdin.close()
-            step, outcome = "starting", None
-            for line in process.stdout:
+            self._process.stdin.write(json.dumps(asdict(job)) + "\n")
+            self._process.stdin.flush()
+            for line in self._process.stdout:
                 event = json.loads(line)
                 if event["event"] == "step":
                     step = event["text"]
@@ -117,24 +93,74 @@ def run_job(job: Job, progress: Callable[[str, int, int], None] | None = None) -
                         progress("compare", event["done"], event["total"])
                 else:
                     outcome = event
-            code = process.wait()
-        finally:
-            if process.poll() is None:  # interrupted: the worker goes with the caller
-                process.kill()
-                process.wait()
-        stderr_file.seek(0)
-        stderr = stderr_file.read()
-    if outcome is None:
-        backend = BACKEND_NAMES.get(job.passes[0]["backend"] if job.passes else "onnxrt", "the backend")
-        last = next((line.strip() for line in reversed(stderr.splitlines()) if line.strip()), "")
-        raise AccudiffError(
-            f"{backend} {_how_it_died(code)} while {step} of '{Path(job.reference).name}'" + (f" (last message: {last})" if last else "")
-        )
-    if outcome["event"] == "error":
-        raise AccudiffError(outcome["message"])
-    if outcome["event"] == "bug":
-        raise WorkerBug(f"the comparison worker failed: {outcome['message']}", stderr.strip()[-4000:])
-    return load_result(Path(job.result))
+                    break
+        except BrokenPipeError:
+            pass  # the worker died before reading the job: said below
+        except BaseException:
+            self.close(kill=True)  # interrupted: the worker goes with the caller
+            raise
+        if outcome is not None and outcome["event"] == "done":
+            return load_result(Path(job.result))
+        code = self.close()
+        if outcome is None:
+            backend = BACKEND_NAMES.get(job.passes[0]["backend"] if job.passes else "onnxrt", "the backend")
+            last = next((line.strip() for line in reversed(self._stderr_text.splitlines()) if line.strip()), "")
+            raise AccudiffError(
+                f"{backend} {_how_it_died(code)} while {step} of '{Path(job.reference).name}'" + (f" (last message: {last})" if last else "")
+            )
+        if outcome["event"] == "error":
+            raise AccudiffError(outcome["message"])
+        raise WorkerBug(f"the comparison worker failed: {outcome['message']}", self._stderr_text.strip()[-4000:])
+
+    def close(self, kill: bool = False) -> int:
+        """End the worker (it exits when its input ends); its exit code."""
+        if self._process.poll() is None:
+            if kill:
+                self._process.kill()
+            else:
+                try:
+                    self._process.stdin.close()
+                except BrokenPipeError:
+                    pass
+        code = self._process.wait()
+        if not self._stderr.closed:
+            self._stderr.seek(0)
+            self._stderr_text = self._stderr.read()
+            self._stderr.close()
+        return code
+
+
+_SPARES: list[Worker] = []  # started ahead of their jobs (see `prestart`)
+
+
+def prestart(count: int = 1) -> None:
+    """Have `count` workers started now (those already waiting count); the next jobs are handed to them.
+    A worker's Python start and imports (about 0.35 s) then overlap the caller's own work (importing,
+    loading the model, building variants) instead of following it. Those left unused are ended by
+    `discard_spares` (and at exit)."""
+    _SPARES.extend(Worker() for _ in range(count - len(_SPARES)))
+
+
+def take_worker() -> Worker:
+    """A worker for the next job: one started ahead, or a new one."""
+    return _SPARES.pop() if _SPARES else Worker()
+
+
+def discard_spares() -> None:
+    while _SPARES:
+        _SPARES.pop().close(kill=True)
+
+
+atexit.register(discard_spares)
+
+
+def run_job(job: Job, progress: Callable[[str, int, int], None] | None = None) -> dict:
+    """Run `job` in a worker process of its own (one started ahead by `prestart`, if any) and return its result."""
+    worker = take_worker()
+    try:
+        return worker.run(job, progress)
+    finally:
+        worker.close()
 
 
 def load_result(path: Path) -> dict:
@@ -188,11 +214,18 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
         if spec["backend"] == "recorded":
             return lambda path, outputs: recorded_runner(Path(spec["recorded"]), job.tensors, outputs, job.sample_indices, spec["label"])
         layers = layer_report if spec.get("layer_report") else None
-        return lambda path, outputs: candidate_runner(spec["backend"], path, outputs, job.precision, trt, shapes, layers, threads)
+
+        def make(path: Path, outputs: list[str]):
+            return candidate_runner(spec["backend"], path, outputs, job.precision, trt, shapes, layers, threads)
+
+        if spec.get("reuse"):
+            return lambda path, outputs: _REUSED.get((spec["backend"], str(path), tuple(outputs), job.precision, threads), lambda: make(path, outputs))
+        return make
 
     def plan(spec: dict) -> PassPlan:
         record = ReferenceStore(Path(spec["record"]), job.tensors) if spec.get("record") else None
-        return PassPlan(spec["name"], Path(spec["model"]), factory(spec), spec["fed_from_reference"], record)
+        fixed = {name: np.asarray(value) for name, value in spec.get("fixed_inputs", {}).items()}
+        return PassPlan(spec["name"], Path(spec["model"]), factory(spec), spec["fed_from_reference"], record, fixed)
 
     passes = [plan(p) for p in job.passes]
     store = ReferenceStore(Path(job.store), job.tensors) if job.store else None
@@ -224,6 +257,57 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
         finally:
             engine.close()
     _write_result(engine, Path(job.result))
+
+
+class _ReusedRunners:
+    """Runners kept open across the jobs of one worker (passes marked `reuse`: the same model file, run
+    with different `fixed_inputs`). Each is activated once and closed when the worker ends."""
+
+    def __init__(self) -> None:
+        self._runners: dict[tuple, Runner] = {}
+
+    def get(self, key: tuple, make: Callable[[], Runner]) -> Runner:
+        if key not in self._runners:
+            self._runners[key] = _Reused(make())
+        return self._runners[key]
+
+    def close(self) -> None:
+        for runner in self._runners.values():
+            runner.runner.deactivate()
+        self._runners = {}
+
+
+class _Reused(Runner):
+    """A runner its engines share: activated on first use, never deactivated by them."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner, self._active = runner, False
+
+    def activate(self) -> None:
+        if not self._active:
+            self.runner.activate()
+            self._active = True
+
+    def infer(self, feed):
+        return self.runner.infer(feed)
+
+    def deactivate(self) -> None:
+        pass
+
+    @property
+    def label(self) -> str:
+        return self.runner.label
+
+    @property
+    def not_observable(self) -> dict[str, str]:
+        return self.runner.not_observable
+
+    @property
+    def notices(self) -> list[str]:
+        return self.runner.notices
+
+
+_REUSED = _ReusedRunners()
 
 
 def _write_result(engine, path: Path) -> None:
@@ -269,6 +353,7 @@ def _load_what_every_job_uses() -> None:
 
 
 def main() -> None:
+    """Jobs arrive one per line until the input ends; each ends with one "done", "error" or "bug" event."""
     map_large_blocks_separately()
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # anything a library prints goes to stderr, never into the protocol
@@ -279,15 +364,19 @@ def main() -> None:
 
     _load_what_every_job_uses()
     try:
-        _work(Job(**json.loads(sys.stdin.read())), emit)
-    except AccudiffError as exc:
-        emit({"event": "error", "message": str(exc)})
-        return
-    except Exception as exc:  # a bug of ours: the traceback goes to stderr, one line to the caller
-        traceback.print_exc()
-        emit({"event": "bug", "message": f"{type(exc).__name__}: {exc}"})
-        return
-    emit({"event": "done"})
+        for line in sys.stdin:
+            try:
+                _work(Job(**json.loads(line)), emit)
+            except AccudiffError as exc:
+                emit({"event": "error", "message": str(exc)})
+                return
+            except Exception as exc:  # a bug of ours: the traceback goes to stderr, one line to the caller
+                traceback.print_exc()
+                emit({"event": "bug", "message": f"{type(exc).__name__}: {exc}"})
+                return
+            emit({"event": "done"})
+    finally:
+        _REUSED.close()
 
 
 if __name__ == "__main__":

@@ -111,7 +111,8 @@ def verify_outputs(result: CompareResult, context: DiagnosisContext, settings: R
         {name: first[name].reshape(-1).tolist() for name in first if could_be_a_shape(first[name])},
     )
     ratios = {f.tensor: float(indexed.loc[f.tensor, ratio_column]) for f in failures}
-    verdicts = verify_causes(ratios, indexed, context, Trials(setup, indexed), settings.verify_budget, settings.tolerances.default.rtol)
+    with Trials(setup, indexed) as trials:
+        verdicts = verify_causes(ratios, indexed, context, trials, settings.verify_budget, settings.tolerances.default.rtol)
     result.output_failures = [
         replace(f, cause=replace(verdicts[f.tensor][0], stand_in=stand_in), repair=replace(verdicts[f.tensor][1], samples=chosen))
         if f.tensor in verdicts else f

@@ -21,6 +21,7 @@ from accudiff.model.samples import Samples, samples_from_feeds, samples_from_pat
 from accudiff.transforms.base import TransformResult
 from accudiff.transforms.fp16 import to_fp16
 from accudiff.transforms.int8 import leave_unquantized, to_int8
+from accudiff.transforms.switches import Switchboard, build_switchboard
 
 KEPT_TO_VERIFY = "kept in higher precision to verify a cause"
 
@@ -67,6 +68,19 @@ class CandidateVariants:
         if self.recipe.precision == "int8":
             return leave_unquantized(self.base, self.info.proto, nodes, KEPT_TO_VERIFY)
         return to_fp16(self.info.proto, [*self.recipe.keep_fp32, *map(keep_pattern, nodes)], self.recipe.autokeep)
+
+    def switchboard(self, nodes: Iterable[str]) -> Switchboard | None:
+        """The FP16 candidate with `nodes` switchable back to FP32 (transforms/switches.py): one model for
+        every keep-list among them. Nodes it already keeps (or that hold no float value) need no switch.
+        None where keep-lists need variants of their own: INT8 (a node left unquantized changes which
+        Q/DQ pairs exist around it), a pre-built engine, a node inside an If/Loop/Scan body."""
+        if self.recipe.precision != "fp16" or self.recipe.engine is not None:
+            return None
+        main = {node.name for node in self.base.model.graph.node}
+        nodes = [n for n in dict.fromkeys(nodes) if n in self.base.converted]
+        if not set(nodes) <= main:
+            return None
+        return build_switchboard(self.base.model, self.info.proto, nodes)
 
 
 def keep_pattern(node: str) -> str:

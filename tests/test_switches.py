@@ -1,0 +1,66 @@
+"""The switchboard computes what the variant it stands for computes: for each keep-list, its graph outputs
+with those switches on are the outputs of the FP16 candidate converted with those nodes kept in FP32
+(both run as the ONNX Runtime candidate runs them)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from accudiff.model.inputs import generate_feeds
+from accudiff.model.loading import load_model, save_model
+from accudiff.runners.onnxrt import OnnxrtRunner
+from accudiff.transforms.candidate import CandidateRecipe, CandidateVariants, transform_model
+from conftest import ROOT, fixture
+
+sys.path.insert(0, str(ROOT))
+from benchmarks import models, realistic_inputs  # noqa: E402
+
+
+def _outputs(model, path: Path, names, feed) -> dict[str, np.ndarray]:
+    save_model(model, path)
+    with OnnxrtRunner(path, names, emulate_fp16=True) as runner:
+        return dict(runner.infer(feed))
+
+
+def _assert_switchboard_matches_variants(model_path: Path, feed, keep_lists, tmp_path: Path) -> None:
+    info = load_model(model_path)
+    recipe = CandidateRecipe("fp16")
+    variants = CandidateVariants(info, recipe, transform_model(info, recipe, feed))
+    board = variants.switchboard({n for keep in keep_lists for n in keep})
+    assert board is not None
+    outputs = info.output_names
+    save_model(board.model, tmp_path / "board.onnx")
+    with OnnxrtRunner(tmp_path / "board.onnx", outputs, emulate_fp16=True) as runner:
+        for k, keep in enumerate(keep_lists):
+            switched = runner.infer({**feed, **{s: np.asarray(on) for s, on in board.settings(keep).items()}})
+            expected = _outputs(variants.with_kept(keep).model, tmp_path / f"variant{k}.onnx", outputs, feed)
+            for name in outputs:
+                np.testing.assert_array_equal(switched[name], expected[name], err_msg=f"keep {keep}, output {name}")
+
+
+@pytest.mark.parametrize("name", ["two_faults_one_path", "absorbed_then_overflow", "layernorm_overflow", "multi_io", "cancelling_layernorm"])
+def test_every_single_keep_all_keeps_and_adjacent_pairs_on_the_fixtures(name, tmp_path):
+    info = load_model(fixture(name))
+    [feed] = generate_feeds(info.inputs, {spec.name: spec.shape for spec in info.inputs}, seed=0)
+    converted = sorted(transform_model(info, CandidateRecipe("fp16"), feed).converted)
+    nodes = [n.name for n in info.proto.graph.node if n.name in converted]
+    keep_lists = [[], nodes, *([n] for n in nodes), *(list(pair) for pair in zip(nodes, nodes[1:]))]
+    _assert_switchboard_matches_variants(fixture(name), feed, keep_lists, tmp_path)
+
+
+def test_the_trained_recognizer_on_a_drawn_text_line(tmp_path):
+    try:
+        path = models.ppocr_rec_v4()
+        feed = realistic_inputs.FEEDS["ppocr_rec_v4"](0)
+    except ModuleNotFoundError as missing:
+        pytest.skip(f"{missing.name} is not installed")
+    info = load_model(path)
+    nodes = [n.name for n in info.proto.graph.node]
+    chain = [n for n in nodes if n.startswith(("p2o.Conv.", "p2o.HardSigmoid.", "p2o.Mul."))][:6]
+    last = nodes[-3:]  # the nodes feeding the graph output
+    middle = nodes[len(nodes) // 2 : len(nodes) // 2 + 4]
+    _assert_switchboard_matches_variants(path, feed, [[], chain, last, middle, chain + last, [chain[0], last[-1]]], tmp_path)
