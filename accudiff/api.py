@@ -53,9 +53,12 @@ def compare(model: str | Path, precision: str = "fp32", *, progress: Progress | 
     return run(RunSettings(model, precision, **options), progress, reference_cache)
 
 
-def run(settings: RunSettings, progress: Progress | None = None, reference_cache: ReferenceCache | None = None) -> CompareResult:
-    """`compare`, stage by stage (see the module's docstring for where each lives)."""
-    laps = _Stopwatch()
+def run(
+    settings: RunSettings, progress: Progress | None = None, reference_cache: ReferenceCache | None = None, import_seconds: float | None = None
+) -> CompareResult:
+    """`compare`, stage by stage (see the module's docstring for where each lives). `import_seconds`: what
+    importing the pipeline took the caller (the command line), reported first among the timings."""
+    laps = _Stopwatch({"import": round(import_seconds, 4)} if import_seconds is not None else {})
     _, chosen_backend = settings.backend  # an unusable backend is an error before anything is loaded
     info = load_model(settings.model)
     settings.check_against(info)
@@ -71,6 +74,7 @@ def run(settings: RunSettings, progress: Progress | None = None, reference_cache
         for k, group in enumerate(groups):
             group_info = group_model(info, group, where.scratch)
             segments = plan(group_info, samples[group.samples[0]], settings.max_memory, one_segment=settings.uses_trt)
+            laps.lap("plan")
             name = CANDIDATE_MODEL_FILE.format(precision=settings.precision, group="" if len(groups) == 1 else f"-group{k}")
             candidate = make_candidate(group_info, group, samples, settings, where.folder.path / name, where.scratch, captured)
             laps.lap("transform")
@@ -79,6 +83,7 @@ def run(settings: RunSettings, progress: Progress | None = None, reference_cache
         save_tensors(settings, runs, len(samples))
         info, transformed, outcome = combine(info.path, runs)
         result, context = judge(info, transformed, outcome, settings, samples)
+        result.worker_timings["comparison"] = outcome["timings"]
         laps.lap("diagnose")
         unverified = None
         if settings.verify and result.output_failures:
@@ -111,8 +116,8 @@ def _report(result: CompareResult, settings: RunSettings, where: Workspace, samp
 class _Stopwatch:
     """Seconds spent in each phase, reported in the summary (speed is a feature: it is measured)."""
 
-    def __init__(self) -> None:
-        self.laps: dict[str, float] = {}
+    def __init__(self, laps: dict[str, float]) -> None:
+        self.laps = laps
         self._last = time.perf_counter()
 
     def lap(self, phase: str) -> None:

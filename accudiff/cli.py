@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Sequence
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--no-isolate", dest="isolate", action="store_false", help="skip the run that measures each node's own error (faster; the cause is then named only from range evidence)")
     cmp.add_argument("--no-verify", dest="verify", action="store_false", help="skip testing each suspect at the failing outputs (the cause is then the rules' hypothesis, not verified)")
     cmp.add_argument("--verify-budget", type=int, default=DEFAULT_VERIFY_BUDGET, metavar="N", help=f"candidate runs per failing output to verify its cause and repair (default {DEFAULT_VERIFY_BUDGET})")
+    cmp.add_argument("--timings", action="store_true", help="print where the time went: each stage, and the workers' phases (also in summary.json)")
     cmp.add_argument("--also", choices=SIDE_BACKENDS, help="run the same transformed model on a second backend too (three-way table)")
     captured = cmp.add_argument_group("tensors captured elsewhere (polygraphy's RunResults JSON)")
     captured.add_argument("--load-candidate", type=Path, metavar="FILE", help="the candidate's tensors from polygraphy run ... --save-outputs FILE (give --load-inputs too)")
@@ -105,13 +107,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_compare(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
     from accudiff.api import run
-    from accudiff.report.console import ProgressBar, format_summary
+    from accudiff.report.console import ProgressBar, format_summary, format_timings
 
     report_dir = args.report_dir or default_report_dir(Path(args.model).stem, args.precision)
     only_compare = {name: getattr(args, name) for name in COMPARE_ONLY}
-    result = run(run_settings(args, report_dir=report_dir, **only_compare), progress=ProgressBar())
+    result = run(run_settings(args, report_dir=report_dir, **only_compare), progress=ProgressBar(), import_seconds=time.perf_counter() - started)
     print(format_summary(result))
+    if args.timings:
+        print(format_timings(result))
     return EXIT_PASS if result.passed else EXIT_FAIL
 
 

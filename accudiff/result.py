@@ -53,7 +53,10 @@ class CompareResult:
     notices: list[str] = field(default_factory=list)
     iterations: int = 1  # samples compared
     seed: int | None = 0
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)  # wall seconds per stage of this process
+    # Seconds per phase inside the worker processes, by stage ("comparison", "verification"), added over
+    # workers (so with several workers they may exceed the stage's wall time): where a stage's time goes.
+    worker_timings: dict[str, dict[str, float]] = field(default_factory=dict)
     report_dir: Path | None = None
     samples: pd.DataFrame | None = None  # one row per sample and graph output (see diagnosis/judge.py SAMPLE_COLUMNS)
     inputs: str = ""  # where the samples came from

@@ -45,6 +45,17 @@ def test_failing_model_exits_1_and_names_the_cause(run_cli, tmp_path):
     assert output["first_failing_upstream"] == "squared"
 
 
+def test_timings_say_where_the_time_went(run_cli, tmp_path):
+    code, out, _ = run_cli("compare", fixture("layernorm_overflow"), "--fp16", "--report-dir", tmp_path / "r", "--timings")
+    assert code == 1
+    assert "time: " in out and "stages: import" in out and "report" in out and "comparison workers" in out and "verification workers" in out
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())  # written during the report stage, so without it
+    assert {"import", "load", "plan", "transform", "run", "diagnose", "verify"} <= summary["timings_s"].keys()
+    comparison = summary["worker_timings_s"]["comparison"]
+    assert {"sessions", "statistics", "runs: reference", "runs: candidate", "runs: isolated"} <= comparison.keys()
+    assert "runs: variant0" in summary["worker_timings_s"]["verification"]
+
+
 def test_first_failure_is_a_fact_never_called_the_cause(run_cli, tmp_path):
     code, out, _ = run_cli("compare", fixture("kept_feeds_fp16"), "--fp16", "--report-dir", tmp_path / "r")
     assert code == 1

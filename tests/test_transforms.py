@@ -48,6 +48,23 @@ def test_fp16_model_is_valid_keeps_names_and_io_types(name, tmp_path):
     assert {t.name for t in info.tensors} <= set(outputs)
 
 
+@pytest.mark.parametrize("name", [n for n in ALL_FIXTURES if n != "if_model"])
+def test_fp16_model_carries_the_types_shape_inference_would_give(name):
+    """The worker cuts and lowers the candidate without inferring its shapes again: every value a node
+    produces must already be typed, exactly as inference types it (the Casts the transform adds included)."""
+    from accudiff.model.loading import infer_shapes_in_place
+
+    model = to_fp16(load_model(fixture(name)).proto).model
+    declared = {vi.name: vi.type.tensor_type.elem_type for vi in [*model.graph.value_info, *model.graph.output]}
+    produced = [o for node in model.graph.node for o in node.output if o]
+    assert all(declared.get(o) for o in produced), [o for o in produced if not declared.get(o)]
+    inferred = onnx.ModelProto()
+    inferred.CopyFrom(model)
+    infer_shapes_in_place(inferred)
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in [*inferred.graph.value_info, *inferred.graph.output]}
+    assert {o: declared[o] for o in produced if o in types} == {o: types[o] for o in produced if o in types}
+
+
 def _has_quantizable_nodes(name: str) -> bool:
     return any(node.op_type in QUANTIZED_OPS for node in onnx.load(str(fixture(name))).graph.node)
 

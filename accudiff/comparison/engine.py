@@ -15,10 +15,12 @@ runner interface.
 from __future__ import annotations
 
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -26,7 +28,7 @@ import onnx
 from accudiff.comparison.metrics import EMPTY_ROW, F, SKETCH_BUCKETS, StatsSet, finish, reduce_tensor, reference_range
 from accudiff.comparison.tolerances import Tolerance, Tolerances
 from accudiff.model.inputs import Feed
-from accudiff.model.loading import infer_shapes_in_place, name_unnamed_nodes
+from accudiff.model.loading import infer_shapes_unless_typed, name_unnamed_nodes
 from accudiff.model.subgraph import extract
 from accudiff.runners.base import Runner
 from accudiff.runners.outputs import ReferenceStore
@@ -132,6 +134,7 @@ class Engine:
         self.results = {p.name: PassResult(StatsSet(len(self.tensors))) for p in self.passes}
         self.reference_not_observable: dict[str, str] = {}
         self._active: list[Runner] = []
+        self.timings: dict[str, float] = {}  # seconds per phase: where a worker's time goes (summary.json)
         self._ranges: dict[str, tuple[float, float]] = {}  # each reference tensor's range, found once per sample
         # A pass's tensors are reduced on `threads` cores at once, between backend runs (which use them too);
         # each tensor's statistics are its own, so the order they finish in changes nothing.
@@ -157,10 +160,11 @@ class Engine:
         """One runner per segment of the model at `path` (its nodes placed by name; nodes a transform added
         go with their first reader), each returning its compared tensors and what later segments read."""
         compared = set(self.tensors)
-        model = onnx.load(str(path), load_external_data=count > 1)
-        name_unnamed_nodes(model)  # the names the plan uses (the reference file may leave nodes unnamed)
-        if count > 1:
-            infer_shapes_in_place(model)  # the cut models' inputs and outputs need their types
+        with self.clock("segments"):
+            model = onnx.load(str(path), load_external_data=count > 1)
+            name_unnamed_nodes(model)  # the names the plan uses (the reference file may leave nodes unnamed)
+            if count > 1:
+                infer_shapes_unless_typed(model)  # the cut models' inputs and outputs need their types
         nodes = list(model.graph.node)
         placed = _place_nodes(nodes, node_segment, count)
         graph_outputs = {o.name for o in model.graph.output}
@@ -174,16 +178,18 @@ class Engine:
             if count == 1:
                 segment_path, inputs = path, {i.name for i in model.graph.input}
             else:
-                sub = extract(model, indices, outputs=wanted)
-                inputs = {i.name for i in sub.graph.input}
-                folder.mkdir(parents=True, exist_ok=True)
-                segment_path = folder / f"segment{k}.onnx"
-                onnx.save(sub, str(segment_path), save_as_external_data=True, location=segment_path.name + ".data", size_threshold=1024)
-                del sub
+                with self.clock("segments"):
+                    sub = extract(model, indices, outputs=wanted)
+                    inputs = {i.name for i in sub.graph.input}
+                    folder.mkdir(parents=True, exist_ok=True)
+                    segment_path = folder / f"segment{k}.onnx"
+                    onnx.save(sub, str(segment_path), save_as_external_data=True, location=segment_path.name + ".data", size_threshold=1024)
+                    del sub
             runner = None
             if make is not None:
-                runner = make(segment_path, wanted)
-                runner.activate()
+                with self.clock("sessions"):
+                    runner = make(segment_path, wanted)
+                    runner.activate()
                 if runner not in self._active:
                     self._active.append(runner)
             segments.append(_Segment(runner, inputs, own, wanted))
@@ -204,10 +210,12 @@ class Engine:
                 for name in segment.inputs & plan.fed_from_reference.keys():
                     values[name] = reference_values[plan.fed_from_reference[name]]
                 self.progress(f"running the {plan.name} pass on sample {sample}")
-                out = segment.runner.infer({**values, **plan.fixed_inputs} if plan.fixed_inputs else values)
+                with self.clock(f"runs: {plan.name}"):
+                    out = segment.runner.infer({**values, **plan.fixed_inputs} if plan.fixed_inputs else values)
                 if plan.record is not None:
                     plan.record.write(sample, out)
-                self._reduce(plan.name, sample, reference_values, out, reference.compared)
+                with self.clock("statistics"):
+                    self._reduce(plan.name, sample, reference_values, out, reference.compared)
                 later = self.pass_segments[plan.name][k + 1 :]
                 needed = {n for s in later for n in s.inputs}
                 pass_values[plan.name] = {name: value for name, value in {**values, **out}.items() if name in needed or name in feed}
@@ -218,7 +226,8 @@ class Engine:
         if segment.runner is None:
             return self.store.read(sample, segment.wanted)
         self.progress(f"running the reference on sample {sample}")
-        out = segment.runner.infer(values)
+        with self.clock("runs: reference"):
+            out = segment.runner.infer(values)
         if self.store is not None:
             self.store.write(sample, out)
         return out
@@ -263,6 +272,15 @@ class Engine:
                 )
                 kept = result.points.setdefault(tensor, [])
                 kept += sample_points(reference[tensor], candidate[tensor], int(values[index][F["worst_index"]]), POINTS_PER_OUTPUT - len(kept))
+
+    @contextmanager
+    def clock(self, phase: str) -> Iterator[None]:
+        """Add the time the block takes to `phase`."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - start
 
     def close(self) -> None:
         """Collect what the runners know about what they observed, and shut them down."""

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 
 from accudiff.comparison.branches import BranchGroup, merge_group_results
-from accudiff.comparison.shards import run_shards
+from accudiff.comparison.shards import added_timings, run_shards
 from accudiff.comparison.tolerances import Tolerances
 from accudiff.comparison.worker import Job
 from accudiff.memory import return_freed_memory
@@ -174,6 +174,7 @@ def combine(model: Path, runs: Sequence[GroupRun]) -> tuple[ModelInfo, Transform
         tensors = [t.name for t in infos[0].tensors]
     else:
         tensors, outcome = merge_group_results([([t.name for t in info.tensors], r.outcome) for info, r in zip(infos, runs)])
+        outcome["timings"] = added_timings(r.outcome["timings"] for r in runs)
     by_name = {t.name: t for info in reversed(infos) for t in info.tensors}
     upstream: dict[str, list[str]] = {}
     for each in infos:

@@ -95,9 +95,10 @@ def _split(job: Job, entries: Sequence[Sequence[str]], indices: list[int], worke
 def merge_results(results: Iterable[dict]) -> dict:
     """One result from several workers' results (same job, other samples), added up in their order, each
     as it comes: only the running total is held, whatever the number of shards."""
-    merged = {"passes": {}, "reference_not_observable": {}, "inputs": None}
+    merged = {"passes": {}, "reference_not_observable": {}, "inputs": None, "timings": {}}
     for result in results:
         merged["reference_not_observable"].update(result["reference_not_observable"])
+        merged["timings"] = added_timings([merged["timings"], result.get("timings", {})])  # worker-seconds
         inputs = StatsSet.from_arrays(result["inputs"])
         if merged["inputs"] is None:
             merged["inputs"] = inputs
@@ -122,6 +123,15 @@ def merge_results(results: Iterable[dict]) -> dict:
     for part in merged["passes"].values():
         part.update(part.pop("stats").arrays())
     return merged
+
+
+def added_timings(parts: Iterable[dict[str, float]]) -> dict[str, float]:
+    """Seconds per phase, added over workers (or branch groups, or rounds)."""
+    total: dict[str, float] = {}
+    for part in parts:
+        for phase, seconds in part.items():
+            total[phase] = round(total.get(phase, 0.0) + seconds, 4)
+    return total
 
 
 @contextmanager

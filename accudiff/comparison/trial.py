@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,7 +26,7 @@ import numpy as np
 import onnx
 import pandas as pd
 
-from accudiff.comparison.shards import merge_results
+from accudiff.comparison.shards import added_timings, merge_results
 from accudiff.comparison.worker import Job, Worker, discard_spares, prestart, take_worker
 from accudiff.model.loading import ModelInfo, save_model
 from accudiff.model.samples import Samples
@@ -77,6 +78,7 @@ class Trials:
         self.reference = ReferenceStore(Path(tempfile.mkdtemp(prefix="reference-", dir=setup.scratch)), list(setup.info.output_names))
         self.boundaries = Boundaries(setup.info.proto.graph, unfit_for_fp16(table), setup.variants.base.converted, setup.variants.recipe.precision)
         self._workers: list[Worker] = []
+        self.timings: dict[str, float] = {}  # the trial workers' seconds per phase, added up
         self._board: tuple[Switchboard, Path] | None = None
         self._switchable = setup.settings.backend[0] == "onnxrt"  # a TensorRT build of a switchboard would fuse differently
 
@@ -98,22 +100,28 @@ class Trials:
         cores = os.cpu_count() or 1
         size = min(VARIANTS_PER_WORKER, math.ceil(len(closed) / cores)) or 1
         chunks = [closed[start : start + size] for start in range(0, len(closed), size)]
-        threads = max(1, cores // min(cores, len(chunks) or 1))
+        # Threads per worker stay as they were for the workers already up: their sessions were made with them.
+        threads = max(1, cores // min(cores, max(len(chunks), len(self._workers), 1)))
         prestart(len(chunks) - len(self._workers))  # their start overlaps the building of the models
         outcomes: list[TrialOutcome] = []
         recording = not self.reference.complete
+        started = time.perf_counter()
         board = self._switchboard(closed)
         with ThreadPoolExecutor(max_workers=min(cores, len(chunks) or 1)) as pool:
             sent = []
             try:
                 for index, chunk in enumerate(chunks):  # each job leaves as soon as its models are saved
                     batch = self._job(chunk, self.reference.folder if not recording or index == 0 else None, board)
+                    self.timings["models (caller)"] = round(self.timings.get("models (caller)", 0.0) + time.perf_counter() - started, 4)
                     if index == len(self._workers):
                         self._workers.append(take_worker())
                     worker = self._workers[index]
                     sent.append((batch, pool.submit(lambda job, worker: merge_results([worker.run(replace(job, threads=threads))]), batch.job, worker)))
+                    started = time.perf_counter()
                 for batch, future in sent:
-                    passes = future.result()["passes"]
+                    merged = future.result()
+                    self.timings = added_timings([self.timings, merged["timings"]])
+                    passes = merged["passes"]
                     outcomes += [_outcome(keep, passes[p["name"]]["outcomes"]) for keep, p in zip(batch.keep_lists, batch.job.passes)]
             except BaseException:
                 discard_spares()

@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 
 from accudiff.errors import AccudiffError
-from accudiff.memory import map_large_blocks_separately, with_huge_pages
+from accudiff.memory import map_large_blocks_separately
 from accudiff.runners.base import Runner
 
 BACKEND_NAMES = {"onnxrt": "ONNX Runtime", "trt": "TensorRT"}
@@ -75,7 +75,7 @@ class Worker:
         self._stderr, self._stderr_text = tempfile.TemporaryFile("w+"), ""
         self._process = subprocess.Popen(
             [sys.executable, "-m", "accudiff.comparison.worker"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=with_huge_pages(os.environ),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
         )
 
     def run(self, job: Job, progress: Callable[[str, int, int], None] | None = None) -> dict:
@@ -312,7 +312,7 @@ _REUSED = _ReusedRunners()
 
 def _write_result(engine, path: Path) -> None:
     arrays = {"inputs/values": engine.input_stats.values, **_sparse("inputs/sketch", engine.input_stats.sketch)}
-    document = {"passes": {}, "reference_not_observable": engine.reference_not_observable}
+    document = {"passes": {}, "reference_not_observable": engine.reference_not_observable, "timings": engine.timings}
     for name, result in engine.results.items():
         arrays.update({f"{name}/values": result.stats.values, **_sparse(f"{name}/sketch", result.stats.sketch)})
         document["passes"][name] = {

@@ -113,6 +113,7 @@ def verify_outputs(result: CompareResult, context: DiagnosisContext, settings: R
     ratios = {f.tensor: float(indexed.loc[f.tensor, ratio_column]) for f in failures}
     with Trials(setup, indexed) as trials:
         verdicts = verify_causes(ratios, indexed, context, trials, settings.verify_budget, settings.tolerances.default.rtol)
+    result.worker_timings["verification"] = trials.timings
     result.output_failures = [
         replace(f, cause=replace(verdicts[f.tensor][0], stand_in=stand_in), repair=replace(verdicts[f.tensor][1], samples=chosen))
         if f.tensor in verdicts else f

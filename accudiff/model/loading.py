@@ -269,6 +269,15 @@ def save_model(proto: onnx.ModelProto, path: Path) -> None:
     onnx.save(light, str(path))
 
 
+def infer_shapes_unless_typed(proto: onnx.ModelProto) -> None:
+    """`infer_shapes_in_place`, unless every value the graph's nodes produce already has its type: the
+    models accudiff builds from an inferred one (candidates, their segments) carry their types, and
+    inference on them again cost more than cutting them (0.1-0.25 s a model on the PP-OCRv4 recognizer)."""
+    typed = {vi.name for vi in [*proto.graph.value_info, *proto.graph.output] if vi.type.tensor_type.elem_type}
+    if any(o and o not in typed for node in proto.graph.node for o in node.output):
+        infer_shapes_in_place(proto)
+
+
 def infer_shapes_in_place(proto: onnx.ModelProto) -> None:
     """Replace `proto`'s value_info with inferred types and shapes, without copying its weights.
 

@@ -45,6 +45,12 @@ def extract(model: onnx.ModelProto, indices: Sequence[int], name: str | None = N
 
 def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto:
     """The value of a Constant node (whichever of its attribute forms it uses), as an initializer."""
+    for attr in node.attribute:
+        if attr.name == "value":  # the usual form: a tensor as it is (the evaluator costs ~0.3 s to import)
+            tensor = onnx.TensorProto()
+            tensor.CopyFrom(attr.t)
+            tensor.name = node.output[0]
+            return tensor
     from onnx.reference import ReferenceEvaluator
 
     (value,) = ReferenceEvaluator(node).run(None, {})

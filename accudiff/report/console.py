@@ -80,6 +80,19 @@ def _backend_lines(row) -> list[str]:
     return lines
 
 
+def format_timings(result) -> str:
+    """Where the time went (`--timings`): this process's stages, then each stage's workers by phase."""
+    stages = result.timings
+    lines = [f"  time: {sum(stages.values()):.2f} s in this process (stages: " + ", ".join(f"{k} {v:.2f} s" for k, v in stages.items()) + ")"]
+    for stage, phases in result.worker_timings.items():
+        runs = {k.removeprefix("runs: "): v for k, v in phases.items() if k.startswith("runs: ")}
+        shown = [f"{k} {v:.2f} s" for k, v in phases.items() if not k.startswith("runs: ")]
+        if runs:
+            shown.append(f"runs {sum(runs.values()):.2f} s (" + ", ".join(f"{k} {v:.2f}" for k, v in runs.items()) + ")")
+        lines.append(f"    {stage} workers (seconds added over workers): " + ", ".join(shown))
+    return "\n".join(lines)
+
+
 class ProgressBar:
     """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
 

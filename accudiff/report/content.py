@@ -66,6 +66,7 @@ def summary(result) -> dict:
         "not_observable": result.not_observable,
         "notices": result.notices,
         "timings_s": result.timings,
+        "worker_timings_s": result.worker_timings,
         "inputs": result.inputs,
         "samples": _samples_summary(result),
         "files": {"tensors": TENSORS_FILE, "samples": SAMPLES_FILE, "inputs": INPUTS_FILE, "candidate_models": result.candidate_models,

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from accudiff.model.loading import infer_shapes_in_place
+from accudiff.model.loading import infer_shapes_unless_typed
 
 FP16 = TensorProto.FLOAT16
 FP32 = TensorProto.FLOAT
@@ -29,7 +29,7 @@ def lower_fp16(model: onnx.ModelProto) -> dict[str, str]:
     FP16 values (a segment's boundary) are fed without a copy. A model without FP16 values is left
     unchanged, and the mapping is empty.
     """
-    infer_shapes_in_place(model)
+    infer_shapes_unless_typed(model)
     graph = model.graph
     fp16_values = {vi.name for vi in [*graph.value_info, *graph.output] if vi.type.tensor_type.elem_type == FP16}
     has_fp16 = fp16_values or any(init.data_type == FP16 for init in graph.initializer) or any(

@@ -144,6 +144,9 @@ def _retype_graph_outputs(graph, types, new_types, converted_params) -> None:
             node.output[:] = [inner if o == out.name else o for o in node.output]
             node.input[:] = [inner if i == out.name else i for i in node.input]
         types[inner], new_types[inner] = TensorProto.FLOAT, TensorProto.FLOAT16
+        declared = graph.value_info.add()
+        declared.CopyFrom(out)
+        declared.name = inner  # its type becomes FP16 with the other converted values
         new_types[out.name] = TensorProto.FLOAT
         cast = helper.make_node("Cast", [inner], [out.name], name=out.name + "__to_fp32", to=TensorProto.FLOAT)
         converted_params[len(graph.node)] = {"T1"}  # the Cast reads the FP16 value as it is
@@ -159,6 +162,7 @@ def _insert_casts(graph, initializers, opset, types, new_types, converted_params
     produced: dict[tuple[str, int], str] = {}
     new_nodes: list[onnx.NodeProto] = []
     copies: dict[str, str] = {}
+    declared = {vi.name: vi for vi in [*graph.input, *graph.value_info, *graph.output]}
 
     def convert(name: str, target: int) -> str:
         key = (name, target)
@@ -175,6 +179,10 @@ def _insert_casts(graph, initializers, opset, types, new_types, converted_params
             else:
                 new_nodes.append(helper.make_node("Cast", [name], [produced[key]], name=produced[key] + "_cast", to=target))
                 copies[produced[key]] = name
+                if name in declared:  # typed like every other value, so the model needs no shape inference again
+                    copy = graph.value_info.add()
+                    copy.CopyFrom(declared[name])
+                    copy.name, copy.type.tensor_type.elem_type = produced[key], target
         return produced[key]
 
     for index, node in enumerate(list(graph.node)):
