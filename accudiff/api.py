@@ -73,12 +73,12 @@ def run(
         runs = []
         for k, group in enumerate(groups):
             group_info = group_model(info, group, where.scratch)
-            segments = plan(group_info, samples[group.samples[0]], settings.max_memory, one_segment=settings.uses_trt)
+            planned = plan(group_info, samples[group.samples[0]], settings.max_memory, one_segment=settings.uses_trt)
             laps.lap("plan")
             name = CANDIDATE_MODEL_FILE.format(precision=settings.precision, group="" if len(groups) == 1 else f"-group{k}")
             candidate = make_candidate(group_info, group, samples, settings, where.folder.path / name, where.scratch, captured)
             laps.lap("transform")
-            runs.append(run_group(candidate, segments, group, samples, settings, where, captured))
+            runs.append(run_group(candidate, planned, group, samples, settings, where, captured))
             laps.lap("run")
         save_tensors(settings, runs, len(samples))
         info, transformed, outcome = combine(info.path, runs)

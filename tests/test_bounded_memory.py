@@ -9,6 +9,8 @@ import numpy as np
 import onnx
 import pandas as pd
 import pytest
+
+from accudiff.memory import with_huge_pages
 from onnx import TensorProto, helper, numpy_helper
 
 import accudiff
@@ -98,6 +100,12 @@ def test_memory_budget_sizes(given, expected):
 def test_memory_budget_refuses_what_cannot_work(given, message):
     with pytest.raises(AccudiffError, match=message):
         memory_budget(given)
+
+
+def test_workers_ask_for_huge_pages_unless_the_user_chose():
+    assert with_huge_pages({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    assert with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0"
 
 
 def test_a_large_weight_gives_its_consumer_its_true_size_not_its_own(tmp_path):

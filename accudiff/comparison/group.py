@@ -18,7 +18,7 @@ from accudiff.comparison.branches import BranchGroup, merge_group_results
 from accudiff.comparison.shards import added_timings, run_shards
 from accudiff.comparison.tolerances import Tolerances
 from accudiff.comparison.worker import Job
-from accudiff.memory import return_freed_memory
+from accudiff.memory import HUGE_PAGES_FROM_TENSOR_BYTES, return_freed_memory
 from accudiff.model.loading import ModelInfo, describe, save_model
 from accudiff.model.inputs import Feed
 from accudiff.model.run_results import Captured, write_run_results
@@ -70,16 +70,26 @@ def group_model(info: ModelInfo, group: BranchGroup, scratch: Path) -> ModelInfo
     return info
 
 
-def plan(info: ModelInfo, first: Feed, max_memory: int | str | None, one_segment: bool) -> list[list[str]]:
-    """The plan stage: the node names of each segment the comparison runs at a time, sized so that the
-    tensors of a segment fit `max_memory` (one segment when everything fits, or when asked: a TensorRT
-    engine is compared whole, as it ships)."""
+@dataclass(frozen=True)
+class Plan:
+    """How a group's comparison runs: the node names of each segment run at a time, and whether its
+    workers back large blocks with huge pages (memory.py: worth it only for large tensors)."""
+
+    segments: list[list[str]]
+    huge_pages: bool = False
+
+
+def plan(info: ModelInfo, first: Feed, max_memory: int | str | None, one_segment: bool) -> Plan:
+    """The plan stage: segments sized so that the tensors of a segment fit `max_memory` (one segment when
+    everything fits, or when asked: a TensorRT engine is compared whole, as it ships)."""
     names = [node.name for node in info.proto.graph.node]
-    if one_segment:
-        return [names]
     shapes = {spec.name: first[spec.name].shape for spec in info.inputs}
+    sizes = tensor_sizes(info, shapes)
+    huge_pages = max(sizes.values(), default=0) >= HUGE_PAGES_FROM_TENSOR_BYTES
+    if one_segment:
+        return Plan([names], huge_pages)
     budget = memory_budget(max_memory) // SEGMENTS_PER_BUDGET
-    return [[names[i] for i in segment.nodes] for segment in plan_segments(info, tensor_sizes(info, shapes), budget)]
+    return Plan([[names[i] for i in segment.nodes] for segment in plan_segments(info, sizes, budget)], huge_pages)
 
 
 def make_candidate(
@@ -113,7 +123,7 @@ def make_candidate(
 
 
 def run_group(
-    candidate: Candidate, segments: list[list[str]], group: BranchGroup, samples: Samples, settings: RunSettings, where: Workspace, captured: Captured
+    candidate: Candidate, plan: Plan, group: BranchGroup, samples: Samples, settings: RunSettings, where: Workspace, captured: Captured
 ) -> GroupRun:
     """The run stage: the group's samples through the reference and the candidate's passes, in worker
     processes or Ray tasks, their statistics merged. The reference is replayed from a captured file or
@@ -127,7 +137,7 @@ def run_group(
         store = cache.store(info.path, samples, tensors)
     else:
         store = ReferenceStore(where.scratch / f"reference-{candidate.path.stem}", tensors) if settings.save_reference else None
-    job = job_for(info, samples, segments, settings.precision, settings.tolerances, where.scratch / candidate.path.stem, store)
+    job = job_for(info, samples, plan.segments, settings.precision, settings.tolerances, where.scratch / candidate.path.stem, store)
     job = replace(
         job,
         passes=candidate.passes,
@@ -138,7 +148,7 @@ def run_group(
         layer_report=str(where.folder.path / ENGINE_LAYERS_FILE) if where.folder.final is not None else None,
     )
     progress = where.progress_from(group.before, len(samples))
-    outcome = run_shards(job, [samples.as_json()[i] for i in group.samples], settings.workers, settings.ray, progress, group.samples)
+    outcome = run_shards(job, [samples.as_json()[i] for i in group.samples], settings.workers, settings.ray, progress, group.samples, plan.huge_pages)
     if store is not None:
         store.finish()
     return GroupRun(candidate, outcome, group.samples, store)
@@ -229,7 +239,8 @@ def record_reference(info: ModelInfo, samples: Samples, cache: ReferenceCache, m
     store = cache.store(info.path, samples, [t.name for t in info.tensors])
     if not store.complete:
         with tempfile.TemporaryDirectory(prefix="accudiff-reference-") as scratch:
-            segments = plan(info, samples[0], max_memory, one_segment=False)
-            run_shards(job_for(info, samples, segments, "fp32", Tolerances.build("fp32"), Path(scratch), store), samples.as_json())
+            planned = plan(info, samples[0], max_memory, one_segment=False)
+            job = job_for(info, samples, planned.segments, "fp32", Tolerances.build("fp32"), Path(scratch), store)
+            run_shards(job, samples.as_json(), huge_pages=planned.huge_pages)
         store.finish()
     return store

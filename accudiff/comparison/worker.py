@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 
 from accudiff.errors import AccudiffError
-from accudiff.memory import map_large_blocks_separately
+from accudiff.memory import map_large_blocks_separately, with_huge_pages
 from accudiff.runners.base import Runner
 
 BACKEND_NAMES = {"onnxrt": "ONNX Runtime", "trt": "TensorRT"}
@@ -71,11 +71,14 @@ class Worker:
     """A worker process that runs jobs one after another: the sessions of passes marked `reuse` stay open
     between its jobs (verification's rounds run one candidate with different switches)."""
 
-    def __init__(self) -> None:
+    def __init__(self, huge_pages: bool = False) -> None:
+        """`huge_pages`: its malloc backs large blocks with huge pages (see memory.py: for large tensors)."""
+        self.huge_pages = huge_pages
         self._stderr, self._stderr_text = tempfile.TemporaryFile("w+"), ""
         self._process = subprocess.Popen(
             [sys.executable, "-m", "accudiff.comparison.worker"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
+            env=with_huge_pages(os.environ) if huge_pages else None,
         )
 
     def run(self, job: Job, progress: Callable[[str, int, int], None] | None = None) -> dict:
@@ -141,8 +144,12 @@ def prestart(count: int = 1) -> None:
     _SPARES.extend(Worker() for _ in range(count - len(_SPARES)))
 
 
-def take_worker() -> Worker:
-    """A worker for the next job: one started ahead, or a new one."""
+def take_worker(huge_pages: bool = False) -> Worker:
+    """A worker for the next job: one started ahead, or a new one. Workers are started ahead without huge
+    pages; a job that wants them ends those (an idle Python process takes ~60 MB) and starts its own."""
+    if huge_pages:
+        discard_spares()
+        return Worker(huge_pages=True)
     return _SPARES.pop() if _SPARES else Worker()
 
 
@@ -154,9 +161,9 @@ def discard_spares() -> None:
 atexit.register(discard_spares)
 
 
-def run_job(job: Job, progress: Callable[[str, int, int], None] | None = None) -> dict:
+def run_job(job: Job, progress: Callable[[str, int, int], None] | None = None, huge_pages: bool = False) -> dict:
     """Run `job` in a worker process of its own (one started ahead by `prestart`, if any) and return its result."""
-    worker = take_worker()
+    worker = take_worker(huge_pages)
     try:
         return worker.run(job, progress)
     finally:
