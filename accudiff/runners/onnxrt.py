@@ -84,10 +84,9 @@ class OnnxrtRunner(Runner):
     def _marked_model(self) -> Path | bytes:
         """The model with the requested tensors marked as outputs. Weights already in data files stay there
         (the marked graph is handed over as bytes, pointed at the model's folder: nothing is copied or
-        written again); weights inside the model past the data-file threshold are saved beside the marked
-        copy as external data, so ONNX Runtime maps them from the file instead of copying them out of a
-        protobuf; smaller ones go with the graph (writing them cost more than the copy)."""
-        from accudiff.model.loading import clear_unknown_dims, has_external_data, needs_data_file
+        written again); weights inside the model are saved beside the marked copy as external data, so
+        ONNX Runtime maps them from the file instead of copying them out of a protobuf."""
+        from accudiff.model.loading import clear_unknown_dims, has_external_data
         from accudiff.runners.fp16_emulation import lower_fp16
 
         try:
@@ -104,8 +103,8 @@ class OnnxrtRunner(Runner):
                 self._answers[marked] = name
         del model.graph.output[:]  # exactly what was asked for: a graph output nobody wants is not kept alive
         model.graph.output.extend(onnx.ValueInfoProto(name=name) for name in self._answers)
-        if has_external_data(model) or not needs_data_file(model):
-            return model.SerializeToString()  # the graph without the weights, or small weights: nothing written
+        if has_external_data(model):
+            return model.SerializeToString()  # the graph, without the weights: far below protobuf's limit
         target = self._scratch / "marked.onnx"
         onnx.save(model, str(target), save_as_external_data=True, location="marked.onnx.data", size_threshold=1024)
         return target
