@@ -90,7 +90,7 @@ class Trials:
 
     def close(self) -> None:
         while self._workers:
-            self._workers.pop().close()
+            self._workers.pop().let_go()  # their teardown overlaps what the caller does next
 
     def run(self, keep_lists: Sequence[Sequence[str]]) -> list[TrialOutcome]:
         """Each keep-list (closed over boundaries) tried on the setup's samples; outcomes in the same order.

@@ -116,15 +116,10 @@ class Worker:
         raise WorkerBug(f"the comparison worker failed: {outcome['message']}", self._stderr_text.strip()[-4000:])
 
     def close(self, kill: bool = False) -> int:
-        """End the worker (it exits when its input ends); its exit code."""
-        if self._process.poll() is None:
-            if kill:
-                self._process.kill()
-            else:
-                try:
-                    self._process.stdin.close()
-                except BrokenPipeError:
-                    pass
+        """End the worker (it exits when its input ends) and wait for it; its exit code."""
+        if kill and self._process.poll() is None:
+            self._process.kill()
+        self._end_input()
         code = self._process.wait()
         if not self._stderr.closed:
             self._stderr.seek(0)
@@ -132,8 +127,22 @@ class Worker:
             self._stderr.close()
         return code
 
+    def let_go(self) -> None:
+        """End the worker without waiting for it: it tears its sessions down while the caller goes on (it
+        is waited for by `discard_spares`, at the latest when the caller exits)."""
+        self._end_input()
+        _ENDING.append(self)
+
+    def _end_input(self) -> None:
+        if not self._process.stdin.closed:
+            try:
+                self._process.stdin.close()
+            except BrokenPipeError:
+                pass
+
 
 _SPARES: list[Worker] = []  # started ahead of their jobs (see `prestart`)
+_ENDING: list[Worker] = []  # let go of, maybe still exiting
 
 
 def prestart(count: int = 1) -> None:
@@ -154,8 +163,11 @@ def take_worker(huge_pages: bool = False) -> Worker:
 
 
 def discard_spares() -> None:
+    """End the workers started ahead and not used, and wait for those let go of."""
     while _SPARES:
         _SPARES.pop().close(kill=True)
+    while _ENDING:
+        _ENDING.pop().close()
 
 
 atexit.register(discard_spares)
