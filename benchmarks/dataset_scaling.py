@@ -1,12 +1,18 @@
 """Dataset-scale comparison of the PP-OCRv4 recognizer: one worker, two, and Ray; and a 1,000-sample run.
 
-    python benchmarks/dataset_scaling.py [--samples 16] [--large 1000] [--out benchmarks/out]
+    python benchmarks/dataset_scaling.py [--samples 16] [--large 1000] [--per-sample 8 40] [--out benchmarks/out]
 
 The dataset is made here: text lines drawn with PIL (benchmarks/realistic_inputs.py), one .npz file per
 sample in a folder, read by accudiff one sample at a time. Each run is `accudiff compare --fp16
 --candidate onnxrt --load-inputs FOLDER` as a fresh process (wall time, peak memory of the process tree).
 The Ray per-task overhead is measured on a one-CPU local cluster: the same samples as one task and as
 eight, the difference spread over the seven extra tasks.
+
+`--per-sample N1 N2`: what each extra sample costs with `--workers 2` (the wall time of N2 samples less
+that of N1, over N2 - N1; every fixed cost, verification included, cancels out), with and without the
+isolated run, beside its floor timed in this process: one marked FP32 run, one marked run of the lowered
+FP16 candidate and a numpy max|a - b| over every tensor pair, sessions created once, halved for two
+workers.
 """
 
 from __future__ import annotations
@@ -61,10 +67,53 @@ def ray_task_overhead(model: Path, data: Path, tasks: int = 8) -> float:
     return (seconds[tasks] - seconds[1]) / (tasks - 1)
 
 
+def per_sample_floor(model: Path, data: Path, samples: int = 4) -> float:
+    """Seconds per sample of the least a two-worker comparison does (see the module's docstring)."""
+    import onnx
+    import onnxruntime as ort
+
+    from accudiff.model.loading import load_model
+    from accudiff.runners.fp16_emulation import lower_fp16
+    from accudiff.transforms import to_fp16
+
+    info = load_model(model)
+    names = [t.name for t in info.tensors]
+    candidate = to_fp16(info.proto).model
+    copies = lower_fp16(candidate)
+    sessions = []
+    for proto, marked in ((info.proto, names), (candidate, [copies.get(n, n) for n in names])):
+        del proto.graph.output[:]
+        proto.graph.output.extend(onnx.ValueInfoProto(name=n) for n in marked)
+        sessions.append(ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]))
+    feeds = [dict(np.load(path)) for path in sorted(data.glob("*.npz"))[:samples]]
+    for session in sessions:
+        session.run(None, feeds[0])  # warm-up
+    start = time.perf_counter()
+    for feed in feeds:
+        reference, candidate_values = (session.run(None, feed) for session in sessions)
+        for a, b in zip(reference, candidate_values):
+            if np.issubdtype(a.dtype, np.floating) and a.size:
+                float(np.abs(a - b.astype(np.float32)).max())
+    return (time.perf_counter() - start) / len(feeds) / 2
+
+
+def per_sample(model: Path, folder: Path, counts: tuple[int, int]) -> dict:
+    """Each extra sample's wall time with --workers 2, with and without the isolated run, and its floor."""
+    small, large = (make_dataset(folder / f"per-sample-{n}", n) for n in counts)
+    row = {"floor_s": per_sample_floor(model, large)}
+    for label, extra in (("isolated", []), ("no_isolate", ["--no-isolate"])):
+        seconds = [compare(model, data, folder / f"report-{label}-{n}", "--workers", "2", *extra)["seconds"] for data, n in ((small, counts[0]), (large, counts[1]))]
+        row[label] = (seconds[1] - seconds[0]) / (counts[1] - counts[0])
+    print(f"each extra sample, 2 workers: {row['isolated']:.3f} s ({row['isolated'] / row['floor_s']:.1f}x its floor {row['floor_s']:.3f} s); "
+          f"--no-isolate {row['no_isolate']:.3f} s ({row['no_isolate'] / row['floor_s']:.1f}x)", flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--large", type=int, default=1000, help="samples of the large run (0: skip it)")
+    parser.add_argument("--per-sample", type=int, nargs=2, metavar=("N1", "N2"), help="only the cost of each extra sample, between N1 and N2 samples")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -72,6 +121,10 @@ def main() -> None:
     rows = {}
     with tempfile.TemporaryDirectory(prefix="accudiff-dataset-") as tmp:
         folder = Path(tmp)
+        if args.per_sample:
+            rows["per_sample"] = per_sample(model, folder, tuple(args.per_sample))
+            (args.out / "dataset_per_sample.json").write_text(json.dumps(rows, indent=2) + "\n")
+            return
         data = make_dataset(folder / "small", args.samples)
         for label, extra in (("1 worker", []), ("2 workers", ["--workers", "2"]), ("ray local", ["--ray", "local"])):
             rows[label] = compare(model, data, folder / f"report-{len(rows)}", *extra)

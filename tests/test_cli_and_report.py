@@ -53,7 +53,9 @@ def test_timings_say_where_the_time_went(run_cli, tmp_path):
     assert {"import", "load", "plan", "transform", "run", "diagnose", "verify"} <= summary["timings_s"].keys()
     comparison = summary["worker_timings_s"]["comparison"]
     assert {"sessions", "statistics", "runs: reference", "runs: candidate", "runs: isolated"} <= comparison.keys()
-    assert "runs: variant0" in summary["worker_timings_s"]["verification"]
+    verification = summary["worker_timings_s"]["verification"]
+    assert "runs: variant0" in verification
+    assert "runs: reference" not in verification  # the comparison recorded the reference's outputs: replayed
 
 
 def test_first_failure_is_a_fact_never_called_the_cause(run_cli, tmp_path):

@@ -121,9 +121,12 @@ class Engine:
         store: ReferenceStore | None = None,
         progress: Progress = lambda step: None,
         threads: int = 1,
+        outputs_store: ReferenceStore | None = None,
     ):
         """`store`: reference outputs recorded earlier (then replayed, and the reference never runs) or to
-        record now."""
+        record now. `outputs_store`: where the reference's graph outputs are recorded (verification replays
+        them instead of running the reference again)."""
+        self.outputs_store = outputs_store
         self.tensors, self.outputs = list(measured.tensors), set(measured.outputs)
         self.inputs = list(measured.inputs)
         tolerances, quant_ranges, segments = measured.tolerances, measured.quant_ranges, measured.segments
@@ -224,12 +227,15 @@ class Engine:
 
     def _reference_outputs(self, sample: int, segment: _Segment, values: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
         if segment.runner is None:
-            return self.store.read(sample, segment.wanted)
-        self.progress(f"running the reference on sample {sample}")
-        with self.clock("runs: reference"):
-            out = segment.runner.infer(values)
-        if self.store is not None:
-            self.store.write(sample, out)
+            out = self.store.read(sample, segment.wanted)
+        else:
+            self.progress(f"running the reference on sample {sample}")
+            with self.clock("runs: reference"):
+                out = segment.runner.infer(values)
+            if self.store is not None:
+                self.store.write(sample, out)
+        if self.outputs_store is not None:
+            self.outputs_store.write(sample, out)  # only the graph outputs are kept
         return out
 
     def _reduce(self, name: str, sample: int, reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray], tensors: Sequence[str]) -> None:

@@ -17,6 +17,7 @@ import onnx
 from accudiff.comparison.branches import BranchGroup, merge_group_results
 from accudiff.comparison.shards import added_timings, run_shards
 from accudiff.comparison.tolerances import Tolerances
+from accudiff.comparison.trial import MAX_TRIAL_SAMPLES
 from accudiff.comparison.worker import Job
 from accudiff.memory import HUGE_PAGES_FROM_TENSOR_BYTES, return_freed_memory
 from accudiff.model.loading import ModelInfo, describe, save_model
@@ -57,6 +58,7 @@ class GroupRun:
     outcome: dict
     group_samples: list[int]
     reference: ReferenceStore | None = None
+    outputs: ReferenceStore | None = None  # the reference's graph outputs, when recorded for verification
 
 
 def group_model(info: ModelInfo, group: BranchGroup, scratch: Path) -> ModelInfo:
@@ -147,11 +149,16 @@ def run_group(
         shape_values={name: first[name].reshape(-1).tolist() for name in first if could_be_a_shape(first[name])},
         layer_report=str(where.folder.path / ENGINE_LAYERS_FILE) if where.folder.final is not None else None,
     )
+    outputs = None
+    if settings.verify and len(group.samples) <= MAX_TRIAL_SAMPLES:  # few enough to keep: verification replays them
+        outputs = ReferenceStore(where.scratch / f"outputs-{candidate.path.stem}", info.output_names)
+        job = replace(job, outputs_store=str(outputs.folder))
     progress = where.progress_from(group.before, len(samples))
     outcome = run_shards(job, [samples.as_json()[i] for i in group.samples], settings.workers, settings.ray, progress, group.samples, plan.huge_pages)
-    if store is not None:
-        store.finish()
-    return GroupRun(candidate, outcome, group.samples, store)
+    for recorded in (store, outputs):
+        if recorded is not None:
+            recorded.finish()
+    return GroupRun(candidate, outcome, group.samples, store, outputs)
 
 
 def save_tensors(settings: RunSettings, runs: Sequence[GroupRun], samples: int) -> None:

@@ -36,6 +36,7 @@ from accudiff.transforms.candidate import CandidateVariants
 from accudiff.transforms.fp16 import FP16_MAX
 from accudiff.transforms.switches import Switchboard
 
+MAX_TRIAL_SAMPLES = 8  # trials run on the worst failing samples, at most this many
 VARIANTS_PER_WORKER = 8  # every variant's session is open at once in a worker: bound that
 UNDERFLOW_SHARE = 0.01  # as diagnosis/rules.py: a smaller share of tiny values is noise
 
@@ -70,12 +71,19 @@ class Trials:
     """Counted trials over one setup; `boundaries` closes every keep-list before it is tried. Use it as a
     context manager: its workers stay up until it closes."""
 
-    def __init__(self, setup: TrialSetup, table: pd.DataFrame):
-        """`table`: the comparison's statistics (ranges of the reference tensors), indexed by tensor."""
+    def __init__(self, setup: TrialSetup, table: pd.DataFrame, recorded: tuple[ReferenceStore, Sequence[int]] | None = None):
+        """`table`: the comparison's statistics (ranges of the reference tensors), indexed by tensor.
+        `recorded`: the reference's graph outputs as the comparison recorded them, and which of its
+        samples are the setup's (else the first trial records them)."""
         self.setup = setup
         self.runs = 0
         setup.scratch.mkdir(parents=True, exist_ok=True)
         self.reference = ReferenceStore(Path(tempfile.mkdtemp(prefix="reference-", dir=setup.scratch)), list(setup.info.output_names))
+        if recorded is not None and recorded[0].complete:
+            store, samples = recorded
+            for k, sample in enumerate(samples):
+                self.reference.write(k, store.read(sample, setup.info.output_names))
+            self.reference.finish()
         self.boundaries = Boundaries(setup.info.proto.graph, unfit_for_fp16(table), setup.variants.base.converted, setup.variants.recipe.precision)
         self._workers: list[Worker] = []
         self.timings: dict[str, float] = {}  # the trial workers' seconds per phase, added up

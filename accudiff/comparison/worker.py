@@ -65,6 +65,7 @@ class Job:
     inputs: list[str] = field(default_factory=list)  # graph inputs whose ranges the diagnosis needs
     input_specs: list[list] = field(default_factory=list)  # [name, dtype, shape]: each sample is checked as it is read
     threads: int = 0  # cores this worker may use (0: all); several workers on one machine share them
+    outputs_store: str | None = None  # a store folder where the reference's graph outputs are recorded
 
 
 class Worker:
@@ -266,6 +267,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
             store,
             progress=lambda text: emit({"event": "step", "text": text}),
             threads=threads,
+            outputs_store=ReferenceStore(Path(job.outputs_store), job.outputs) if job.outputs_store else None,
         )
         specs = [InputSpec(name, np.dtype(dtype), tuple(shape)) for name, dtype, shape in job.input_specs]
         samples = Samples.from_json(job.samples, "the inputs", specs)

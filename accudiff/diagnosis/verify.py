@@ -30,7 +30,7 @@ import onnx
 import pandas as pd
 
 from accudiff.comparison.group import GroupRun, could_be_a_shape
-from accudiff.comparison.trial import TrialSetup, Trials
+from accudiff.comparison.trial import MAX_TRIAL_SAMPLES, TrialSetup, Trials
 from accudiff.diagnosis.cause import Absorbed, Cause, Contributor, ancestor_tensors, flagged_nodes, rank_contributors
 from accudiff.diagnosis.mechanisms import absorber, amplifiers, cancellations
 from accudiff.diagnosis.rules import VALUE_PRESERVING_OPS, DiagnosisContext, Finding, isolated_figures, isolation_ran
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
     from accudiff.result import CompareResult
     from accudiff.settings import RunSettings
 
-MAX_TRIAL_SAMPLES = 8  # verification runs on the worst failing samples, at most this many
 HELPS = 0.8  # a keep helps when it brings the output's tolerance ratio below this share of what it was
 GREEDY_RESERVE = 3  # runs of the budget kept for confirming combinations after the screen
 GREEDY_ROUND = 2  # combinations tried at once while confirming (in parallel, on two cores)
@@ -111,7 +110,8 @@ def verify_outputs(result: CompareResult, context: DiagnosisContext, settings: R
         {name: first[name].reshape(-1).tolist() for name in first if could_be_a_shape(first[name])},
     )
     ratios = {f.tensor: float(indexed.loc[f.tensor, ratio_column]) for f in failures}
-    with Trials(setup, indexed) as trials:
+    recorded = (runs[0].outputs, chosen) if runs[0].outputs is not None else None
+    with Trials(setup, indexed, recorded) as trials:
         verdicts = verify_causes(ratios, indexed, context, trials, settings.verify_budget, settings.tolerances.default.rtol)
     result.worker_timings["verification"] = trials.timings
     result.output_failures = [
