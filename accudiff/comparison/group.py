@@ -20,7 +20,7 @@ from accudiff.comparison.tolerances import Tolerances
 from accudiff.comparison.trial import MAX_TRIAL_SAMPLES
 from accudiff.comparison.worker import Job
 from accudiff.memory import HUGE_PAGES_FROM_TENSOR_BYTES, return_freed_memory
-from accudiff.model.loading import ModelInfo, describe, save_model
+from accudiff.model.loading import ModelInfo, describe, has_external_data, needs_data_file, save_model
 from accudiff.model.inputs import Feed
 from accudiff.model.run_results import Captured, write_run_results
 from accudiff.model.samples import Samples
@@ -79,11 +79,14 @@ class Plan:
 
     segments: list[list[str]]
     huge_pages: bool = False
+    reference: Path | None = None  # the model with its inferred types, for the worker to cut (None: the model's file)
 
 
-def plan(info: ModelInfo, first: Feed, max_memory: int | str | None, one_segment: bool) -> Plan:
+def plan(info: ModelInfo, first: Feed, max_memory: int | str | None, one_segment: bool, scratch: Path | None = None) -> Plan:
     """The plan stage: segments sized so that the tensors of a segment fit `max_memory` (one segment when
-    everything fits, or when asked: a TensorRT engine is compared whole, as it ships)."""
+    everything fits, or when asked: a TensorRT engine is compared whole, as it ships). A model cut into
+    segments is saved in `scratch` with the types inferred at loading, when its weights are small enough
+    to copy, so the worker need not infer them again."""
     names = [node.name for node in info.proto.graph.node]
     shapes = {spec.name: first[spec.name].shape for spec in info.inputs}
     sizes = tensor_sizes(info, shapes)
@@ -91,7 +94,13 @@ def plan(info: ModelInfo, first: Feed, max_memory: int | str | None, one_segment
     if one_segment:
         return Plan([names], huge_pages)
     budget = memory_budget(max_memory) // SEGMENTS_PER_BUDGET
-    return Plan([[names[i] for i in segment.nodes] for segment in plan_segments(info, sizes, budget)], huge_pages)
+    segments = [[names[i] for i in segment.nodes] for segment in plan_segments(info, sizes, budget)]
+    typed = None
+    if len(segments) > 1 and scratch is not None and not has_external_data(info.proto) and not needs_data_file(info.proto):
+        typed = scratch / "typed" / info.path.name  # under its own name: the worker's messages name the model
+        typed.parent.mkdir(parents=True, exist_ok=True)
+        save_model(info.proto, typed)
+    return Plan(segments, huge_pages, typed)
 
 
 def make_candidate(
@@ -142,6 +151,7 @@ def run_group(
     job = job_for(info, samples, plan.segments, settings.precision, settings.tolerances, where.scratch / candidate.path.stem, store)
     job = replace(
         job,
+        reference=str(plan.reference or info.path),
         passes=candidate.passes,
         quant_ranges=quant_ranges_json(candidate.transformed),
         trt=settings.trt.as_json(),
