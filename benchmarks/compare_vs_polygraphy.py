@@ -51,7 +51,7 @@ def accudiff_flow(model: Path, shape: str, work: Path) -> dict:
                "--input-shapes", shape, "--report-dir", str(work / "report")]
     result = measure(command)
     summary = json.loads((work / "report" / "summary.json").read_text()) if (work / "report").exists() else {}
-    result.update(tensors=summary.get("counts", {}).get("tensors"), phases=summary.get("timings_s"))
+    result.update(tensors=summary.get("counts", {}).get("tensors"), phases=summary.get("timings_s"), workers=summary.get("worker_timings_s"))
     return result
 
 
@@ -87,6 +87,14 @@ def _median_run(results: list[dict]) -> dict:
     return chosen
 
 
+def _breakdown(run: dict) -> str:
+    """The median run's stages (wall seconds) and its workers' phases (seconds added over workers)."""
+    text = ", ".join(f"{k} {v:.2f}" for k, v in (run.get("phases") or {}).items() if v >= 0.005)
+    for stage, phases in (run.get("workers") or {}).items():
+        text += f"; {stage} workers: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
+    return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(SHAPES))
@@ -115,6 +123,7 @@ def main() -> None:
                 f"memory ratio {ad['peak_mb'] / pg['peak_mb']:.2f} | floor {fl['seconds']:.2f} s ({fl['tensor_mb']:.0f} MB of tensors)",
                 flush=True,
             )
+            print(f"{'':<14} where accudiff's time went: {_breakdown(ad)}; floor: two runs {fl['two_runs']:.2f} s, statistics {fl['stats_pass']:.2f} s", flush=True)
     (args.out / "compare_vs_polygraphy.json").write_text(json.dumps(rows, indent=2) + "\n")
 
 
