@@ -178,10 +178,11 @@ def _by_sqnr_fall(rows: pd.DataFrame, table: pd.DataFrame, context: DiagnosisCon
     """Converted nodes that compute, ordered by how far the accumulated SQNR falls from their inputs to
     their output: where error enters the path (graph inputs and weights count as exact)."""
     falls = []
-    for tensor, row in rows.iterrows():
+    sqnr = table["sqnr_db"].to_dict()
+    for tensor, row in zip(rows.index, rows[["node", "op_type", "sqnr_db"]].to_dict("records")):
         if row["node"] not in context.converted or row["op_type"] in VALUE_PRESERVING_OPS or not np.isfinite(row["sqnr_db"]):
             continue
-        before = min((float(table.loc[n, "sqnr_db"]) for n in context.upstream.get(tensor, []) if n in table.index), default=SQNR_CAP)
+        before = min((float(sqnr[n]) for n in context.upstream.get(tensor, []) if n in sqnr), default=SQNR_CAP)
         falls.append((min(before, SQNR_CAP) - float(row["sqnr_db"]), row["node"], tensor, row["op_type"]))
     falls.sort(key=lambda item: -item[0])
     return list(dict.fromkeys((node, tensor, op_type) for _, node, tensor, op_type in falls))
