@@ -16,24 +16,27 @@ call this; each stage is a function in the module that owns it:
 
 from __future__ import annotations
 
+import importlib
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from accudiff.comparison.branches import describe_groups, plan_groups
 from accudiff.comparison.group import combine, group_model, make_candidate, plan, run_group, save_tensors
 from accudiff.comparison.worker import prestart
-from accudiff.diagnosis.judge import attach_sketches, judge
-from accudiff.diagnosis.verify import verify_outputs
 from accudiff.model.loading import load_model
 from accudiff.model.run_results import read_captured
 from accudiff.model.samples import Samples, prepare_samples
 from accudiff.report.content import CANDIDATE_MODEL_FILE, INPUTS_FILE
-from accudiff.result import CompareResult, TensorFailure
 from accudiff.runners import TrtOptions
 from accudiff.runners.outputs import ReferenceCache
 from accudiff.settings import RunSettings
 from accudiff.workspace import Progress, Workspace, workspace
+
+if TYPE_CHECKING:
+    from accudiff.result import CompareResult, TensorFailure
 
 __all__ = ["CompareResult", "RunSettings", "TensorFailure", "TrtOptions", "compare", "run"]
 
@@ -71,6 +74,8 @@ def run(
         captured = read_captured([t.name for t in info.tensors], settings, len(samples), where.scratch)
         laps.lap("captured")
         runs = []
+        # The diagnosis (and pandas, ~0.35 s to import) is imported while the workers run, not before.
+        threading.Thread(target=_import_diagnosis, daemon=True).start()
         for k, group in enumerate(groups):
             group_info = group_model(info, group, where.scratch)
             planned = plan(group_info, samples[group.samples[0]], settings.max_memory, settings.uses_trt, where.scratch)
@@ -81,6 +86,9 @@ def run(
             runs.append(run_group(candidate, planned, group, samples, settings, where, captured))
             laps.lap("run")
         save_tensors(settings, runs, len(samples))
+        from accudiff.diagnosis.judge import attach_sketches, judge
+        from accudiff.diagnosis.verify import verify_outputs
+
         info, transformed, outcome = combine(info.path, runs)
         result, context = judge(info, transformed, outcome, settings, samples)
         result.worker_timings["comparison"] = outcome["timings"]
@@ -111,6 +119,21 @@ def _report(result: CompareResult, settings: RunSettings, where: Workspace, samp
         write_report(result, folder, samples)
     result.report_dir = folder.commit()
     laps.lap("report")
+
+
+def _import_diagnosis() -> None:
+    for module in ("accudiff.diagnosis.judge", "accudiff.diagnosis.verify"):
+        importlib.import_module(module)
+
+
+def __getattr__(name: str):
+    """`CompareResult` and `TensorFailure` are re-exported here, imported when first asked for (they bring
+    pandas with them)."""
+    if name in ("CompareResult", "TensorFailure"):
+        import accudiff.result
+
+        return getattr(accudiff.result, name)
+    raise AttributeError(f"module 'accudiff.api' has no attribute {name!r}")
 
 
 class _Stopwatch:

@@ -20,11 +20,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 import onnx
-import pandas as pd
 
 from accudiff.comparison.shards import added_timings, merge_results
 from accudiff.comparison.worker import Job, Worker, discard_spares, prestart, take_worker
@@ -35,6 +34,9 @@ from accudiff.settings import RunSettings
 from accudiff.transforms.candidate import CandidateVariants
 from accudiff.transforms.fp16 import FP16_MAX
 from accudiff.transforms.switches import Switchboard
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 MAX_TRIAL_SAMPLES = 8  # trials run on the worst failing samples, at most this many
 VARIANTS_PER_WORKER = 8  # every variant's session is open at once in a worker: bound that
