@@ -103,8 +103,8 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
     missing = next((name for name in _data_files(proto) if not (path.parent / name).is_file()), None) if external else None
     if missing is not None:
         raise AccudiffError(f"'{path}' refers to external data that is missing: {path.parent / missing}")
-    try:  # a model with data files is checked from its file (the checker then checks them too), never serialized again
-        onnx.checker.check_model(str(path) if external or needs_data_file(proto) else proto)
+    try:  # checked from its file (the checker reads its data files too): serializing the model again cost more
+        onnx.checker.check_model(str(path))
     except onnx.checker.ValidationError as exc:
         raise AccudiffError(f"'{path}' fails the ONNX checker: {first_line(exc)}") from exc
     if external:
