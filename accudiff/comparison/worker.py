@@ -180,7 +180,7 @@ def run_job(job: Job, progress: Callable[[str, int, int], None] | None = None, h
     try:
         return worker.run(job, progress)
     finally:
-        worker.close()
+        worker.let_go()  # its teardown overlaps the caller's next stage
 
 
 def load_result(path: Path) -> dict:
