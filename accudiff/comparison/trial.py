@@ -7,8 +7,9 @@ Nothing is marked (these runs are cheap), the keep-lists of one call are shared 
 core, and every keep-list is closed over precision boundaries first. An FP16 candidate on ONNX Runtime is
 tried as one switchboard (transforms/switches.py): built, saved and loaded once, each keep-list a run
 with its switches set, in workers that stay up from one call to the next and keep its session open.
-Other candidates (INT8, TensorRT) get a variant per keep-list. The reference's graph outputs are recorded
-by the first worker of the first call and replayed by every later one.
+Other candidates (INT8, TensorRT) get a variant per keep-list. The reference's graph outputs are the ones
+the comparison recorded, or else recorded by the first worker of the first call; every later one
+replays them.
 """
 
 from __future__ import annotations

@@ -74,7 +74,6 @@ class Worker:
 
     def __init__(self, huge_pages: bool = False) -> None:
         """`huge_pages`: its malloc backs large blocks with huge pages (see memory.py: for large tensors)."""
-        self.huge_pages = huge_pages
         self._stderr, self._stderr_text = tempfile.TemporaryFile("w+"), ""
         self._process = subprocess.Popen(
             [sys.executable, "-m", "accudiff.comparison.worker"],
