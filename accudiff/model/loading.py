@@ -269,6 +269,11 @@ def save_model(proto: onnx.ModelProto, path: Path) -> None:
     onnx.save(light, str(path))
 
 
+def cast_target(node: onnx.NodeProto) -> int | None:
+    """The element type a Cast node converts to."""
+    return next((attr.i for attr in node.attribute if attr.name == "to"), None)
+
+
 def infer_shapes_unless_typed(proto: onnx.ModelProto) -> None:
     """`infer_shapes_in_place`, unless every value the graph's nodes produce already has its type: the
     models accudiff builds from an inferred one (candidates, their segments) carry their types, and

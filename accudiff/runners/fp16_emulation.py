@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from accudiff.model.loading import infer_shapes_unless_typed
+from accudiff.model.loading import cast_target, infer_shapes_unless_typed
 
 FP16 = TensorProto.FLOAT16
 FP32 = TensorProto.FLOAT
@@ -33,7 +33,7 @@ def lower_fp16(model: onnx.ModelProto) -> dict[str, str]:
     graph = model.graph
     fp16_values = {vi.name for vi in [*graph.value_info, *graph.output] if vi.type.tensor_type.elem_type == FP16}
     has_fp16 = fp16_values or any(init.data_type == FP16 for init in graph.initializer) or any(
-        node.op_type == "Cast" and _cast_target(node) == FP16 for node in graph.node
+        node.op_type == "Cast" and cast_target(node) == FP16 for node in graph.node
     )
     if not has_fp16:
         return {}
@@ -44,10 +44,10 @@ def lower_fp16(model: onnx.ModelProto) -> dict[str, str]:
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == FP16:
                 attr.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(attr.t).astype(np.float32), attr.t.name))
-        if node.op_type == "Cast" and _cast_target(node) == FP16:
+        if node.op_type == "Cast" and cast_target(node) == FP16:
             lowered += _round_nodes(node.input[0], node.output[0])
             continue
-        if node.op_type == "Cast" and _cast_target(node) == FP32 and node.input[0] in fp16_values:
+        if node.op_type == "Cast" and cast_target(node) == FP32 and node.input[0] in fp16_values:
             lowered.append(helper.make_node("Identity", list(node.input), list(node.output), name=node.name))
             continue
         rounded = [o for o in node.output if o in fp16_values]
@@ -77,10 +77,6 @@ def _widen_fp16_weights(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
 
 def fp16_name(value: str) -> str:
     return value + "__as_fp16"
-
-
-def _cast_target(node: onnx.NodeProto) -> int | None:
-    return next((attr.i for attr in node.attribute if attr.name == "to"), None)
 
 
 def _round_nodes(source: str, target: str) -> list[onnx.NodeProto]:

@@ -62,7 +62,7 @@ class _GraphConversion:
         """Convert `graph` in place; `source` holds its weights (removed from it), `outer_types` the types of
         what it reads from enclosing graphs, `scope` a suffix that keeps its Cast names unique."""
         opset = self.opset
-        types = {**outer_types, **_elem_types(graph, source.values())}
+        types = {**outer_types, **elem_types(graph, source.values())}
         constants = _constant_absmax(graph, source.values())
         outer_refs = subgraph_outer_references(graph.node)
         converted_params: dict[int, set[str]] = {}  # fp16 node (index) -> its type parameters bound to FP16
@@ -222,7 +222,8 @@ def _default_opset(model: onnx.ModelProto) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
-def _elem_types(graph: onnx.GraphProto, initializers: Iterable[onnx.TensorProto]) -> dict[str, int]:
+def elem_types(graph: onnx.GraphProto, initializers: Iterable[onnx.TensorProto]) -> dict[str, int]:
+    """The element type of every value the graph declares (inputs, value_info, outputs), weight and Constant."""
     types = {}
     for vi in [*graph.input, *graph.value_info, *graph.output]:
         if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:

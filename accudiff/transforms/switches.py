@@ -21,6 +21,9 @@ from typing import Iterable
 import onnx
 from onnx import TensorProto, helper
 
+from accudiff.model.loading import cast_target
+from accudiff.transforms.fp16 import elem_types
+
 SWITCH_PREFIX = "accudiff_keep_"
 
 
@@ -45,7 +48,7 @@ def build_switchboard(candidate: onnx.ModelProto, fp32: onnx.ModelProto, nodes: 
     board.CopyFrom(candidate)
     graph = board.graph
     original = {node.name: node for node in fp32.graph.node}
-    fp32_types, board_types = _types(fp32.graph), _types(graph)
+    fp32_types, board_types = elem_types(fp32.graph, fp32.graph.initializer), elem_types(graph, graph.initializer)
     outputs = {o.name for o in graph.output}
     for node in graph.node:  # a graph output computed in FP16 is `<name>__fp16`, cast to `<name>` (see fp16.py)
         if node.op_type == "Cast" and node.output[0] in outputs and node.input[0] == node.output[0] + "__fp16":
@@ -58,7 +61,7 @@ def build_switchboard(candidate: onnx.ModelProto, fp32: onnx.ModelProto, nodes: 
     widened: set[str] = set()
     placed: list[onnx.NodeProto] = []
     for node in graph.node:
-        if node.op_type == "Cast" and _cast_target(node) == TensorProto.FLOAT and node.input[0] in redirected:
+        if node.op_type == "Cast" and cast_target(node) == TensorProto.FLOAT and node.input[0] in redirected:
             node.input[0] = redirected[node.input[0]]
         placed.append(node)
         if node.name not in switches:
@@ -110,13 +113,3 @@ def _switch(node: onnx.NodeProto, j: int, kept: onnx.NodeProto, switch: str, in_
     else:
         added.append(helper.make_node("Identity", [value + "__switched"], [produced], name=produced + "__from_switch"))
     return added
-
-
-def _types(graph: onnx.GraphProto) -> dict[str, int]:
-    types = {vi.name: vi.type.tensor_type.elem_type for vi in [*graph.input, *graph.value_info, *graph.output] if vi.type.HasField("tensor_type")}
-    types.update((init.name, init.data_type) for init in graph.initializer)
-    return types
-
-
-def _cast_target(node: onnx.NodeProto) -> int | None:
-    return next((attr.i for attr in node.attribute if attr.name == "to"), None)
