@@ -85,10 +85,11 @@ def main() -> None:
         for precision in ["fp16"] + ["int8"] * args.int8:
             report = work / f"report-{precision}"
             run = measure([sys.executable, "-m", "accudiff.cli", "compare", str(model), f"--{precision}", "--candidate", "onnxrt", "-o", str(report)])
-            phases = json.loads((report / "summary.json").read_text())["timings_s"] if (report / "summary.json").exists() else {}
+            summary = json.loads((report / "summary.json").read_text()) if (report / "summary.json").exists() else {}
             print(f"  accudiff compare --{precision}: {run['seconds']:.1f} s ({run['seconds'] / floor['seconds']:.2f}x the floor), "
                   f"peak {run['peak_mb']:.0f} MB ({run['peak_mb'] / weights:.2f}x the weights), exit {run['exit']} {run['stderr_tail']}")
-            print(f"    phases: {phases}")
+            print(f"    stages: {summary.get('timings_s', {})}")
+            print(f"    workers: {summary.get('worker_timings_s', {})}")
         if args.polygraphy:
             polygraphy = str(Path(sys.executable).with_name("polygraphy"))
             run = measure([polygraphy, "run", str(model), "--onnxrt", "--onnx-outputs", "mark", "all", "--save-outputs", str(work / "ref.json")])

@@ -18,7 +18,7 @@ from pathlib import Path
 import onnx
 import pandas as pd
 
-from accudiff.model.loading import load_model
+from accudiff.model.loading import load_model, save_model
 from accudiff.model.subgraph import extract
 from accudiff.errors import AccudiffError
 from accudiff.report.folder import ReportFolder
@@ -66,7 +66,7 @@ def _save_partitions(trt, info, nodes, failing: dict[int, str], folder: ReportFo
             supported, reason = _parses(trt, subgraph)
         kind = "supported" if supported else "unsupported"
         path = out_dir / f"{kind}_subgraph-nodes-{start}-{end}.onnx"
-        onnx.save(subgraph, str(path))
+        save_model(subgraph, path)
         partitions.append(Partition(start, end, supported, _op_summary(nodes[start : end + 1]), reason, path))
     table = pd.DataFrame([{**p.__dict__, "path": p.path.name} for p in partitions])
     table.to_csv(out_dir / PARTITION_TABLE, index=False)
@@ -90,7 +90,7 @@ def _capability_errors(trt, path: Path) -> dict[int, str]:
 def _parses(trt, subgraph: onnx.ModelProto) -> tuple[bool, str]:
     with tempfile.TemporaryDirectory(prefix="accudiff-partition-") as tmp:
         path = Path(tmp) / "subgraph.onnx"
-        onnx.save(subgraph, str(path))
+        save_model(subgraph, path)
         try:
             create_network(trt, path)
         except AccudiffError as exc:

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-import onnx
 
 from accudiff.bisect.session import BisectSession
 from accudiff.comparison.table import STATUS_FAIL
 from accudiff.model.inputs import Feed, save_feeds
+from accudiff.model.loading import save_model
 from accudiff.model.subgraph import extract
 from accudiff.result import TensorFailure
 from accudiff.settings import RunSettings
@@ -149,7 +149,7 @@ def _save_cut(session, chosen: list[int], folder: Path) -> RunSettings:
     calibration samples) in `folder`; return the settings that run it, with file names relative to
     `folder`: the session's settings narrowed to what applies to this cut."""
     model = extract(session.info.proto, chosen)
-    onnx.save(model, str(folder / MODEL_FILE))
+    save_model(model, folder / MODEL_FILE)
     inputs = [i.name for i in model.graph.input]
     save_feeds(_values_at(inputs, session.feeds, session.reference_outputs()), folder / INPUTS_FILE)
     calibration = None

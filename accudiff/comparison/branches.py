@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from accudiff.comparison.metrics import EMPTY_ROW, SKETCH_BUCKETS
 from accudiff.comparison.shards import merge_results
 from accudiff.errors import AccudiffError
-from accudiff.model.loading import ModelInfo, all_nodes, infer_shapes_in_place, subgraph_outer_references
+from accudiff.model.loading import ModelInfo, all_nodes, infer_shapes_in_place, save_model, subgraph_outer_references
 from accudiff.model.samples import Samples, samples_from_path
 from accudiff.model.subgraph import extract
+from accudiff.model.weights import weight_values
 from accudiff.transforms import NodeSelector
 from accudiff.transforms.inline_branches import BRANCHES, if_nodes, inline_branches
 
@@ -192,7 +192,7 @@ def _condition_values(model: onnx.ModelProto, conditions: list[str], samples: Sa
         runner = None
         if computed:
             path = Path(scratch) / "conditions.onnx"
-            onnx.save(extract(model, _producers(graph, computed), "conditions", outputs=computed), str(path))
+            save_model(extract(model, _producers(graph, computed), "conditions", outputs=computed), path)
             runner = OnnxrtRunner(path, computed)
             runner.activate()
         try:
@@ -202,7 +202,7 @@ def _condition_values(model: onnx.ModelProto, conditions: list[str], samples: Sa
                 got = runner.infer(feed) if runner is not None else {}
                 row = []
                 for name in conditions:
-                    value = numpy_helper.to_array(weights[name]) if name in weights else feed[name] if name in feed else got[name]
+                    value = weight_values(weights[name]) if name in weights else feed[name] if name in feed else got[name]
                     row.append(bool(np.asarray(value).reshape(-1)[0]))
                 values.append(tuple(row))
         finally:

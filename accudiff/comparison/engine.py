@@ -14,6 +14,7 @@ runner interface.
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +29,7 @@ import onnx
 from accudiff.comparison.metrics import EMPTY_ROW, F, SKETCH_BUCKETS, StatsSet, finish, reduce_tensor, reference_range
 from accudiff.comparison.tolerances import Tolerance, Tolerances
 from accudiff.model.inputs import Feed
-from accudiff.model.loading import infer_shapes_unless_typed, name_unnamed_nodes
+from accudiff.model.loading import infer_shapes_unless_typed, load_graph, name_unnamed_nodes, save_model
 from accudiff.model.subgraph import extract
 from accudiff.runners.base import Runner
 from accudiff.runners.outputs import ReferenceStore
@@ -88,10 +89,12 @@ class PassResult:
 
 @dataclass
 class _Segment:
-    runner: Runner | None  # None: the reference replayed from a store
+    make: Callable[[], Runner] | None  # its runner, not yet activated (None: the reference replayed from a store)
     inputs: set[str]  # what the segment model reads (graph inputs and earlier segments' values)
     compared: list[str]  # the compared tensors it produces
     wanted: list[str]  # what it returns: those, and what later segments read
+    runner: Runner | None = None  # made on first use
+    active: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,11 +125,16 @@ class Engine:
         progress: Progress = lambda step: None,
         threads: int = 1,
         outputs_store: ReferenceStore | None = None,
+        keep_sessions: bool = True,
     ):
         """`store`: reference outputs recorded earlier (then replayed, and the reference never runs) or to
         record now. `outputs_store`: where the reference's graph outputs are recorded (verification replays
-        them instead of running the reference again)."""
-        self.outputs_store = outputs_store
+        them instead of running the reference again). `keep_sessions`: every runner is activated at once
+        and kept for every sample; else (one sample: nothing to reuse) each is activated just before its
+        run and deactivated after it, so one backend's copy of the weights is in memory at a time.
+        (Arrays a runner returned outlive its deactivation: ONNX Runtime's and TensorRT's are the
+        process's own, a recorded runner's deactivation does nothing.)"""
+        self.outputs_store, self.keep_sessions = outputs_store, keep_sessions
         self.tensors, self.outputs = list(measured.tensors), set(measured.outputs)
         self.inputs = list(measured.inputs)
         tolerances, quant_ranges, segments = measured.tolerances, measured.quant_ranges, measured.segments
@@ -164,7 +172,7 @@ class Engine:
         go with their first reader), each returning its compared tensors and what later segments read."""
         compared = set(self.tensors)
         with self.clock("segments"):
-            model = onnx.load(str(path), load_external_data=count > 1)
+            model = load_graph(path)  # weights stay in their files: a segment's are copied into its own
             name_unnamed_nodes(model)  # the names the plan uses (the reference file may leave nodes unnamed)
             if count > 1:
                 infer_shapes_unless_typed(model)  # the cut models' inputs and outputs need their types
@@ -186,17 +194,34 @@ class Engine:
                     inputs = {i.name for i in sub.graph.input}
                     folder.mkdir(parents=True, exist_ok=True)
                     segment_path = folder / f"segment{k}.onnx"
-                    onnx.save(sub, str(segment_path), save_as_external_data=True, location=segment_path.name + ".data", size_threshold=1024)
+                    save_model(sub, segment_path, side_file=True)
                     del sub
-            runner = None
-            if make is not None:
-                with self.clock("sessions"):
-                    runner = make(segment_path, wanted)
-                    runner.activate()
-                if runner not in self._active:
-                    self._active.append(runner)
-            segments.append(_Segment(runner, inputs, own, wanted))
+            segment = _Segment(None if make is None else functools.partial(make, segment_path, wanted), inputs, own, wanted)
+            if self.keep_sessions and make is not None:
+                self._activate(segment)
+            segments.append(segment)
         return segments
+
+    def _activate(self, segment: _Segment) -> Runner:
+        if segment.runner is None:
+            segment.runner = segment.make()
+        if not segment.active:
+            with self.clock("sessions"):
+                segment.runner.activate()
+            segment.active = True
+            if segment.runner not in self._active:
+                self._active.append(segment.runner)
+        return segment.runner
+
+    def _run(self, segment: _Segment, feed: Feed, phase: str) -> Mapping[str, np.ndarray]:
+        runner = self._activate(segment)
+        with self.clock(phase):
+            out = runner.infer(feed)
+        if not self.keep_sessions:
+            with self.clock("sessions"):
+                runner.deactivate()
+            segment.active = False
+        return out
 
     def run_sample(self, sample: int, feed: Feed) -> None:
         """Reduce one sample into the statistics, one segment at a time."""
@@ -213,8 +238,7 @@ class Engine:
                 for name in segment.inputs & plan.fed_from_reference.keys():
                     values[name] = reference_values[plan.fed_from_reference[name]]
                 self.progress(f"running the {plan.name} pass on sample {sample}")
-                with self.clock(f"runs: {plan.name}"):
-                    out = segment.runner.infer({**values, **plan.fixed_inputs} if plan.fixed_inputs else values)
+                out = self._run(segment, {**values, **plan.fixed_inputs} if plan.fixed_inputs else values, f"runs: {plan.name}")
                 if plan.record is not None:
                     plan.record.write(sample, out)
                 with self.clock("statistics"):
@@ -226,12 +250,11 @@ class Engine:
             reference_values = {n: v for n, v in reference_values.items() if n in self._later_reference_reads[k] or n in feed}
 
     def _reference_outputs(self, sample: int, segment: _Segment, values: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
-        if segment.runner is None:
+        if segment.make is None:
             out = self.store.read(sample, segment.wanted)
         else:
             self.progress(f"running the reference on sample {sample}")
-            with self.clock("runs: reference"):
-                out = segment.runner.infer(values)
+            out = self._run(segment, values, "runs: reference")
             if self.store is not None:
                 self.store.write(sample, out)
         if self.outputs_store is not None:
@@ -291,7 +314,7 @@ class Engine:
     def close(self) -> None:
         """Collect what the runners know about what they observed, and shut them down."""
         for plan in self.passes:
-            runners = [s.runner for s in getattr(self, "pass_segments", {}).get(plan.name, [])]
+            runners = [s.runner for s in getattr(self, "pass_segments", {}).get(plan.name, []) if s.runner is not None]
             result = self.results[plan.name]
             if runners:
                 result.label = runners[0].label

@@ -20,7 +20,7 @@ from accudiff.comparison.tolerances import Tolerances
 from accudiff.comparison.trial import MAX_TRIAL_SAMPLES
 from accudiff.comparison.worker import Job
 from accudiff.memory import HUGE_PAGES_FROM_TENSOR_BYTES, return_freed_memory
-from accudiff.model.loading import ModelInfo, describe, has_external_data, needs_data_file, save_model
+from accudiff.model.loading import ModelInfo, describe, has_external_data, link_model, needs_data_file, save_model
 from accudiff.model.inputs import Feed
 from accudiff.model.run_results import Captured, write_run_results
 from accudiff.model.samples import Samples
@@ -44,7 +44,7 @@ class Candidate:
 
     info: ModelInfo
     transformed: TransformResult
-    path: Path  # the candidate model, in the report folder
+    path: Path  # the candidate model the workers run (in the scratch folder; the report holds a link to it)
     passes: list[dict]
     record: ReferenceStore | None = None  # where the candidate's tensors are kept, to be saved (--save-candidate)
 
@@ -106,31 +106,35 @@ def plan(info: ModelInfo, first: Feed, max_memory: int | str | None, one_segment
 def make_candidate(
     info: ModelInfo, group: BranchGroup, samples: Samples, settings: RunSettings, path: Path, scratch: Path, captured: Captured
 ) -> Candidate:
-    """The transform stage: the group's candidate (INT8: calibrated on its samples) saved at `path`, and its
-    isolated twin. The weights are let go of before any backend loads a model, so at most one copy of
-    them is in memory at a time (from here on the workers read files). A candidate captured elsewhere is
-    replayed from its store instead of run."""
+    """The transform stage: the group's candidate (INT8: calibrated on its samples) saved once, in
+    `scratch/models`, and put in the report at `path` (a hard link, or a copy across file systems); its
+    isolated twin beside it, sharing its data file. The weights are let go of as they are written, before
+    any backend loads a model, so at most one copy of them is in memory at a time (from here on the
+    workers read files). A candidate captured elsewhere is replayed from its store instead of run."""
     transformed = transform_model(info, settings.recipe(group.calibration), samples[group.samples[0]], scratch)
-    save_model(transformed.model, path)
+    working = scratch / "models" / path.name
+    working.parent.mkdir(exist_ok=True)
+    save_model(transformed.model, working, move_weights=True)
+    link_model(working, path)
     kind = settings.backend[0]
     if captured.candidate is not None:
         label = f"polygraphy runner '{captured.candidate.runner}' ({Path(settings.load_candidate).name}), captured elsewhere"
         candidate = {"model": str(info.path), "recorded": str(captured.candidate.store.folder), "label": label}
     else:
-        candidate = {"model": str(path), "layer_report": True}
+        candidate = {"model": str(working), "layer_report": True}
     record = ReferenceStore(scratch / f"record-{path.stem}", [t.name for t in info.tensors]) if settings.save_candidate else None
     passes = [{"name": "candidate", "backend": kind, "fed_from_reference": {}, "record": str(record.folder) if record else None, **candidate}]
     if settings.also is not None and settings.also != kind:  # the model's own error next to what a build adds
-        passes.append({"name": settings.also, "model": str(path), "backend": settings.also, "fed_from_reference": {}})
+        passes.append({"name": settings.also, "model": str(working), "backend": settings.also, "fed_from_reference": {}})
     if settings.isolate:
         types = {t.name: onnx.helper.np_dtype_to_tensor_dtype(t.dtype) for t in info.tensors if t.dtype is not None}
         fed = isolate_in_place(transformed.model, types, transformed.storage_copies)
-        isolated = scratch / f"isolated-{path.stem}.onnx"
-        save_model(transformed.model, isolated)
+        isolated = working.with_name(f"isolated-{path.stem}.onnx")
+        save_model(transformed.model, isolated)  # its graph: the weights are the candidate's, in the same folder
         passes.append({"name": "isolated", "model": str(isolated), "backend": kind, "fed_from_reference": fed})
     transformed.model = info.proto = onnx.ModelProto()
     return_freed_memory()
-    return Candidate(info, transformed, path, passes, record)
+    return Candidate(info, transformed, working, passes, record)
 
 
 def run_group(

@@ -218,7 +218,8 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
     from accudiff.comparison.tolerances import Tolerances
     from accudiff.model.loading import InputSpec
     from accudiff.model.samples import Samples
-    from accudiff.runners import EngineShapes, TrtOptions, candidate_runner, reference_runner
+    from accudiff.runners import CpuOptions, EngineShapes, TrtOptions, candidate_runner, reference_runner
+    from accudiff.runners.onnxrt import MANY_SAMPLES
     from accudiff.runners.outputs import ReferenceStore
     from accudiff.runners.recorded import recorded_runner
     from accudiff.transforms.base import QuantRange
@@ -228,6 +229,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
     layer_report = Path(job.layer_report) if job.layer_report else None
 
     threads = job.threads or os.cpu_count() or 1
+    cpu = CpuOptions(threads, runs_many=len(job.sample_indices) >= MANY_SAMPLES)
 
     def factory(spec: dict):
         if spec["backend"] == "recorded":
@@ -235,10 +237,10 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
         layers = layer_report if spec.get("layer_report") else None
 
         def make(path: Path, outputs: list[str]):
-            return candidate_runner(spec["backend"], path, outputs, job.precision, trt, shapes, layers, threads)
+            return candidate_runner(spec["backend"], path, outputs, job.precision, trt, shapes, layers, cpu)
 
         if spec.get("reuse"):
-            return lambda path, outputs: _REUSED.get((spec["backend"], str(path), tuple(outputs), job.precision, threads), lambda: make(path, outputs))
+            return lambda path, outputs: _REUSED.get((spec["backend"], str(path), tuple(outputs), job.precision, cpu), lambda: make(path, outputs))
         return make
 
     def plan(spec: dict) -> PassPlan:
@@ -259,7 +261,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
         )
         engine = Engine(
             Path(job.reference),
-            lambda path, outputs: reference_runner(path, outputs, threads),
+            lambda path, outputs: reference_runner(path, outputs, cpu),
             passes,
             measured,
             Path(scratch),
@@ -267,6 +269,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
             progress=lambda text: emit({"event": "step", "text": text}),
             threads=threads,
             outputs_store=ReferenceStore(Path(job.outputs_store), job.outputs) if job.outputs_store else None,
+            keep_sessions=len(job.sample_indices) > 1,
         )
         specs = [InputSpec(name, np.dtype(dtype), tuple(shape)) for name, dtype, shape in job.input_specs]
         samples = Samples.from_json(job.samples, "the inputs", specs)

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
-import onnx
 import pandas as pd
 
 from accudiff.comparison.group import GroupRun, could_be_a_shape
@@ -34,7 +33,7 @@ from accudiff.comparison.trial import MAX_TRIAL_SAMPLES, TrialSetup, Trials
 from accudiff.diagnosis.cause import Absorbed, Cause, Contributor, ancestor_tensors, flagged_nodes, rank_contributors
 from accudiff.diagnosis.mechanisms import absorber, amplifiers, cancellations
 from accudiff.diagnosis.rules import VALUE_PRESERVING_OPS, DiagnosisContext, Finding, isolated_figures, isolation_ran
-from accudiff.model.loading import load_model
+from accudiff.model.loading import load_graph, load_model
 from accudiff.model.samples import Samples
 from accudiff.transforms.candidate import CandidateVariants
 
@@ -103,7 +102,7 @@ def verify_outputs(result: CompareResult, context: DiagnosisContext, settings: R
     candidate = runs[0].candidate
     chosen = list(dict.fromkeys(int(s) for s in result.failing_samples["sample"]))[:MAX_TRIAL_SAMPLES] or [0]
     info = load_model(candidate.info.path)
-    base = replace(candidate.transformed, model=onnx.load(str(candidate.path)))
+    base = replace(candidate.transformed, model=load_graph(candidate.path))
     first = samples[chosen[0]]
     setup = TrialSetup(
         info, CandidateVariants(info, settings.recipe(), base=base), samples.subset(chosen), settings, scratch / "verify",

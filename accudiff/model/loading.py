@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -18,6 +19,17 @@ from onnx import numpy_helper
 from google.protobuf.message import DecodeError
 
 from accudiff.errors import AccudiffError, first_line
+from accudiff.model.weights import (
+    copy_bytes,
+    data_file,
+    is_external,
+    mark_weights_folder,
+    refer_to,
+    same_folder,
+    weight_folder,
+    weight_values,
+    without_folder,
+)
 
 # Weights beyond this are saved beside the model: protobuf refuses to serialise messages past 2 GiB, and
 # ONNX Runtime runs weights in a data file where they are, while a model held whole is copied again for
@@ -109,13 +121,37 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
         raise AccudiffError(f"'{path}' fails the ONNX checker: {first_line(exc)}") from exc
     if external:
         try:
-            onnx.load_external_data_for_model(proto, str(path.parent))
+            _keep_weights_in_their_files(proto, path.parent)
         except (ValueError, RuntimeError, OSError) as exc:
             raise AccudiffError(f"'{path}' refers to external data that cannot be read: {first_line(exc)}") from exc
     name_unnamed_nodes(proto)
     clear_unknown_dims(proto)
     infer_shapes_in_place(proto)
     return describe(path, proto)
+
+
+def load_graph(path: Path) -> onnx.ModelProto:
+    """A model file accudiff wrote (or checked) before, its weights left in their data files (see weights.py)."""
+    proto = onnx.load(str(path), load_external_data=False)
+    mark_weights_folder(_all_initializers(proto), Path(path).parent)
+    return proto
+
+
+def _keep_weights_in_their_files(proto: onnx.ModelProto, folder: Path) -> None:
+    """Weights in data files stay there (weights.py reads them when needed), each checked to lie within its
+    file; the small ones (shape arithmetic reads their values) and those of If/Loop/Scan bodies are read in."""
+    main = len(proto.graph.initializer)
+    for index, tensor in enumerate(_all_initializers(proto)):
+        if not is_external(tensor):
+            continue
+        mark_weights_folder([tensor], folder)
+        file, offset, length = data_file(tensor)
+        if offset + length > file.stat().st_size:
+            raise ValueError(f"weight '{tensor.name}' lies past the end of {file.name}")
+        if tensor_bytes(tensor) <= SMALL_INITIALIZER_BYTES or index >= main:
+            tensor.raw_data = weight_values(tensor).tobytes()
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            del tensor.external_data[:]
 
 
 def _misshapen_weight(graph: onnx.GraphProto) -> str | None:
@@ -246,27 +282,82 @@ def clear_unknown_dims(proto: onnx.ModelProto) -> None:
                 dim.Clear()
 
 
-def save_model(proto: onnx.ModelProto, path: Path) -> None:
-    """Save a model, its weights in a side file (`<name>.data`) when protobuf's 2 GiB limit would be hit.
-    `proto` is left as it was: onnx's own external-data save rewrites the caller's tensors into references
-    to that file, and a model built from it afterwards (the isolated run's) then points at a file that is
-    not beside it."""
-    if not needs_data_file(proto):
+def save_model(proto: onnx.ModelProto, path: Path, move_weights: bool = False, side_file: bool = False) -> None:
+    """Save a model, its weights in a side file (`<name>.data`) when it has weights in data files or
+    protobuf's 2 GiB limit would be hit (see EXTERNAL_DATA_THRESHOLD). A weight already in a data file in
+    `path`'s folder stays there; one elsewhere is copied in, block by block. `move_weights`: the weights
+    written to the side file become, in `proto`, references to it (their memory let go of), so the model
+    saved again in the same folder writes only its graph (an isolated model shares its candidate's data).
+    `side_file`: every weight of EXTERNAL_DATA_MIN_TENSOR or more in the side file, whatever the total
+    (ONNX Runtime maps weights in a file, and copies those inside a model)."""
+    path = Path(path)
+    if not side_file and not needs_data_file(proto):
         onnx.save(proto, str(path))
         return
     light = copy_without_initializers(proto)
     location = path.name + ".data"
-    with open(path.parent / location, "wb") as data:
+    written = []
+    with _LazyFile(path.parent / location) as data:
         for init in proto.graph.initializer:
-            if init.data_location == onnx.TensorProto.EXTERNAL or tensor_bytes(init) < EXTERNAL_DATA_MIN_TENSOR:
+            if is_external(init) and same_folder(weight_folder(init), path.parent):
+                light.graph.initializer.append(without_folder(init))
+                continue
+            if not is_external(init) and tensor_bytes(init) < EXTERNAL_DATA_MIN_TENSOR:
                 light.graph.initializer.append(init)
                 continue
-            raw = init.raw_data if init.HasField("raw_data") else numpy_helper.to_array(init).tobytes()
-            reference = light.graph.initializer.add(name=init.name, data_type=init.data_type, dims=init.dims, data_location=onnx.TensorProto.EXTERNAL)
-            for key, value in (("location", location), ("offset", str(data.tell())), ("length", str(len(raw)))):
-                reference.external_data.add(key=key, value=value)
-            data.write(raw)
+            offset = data.tell()
+            if is_external(init):
+                length = copy_bytes(init, data)
+            else:
+                length = data.write(init.raw_data if init.HasField("raw_data") else numpy_helper.to_array(init).astype(_little_endian(init)).tobytes())
+            reference = onnx.TensorProto(name=init.name, data_type=init.data_type, dims=init.dims)
+            refer_to(reference, location, offset, length, path.parent)
+            light.graph.initializer.append(without_folder(reference))
+            written.append((init, offset, length))
     onnx.save(light, str(path))
+    for init, offset, length in written if move_weights else ():
+        refer_to(init, location, offset, length, path.parent)
+
+
+def link_model(source: Path, target: Path) -> None:
+    """Put a saved model (and its side file) at `target` too, under the same name: a hard link, or a copy
+    where the two folders are on different file systems."""
+    assert source.name == target.name, "a model's side file is named after it"
+    for name in (source.name, source.name + ".data"):
+        if (source.parent / name).exists():
+            try:
+                os.link(source.parent / name, target.parent / name)
+            except OSError:
+                shutil.copyfile(source.parent / name, target.parent / name)
+
+
+class _LazyFile:
+    """A data file created by its first write (a model whose weights all stay where they are has none)."""
+
+    def __init__(self, path: Path):
+        self.path, self._file = path, None
+
+    def _open(self):
+        if self._file is None:
+            self._file = open(self.path, "wb")
+        return self._file
+
+    def tell(self) -> int:
+        return self._file.tell() if self._file is not None else 0
+
+    def write(self, data: bytes) -> int:
+        return self._open().write(data)
+
+    def __enter__(self) -> "_LazyFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def _little_endian(tensor: onnx.TensorProto) -> np.dtype:
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).newbyteorder("<")
 
 
 def cast_target(node: onnx.NodeProto) -> int | None:
@@ -467,8 +558,10 @@ def toposort(graph: onnx.GraphProto) -> None:
 
 
 def needs_data_file(proto: onnx.ModelProto) -> bool:
-    """Whether the model's weights are saved beside it (see EXTERNAL_DATA_THRESHOLD)."""
-    return sum(tensor_bytes(init) for init in proto.graph.initializer) > EXTERNAL_DATA_THRESHOLD
+    """Whether the model's weights are saved beside it: it has weights in data files, or more than
+    EXTERNAL_DATA_THRESHOLD of them."""
+    initializers = proto.graph.initializer
+    return any(is_external(init) for init in initializers) or sum(tensor_bytes(init) for init in initializers) > EXTERNAL_DATA_THRESHOLD
 
 
 def tensor_bytes(tensor: onnx.TensorProto) -> int:

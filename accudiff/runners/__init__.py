@@ -8,7 +8,7 @@ from typing import Mapping, Sequence
 
 from accudiff.errors import AccudiffError
 from accudiff.runners.base import Runner
-from accudiff.runners.onnxrt import OnnxrtRunner
+from accudiff.runners.onnxrt import CpuOptions, OnnxrtRunner
 from accudiff.runners.trt_build import BuildSettings
 from accudiff.runners.trt_env import inference_unavailable_reason
 
@@ -21,8 +21,8 @@ _ONNXRT_LABELS = {
 }
 
 
-def reference_runner(model_path: Path, outputs: Sequence[str], threads: int = 0) -> Runner:
-    return OnnxrtRunner(model_path, outputs, label="ONNX Runtime CPU, FP32 (reference)", threads=threads)
+def reference_runner(model_path: Path, outputs: Sequence[str], cpu: CpuOptions = CpuOptions()) -> Runner:
+    return OnnxrtRunner(model_path, outputs, label="ONNX Runtime CPU, FP32 (reference)", cpu=cpu)
 
 
 @dataclass(frozen=True)
@@ -92,16 +92,16 @@ def candidate_runner(
     trt: TrtOptions = TrtOptions(),
     shapes: EngineShapes = EngineShapes(),
     layer_report: Path | None = None,
-    threads: int = 0,
+    cpu: CpuOptions = CpuOptions(),
 ) -> Runner:
     """The runner of a candidate pass: TensorRT (`layer_report`: where the engine's layer report goes) or
-    ONNX Runtime (`threads`: cores it may use; 0: all)."""
+    ONNX Runtime (`cpu`: how it uses the cores)."""
     if kind == "trt":
         from accudiff.runners.trt import TrtRunner
 
         settings = BuildSettings(trt.mark, dict(shapes.inputs), dict(shapes.values), trt.workspace_mb, trt.legacy_precision)
         return TrtRunner(model_path, outputs, settings, trt.module, trt.cache_dir, layer_report, trt.engine)
-    return OnnxrtRunner(model_path, outputs, label=_ONNXRT_LABELS[precision], emulate_fp16=precision == "fp16", threads=threads)
+    return OnnxrtRunner(model_path, outputs, label=_ONNXRT_LABELS[precision], emulate_fp16=precision == "fp16", cpu=cpu)
 
 
-__all__ = ["CANDIDATES", "EngineShapes", "OnnxrtRunner", "Runner", "TrtOptions", "candidate_runner", "reference_runner", "resolve_candidate", "unavailable_reason"]
+__all__ = ["CANDIDATES", "CpuOptions", "EngineShapes", "OnnxrtRunner", "Runner", "TrtOptions", "candidate_runner", "reference_runner", "resolve_candidate", "unavailable_reason"]

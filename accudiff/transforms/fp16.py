@@ -20,9 +20,10 @@ from typing import Iterable
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from accudiff.model.loading import copy_without_initializers, subgraph_outer_references
+from accudiff.model.weights import weight_blocks
 from accudiff.transforms.base import KeptNode, NodeSelector, TransformResult
 
 FP16_MAX = 65504.0
@@ -170,8 +171,12 @@ def _insert_casts(graph, initializers, opset, types, new_types, converted_params
             suffix = ("__fp16" if target == TensorProto.FLOAT16 else "__fp32") + scope
             produced[key] = name + suffix
             if name in initializers and target == TensorProto.FLOAT16:
+                values = np.empty(int(np.prod(initializers[name].dims, dtype=np.int64)), "<f2")  # ONNX raw data is little-endian
+                filled = 0
                 with np.errstate(over="ignore"):  # only with --no-autokeep, and then reported
-                    values = numpy_helper.to_array(initializers[name]).astype("<f2")  # ONNX raw data is little-endian
+                    for block in weight_blocks(initializers[name]):  # a weight in a data file is read a block at a time
+                        values[filled : filled + block.size] = block
+                        filled += block.size
                 # Built in place: a TensorProto made first and appended would be copied once more.
                 weight = graph.initializer.add(name=produced[key], data_type=TensorProto.FLOAT16, dims=initializers[name].dims)
                 weight.raw_data = values.tobytes()
@@ -244,7 +249,7 @@ def _constant_absmax(graph: onnx.GraphProto, initializers: Iterable[onnx.TensorP
     for node in graph.node:
         if node.op_type == "Constant":
             named += [(node.output[0], a.t) for a in node.attribute if a.name == "value" and a.t.data_type == TensorProto.FLOAT]
-    return {name: _absmax(numpy_helper.to_array(tensor)) for name, tensor in named}
+    return {name: max((_absmax(block) for block in weight_blocks(tensor)), default=0.0) for name, tensor in named}
 
 
 def _absmax(values: np.ndarray) -> float:

@@ -1,0 +1,132 @@
+"""Weights where they lie: a model's data files are read when a value is needed, block by block, and never
+loaded whole into the model.
+
+A weight kept in a data file carries, in memory, the folder its file is in (the `basepath` entry of its
+external data, a key onnx reserves for this; it is never written to a saved model). So a model built from
+another one (a candidate, a segment, an extracted subgraph) knows where each of its weights is, wherever
+it is saved (`loading.save_model`): a weight whose data file is in the target's folder stays there, any
+other is copied block by block into the target's own data file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+FOLDER_KEY = "basepath"
+BLOCK_BYTES = 64 << 20  # what one read of a data file holds in memory
+
+
+def is_external(tensor: onnx.TensorProto) -> bool:
+    return tensor.data_location == onnx.TensorProto.EXTERNAL
+
+
+def external_entries(tensor: onnx.TensorProto) -> dict[str, str]:
+    return {entry.key: entry.value for entry in tensor.external_data}
+
+
+def mark_weights_folder(tensors: Iterator[onnx.TensorProto] | list[onnx.TensorProto], folder: Path) -> None:
+    """Note on each weight kept in a data file the folder that file is in (unless it already says)."""
+    where = str(Path(folder).resolve())
+    for tensor in tensors:
+        if is_external(tensor) and FOLDER_KEY not in external_entries(tensor):
+            tensor.external_data.add(key=FOLDER_KEY, value=where)
+
+
+def data_file(tensor: onnx.TensorProto) -> tuple[Path, int, int]:
+    """Where a weight's bytes are: (file, offset, length)."""
+    entries = external_entries(tensor)
+    if not entries.get(FOLDER_KEY):  # a model read without `loading.load_graph`: its files' folder is unknown
+        raise ValueError(f"weight '{tensor.name}' does not say which folder its data file is in")
+    folder = Path(entries[FOLDER_KEY])
+    length = entries.get("length")
+    size = int(np.prod(tensor.dims, dtype=np.int64)) * _dtype(tensor).itemsize
+    return folder / entries["location"], int(entries.get("offset") or 0), int(length) if length else size
+
+
+def weight_folder(tensor: onnx.TensorProto) -> Path | None:
+    """The folder a weight's data file is in, when it says."""
+    value = external_entries(tensor).get(FOLDER_KEY)
+    return Path(value) if value else None
+
+
+def weight_blocks(tensor: onnx.TensorProto, block_bytes: int = BLOCK_BYTES) -> Iterator[np.ndarray]:
+    """A weight's values, flattened, a block at a time: from its data file, block by block (so memory
+    holds one block, not the weight), or from the model itself."""
+    dtype = _dtype(tensor)
+    if not is_external(tensor):
+        values = numpy_helper.to_array(tensor).reshape(-1)
+        for start in range(0, max(values.size, 1), max(block_bytes // dtype.itemsize, 1)):
+            yield values[start : start + block_bytes // dtype.itemsize]
+        return
+    path, offset, length = data_file(tensor)
+    count = length // dtype.itemsize
+    per_block = max(block_bytes // dtype.itemsize, 1)
+    with open(path, "rb") as file:
+        file.seek(offset)
+        for start in range(0, count, per_block):
+            block = np.empty(min(per_block, count - start), dtype)
+            if file.readinto(memoryview(block).cast("B")) != block.nbytes:
+                raise ValueError(f"the data file of weight '{tensor.name}' ends before its values do")
+            yield block
+
+
+def weight_values(tensor: onnx.TensorProto) -> np.ndarray:
+    """A weight's values (read whole: for the small weights whose values decide something, such as a
+    condition or a shape)."""
+    if not is_external(tensor):
+        return numpy_helper.to_array(tensor)
+    blocks = list(weight_blocks(tensor))
+    return (np.concatenate(blocks) if blocks else np.empty(0, _dtype(tensor))).reshape(tuple(tensor.dims))
+
+
+def copy_bytes(tensor: onnx.TensorProto, target) -> int:
+    """Append a weight's bytes from its data file to the open file `target`, a block at a time; returns
+    how many bytes were written."""
+    path, offset, length = data_file(tensor)
+    written = 0
+    with open(path, "rb") as source:
+        source.seek(offset)
+        while written < length:
+            block = source.read(min(BLOCK_BYTES, length - written))
+            if not block:
+                raise ValueError(f"the data file of weight '{tensor.name}' ends before its values do")
+            target.write(block)
+            written += len(block)
+    return written
+
+
+def refer_to(tensor: onnx.TensorProto, location: str, offset: int, length: int, folder: Path) -> None:
+    """Make `tensor` a reference to `length` bytes at `offset` of `folder/location` (its values in memory,
+    if any, are let go of)."""
+    name, dims, data_type = tensor.name, list(tensor.dims), tensor.data_type
+    tensor.Clear()
+    tensor.name, tensor.data_type = name, data_type
+    tensor.dims.extend(dims)
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length)), (FOLDER_KEY, str(Path(folder).resolve()))):
+        tensor.external_data.add(key=key, value=value)
+
+
+def without_folder(tensor: onnx.TensorProto) -> onnx.TensorProto:
+    """A copy of a reference as a saved model holds it: its location relative to the model's folder."""
+    copy = onnx.TensorProto()
+    copy.CopyFrom(tensor)
+    kept = [(e.key, e.value) for e in tensor.external_data if e.key != FOLDER_KEY]
+    del copy.external_data[:]
+    for key, value in kept:
+        copy.external_data.add(key=key, value=value)
+    return copy
+
+
+def same_folder(a: Path | None, b: Path) -> bool:
+    return a is not None and os.path.realpath(a) == os.path.realpath(b)
+
+
+def _dtype(tensor: onnx.TensorProto) -> np.dtype:
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).newbyteorder("<")

@@ -1,0 +1,188 @@
+"""Weights in data files stay there: loading reads none of them, transforms read them a block at a time,
+a model saved elsewhere copies them in, a model saved beside them refers to them, and one sample's
+sessions are made one at a time (so one backend's copy of the weights is in memory at once). The same
+paths the 3 GiB model of benchmarks/big_weights.py takes, at a small scale."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+import accudiff
+from accudiff.comparison.engine import Engine, Measured, PassPlan
+from accudiff.comparison.tolerances import Tolerances
+from accudiff.errors import AccudiffError
+from accudiff.model import weights as weights_module
+from accudiff.model.inputs import generate_feeds
+from accudiff.model.loading import SMALL_INITIALIZER_BYTES, load_graph, load_model, save_model
+from accudiff.model.subgraph import extract
+from accudiff.model.weights import is_external, weight_values
+from accudiff.runners import CpuOptions, candidate_runner, reference_runner
+from accudiff.runners.onnxrt import OnnxrtRunner
+from conftest import fixture
+
+
+def _mlp() -> onnx.ModelProto:
+    """Two 64x64 MatMuls (16 KB each, past what loading reads in) with a small bias between them."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array((rng.standard_normal((64, 64)) / 8).astype(np.float32), f"w{k}") for k in range(2)]
+    bias = numpy_helper.from_array(rng.standard_normal(64).astype(np.float32), "bias")
+    nodes = [
+        helper.make_node("MatMul", ["x", "w0"], ["m0"], name="matmul0"),
+        helper.make_node("Add", ["m0", "bias"], ["a0"], name="add"),
+        helper.make_node("Tanh", ["a0"], ["t0"], name="tanh"),
+        helper.make_node("MatMul", ["t0", "w1"], ["y"], name="matmul1"),
+    ]
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])], [*weights, bias])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _external(folder: Path, one_file: bool = True) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    onnx.save(_mlp(), str(folder / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=one_file, location="weights.bin", size_threshold=0)
+    return folder / "model.onnx"
+
+
+def test_loading_reads_no_large_weight(tmp_path):
+    """Only weights small enough for shape arithmetic are read in; the others stay references to their
+    files, and their values read from there are the weights."""
+    path = _external(tmp_path / "a folder with spaces", one_file=False)
+    info = load_model(path)
+    whole = {init.name: onnx.numpy_helper.to_array(init) for init in _mlp().graph.initializer}
+    large = [init for init in info.proto.graph.initializer if init.raw_data == b"" and is_external(init)]
+    assert large and all(init.name in whole for init in large)
+    for init in info.proto.graph.initializer:
+        assert is_external(init) == (whole[init.name].nbytes > SMALL_INITIALIZER_BYTES)
+        np.testing.assert_array_equal(weight_values(init), whole[init.name])
+
+
+def test_a_weight_past_the_end_of_its_file_is_one_sentence(tmp_path):
+    path = _external(tmp_path)
+    data = tmp_path / "weights.bin"
+    data.write_bytes(data.read_bytes()[:-8])
+    with pytest.raises(AccudiffError, match="external data"):
+        load_model(path)
+
+
+def test_weights_are_read_a_block_at_a_time(tmp_path, monkeypatch):
+    """A weight is converted from blocks of its file; the result is the whole weight's conversion."""
+    monkeypatch.setattr(weights_module, "BLOCK_BYTES", 64)
+    path = _external(tmp_path)
+    info = load_model(path)
+    from accudiff.transforms.fp16 import to_fp16
+
+    converted = to_fp16(info.proto).model
+    expected = to_fp16(_mlp()).model
+    got = {init.name: onnx.numpy_helper.to_array(init) for init in converted.graph.initializer if not is_external(init)}
+    for init in expected.graph.initializer:
+        if init.data_type == onnx.TensorProto.FLOAT16:
+            np.testing.assert_array_equal(got[init.name], onnx.numpy_helper.to_array(init))
+
+
+def test_a_model_saved_elsewhere_copies_its_weights_in_and_one_saved_beside_them_refers_to_them(tmp_path):
+    """An extracted subgraph saved in another folder holds its weights in its own data file (the source
+    folder may go away); the candidate saved with its weights moved, and a second model saved beside it,
+    share one data file."""
+    path = _external(tmp_path / "source")
+    info = load_model(path)
+    nodes = [0, 1]
+    sub = extract(info.proto, nodes)
+    (tmp_path / "out").mkdir()
+    save_model(sub, tmp_path / "out" / "sub.onnx")
+    for file in (tmp_path / "source").iterdir():
+        file.unlink()
+    onnx.checker.check_model(str(tmp_path / "out" / "sub.onnx"))
+    loaded = load_model(tmp_path / "out" / "sub.onnx")
+    assert {e.value for init in loaded.proto.graph.initializer for e in init.external_data if e.key == "location"} <= {"sub.onnx.data"}
+
+    info = load_model(_external(tmp_path / "again"))
+    (tmp_path / "models").mkdir()
+    save_model(info.proto, tmp_path / "models" / "first.onnx", move_weights=True)
+    save_model(info.proto, tmp_path / "models" / "second.onnx")
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["first.onnx", "first.onnx.data", "second.onnx"]
+    [spec] = info.inputs
+    feed = {spec.name: np.random.default_rng(0).standard_normal(spec.shape).astype(np.float32)}
+    outputs = []
+    for name in ("first.onnx", "second.onnx"):
+        with OnnxrtRunner(tmp_path / "models" / name, info.output_names) as runner:
+            outputs.append(dict(runner.infer(feed)))
+    np.testing.assert_array_equal(*[o[info.output_names[0]] for o in outputs])
+
+
+def test_a_compare_of_a_model_with_data_files_is_that_of_the_model_held_whole(tmp_path):
+    """Same table, whether the weights were in the model or in data files (several, in a folder with a
+    space in its name); the candidate in the report carries its weights."""
+    onnx.save(_mlp(), str(tmp_path / "whole.onnx"))
+    whole = accudiff.compare(tmp_path / "whole.onnx", "fp16", candidate="onnxrt", report_dir=tmp_path / "whole")
+    path = _external(tmp_path / "a folder with spaces", one_file=False)
+    external = accudiff.compare(path, "fp16", candidate="onnxrt", report_dir=tmp_path / "external")
+    columns = ["max_abs_err", "tol_ratio", "isolated_tol_ratio"]
+    assert whole.table[columns].equals(external.table[columns])
+    [candidate] = external.candidate_models
+    onnx.checker.check_model(str(external.report_dir / candidate))
+
+
+def test_one_samples_sessions_are_made_one_at_a_time(tmp_path):
+    """With one sample there is nothing to reuse: each pass's session is made for its run and let go of
+    before the next is made, so the reference's and the candidates' weights are not in memory together."""
+    info = load_model(fixture("layernorm_overflow"))
+    [feed] = generate_feeds(info.inputs, {spec.name: spec.shape for spec in info.inputs}, seed=0)
+    candidate = tmp_path / "candidate.onnx"
+    from accudiff.transforms.fp16 import to_fp16
+
+    save_model(to_fp16(info.proto).model, candidate)
+    events: list[str] = []
+
+    def watched(make, label):
+        def factory(path, outputs):
+            runner = make(path, outputs)
+            activate, deactivate = runner.activate, runner.deactivate
+            runner.activate = lambda: (events.append(f"+{label}"), activate())[1]
+            runner.deactivate = lambda: (events.append(f"-{label}"), deactivate())[1]
+            return runner
+
+        return factory
+
+    tensors = [t.name for t in info.tensors]
+    measured = Measured(tensors, info.output_names, [[n.name for n in info.proto.graph.node]], Tolerances.build("fp16"), {})
+    for keep, expected in ((False, ["+reference", "-reference", "+candidate", "-candidate"]), (True, ["+reference", "+candidate"])):
+        events.clear()
+        passes = [PassPlan("candidate", candidate, watched(lambda p, o: candidate_runner("onnxrt", p, o, "fp16"), "candidate"))]
+        engine = Engine(fixture("layernorm_overflow"), watched(reference_runner, "reference"), passes, measured, tmp_path / str(keep), keep_sessions=keep)
+        engine.run_sample(0, feed)
+        assert events[:4] == expected
+        engine.close()
+        assert engine.results["candidate"].stats.values.shape[0] == len(tensors)
+
+
+def test_a_few_samples_session_skips_prepacking_large_weights(tmp_path, monkeypatch):
+    """Prepacking copies every MatMul/Gemm weight when a session is made: skipped for large weights unless
+    the session runs many samples."""
+    from accudiff.runners import onnxrt
+
+    path = _external(tmp_path)
+    for limit, runs_many, skipped in ((1 << 30, False, "0"), (16, False, "1"), (16, True, "0")):
+        monkeypatch.setattr(onnxrt, "PREPACK_UP_TO_BYTES", limit)
+        with OnnxrtRunner(path, ["y"], cpu=CpuOptions(runs_many=runs_many)) as runner:
+            entry = runner._session.get_session_options().get_session_config_entry
+            assert (entry("session.disable_prepacking") if _has_entry(entry) else "0") == skipped
+
+
+def _has_entry(entry) -> bool:
+    try:
+        entry("session.disable_prepacking")
+        return True
+    except Exception:  # ONNX Runtime raises when the entry was never set
+        return False
+
+
+def test_load_graph_marks_where_the_weights_are(tmp_path):
+    path = _external(tmp_path / "x")
+    proto = load_graph(path)
+    assert all(weight_values(init).size for init in proto.graph.initializer)
