@@ -326,3 +326,20 @@ def test_doctor_says_what_it_verified(run_cli):
         assert code == 0 and "verdict: TensorRT inference verified end to end" in out
     else:
         assert code == 1 and f"verdict: TensorRT inference NOT verified here: {NO_INFERENCE}" in out
+
+
+def test_an_engine_is_cached_under_its_weights_too(tmp_path):
+    """Two models with the same graph and different weights in their data files are two engines: the
+    cache key read only the model file, so the second was served the first's engine."""
+    from test_weights import _mlp
+
+    plans = []
+    for scale in (1.0, 2.0):
+        model = _mlp()
+        for init in model.graph.initializer:
+            init.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(init) * np.float32(scale), init.name))
+        folder = tmp_path / str(scale)
+        folder.mkdir()
+        onnx.save(model, str(folder / "model.onnx"), save_as_external_data=True, location="weights.bin", size_threshold=0)
+        plans.append(build_engine(TRT, folder / "model.onnx", ["y"], BuildSettings(mark="outputs"), tmp_path / "cache").plan)
+    assert plans[0] != plans[1]

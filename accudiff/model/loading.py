@@ -112,7 +112,7 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
     if misshapen is not None:
         raise AccudiffError(f"'{path}' is not a valid ONNX model: {misshapen}")
     external = has_external_data(proto)
-    missing = next((name for name in _data_files(proto) if not (path.parent / name).is_file()), None) if external else None
+    missing = next((name for name in data_files(proto) if not (path.parent / name).is_file()), None) if external else None
     if missing is not None:
         raise AccudiffError(f"'{path}' refers to external data that is missing: {path.parent / missing}")
     try:  # checked from its file (the checker reads its data files too): serializing the model again cost more
@@ -485,7 +485,7 @@ def has_external_data(proto: onnx.ModelProto) -> bool:
     return any(init.data_location == onnx.TensorProto.EXTERNAL for init in _all_initializers(proto))
 
 
-def _data_files(proto: onnx.ModelProto) -> list[str]:
+def data_files(proto: onnx.ModelProto) -> list[str]:
     """The data files the model (bodies included) keeps its weights in, as written in it (relative)."""
     return list(dict.fromkeys(e.value for init in _all_initializers(proto) for e in init.external_data if e.key == "location"))
 

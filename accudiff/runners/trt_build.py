@@ -246,10 +246,18 @@ def _load_timing_cache(trt: ModuleType, config, path: Path):
 
 
 def _cache_key(trt: ModuleType, model_path: Path, tensors: Sequence[str], settings: BuildSettings) -> str:
+    """The model file and the data files its weights are in (same graph, other weights: another engine),
+    the settings, TensorRT and the GPU."""
+    import onnx
+
+    from accudiff.model.loading import data_files
+
     digest = hashlib.sha256()
-    with open(model_path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
+    files = [model_path, *(model_path.parent / name for name in data_files(onnx.load(str(model_path), load_external_data=False)))]
+    for path in files:
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
     target = settings.compute_capability or _current_gpu()
     described = {"settings": asdict(settings), "tensors": list(tensors), "trt": f"{trt.__name__} {trt.__version__}", "gpu": target}
     digest.update(json.dumps(described, sort_keys=True, default=str).encode())

@@ -64,7 +64,7 @@ class _GraphConversion:
         what it reads from enclosing graphs, `scope` a suffix that keeps its Cast names unique."""
         opset = self.opset
         types = {**outer_types, **elem_types(graph, source.values())}
-        constants = _constant_absmax(graph, source.values())
+        constants, halves = _read_weights(graph, source.values())
         outer_refs = subgraph_outer_references(graph.node)
         converted_params: dict[int, set[str]] = {}  # fp16 node (index) -> its type parameters bound to FP16
         for index, node in enumerate(graph.node):
@@ -95,7 +95,7 @@ class _GraphConversion:
                     self.constant_overflows[node.name] = f"its constant '{name}' (absmax {absmax:.3g}) is beyond the FP16 maximum 65504 and became Inf"
 
         _retype_graph_outputs(graph, types, new_types, converted_params)
-        copies = _insert_casts(graph, source, opset, types, new_types, converted_params, scope)
+        copies = _insert_casts(graph, source, halves, opset, types, new_types, converted_params, scope)
         if not scope:  # only the main graph's copies can be fed in an isolated run
             self.copies.update(copies)
 
@@ -154,8 +154,9 @@ def _retype_graph_outputs(graph, types, new_types, converted_params) -> None:
         graph.node.append(cast)
 
 
-def _insert_casts(graph, initializers, opset, types, new_types, converted_params, scope: str) -> dict[str, str]:
-    """Give every node input the element type its node now needs: FP16 copies of weights, Casts otherwise.
+def _insert_casts(graph, initializers, halves, opset, types, new_types, converted_params, scope: str) -> dict[str, str]:
+    """Give every node input the element type its node now needs: FP16 copies of weights (`halves`: their
+    values, made as the weights were read), Casts otherwise.
 
     Original weights are added back only where something still reads them in their own type. Returns the
     activations' cast copies, {copy: tensor}.
@@ -171,12 +172,7 @@ def _insert_casts(graph, initializers, opset, types, new_types, converted_params
             suffix = ("__fp16" if target == TensorProto.FLOAT16 else "__fp32") + scope
             produced[key] = name + suffix
             if name in initializers and target == TensorProto.FLOAT16:
-                values = np.empty(int(np.prod(initializers[name].dims, dtype=np.int64)), "<f2")  # ONNX raw data is little-endian
-                filled = 0
-                with np.errstate(over="ignore"):  # only with --no-autokeep, and then reported
-                    for block in weight_blocks(initializers[name]):  # a weight in a data file is read a block at a time
-                        values[filled : filled + block.size] = block
-                        filled += block.size
+                values = halves.pop(name)
                 # Built in place: a TensorProto made first and appended would be copied once more.
                 weight = graph.initializer.add(name=produced[key], data_type=TensorProto.FLOAT16, dims=initializers[name].dims)
                 weight.raw_data = values.tobytes()
@@ -243,13 +239,27 @@ def elem_types(graph: onnx.GraphProto, initializers: Iterable[onnx.TensorProto])
     return types
 
 
-def _constant_absmax(graph: onnx.GraphProto, initializers: Iterable[onnx.TensorProto]) -> dict[str, float]:
-    """Largest magnitude of every FP32 weight and Constant (all autokeep needs; no arrays are kept)."""
-    named = [(init.name, init) for init in initializers if init.data_type == TensorProto.FLOAT]
+def _read_weights(graph: onnx.GraphProto, initializers: Iterable[onnx.TensorProto]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    """Largest magnitude of every FP32 weight and Constant (all autokeep needs), and each FP32 weight's
+    values in FP16 (little-endian, as ONNX raw data is), made in the same read: a weight in a data file is
+    read once, a block at a time, and never held whole in FP32."""
+    absmax, halves = {}, {}
+    for init in initializers:
+        if init.data_type != TensorProto.FLOAT:
+            continue
+        values, filled, high = np.empty(int(np.prod(init.dims, dtype=np.int64)), "<f2"), 0, 0.0
+        with np.errstate(over="ignore"):  # beyond FP16 only with --no-autokeep, and then reported
+            for block in weight_blocks(init):
+                high = max(high, _absmax(block))
+                values[filled : filled + block.size] = block
+                filled += block.size
+        absmax[init.name], halves[init.name] = high, values
     for node in graph.node:
         if node.op_type == "Constant":
-            named += [(node.output[0], a.t) for a in node.attribute if a.name == "value" and a.t.data_type == TensorProto.FLOAT]
-    return {name: max((_absmax(block) for block in weight_blocks(tensor)), default=0.0) for name, tensor in named}
+            for attr in node.attribute:
+                if attr.name == "value" and attr.t.data_type == TensorProto.FLOAT:
+                    absmax[node.output[0]] = max((_absmax(block) for block in weight_blocks(attr.t)), default=0.0)
+    return absmax, halves
 
 
 def _absmax(values: np.ndarray) -> float:
