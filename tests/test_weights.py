@@ -186,3 +186,21 @@ def test_load_graph_marks_where_the_weights_are(tmp_path):
     path = _external(tmp_path / "x")
     proto = load_graph(path)
     assert all(weight_values(init).size for init in proto.graph.initializer)
+
+
+def test_a_model_saved_again_over_its_own_path_keeps_the_weights_it_refers_to(tmp_path):
+    """Saving a model at the path whose side file holds some of its weights, with new weights to write,
+    writes them to another file instead of truncating the one it refers to."""
+    from onnx import numpy_helper
+
+    info = load_model(_external(tmp_path / "source"))
+    (tmp_path / "models").mkdir()
+    path = tmp_path / "models" / "model.onnx"
+    save_model(info.proto, path, move_weights=True)
+    extra = np.arange(2048, dtype=np.float32)
+    info.proto.graph.initializer.append(numpy_helper.from_array(extra, "extra"))
+    save_model(info.proto, path)
+    saved = load_graph(path)
+    values = {init.name: weight_values(init) for init in saved.graph.initializer}
+    np.testing.assert_array_equal(values["extra"], extra)
+    np.testing.assert_array_equal(values["w0"], numpy_helper.to_array(_mlp().graph.initializer[0]))

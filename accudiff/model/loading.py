@@ -22,6 +22,7 @@ from accudiff.errors import AccudiffError, first_line
 from accudiff.model.weights import (
     copy_bytes,
     data_file,
+    external_entries,
     is_external,
     mark_weights_folder,
     refer_to,
@@ -295,7 +296,8 @@ def save_model(proto: onnx.ModelProto, path: Path, move_weights: bool = False, s
         onnx.save(proto, str(path))
         return
     light = copy_without_initializers(proto)
-    location = path.name + ".data"
+    kept = {external_entries(init).get("location") for init in proto.graph.initializer if is_external(init) and same_folder(weight_folder(init), path.parent)}
+    location = next(name for k in range(len(kept) + 1) if (name := path.name + (f".{k}" if k else "") + ".data") not in kept)  # never over a file it keeps
     written = []
     with _LazyFile(path.parent / location) as data:
         for init in proto.graph.initializer:
