@@ -20,7 +20,7 @@ from accudiff.comparison.tolerances import Tolerances
 from accudiff.comparison.trial import MAX_TRIAL_SAMPLES
 from accudiff.comparison.worker import Job
 from accudiff.memory import HUGE_PAGES_FROM_TENSOR_BYTES, return_freed_memory
-from accudiff.model.loading import ModelInfo, describe, has_external_data, link_model, needs_data_file, save_model
+from accudiff.model.loading import ModelInfo, describe, link_model, needs_data_file, save_model
 from accudiff.model.inputs import Feed
 from accudiff.model.run_results import Captured, write_run_results
 from accudiff.model.samples import Samples
@@ -96,7 +96,7 @@ def plan(info: ModelInfo, first: Feed, max_memory: int | str | None, one_segment
     budget = memory_budget(max_memory) // SEGMENTS_PER_BUDGET
     segments = [[names[i] for i in segment.nodes] for segment in plan_segments(info, sizes, budget)]
     typed = None
-    if len(segments) > 1 and scratch is not None and not has_external_data(info.proto) and not needs_data_file(info.proto):
+    if len(segments) > 1 and scratch is not None and not needs_data_file(info.proto):
         typed = scratch / "typed" / info.path.name  # under its own name: the worker's messages name the model
         typed.parent.mkdir(parents=True, exist_ok=True)
         save_model(info.proto, typed)

@@ -27,6 +27,7 @@ from accudiff.model.weights import (
     mark_weights_folder,
     refer_to,
     same_folder,
+    stored_dtype,
     weight_folder,
     weight_values,
     without_folder,
@@ -311,7 +312,7 @@ def save_model(proto: onnx.ModelProto, path: Path, move_weights: bool = False, s
             if is_external(init):
                 length = copy_bytes(init, data)
             else:
-                length = data.write(init.raw_data if init.HasField("raw_data") else numpy_helper.to_array(init).astype(_little_endian(init)).tobytes())
+                length = data.write(init.raw_data if init.HasField("raw_data") else numpy_helper.to_array(init).astype(stored_dtype(init)).tobytes())
             reference = onnx.TensorProto(name=init.name, data_type=init.data_type, dims=init.dims)
             refer_to(reference, location, offset, length, path.parent)
             light.graph.initializer.append(without_folder(reference))
@@ -356,10 +357,6 @@ class _LazyFile:
     def __exit__(self, *exc) -> None:
         if self._file is not None:
             self._file.close()
-
-
-def _little_endian(tensor: onnx.TensorProto) -> np.dtype:
-    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).newbyteorder("<")
 
 
 def cast_target(node: onnx.NodeProto) -> int | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 import onnx
@@ -30,7 +30,7 @@ def external_entries(tensor: onnx.TensorProto) -> dict[str, str]:
     return {entry.key: entry.value for entry in tensor.external_data}
 
 
-def mark_weights_folder(tensors: Iterator[onnx.TensorProto] | list[onnx.TensorProto], folder: Path) -> None:
+def mark_weights_folder(tensors: Iterable[onnx.TensorProto], folder: Path) -> None:
     """Note on each weight kept in a data file the folder that file is in (unless it already says)."""
     where = str(Path(folder).resolve())
     for tensor in tensors:
@@ -45,7 +45,7 @@ def data_file(tensor: onnx.TensorProto) -> tuple[Path, int, int]:
         raise ValueError(f"weight '{tensor.name}' does not say which folder its data file is in")
     folder = Path(entries[FOLDER_KEY])
     length = entries.get("length")
-    size = int(np.prod(tensor.dims, dtype=np.int64)) * _dtype(tensor).itemsize
+    size = int(np.prod(tensor.dims, dtype=np.int64)) * stored_dtype(tensor).itemsize
     return folder / entries["location"], int(entries.get("offset") or 0), int(length) if length else size
 
 
@@ -58,7 +58,7 @@ def weight_folder(tensor: onnx.TensorProto) -> Path | None:
 def weight_blocks(tensor: onnx.TensorProto, block_bytes: int = BLOCK_BYTES) -> Iterator[np.ndarray]:
     """A weight's values, flattened, a block at a time: from its data file, block by block (so memory
     holds one block, not the weight), or from the model itself."""
-    dtype = _dtype(tensor)
+    dtype = stored_dtype(tensor)
     if not is_external(tensor):
         values = numpy_helper.to_array(tensor).reshape(-1)
         for start in range(0, max(values.size, 1), max(block_bytes // dtype.itemsize, 1)):
@@ -82,7 +82,7 @@ def weight_values(tensor: onnx.TensorProto) -> np.ndarray:
     if not is_external(tensor):
         return numpy_helper.to_array(tensor)
     blocks = list(weight_blocks(tensor))
-    return (np.concatenate(blocks) if blocks else np.empty(0, _dtype(tensor))).reshape(tuple(tensor.dims))
+    return (np.concatenate(blocks) if blocks else np.empty(0, stored_dtype(tensor))).reshape(tuple(tensor.dims))
 
 
 def copy_bytes(tensor: onnx.TensorProto, target) -> int:
@@ -128,5 +128,6 @@ def same_folder(a: Path | None, b: Path) -> bool:
     return a is not None and os.path.realpath(a) == os.path.realpath(b)
 
 
-def _dtype(tensor: onnx.TensorProto) -> np.dtype:
+def stored_dtype(tensor: onnx.TensorProto) -> np.dtype:
+    """The dtype a weight's bytes are in: ONNX stores them little-endian."""
     return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).newbyteorder("<")

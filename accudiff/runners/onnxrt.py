@@ -53,18 +53,17 @@ class OnnxrtRunner(Runner):
         self._scratch: Path | None = None
         self._answers: dict[str, str] = {}  # session output -> the tensor it answers for
         self._input_types: dict[str, np.dtype | None] = {}
-        self._weight_bytes = 0
 
     def activate(self) -> None:
         import onnxruntime as ort
 
         self._scratch = Path(tempfile.mkdtemp(prefix="accudiff-ort-"))
-        path = self._marked_model()
+        path, weight_bytes = self._marked_model()
         options = ort.SessionOptions()
         options.log_severity_level = 4  # errors still raise, as one sentence; ONNX Runtime's own lines stay off the console
         options.enable_cpu_mem_arena = False
         options.intra_op_num_threads = self.cpu.threads
-        if not self.cpu.runs_many and self._weight_bytes >= PREPACK_UP_TO_BYTES:
+        if not self.cpu.runs_many and weight_bytes >= PREPACK_UP_TO_BYTES:
             options.add_session_config_entry("session.disable_prepacking", "1")
         # A segmented comparison alternates many sessions and the statistics pass on the same cores: threads
         # left spinning after a run would steal them from whatever runs next.
@@ -102,11 +101,12 @@ class OnnxrtRunner(Runner):
         returned = set(self._answers.values())
         return {name: "ONNX Runtime did not return it" for name in self.outputs if name not in returned}
 
-    def _marked_model(self) -> Path | bytes:
+    def _marked_model(self) -> tuple[Path | bytes, int]:
         """The model with the requested tensors marked as outputs. Weights already in data files stay there
         (the marked graph is handed over as bytes, pointed at the model's folder: nothing is copied or
         written again); weights inside the model are saved beside the marked copy as external data, so
-        ONNX Runtime maps them from the file instead of copying them out of a protobuf."""
+        ONNX Runtime maps them from the file instead of copying them out of a protobuf. Also returns the
+        bytes its weights take (whether prepacking them pays, see CpuOptions)."""
         from accudiff.model.loading import clear_unknown_dims, has_external_data, tensor_bytes
         from accudiff.runners.fp16_emulation import lower_fp16
 
@@ -115,7 +115,7 @@ class OnnxrtRunner(Runner):
         except Exception as exc:
             raise AccudiffError(f"'{self.model_path.name}' could not be read: {first_line(exc)}") from exc
         clear_unknown_dims(model)  # a size written as 0 means "unknown", not an empty tensor
-        self._weight_bytes = sum(tensor_bytes(init) for init in model.graph.initializer)
+        weight_bytes = sum(tensor_bytes(init) for init in model.graph.initializer)
         fp16_copies = lower_fp16(model) if self.emulate_fp16 else {}
         produced = {o for node in model.graph.node for o in node.output}
         self._answers = {}
@@ -126,10 +126,10 @@ class OnnxrtRunner(Runner):
         del model.graph.output[:]  # exactly what was asked for: a graph output nobody wants is not kept alive
         model.graph.output.extend(onnx.ValueInfoProto(name=name) for name in self._answers)
         if has_external_data(model):
-            return model.SerializeToString()  # the graph, without the weights: far below protobuf's limit
+            return model.SerializeToString(), weight_bytes  # the graph, without the weights: far below protobuf's limit
         target = self._scratch / "marked.onnx"
         onnx.save(model, str(target), save_as_external_data=True, location="marked.onnx.data", size_threshold=1024)
-        return target
+        return target, weight_bytes
 
 
 _NUMPY_TYPES = {"tensor(float)": np.dtype(np.float32), "tensor(float16)": np.dtype(np.float16), "tensor(double)": np.dtype(np.float64)}
