@@ -11,7 +11,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import numpy as np
 import onnx
@@ -362,6 +362,15 @@ class _LazyFile:
 def cast_target(node: onnx.NodeProto) -> int | None:
     """The element type a Cast node converts to."""
     return next((attr.i for attr in node.attribute if attr.name == "to"), None)
+
+
+def declare_like(graph: onnx.GraphProto, declared: Mapping[str, onnx.ValueInfoProto], name: str, source: str, elem_type: int) -> None:
+    """Type a value a transform adds, `name`, with the shape of `source` (when `declared` has it) and
+    `elem_type`: the models accudiff builds stay typed, so nothing runs shape inference on them again."""
+    if source in declared:
+        copy = graph.value_info.add()
+        copy.CopyFrom(declared[source])
+        copy.name, copy.type.tensor_type.elem_type = name, elem_type
 
 
 def infer_shapes_unless_typed(proto: onnx.ModelProto) -> None:

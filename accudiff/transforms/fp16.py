@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from accudiff.model.loading import copy_without_initializers, subgraph_outer_references
+from accudiff.model.loading import copy_without_initializers, declare_like, subgraph_outer_references
 from accudiff.model.weights import weight_blocks
 from accudiff.transforms.base import KeptNode, NodeSelector, TransformResult
 
@@ -180,10 +180,7 @@ def _insert_casts(graph, initializers, halves, opset, types, new_types, converte
             else:
                 new_nodes.append(helper.make_node("Cast", [name], [produced[key]], name=produced[key] + "_cast", to=target))
                 copies[produced[key]] = name
-                if name in declared:  # typed like every other value, so the model needs no shape inference again
-                    copy = graph.value_info.add()
-                    copy.CopyFrom(declared[name])
-                    copy.name, copy.type.tensor_type.elem_type = produced[key], target
+                declare_like(graph, declared, produced[key], name, target)
         return produced[key]
 
     for index, node in enumerate(list(graph.node)):

@@ -14,7 +14,7 @@ from typing import Mapping
 
 import onnx
 
-from accudiff.model.loading import infer_shapes_in_place
+from accudiff.model.loading import declare_like, infer_shapes_unless_typed
 
 SUFFIX = "__reference"
 
@@ -28,11 +28,12 @@ def isolate_in_place(candidate: onnx.ModelProto, tensors: Mapping[str, int], sto
     copy of a value an FP32 node produced) reads it through a Cast in the graph, so it sees exactly what
     it sees in the candidate. Returns, for each new input, the reference tensor it is fed from.
     """
-    infer_shapes_in_place(candidate)
+    infer_shapes_unless_typed(candidate)
     graph = candidate.graph
     source_of = {name: name for name in tensors}
     source_of.update({copy: source for copy, source in (storage_copies or {}).items() if source in tensors})
-    declared = {vi.name: vi.type.tensor_type for vi in [*graph.value_info, *graph.output, *graph.input]}
+    values = {vi.name: vi for vi in [*graph.value_info, *graph.output, *graph.input]}
+    declared = {name: vi.type.tensor_type for name, vi in values.items()}
     types = {name: kind.elem_type for name, kind in declared.items()}
     fed: dict[str, str] = {}
     casts: dict[tuple[str, int], str] = {}
@@ -51,6 +52,7 @@ def isolate_in_place(candidate: onnx.ModelProto, tensors: Mapping[str, int], sto
             if (source, read_type) not in casts:
                 casts[(source, read_type)] = f"{reference_input}_as_{onnx.TensorProto.DataType.Name(read_type).lower()}"
                 new_nodes.append(onnx.helper.make_node("Cast", [reference_input], [casts[(source, read_type)]], to=read_type))
+                declare_like(graph, values, casts[(source, read_type)], source, read_type)
             node.input[index] = casts[(source, read_type)]
         new_nodes.append(node)
     del graph.node[:]

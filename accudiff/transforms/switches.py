@@ -21,7 +21,7 @@ from typing import Iterable
 import onnx
 from onnx import TensorProto, helper
 
-from accudiff.model.loading import cast_target
+from accudiff.model.loading import cast_target, declare_like
 from accudiff.transforms.fp16 import elem_types
 
 SWITCH_PREFIX = "accudiff_keep_"
@@ -53,6 +53,7 @@ def build_switchboard(candidate: onnx.ModelProto, fp32: onnx.ModelProto, nodes: 
     for node in graph.node:  # a graph output computed in FP16 is `<name>__fp16`, cast to `<name>` (see fp16.py)
         if node.op_type == "Cast" and node.output[0] in outputs and node.input[0] == node.output[0] + "__fp16":
             board_types[node.input[0]] = TensorProto.FLOAT16
+    declared = {vi.name: vi for vi in [*graph.input, *graph.value_info, *graph.output]}
     fp32_weights = {init.name: init for init in fp32.graph.initializer}
     held = {init.name for init in graph.initializer}
     switches = {node: f"{SWITCH_PREFIX}{k}" for k, node in enumerate(wanted)}
@@ -77,6 +78,7 @@ def build_switchboard(candidate: onnx.ModelProto, fp32: onnx.ModelProto, nodes: 
                 if name not in widened:
                     widened.add(name)
                     placed.append(helper.make_node("Cast", [name], [kept.input[i]], name=kept.input[i], to=TensorProto.FLOAT))
+                    declare_like(graph, declared, kept.input[i], name, TensorProto.FLOAT)
             elif name in fp32_weights and name not in held:
                 graph.initializer.append(fp32_weights[name])  # an FP32 weight the candidate holds only in FP16
                 held.add(name)
@@ -86,6 +88,9 @@ def build_switchboard(candidate: onnx.ModelProto, fp32: onnx.ModelProto, nodes: 
                 produced = node.output[j]
                 in_fp16 = board_types.get(produced) == TensorProto.FLOAT16
                 placed += _switch(node, j, kept, switches[node.name], in_fp16)
+                for added, elem_type in _switched_values(produced, name, fp32_types.get(name), board_types.get(produced), in_fp16):
+                    if elem_type:
+                        declare_like(graph, declared, added, produced, elem_type)
                 switched[name] = name + "__switched"
                 if in_fp16:
                     redirected[produced] = switched[name]
@@ -113,3 +118,10 @@ def _switch(node: onnx.NodeProto, j: int, kept: onnx.NodeProto, switch: str, in_
     else:
         added.append(helper.make_node("Identity", [value + "__switched"], [produced], name=produced + "__from_switch"))
     return added
+
+
+def _switched_values(produced: str, value: str, fp32_type: int | None, candidate_type: int | None, in_fp16: bool) -> list[tuple[str, int | None]]:
+    """The values `_switch` adds for output `produced` (`value` in the FP32 model), with their types
+    (None: unknown), so the switchboard stays typed."""
+    added = [(value + "__kept", fp32_type), (produced + "__candidate", candidate_type), (value + "__switched", fp32_type)]
+    return added + ([(produced + "__candidate_fp32", TensorProto.FLOAT)] if in_fp16 else [])
