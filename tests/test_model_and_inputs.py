@@ -87,13 +87,15 @@ def test_no_model_past_the_threshold_is_saved_whole(precision, tmp_path, monkeyp
     assert result.verdict in ("pass", "fail")
 
 
-def test_weights_in_data_files_are_run_where_they_are(tmp_path):
+def test_weights_in_data_files_are_run_where_they_are(tmp_path, monkeypatch):
     """ONNX Runtime is handed the marked graph alone and reads the weights from the model's own data files
     (an FP16 model's too: widened by a Cast it folds), instead of a rewritten copy of every weight per run
-    (37 s of a 47 s compare of 768 MB of weights); the numbers are those of the same model held whole."""
+    (37 s of a 47 s compare of 768 MB of weights); small weights inside a model go along in memory, large
+    ones to a side file it maps. The numbers are those of the same model held whole."""
     import numpy as np
     import onnx
 
+    import accudiff.runners.onnxrt
     from accudiff.runners.onnxrt import OnnxrtRunner
     from accudiff.transforms.fp16 import to_fp16
 
@@ -104,17 +106,22 @@ def test_weights_in_data_files_are_run_where_they_are(tmp_path):
     [spec] = load_model(fixture("layernorm_overflow")).inputs
     feed = {spec.name: np.random.default_rng(0).standard_normal(spec.shape).astype(np.float32)}
     outputs = {}
-    for kind, path in (("whole", folder / "whole.onnx"), ("external", folder / "external.onnx")):
+    for kind, in_memory_up_to, written_files in (
+        ("external", 64 << 20, []), ("whole", 64 << 20, []), ("large whole", 0, ["marked.onnx", "marked.onnx.data"])
+    ):
+        path = folder / f"{kind}.onnx"
         onnx.save(model, str(path), save_as_external_data=kind == "external", location="weights.bin", size_threshold=0)
+        monkeypatch.setattr(accudiff.runners.onnxrt, "IN_MEMORY_WEIGHTS_UP_TO", in_memory_up_to)
         runner = OnnxrtRunner(path, [o for n in model.graph.node for o in n.output], emulate_fp16=True)
         runner.activate()
         written = sorted(p.name for p in runner._scratch.iterdir())
         outputs[kind] = runner.infer(feed)
         runner.deactivate()
-        assert written == ([] if kind == "external" else ["marked.onnx", "marked.onnx.data"])
-    assert outputs["whole"].keys() == outputs["external"].keys()
-    for name in outputs["whole"]:
-        np.testing.assert_array_equal(outputs["whole"][name], outputs["external"][name])
+        assert written == written_files, kind
+    for kind in ("whole", "large whole"):
+        assert outputs[kind].keys() == outputs["external"].keys()
+        for name in outputs["external"]:
+            np.testing.assert_array_equal(outputs[kind][name], outputs["external"][name])
 
 
 def test_dynamic_dimension_needs_a_shape():

@@ -29,7 +29,8 @@ import onnx
 from accudiff.comparison.metrics import EMPTY_ROW, F, SKETCH_BUCKETS, StatsSet, finish, reduce_tensor, reference_range
 from accudiff.comparison.tolerances import Tolerance, Tolerances
 from accudiff.model.inputs import Feed
-from accudiff.model.loading import infer_shapes_unless_typed, load_graph, name_unnamed_nodes, save_model
+from accudiff.model.loading import infer_shapes_unless_typed, load_graph, name_unnamed_nodes
+from accudiff.model.source import ModelSource
 from accudiff.model.subgraph import extract
 from accudiff.runners.base import Runner
 from accudiff.runners.outputs import ReferenceStore
@@ -41,7 +42,7 @@ PARALLEL_ELEMENTS = 1 << 18  # tensors this large are reduced on several cores a
 POINTS_PER_SAMPLE = 512  # (reference, candidate) pairs of each graph output kept per sample, for plots
 POINTS_PER_OUTPUT = 2048  # ... and in all
 MAX_CLASSES = 1 << 20  # wider rows are not class scores (a [1, N] signal, say), and ranking them costs seconds
-RunnerFactory = Callable[[Path, list[str]], Runner]  # (model file, tensors to return) -> runner
+RunnerFactory = Callable[[ModelSource, list[str]], Runner]  # (model, tensors to return) -> runner
 
 
 @dataclass
@@ -172,7 +173,7 @@ class Engine:
         go with their first reader), each returning its compared tensors and what later segments read."""
         compared = set(self.tensors)
         with self.clock("segments"):
-            model = load_graph(path)  # weights stay in their files: a segment's are copied into its own
+            model = load_graph(path)  # weights stay in their files, and a segment refers to them there
             name_unnamed_nodes(model)  # the names the plan uses (the reference file may leave nodes unnamed)
             if count > 1:
                 infer_shapes_unless_typed(model)  # the cut models' inputs and outputs need their types
@@ -187,16 +188,15 @@ class Engine:
             own = [o for o in produced if o in compared]
             wanted = own + [o for o in produced if o not in compared and (o in later_reads or o in graph_outputs)]
             if count == 1:
-                segment_path, inputs = path, {i.name for i in model.graph.input}
+                source, inputs = ModelSource.read(path, model), {i.name for i in model.graph.input}
             else:
                 with self.clock("segments"):
                     sub = extract(model, indices, outputs=wanted)
                     inputs = {i.name for i in sub.graph.input}
                     folder.mkdir(parents=True, exist_ok=True)
-                    segment_path = folder / f"segment{k}.onnx"
-                    save_model(sub, segment_path, side_file=True)
+                    source = ModelSource.cut(sub, folder / f"segment{k}.onnx")
                     del sub
-            segment = _Segment(None if make is None else functools.partial(make, segment_path, wanted), inputs, own, wanted)
+            segment = _Segment(None if make is None else functools.partial(make, source, wanted), inputs, own, wanted)
             if self.keep_sessions and make is not None:
                 self._activate(segment)
             segments.append(segment)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from accudiff.errors import AccudiffError
+from accudiff.model.source import ModelSource
 from accudiff.runners.base import Runner
 from accudiff.runners.onnxrt import CpuOptions, OnnxrtRunner
 from accudiff.runners.trt_build import BuildSettings
@@ -21,8 +22,8 @@ _ONNXRT_LABELS = {
 }
 
 
-def reference_runner(model_path: Path, outputs: Sequence[str], cpu: CpuOptions = CpuOptions()) -> Runner:
-    return OnnxrtRunner(model_path, outputs, label="ONNX Runtime CPU, FP32 (reference)", cpu=cpu)
+def reference_runner(model: Path | ModelSource, outputs: Sequence[str], cpu: CpuOptions = CpuOptions()) -> Runner:
+    return OnnxrtRunner(model, outputs, label="ONNX Runtime CPU, FP32 (reference)", cpu=cpu)
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class EngineShapes:
 
 def candidate_runner(
     kind: str,
-    model_path: Path,
+    model: Path | ModelSource,
     outputs: Sequence[str],
     precision: str,
     trt: TrtOptions = TrtOptions(),
@@ -94,14 +95,15 @@ def candidate_runner(
     layer_report: Path | None = None,
     cpu: CpuOptions = CpuOptions(),
 ) -> Runner:
-    """The runner of a candidate pass: TensorRT (`layer_report`: where the engine's layer report goes) or
-    ONNX Runtime (`cpu`: how it uses the cores)."""
+    """The runner of a candidate pass: TensorRT (`layer_report`: where the engine's layer report goes;
+    it builds from a file) or ONNX Runtime (`cpu`: how it uses the cores)."""
     if kind == "trt":
         from accudiff.runners.trt import TrtRunner
 
         settings = BuildSettings(trt.mark, dict(shapes.inputs), dict(shapes.values), trt.workspace_mb, trt.legacy_precision)
-        return TrtRunner(model_path, outputs, settings, trt.module, trt.cache_dir, layer_report, trt.engine)
-    return OnnxrtRunner(model_path, outputs, label=_ONNXRT_LABELS[precision], emulate_fp16=precision == "fp16", cpu=cpu)
+        path = model.file() if isinstance(model, ModelSource) else model
+        return TrtRunner(path, outputs, settings, trt.module, trt.cache_dir, layer_report, trt.engine)
+    return OnnxrtRunner(model, outputs, label=_ONNXRT_LABELS[precision], emulate_fp16=precision == "fp16", cpu=cpu)
 
 
 __all__ = ["CANDIDATES", "CpuOptions", "EngineShapes", "OnnxrtRunner", "Runner", "TrtOptions", "candidate_runner", "reference_runner", "resolve_candidate", "unavailable_reason"]

@@ -18,6 +18,10 @@ import numpy as np
 import onnx
 
 from accudiff.errors import AccudiffError, first_line
+from accudiff.model.loading import clear_unknown_dims, save_model, tensor_bytes
+from accudiff.model.source import IN_MEMORY_WEIGHTS_UP_TO, ModelSource, own_weight_bytes
+from accudiff.model.weights import is_external, weight_folder, without_folder
+from accudiff.runners.fp16_emulation import lower_fp16
 from accudiff.runners.base import Runner
 
 
@@ -41,11 +45,13 @@ class CpuOptions:
 
 class OnnxrtRunner(Runner):
     def __init__(
-        self, model_path: str | Path, outputs: Sequence[str] = (), label: str = "ONNX Runtime CPU", emulate_fp16: bool = False, cpu: CpuOptions = CpuOptions()
+        self, model: str | Path | ModelSource, outputs: Sequence[str] = (), label: str = "ONNX Runtime CPU", emulate_fp16: bool = False, cpu: CpuOptions = CpuOptions()
     ):
-        """`emulate_fp16`: run an FP16 model through `fp16_emulation`, so every FP16 tensor is really rounded."""
+        """`model`: a file, or a model in memory (a segment; see ModelSource). `emulate_fp16`: run an FP16 model through
+        `fp16_emulation`, so every FP16 tensor is really rounded."""
         self.cpu = cpu
-        self.model_path = Path(model_path)
+        self.source = model if isinstance(model, ModelSource) else ModelSource(Path(model))
+        self.model_path = self.source.path
         self.outputs = list(outputs)
         self.label = label
         self.emulate_fp16 = emulate_fp16
@@ -53,12 +59,15 @@ class OnnxrtRunner(Runner):
         self._scratch: Path | None = None
         self._answers: dict[str, str] = {}  # session output -> the tensor it answers for
         self._input_types: dict[str, np.dtype | None] = {}
+        self._marked: tuple[bytes, Path | None, int] | None = None  # the marked graph, kept between activations
 
     def activate(self) -> None:
         import onnxruntime as ort
 
         self._scratch = Path(tempfile.mkdtemp(prefix="accudiff-ort-"))
-        path, weight_bytes = self._marked_model()
+        model, folder, weight_bytes = self._marked or self._marked_model()
+        if isinstance(model, bytes):
+            self._marked = model, folder, weight_bytes
         options = ort.SessionOptions()
         options.log_severity_level = 4  # errors still raise, as one sentence; ONNX Runtime's own lines stay off the console
         options.enable_cpu_mem_arena = False
@@ -68,10 +77,10 @@ class OnnxrtRunner(Runner):
         # A segmented comparison alternates many sessions and the statistics pass on the same cores: threads
         # left spinning after a run would steal them from whatever runs next.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        if isinstance(path, bytes):  # the marked graph alone; its weights stay in the model's own data files
-            options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(self.model_path.parent))
+        if folder is not None:  # the graph as bytes; its weights stay in their data files, in this folder
+            options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
         try:
-            self._session = ort.InferenceSession(path if isinstance(path, bytes) else str(path), options, providers=["CPUExecutionProvider"])
+            self._session = ort.InferenceSession(model if isinstance(model, bytes) else str(model), options, providers=["CPUExecutionProvider"])
         except Exception as exc:  # ONNX Runtime raises its own exception types, and RuntimeError
             raise AccudiffError(f"ONNX Runtime failed while loading '{self.model_path.name}': {first_line(exc)}") from exc
         self._input_types = {i.name: _NUMPY_TYPES.get(i.type) for i in self._session.get_inputs()}
@@ -101,17 +110,15 @@ class OnnxrtRunner(Runner):
         returned = set(self._answers.values())
         return {name: "ONNX Runtime did not return it" for name in self.outputs if name not in returned}
 
-    def _marked_model(self) -> tuple[Path | bytes, int]:
-        """The model with the requested tensors marked as outputs. Weights already in data files stay there
-        (the marked graph is handed over as bytes, pointed at the model's folder: nothing is copied or
-        written again); weights inside the model are saved beside the marked copy as external data, so
-        ONNX Runtime maps them from the file instead of copying them out of a protobuf. Also returns the
-        bytes its weights take (whether prepacking them pays, see CpuOptions)."""
-        from accudiff.model.loading import clear_unknown_dims, has_external_data, tensor_bytes
-        from accudiff.runners.fp16_emulation import lower_fp16
-
+    def _marked_model(self) -> tuple[Path | bytes, Path | None, int]:
+        """The model with the requested tensors marked as outputs, as ONNX Runtime takes it, and the folder
+        of the data files its weights are in (None: none are); also the bytes its weights take (whether
+        prepacking them pays, see CpuOptions). It goes as bytes, its weights left in their data files
+        (nothing is written); a model whose weights are in several folders, or large inside the model, is
+        saved in the runner's scratch folder instead, its weights in a side file ONNX Runtime maps rather
+        than copies out of the bytes."""
         try:
-            model = onnx.load(str(self.model_path), load_external_data=False)
+            model = self.source.take()
         except Exception as exc:
             raise AccudiffError(f"'{self.model_path.name}' could not be read: {first_line(exc)}") from exc
         clear_unknown_dims(model)  # a size written as 0 means "unknown", not an empty tensor
@@ -125,11 +132,15 @@ class OnnxrtRunner(Runner):
                 self._answers[marked] = name
         del model.graph.output[:]  # exactly what was asked for: a graph output nobody wants is not kept alive
         model.graph.output.extend(onnx.ValueInfoProto(name=name) for name in self._answers)
-        if has_external_data(model):
-            return model.SerializeToString(), weight_bytes  # the graph, without the weights: far below protobuf's limit
+        external = [init for init in model.graph.initializer if is_external(init)]
+        folders = {str(weight_folder(init)) for init in external}
+        if len(folders) <= 1 and own_weight_bytes(model) < IN_MEMORY_WEIGHTS_UP_TO:
+            for init in external:
+                init.CopyFrom(without_folder(init))
+            return model.SerializeToString(), Path(folders.pop()) if folders else None, weight_bytes
         target = self._scratch / "marked.onnx"
-        onnx.save(model, str(target), save_as_external_data=True, location="marked.onnx.data", size_threshold=1024)
-        return target, weight_bytes
+        save_model(model, target, side_file=True)
+        return target, None, weight_bytes
 
 
 _NUMPY_TYPES = {"tensor(float)": np.dtype(np.float32), "tensor(float16)": np.dtype(np.float16), "tensor(double)": np.dtype(np.float64)}

@@ -1,0 +1,66 @@
+"""What a runner is given to run: a model file, or a model already in memory that no file may hold.
+
+A comparison runs every segment of every pass (model/segments.py) in a worker, which cuts them from the
+pass's model. Saving each segment only for a backend to read it back, and ONNX Runtime to copy its weights
+out of it again, cost more than the runs on the PP-OCRv4 recognizer. So a segment stays in memory, its
+large weights in their data files (each carries its folder, model/weights.py), and ONNX Runtime takes it
+as bytes; a model the worker read whole is handed over the same way instead of being read twice. A
+backend that reads files (TensorRT) asks for `file()`, and a segment is saved then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+
+from accudiff.model.loading import load_graph, save_model, tensor_bytes
+from accudiff.model.weights import is_external
+
+# Weights a model holds itself (not in data files) up to this size travel in memory; a model holding more
+# is saved, its weights in a side file a backend maps. Every pass of a one-sample comparison holds its
+# segments until their runs, and bytes handed to ONNX Runtime are copied once more.
+IN_MEMORY_WEIGHTS_UP_TO = 64 << 20
+
+
+@dataclass
+class ModelSource:
+    """The model at `path`; `held`: the model itself, already in memory (then `path` is where it goes if
+    a backend needs a file), handed over to the first caller of `take` instead of being read again."""
+
+    path: Path
+    held: onnx.ModelProto | None = None
+
+    @classmethod
+    def cut(cls, proto: onnx.ModelProto, path: Path) -> ModelSource:
+        """A model made in memory: held, or saved at `path` now when its own weights are large."""
+        if own_weight_bytes(proto) < IN_MEMORY_WEIGHTS_UP_TO:
+            return cls(Path(path), proto)
+        save_model(proto, path, side_file=True)
+        return cls(Path(path))
+
+    @classmethod
+    def read(cls, path: Path, proto: onnx.ModelProto) -> ModelSource:
+        """The model file at `path`, which the caller read as `proto`: held when its own weights are small."""
+        return cls(Path(path), proto if own_weight_bytes(proto) < IN_MEMORY_WEIGHTS_UP_TO else None)
+
+    def take(self) -> onnx.ModelProto:
+        """The model, for the caller to change: the one held (not held from then on), else read from
+        `path`, its large weights left in their files."""
+        if self.held is not None:
+            proto, self.held = self.held, None
+            return proto
+        return load_graph(self.path)
+
+    def file(self) -> Path:
+        """The model as a file: `path`, saved now (its weights copied beside it) if only memory held it."""
+        if self.held is not None and not self.path.exists():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            save_model(self.held, self.path, side_file=True)
+        return self.path
+
+
+def own_weight_bytes(proto: onnx.ModelProto) -> int:
+    """Bytes of the weights a model holds itself, rather than in data files."""
+    return sum(tensor_bytes(init) for init in proto.graph.initializer if not is_external(init))
