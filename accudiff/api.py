@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from accudiff.comparison.branches import describe_groups, plan_groups
-from accudiff.comparison.group import combine, group_model, make_candidate, plan, run_group, save_tensors
+from accudiff.comparison.group import combine, group_model, isolation_notice, make_candidate, plan, run_group, save_tensors
 from accudiff.comparison.worker import prestart
 from accudiff.model.loading import load_model
 from accudiff.model.run_results import read_captured
@@ -99,7 +99,8 @@ def run(
             laps.lap("verify")
         attach_sketches(result, info, outcome)
         inlined_engine = BRANCHES_INLINED_FOR_TRT if any(g.taken for g in groups) and settings.uses_trt else None
-        notices = [*captured.notices, *describe_groups(groups, len(samples)), inlined_engine, *transformed.warnings, *outcome["passes"]["candidate"]["notices"]]
+        notices = [*captured.notices, *describe_groups(groups, len(samples)), inlined_engine, isolation_notice(settings, groups),
+                   *transformed.warnings, *outcome["passes"]["candidate"]["notices"]]
         result.notices = [n for n in [chosen_backend, *notices, unverified] if n]
         result.candidate_models = [r.candidate.path.name for r in runs]
         result.branches = [{"samples": g.samples, "taken": g.taken} for g in groups if g.taken]

@@ -50,6 +50,25 @@ def test_one_worker_two_workers_and_ray_give_the_same_table(tmp_path):
     _assert_same(one, on_ray)
 
 
+def test_the_isolated_run_covers_the_first_samples_of_a_dataset(tmp_path):
+    """Each sample past the eighth costs two marked runs, not three: the isolated figures are those of the
+    first eight samples, whichever worker compares them, and the report says so."""
+    overflows = lambda i: 0.5 if i % 3 else 8.0  # noqa: E731
+    options = {"candidate": "onnxrt", "verify": False}
+    twelve = accudiff.compare(fixture("overflow_activation"), "fp16", inputs=_dataset(tmp_path / "twelve", 12, overflows), **options)
+    two_workers = accudiff.compare(fixture("overflow_activation"), "fp16", inputs=tmp_path / "twelve", workers=2, **options)
+    eight = accudiff.compare(fixture("overflow_activation"), "fp16", inputs=_dataset(tmp_path / "eight", 8, overflows), **options)
+    _assert_same(twelve, two_workers)
+    isolated = [c for c in twelve.table.columns if c.startswith("isolated_")]
+    assert isolated
+    pd.testing.assert_frame_equal(twelve.table[isolated], eight.table[isolated])
+    assert twelve.table["samples"].max() == 12
+    assert [n for n in twelve.notices if "isolated run" in n] == [
+        "the isolated run (each node's error when fed the reference's values) ran on the first 8 of the 12 samples; every other figure covers them all"
+    ]
+    assert not [n for n in eight.notices if "isolated run" in n]
+
+
 def test_failing_samples_are_named_and_the_worst_replay(tmp_path):
     """Samples 2 and 5 hold values that overflow FP16 in 'amplified'; the others pass."""
     data = _dataset(tmp_path / "data", 6, lambda i: 8.0 if i in (2, 5) else 0.2)

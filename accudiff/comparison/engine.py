@@ -55,6 +55,7 @@ class PassPlan:
     fed_from_reference: dict[str, str] = field(default_factory=dict)  # input -> the reference tensor it is fed
     record: ReferenceStore | None = None  # where its tensors are kept, when the user asked to save them
     fixed_inputs: dict[str, np.ndarray] = field(default_factory=dict)  # inputs of the pass's own (a switchboard's switches)
+    samples: int | None = None  # it runs on the samples numbered below this (None: on every sample)
 
 
 @dataclass
@@ -230,9 +231,10 @@ class Engine:
             self.input_stats.add(row, *reduce_tensor(feed[name], feed[name], _RANGE_ONLY, self.quant_ranges.get(name), sample))
         reference_values: dict[str, np.ndarray] = dict(feed)
         pass_values = {p.name: dict(feed) for p in self.passes}
+        passes = [p for p in self.passes if p.samples is None or sample < p.samples]
         for k, reference in enumerate(self.reference):
             reference_values.update(self._reference_outputs(sample, reference, reference_values))
-            for plan in self.passes:
+            for plan in passes:
                 segment = self.pass_segments[plan.name][k]
                 values = pass_values[plan.name]
                 for name in segment.inputs & plan.fed_from_reference.keys():

@@ -35,6 +35,9 @@ if TYPE_CHECKING:
     from accudiff.settings import RunSettings
 
 ENGINE_LAYERS_FILE = "engine_layers.json"
+# The isolated run tells where error starts, which a few samples show as well as thousands: it runs on a
+# group's first samples only, so each further sample of a dataset costs two marked runs and one statistics pass.
+ISOLATED_SAMPLES = 8
 
 
 @dataclass
@@ -131,7 +134,8 @@ def make_candidate(
         fed = isolate_in_place(transformed.model, types, transformed.storage_copies)
         isolated = working.with_name(f"isolated-{path.stem}.onnx")
         save_model(transformed.model, isolated)  # its graph: the weights are the candidate's, in the same folder
-        passes.append({"name": "isolated", "model": str(isolated), "backend": kind, "fed_from_reference": fed})
+        up_to = group.samples[ISOLATED_SAMPLES] if len(group.samples) > ISOLATED_SAMPLES else None  # the group's first ones
+        passes.append({"name": "isolated", "model": str(isolated), "backend": kind, "fed_from_reference": fed, "samples": up_to})
     transformed.model = info.proto = onnx.ModelProto()
     return_freed_memory()
     return Candidate(info, transformed, working, passes, record)
@@ -189,6 +193,14 @@ def save_tensors(settings: RunSettings, runs: Sequence[GroupRun], samples: int) 
         iterations = (stores[group_of[s]].read(s, tensors[group_of[s]]) for s in range(samples))
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         write_run_results(Path(path), runner, iterations)
+
+
+def isolation_notice(settings: RunSettings, groups: Sequence[BranchGroup]) -> str | None:
+    """What a reader must know when the isolated run skipped samples (see ISOLATED_SAMPLES)."""
+    if not settings.isolate or all(len(g.samples) <= ISOLATED_SAMPLES for g in groups):
+        return None
+    where = "of each branch group's samples" if len(groups) > 1 else f"of the {len(groups[0].samples)} samples"
+    return f"the isolated run (each node's error when fed the reference's values) ran on the first {ISOLATED_SAMPLES} {where}; every other figure covers them all"
 
 
 def could_be_a_shape(value: np.ndarray) -> bool:

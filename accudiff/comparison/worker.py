@@ -47,7 +47,7 @@ class Job:
     """Everything a worker needs, as plain data (it crosses a process or machine boundary as JSON)."""
 
     reference: str
-    passes: list[dict]  # {"name", "model", "backend", "fed_from_reference": {input: tensor}, "layer_report": bool}
+    passes: list[dict]  # {"name", "model", "backend", "fed_from_reference": {input: tensor}, "layer_report": bool, "samples": int}
     precision: str
     tensors: list[str]
     outputs: list[str]
@@ -252,9 +252,10 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
     def plan(spec: dict) -> PassPlan:
         record = ReferenceStore(Path(spec["record"]), job.tensors) if spec.get("record") else None
         fixed = {name: np.asarray(value) for name, value in spec.get("fixed_inputs", {}).items()}
-        return PassPlan(spec["name"], Path(spec["model"]), factory(spec), spec["fed_from_reference"], record, fixed)
+        return PassPlan(spec["name"], Path(spec["model"]), factory(spec), spec["fed_from_reference"], record, fixed, spec.get("samples"))
 
-    passes = [plan(p) for p in job.passes]
+    first = min(job.sample_indices, default=0)
+    passes = [plan(p) for p in job.passes if p.get("samples") is None or first < p["samples"]]  # a pass none of its samples need has no session
     store = ReferenceStore(Path(job.store), job.tensors) if job.store else None
     with tempfile.TemporaryDirectory(prefix="accudiff-worker-") as scratch:
         measured = Measured(
