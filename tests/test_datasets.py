@@ -32,6 +32,7 @@ def _assert_same(a: accudiff.CompareResult, b: accudiff.CompareResult) -> None:
     pd.testing.assert_frame_equal(a.table[["tensor", *exact]], b.table[["tensor", *exact]])
     pd.testing.assert_frame_equal(a.table, b.table, check_exact=False, rtol=1e-12)
     pd.testing.assert_frame_equal(a.samples, b.samples)
+    assert a.points == b.points  # the report's scatter plots show the same points
 
 
 def test_one_worker_two_workers_and_ray_give_the_same_table(tmp_path):

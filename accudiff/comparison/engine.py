@@ -86,7 +86,7 @@ class PassResult:
     label: str = ""
     notices: list[str] = field(default_factory=list)
     outcomes: list[SampleOutcome] = field(default_factory=list)
-    points: dict[str, list[list[float]]] = field(default_factory=dict)  # graph output -> sampled [reference, candidate] pairs
+    points: dict[str, list[list[float]]] = field(default_factory=dict)  # graph output -> sampled [sample, reference, candidate]
 
 
 @dataclass
@@ -302,7 +302,7 @@ class Engine:
                     SampleOutcome(sample, tensor, one["max_abs_err"], one["tol_ratio"], one["outside_share"], one["sqnr_db"], *agreement)
                 )
                 kept = result.points.setdefault(tensor, [])
-                kept += sample_points(reference[tensor], candidate[tensor], int(values[index][F["worst_index"]]), POINTS_PER_OUTPUT - len(kept))
+                kept += sample_points(sample, reference[tensor], candidate[tensor], int(values[index][F["worst_index"]]), POINTS_PER_OUTPUT - len(kept))
 
     @contextmanager
     def clock(self, phase: str) -> Iterator[None]:
@@ -332,9 +332,10 @@ class Engine:
         self._active = []
 
 
-def sample_points(ref: np.ndarray, cand: np.ndarray, worst: int, room: int) -> list[list[float]]:
-    """Up to min(POINTS_PER_SAMPLE, room) [reference, candidate] pairs, evenly strided, the worst element
-    first: what the report's scatter plot shows of a graph output."""
+def sample_points(sample: int, ref: np.ndarray, cand: np.ndarray, worst: int, room: int) -> list[list[float]]:
+    """Up to min(POINTS_PER_SAMPLE, room) [sample, reference, candidate] triples, evenly strided, the worst
+    element first: what the report's scatter plot shows of a graph output (the sample number orders the
+    points of several workers as one worker would have kept them)."""
     if room <= 0 or not np.issubdtype(np.asarray(ref).dtype, np.floating):
         return []
     r, c = np.asarray(ref).reshape(-1), np.asarray(cand).reshape(-1)
@@ -342,7 +343,7 @@ def sample_points(ref: np.ndarray, cand: np.ndarray, worst: int, room: int) -> l
     picked = np.unique(np.linspace(0, r.size - 1, count).astype(np.int64))
     if 0 <= worst < r.size:
         picked = np.concatenate([[worst], picked[picked != worst]])[:count]
-    return np.stack([r[picked].astype(np.float64), c[picked].astype(np.float64)], axis=1).tolist()
+    return np.stack([np.full(picked.size, float(sample)), r[picked].astype(np.float64), c[picked].astype(np.float64)], axis=1).tolist()
 
 
 def _class_agreement(ref: np.ndarray, cand: np.ndarray) -> tuple[int, int, int]:

@@ -11,7 +11,6 @@ shared file system; a task writes them to a temporary folder and runs the same w
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import tempfile
@@ -82,10 +81,10 @@ def run_shards(
 
 
 def _split(job: Job, entries: Sequence[Sequence[str]], indices: list[int], workers: int, threads: int | None) -> list[Job]:
-    """`workers` contiguous shards of the samples, one job each (`threads`: None shares this machine's cores)."""
+    """`workers` shards of the samples, one job each, dealt out in turn: the first samples, which alone get
+    the isolated run (group.py), go to every worker (`threads`: None shares this machine's cores)."""
     count = len(entries)
-    size = math.ceil(count / min(workers, count))
-    shards = [list(range(start, min(start + size, count))) for start in range(0, count, size)]
+    shards = [list(range(k, count, workers)) for k in range(min(workers, count))]
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // len(shards))
     return [
@@ -118,9 +117,8 @@ def merge_results(results: Iterable[dict]) -> dict:
             for key in ("seen", "notes", "not_observable"):
                 into[key] = {**part[key], **into[key]}
             into["outcomes"] += part["outcomes"]
-            for output, points in part["points"].items():
-                kept = into["points"].setdefault(output, [])
-                kept += points[: POINTS_PER_OUTPUT - len(kept)]
+            for output, points in part["points"].items():  # the first samples' points, however they were sharded
+                into["points"][output] = sorted([*into["points"].get(output, []), *points], key=lambda point: point[0])[:POINTS_PER_OUTPUT]
     merged["inputs"] = merged["inputs"].arrays()
     for part in merged["passes"].values():
         part.update(part.pop("stats").arrays())

@@ -86,7 +86,7 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings
         raise AccudiffError(f"every graph output of '{info.path.name}' is empty on these inputs: the comparison would cover no element")
     compared, computed = result.coverage
     result.passed = bool(observed_outputs) and not failing_outputs and compared >= MIN_COVERAGE * computed
-    result.points = candidate_pass.get("points", {})
+    result.points = {name: [point[1:] for point in points] for name, points in candidate_pass.get("points", {}).items()}  # [reference, candidate]
     result.nodes, result.weights = info.nodes, info.weights
     return result, context
 
