@@ -25,7 +25,6 @@ from accudiff.model.inputs import Feed
 from accudiff.model.run_results import Captured, write_run_results
 from accudiff.model.samples import Samples
 from accudiff.model.segments import SEGMENTS_PER_BUDGET, memory_budget, plan_segments, tensor_sizes
-from accudiff.model.source import IN_MEMORY_WEIGHTS_UP_TO, own_weight_bytes
 from accudiff.runners.outputs import ReferenceCache, ReferenceStore
 from accudiff.transforms import TransformResult
 from accudiff.transforms.candidate import transform_model
@@ -114,8 +113,7 @@ def make_candidate(
     `scratch/models`, and put in the report at `path` (a hard link, or a copy across file systems); its
     isolated twin beside it, sharing its data file. The weights are let go of as they are written, before
     any backend loads a model, so at most one copy of them is in memory at a time (from here on the
-    workers read files); the FP32 model's inventory keeps its graph when the weights it holds are small.
-    A candidate captured elsewhere is replayed from its store instead of run."""
+    workers read files). A candidate captured elsewhere is replayed from its store instead of run."""
     transformed = transform_model(info, settings.recipe(group.calibration), samples[group.samples[0]], scratch)
     working = scratch / "models" / path.name
     working.parent.mkdir(exist_ok=True)
@@ -138,9 +136,7 @@ def make_candidate(
         save_model(transformed.model, isolated)  # its graph: the weights are the candidate's, in the same folder
         up_to = group.samples[ISOLATED_SAMPLES] if len(group.samples) > ISOLATED_SAMPLES else None  # the group's first ones
         passes.append({"name": "isolated", "model": str(isolated), "backend": kind, "fed_from_reference": fed, "samples": up_to})
-    transformed.model = onnx.ModelProto()
-    if own_weight_bytes(info.proto) >= IN_MEMORY_WEIGHTS_UP_TO:
-        info.proto = onnx.ModelProto()  # weights held in the model go; verification reads it again if it runs
+    transformed.model = info.proto = onnx.ModelProto()
     return_freed_memory()
     return Candidate(info, transformed, working, passes, record)
 

@@ -101,7 +101,7 @@ def verify_outputs(result: CompareResult, context: DiagnosisContext, settings: R
         ratio_column, settings = f"{settings.also}_tol_ratio", replace(settings, load_candidate=None, candidate_runner=None, candidate=settings.also, also=None)
     candidate = runs[0].candidate
     chosen = list(dict.fromkeys(int(s) for s in result.failing_samples["sample"]))[:MAX_TRIAL_SAMPLES] or [0]
-    info = candidate.info if candidate.info.proto.graph.node else load_model(candidate.info.path)  # see make_candidate
+    info = load_model(candidate.info.path)
     base = replace(candidate.transformed, model=load_graph(candidate.path))
     first = samples[chosen[0]]
     setup = TrialSetup(
