@@ -106,12 +106,12 @@ def test_weights_in_data_files_are_run_where_they_are(tmp_path, monkeypatch):
     [spec] = load_model(fixture("layernorm_overflow")).inputs
     feed = {spec.name: np.random.default_rng(0).standard_normal(spec.shape).astype(np.float32)}
     outputs = {}
-    for kind, in_memory_up_to, written_files in (
-        ("external", 64 << 20, []), ("whole", 64 << 20, []), ("large whole", 0, ["marked.onnx", "marked.onnx.data"])
+    for kind, inline_up_to, written_files in (
+        ("external", 1 << 20, []), ("whole", 1 << 20, []), ("large whole", -1, ["marked.onnx", "marked.onnx.data"])
     ):
         path = folder / f"{kind}.onnx"
         onnx.save(model, str(path), save_as_external_data=kind == "external", location="weights.bin", size_threshold=0)
-        monkeypatch.setattr(accudiff.runners.onnxrt, "IN_MEMORY_WEIGHTS_UP_TO", in_memory_up_to)
+        monkeypatch.setattr(accudiff.runners.onnxrt, "INLINE_WEIGHTS_UP_TO", inline_up_to)
         runner = OnnxrtRunner(path, [o for n in model.graph.node for o in n.output], emulate_fp16=True)
         runner.activate()
         written = sorted(p.name for p in runner._scratch.iterdir())

@@ -46,8 +46,8 @@ class ModelSource:
         return cls(Path(path), proto if own_weight_bytes(proto) < IN_MEMORY_WEIGHTS_UP_TO else None)
 
     def take(self) -> onnx.ModelProto:
-        """The model, for the caller to change: the one held (not held from then on), else read from
-        `path`, its large weights left in their files."""
+        """The model, for the caller to change: the one held (handed over once: a runner takes its model
+        when it is activated, once), else read from `path`, its large weights left in their files."""
         if self.held is not None:
             proto, self.held = self.held, None
             return proto
