@@ -151,7 +151,7 @@ class Engine:
         self._ranges: dict[str, tuple[float, float]] = {}  # each reference tensor's range, found once per sample
         # A pass's tensors are reduced on `threads` cores at once, between backend runs (which use them too);
         # each tensor's statistics are its own, so the order they finish in changes nothing.
-        self._reducer = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="accudiff-reduce")
+        self._reducer, self._threads = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="accudiff-reduce"), threads
         node_segment = {name: k for k, names in enumerate(segments) for name in names}
         self._later_reference_reads: list[set[str]] = []
         try:
@@ -289,10 +289,12 @@ class Engine:
             reduce_tensor(ref, cand, tolerance, quant, sample, self._ranges[tensor], (values[index], sketches[index]))
 
         large = [i for i, (_, ref, _) in enumerate(pairs) if ref.size >= PARALLEL_ELEMENTS]
-        for _ in self._reducer.map(reduce_one, large):  # large tensors on every core; small ones cost more to hand over
+        small = sorted(set(range(len(pairs))) - set(large))
+        # Large tensors one by one on every core; small ones in one batch per core (one by one, handing each
+        # over would cost more than reducing it).
+        batches = [small[k :: self._threads] for k in range(self._threads)]
+        for _ in self._reducer.map(lambda batch: [reduce_one(index) for index in batch], [[i] for i in large] + batches):
             pass
-        for index in sorted(set(range(len(pairs))) - set(large)):
-            reduce_one(index)
         result.stats.add_rows([self.row[tensor] for tensor, _, _ in pairs], values, sketches)
         for index, (tensor, _, _) in enumerate(pairs):
             if tensor in self.outputs:
