@@ -1,11 +1,11 @@
 """What a runner is given to run: a model file, or a model already in memory that no file may hold.
 
 A comparison runs every segment of every pass (model/segments.py) in a worker, which cuts them from the
-pass's model. Saving each segment only for a backend to read it back, and ONNX Runtime to copy its weights
-out of it again, cost more than the runs on the PP-OCRv4 recognizer. So a segment stays in memory, its
-large weights in their data files (each carries its folder, model/weights.py), and ONNX Runtime takes it
-as bytes; a model the worker read whole is handed over the same way instead of being read twice. A
-backend that reads files (TensorRT) asks for `file()`, and a segment is saved then.
+pass's model. Saving each segment only for a backend to read it back (and save it again, marked) cost more
+than the runs on the PP-OCRv4 recognizer. So a segment stays in memory, its large weights in their data
+files (each carries its folder, model/weights.py), until its runner takes it (ONNX Runtime gets the graph
+as bytes, runners/onnxrt.py); a model the worker read whole is handed over the same way instead of being
+read twice. A backend that reads files (TensorRT) asks for `file()`, and a segment is saved then.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import onnx
 from accudiff.model.loading import load_graph, save_model, tensor_bytes
 from accudiff.model.weights import is_external
 
-# Weights a model holds itself (not in data files) up to this size travel in memory; a model holding more
-# is saved, its weights in a side file a backend maps. Every pass of a one-sample comparison holds its
-# segments until their runs, and bytes handed to ONNX Runtime are copied once more.
+# A model made or read in memory that holds weights of its own (not in data files) up to this size stays
+# there until its runner takes it; one holding more is saved, its weights in a side file. Every pass of a
+# one-sample comparison holds its segments until their runs.
 IN_MEMORY_WEIGHTS_UP_TO = 64 << 20
 
 
