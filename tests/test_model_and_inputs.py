@@ -272,3 +272,17 @@ def test_a_folder_of_npz_files_is_a_dataset_read_one_sample_at_a_time(tmp_path):
         list(samples_from_path(folder, info.inputs))
     with pytest.raises(AccudiffError, match="holds no .npz file"):
         samples_from_path(tmp_path, info.inputs)
+
+
+def test_a_model_read_again_checked_has_the_same_inventory(tmp_path):
+    """Verification reads the FP32 model again without repeating the checks it passed (`checked=True`):
+    the inventory must be the one the first reading gave, weights in data files included."""
+    import onnx
+
+    external = tmp_path / "external.onnx"
+    onnx.save(onnx.load(str(fixture("layernorm_overflow"))), str(external), save_as_external_data=True, location="w.bin", size_threshold=0)
+    for path in (fixture("layernorm_overflow"), fixture("two_faults_one_path"), external):
+        first, again = load_model(path), load_model(path, checked=True)
+        assert again.proto == first.proto
+        assert (again.tensors, again.upstream, again.nodes, again.inputs) == (first.tensors, first.upstream, first.nodes, first.inputs)
+

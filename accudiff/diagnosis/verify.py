@@ -21,6 +21,7 @@ tried repairs it; contributors ranked by their measured effect at the output).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -30,6 +31,7 @@ import pandas as pd
 
 from accudiff.comparison.group import GroupRun, could_be_a_shape
 from accudiff.comparison.trial import MAX_TRIAL_SAMPLES, TrialSetup, Trials
+from accudiff.comparison.worker import prestart
 from accudiff.diagnosis.cause import Absorbed, Cause, Contributor, ancestor_tensors, flagged_nodes, rank_contributors
 from accudiff.diagnosis.mechanisms import absorber, amplifiers, cancellations
 from accudiff.diagnosis.rules import VALUE_PRESERVING_OPS, DiagnosisContext, Finding, isolated_figures, isolation_ran
@@ -99,9 +101,10 @@ def verify_outputs(result: CompareResult, context: DiagnosisContext, settings: R
         if stand_in is None:
             return notice
         ratio_column, settings = f"{settings.also}_tol_ratio", replace(settings, load_candidate=None, candidate_runner=None, candidate=settings.also, also=None)
+    prestart(os.cpu_count() or 1)  # the trial workers (one per core, trial.py) start while their models are prepared
     candidate = runs[0].candidate
     chosen = list(dict.fromkeys(int(s) for s in result.failing_samples["sample"]))[:MAX_TRIAL_SAMPLES] or [0]
-    info = load_model(candidate.info.path)
+    info = load_model(candidate.info.path, checked=True)
     base = replace(candidate.transformed, model=load_graph(candidate.path))
     first = samples[chosen[0]]
     setup = TrialSetup(

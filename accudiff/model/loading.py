@@ -96,9 +96,14 @@ class ModelInfo:
         return self.path.stem
 
 
-def load_model(path: str | os.PathLike) -> ModelInfo:
-    """Load, check and shape-infer `path`; raise AccudiffError with one sentence on any problem."""
+def load_model(path: str | os.PathLike, checked: bool = False) -> ModelInfo:
+    """Load, check and shape-infer `path`; raise AccudiffError with one sentence on any problem.
+    `checked`: the file passed the checks earlier in this run (verification reads the model again)."""
     path = Path(path)
+    if checked:
+        proto = onnx.load(str(path), load_external_data=False)
+        _keep_weights_in_their_files(proto, path.parent)
+        return _inventory(path, proto)
     if not path.is_file():
         raise AccudiffError(f"model file '{path}' does not exist")
     try:
@@ -126,6 +131,11 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
             _keep_weights_in_their_files(proto, path.parent)
         except (ValueError, RuntimeError, OSError) as exc:
             raise AccudiffError(f"'{path}' refers to external data that cannot be read: {first_line(exc)}") from exc
+    return _inventory(path, proto)
+
+
+def _inventory(path: Path, proto: onnx.ModelProto) -> ModelInfo:
+    """The inventory of a model read and checked: its nodes named, its types and shapes inferred."""
     name_unnamed_nodes(proto)
     clear_unknown_dims(proto)
     infer_shapes_in_place(proto)
