@@ -293,7 +293,8 @@ class Engine:
                 result.notes.setdefault(row, "not returned by the reference" if tensor not in reference else "not returned by the candidate")
                 continue
             ref, cand = reference[tensor], candidate[tensor]
-            result.seen[row] = (str(ref.dtype), str(cand.dtype), "x".join(map(str, ref.shape)))
+            if row not in result.seen:  # as the first sample has it (naming a dtype costs more than it seems)
+                result.seen[row] = (str(ref.dtype), str(cand.dtype), "x".join(map(str, ref.shape)))
             if ref.shape != cand.shape:
                 result.notes[row] = f"shape differs: reference {ref.shape}, candidate {cand.shape}"
                 continue
