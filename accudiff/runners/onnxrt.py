@@ -63,15 +63,12 @@ class OnnxrtRunner(Runner):
         self._scratch: Path | None = None
         self._answers: dict[str, str] = {}  # session output -> the tensor it answers for
         self._input_types: dict[str, np.dtype | None] = {}
-        self._marked: tuple[bytes, Path | None, int] | None = None  # the marked graph, kept between activations
 
     def activate(self) -> None:
         import onnxruntime as ort
 
         self._scratch = Path(tempfile.mkdtemp(prefix="accudiff-ort-"))
-        model, folder, weight_bytes = self._marked or self._marked_model()
-        if isinstance(model, bytes):
-            self._marked = model, folder, weight_bytes
+        model, folder, weight_bytes = self._marked_model()
         options = ort.SessionOptions()
         options.log_severity_level = 4  # errors still raise, as one sentence; ONNX Runtime's own lines stay off the console
         options.enable_cpu_mem_arena = False
