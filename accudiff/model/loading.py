@@ -175,7 +175,7 @@ def _misshapen_weight(graph: onnx.GraphProto) -> str | None:
         if tensor.data_type in _UNCHECKED_TYPES:
             continue
         expected = math.prod(tensor.dims)
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:  # its length is written beside its location: nothing is read
+        if is_external(tensor):  # its length is written beside its location: nothing is read
             length = next((int(e.value) for e in tensor.external_data if e.key == "length" and e.value.isdigit()), None)
             held = expected if length is None else length / onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
         elif tensor.HasField("raw_data"):
@@ -500,7 +500,7 @@ def _attribute_graphs(attr: onnx.AttributeProto) -> list[onnx.GraphProto]:
 
 def has_external_data(proto: onnx.ModelProto) -> bool:
     """Whether any weight of the model (bodies included) lives in a data file beside it."""
-    return any(init.data_location == onnx.TensorProto.EXTERNAL for init in _all_initializers(proto))
+    return any(is_external(init) for init in _all_initializers(proto))
 
 
 def data_files(proto: onnx.ModelProto) -> list[str]:
