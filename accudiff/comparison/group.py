@@ -172,7 +172,10 @@ def run_group(
         outputs = ReferenceStore(where.scratch / f"outputs-{candidate.path.stem}", info.output_names)
         job = replace(job, outputs_store=str(outputs.folder))
     progress = where.progress_from(group.before, len(samples))
-    outcome = run_shards(job, [samples.as_json()[i] for i in group.samples], settings.workers, settings.ray, progress, group.samples, plan.huge_pages)
+    entries = [samples.as_json()[i] for i in group.samples]
+    # Verification's trials (one group only, see verify.py) would run in these workers, already warm.
+    warm = settings.verify and group.samples == list(range(len(samples)))
+    outcome = run_shards(job, entries, settings.workers, settings.ray, progress, group.samples, plan.huge_pages, warm)
     for recorded in (store, outputs):
         if recorded is not None:
             recorded.finish()

@@ -173,13 +173,21 @@ def discard_spares() -> None:
 atexit.register(discard_spares)
 
 
-def run_job(job: Job, progress: Callable[[str, int, int], None] | None = None, huge_pages: bool = False) -> dict:
-    """Run `job` in a worker process of its own (one started ahead by `prestart`, if any) and return its result."""
+def run_job(job: Job, progress: Callable[[str, int, int], None] | None = None, huge_pages: bool = False, keep_warm: bool = False) -> dict:
+    """Run `job` in a worker process of its own (one started ahead by `prestart`, if any) and return its result.
+    `keep_warm`: the worker stays up after the job, among those started ahead, for a job that may follow
+    (verification's trials after a comparison: its Python start and imports are then paid once)."""
     worker = take_worker(huge_pages)
     try:
-        return worker.run(job, progress)
-    finally:
+        result = worker.run(job, progress)
+    except BaseException:
+        worker.let_go()
+        raise
+    if keep_warm and not huge_pages:
+        _SPARES.append(worker)
+    else:
         worker.let_go()  # its teardown overlaps the caller's next stage
+    return result
 
 
 def load_result(path: Path) -> dict:
