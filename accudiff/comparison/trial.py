@@ -3,11 +3,12 @@ how far each output is from the reference (its tolerance ratio).
 
 This is the one mechanism behind verified causes (diagnosis/verify.py) and `accudiff bisect precision`:
 a keep-list is judged by what it does at the graph outputs, not by what a rule says about one node.
-Nothing is marked (these runs are cheap), the keep-lists of one call are shared among one worker per
-core, and every keep-list is closed over precision boundaries first. An FP16 candidate on ONNX Runtime is
-tried as one switchboard (transforms/switches.py): built, saved and loaded once, each keep-list a run
-with its switches set, in workers that stay up from one call to the next and keep its session open.
-Other candidates (INT8, TensorRT) get a variant per keep-list. The reference's graph outputs are the ones
+Nothing is marked (these runs are cheap), and every keep-list is closed over precision boundaries first.
+An FP16 candidate on ONNX Runtime is tried as one switchboard (transforms/switches.py): built, saved and
+loaded once, each keep-list a run with its switches set, in one worker that stays up from one call to the
+next and keeps its session open (a second worker would pay its own start and session to save runs that
+already use every core). Other candidates (INT8, TensorRT) get a variant per keep-list, shared among one
+worker per core. The reference's graph outputs are the ones
 the comparison recorded, or else recorded by the first worker of the first call; every later one
 replays them.
 """
@@ -105,19 +106,20 @@ class Trials:
 
     def run(self, keep_lists: Sequence[Sequence[str]]) -> list[TrialOutcome]:
         """Each keep-list (closed over boundaries) tried on the setup's samples; outcomes in the same order.
-        The keep-lists are shared among as many workers as there are cores, at once: what a trial costs
-        is mostly single-threaded (preparing a model and creating its session)."""
+        On a switchboard, one worker tries them all, its runs on every core. Variants are shared among as
+        many workers as there are cores, at once: what a variant costs is mostly single-threaded
+        (preparing its model and creating its session)."""
         closed = [self.boundaries.close(keep) for keep in keep_lists]
         cores = os.cpu_count() or 1
-        size = min(VARIANTS_PER_WORKER, math.ceil(len(closed) / cores)) or 1
-        chunks = [closed[start : start + size] for start in range(0, len(closed), size)]
+        started = time.perf_counter()
+        board = self._switchboard(closed)
+        size = len(closed) if board is not None else min(VARIANTS_PER_WORKER, math.ceil(len(closed) / cores))
+        chunks = [closed[start : start + size] for start in range(0, len(closed), size or 1)]
         # Threads per worker stay as they were for the workers already up: their sessions were made with them.
         threads = max(1, cores // min(cores, max(len(chunks), len(self._workers), 1)))
         prestart(len(chunks) - len(self._workers))  # their start overlaps the building of the models
         outcomes: list[TrialOutcome] = []
         recording = not self.reference.complete
-        started = time.perf_counter()
-        board = self._switchboard(closed)
         with ThreadPoolExecutor(max_workers=min(cores, len(chunks) or 1)) as pool:
             sent = []
             try:
@@ -221,6 +223,13 @@ def _outcome(keep: list[str], samples: list[dict]) -> TrialOutcome:
         counts[0] += one["rows"]
         counts[1] += one["top1"]
     return TrialOutcome(keep, ratio, {name: (top / count if count else None) for name, (count, top) in rows.items()})
+
+
+def trial_workers(settings: RunSettings) -> int:
+    """How many workers trials start with: one when the candidate can be tried as a switchboard, else one
+    per core (see the module's docstring)."""
+    switchable = settings.precision == "fp16" and settings.backend[0] == "onnxrt" and settings.trt.engine is None
+    return 1 if switchable else os.cpu_count() or 1
 
 
 def unfit_for_fp16(table: pd.DataFrame) -> set[str]:

@@ -21,7 +21,6 @@ tried repairs it; contributors ranked by their measured effect at the output).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -30,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from accudiff.comparison.group import GroupRun, could_be_a_shape
-from accudiff.comparison.trial import MAX_TRIAL_SAMPLES, TrialSetup, Trials
+from accudiff.comparison.trial import MAX_TRIAL_SAMPLES, TrialSetup, Trials, trial_workers
 from accudiff.comparison.worker import prestart
 from accudiff.diagnosis.cause import Absorbed, Cause, Contributor, ancestor_tensors, flagged_nodes, rank_contributors
 from accudiff.diagnosis.mechanisms import absorber, amplifiers, cancellations
@@ -101,7 +100,7 @@ def verify_outputs(result: CompareResult, context: DiagnosisContext, settings: R
         if stand_in is None:
             return notice
         ratio_column, settings = f"{settings.also}_tol_ratio", replace(settings, load_candidate=None, candidate_runner=None, candidate=settings.also, also=None)
-    prestart(os.cpu_count() or 1)  # the trial workers (one per core, trial.py) start while their models are prepared
+    prestart(trial_workers(settings))  # the trial workers start while their models are prepared (or are warm)
     candidate = runs[0].candidate
     chosen = list(dict.fromkeys(int(s) for s in result.failing_samples["sample"]))[:MAX_TRIAL_SAMPLES] or [0]
     info = load_model(candidate.info.path, checked=True)
