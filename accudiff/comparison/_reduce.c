@@ -32,7 +32,7 @@
 #define SKETCH_OFFSET ((127 + SKETCH_LOW_EXPONENT) << SKETCH_BITS)
 #define FP16_SMALLEST_NORMAL 6.103515625e-05
 #define CHUNK (1 << 16)
-#define SCRATCH_BYTES (2 * CHUNK * sizeof(float) + 4 * SKETCH_BUCKETS * sizeof(uint16_t))
+#define SCRATCH_BYTES (2 * CHUNK * sizeof(float) + 4 * SKETCH_BUCKETS * sizeof(uint16_t))  /* buckets (in a float's room), converted halves, lanes */
 
 #define BLOCK 256
 
@@ -169,11 +169,12 @@ typedef struct {
 } Sums;
 
 /* The branch-free loop over a float32 chunk with a positive `base` (so every limit is positive), which
- * the compiler vectorizes; it leaves each element's error in `e` for the sketch. A NaN or an Inf anywhere
+ * the compiler vectorizes; it leaves each element's sketch bucket in `e` (computed in the vector lanes, so
+ * that the sketch's own loop only counts). A NaN or an Inf anywhere
  * makes a block's sums non-finite (so can a product beyond 3e38 of finite values, rarely): then the
  * results are void (`non_finite` is set) and the chunk takes the exact path. Inlined twice, so that the
  * loop without INT8 ranges carries none of their work. */
-static inline __attribute__((always_inline)) void finite_sums(const float *restrict r, const float *restrict c, float *restrict e, int n,
+static inline __attribute__((always_inline)) void finite_sums(const float *restrict r, const float *restrict c, uint16_t *restrict e, int n,
                                                                float rtol, float base, float floor_, int quantized, float low, float high,
                                                                float half_step, Sums *restrict out) {
     double abs_total = 0, rel_total = 0, ref_total = 0, err_total = 0, cand_total = 0, cross_total = 0;
@@ -192,7 +193,9 @@ static inline __attribute__((always_inline)) void finite_sums(const float *restr
             memcpy(&err_bits, &err, 4);
             memcpy(&rel_bits, &rel, 4);
             memcpy(&ratio_bits, &ratio, 4);
-            e[i] = err;
+            int32_t bucket = (int32_t)(err_bits >> SKETCH_SHIFT) - SKETCH_OFFSET;
+            bucket = bucket < 0 ? 0 : bucket;
+            e[i] = (uint16_t)(bucket > SKETCH_BUCKETS - 1 ? SKETCH_BUCKETS - 1 : bucket);
             abs_sum += err;
             rel_sum += rel;
             ref_sq += ri * ri;
@@ -224,7 +227,7 @@ static inline __attribute__((always_inline)) void finite_sums(const float *restr
     out->max_err = max_err; out->max_rel = max_rel; out->max_ratio = max_ratio;
 }
 
-HOT_LOOP static void finite_sums_f32(const float *restrict r, const float *restrict c, float *restrict e, int n, float rtol,
+HOT_LOOP static void finite_sums_f32(const float *restrict r, const float *restrict c, uint16_t *restrict e, int n, float rtol,
                                      float base, float floor_, float low, float high, float half_step, int quantized, Sums *restrict out) {
     if (quantized)
         finite_sums(r, c, e, n, rtol, base, floor_, 1, low, high, half_step, out);
@@ -238,11 +241,11 @@ static float from_bits(uint32_t bits) {
     return value;
 }
 
-/* A float32 chunk: the branch-free sums, then the sketch from the errors they left in `e` (scratch of n
- * floats, still in cache), and, only when some element is outside, the worst one. `lanes` is scratch of
+/* A float32 chunk: the branch-free sums, then the sketch from the buckets they left in `e` (scratch of n
+ * 16-bit buckets, still in cache), and, only when some element is outside, the worst one. `lanes` is scratch of
  * 4 * SKETCH_BUCKETS 16-bit counts. Returns 0, leaving `t` untouched, when the chunk holds a NaN or an Inf. */
 static int finite_chunk_f32(const float *r, const float *c, Py_ssize_t n, const Params *p, Totals *t,
-                             int64_t *sketch, float *e, uint16_t (*lanes)[SKETCH_BUCKETS]) {
+                             int64_t *sketch, uint16_t *e, uint16_t (*lanes)[SKETCH_BUCKETS]) {
     const float rtol = (float)p->rtol, base = (float)p->base;
     Sums s;
     finite_sums_f32(r, c, e, (int)n, rtol, base, (float)p->rel_floor, (float)p->low, (float)p->high, (float)p->half_step, p->has_quant, &s);
@@ -258,18 +261,14 @@ static int finite_chunk_f32(const float *r, const float *c, Py_ssize_t n, const 
     /* four interleaved histograms, so that runs of equal buckets do not wait on each other; 16-bit counts
      * (a lane sees at most CHUNK / 4 elements) keep all four in the first-level cache */
     memset(lanes, 0, 4 * SKETCH_BUCKETS * sizeof(uint16_t));
-    const uint32_t *bits = (const uint32_t *)e;
     Py_ssize_t i = 0;
     for (; i + 4 <= n; i += 4)
-        for (int k = 0; k < 4; k++) {
-            int64_t bucket = (int64_t)(bits[i + k] >> SKETCH_SHIFT) - SKETCH_OFFSET;
-            lanes[k][bucket < 0 ? 0 : (bucket >= SKETCH_BUCKETS ? SKETCH_BUCKETS - 1 : bucket)]++;
-        }
-    for (; i < n; i++) sketch_add(sketch, e[i]);
+        for (int k = 0; k < 4; k++) lanes[k][e[i + k]]++;
+    for (; i < n; i++) sketch[e[i]]++;
     for (int b = 0; b < SKETCH_BUCKETS; b++) sketch[b] += lanes[0][b] + lanes[1][b] + lanes[2][b] + lanes[3][b];
     if (s.outside)
         for (i = 0; i < n; i++)
-            if (e[i] > fabsf(r[i]) * rtol + base) worst(t, i, e[i], r[i], c[i]);
+            if (fabsf(c[i] - r[i]) > fabsf(r[i]) * rtol + base) worst(t, i, fabsf(c[i] - r[i]), r[i], c[i]);
     return 1;
 }
 
@@ -363,7 +362,8 @@ static PyObject *py_reduce(PyObject *self, PyObject *args) {
     Totals all;
     load_totals(&all, (const double *)totals->buf);
     Py_BEGIN_ALLOW_THREADS
-    float *e = (float *)scratch->buf, *converted = e + CHUNK;
+    uint16_t *e = (uint16_t *)scratch->buf;
+    float *converted = (float *)scratch->buf + CHUNK;
     uint16_t (*lanes)[SKETCH_BUCKETS] = (uint16_t (*)[SKETCH_BUCKETS])(converted + CHUNK);
     for (Py_ssize_t first = 0; first < n; first += CHUNK) {
         Py_ssize_t size = n - first < CHUNK ? n - first : CHUNK;
