@@ -1,6 +1,6 @@
 """Dataset-scale comparison of the PP-OCRv4 recognizer: one worker, two, and Ray; and a 1,000-sample run.
 
-    python benchmarks/dataset_scaling.py [--samples 16] [--large 1000] [--per-sample 8 40] [--out benchmarks/out]
+    python benchmarks/dataset_scaling.py [--samples 16] [--large 1000] [--per-sample 8 40 [--repeat 3]] [--out benchmarks/out]
 
 The dataset is made here: text lines drawn with PIL (benchmarks/realistic_inputs.py), one .npz file per
 sample in a folder, read by accudiff one sample at a time. Each run is `accudiff compare --fp16
@@ -12,7 +12,7 @@ eight, the difference spread over the seven extra tasks.
 that of N1, over N2 - N1; every fixed cost, verification included, cancels out), with and without the
 isolated run, beside its floor timed in this process: one marked FP32 run, one marked run of the lowered
 FP16 candidate and a numpy max|a - b| over every tensor pair, sessions created once, halved for two
-workers.
+workers. Each is measured --repeat times, in turn; the medians are reported.
 """
 
 from __future__ import annotations
@@ -97,16 +97,27 @@ def per_sample_floor(model: Path, data: Path, samples: int = 4) -> float:
     return (time.perf_counter() - start) / len(feeds) / 2
 
 
-def per_sample(model: Path, folder: Path, counts: tuple[int, int]) -> dict:
-    """Each extra sample's wall time with --workers 2, with and without the isolated run, and its floor."""
+def per_sample(model: Path, folder: Path, counts: tuple[int, int], repeat: int) -> dict:
+    """Each extra sample's wall time with --workers 2, with and without the isolated run, and its floor,
+    measured `repeat` times (floor and runs in turn, so that a noisy spell of this shared machine hits
+    all of them); the medians, and every measurement."""
     small, large = (make_dataset(folder / f"per-sample-{n}", n) for n in counts)
-    row = {"floor_s": per_sample_floor(model, large)}
-    for label, extra in (("isolated", []), ("no_isolate", ["--no-isolate"])):
-        seconds = [compare(model, data, folder / f"report-{label}-{n}", "--workers", "2", *extra)["seconds"] for data, n in ((small, counts[0]), (large, counts[1]))]
-        row[label] = (seconds[1] - seconds[0]) / (counts[1] - counts[0])
-    print(f"each extra sample, 2 workers: {row['isolated']:.3f} s ({row['isolated'] / row['floor_s']:.1f}x its floor {row['floor_s']:.3f} s); "
-          f"--no-isolate {row['no_isolate']:.3f} s ({row['no_isolate'] / row['floor_s']:.1f}x)", flush=True)
-    return row
+    rows = []
+    for k in range(repeat):
+        row = {"floor_s": per_sample_floor(model, large)}
+        for label, extra in (("isolated", []), ("no_isolate", ["--no-isolate"])):
+            seconds = [compare(model, data, folder / f"report-{label}-{n}-{k}", "--workers", "2", *extra)["seconds"] for data, n in ((small, counts[0]), (large, counts[1]))]
+            row[label] = (seconds[1] - seconds[0]) / (counts[1] - counts[0])
+        _print_per_sample(f"run {k + 1} of {repeat}", row)
+        rows.append(row)
+    median = {key: float(np.median([r[key] for r in rows])) for key in rows[0]}
+    _print_per_sample("median", median)
+    return {**median, "runs": rows}
+
+
+def _print_per_sample(label: str, row: dict) -> None:
+    print(f"{label}: each extra sample, 2 workers: {row['isolated']:.3f} s ({row['isolated'] / row['floor_s']:.2f}x its floor {row['floor_s']:.3f} s); "
+          f"--no-isolate {row['no_isolate']:.3f} s ({row['no_isolate'] / row['floor_s']:.2f}x)", flush=True)
 
 
 def main() -> None:
@@ -114,6 +125,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--large", type=int, default=1000, help="samples of the large run (0: skip it)")
     parser.add_argument("--per-sample", type=int, nargs=2, metavar=("N1", "N2"), help="only the cost of each extra sample, between N1 and N2 samples")
+    parser.add_argument("--repeat", type=int, default=3, help="with --per-sample: measurements, of which the medians are reported")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -122,7 +134,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="accudiff-dataset-") as tmp:
         folder = Path(tmp)
         if args.per_sample:
-            rows["per_sample"] = per_sample(model, folder, tuple(args.per_sample))
+            rows["per_sample"] = per_sample(model, folder, tuple(args.per_sample), args.repeat)
             (args.out / "dataset_per_sample.json").write_text(json.dumps(rows, indent=2) + "\n")
             return
         data = make_dataset(folder / "small", args.samples)
