@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
 import sys
 import time
 import traceback
@@ -152,5 +154,16 @@ def _run_doctor(args: argparse.Namespace) -> int:
     return EXIT_PASS if report.verified else EXIT_FAIL
 
 
+def run_and_exit() -> None:
+    """The command as a process (the console script, `python -m accudiff.cli`): `main`, then the exit
+    handlers (workers waited for, a Ray cluster shut down) and the output flushed, and the process ends
+    without Python freeing every object and module one by one, which took 0.2 s after a comparison."""
+    code = main()
+    atexit._run_exitfuncs()  # what the interpreter's own exit runs first
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit()

@@ -144,9 +144,13 @@ def test_iterations_aggregate_worst_case():
     assert row_three["max_abs_err"] >= row_one["max_abs_err"]
 
 
-def test_console_script_is_installed_and_runs(tmp_path):
+@pytest.mark.parametrize("command", [["-m", "accudiff.cli"], ["console script"]], ids=["python -m", "console script"])
+def test_console_script_is_installed_and_runs(command, tmp_path):
+    """The process ends without Python's teardown (cli.run_and_exit): its exit code, and every line it
+    printed into a pipe, must survive that."""
+    launcher = [str(Path(sys.executable).with_name("accudiff"))] if command == ["console script"] else [sys.executable, *command]
     done = subprocess.run(
-        [sys.executable, "-m", "accudiff.cli", "compare", str(fixture("nan_midgraph")), "--fp16", "--report-dir", str(tmp_path / "r")],
+        [*launcher, "compare", str(fixture("nan_midgraph")), "--fp16", "--report-dir", str(tmp_path / "r")],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -154,6 +158,9 @@ def test_console_script_is_installed_and_runs(tmp_path):
     assert done.returncode == 1
     # Both operands of the Div underflow to 0 in FP16: the verified repair keeps them (and the Div reading them) in FP32.
     assert "cause: Mul 'denominator' is one of several causes" in done.stdout and "repair (verified" in done.stdout
+    assert done.stdout.rstrip().endswith(f"report: {tmp_path / 'r'}")
+    passing = subprocess.run([*launcher, "compare", str(fixture("clean")), "--fp16", "--report-dir", str(tmp_path / "p")], capture_output=True, text=True, cwd=ROOT)
+    assert passing.returncode == 0 and "verdict: PASS" in passing.stdout
 
 
 def test_result_table_is_a_dataframe_with_documented_columns():
