@@ -183,7 +183,11 @@ class Engine:
 
     def _segments(self, path: Path, node_segment: Mapping[str, int], count: int, make: RunnerFactory | None, folder: Path) -> list[_Segment]:
         """One runner per segment of the model at `path` (its nodes placed by name; nodes a transform added
-        go with their first reader), each returning its compared tensors and what later segments read."""
+        go with their first reader), each returning its compared tensors and what later segments read. A
+        reference replayed whole needs no model: its store answers for every compared tensor (verification's
+        trials replay it on every call)."""
+        if make is None and count == 1:
+            return [_Segment(None, set(), list(self.tensors), list(self.tensors))]
         compared = set(self.tensors)
         with self.clock("segments"):
             model = load_graph(path)  # weights stay in their files, and a segment refers to them there
