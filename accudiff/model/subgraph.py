@@ -32,15 +32,15 @@ def extract(model: onnx.ModelProto, indices: Sequence[int], name: str | None = N
     inputs = list(dict.fromkeys(n for n in reads if n not in produced and n not in initializers))
     if outputs is None:
         outputs = [o for node in chosen for o in node.output if o and o in needed_outside] or [o for o in chosen[-1].output if o]
-    sub = onnx.helper.make_graph(
-        chosen,
-        name or f"{graph.name or 'graph'}_nodes_{wanted[0]}_{wanted[-1]}",
-        [_value_info(typed, n) for n in inputs],
-        [_value_info(typed, n) for n in outputs],
-        [initializers[n] for n in dict.fromkeys(reads) if n in initializers],
-    )
-    extracted = onnx.helper.make_model(sub, opset_imports=model.opset_import, ir_version=model.ir_version)
-    extracted.graph.value_info.extend(typed[n] for n in produced if n in typed and n not in outputs)
+    # Built in place: onnx.helper's make_graph and make_model would copy every node and weight twice.
+    extracted = onnx.ModelProto(ir_version=model.ir_version, opset_import=model.opset_import)
+    sub = extracted.graph
+    sub.name = name or f"{graph.name or 'graph'}_nodes_{wanted[0]}_{wanted[-1]}"
+    sub.node.extend(chosen)
+    sub.input.extend(_value_info(typed, n) for n in inputs)
+    sub.output.extend(_value_info(typed, n) for n in outputs)
+    sub.initializer.extend(initializers[n] for n in dict.fromkeys(reads) if n in initializers)
+    sub.value_info.extend(typed[n] for n in produced if n in typed and n not in outputs)
     return extracted
 
 
