@@ -10,7 +10,7 @@ The rules (cause.py) and mechanisms (mechanisms.py) only nominate suspects. For 
    candidate run again on the failing samples, graph outputs only (comparison/trial.py). A flagged node
    whose keep leaves the output as it was is `absorbed`: its error never reaches the output.
 3. Confirm greedily: keep the suspect that helps most; while the output still fails, try the next two
-   beside it (at once) and add the better if it helps, within the budget of runs per output. The steps and their tolerance ratios are the `Repair`; it is verified
+   beside it (in one call) and add the better if it helps, within the budget of runs per output. The steps and their tolerance ratios are the `Repair`; it is verified
    only when its last run is within tolerance.
 
 The cause is then `local` (one suspect's keep repairs the output), `several` (two or three suspects repair
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 HELPS = 0.8  # a keep helps when it brings the output's tolerance ratio below this share of what it was
 GREEDY_RESERVE = 3  # runs of the budget kept for confirming combinations after the screen
-GREEDY_ROUND = 2  # combinations tried at once while confirming (in parallel, on two cores)
+GREEDY_ROUND = 2  # combinations tried in one call while confirming (a fixed number: the answer does not depend on the cores)
 SEVERAL_LIMIT = 3
 SEVERAL_FACTOR = 2.0  # each of several causes must improve the output at least this much on its own
 CONTRIBUTORS_PER_RANKING = 3
@@ -214,7 +214,7 @@ def _conclude(
         used, keep, ratio = [helpful[0]], helpful[0].tried, helpful[0].tol_ratio
         steps.append(RepairStep(keep, ratio))
         # The others that help alone first; then the rest, as a node may help only beside another (an
-        # input it reads must be exact too). They are tried GREEDY_ROUND at a time, in parallel, and the
+        # input it reads must be exact too). They are tried GREEDY_ROUND at a time, in one call, and the
         # round's best that helps is added (a fixed round, so the answer does not depend on the cores).
         queue = helpful[1:] + [s for s in suspects if s not in helpful]
         while queue and ratio > 1.0 and runs_left > 0:
