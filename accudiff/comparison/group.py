@@ -173,8 +173,8 @@ def run_group(
         job = replace(job, outputs_store=str(outputs.folder))
     progress = where.progress_from(group.before, len(samples))
     entries = [samples.as_json()[i] for i in group.samples]
-    # Verification's trials (one group only, see verify.py) would run in these workers, already warm.
-    warm = settings.verify and group.samples == list(range(len(samples)))
+    # Verification's trials (one group only, no pre-built engine: see verify.py) would run in these workers, already warm.
+    warm = settings.verify and settings.trt.engine is None and group.samples == list(range(len(samples)))
     outcome = run_shards(job, entries, settings.workers, settings.ray, progress, group.samples, plan.huge_pages, warm)
     for recorded in (store, outputs):
         if recorded is not None:
