@@ -92,7 +92,7 @@ class Trials:
         self._workers: list[Worker] = []
         self.timings: dict[str, float] = {}  # the trial workers' seconds per phase, added up
         self._board: tuple[Switchboard, Path] | None = None
-        self._switchable = setup.settings.backend[0] == "onnxrt"  # a TensorRT build of a switchboard would fuse differently
+        self._switchable = switchable(setup.settings)
 
     def __enter__(self) -> Trials:
         return self
@@ -225,11 +225,17 @@ def _outcome(keep: list[str], samples: list[dict]) -> TrialOutcome:
     return TrialOutcome(keep, ratio, {name: (top / count if count else None) for name, (count, top) in rows.items()})
 
 
+def switchable(settings: RunSettings) -> bool:
+    """Whether the candidate can be tried as a switchboard: an FP16 model run by ONNX Runtime (a TensorRT
+    build of a switchboard would fuse differently; INT8 and pre-built engines need variants, see
+    CandidateVariants.switchboard, which may still refuse nodes inside If/Loop/Scan bodies)."""
+    return settings.precision == "fp16" and settings.backend[0] == "onnxrt" and settings.trt.engine is None
+
+
 def trial_workers(settings: RunSettings) -> int:
     """How many workers trials start with: one when the candidate can be tried as a switchboard, else one
     per core (see the module's docstring)."""
-    switchable = settings.precision == "fp16" and settings.backend[0] == "onnxrt" and settings.trt.engine is None
-    return 1 if switchable else os.cpu_count() or 1
+    return 1 if switchable(settings) else os.cpu_count() or 1
 
 
 def unfit_for_fp16(table: pd.DataFrame) -> set[str]:
