@@ -162,6 +162,15 @@ def test_chunked_sample_by_sample_and_one_shot_reductions_agree():
     assert pooled["worst_sample_sqnr_db"] <= pooled["sqnr_db"] + 1e-9 and pooled["samples"] == 2
 
 
+def test_negative_infinities_count_as_infinities():
+    """-Inf counted as -1 (C's isinf may return the sign) made a +Inf and a -Inf cancel out: a candidate
+    that overflowed both ways read as one without Inf."""
+    ref = np.array([1.0, -2.0, 3.0, -np.inf], np.float32)
+    cand = np.array([np.inf, -np.inf, 3.0, -np.inf], np.float16)
+    stats = measure(ref, cand, FP16)
+    assert (stats["cand_inf"], stats["ref_inf"], stats["outside_count"]) == (3, 1, 2)
+
+
 def test_tolerance_options_parse_defaults_and_overrides():
     tolerances = Tolerances.build("fp16", atol=["1e-3", "logits:1e-2"], rtol=0.5)
     assert tolerances.for_tensor("logits").atol == 1e-2

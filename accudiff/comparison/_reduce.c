@@ -120,10 +120,10 @@ static void worst(Totals *t, Py_ssize_t i, double distance, double r, double c) 
  * the error statistics). Used for chunks that hold a NaN or an Inf. */
 static void one_element(Totals *t, const Params *p, int64_t *sketch, Py_ssize_t i, double r, double c, int single) {
     if (!(isfinite(r) && isfinite(c))) {
-        t->ref_nan += isnan(r);
-        t->ref_inf += isinf(r);
-        t->cand_nan += isnan(c);
-        t->cand_inf += isinf(c);
+        t->ref_nan += isnan(r) != 0;  /* isinf may return -1 for -Inf: count 1 */
+        t->ref_inf += isinf(r) != 0;
+        t->cand_nan += isnan(c) != 0;
+        t->cand_inf += isinf(c) != 0;
         int agree = (isnan(r) && isnan(c)) || (isinf(r) && isinf(c) && (signbit(r) == signbit(c)));
         if (!agree) {
             t->outside++;
