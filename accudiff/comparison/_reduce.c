@@ -165,7 +165,7 @@ static void one_element(Totals *t, const Params *p, int64_t *sketch, Py_ssize_t 
 typedef struct {
     double abs_sum, rel_sum, ref_sq, err_sq, cand_sq, ref_cand;
     int64_t outside, below, flushed, beyond, below_step, non_finite;
-    uint32_t max_err, max_rel, max_ratio;
+    uint32_t max_err, max_rel, max_ratio, max_outside;  /* max_outside: the largest error of an element outside */
 } Sums;
 
 /* The branch-free loop over a float32 chunk with a positive `base` (so every limit is positive), which
@@ -179,13 +179,13 @@ static inline __attribute__((always_inline)) void finite_sums(const float *restr
                                                                float half_step, Sums *restrict out) {
     double abs_total = 0, rel_total = 0, ref_total = 0, err_total = 0, cand_total = 0, cross_total = 0;
     int64_t outside_total = 0, below_total = 0, flushed_total = 0, beyond_total = 0, below_step_total = 0;
-    uint32_t max_err = 0, max_rel = 0, max_ratio = 0;
+    uint32_t max_err = 0, max_rel = 0, max_ratio = 0, max_outside = 0;
     int non_finite = 0;
     for (int block = 0; block < n; block += BLOCK) {  /* int indices (n <= CHUNK): GCC vectorizes them */
         int end = block + BLOCK < n ? block + BLOCK : n;
         float abs_sum = 0, rel_sum = 0, ref_sq = 0, err_sq = 0, cand_sq = 0, ref_cand = 0;
         int outside = 0, below = 0, flushed = 0, beyond = 0, below_step = 0;
-        uint32_t block_err = max_err, block_rel = max_rel, block_ratio = max_ratio;
+        uint32_t block_err = max_err, block_rel = max_rel, block_ratio = max_ratio, block_outside = max_outside;
         for (int i = block; i < end; i++) {
             float ri = r[i], ci = c[i], err = fabsf(ci - ri), a = fabsf(ri);
             float limit = a * rtol + base, ratio = err / limit, rel = err / (a > floor_ ? a : floor_);
@@ -206,6 +206,8 @@ static inline __attribute__((always_inline)) void finite_sums(const float *restr
             block_rel = rel_bits > block_rel ? rel_bits : block_rel;
             block_ratio = ratio_bits > block_ratio ? ratio_bits : block_ratio;
             outside += err > limit;
+            uint32_t outside_bits = err_bits & (0u - (uint32_t)(err > limit));
+            block_outside = outside_bits > block_outside ? outside_bits : block_outside;
             below += (a < (float)FP16_SMALLEST_NORMAL) & (ri != 0);
             flushed += (ci == 0) & (ri != 0);
             if (quantized) {
@@ -214,7 +216,7 @@ static inline __attribute__((always_inline)) void finite_sums(const float *restr
             }
         }
         non_finite |= !isfinite(abs_sum + ref_sq + cand_sq);
-        max_err = block_err; max_rel = block_rel; max_ratio = block_ratio;
+        max_err = block_err; max_rel = block_rel; max_ratio = block_ratio; max_outside = block_outside;
         abs_total += abs_sum; rel_total += rel_sum; ref_total += ref_sq; err_total += err_sq;
         cand_total += cand_sq; cross_total += ref_cand;
         outside_total += outside; below_total += below; flushed_total += flushed;
@@ -224,7 +226,7 @@ static inline __attribute__((always_inline)) void finite_sums(const float *restr
     out->cand_sq = cand_total; out->ref_cand = cross_total;
     out->outside = outside_total; out->below = below_total; out->flushed = flushed_total;
     out->beyond = beyond_total; out->below_step = below_step_total; out->non_finite = non_finite;
-    out->max_err = max_err; out->max_rel = max_rel; out->max_ratio = max_ratio;
+    out->max_err = max_err; out->max_rel = max_rel; out->max_ratio = max_ratio; out->max_outside = max_outside;
 }
 
 HOT_LOOP static void finite_sums_f32(const float *restrict r, const float *restrict c, uint16_t *restrict e, int n, float rtol,
@@ -266,9 +268,18 @@ static int finite_chunk_f32(const float *r, const float *c, Py_ssize_t n, const 
         for (int k = 0; k < 4; k++) lanes[k][e[i + k]]++;
     for (; i < n; i++) sketch[e[i]]++;
     for (int b = 0; b < SKETCH_BUCKETS; b++) sketch[b] += lanes[0][b] + lanes[1][b] + lanes[2][b] + lanes[3][b];
-    if (s.outside)
-        for (i = 0; i < n; i++)
-            if (fabsf(c[i] - r[i]) > fabsf(r[i]) * rtol + base) worst(t, i, fabsf(c[i] - r[i]), r[i], c[i]);
+    /* The worst element (the first with the largest error outside) can only be in this chunk if its largest
+     * error outside beats the worst so far: then it is the chunk's first outside element with that error. */
+    if (s.outside && from_bits(s.max_outside) > t->worst_distance) {
+        const float target = from_bits(s.max_outside);
+        for (i = 0; i < n; i++) {
+            float err = fabsf(c[i] - r[i]);
+            if (err == target && err > fabsf(r[i]) * rtol + base) {
+                worst(t, i, err, r[i], c[i]);
+                break;
+            }
+        }
+    }
     return 1;
 }
 
