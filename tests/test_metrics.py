@@ -162,6 +162,21 @@ def test_chunked_sample_by_sample_and_one_shot_reductions_agree():
     assert pooled["worst_sample_sqnr_db"] <= pooled["sqnr_db"] + 1e-9 and pooled["samples"] == 2
 
 
+def test_the_worst_element_is_the_first_outside_with_the_largest_error():
+    """The kernel looks for the worst element only in chunks whose largest error outside beats the worst so
+    far: among equal errors the first outside wins, not an earlier one inside tolerance (a larger |ref|)."""
+    rng = np.random.default_rng(3)
+    size = 3 * _reduce.CHUNK
+    ref = rng.standard_normal(size).astype(np.float32)
+    cand = (ref * (1 + rng.normal(0, 1e-3, size))).astype(np.float32)
+    inside, first, same_later, next_chunk = 100, 5000, 9000, _reduce.CHUNK + 7
+    ref[inside], cand[inside] = 120.0, 121.0  # an error of 1 within tolerance: 1.2 for |ref| = 120
+    for at in (first, same_later, next_chunk):
+        ref[at], cand[at] = 0.5, 1.5  # an error of 1, outside
+    got, want = measure(ref, cand, FP16), _numpy_oracle(ref, cand, FP16)
+    assert got["worst_index"] == want["worst_index"] == first and got["max_abs_err"] == 1.0
+
+
 def test_negative_infinities_count_as_infinities():
     """-Inf counted as -1 (C's isinf may return the sign) made a +Inf and a -Inf cancel out: a candidate
     that overflowed both ways read as one without Inf."""
@@ -169,6 +184,37 @@ def test_negative_infinities_count_as_infinities():
     cand = np.array([np.inf, -np.inf, 3.0, -np.inf], np.float16)
     stats = measure(ref, cand, FP16)
     assert (stats["cand_inf"], stats["ref_inf"], stats["outside_count"]) == (3, 1, 2)
+
+
+def test_a_tensor_reduced_in_parts_on_several_threads_gives_the_one_pass_row(monkeypatch):
+    """A long tensor is reduced in parts on every core: its row is the one pass's (counts, extremes and the
+    worst element's index exactly, float64 sums up to their order), and the same whatever ran the parts."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from accudiff.comparison import metrics
+
+    rng = np.random.default_rng(7)
+    size = int(2.5 * metrics.PART_ELEMENTS)
+    ref = rng.standard_normal(size).astype(np.float32)
+    cand = (ref + rng.normal(0, 1e-3, size)).astype(np.float16)
+    far = [metrics.PART_ELEMENTS + 5, 2 * metrics.PART_ELEMENTS + 9]  # the same large error in two parts
+    ref[far], cand[far] = 0.5, np.float16(3.5)
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        threaded = reduce_tensor(ref, cand, FP16, sample=4, map_parts=pool.map)
+    serial = reduce_tensor(ref, cand, FP16, sample=4)
+    assert np.array_equal(threaded[0], serial[0]) and np.array_equal(threaded[1], serial[1])
+    monkeypatch.setattr(metrics, "PART_ELEMENTS", size)  # one pass
+    whole = reduce_tensor(ref, cand, FP16, sample=4)
+    parted, one = finish(*serial), finish(*whole)
+    assert parted["worst_index"] == far[0] and parted["worst_sample"] == 4 and parted["samples"] == 1  # the tie: the first
+    cand[-3] = np.float16(-np.inf)  # an Inf the reference does not have, in the last part: the worst, and poison
+    monkeypatch.undo()
+    poisoned = finish(*reduce_tensor(ref, cand, FP16))
+    assert poisoned["worst_index"] == size - 3 and poisoned["cand_inf"] == 1 and poisoned["max_abs_err"] == np.inf
+    for key in ("elements", "outside_count", "cand_inf", "max_abs_err", "tol_ratio", "worst_index", "ref_min", "ref_max", "median_abs_err", "p99_abs_err"):
+        assert parted[key] == one[key], key
+    for key in ("mean_abs_err", "sqnr_db", "worst_sample_sqnr_db", "cosine"):
+        assert parted[key] == pytest.approx(one[key], rel=1e-9), key
 
 
 def test_tolerance_options_parse_defaults_and_overrides():

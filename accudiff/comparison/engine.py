@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 import numpy as np
 import onnx
 
-from accudiff.comparison.metrics import EMPTY_ROW, F, SKETCH_BUCKETS, StatsSet, finish, reduce_tensor, reference_range
+from accudiff.comparison.metrics import EMPTY_ROW, F, PART_ELEMENTS, SKETCH_BUCKETS, PartMap, StatsSet, finish, reduce_tensor, reference_range
 from accudiff.comparison.tolerances import Tolerance, Tolerances
 from accudiff.model.inputs import Feed
 from accudiff.model.loading import infer_shapes_unless_typed, load_graph, name_unnamed_nodes, tensor_bytes
@@ -307,17 +307,21 @@ class Engine:
         values = np.tile(EMPTY_ROW, (len(pairs), 1))
         sketches = np.zeros((len(pairs), SKETCH_BUCKETS), np.int64)
 
-        def reduce_one(index: int) -> None:
+        def reduce_one(index: int, map_parts: PartMap = map) -> None:
             tensor, ref, cand = pairs[index]
             if tensor not in self._ranges:  # the same range serves every pass of this sample
-                self._ranges[tensor] = reference_range(np.asarray(ref).reshape(-1))
+                self._ranges[tensor] = reference_range(np.asarray(ref).reshape(-1), map_parts)
             tolerance, quant = self.tolerances.for_tensor(tensor), self.quant_ranges.get(tensor)
-            reduce_tensor(ref, cand, tolerance, quant, sample, self._ranges[tensor], (values[index], sketches[index]))
+            reduce_tensor(ref, cand, tolerance, quant, sample, self._ranges[tensor], (values[index], sketches[index]), map_parts)
 
-        large = [i for i, (_, ref, _) in enumerate(pairs) if ref.size >= PARALLEL_ELEMENTS]
-        small = sorted(set(range(len(pairs))) - set(large))
-        # Large tensors one by one on every core; small ones in one batch per core (one by one, handing each
-        # over would cost more than reducing it).
+        # The largest tensors one at a time, each in parts on every core; the other large ones one by one on
+        # every core; small ones in one batch per core (one by one, handing each over would cost more than
+        # reducing it).
+        split = [i for i, (_, ref, _) in enumerate(pairs) if ref.size >= 2 * PART_ELEMENTS]
+        for index in split:
+            reduce_one(index, self._reducer.map)
+        large = [i for i, (_, ref, _) in enumerate(pairs) if PARALLEL_ELEMENTS <= ref.size < 2 * PART_ELEMENTS]
+        small = sorted(set(range(len(pairs))) - set(large) - set(split))
         batches = [small[k :: self._threads] for k in range(self._threads)]
         for _ in self._reducer.map(lambda batch: [reduce_one(index) for index in batch], [[i] for i in large] + batches):
             pass

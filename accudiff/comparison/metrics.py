@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -42,6 +42,10 @@ REL_FLOOR = 1e-3
 SQNR_CAP_DB = 200.0
 FP16_SMALLEST_NORMAL = 6.103515625e-05
 CHUNK = 1 << 16
+# A tensor of twice this many elements or more is reduced in parts of this many (a multiple of the kernel's
+# chunk), which threads run at once; a fixed size, so the result is the same on any number of cores.
+PART_ELEMENTS = 1 << 22
+PartMap = Callable[[Callable[[int], Any], Iterable[int]], Iterable[Any]]  # map(), or a thread pool's
 
 # The accumulator layout: one float64 per field, merged by the rule of its group. The first fields are the
 # compiled kernel's totals (_reduce.c), in its order.
@@ -161,11 +165,15 @@ def reduce_tensor(
     sample: int = 0,
     ref_range: tuple[float, float] | None = None,
     out: tuple[np.ndarray, np.ndarray] | None = None,
+    map_parts: PartMap = map,
 ) -> tuple[np.ndarray, np.ndarray]:
     """One sample of one tensor as an accumulator row and its sketch (shapes must already match): the
     reference's finite range first (the tolerance scales with its absmax; `ref_range` when already known
     from `reference_range`), then the fused pass of the compiled kernel. `out`: an empty row and a zeroed
-    sketch to fill (rows of a caller's arrays), else new ones."""
+    sketch to fill (rows of a caller's arrays), else new ones. A tensor of PART_ELEMENTS or more is
+    reduced in parts of that many elements through `map_parts` (a thread pool's `map` runs them on every
+    core: the kernel releases the GIL) and the parts are merged in order, so the row does not depend on
+    how many threads ran them."""
     values, sketch = out if out is not None else (EMPTY_ROW.copy(), np.zeros(SKETCH_BUCKETS, np.int64))
     r, c = np.ascontiguousarray(ref).reshape(-1), np.ascontiguousarray(cand).reshape(-1)
     values[F["elements"]], values[F["samples"]] = r.size, 1
@@ -176,24 +184,39 @@ def reduce_tensor(
         return values, sketch
     if r.dtype != np.float32 or c.dtype not in (np.float32, np.float16):  # rare pairs: compared in float64
         r, c = r.astype(np.float64), c.astype(np.float64)
-    low, high = ref_range if ref_range is not None else reference_range(r)
+    low, high = ref_range if ref_range is not None else reference_range(r, map_parts)
     absmax = 0.0
     if low <= high:
         values[F["ref_min"]], values[F["ref_max"]] = low, high
         values[F["ref_absmax"]] = absmax = max(-float(low), float(high))
     base, floor = tol.atol + tol.stol * absmax, max(REL_FLOOR * absmax, float(np.finfo(r.dtype).tiny))
     quant_args = (q.low, q.high, q.scale / 2) if (q := quant) is not None else None
-    _reduce.reduce(r, c, tol.rtol, base, floor, quant_args, 0, values[: len(KERNEL_FIELDS)], sketch, _scratch())
+    if r.size < 2 * PART_ELEMENTS:
+        _reduce.reduce(r, c, tol.rtol, base, floor, quant_args, 0, values[: len(KERNEL_FIELDS)], sketch, _scratch())
+    else:
+        def reduce_part(start: int) -> tuple[np.ndarray, np.ndarray]:
+            part, part_sketch = EMPTY_ROW.copy(), np.zeros(SKETCH_BUCKETS, np.int64)
+            stop = start + PART_ELEMENTS
+            _reduce.reduce(r[start:stop], c[start:stop], tol.rtol, base, floor, quant_args, start, part[: len(KERNEL_FIELDS)], part_sketch, _scratch())
+            return part, part_sketch
+
+        for part, part_sketch in map_parts(reduce_part, range(0, r.size, PART_ELEMENTS)):
+            _merge_rows(values[None, :], part[None, :])  # in order: an earlier part's worst element wins a tie, as in one pass
+            sketch += part_sketch
     if values[F["worst_index"]] >= 0:
         values[F["worst_sample"]] = sample
     values[F["worst_sample_sqnr_db"]] = -SQNR_CAP_DB if values[F["poisoned"]] > 0 else sqnr_db(values[F["ref_sq"]], values[F["err_sq"]])
     return values, sketch
 
 
-def reference_range(ref: np.ndarray) -> tuple[float, float]:
-    """The smallest and largest finite reference values (low > high when none is finite)."""
+def reference_range(ref: np.ndarray, map_parts: PartMap = map) -> tuple[float, float]:
+    """The smallest and largest finite reference values (low > high when none is finite); a tensor of
+    PART_ELEMENTS or more in parts, through `map_parts` (see `reduce_tensor`)."""
     if ref.size == 0:
         return math.inf, -math.inf
+    if ref.ndim == 1 and ref.size >= 2 * PART_ELEMENTS:
+        parts = list(map_parts(lambda start: reference_range(ref[start : start + PART_ELEMENTS]), range(0, ref.size, PART_ELEMENTS)))
+        return min(low for low, _ in parts), max(high for _, high in parts)
     if not np.issubdtype(ref.dtype, np.floating):
         return float(ref.min()), float(ref.max())
     if ref.dtype == np.float32 and ref.flags.c_contiguous:
