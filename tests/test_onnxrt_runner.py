@@ -76,3 +76,25 @@ def test_without_emulation_onnxruntime_hides_the_overflow(tmp_path):
     with OnnxrtRunner(_chain(tmp_path), ["y"]) as runner:
         y = np.array(runner.infer({"x": np.array([1.0, 3.0, 1.0], np.float32)})["y"])
     assert np.isfinite(y[1])
+
+
+def test_nodes_nobody_reads_are_not_run(tmp_path):
+    """ONNX Runtime runs every node of a graph: a runner asked for 'product' alone drops what follows it
+    (the second Mul and the Cast to the output, lowered), and what it returns is unchanged."""
+    from accudiff.model.subgraph import drop_unread_nodes
+
+    feed = {"x": np.array([1.0, 3.0, 1.0], np.float32)}
+    with OnnxrtRunner(_chain(tmp_path), ["product"], emulate_fp16=True) as runner:
+        product = np.array(runner.infer(feed)["product"])
+    assert product.dtype == np.float16 and np.isinf(product[1]) and product[0] == np.float16(3e4)
+    # An If whose body reads an outer value keeps that value's producer; an unread chain goes.
+    body = helper.make_graph([helper.make_node("Identity", ["outer"], ["inner"])], "body", [], [helper.make_tensor_value_info("inner", TensorProto.FLOAT, [1])])
+    nodes = [
+        helper.make_node("Relu", ["x"], ["outer"], name="read_by_body"),
+        helper.make_node("If", ["cond"], ["y"], then_branch=body, else_branch=body, name="if"),
+        helper.make_node("Neg", ["x"], ["unread"], name="unread_1"),
+        helper.make_node("Abs", ["unread"], ["unread_too"], name="unread_2"),
+    ]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    assert drop_unread_nodes(graph) == 2
+    assert [node.name for node in graph.node] == ["read_by_body", "if"]

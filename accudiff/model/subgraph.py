@@ -60,3 +60,22 @@ def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto:
 
 def _value_info(typed: dict, name: str) -> onnx.ValueInfoProto:
     return typed[name] if name in typed else onnx.ValueInfoProto(name=name)
+
+
+def drop_unread_nodes(graph: onnx.GraphProto) -> int:
+    """Remove the nodes whose outputs nothing reads (no later node, no graph output), and return how many.
+    ONNX Runtime runs every node of a graph, read or not: a segment cut before its last values' readers,
+    lowered for FP16 emulation, would otherwise widen each of them back to FP32 for nobody."""
+    needed = {o.name for o in graph.output}
+    kept = []
+    for node in reversed(graph.node):
+        if any(o in needed for o in node.output if o):
+            kept.append(node)
+            needed.update(n for n in node.input if n)
+            needed |= subgraph_outer_references([node])
+    dropped = len(graph.node) - len(kept)
+    if dropped:
+        kept.reverse()
+        del graph.node[:]
+        graph.node.extend(kept)
+    return dropped

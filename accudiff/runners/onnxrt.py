@@ -20,6 +20,7 @@ import onnx
 from accudiff.errors import AccudiffError, first_line
 from accudiff.model.loading import clear_unknown_dims, save_model, tensor_bytes
 from accudiff.model.source import ModelSource, own_weight_bytes
+from accudiff.model.subgraph import drop_unread_nodes
 from accudiff.model.weights import is_external, weight_folder, without_folder
 from accudiff.runners.fp16_emulation import lower_fp16
 from accudiff.runners.base import Runner
@@ -133,6 +134,7 @@ class OnnxrtRunner(Runner):
                 self._answers[marked] = name
         del model.graph.output[:]  # exactly what was asked for: a graph output nobody wants is not kept alive
         model.graph.output.extend(onnx.ValueInfoProto(name=name) for name in self._answers)
+        drop_unread_nodes(model.graph)
         external = [init for init in model.graph.initializer if is_external(init)]
         folders = {str(weight_folder(init)) for init in external}
         if len(folders) <= 1 and own_weight_bytes(model) <= INLINE_WEIGHTS_UP_TO:
