@@ -117,6 +117,26 @@ def test_peak_memory_stays_within_the_budget(tmp_path):
     assert one_shot - overhead > 320, (overhead, one_shot)  # without segments, every tensor is held
 
 
+def test_large_tensors_share_one_arena_within_the_budget(tmp_path):
+    """Tensors of 32 MB: the worker's sessions allocate from one shared arena (fresh memory is what their
+    runs cost) and each tensor is reduced in parts on every core. The table is the one-shot comparison's,
+    and the peak still grows by about the budget, not by the 384 MB of tensors."""
+    big = models.elementwise_chain(tmp_path, 12, 8 << 20)
+    tiny = models.elementwise_chain(tmp_path, 12, 1_000)
+    one_shot = accudiff.compare(big, "fp16", candidate="onnxrt", max_memory="4G")
+    segmented = accudiff.compare(big, "fp16", candidate="onnxrt", max_memory="96M")
+    pd.testing.assert_frame_equal(one_shot.table, segmented.table)
+
+    def peak(model, *extra) -> float:
+        result = measure([sys.executable, "-m", "accudiff.cli", "compare", str(model), "--fp16", "--candidate", "onnxrt",
+                          "--report-dir", str(tmp_path / f"r{len(list(tmp_path.iterdir()))}"), *extra])
+        assert result["exit"] == 0, result["stderr_tail"]
+        return result["peak_mb"]
+
+    overhead, bounded = peak(tiny), peak(big, "--max-memory", "96M")
+    assert bounded - overhead < 96 * 2 + 2 * 32 + 40, (overhead, bounded)
+
+
 @pytest.mark.parametrize("given, expected", [("512M", 512 * MB), ("2G", 2048 * MB), ("1.5GB", int(1.5 * 1024 * MB)), (64 * MB, 64 * MB)])
 def test_memory_budget_sizes(given, expected):
     assert memory_budget(given) == expected

@@ -78,10 +78,11 @@ def group_model(info: ModelInfo, group: BranchGroup, scratch: Path) -> ModelInfo
 @dataclass(frozen=True)
 class Plan:
     """How a group's comparison runs: the node names of each segment run at a time, and whether its
-    workers back large blocks with huge pages (memory.py: worth it only for large tensors)."""
+    tensors are large (HUGE_PAGES_FROM_TENSOR_BYTES): then fresh memory is what a run costs, and its
+    workers use huge pages (memory.py) and one arena for all their sessions (runners/onnxrt.py)."""
 
     segments: list[list[str]]
-    huge_pages: bool = False
+    large_tensors: bool = False
     reference: Path | None = None  # the model with its inferred types, for the worker to cut (None: the model's file)
 
 
@@ -93,9 +94,9 @@ def plan(info: ModelInfo, first: Feed, max_memory: int | str | None, one_segment
     names = [node.name for node in info.proto.graph.node]
     shapes = {spec.name: first[spec.name].shape for spec in info.inputs}
     sizes = tensor_sizes(info, shapes)
-    huge_pages = max(sizes.values(), default=0) >= HUGE_PAGES_FROM_TENSOR_BYTES
+    large_tensors = max(sizes.values(), default=0) >= HUGE_PAGES_FROM_TENSOR_BYTES
     if one_segment:
-        return Plan([names], huge_pages)
+        return Plan([names], large_tensors)
     budget = memory_budget(max_memory) // SEGMENTS_PER_BUDGET
     segments = [[names[i] for i in segment.nodes] for segment in plan_segments(info, sizes, budget)]
     typed = None
@@ -103,7 +104,7 @@ def plan(info: ModelInfo, first: Feed, max_memory: int | str | None, one_segment
         typed = scratch / "typed" / info.path.name  # under its own name: the worker's messages name the model
         typed.parent.mkdir(parents=True, exist_ok=True)
         save_model(info.proto, typed)
-    return Plan(segments, huge_pages, typed)
+    return Plan(segments, large_tensors, typed)
 
 
 def make_candidate(
@@ -159,6 +160,7 @@ def run_group(
     job = job_for(info, samples, plan.segments, settings.precision, settings.tolerances, where.scratch / candidate.path.stem, store)
     job = replace(
         job,
+        large_tensors=plan.large_tensors,
         reference=str(plan.reference or info.path),
         passes=candidate.passes,
         quant_ranges=quant_ranges_json(candidate.transformed),
@@ -175,7 +177,7 @@ def run_group(
     entries = [samples.as_json()[i] for i in group.samples]
     # Verification's trials (one group only, no pre-built engine: see verify.py) would run in these workers, already warm.
     warm = settings.verify and settings.trt.engine is None and group.samples == list(range(len(samples)))
-    outcome = run_shards(job, entries, settings.workers, settings.ray, progress, group.samples, plan.huge_pages, warm)
+    outcome = run_shards(job, entries, settings.workers, settings.ray, progress, group.samples, warm)
     for recorded in (store, outputs):
         if recorded is not None:
             recorded.finish()
@@ -277,6 +279,6 @@ def record_reference(info: ModelInfo, samples: Samples, cache: ReferenceCache, m
         with tempfile.TemporaryDirectory(prefix="accudiff-reference-") as scratch:
             planned = plan(info, samples[0], max_memory, one_segment=False)
             job = job_for(info, samples, planned.segments, "fp32", Tolerances.build("fp32"), Path(scratch), store)
-            run_shards(job, samples.as_json(), huge_pages=planned.huge_pages)
+            run_shards(replace(job, large_tensors=planned.large_tensors), samples.as_json())
         store.finish()
     return store

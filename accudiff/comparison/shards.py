@@ -36,15 +36,13 @@ def run_shards(
     ray: str | None = None,
     progress: Progress | None = None,
     indices: Sequence[int] | None = None,
-    huge_pages: bool = False,
     keep_warm: bool = False,
 ) -> dict:
     """Compare the samples `entries` (model/samples.py) in shards; their merged result.
 
     `workers`: how many shards (default: 1 locally; with Ray, one per CPU of the cluster). `indices`: the
     samples' numbers in the whole dataset, which the per-sample results carry (default 0, 1, ...).
-    `huge_pages`: local workers back large blocks with huge pages (memory.py). `keep_warm`: local workers
-    stay up for the jobs that may follow (worker.run_job)."""
+    `keep_warm`: local workers stay up for the jobs that may follow (worker.run_job)."""
     indices = list(indices) if indices is not None else list(range(len(entries)))
     if ray is not None:
         with _ray_cluster(ray) as cpus:
@@ -62,13 +60,13 @@ def run_shards(
         return step
 
     if len(jobs) == 1:
-        return merge_results([run_job(jobs[0], report(0), huge_pages, keep_warm)])
+        return merge_results([run_job(jobs[0], report(0), keep_warm)])
     results: list[dict | None] = [None] * len(jobs)
     errors: list[BaseException] = []
 
     def run(k: int) -> None:
         try:
-            results[k] = run_job(jobs[k], report(k), huge_pages, keep_warm)
+            results[k] = run_job(jobs[k], report(k), keep_warm)
         except BaseException as exc:  # raised in the caller's thread below
             errors.append(exc)
 

@@ -66,6 +66,7 @@ class Job:
     input_specs: list[list] = field(default_factory=list)  # [name, dtype, shape]: each sample is checked as it is read
     threads: int = 0  # cores this worker may use (0: all); several workers on one machine share them
     outputs_store: str | None = None  # a store folder where the reference's graph outputs are recorded
+    large_tensors: bool = False  # then fresh memory is what a run costs: huge pages, and one arena for all sessions (group.Plan)
 
 
 class Worker:
@@ -173,17 +174,18 @@ def discard_spares() -> None:
 atexit.register(discard_spares)
 
 
-def run_job(job: Job, progress: Callable[[str, int, int], None] | None = None, huge_pages: bool = False, keep_warm: bool = False) -> dict:
-    """Run `job` in a worker process of its own (one started ahead by `prestart`, if any) and return its result.
-    `keep_warm`: the worker stays up after the job, among those started ahead, for a job that may follow
-    (verification's trials after a comparison: its Python start and imports are then paid once)."""
-    worker = take_worker(huge_pages)
+def run_job(job: Job, progress: Callable[[str, int, int], None] | None = None, keep_warm: bool = False) -> dict:
+    """Run `job` in a worker process of its own (one started ahead by `prestart`, if any; one with huge pages
+    for large tensors) and return its result. `keep_warm`: the worker stays up after the job, among those
+    started ahead, for a job that may follow (verification's trials after a comparison: its Python start
+    and imports are then paid once)."""
+    worker = take_worker(job.large_tensors)
     try:
         result = worker.run(job, progress)
     except BaseException:
         worker.let_go()
         raise
-    if keep_warm and not huge_pages:
+    if keep_warm and not job.large_tensors:
         _SPARES.append(worker)
     else:
         worker.let_go()  # its teardown overlaps the caller's next stage
@@ -228,7 +230,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
     from accudiff.model.source import ModelSource
     from accudiff.model.samples import Samples
     from accudiff.runners import CpuOptions, EngineShapes, TrtOptions, candidate_runner, reference_runner
-    from accudiff.runners.onnxrt import MANY_SAMPLES
+    from accudiff.runners.onnxrt import MANY_SAMPLES, release_shared_arena
     from accudiff.runners.outputs import ReferenceStore
     from accudiff.runners.recorded import recorded_runner
     from accudiff.transforms.base import QuantRange
@@ -243,7 +245,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
     layer_report = Path(job.layer_report) if job.layer_report else None
 
     threads = job.threads or os.cpu_count() or 1
-    cpu = CpuOptions(threads, runs_many=len(job.sample_indices) >= MANY_SAMPLES)
+    cpu = CpuOptions(threads, runs_many=len(job.sample_indices) >= MANY_SAMPLES, shared_arena=job.large_tensors)
 
     def factory(spec: dict):
         if spec["backend"] == "recorded":
@@ -294,6 +296,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
                 emit({"event": "sample", "done": done, "total": len(samples)})
         finally:
             engine.close()
+            release_shared_arena()  # sessions kept for a later job (`reuse`) keep what they hold
     _write_result(engine, Path(job.result))
 
 
