@@ -170,8 +170,8 @@ def reduce_tensor(
     """One sample of one tensor as an accumulator row and its sketch (shapes must already match): the
     reference's finite range first (the tolerance scales with its absmax; `ref_range` when already known
     from `reference_range`), then the fused pass of the compiled kernel. `out`: an empty row and a zeroed
-    sketch to fill (rows of a caller's arrays), else new ones. A tensor of PART_ELEMENTS or more is
-    reduced in parts of that many elements through `map_parts` (a thread pool's `map` runs them on every
+    sketch to fill (rows of a caller's arrays), else new ones. A tensor of twice PART_ELEMENTS or more
+    is reduced in parts of PART_ELEMENTS through `map_parts` (a thread pool's `map` runs them on every
     core: the kernel releases the GIL) and the parts are merged in order, so the row does not depend on
     how many threads ran them."""
     values, sketch = out if out is not None else (EMPTY_ROW.copy(), np.zeros(SKETCH_BUCKETS, np.int64))
@@ -211,7 +211,7 @@ def reduce_tensor(
 
 def reference_range(ref: np.ndarray, map_parts: PartMap = map) -> tuple[float, float]:
     """The smallest and largest finite reference values (low > high when none is finite); a tensor of
-    PART_ELEMENTS or more in parts, through `map_parts` (see `reduce_tensor`)."""
+    twice PART_ELEMENTS or more in parts, through `map_parts` (see `reduce_tensor`)."""
     if ref.size == 0:
         return math.inf, -math.inf
     if ref.ndim == 1 and ref.size >= 2 * PART_ELEMENTS:
