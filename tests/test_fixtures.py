@@ -121,3 +121,28 @@ def test_int8_clipping_of_a_graph_input_is_diagnosed(tmp_path):
     cause = result.output_failures[0].cause
     assert cause.node == "conv1"
     assert any(f.kind == "int8_clipping" and "its input 'x'" in f.message for f in cause.findings)
+
+
+def test_an_overflow_to_minus_infinity_is_named_with_its_infinities(tmp_path):
+    """A product below -65504 becomes -Inf in FP16. The kernel counted a -Inf as -1 Inf (C's isinf gave
+    its sign), so the candidate seemed to have fewer Inf than the reference and the NaN/Inf rule missed it."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weights = [numpy_helper.from_array(np.array(v, np.float32), n) for n, v in [("up", 300.0), ("down", -300.0), ("small", 1e-5)]]
+    nodes = [
+        helper.make_node("Mul", ["x", "up"], ["a"], name="scale_up"),
+        helper.make_node("Mul", ["x", "down"], ["b"], name="scale_down"),
+        helper.make_node("Mul", ["a", "b"], ["product"], name="product"),  # down to -90000
+        helper.make_node("Mul", ["product", "small"], ["y"], name="shrink"),
+    ]
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 64]) for n in ("x", "y")]
+    path = tmp_path / "negative_overflow.onnx"
+    onnx.save(helper.make_model(helper.make_graph(nodes, "g", io[:1], io[1:], weights), opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    result = accudiff.compare(path, "fp16", candidate="onnxrt", verify=False)
+    [failure] = result.output_failures
+    assert failure.cause.node == "product"
+    assert "nan_inf_origin" in [f.kind for f in failure.cause.findings]
+    row = result.table.set_index("tensor").loc["product"]
+    assert row["cand_inf"] > 0 and row["ref_inf"] == 0
