@@ -158,6 +158,7 @@ class OnnxrtRunner(Runner):
 
 
 _shared_arena_registered = False
+_GROW_AS_REQUESTED = 1  # OrtArenaCfg's arena_extend_strategy: kSameAsRequested
 
 
 def _register_shared_arena() -> None:
@@ -169,9 +170,6 @@ def _register_shared_arena() -> None:
         memory = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
         ort.create_and_register_allocator(memory, ort.OrtArenaCfg(0, _GROW_AS_REQUESTED, -1, -1))
         _shared_arena_registered = True
-
-
-_GROW_AS_REQUESTED = 1  # OrtArenaCfg's arena_extend_strategy: kSameAsRequested
 
 
 def release_shared_arena() -> None:
