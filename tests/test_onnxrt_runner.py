@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -27,24 +29,43 @@ onnxrt.OnnxrtRunner.infer = _crash
 """
 
 
-def test_native_crash_becomes_a_clear_error(tmp_path, monkeypatch):
+@pytest.fixture
+def temporary_files(tmp_path, monkeypatch) -> Path:
+    """A folder of its own for every temporary file of this process and its children: what a failure
+    leaves behind is then visible."""
+    folder = tmp_path / "temporary"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    monkeypatch.setenv("TMPDIR", str(folder))
+    return folder
+
+
+def _left_behind(folder: Path) -> list[str]:
+    """accudiff's files in `folder` (ONNX Runtime keeps one of its own there, '.ses')."""
+    return [path.name for path in folder.iterdir() if path.name.startswith("accudiff")]
+
+
+def test_native_crash_becomes_a_clear_error(tmp_path, monkeypatch, temporary_files):
     """Backends run in the comparison worker: a native crash there ends the worker, not accudiff, and is
     reported with the step it happened in. The worker (the only process this compare starts) loads a
-    sitecustomize that makes its first ONNX Runtime run die of SIGSEGV: no race to find its pid."""
+    sitecustomize that makes its first ONNX Runtime run die of SIGSEGV: no race to find its pid. The
+    crashed worker's temporary files (its session's scratch folder) do not outlive it."""
     (tmp_path / "sitecustomize.py").write_text(CRASH_IN_FIRST_RUN)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     with pytest.raises(AccudiffError) as error:
         accudiff.compare(fixture("accumulated_drift"), "fp16", candidate="onnxrt")
     assert re.search(r"crashed \(SIGSEGV\) while .+ of 'accumulated_drift.onnx'", str(error.value)), str(error.value)
+    assert _left_behind(temporary_files) == []
 
 
-def test_load_failure_names_model_and_step(tmp_path):
+def test_load_failure_names_model_and_step(tmp_path, temporary_files):
     node = helper.make_node("NoSuchOp", ["x"], ["y"], domain="no.such.domain")
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("no.such.domain", 1)], ir_version=8)
     onnx.save(model, str(tmp_path / "custom.onnx"))
     with pytest.raises(AccudiffError, match="ONNX Runtime failed while loading 'custom.onnx'"):
         OnnxrtRunner(tmp_path / "custom.onnx", ["y"]).activate()
+    assert _left_behind(temporary_files) == []  # its scratch folder went with the failure
 
 
 def _chain(tmp_path) -> str:

@@ -16,6 +16,7 @@ import atexit
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -76,10 +77,13 @@ class Worker:
     def __init__(self, huge_pages: bool = False) -> None:
         """`huge_pages`: its malloc backs large blocks with huge pages (see memory.py: for large tensors)."""
         self._stderr, self._stderr_text = tempfile.TemporaryFile("w+"), ""
+        # The worker's temporary files go in a folder of ours, removed when it ends: a worker killed or
+        # crashed leaves nothing behind.
+        self._tmp = tempfile.mkdtemp(prefix="accudiff-worker-")
+        env = {**(with_huge_pages(os.environ) if huge_pages else os.environ), "TMPDIR": self._tmp}
         self._process = subprocess.Popen(
             [sys.executable, "-m", "accudiff.comparison.worker"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
-            env=with_huge_pages(os.environ) if huge_pages else None,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env,
         )
 
     def run(self, job: Job, progress: Callable[[str, int, int], None] | None = None) -> dict:
@@ -122,6 +126,7 @@ class Worker:
             self._process.kill()
         self._end_input()
         code = self._process.wait()
+        shutil.rmtree(self._tmp, ignore_errors=True)
         if not self._stderr.closed:
             self._stderr.seek(0)
             self._stderr_text = self._stderr.read()
@@ -267,7 +272,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
     first = min(job.sample_indices, default=0)
     passes = [plan(p) for p in job.passes if p.get("samples") is None or first < p["samples"]]  # a pass none of its samples need has no session
     store = ReferenceStore(Path(job.store), job.tensors) if job.store else None
-    with tempfile.TemporaryDirectory(prefix="accudiff-worker-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="engine-") as scratch:
         measured = Measured(
             job.tensors,
             job.outputs,

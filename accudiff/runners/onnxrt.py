@@ -74,9 +74,16 @@ class OnnxrtRunner(Runner):
         self._input_types: dict[str, np.dtype | None] = {}
 
     def activate(self) -> None:
+        self._scratch = Path(tempfile.mkdtemp(prefix="accudiff-ort-"))
+        try:
+            self._open_session()
+        except BaseException:
+            self.deactivate()  # a model that fails to load leaves no scratch folder behind
+            raise
+
+    def _open_session(self) -> None:
         import onnxruntime as ort
 
-        self._scratch = Path(tempfile.mkdtemp(prefix="accudiff-ort-"))
         model, folder, weight_bytes = self._marked_model()
         options = ort.SessionOptions()
         options.log_severity_level = 4  # errors still raise, as one sentence; ONNX Runtime's own lines stay off the console
