@@ -30,8 +30,8 @@ from accudiff.comparison.metrics import EMPTY_ROW, F, PART_ELEMENTS, SKETCH_BUCK
 from accudiff.comparison.tolerances import Tolerance, Tolerances
 from accudiff.model.inputs import Feed
 from accudiff.model.loading import infer_shapes_unless_typed, load_graph, name_unnamed_nodes, tensor_bytes
-from accudiff.model.source import ModelSource
-from accudiff.model.subgraph import extract
+from accudiff.model.source import IN_MEMORY_WEIGHTS_UP_TO, ModelSource, own_weight_bytes
+from accudiff.model.subgraph import cut_inputs, extract
 from accudiff.runners.base import Runner
 from accudiff.runners.outputs import ReferenceStore
 from accudiff.transforms.base import QuantRange
@@ -197,6 +197,9 @@ class Engine:
                 infer_shapes_unless_typed(model)  # the cut models' inputs and outputs need their types
         nodes = list(model.graph.node)
         placed = _place_nodes(nodes, node_segment, count)
+        # One sample: a segment is cut when its runner is made, and the model stays in memory until the last
+        # is (when its own weights are small: larger ones are cut now, each saved as it is cut).
+        cut_later = not self.keep_sessions and make is not None and own_weight_bytes(model) < IN_MEMORY_WEIGHTS_UP_TO
         graph_outputs = {o.name for o in model.graph.output}
         segments = []
         for k in range(count):
@@ -207,6 +210,10 @@ class Engine:
             wanted = own + [o for o in produced if o not in compared and (o in later_reads or o in graph_outputs)]
             if count == 1:
                 source, inputs = ModelSource.read(path, model), {i.name for i in model.graph.input}
+            elif cut_later:  # cut when its runner is made: for all but the first, while the segment before it runs
+                with self.clock("segments"):
+                    inputs = cut_inputs(model, indices)
+                    source = ModelSource.later(functools.partial(extract, model, indices, outputs=wanted), folder / f"segment{k}.onnx")
             else:
                 with self.clock("segments"):
                     sub = extract(model, indices, outputs=wanted)

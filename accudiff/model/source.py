@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import onnx
 
@@ -31,6 +32,7 @@ class ModelSource:
 
     path: Path
     held: onnx.ModelProto | None = None
+    pending: Callable[[], onnx.ModelProto] | None = None  # makes the model when it is first needed (see `later`)
 
     @classmethod
     def cut(cls, proto: onnx.ModelProto, path: Path) -> ModelSource:
@@ -41,6 +43,12 @@ class ModelSource:
         return cls(Path(path))
 
     @classmethod
+    def later(cls, make: Callable[[], onnx.ModelProto], path: Path) -> ModelSource:
+        """A model made in memory by `make` when its runner first asks for it (a segment cut while the
+        segment before it runs); `make` must give one whose own weights are small (see `cut`)."""
+        return cls(Path(path), pending=make)
+
+    @classmethod
     def read(cls, path: Path, proto: onnx.ModelProto) -> ModelSource:
         """The model file at `path`, which the caller read as `proto`: held when its own weights are small."""
         return cls(Path(path), proto if own_weight_bytes(proto) < IN_MEMORY_WEIGHTS_UP_TO else None)
@@ -48,6 +56,7 @@ class ModelSource:
     def take(self) -> onnx.ModelProto:
         """The model, for the caller to change: the one held (handed over once: a runner takes its model
         when it is activated, once), else read from `path`, its large weights left in their files."""
+        self._make_pending()
         if self.held is not None:
             proto, self.held = self.held, None
             return proto
@@ -55,10 +64,15 @@ class ModelSource:
 
     def file(self) -> Path:
         """The model as a file: `path`, saved now (its weights copied beside it) if only memory held it."""
+        self._make_pending()
         if self.held is not None and not self.path.exists():
             self.path.parent.mkdir(parents=True, exist_ok=True)
             save_model(self.held, self.path, side_file=True)
         return self.path
+
+    def _make_pending(self) -> None:
+        if self.pending is not None:
+            self.held, self.pending = self.pending(), None
 
 
 def own_weight_bytes(proto: onnx.ModelProto) -> int:

@@ -17,19 +17,13 @@ def extract(model: onnx.ModelProto, indices: Sequence[int], name: str | None = N
     Types and shapes come from the model's value_info (run shape inference first)."""
     graph = model.graph
     wanted = sorted(set(indices))
-    chosen = [graph.node[i] for i in wanted]
-    kept = set(wanted)
-    rest = [node for i, node in enumerate(graph.node) if i not in kept]
-    produced = {o for node in chosen for o in node.output if o}
+    cut = _Cut(graph, wanted)
+    chosen, rest, produced, reads, inputs = cut.chosen, cut.rest, cut.produced, cut.reads, cut.inputs
     initializers = {init.name: init for init in graph.initializer}
-    reads = [n for node in chosen for n in node.input if n] + sorted(subgraph_outer_references(chosen))
-    # A Constant node outside the cut is a weight (exporters write them so), not an input anyone feeds.
-    read = set(reads)
-    initializers.update({node.output[0]: _constant_tensor(node) for node in rest if node.op_type == "Constant" and node.output[0] in read})
+    initializers.update({node.output[0]: _constant_tensor(node) for node in cut.outside_constants})
     needed_outside = {n for node in rest for n in node.input} | {o.name for o in graph.output}
     needed_outside |= subgraph_outer_references(rest)
     typed = {vi.name: vi for vi in [*graph.input, *graph.value_info, *graph.output]}
-    inputs = list(dict.fromkeys(n for n in reads if n not in produced and n not in initializers))
     if outputs is None:
         outputs = [o for node in chosen for o in node.output if o and o in needed_outside] or [o for o in chosen[-1].output if o]
     # Built in place: onnx.helper's make_graph and make_model would copy every node and weight twice.
@@ -42,6 +36,29 @@ def extract(model: onnx.ModelProto, indices: Sequence[int], name: str | None = N
     sub.initializer.extend(initializers[n] for n in dict.fromkeys(reads) if n in initializers)
     sub.value_info.extend(typed[n] for n in produced if n in typed and n not in outputs)
     return extracted
+
+
+def cut_inputs(model: onnx.ModelProto, indices: Sequence[int]) -> set[str]:
+    """The inputs the model `extract(model, indices)` would have, without making it."""
+    return set(_Cut(model.graph, sorted(set(indices))).inputs)
+
+
+class _Cut:
+    """Where a cut meets the rest of the graph: its nodes and the others, what it produces and reads, the
+    Constant nodes outside whose values it reads, and its inputs (what it reads from outside that is
+    neither a weight nor such a Constant's value)."""
+
+    def __init__(self, graph: onnx.GraphProto, wanted: list[int]):
+        kept = set(wanted)
+        self.chosen = [graph.node[i] for i in wanted]
+        self.rest = [node for i, node in enumerate(graph.node) if i not in kept]
+        self.produced = {o for node in self.chosen for o in node.output if o}
+        self.reads = [n for node in self.chosen for n in node.input if n] + sorted(subgraph_outer_references(self.chosen))
+        read = set(self.reads)
+        # A Constant node outside the cut is a weight (exporters write them so), not an input anyone feeds.
+        self.outside_constants = [node for node in self.rest if node.op_type == "Constant" and node.output[0] in read]
+        weights = {init.name for init in graph.initializer} | {node.output[0] for node in self.outside_constants}
+        self.inputs = list(dict.fromkeys(n for n in self.reads if n not in self.produced and n not in weights))
 
 
 def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto:
