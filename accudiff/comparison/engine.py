@@ -198,7 +198,7 @@ class Engine:
         nodes = list(model.graph.node)
         placed = _place_nodes(nodes, node_segment, count)
         # One sample: a segment is cut when its runner is made, and the model stays in memory until the last
-        # is (when its own weights are small: larger ones are cut now, each saved as it is cut).
+        # is. A model holding large weights itself is cut now instead (a segment holding large ones is saved).
         cut_later = not self.keep_sessions and make is not None and own_weight_bytes(model) < IN_MEMORY_WEIGHTS_UP_TO
         graph_outputs = {o.name for o in model.graph.output}
         segments = []

@@ -7,7 +7,8 @@ FP16 (an FP16 overflow inside the region vanishes; even a Cast of a graph input 
 So the ONNX Runtime candidate runs a lowered copy of the FP16 model: every FP16 value becomes FP32 and
 passes through an explicit Cast to FP16 and back. In an all-FP32 graph ONNX Runtime keeps such a pair,
 so each value is really rounded (nearest-even, subnormals, overflow to Inf) while arithmetic stays FP32.
-FP16 weights become the same values in FP32 (a Cast ONNX Runtime folds at load when it optimizes the session).
+FP16 weights become the same values in FP32 (a Cast, folded at load when ONNX Runtime optimizes the
+session).
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ def lower_fp16(model: onnx.ModelProto) -> dict[str, str]:
 
 
 def _widen_fp16_weights(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
-    """FP16 weights become FP32 by a Cast (folded at load when ONNX Runtime optimizes the session; the Casts are
-    returned): their data is never read or copied here, wherever it lives (a data file, or the model)."""
+    """FP16 weights become FP32 by a Cast each (folded at load when ONNX Runtime optimizes the session; the
+    Casts are returned): their data is never read or copied here, wherever it lives (a data file, or the
+    model)."""
     casts = []
     for init in graph.initializer:
         if init.data_type == FP16:

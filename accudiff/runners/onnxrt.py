@@ -141,8 +141,9 @@ class OnnxrtRunner(Runner):
     def _marked_model(self) -> tuple[Path | bytes, Path | None, int, bool]:
         """The model with the requested tensors marked as outputs, as ONNX Runtime takes it, and the folder
         of the data files its weights are in (None: none are); also the bytes its weights take (whether
-        prepacking them pays, see CpuOptions) and whether it was lowered for FP16 emulation. It goes as bytes, its weights left in their data files
-        (nothing is written); a model whose weights are in several folders, or that holds more than
+        prepacking them pays, see CpuOptions) and whether it was lowered for FP16 emulation (whether
+        optimizing it pays). It goes as bytes, its weights left in their data files (nothing is
+        written); a model whose weights are in several folders, or that holds more than
         INLINE_WEIGHTS_UP_TO of them itself, is saved in the runner's scratch folder instead, its weights
         in a side file ONNX Runtime maps rather than copies out of the bytes."""
         try:
