@@ -19,7 +19,7 @@ from accudiff.comparison.shards import added_timings, run_shards
 from accudiff.comparison.tolerances import Tolerances
 from accudiff.comparison.trial import MAX_TRIAL_SAMPLES
 from accudiff.comparison.worker import Job
-from accudiff.memory import HUGE_PAGES_FROM_TENSOR_BYTES, return_freed_memory
+from accudiff.memory import return_freed_memory
 from accudiff.model.loading import ModelInfo, describe, link_model, needs_data_file, save_model
 from accudiff.model.inputs import Feed
 from accudiff.model.run_results import Captured, write_run_results
@@ -77,12 +77,12 @@ def group_model(info: ModelInfo, group: BranchGroup, scratch: Path) -> ModelInfo
 
 @dataclass(frozen=True)
 class Plan:
-    """How a group's comparison runs: the node names of each segment run at a time, and whether its
-    tensors are large (HUGE_PAGES_FROM_TENSOR_BYTES): then fresh memory is what a run costs, and its
-    workers use huge pages (memory.py) and one arena for all their sessions (runners/onnxrt.py)."""
+    """How a group's comparison runs: the node names of each segment run at a time, and the bytes of its
+    largest tensor, which chooses how its workers get memory (memory.py: large tensors make fresh memory
+    what a run costs, and small ones let freed memory serve again)."""
 
     segments: list[list[str]]
-    large_tensors: bool = False
+    largest_tensor: int = 0
     reference: Path | None = None  # the model with its inferred types, for the worker to cut (None: the model's file)
 
 
@@ -94,9 +94,9 @@ def plan(info: ModelInfo, first: Feed, max_memory: int | str | None, one_segment
     names = [node.name for node in info.proto.graph.node]
     shapes = {spec.name: first[spec.name].shape for spec in info.inputs}
     sizes = tensor_sizes(info, shapes)
-    large_tensors = max(sizes.values(), default=0) >= HUGE_PAGES_FROM_TENSOR_BYTES
+    largest = max(sizes.values(), default=0)
     if one_segment:
-        return Plan([names], large_tensors)
+        return Plan([names], largest)
     budget = memory_budget(max_memory) // SEGMENTS_PER_BUDGET
     segments = [[names[i] for i in segment.nodes] for segment in plan_segments(info, sizes, budget)]
     typed = None
@@ -104,7 +104,7 @@ def plan(info: ModelInfo, first: Feed, max_memory: int | str | None, one_segment
         typed = scratch / "typed" / info.path.name  # under its own name: the worker's messages name the model
         typed.parent.mkdir(parents=True, exist_ok=True)
         save_model(info.proto, typed)
-    return Plan(segments, large_tensors, typed)
+    return Plan(segments, largest, typed)
 
 
 def make_candidate(
@@ -160,7 +160,7 @@ def run_group(
     job = job_for(info, samples, plan.segments, settings.precision, settings.tolerances, where.scratch / candidate.path.stem, store)
     job = replace(
         job,
-        large_tensors=plan.large_tensors,
+        largest_tensor=plan.largest_tensor,
         reference=str(plan.reference or info.path),
         passes=candidate.passes,
         quant_ranges=quant_ranges_json(candidate.transformed),
@@ -279,6 +279,6 @@ def record_reference(info: ModelInfo, samples: Samples, cache: ReferenceCache, m
         with tempfile.TemporaryDirectory(prefix="accudiff-reference-") as scratch:
             planned = plan(info, samples[0], max_memory, one_segment=False)
             job = job_for(info, samples, planned.segments, "fp32", Tolerances.build("fp32"), Path(scratch), store)
-            run_shards(replace(job, large_tensors=planned.large_tensors), samples.as_json())
+            run_shards(replace(job, largest_tensor=planned.largest_tensor), samples.as_json())
         store.finish()
     return store

@@ -29,7 +29,7 @@ from typing import Callable
 import numpy as np
 
 from accudiff.errors import AccudiffError
-from accudiff.memory import map_large_blocks_separately, with_huge_pages
+from accudiff.memory import HUGE_PAGES_FROM_TENSOR_BYTES, SEPARATE_MAPPINGS_FROM_TENSOR_BYTES, map_large_blocks_separately, with_huge_pages
 from accudiff.runners.base import Runner
 
 BACKEND_NAMES = {"onnxrt": "ONNX Runtime", "trt": "TensorRT"}
@@ -67,7 +67,12 @@ class Job:
     input_specs: list[list] = field(default_factory=list)  # [name, dtype, shape]: each sample is checked as it is read
     threads: int = 0  # cores this worker may use (0: all); several workers on one machine share them
     outputs_store: str | None = None  # a store folder where the reference's graph outputs are recorded
-    large_tensors: bool = False  # then fresh memory is what a run costs: huge pages, and one arena for all sessions (group.Plan)
+    largest_tensor: int = 0  # bytes: how the worker gets memory (memory.py; group.Plan)
+
+    @property
+    def large_tensors(self) -> bool:
+        """Fresh memory is then what a run costs: huge pages, and one arena for all sessions."""
+        return self.largest_tensor >= HUGE_PAGES_FROM_TENSOR_BYTES
 
 
 class Worker:
@@ -240,10 +245,10 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
     from accudiff.runners.recorded import recorded_runner
     from accudiff.transforms.base import QuantRange
 
-    if len(job.segments) > 1:
-        # Segments drop their tensors as they go; the memory must leave the process. A model run whole holds
-        # its tensors at once anyway, and malloc's reuse of freed blocks spares the page faults of fresh
-        # mappings (a third of the sessions' time on resnet18).
+    if len(job.segments) > 1 and job.largest_tensor >= SEPARATE_MAPPINGS_FROM_TENSOR_BYTES:
+        # Segments drop their tensors as they go; the memory must leave the process (memory.py). A model run
+        # whole holds its tensors at once anyway, and malloc's reuse of freed blocks spares the page faults
+        # of fresh mappings (a third of the sessions' time on resnet18).
         map_large_blocks_separately()
     trt = TrtOptions(**{k: (Path(v) if k in ("cache_dir", "engine") and v is not None else v) for k, v in job.trt.items()})
     shapes = EngineShapes({name: tuple(dims) for name, dims in job.input_shapes.items()}, job.shape_values)
