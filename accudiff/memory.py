@@ -24,9 +24,9 @@ HUGE_PAGES_FROM_TENSOR_BYTES = 32 << 20
 # block of 1 MiB or more then gets a mapping of its own (`map_large_blocks_separately`). Where every tensor
 # is smaller than this, glibc's own policy serves freed blocks again instead (with the fixed threshold,
 # every block of 1 MiB or more, tensor or session buffer, was a fresh mapping, and the heap gave its top
-# back at every 128 KB free: fresh pages again and again). The PP-OCRv4 recognizer's comparison, tensors
-# under 4 MB: 3.47 -> 3.17 s, 228k -> 145k page faults, 32 MB more at the peak; a chain of 300 tensors
-# of 4 MB: 5.1 -> 3.3 s, 12 MB more). With larger tensors the heap kept too much (a chain of 24 MB
+# back at every 128 KB free: fresh pages again and again). The PP-OCRv4 recognizer's comparison (tensors
+# under 4 MB): 3.47 -> 3.17 s, 228k -> 145k page faults, 32 MB more at the peak; a chain of 300 tensors
+# of 4 MB: 5.1 -> 3.3 s, 12 MB more. With larger tensors the heap kept too much (a chain of 24 MB
 # tensors: 400 -> 559 MB at the peak), so they keep their own mappings.
 SEPARATE_MAPPINGS_FROM_TENSOR_BYTES = 4 << 20
 
