@@ -49,7 +49,7 @@ def test_native_crash_becomes_a_clear_error(tmp_path, monkeypatch, temporary_fil
     """Backends run in the comparison worker: a native crash there ends the worker, not accudiff, and is
     reported with the step it happened in. The worker (the only process this compare starts) loads a
     sitecustomize that makes its first ONNX Runtime run die of SIGSEGV: no race to find its pid. The
-    crashed worker's temporary files (its session's scratch folder) do not outlive it."""
+    crashed worker's temporary files do not outlive it."""
     (tmp_path / "sitecustomize.py").write_text(CRASH_IN_FIRST_RUN)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     with pytest.raises(AccudiffError) as error:
@@ -66,6 +66,15 @@ def test_load_failure_names_model_and_step(tmp_path, temporary_files):
     with pytest.raises(AccudiffError, match="ONNX Runtime failed while loading 'custom.onnx'"):
         OnnxrtRunner(tmp_path / "custom.onnx", ["y"]).activate()
     assert _left_behind(temporary_files) == []  # its scratch folder went with the failure
+
+
+def test_a_session_given_its_model_as_bytes_writes_nothing(tmp_path, temporary_files):
+    """A segmented comparison makes many sessions: one whose model goes to ONNX Runtime as bytes makes no
+    scratch folder (creating and removing one per session cost the worker's main thread ~15 ms each, as
+    it waited for the thread making the next session to let go of the GIL)."""
+    with OnnxrtRunner(_chain(tmp_path), ["product", "y"], emulate_fp16=True) as runner:
+        runner.infer({"x": np.ones(3, np.float32)})
+        assert _left_behind(temporary_files) == []
 
 
 def _chain(tmp_path) -> str:

@@ -80,7 +80,6 @@ class OnnxrtRunner(Runner):
         self._input_types: dict[str, np.dtype | None] = {}
 
     def activate(self) -> None:
-        self._scratch = Path(tempfile.mkdtemp(prefix="accudiff-ort-"))
         try:
             self._open_session()
         except BaseException:
@@ -168,6 +167,8 @@ class OnnxrtRunner(Runner):
             for init in external:
                 init.CopyFrom(without_folder(init))
             return model.SerializeToString(), Path(folders.pop()) if folders else None, weight_bytes, bool(fp16_copies)
+        # A folder of its own only then: most sessions write nothing, and a segmented comparison makes many.
+        self._scratch = Path(tempfile.mkdtemp(prefix="accudiff-ort-"))
         target = self._scratch / "marked.onnx"
         save_model(model, target, side_file=True)
         return target, None, weight_bytes, bool(fp16_copies)
