@@ -171,6 +171,31 @@ def test_one_samples_sessions_are_made_one_at_a_time(tmp_path, monkeypatch):
     np.testing.assert_array_equal(statistics[0], statistics[2])
 
 
+def test_passes_running_one_file_read_it_once(tmp_path, monkeypatch):
+    """Verification runs one switchboard file as several passes (its switches set per pass): the engine
+    reads the file once, not once per pass, and every pass measures what it would alone."""
+    import accudiff.comparison.engine
+    from accudiff.transforms.fp16 import to_fp16
+
+    info = load_model(fixture("layernorm_overflow"))
+    [feed] = generate_feeds(info.inputs, {spec.name: spec.shape for spec in info.inputs}, seed=0)
+    candidate = tmp_path / "candidate.onnx"
+    save_model(to_fp16(info.proto).model, candidate)
+    reads = []
+    monkeypatch.setattr(accudiff.comparison.engine, "load_graph", lambda path: (reads.append(path), load_graph(path))[1])
+    tensors = [t.name for t in info.tensors]
+    measured = Measured(tensors, info.output_names, [[n.name for n in info.proto.graph.node]], Tolerances.build("fp16"), {})
+    passes = [PassPlan(f"pass{k}", candidate, lambda p, o: candidate_runner("onnxrt", p, o, "fp16")) for k in range(3)]
+    for keep in (False, True):
+        reads.clear()
+        engine = Engine(fixture("layernorm_overflow"), reference_runner, passes, measured, tmp_path / str(keep), keep_sessions=keep)
+        engine.run_sample(0, feed)
+        engine.close()
+        assert reads == [fixture("layernorm_overflow"), candidate]
+        for k in (1, 2):
+            np.testing.assert_array_equal(engine.results[f"pass{k}"].stats.values, engine.results["pass0"].stats.values)
+
+
 def test_a_few_samples_session_skips_prepacking_large_weights(tmp_path, monkeypatch):
     """Prepacking copies every MatMul/Gemm weight when a session is made: skipped for large weights unless
     the session runs many samples."""

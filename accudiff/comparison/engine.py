@@ -162,6 +162,7 @@ class Engine:
         self._following: dict[int, _Segment] = {}  # a segment -> the next one the sample runs
         self._ahead: ThreadPoolExecutor | None = None  # where the next session is made while one runs
         self._weight_bytes = 0  # the largest weights of a model run (reference or pass)
+        self._whole: dict[Path, tuple[set[str], list[str], list[str]]] = {}  # a model run whole: its inputs, compared and returned tensors
         node_segment = {name: k for k, names in enumerate(segments) for name in names}
         self._later_reference_reads: list[set[str]] = []
         try:
@@ -188,6 +189,12 @@ class Engine:
         trials replay it on every call)."""
         if make is None and count == 1:
             return [_Segment(None, set(), list(self.tensors), list(self.tensors))]
+        if count == 1 and path in self._whole:
+            # Another pass runs the same file (verification's switchboard, its switches set per pass): what it
+            # reads and returns is known, and the file is read only if this pass's runner needs it (a reused
+            # runner is made once).
+            inputs, own, wanted = self._whole[path]
+            return [self._segment(make, ModelSource(path), inputs, own, wanted)]
         compared = set(self.tensors)
         with self.clock("segments"):
             model = load_graph(path)  # weights stay in their files, and a segment refers to them there
@@ -210,6 +217,7 @@ class Engine:
             wanted = own + [o for o in produced if o not in compared and (o in later_reads or o in graph_outputs)]
             if count == 1:
                 source, inputs = ModelSource.read(path, model), {i.name for i in model.graph.input}
+                self._whole[path] = inputs, own, wanted
             elif cut_later:  # cut when its runner is made: for all but the first, while the segment before it runs
                 with self.clock("segments"):
                     inputs = cut_inputs(model, indices)
@@ -221,11 +229,14 @@ class Engine:
                     folder.mkdir(parents=True, exist_ok=True)
                     source = ModelSource.cut(sub, folder / f"segment{k}.onnx")
                     del sub
-            segment = _Segment(None if make is None else functools.partial(make, source, wanted), inputs, own, wanted)
-            if self.keep_sessions and make is not None:
-                self._activate(segment)
-            segments.append(segment)
+            segments.append(self._segment(make, source, inputs, own, wanted))
         return segments
+
+    def _segment(self, make: RunnerFactory | None, source: ModelSource, inputs: set[str], compared: list[str], wanted: list[str]) -> _Segment:
+        segment = _Segment(None if make is None else functools.partial(make, source, wanted), inputs, compared, wanted)
+        if self.keep_sessions and make is not None:
+            self._activate(segment)
+        return segment
 
     def _activate(self, segment: _Segment) -> Runner:
         if not segment.active:
