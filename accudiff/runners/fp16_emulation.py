@@ -39,7 +39,7 @@ def lower_fp16(model: onnx.ModelProto) -> dict[str, str]:
     if not has_fp16:
         return {}
     fp16_inputs = {vi.name for vi in graph.input if vi.type.tensor_type.elem_type == FP16}
-    lowered: list[onnx.NodeProto] = [helper.make_node("Cast", [name], [name + "__as_fp32"], to=FP32) for name in fp16_inputs]
+    lowered: list[onnx.NodeProto] = [_cast(name, name + "__as_fp32", FP32) for name in fp16_inputs]
     for node in graph.node:
         node.input[:] = [name + "__as_fp32" if name in fp16_inputs else name for name in node.input]
         for attr in node.attribute:
@@ -72,7 +72,7 @@ def _widen_fp16_weights(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
     casts = []
     for init in graph.initializer:
         if init.data_type == FP16:
-            casts.append(helper.make_node("Cast", [init.name + "__fp16"], [init.name], to=FP32))
+            casts.append(_cast(init.name + "__fp16", init.name, FP32))
             init.name += "__fp16"
     return casts
 
@@ -83,7 +83,13 @@ def fp16_name(value: str) -> str:
 
 def _round_nodes(source: str, target: str) -> list[onnx.NodeProto]:
     """`target` = `source` rounded to the nearest FP16 value, and held in FP32."""
-    return [
-        helper.make_node("Cast", [source], [fp16_name(target)], to=FP16),
-        helper.make_node("Cast", [fp16_name(target)], [target], to=FP32),
-    ]
+    return [_cast(source, fp16_name(target), FP16), _cast(fp16_name(target), target, FP32)]
+
+
+_CAST_TO = {to: helper.make_attribute("to", to) for to in (FP16, FP32)}
+
+
+def _cast(source: str, target: str, to: int) -> onnx.NodeProto:
+    """A Cast node, built directly: a lowered model has one or two per value, and onnx.helper.make_node
+    checks each attribute's type at several times the cost."""
+    return onnx.NodeProto(op_type="Cast", input=[source], output=[target], attribute=[_CAST_TO[to]])
