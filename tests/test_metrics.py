@@ -224,3 +224,33 @@ def test_tolerance_options_parse_defaults_and_overrides():
     assert tolerances.for_tensor("other").rtol == 0.5
     with pytest.raises(AccudiffError, match="not a number"):
         Tolerances.build("fp16", atol=["logits:big"])
+
+
+def test_the_table_holds_each_tensors_row_and_says_what_was_not_measured():
+    """The table is built for every tensor at once: each measured row is that tensor's own statistics
+    (identical, poisoned, exact integer, out of tolerance), a tensor never measured is 'not observed'
+    with no statistics, and a shape mismatch fails even without statistics."""
+    from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, STATUS_PASS, build_table
+    from accudiff.model.loading import TensorInfo
+
+    rng = np.random.default_rng(0)
+    ref = rng.normal(size=1000).astype(np.float32)
+    pairs = [
+        (ref, ref.copy()),
+        (np.array([1.0, 2.0, np.inf], np.float32), np.array([1.0, np.nan, np.inf], np.float32)),
+        (np.arange(6, dtype=np.int64), np.array([0, 1, 2, 3, 4, 7], np.int64)),
+        (ref, (ref + rng.normal(scale=0.05, size=1000)).astype(np.float16)),
+    ]
+    stats = StatsSet(len(pairs) + 2)
+    for row, (r, c) in enumerate(pairs):
+        stats.add(row, *reduce_tensor(r, c, FP16, sample=row))
+    tensors = [TensorInfo(f"t{k}", f"n{k}", "Op", np.dtype(np.float32), k == 0) for k in range(len(pairs) + 2)]
+    notes = {len(pairs) + 1: "shape differs: (2,) against (3,)"}
+    table = build_table(tensors, stats, {}, notes, Tolerances.build("fp16"), {})
+    for row in range(len(pairs)):
+        expected = finish(stats.values[row], stats.sketch[row])
+        got = table.iloc[row][list(expected)].to_dict()
+        assert got == pytest.approx(expected, nan_ok=True, rel=0, abs=0), row
+    assert list(table["status"]) == [STATUS_PASS, STATUS_FAIL, STATUS_FAIL, STATUS_FAIL, STATUS_MISSING, STATUS_FAIL]
+    assert table.iloc[4][["max_abs_err", "elements", "sqnr_db"]].isna().all()
+    assert table["tensor"].tolist() == [t.name for t in tensors] and table["is_output"].tolist() == [True] + [False] * 5

@@ -123,38 +123,48 @@ def _merge_rows(into: np.ndarray, new: np.ndarray) -> None:
 
 
 def finish(v: np.ndarray, sketch: np.ndarray) -> dict[str, float]:
-    """Derived columns of one accumulator row."""
-    elements, finite = int(v[F["elements"]]), v[F["finite"]]
-    exact, poisoned = v[F["exact"]] > 0, v[F["poisoned"]] > 0
-    row = {
-        "elements": elements,
-        "samples": int(v[F["samples"]]),
-        "ref_min": v[F["ref_min"]],
-        "ref_max": v[F["ref_max"]],
-        "ref_absmax": max(v[F["ref_absmax"]], 0.0),
-        "max_abs_err": max(v[F["max_abs_err"]], 0.0),
-        "tol_ratio": max(v[F["tol_ratio"]], 0.0),
-        "mean_abs_err": v[F["abs_err_sum"]] / finite if finite else 0.0,
-        "median_abs_err": _quantile(sketch, 0.5),
-        "p99_abs_err": _quantile(sketch, 0.99),
-        "max_rel_err": max(v[F["max_rel_err"]], 0.0),
-        "mean_rel_err": v[F["rel_err_sum"]] / finite if finite else 0.0,
-        "cosine": np.nan if exact else _cosine(v[F["ref_cand"]], v[F["ref_sq"]], v[F["cand_sq"]]),
-        "sqnr_db": np.nan if exact else sqnr_db(v[F["ref_sq"]], v[F["err_sq"]]),
-        "worst_sample_sqnr_db": np.nan if exact else min(v[F["worst_sample_sqnr_db"]], SQNR_CAP_DB),
-    }
-    for name in ("outside_count", "ref_nan", "ref_inf", "cand_nan", "cand_inf", "below_fp16_normal", "flushed_to_zero",
-                 "beyond_int8_range", "below_int8_step"):
-        row[name] = int(v[F[name]])
-    row["outside_share"] = row["outside_count"] / elements if elements else 0.0
-    has_worst = row["outside_count"] > 0
-    row["worst_index"] = int(v[F["worst_index"]]) if has_worst else -1
-    row["worst_sample"] = int(v[F["worst_sample"]]) if has_worst else -1
-    row["worst_ref"] = v[F["worst_ref"]] if has_worst else np.nan
-    row["worst_cand"] = v[F["worst_cand"]] if has_worst else np.nan
-    if poisoned:  # NaN/Inf where the other side differs poison the tensor: say so in every error metric
-        row.update(max_abs_err=np.inf, max_rel_err=np.inf, tol_ratio=np.inf, cosine=0.0, sqnr_db=-SQNR_CAP_DB, worst_sample_sqnr_db=-SQNR_CAP_DB)
-    return row
+    """Derived columns of one accumulator row (see `finish_rows`), as plain numbers."""
+    return {name: column[0].item() for name, column in finish_rows(v[None, :], sketch[None, :]).items()}
+
+
+_COUNTS = ("outside_count", "ref_nan", "ref_inf", "cand_nan", "cand_inf", "below_fp16_normal", "flushed_to_zero", "beyond_int8_range", "below_int8_step")
+
+
+def finish_rows(v: np.ndarray, sketch: np.ndarray) -> dict[str, np.ndarray]:
+    """Derived columns of accumulator rows `v` (one per tensor) and their sketches: a column each, computed
+    for every row at once (the table of a model's every tensor, built row by row, took 0.05 s a pass)."""
+    column = {name: v[:, F[name]] for name in FIELDS}
+    elements, finite = column["elements"].astype(np.int64), column["finite"]
+    exact, poisoned = column["exact"] > 0, column["poisoned"] > 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rows = {
+            "elements": elements,
+            "samples": column["samples"].astype(np.int64),
+            "ref_min": column["ref_min"].copy(),
+            "ref_max": column["ref_max"].copy(),
+            "ref_absmax": np.maximum(column["ref_absmax"], 0.0),
+            "max_abs_err": np.maximum(column["max_abs_err"], 0.0),
+            "tol_ratio": np.maximum(column["tol_ratio"], 0.0),
+            "mean_abs_err": np.where(finite != 0, column["abs_err_sum"] / finite, 0.0),
+            **dict(zip(("median_abs_err", "p99_abs_err"), _quantiles(sketch, (0.5, 0.99)))),
+            "max_rel_err": np.maximum(column["max_rel_err"], 0.0),
+            "mean_rel_err": np.where(finite != 0, column["rel_err_sum"] / finite, 0.0),
+            "cosine": np.where(exact, np.nan, _cosines(column["ref_cand"], column["ref_sq"], column["cand_sq"])),
+            "sqnr_db": np.where(exact, np.nan, sqnr_db(column["ref_sq"], column["err_sq"])),
+            "worst_sample_sqnr_db": np.where(exact, np.nan, np.minimum(column["worst_sample_sqnr_db"], SQNR_CAP_DB)),
+        }
+        rows.update({name: column[name].astype(np.int64) for name in _COUNTS})
+        rows["outside_share"] = np.where(elements != 0, rows["outside_count"] / np.maximum(elements, 1), 0.0)
+    has_worst = rows["outside_count"] > 0
+    rows["worst_index"] = np.where(has_worst, column["worst_index"], -1).astype(np.int64)
+    rows["worst_sample"] = np.where(has_worst, column["worst_sample"], -1).astype(np.int64)
+    rows["worst_ref"] = np.where(has_worst, column["worst_ref"], np.nan)
+    rows["worst_cand"] = np.where(has_worst, column["worst_cand"], np.nan)
+    # NaN/Inf where the other side differs poison the tensor: say so in every error metric.
+    for name, value in (("max_abs_err", np.inf), ("max_rel_err", np.inf), ("tol_ratio", np.inf), ("cosine", 0.0),
+                        ("sqnr_db", -SQNR_CAP_DB), ("worst_sample_sqnr_db", -SQNR_CAP_DB)):
+        rows[name][poisoned] = value
+    return rows
 
 
 def reduce_tensor(
@@ -259,18 +269,19 @@ def _reduce_exact(r: np.ndarray, c: np.ndarray, v: np.ndarray, sample: int) -> N
         v[_WORST] = (float(err[index]), index, float(wide_r[index]), float(wide_c[index]), sample)
 
 
-def _quantile(sketch: np.ndarray, q: float) -> float:
-    """Nearest-rank quantile from the sketch: the geometric middle of its bucket (0 for the lowest)."""
-    total = int(sketch.sum())
-    if total == 0:
-        return 0.0
-    bucket = int(np.searchsorted(np.cumsum(sketch), int(np.ceil(q * (total - 1))) + 1))
-    if bucket == 0:
-        return 0.0
-    exponent, mantissa = divmod(bucket, 1 << SKETCH_BITS)
-    low = 2.0 ** (exponent + SKETCH_LOW_EXPONENT) * (1 + mantissa / (1 << SKETCH_BITS))
-    high = 2.0 ** (exponent + SKETCH_LOW_EXPONENT) * (1 + (mantissa + 1) / (1 << SKETCH_BITS))
-    return float(np.sqrt(low * high))
+def _quantiles(sketch: np.ndarray, qs: Sequence[float]) -> list[np.ndarray]:
+    """Nearest-rank quantiles of each row's sketch: the geometric middle of its bucket (0 for the lowest,
+    and for an empty sketch)."""
+    total, cumulative = sketch.sum(axis=1), np.cumsum(sketch, axis=1)
+    found = []
+    for q in qs:
+        rank = np.ceil(q * (total - 1)).astype(np.int64) + 1
+        bucket = (cumulative < rank[:, None]).sum(axis=1)
+        exponent, mantissa = np.divmod(bucket, 1 << SKETCH_BITS)
+        scale = 2.0 ** (exponent + SKETCH_LOW_EXPONENT).astype(np.float64)
+        low, high = scale * (1 + mantissa / (1 << SKETCH_BITS)), scale * (1 + (mantissa + 1) / (1 << SKETCH_BITS))
+        found.append(np.where((total == 0) | (bucket == 0), 0.0, np.sqrt(low * high)))
+    return found
 
 
 def error_histogram(sketch: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
@@ -288,18 +299,17 @@ def error_histogram(sketch: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     return edges, per_octave[first:last], zeros
 
 
-def _cosine(dot: float, ref_energy: float, cand_energy: float) -> float:
-    if ref_energy == 0 and cand_energy == 0:
-        return 1.0
-    if ref_energy == 0 or cand_energy == 0:
-        return 0.0
-    return float(np.clip(dot / np.sqrt(ref_energy * cand_energy), -1.0, 1.0))
+def _cosines(dot: np.ndarray, ref_energy: np.ndarray, cand_energy: np.ndarray) -> np.ndarray:
+    """Cosine similarity from the sums (1 when both sides are all zero, 0 when one is)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cosine = np.clip(dot / np.sqrt(ref_energy * cand_energy), -1.0, 1.0)
+    return np.where((ref_energy == 0) & (cand_energy == 0), 1.0, np.where((ref_energy == 0) | (cand_energy == 0), 0.0, cosine))
 
 
-def sqnr_db(signal: float, noise: float) -> float:
-    """`10 log10(signal / noise)`, capped at +-SQNR_CAP_DB (identical tensors give the cap)."""
-    if noise == 0:
-        return SQNR_CAP_DB
-    if signal == 0:
-        return -SQNR_CAP_DB
-    return float(np.clip(10 * np.log10(signal / noise), -SQNR_CAP_DB, SQNR_CAP_DB))
+def sqnr_db(signal, noise):
+    """`10 log10(signal / noise)`, capped at +-SQNR_CAP_DB (identical tensors give the cap); of numbers, or
+    of arrays element by element."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        value = np.clip(10 * np.log10(np.divide(signal, noise)), -SQNR_CAP_DB, SQNR_CAP_DB)
+    value = np.where(np.equal(noise, 0), SQNR_CAP_DB, np.where(np.equal(signal, 0), -SQNR_CAP_DB, value))
+    return value if value.ndim else float(value)

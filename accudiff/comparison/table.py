@@ -11,14 +11,13 @@ from typing import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from accudiff.comparison.metrics import FIELDS, StatsSet, finish
+from accudiff.comparison.metrics import F, StatsSet, finish_rows
 from accudiff.comparison.tolerances import Tolerances
 from accudiff.model.loading import InputSpec, TensorInfo
 from accudiff.transforms.base import QuantRange
 
 STATUS_PASS, STATUS_FAIL, STATUS_MISSING = "pass", "fail", "not observed"
 SIDE_COLUMNS = ["max_abs_err", "tol_ratio", "sqnr_db", "outside_share", "status"]
-_STAT_COLUMNS = list(finish(np.zeros(len(FIELDS)), np.zeros(1, np.int64)))
 
 
 def build_table(
@@ -30,33 +29,32 @@ def build_table(
     quant_ranges: Mapping[str, QuantRange],
 ) -> pd.DataFrame:
     """One row per tensor: identity, dtypes, shape, tolerance, statistics over every sample, and status."""
-    rows = []
-    for index, info in enumerate(tensors):
-        tol = tolerances.for_tensor(info.name)
-        dtype, cand_dtype, shape = seen.get(index, (str(info.dtype) if info.dtype is not None else "", "", ""))
-        row = {
-            "tensor": info.name,
-            "node": info.node,
-            "op_type": info.op_type,
-            "is_output": info.is_output,
-            "dtype": dtype,
-            "cand_dtype": cand_dtype,
-            "shape": shape,
-            "atol": tol.atol,
-            "rtol": tol.rtol,
-            "stol": tol.stol,
-        }
-        measured = stats.seen(index)
-        row.update(stats.row(index) if measured else dict.fromkeys(_STAT_COLUMNS, np.nan))
-        note = notes.get(index, "")
-        shape_differs = note.startswith("shape differs")
-        if not measured and not shape_differs:
-            row["status"] = STATUS_MISSING
-        else:
-            row["status"] = STATUS_FAIL if shape_differs or row["outside_count"] else STATUS_PASS
-        row["note"] = note
-        rows.append(row)
-    table = pd.DataFrame(rows)
+    count = len(tensors)
+    tol = [tolerances.for_tensor(info.name) for info in tensors]
+    described = [seen.get(index, (str(info.dtype) if info.dtype is not None else "", "", "")) for index, info in enumerate(tensors)]
+    columns = {
+        "tensor": [info.name for info in tensors],
+        "node": [info.node for info in tensors],
+        "op_type": [info.op_type for info in tensors],
+        "is_output": np.array([info.is_output for info in tensors], bool),
+        "dtype": [d[0] for d in described],
+        "cand_dtype": [d[1] for d in described],
+        "shape": [d[2] for d in described],
+        "atol": np.array([t.atol for t in tol], float),
+        "rtol": np.array([t.rtol for t in tol], float),
+        "stol": np.array([t.stol for t in tol], float),
+    }
+    derived = finish_rows(stats.values[:count], stats.sketch[:count])
+    measured = stats.values[:count, F["samples"]] > 0
+    if not measured.all():  # a tensor never measured has no statistics (its integer columns become float)
+        derived = {name: np.where(measured, value, np.nan) for name, value in derived.items()}
+    columns.update(derived)
+    note = [notes.get(index, "") for index in range(count)]
+    shape_differs = np.array([n.startswith("shape differs") for n in note], bool)
+    status = np.where(shape_differs | (np.nan_to_num(derived["outside_count"]) > 0), STATUS_FAIL, STATUS_PASS)
+    columns["status"] = np.where(~measured & ~shape_differs, STATUS_MISSING, status).astype(object)
+    columns["note"] = note
+    table = pd.DataFrame(columns)
     table["int8_scale"] = [quant_ranges[t.name].scale if t.name in quant_ranges else np.nan for t in tensors]
     return table
 
