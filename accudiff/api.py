@@ -19,19 +19,16 @@ from __future__ import annotations
 import importlib
 import threading
 import time
-from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import TYPE_CHECKING
 
 from accudiff.comparison.branches import describe_groups, plan_groups
 from accudiff.comparison.group import combine, group_model, isolation_notice, make_candidate, plan, run_group, save_tensors
-from accudiff.comparison.trial import trial_models
 from accudiff.comparison.worker import prestart
 from accudiff.model.loading import load_model
 from accudiff.model.run_results import read_captured
 from accudiff.model.samples import Samples, prepare_samples
-from accudiff.model.source import IN_MEMORY_WEIGHTS_UP_TO
 from accudiff.report.content import CANDIDATE_MODEL_FILE, INPUTS_FILE
 from accudiff.runners import TrtOptions
 from accudiff.runners.outputs import ReferenceCache
@@ -43,7 +40,6 @@ if TYPE_CHECKING:
 
 __all__ = ["CompareResult", "RunSettings", "TensorFailure", "TrtOptions", "compare", "run"]
 
-T = TypeVar("T")
 BRANCHES_INLINED_FOR_TRT = ("the TensorRT engine is built from the model with its taken branches inlined, so its tensors can be marked; "
                             "the shipped engine, with conditional layers, may fuse and round differently around them")
 
@@ -77,7 +73,7 @@ def run(
         laps.lap("load")
         captured = read_captured([t.name for t in info.tensors], settings, len(samples), where.scratch)
         laps.lap("captured")
-        runs, models = [], None
+        runs = []
         # The diagnosis (and pandas, ~0.35 s to import) is imported while the workers run, not before.
         threading.Thread(target=_import_diagnosis, daemon=True).start()
         for k, group in enumerate(groups):
@@ -87,9 +83,6 @@ def run(
             name = CANDIDATE_MODEL_FILE.format(precision=settings.precision, group="" if len(groups) == 1 else f"-group{k}")
             candidate = make_candidate(group_info, group, samples, settings, where.folder.path / name, where.scratch, captured)
             laps.lap("transform")
-            if settings.verify and len(groups) == 1 and group_info.path.stat().st_size < IN_MEMORY_WEIGHTS_UP_TO:
-                # Verification starts from both models read again: read while the workers run, on a core they leave.
-                models = _in_background(trial_models, group_info.path, candidate.path)
             runs.append(run_group(candidate, planned, group, samples, settings, where, captured))
             laps.lap("run")
         save_tensors(settings, runs, len(samples))
@@ -102,7 +95,7 @@ def run(
         laps.lap("diagnose")
         unverified = None
         if settings.verify and result.output_failures:
-            unverified = verify_outputs(result, context, settings, runs, samples, where.scratch, models.result() if models else None)
+            unverified = verify_outputs(result, context, settings, runs, samples, where.scratch)
             laps.lap("verify")
         attach_sketches(result, info, outcome)
         inlined_engine = BRANCHES_INLINED_FOR_TRT if any(g.taken for g in groups) and settings.uses_trt else None
@@ -127,20 +120,6 @@ def _report(result: CompareResult, settings: RunSettings, where: Workspace, samp
         write_report(result, folder, samples)
     result.report_dir = folder.commit()
     laps.lap("report")
-
-
-def _in_background(function: Callable[..., T], *args) -> Future[T]:
-    """`function(*args)` on a thread of its own, its result (or exception) in the future returned."""
-    future: Future[T] = Future()
-
-    def work() -> None:
-        try:
-            future.set_result(function(*args))
-        except BaseException as exc:
-            future.set_exception(exc)
-
-    threading.Thread(target=work, daemon=True).start()
-    return future
 
 
 def _import_diagnosis() -> None:

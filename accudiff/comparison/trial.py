@@ -29,7 +29,7 @@ import onnx
 
 from accudiff.comparison.shards import added_timings, merge_results
 from accudiff.comparison.worker import Job, Worker, discard_spares, prestart, take_worker
-from accudiff.model.loading import ModelInfo, load_graph, load_model, save_model
+from accudiff.model.loading import ModelInfo, save_model
 from accudiff.model.samples import Samples
 from accudiff.runners.outputs import ReferenceStore
 from accudiff.settings import RunSettings
@@ -223,12 +223,6 @@ def _outcome(keep: list[str], samples: list[dict]) -> TrialOutcome:
         counts[0] += one["rows"]
         counts[1] += one["top1"]
     return TrialOutcome(keep, ratio, {name: (top / count if count else None) for name, (count, top) in rows.items()})
-
-
-def trial_models(fp32: Path, candidate: Path) -> tuple[ModelInfo, onnx.ModelProto]:
-    """What trials start from: the FP32 model (checked earlier in this run) with its inventory, and the
-    candidate's graph (its weights left in their files)."""
-    return load_model(fp32, checked=True), load_graph(candidate)
 
 
 def switchable(settings: RunSettings) -> bool:

@@ -29,18 +29,16 @@ import numpy as np
 import pandas as pd
 
 from accudiff.comparison.group import GroupRun, could_be_a_shape
-from accudiff.comparison.trial import MAX_TRIAL_SAMPLES, TrialSetup, Trials, trial_models, trial_workers
+from accudiff.comparison.trial import MAX_TRIAL_SAMPLES, TrialSetup, Trials, trial_workers
 from accudiff.comparison.worker import prestart
 from accudiff.diagnosis.cause import Absorbed, Cause, Contributor, ancestor_tensors, flagged_nodes, rank_contributors
 from accudiff.diagnosis.mechanisms import absorber, amplifiers, cancellations
 from accudiff.diagnosis.rules import VALUE_PRESERVING_OPS, DiagnosisContext, Finding, isolated_figures, isolation_ran
+from accudiff.model.loading import load_graph, load_model
 from accudiff.model.samples import Samples
 from accudiff.transforms.candidate import CandidateVariants
 
 if TYPE_CHECKING:
-    import onnx
-
-    from accudiff.model.loading import ModelInfo
     from accudiff.result import CompareResult
     from accudiff.settings import RunSettings
 
@@ -83,10 +81,7 @@ class _Suspect:
     tol_ratio: float = math.inf
 
 
-def verify_outputs(
-    result: CompareResult, context: DiagnosisContext, settings: RunSettings, runs: Sequence[GroupRun], samples: Samples, scratch: Path,
-    models: tuple[ModelInfo, onnx.ModelProto] | None = None,
-) -> str | None:
+def verify_outputs(result: CompareResult, context: DiagnosisContext, settings: RunSettings, runs: Sequence[GroupRun], samples: Samples, scratch: Path) -> str | None:
     """The verify stage: each failing output's suspects tested at the output (`verify_causes`) on the
     worst failing samples, by trials of the candidate `compare` built; the output failures get their
     verified causes and repairs. A candidate captured elsewhere cannot run again: ONNX Runtime's model of
@@ -108,8 +103,8 @@ def verify_outputs(
     prestart(trial_workers(settings))  # the trial workers start while their models are prepared (or are warm)
     candidate = runs[0].candidate
     chosen = list(dict.fromkeys(int(s) for s in result.failing_samples["sample"]))[:MAX_TRIAL_SAMPLES] or [0]
-    info, graph = models or trial_models(candidate.info.path, candidate.path)  # (read ahead, while the comparison ran)
-    base = replace(candidate.transformed, model=graph)
+    info = load_model(candidate.info.path, checked=True)
+    base = replace(candidate.transformed, model=load_graph(candidate.path))
     first = samples[chosen[0]]
     setup = TrialSetup(
         info, CandidateVariants(info, settings.recipe(), base=base), samples.subset(chosen), settings, scratch / "verify",
