@@ -306,7 +306,7 @@ def _cosines(dot: np.ndarray, ref_energy: np.ndarray, cand_energy: np.ndarray) -
     return np.where((ref_energy == 0) & (cand_energy == 0), 1.0, np.where((ref_energy == 0) | (cand_energy == 0), 0.0, cosine))
 
 
-def sqnr_db(signal, noise):
+def sqnr_db(signal: float | np.ndarray, noise: float | np.ndarray) -> float | np.ndarray:
     """`10 log10(signal / noise)`, capped at +-SQNR_CAP_DB (identical tensors give the cap); of numbers, or
     of arrays element by element."""
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
