@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 import pytest
 
 from accudiff.errors import AccudiffError
+from accudiff.text import percent
 
 if TYPE_CHECKING:
     from accudiff.runners.outputs import ReferenceCache
@@ -264,7 +265,7 @@ def _tolerance_problem(row) -> str:
     if row["note"]:
         return f"tensor '{row['tensor']}': {row['note']}"
     return (
-        f"tensor '{row['tensor']}': {int(row['outside_count'])} of {int(row['elements'])} elements ({row['outside_share']:.2%}) "
+        f"tensor '{row['tensor']}': {int(row['outside_count'])} of {int(row['elements'])} elements ({percent(row['outside_share'], 2)}) "
         f"outside atol={row['atol']:g} + rtol={row['rtol']:g}*|ref| + stol={row['stol']:g}*absmax; worst element "
         f"{element_index(row)}: reference {row['worst_ref']:.6g}, candidate {row['worst_cand']:.6g} (max abs err {row['max_abs_err']:.3g})"
     )

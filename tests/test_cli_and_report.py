@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pandas as pd
 import pytest
 
@@ -271,3 +272,34 @@ def _worker_processes() -> list[str]:
     children = [pid for task in Path("/proc/self/task").glob("*") for pid in (task / "children").read_text().split()]
     commands = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in children if Path(f"/proc/{pid}/cmdline").exists()]
     return [c.decode(errors="replace") for c in commands if b"accudiff.comparison.worker" in c]
+
+
+def test_a_share_that_is_not_zero_never_reads_as_zero(run_cli, tmp_path):
+    """One element of 4,000 overflows FP16: the console and the report say '<0.1%' of the elements, where
+    rounding said '0.0%' (a message never claims less, or more, than was measured)."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "two"], ["y"], name="double")], "one_overflow",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4000])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4000])],
+        [helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])],
+    )
+    model = tmp_path / "one_overflow.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), model)
+    x = np.full((1, 4000), 0.5, np.float32)
+    x[0, 7] = 40000.0  # doubled, past the FP16 maximum 65504
+    np.savez(tmp_path / "x.npz", x=x)
+    code, out, _ = run_cli("compare", model, "--fp16", "--candidate", "onnxrt", "--load-inputs", tmp_path / "x.npz", "-o", tmp_path / "r")
+    assert code == 1
+    assert "output 'y' FAILS: 1 of 4000 elements (<0.1%) outside tolerance" in out, out
+    assert "1 of 4000 elements (&lt;0.1%) outside" in (tmp_path / "r" / "report.html").read_text()  # escaped, as every text
+
+
+@pytest.mark.parametrize(
+    "share, decimals, shown",
+    [(0, 1, "0.0%"), (1, 1, "100.0%"), (1 / 265000, 1, "<0.1%"), (439 / 440, 0, ">99%"), (0.9995, 1, ">99.9%"), (0.5, 2, "50.00%")],
+)
+def test_percentages_round_neither_to_nothing_nor_to_everything(share, decimals, shown):
+    from accudiff.text import percent
+
+    assert percent(share, decimals) == shown

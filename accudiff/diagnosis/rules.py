@@ -16,6 +16,7 @@ import pandas as pd
 from accudiff.comparison.metrics import FP16_SMALLEST_NORMAL
 from accudiff.comparison.table import STATUS_FAIL
 from accudiff.transforms.fp16 import FP16_MAX
+from accudiff.text import percent
 
 # Shares of affected elements below these are noise, not the cause.
 SIGNIFICANT_SHARE = 0.01
@@ -141,11 +142,11 @@ def _fp16_underflow(table: pd.DataFrame, context: DiagnosisContext, names: list[
         tiny_share = row["below_fp16_normal"] / row["elements"]
         if tiny_share >= SIGNIFICANT_SHARE:
             where = "of this tensor" if name == tensor else f"of its input '{name}'"
-            flushed = f"; {row['flushed_to_zero'] / row['elements']:.1%} became exactly 0" if name == tensor else ""
+            flushed = f"; {percent(row['flushed_to_zero'] / row['elements'])} became exactly 0" if name == tensor else ""
             return [
                 Finding(
                     "underflow",
-                    f"{tiny_share:.1%} of the reference values {where} are nonzero but below the FP16 normal range "
+                    f"{percent(tiny_share)} of the reference values {where} are nonzero but below the FP16 normal range "
                     f"({FP16_SMALLEST_NORMAL:.2g}), where FP16 keeps few or no bits{flushed}",
                 )
             ]
@@ -164,7 +165,7 @@ def _int8_inputs(table: pd.DataFrame, context: DiagnosisContext, inputs: list[st
             findings.append(
                 Finding(
                     "int8_clipping",
-                    f"{clipped:.1%} of the values of its input '{name}' lie outside its calibrated INT8 range "
+                    f"{percent(clipped)} of the values of its input '{name}' lie outside its calibrated INT8 range "
                     f"+-{127 * source['int8_scale']:.3g} (reference absmax {source['ref_absmax']:.3g}): they clip",
                 )
             )
@@ -172,7 +173,7 @@ def _int8_inputs(table: pd.DataFrame, context: DiagnosisContext, inputs: list[st
             findings.append(
                 Finding(
                     "int8_resolution",
-                    f"{tiny:.1%} of the values of its input '{name}' are smaller than half an INT8 step "
+                    f"{percent(tiny)} of the values of its input '{name}' are smaller than half an INT8 step "
                     f"(scale {source['int8_scale']:.3g}, set by a calibrated range of +-{127 * source['int8_scale']:.3g}), so they round to 0",
                 )
             )
@@ -209,6 +210,6 @@ def _isolation(row: pd.Series) -> Finding:
 def isolated_figures(row: pd.Series) -> str:
     """The isolated run's figures for one tensor."""
     return (
-        f"max abs err {row['isolated_max_abs_err']:.3g}, {row['isolated_outside_share']:.1%} of elements outside, "
+        f"max abs err {row['isolated_max_abs_err']:.3g}, {percent(row['isolated_outside_share'])} of elements outside, "
         f"SQNR {row['isolated_sqnr_db']:.1f} dB"
     )

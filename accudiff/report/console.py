@@ -6,6 +6,7 @@ import sys
 from typing import TextIO
 
 from accudiff.report.content import cause_lines, element_index, sample_lines, worst_tensors
+from accudiff.text import percent
 
 
 def format_summary(result) -> str:
@@ -15,7 +16,7 @@ def format_summary(result) -> str:
     lines = [
         f"accudiff compare {result.model.name} [{result.precision}]",
         f"  candidate: {result.candidate}",
-        f"  tensors compared: {compared} of {computed} ({compared / max(computed, 1):.0%}), samples: {result.iterations}, "
+        f"  tensors compared: {compared} of {computed} ({percent(compared / max(computed, 1), 0)}), samples: {result.iterations}, "
         f"tolerance: atol={result.tolerances.default.atol:g} rtol={result.tolerances.default.rtol:g} stol={result.tolerances.default.stol:g}",
     ]
     lines += [f"  notice: {notice}" for notice in result.notices]
@@ -32,12 +33,12 @@ def format_summary(result) -> str:
         isolated = {"pass": "; fed the reference's values it passes (error carried in)", "fail": "; fed the reference's values it still fails"}
         lines.append(
             f"  first tensor out of tolerance (topological order): '{failure.tensor}' ({failure.op_type} '{failure.node}'), "
-            f"{row['outside_share']:.1%} of elements{isolated.get(row.get('isolated_status'), '')}"
+            f"{percent(row['outside_share'])} of elements{isolated.get(row.get('isolated_status'), '')}"
         )
     for out in result.output_failures:
         row = indexed.loc[out.tensor]
         lines.append(
-            f"  output '{out.tensor}' FAILS: {int(row['outside_count'])} of {int(row['elements'])} elements ({row['outside_share']:.1%}) outside tolerance; "
+            f"  output '{out.tensor}' FAILS: {int(row['outside_count'])} of {int(row['elements'])} elements ({percent(row['outside_share'])}) outside tolerance; "
             f"worst element {element_index(row)}: reference {row['worst_ref']:.6g}, candidate {row['worst_cand']:.6g}"
         )
         lines += ["    " + line for line in cause_lines(out, result)]
@@ -57,7 +58,7 @@ def format_summary(result) -> str:
     if result.verdict == "inconclusive":
         lines.append(
             f"  verdict: INCONCLUSIVE (no graph output out of tolerance, but only {compared} of the {computed} tensors the model computes "
-            f"({compared / max(computed, 1):.0%}) were compared: see 'not observable')"
+            f"({percent(compared / max(computed, 1), 0)}) were compared: see 'not observable')"
         )
     else:
         lines.append(

@@ -11,6 +11,7 @@ import shlex
 from dataclasses import asdict
 
 from accudiff import __version__
+from accudiff.text import percent
 
 SUMMARY_SCHEMA = "accudiff.compare.summary"
 SUMMARY_SCHEMA_VERSION = 4
@@ -107,12 +108,12 @@ def sample_lines(result) -> list[str]:
             text = f"  samples: output '{output}' fails on {len(failing)} of {len(rows)}"
             if len(failing):
                 worst = failing.loc[failing["tol_ratio"].idxmax()]
-                text += f" (worst: sample {int(worst['sample'])}, {worst['outside_share']:.1%} of elements outside, {worst['tol_ratio']:.3g}x its tolerance)"
+                text += f" (worst: sample {int(worst['sample'])}, {percent(worst['outside_share'])} of elements outside, {worst['tol_ratio']:.3g}x its tolerance)"
             lines.append(text)
         agreement = result.class_agreement().get(output)
         if agreement is not None:
             lines.append(
-                f"  class scores '{output}': top-1 agreement {agreement['top1']:.2%}, top-5 {agreement['top5']:.2%} over {agreement['rows']} score vector(s)"
+                f"  class scores '{output}': top-1 agreement {percent(agreement['top1'], 2)}, top-5 {percent(agreement['top5'], 2)} over {agreement['rows']} score vector(s)"
             )
     if result.report_dir is not None and result.iterations > 1 and len(result.failing_samples):
         lines.append(f"  the worst failing samples are saved for replay: --load-inputs {result.report_dir / 'worst_samples.npz'}")

@@ -17,6 +17,7 @@ import pandas as pd
 
 from accudiff.report import plots
 from accudiff.report.content import HTML_FILE, cause_lines, element_index, sample_lines, worst_tensors
+from accudiff.text import percent
 
 MAX_TABLE_ROWS = 2000
 TABLE_COLUMNS = [
@@ -166,7 +167,7 @@ def _heading(result) -> str:
     tol = result.tolerances.default
     facts = {
         "candidate": result.candidate,
-        "compared": f"{compared} of {computed} tensors ({compared / max(computed, 1):.0%}), {result.iterations} sample(s) from {result.inputs or 'generated inputs'}",
+        "compared": f"{compared} of {computed} tensors ({percent(compared / max(computed, 1), 0)}), {result.iterations} sample(s) from {result.inputs or 'generated inputs'}",
         "tolerance": f"atol={tol.atol:g} rtol={tol.rtol:g} stol={tol.stol:g}",
         "graph outputs out of tolerance": f"{len(result.output_failures)} of {len(result.outputs)}",
     }
@@ -185,7 +186,7 @@ def _causes(result) -> str:
     blocks = []
     for failure in result.output_failures:
         row = indexed.loc[failure.tensor]
-        head = (f"output '{failure.tensor}': {int(row['outside_count'])} of {int(row['elements'])} elements ({row['outside_share']:.1%}) outside "
+        head = (f"output '{failure.tensor}': {int(row['outside_count'])} of {int(row['elements'])} elements ({percent(row['outside_share'])}) outside "
                 f"tolerance; worst element {element_index(row)}: reference {row['worst_ref']:.6g}, candidate {row['worst_cand']:.6g}")
         blocks.append(f'<div class="cause" id="cause-{escape(failure.tensor)}"><strong>{escape(head)}</strong>'
                       f"<pre>{escape(chr(10).join(cause_lines(failure, result)))}</pre></div>")

@@ -1,0 +1,20 @@
+"""How numbers read in what accudiff says (console, report, findings, pytest messages)."""
+
+from __future__ import annotations
+
+import math
+
+
+def percent(share: float, decimals: int = 1) -> str:
+    """`share` (0 to 1) as a percentage that never claims more than was measured: a share that is neither
+    0 nor 1 never reads as 0% or 100% after rounding (1 element of 265,000 is '<0.1%', not '0.0%'; 439
+    tensors of 440 are '>99%', not '100%')."""
+    if not math.isfinite(share):
+        return f"{share}%"
+    step = 10.0**-decimals
+    shown = round(share * 100, decimals)
+    if 0 < share and shown == 0:
+        return f"<{step:.{decimals}f}%"
+    if share < 1 and shown >= 100:
+        return f">{100 - step:.{decimals}f}%"
+    return f"{share * 100:.{decimals}f}%"
