@@ -18,3 +18,11 @@ def percent(share: float, decimals: int = 1) -> str:
     if share < 1 and shown >= 100:
         return f">{100 - step:.{decimals}f}%"
     return f"{share * 100:.{decimals}f}%"
+
+
+def times_tolerance(ratio: float, suffix: str = " its tolerance") -> str:
+    """An error as a multiple of its tolerance ('3.2x its tolerance'). The ratio is infinite only where the
+    candidate has NaN or Inf and the reference does not: said in words, not as 'infx'."""
+    if math.isfinite(ratio):
+        return f"{ratio:.3g}x{suffix}"
+    return "NaN/Inf (beyond any tolerance)"

@@ -274,9 +274,10 @@ def _worker_processes() -> list[str]:
     return [c.decode(errors="replace") for c in commands if b"accudiff.comparison.worker" in c]
 
 
-def test_a_share_that_is_not_zero_never_reads_as_zero(run_cli, tmp_path):
+def test_a_single_overflow_is_said_as_measured(run_cli, tmp_path):
     """One element of 4,000 overflows FP16: the console and the report say '<0.1%' of the elements, where
-    rounding said '0.0%' (a message never claims less, or more, than was measured)."""
+    rounding said '0.0%' (a message never claims less, or more, than was measured), and the Inf it makes
+    is said in words where the tolerance ratio read 'infx'."""
     from onnx import TensorProto, helper
 
     graph = helper.make_graph(
@@ -292,6 +293,7 @@ def test_a_share_that_is_not_zero_never_reads_as_zero(run_cli, tmp_path):
     code, out, _ = run_cli("compare", model, "--fp16", "--candidate", "onnxrt", "--load-inputs", tmp_path / "x.npz", "-o", tmp_path / "r")
     assert code == 1
     assert "output 'y' FAILS: 1 of 4000 elements (<0.1%) outside tolerance" in out, out
+    assert "brings the output from NaN/Inf (beyond any tolerance) to 0x its tolerance" in out and "infx" not in out, out  # it read 'from infx'
     assert "1 of 4000 elements (&lt;0.1%) outside" in (tmp_path / "r" / "report.html").read_text()  # escaped, as every text
 
 

@@ -36,6 +36,7 @@ from accudiff.diagnosis.mechanisms import absorber, amplifiers, cancellations
 from accudiff.diagnosis.rules import VALUE_PRESERVING_OPS, DiagnosisContext, Finding, isolated_figures, isolation_ran
 from accudiff.model.loading import load_graph, load_model
 from accudiff.model.samples import Samples
+from accudiff.text import times_tolerance
 from accudiff.transforms.candidate import CandidateVariants
 
 if TYPE_CHECKING:
@@ -239,21 +240,21 @@ def _conclude(
         best = used[0]
         extra = len(best.tried) - 1
         needs = f" (with {extra} node(s) its boundaries need)" if extra else ""
-        verdict = Finding("verified", f"{phrase}{needs} brings the output from {before:.3g}x to {best.tol_ratio:.3g}x its tolerance")
+        verdict = Finding("verified", f"{phrase}{needs} brings the output from {times_tolerance(before, '')} to {times_tolerance(best.tol_ratio)}")
         return Cause("local", best.node, best.tensor, best.op_type, [*best.findings, verdict], **common), repair
     gains = [improvement(a.tol_ratio, b.tol_ratio) for a, b in zip(steps, steps[1:])]
     if repair.verified and len(used) <= SEVERAL_LIMIT and all(gain >= SEVERAL_FACTOR for gain in gains):
         best = used[0]
         verdict = Finding(
             "verified",
-            f"{phrase} alone brings the output from {before:.3g}x to {best.tol_ratio:.3g}x its tolerance; with "
-            + ", ".join(f"{s.op_type} '{s.node}'" for s in used[1:]) + f" too, {repair.steps[-1].tol_ratio:.3g}x",
+            f"{phrase} alone brings the output from {times_tolerance(before, '')} to {times_tolerance(best.tol_ratio)}; with "
+            + ", ".join(f"{s.op_type} '{s.node}'" for s in used[1:]) + f" too, {times_tolerance(repair.steps[-1].tol_ratio, '')}",
         )
         return Cause("several", best.node, best.tensor, best.op_type, [*best.findings, verdict], co_causes=[_contributor(s, table) for s in used[1:]], **common), repair
     tried = len(suspects)
     best = contributors[0] if contributors else None
     summary = f"{phrase.replace(' it ', ' any one node ')}, among the {tried} tried, leaves the output out of tolerance" + (
-        f" (best: {best.op_type} '{best.node}', {best.tol_ratio_kept:.3g}x of {before:.3g}x)" if best else ""
+        f" (best: {best.op_type} '{best.node}', {times_tolerance(best.tol_ratio_kept, '')} of {times_tolerance(before, '')})" if best else ""
     )
     return Cause("accumulated", findings=[Finding("verified", summary)], **common), repair
 

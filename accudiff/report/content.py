@@ -11,7 +11,7 @@ import shlex
 from dataclasses import asdict
 
 from accudiff import __version__
-from accudiff.text import percent
+from accudiff.text import percent, times_tolerance
 
 SUMMARY_SCHEMA = "accudiff.compare.summary"
 SUMMARY_SCHEMA_VERSION = 4
@@ -108,7 +108,7 @@ def sample_lines(result) -> list[str]:
             text = f"  samples: output '{output}' fails on {len(failing)} of {len(rows)}"
             if len(failing):
                 worst = failing.loc[failing["tol_ratio"].idxmax()]
-                text += f" (worst: sample {int(worst['sample'])}, {percent(worst['outside_share'])} of elements outside, {worst['tol_ratio']:.3g}x its tolerance)"
+                text += f" (worst: sample {int(worst['sample'])}, {percent(worst['outside_share'])} of elements outside, {times_tolerance(worst['tol_ratio'])})"
             lines.append(text)
         agreement = result.class_agreement().get(output)
         if agreement is not None:
@@ -139,7 +139,7 @@ def cause_lines(failure, result) -> list[str]:
                  "cannot be told from error that adds up"]
     for absorbed in cause.absorbed:
         by = f"its error is absorbed downstream by {absorbed.by_op_type} '{absorbed.by}'; " if absorbed.by else ""
-        lines.append(f"  ruled out: {absorbed.op_type} '{absorbed.node}' (flagged by the rules): {by}kept in higher precision alone, it leaves the output at {absorbed.tol_ratio_kept:.3g}x its tolerance")
+        lines.append(f"  ruled out: {absorbed.op_type} '{absorbed.node}' (flagged by the rules): {by}kept in higher precision alone, it leaves the output at {times_tolerance(absorbed.tol_ratio_kept)}")
     if cause.kind in ("accumulated", "unknown") and cause.contributors:
         measured = cause.contributors[0].tol_ratio_kept is not None
         lines.append("  contributors, by their effect at the output (the output's tolerance ratio with each kept):" if measured
@@ -165,18 +165,18 @@ def repair_lines(failure, result) -> list[str]:
     lines = [f"  {head} {samples}): keep {len(repair.keep)} node(s) in higher precision: " + ", ".join(f"'{n}'" for n in repair.keep)]
     for number, step in enumerate(repair.steps):
         kept = "nothing kept" if not step.keep else f"keep {len(step.keep)} node(s)"
-        lines.append(f"    step {number}: {kept} -> output at {step.tol_ratio:.3g}x its tolerance")
+        lines.append(f"    step {number}: {kept} -> output at {times_tolerance(step.tol_ratio)}")
     if repair.verified:
         lines.append("    apply it: " + " ".join(f"--keep-fp32 '{re.escape(n)}'" for n in repair.keep))
     return lines
 
 
 def _kept_effect(c) -> str:
-    return f"kept, the output is at {c.tol_ratio_kept:.3g}x its tolerance" + (f" ({len(c.keep)} nodes kept with what its boundaries need)" if len(c.keep) > 1 else "")
+    return f"kept, the output is at {times_tolerance(c.tol_ratio_kept)}" + (f" ({len(c.keep)} nodes kept with what its boundaries need)" if len(c.keep) > 1 else "")
 
 
 def _own_error(c) -> str:
-    return f"SQNR {c.isolated_sqnr_db:.1f} dB, max abs err {c.isolated_max_abs_err:.3g} ({c.isolated_tol_ratio:.2g}x its tolerance)"
+    return f"SQNR {c.isolated_sqnr_db:.1f} dB, max abs err {c.isolated_max_abs_err:.3g} ({times_tolerance(c.isolated_tol_ratio)})"
 
 
 def element_index(row) -> str:
