@@ -15,8 +15,8 @@ import pandas as pd
 
 from accudiff.comparison.metrics import FP16_SMALLEST_NORMAL
 from accudiff.comparison.table import STATUS_FAIL
-from accudiff.transforms.fp16 import FP16_MAX
 from accudiff.text import percent
+from accudiff.transforms.fp16 import FP16_MAX
 
 # Shares of affected elements below these are noise, not the cause.
 SIGNIFICANT_SHARE = 0.01
