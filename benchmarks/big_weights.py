@@ -23,7 +23,7 @@ from onnx import TensorProto, helper
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.measure import measure  # noqa: E402
+from benchmarks.measure import accudiff_command, measure  # noqa: E402
 
 LAYERS = 3
 ROWS_PER_BLOCK = 1024
@@ -84,7 +84,7 @@ def main() -> None:
         print(f"  floor (two plain ONNX Runtime sessions, created and run): {floor['seconds']:.1f} s, peak {floor['peak_mb']:.0f} MB")
         for precision in ["fp16"] + ["int8"] * args.int8:
             report = work / f"report-{precision}"
-            run = measure([sys.executable, "-m", "accudiff.cli", "compare", str(model), f"--{precision}", "--candidate", "onnxrt", "-o", str(report)])
+            run = measure(accudiff_command("compare", str(model), f"--{precision}", "--candidate", "onnxrt", "-o", str(report)))
             summary = json.loads((report / "summary.json").read_text()) if (report / "summary.json").exists() else {}
             print(f"  accudiff compare --{precision}: {run['seconds']:.1f} s ({run['seconds'] / floor['seconds']:.2f}x the floor), "
                   f"peak {run['peak_mb']:.0f} MB ({run['peak_mb'] / weights:.2f}x the weights), exit {run['exit']} {run['stderr_tail']}")

@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import models  # noqa: E402
-from benchmarks.measure import measure  # noqa: E402
+from benchmarks.measure import accudiff_command, measure  # noqa: E402
 
 ELEMENTS = 25_000_000  # 100 MB of float32 per tensor
 PER_GB = 10
@@ -41,7 +41,7 @@ PER_GB = 10
 
 def accudiff_run(model: Path, work: Path, *extra: str) -> dict:
     report = work / f"report{'-'.join(extra)}"
-    result = measure([sys.executable, "-m", "accudiff.cli", "compare", str(model), "--fp16", "--candidate", "onnxrt", "--report-dir", str(report), *extra])
+    result = measure(accudiff_command("compare", str(model), "--fp16", "--candidate", "onnxrt", "--report-dir", str(report), *extra))
     summary = json.loads((report / "summary.json").read_text()) if (report / "summary.json").exists() else {}
     result["phases"] = summary.get("timings_s")
     return result

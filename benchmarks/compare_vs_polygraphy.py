@@ -2,12 +2,13 @@
 
     python benchmarks/compare_vs_polygraphy.py [--models resnet18 ppocr_rec_v4 nudenet_320n] [--repeat 3] [--out benchmarks/out]
 
-polygraphy's flow (0.53): `run M --onnxrt --onnx-outputs mark all --save-outputs ref.json`, then
-`convert M --fp-to-fp16 -o M16`, then `run M16 --onnxrt --onnx-outputs mark all --load-outputs ref.json`.
-accudiff's: `accudiff compare M --fp16 --candidate onnxrt`. Both run as fresh processes; peak memory is the
-largest sum of resident memory over the whole process tree (sampled every 10 ms from /proc), so
-accudiff's worker processes count. The floor is two marked ONNX Runtime runs plus one pass over the
-tensors, with sessions already created. Results print as a table and are saved as JSON in --out.
+polygraphy's flow (0.53): `run M --onnxrt --onnx-outputs mark all --save-outputs ref.json`, then `convert
+M --fp-to-fp16 -o M16`, then `run M16 --onnxrt --onnx-outputs mark all --load-outputs ref.json`.
+accudiff's: `accudiff compare M --fp16 --candidate onnxrt`. Both run as fresh processes; peak memory is
+the largest sum of resident memory over the whole process tree (sampled every 10 ms from /proc), so
+accudiff's worker processes count; both run from byte-compiled modules (`measure.accudiff_command`). The
+floor is two marked ONNX Runtime runs plus one pass over the tensors, with sessions already created.
+Results print as a table and are saved as JSON in --out.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import models  # noqa: E402
-from benchmarks.measure import measure  # noqa: E402
+from benchmarks.measure import accudiff_command, measure  # noqa: E402
 
 SHAPES = {"resnet18": "input:1x3x224x224", "ppocr_rec_v4": "x:1x3x48x320", "nudenet_320n": "images:1x3x320x320"}
 
@@ -47,9 +48,7 @@ def polygraphy_flow(model: Path, shape: str, work: Path) -> dict:
 
 
 def accudiff_flow(model: Path, shape: str, work: Path) -> dict:
-    command = [sys.executable, "-m", "accudiff.cli", "compare", str(model), "--fp16", "--candidate", "onnxrt",
-               "--input-shapes", shape, "--report-dir", str(work / "report")]
-    result = measure(command)
+    result = measure(accudiff_command("compare", str(model), "--fp16", "--candidate", "onnxrt", "--input-shapes", shape, "--report-dir", str(work / "report")))
     summary = json.loads((work / "report" / "summary.json").read_text()) if (work / "report").exists() else {}
     result.update(tensors=summary.get("counts", {}).get("tensors"), phases=summary.get("timings_s"), workers=summary.get("worker_timings_s"))
     return result

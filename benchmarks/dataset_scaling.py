@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import models, realistic_inputs  # noqa: E402
-from benchmarks.measure import measure  # noqa: E402
+from benchmarks.measure import accudiff_command, measure  # noqa: E402
 
 
 def make_dataset(folder: Path, count: int) -> Path:
@@ -39,7 +39,7 @@ def make_dataset(folder: Path, count: int) -> Path:
 
 
 def compare(model: Path, data: Path, report: Path, *extra: str) -> dict:
-    command = [sys.executable, "-m", "accudiff.cli", "compare", str(model), "--fp16", "--candidate", "onnxrt", "--load-inputs", str(data), "--report-dir", str(report), *extra]
+    command = accudiff_command("compare", str(model), "--fp16", "--candidate", "onnxrt", "--load-inputs", str(data), "--report-dir", str(report), *extra)
     result = measure(command)
     summary = json.loads((report / "summary.json").read_text()) if (report / "summary.json").exists() else {}
     result["phases"] = summary.get("timings_s")

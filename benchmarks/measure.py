@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import compileall
+import functools
 import os
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -44,3 +47,20 @@ def tree_rss(root: int) -> int:
         rss = next((line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")), "0")
         total += int(rss) * 1024
     return total
+
+
+def accudiff_command(*args: str) -> list[str]:
+    """The command that runs `accudiff *args` in a fresh process (from the repository root, this checkout's
+    accudiff), its modules byte-compiled first, as pip compiles a package it installs. Where
+    PYTHONDONTWRITEBYTECODE is set (this sandbox sets it), a source checkout is otherwise compiled again by
+    every process it starts: 0.3 s of a recognizer compare on a busy hour, which polygraphy, installed by
+    pip with its bytecode, does not pay."""
+    _byte_compile_accudiff()
+    return [sys.executable, "-m", "accudiff.cli", *args]
+
+
+@functools.cache
+def _byte_compile_accudiff() -> None:
+    import accudiff
+
+    compileall.compile_dir(str(Path(accudiff.__file__).parent), quiet=1)
