@@ -10,7 +10,7 @@ import accudiff
 from accudiff.errors import AccudiffError
 from accudiff.model.inputs import generate_feeds, parse_input_shapes, parse_val_ranges, resolve_shapes, save_feeds
 from accudiff.model.samples import samples_from_path
-from accudiff.model.loading import load_model
+from accudiff.model.loading import load_model, read_again, remember_types
 from conftest import fixture
 
 
@@ -274,15 +274,20 @@ def test_a_folder_of_npz_files_is_a_dataset_read_one_sample_at_a_time(tmp_path):
         samples_from_path(tmp_path, info.inputs)
 
 
-def test_a_model_read_again_checked_has_the_same_inventory(tmp_path):
-    """Verification reads the FP32 model again without repeating the checks it passed (`checked=True`):
-    the inventory must be the one the first reading gave, weights in data files included."""
+def test_a_model_read_again_has_the_same_model_and_inventory(tmp_path):
+    """Verification reads the FP32 model again after the transform let go of it (`read_again`), with the
+    types inference found kept rather than inferred again: model and inventory must be the ones the first
+    reading gave, weights in data files included, and a model with an If body (whose types are inferred
+    again) too."""
     import onnx
 
     external = tmp_path / "external.onnx"
     onnx.save(onnx.load(str(fixture("layernorm_overflow"))), str(external), save_as_external_data=True, location="w.bin", size_threshold=0)
-    for path in (fixture("layernorm_overflow"), fixture("two_faults_one_path"), external):
-        first, again = load_model(path), load_model(path, checked=True)
+    for path in (fixture("layernorm_overflow"), fixture("two_faults_one_path"), fixture("if_model"), external):
+        first, let_go = load_model(path), load_model(path)
+        remember_types(let_go)
+        let_go.proto = onnx.ModelProto()
+        again = read_again(let_go)
         assert again.proto == first.proto
         assert (again.tensors, again.upstream, again.nodes, again.inputs) == (first.tensors, first.upstream, first.nodes, first.inputs)
 

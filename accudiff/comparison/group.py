@@ -20,7 +20,7 @@ from accudiff.comparison.tolerances import Tolerances
 from accudiff.comparison.trial import MAX_TRIAL_SAMPLES
 from accudiff.comparison.worker import Job
 from accudiff.memory import return_freed_memory
-from accudiff.model.loading import ModelInfo, describe, link_model, needs_data_file, save_model
+from accudiff.model.loading import ModelInfo, describe, link_model, needs_data_file, remember_types, save_model
 from accudiff.model.inputs import Feed
 from accudiff.model.run_results import Captured, write_run_results
 from accudiff.model.samples import Samples
@@ -115,6 +115,7 @@ def make_candidate(
     isolated twin beside it, sharing its data file. The weights are let go of as they are written, before
     any backend loads a model, so at most one copy of them is in memory at a time (from here on the
     workers read files). A candidate captured elsewhere is replayed from its store instead of run."""
+    remember_types(info)  # verification reads the model again
     transformed = transform_model(info, settings.recipe(group.calibration), samples[group.samples[0]], scratch)
     working = scratch / "models" / path.name
     working.parent.mkdir(exist_ok=True)

@@ -34,7 +34,7 @@ from accudiff.comparison.worker import prestart
 from accudiff.diagnosis.cause import Absorbed, Cause, Contributor, ancestor_tensors, flagged_nodes, rank_contributors
 from accudiff.diagnosis.mechanisms import absorber, amplifiers, cancellations
 from accudiff.diagnosis.rules import VALUE_PRESERVING_OPS, DiagnosisContext, Finding, isolated_figures, isolation_ran
-from accudiff.model.loading import load_graph, load_model
+from accudiff.model.loading import load_graph, read_again
 from accudiff.model.samples import Samples
 from accudiff.text import times_tolerance
 from accudiff.transforms.candidate import CandidateVariants
@@ -104,7 +104,7 @@ def verify_outputs(result: CompareResult, context: DiagnosisContext, settings: R
     prestart(trial_workers(settings))  # the trial workers start while their models are prepared (or are warm)
     candidate = runs[0].candidate
     chosen = list(dict.fromkeys(int(s) for s in result.failing_samples["sample"]))[:MAX_TRIAL_SAMPLES] or [0]
-    info = load_model(candidate.info.path, checked=True)
+    info = read_again(candidate.info)
     base = replace(candidate.transformed, model=load_graph(candidate.path))
     first = samples[chosen[0]]
     setup = TrialSetup(

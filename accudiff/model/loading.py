@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -90,20 +90,16 @@ class ModelInfo:
     not_observable: dict[str, str] = field(default_factory=dict)
     nodes: dict[str, NodeSummary] = field(default_factory=dict)
     weights: dict[str, str] = field(default_factory=dict)  # weight -> "float32[64x3x3x3]"
+    types: onnx.GraphProto | None = None  # the inferred value_info, kept by remember_types for read_again
 
     @property
     def stem(self) -> str:
         return self.path.stem
 
 
-def load_model(path: str | os.PathLike, checked: bool = False) -> ModelInfo:
-    """Load, check and shape-infer `path`; raise AccudiffError with one sentence on any problem.
-    `checked`: the file passed the checks earlier in this run (verification reads the model again)."""
+def load_model(path: str | os.PathLike) -> ModelInfo:
+    """Load, check and shape-infer `path`; raise AccudiffError with one sentence on any problem."""
     path = Path(path)
-    if checked:
-        proto = onnx.load(str(path), load_external_data=False)
-        _keep_weights_in_their_files(proto, path.parent)
-        return _inventory(path, proto)
     if not path.is_file():
         raise AccudiffError(f"model file '{path}' does not exist")
     try:
@@ -132,6 +128,30 @@ def load_model(path: str | os.PathLike, checked: bool = False) -> ModelInfo:
         except (ValueError, RuntimeError, OSError) as exc:
             raise AccudiffError(f"'{path}' refers to external data that cannot be read: {first_line(exc)}") from exc
     return _inventory(path, proto)
+
+
+def remember_types(info: ModelInfo) -> None:
+    """Keep a copy of the types inference found in `info`'s model (its value_info, without the weights),
+    before a transform changes or frees the model, so that `read_again` need not infer them again. A
+    model with If/Loop/Scan bodies keeps none: their types are inferred again."""
+    if not any(_attribute_graphs(attr) for node in info.proto.graph.node for attr in node.attribute):
+        info.types = onnx.GraphProto()
+        info.types.value_info.extend(info.proto.graph.value_info)
+
+
+def read_again(info: ModelInfo) -> ModelInfo:
+    """`info` with its model read again from its file (checked earlier in this run), as `load_model` read
+    it: verification needs it after the transform let go of it. With the types remembered, inference does
+    not run again (0.02-0.05 s on the PP-OCRv4 recognizer)."""
+    proto = onnx.load(str(info.path), load_external_data=False)
+    _keep_weights_in_their_files(proto, info.path.parent)
+    name_unnamed_nodes(proto)
+    clear_unknown_dims(proto)
+    if info.types is None:
+        infer_shapes_in_place(proto)
+    else:
+        proto.graph.value_info.extend(info.types.value_info)
+    return replace(info, proto=proto)
 
 
 def _inventory(path: Path, proto: onnx.ModelProto) -> ModelInfo:
