@@ -324,7 +324,7 @@ def save_model(proto: onnx.ModelProto, path: Path, move_weights: bool = False, s
     (ONNX Runtime maps weights in a file, and copies those inside a model)."""
     path = Path(path)
     if not side_file and not needs_data_file(proto):
-        onnx.save(proto, str(path))
+        _write_whole(proto, path)
         return
     light = copy_without_initializers(proto)
     kept = {external_entries(init).get("location") for init in proto.graph.initializer if is_external(init) and same_folder(weight_folder(init), path.parent)}
@@ -347,9 +347,16 @@ def save_model(proto: onnx.ModelProto, path: Path, move_weights: bool = False, s
             refer_to(reference, location, offset, length, path.parent)
             light.graph.initializer.append(without_folder(reference))
             written.append((init, offset, length))
-    onnx.save(light, str(path))
+    _write_whole(light, path)
     for init, offset, length in written if move_weights else ():
         refer_to(init, location, offset, length, path.parent)
+
+
+def _write_whole(proto: onnx.ModelProto, path: Path) -> None:
+    """The model's bytes written as they are: every weight the model refers to is already in its data file
+    (onnx.save would walk every tensor, Constants' included, looking for data to write: 0.01 s a save on
+    the PP-OCRv4 recognizer's 420 Constants, of four saves on the critical path)."""
+    path.write_bytes(proto.SerializeToString())
 
 
 def link_model(source: Path, target: Path) -> None:
