@@ -291,3 +291,34 @@ def test_a_model_read_again_has_the_same_model_and_inventory(tmp_path):
         assert again.proto == first.proto
         assert (again.tensors, again.upstream, again.nodes, again.inputs) == (first.tensors, first.upstream, first.nodes, first.inputs)
 
+
+
+def test_weights_held_in_constant_nodes_are_typed_as_inference_types_them():
+    """Inference sees a large Constant (how Paddle's exports hold weights) as a typed input, not its values:
+    every value's type and shape must be what inference on the whole model finds, a Constant that is a
+    graph output and a small one that shape arithmetic reads included."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from accudiff.model.loading import infer_shapes_in_place
+
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array(rng.standard_normal((64, 48)).astype(np.float32), "w")
+    bias = numpy_helper.from_array(rng.standard_normal((4, 48)).astype(np.float16), "b")  # small: stays whole
+    nodes = [
+        helper.make_node("Constant", [], ["weight"], value=weight),
+        helper.make_node("Constant", [], ["shape"], value=numpy_helper.from_array(np.array([-1, 48], np.int64), "s")),
+        helper.make_node("Constant", [], ["exported"], value=numpy_helper.from_array(np.ones((40, 40), np.float32), "e")),
+        helper.make_node("MatMul", ["x", "weight"], ["product"]),
+        helper.make_node("Reshape", ["product", "shape"], ["flat"]),
+        helper.make_node("Constant", [], ["bias"], value=bias),
+        helper.make_node("Cast", ["flat"], ["half"], to=TensorProto.FLOAT16),
+        helper.make_node("Add", ["half", "bias"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, None), helper.make_tensor_value_info("exported", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    whole = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    infer_shapes_in_place(model)
+    assert [vi.SerializeToString() for vi in model.graph.value_info] == [vi.SerializeToString() for vi in whole.graph.value_info]
+    assert {vi.name for vi in model.graph.value_info} >= {"weight", "product", "flat", "half"}

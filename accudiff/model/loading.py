@@ -11,7 +11,7 @@ import os
 import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 import onnx
@@ -422,30 +422,51 @@ def infer_shapes_unless_typed(proto: onnx.ModelProto) -> None:
 def infer_shapes_in_place(proto: onnx.ModelProto) -> None:
     """Replace `proto`'s value_info with inferred types and shapes, without copying its weights.
 
-    Inference runs on a copy that holds the graph and the small initializers (their values matter for
-    shape arithmetic); large ones are declared as typed inputs. On failure the model keeps what it had:
-    shapes are a convenience, and dtypes also come back from the runs themselves.
+    Inference runs on a copy that holds the graph and the small weights (their values matter for shape
+    arithmetic); large ones are declared as typed inputs (see `shape_inference_copy`). On failure the
+    model keeps what it had: shapes are a convenience, and dtypes also come back from the runs themselves.
     """
+    outputs = {o.name for o in proto.graph.output}
+    constants = {node.output[0]: weight for node in proto.graph.node if (weight := _weight_constant(node, outputs)) is not None}
     try:
         inferred = onnx.shape_inference.infer_shapes(shape_inference_copy(proto), strict_mode=False, data_prop=True)
     except (onnx.shape_inference.InferenceError, ValueError):
         return
+    found = {vi.name: vi for vi in _known(inferred.graph.value_info)}
+    found.update((name, onnx.helper.make_tensor_value_info(name, w.data_type, list(w.dims))) for name, w in constants.items())
+    produced = [o for node in proto.graph.node for o in node.output if o in found]  # in the order inference gives them
+    others = [name for name in found if name not in set(produced)]
     del proto.graph.value_info[:]
-    proto.graph.value_info.extend(_known(inferred.graph.value_info))
-    _copy_body_value_info(proto.graph.node, inferred.graph.node)
+    proto.graph.value_info.extend(found[name] for name in others + produced)
+    _copy_body_value_info([node for node in proto.graph.node if _weight_constant(node, outputs) is None], inferred.graph.node)
 
 
 def shape_inference_copy(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy for shape inference: the graph and the small initializers (their values matter for shape
-    arithmetic), the large ones declared as typed inputs (their shapes matter, their values are not copied)."""
-    light = copy_without_initializers(proto)
+    """A copy for shape inference: the graph and the small weights (their values matter for shape
+    arithmetic); the large ones, initializers or Constant nodes, declared as typed inputs (their shapes
+    matter, their values are not copied: the PP-OCRv4 recognizer's 10 MB of Constants, copied, serialized
+    and read back, made inference three times slower)."""
+    outputs = {o.name for o in proto.graph.output}
+    light = copy_without_initializers(proto, keep_node=lambda node: _weight_constant(node, outputs) is None)
     declared = {i.name for i in light.graph.input}
     for init in proto.graph.initializer:
         if tensor_bytes(init) <= SMALL_INITIALIZER_BYTES:
             light.graph.initializer.append(init)
         elif init.name not in declared:
             light.graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+    for node in proto.graph.node:
+        if (weight := _weight_constant(node, outputs)) is not None:
+            light.graph.input.append(onnx.helper.make_tensor_value_info(node.output[0], weight.data_type, list(weight.dims)))
     return light
+
+
+def _weight_constant(node: onnx.NodeProto, graph_outputs: set[str]) -> onnx.TensorProto | None:
+    """The value of a Constant node that holds a weight (larger than SMALL_INITIALIZER_BYTES, and not a
+    graph output): what Paddle's exports hold their weights in, instead of initializers."""
+    if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or len(node.attribute) != 1 or node.attribute[0].name != "value":
+        return None
+    weight = node.attribute[0].t
+    return weight if node.output[0] not in graph_outputs and tensor_bytes(weight) > SMALL_INITIALIZER_BYTES else None
 
 
 def _known(value_info: Iterable[onnx.ValueInfoProto]) -> list[onnx.ValueInfoProto]:
@@ -463,14 +484,17 @@ def _copy_body_value_info(nodes: Iterable[onnx.NodeProto], inferred: Iterable[on
                 _copy_body_value_info(body.node, body_done.node)
 
 
-def copy_without_initializers(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of everything but the weights: cheap, for analysis and for building transformed models."""
+def copy_without_initializers(proto: onnx.ModelProto, keep_node: Callable[[onnx.NodeProto], bool] | None = None) -> onnx.ModelProto:
+    """A copy of everything but the weights: cheap, for analysis and for building transformed models.
+    `keep_node`: which nodes of the main graph are copied (default: all)."""
     copy = onnx.ModelProto()
     for descriptor, value in proto.ListFields():
         if descriptor.name != "graph":
             _copy_field(copy, descriptor, value)
     for descriptor, value in proto.graph.ListFields():
-        if descriptor.name != "initializer":
+        if descriptor.name == "node" and keep_node is not None:
+            copy.graph.node.extend(node for node in value if keep_node(node))
+        elif descriptor.name != "initializer":
             _copy_field(copy.graph, descriptor, value)
     return copy
 
