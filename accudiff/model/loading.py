@@ -217,18 +217,13 @@ _UNCHECKED_TYPES = {
 def _undecodable_text(message) -> str | None:
     """The first string field of `message` (names, op types, domains, anywhere in the model) that is not
     valid UTF-8, as "NodeProto.input (b'c\\xe5ntered')"; protobuf hands such fields over as bytes, which
-    every later step would trip on. Only string and message fields are read: weights are never copied."""
-    for spec in message.DESCRIPTOR.fields:
+    every later step would trip on. Only the fields set are read, and of them only strings and messages:
+    weights are never copied."""
+    for spec, value in message.ListFields():
         if spec.type not in (spec.TYPE_STRING, spec.TYPE_MESSAGE):
             continue
         repeated = spec.is_repeated if hasattr(spec, "is_repeated") else spec.label == spec.LABEL_REPEATED
-        if repeated:
-            items = getattr(message, spec.name)
-        elif spec.type == spec.TYPE_MESSAGE and not message.HasField(spec.name):
-            continue
-        else:
-            items = [getattr(message, spec.name)]
-        for item in items:
+        for item in value if repeated else (value,):
             if spec.type == spec.TYPE_STRING:
                 if isinstance(item, bytes):
                     return f"{message.DESCRIPTOR.name}.{spec.name} ({item[:40]!r})"
