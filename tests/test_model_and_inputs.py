@@ -292,7 +292,6 @@ def test_a_model_read_again_has_the_same_model_and_inventory(tmp_path):
         assert (again.tensors, again.upstream, again.nodes, again.inputs) == (first.tensors, first.upstream, first.nodes, first.inputs)
 
 
-
 def test_weights_held_in_constant_nodes_are_typed_as_inference_types_them():
     """Inference sees a large Constant (how Paddle's exports hold weights) as a typed input, not its values:
     every value's type and shape must be what inference on the whole model finds, a Constant that is a

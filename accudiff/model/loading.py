@@ -430,9 +430,9 @@ def infer_shapes_in_place(proto: onnx.ModelProto) -> None:
     found = {vi.name: vi for vi in _known(inferred.graph.value_info)}
     found.update((name, onnx.helper.make_tensor_value_info(name, w.data_type, list(w.dims))) for name, w in constants.items())
     produced = [o for node in proto.graph.node for o in node.output if o in found]  # in the order inference gives them
-    others = [name for name in found if name not in set(produced)]
+    by_nodes = set(produced)
     del proto.graph.value_info[:]
-    proto.graph.value_info.extend(found[name] for name in others + produced)
+    proto.graph.value_info.extend(found[name] for name in [*(n for n in found if n not in by_nodes), *produced])
     _copy_body_value_info([node for node in proto.graph.node if _weight_constant(node, outputs) is None], inferred.graph.node)
 
 
