@@ -82,13 +82,15 @@ class StatsSet:
         """Merge one tensor's reduction (one sample, or any accumulation) into row `row`."""
         self.add_rows([row], values[None, :], sketch[None, :])
 
-    def add_rows(self, rows: Sequence[int], values: np.ndarray, sketch: np.ndarray) -> None:
-        """Merge reductions of several tensors (rows `rows`, each once) at once."""
+    def add_rows(self, rows: Sequence[int], values: np.ndarray, sketch: np.ndarray | None) -> None:
+        """Merge reductions of several tensors (rows `rows`, each once) at once. `sketch` None: their
+        sketches were already added into this set's (the kernel adds into the rows it is given)."""
         rows = np.asarray(rows, dtype=np.intp)
         merged = self.values[rows]
         _merge_rows(merged, values)
         self.values[rows] = merged
-        self.sketch[rows] += sketch
+        if sketch is not None:
+            self.sketch[rows] += sketch
 
     def merge(self, other: "StatsSet") -> None:
         """Merge another set of the same tensors (other samples, another worker) into this one."""
@@ -179,8 +181,8 @@ def reduce_tensor(
 ) -> tuple[np.ndarray, np.ndarray]:
     """One sample of one tensor as an accumulator row and its sketch (shapes must already match): the
     reference's finite range first (the tolerance scales with its absmax; `ref_range` when already known
-    from `reference_range`), then the fused pass of the compiled kernel. `out`: an empty row and a zeroed
-    sketch to fill (rows of a caller's arrays), else new ones. A tensor of twice PART_ELEMENTS or more
+    from `reference_range`), then the fused pass of the compiled kernel. `out`: an empty row to fill and a
+    sketch to add to (rows of a caller's arrays: a zeroed one, or a running total), else new ones. A tensor of twice PART_ELEMENTS or more
     is reduced in parts of PART_ELEMENTS through `map_parts` (a thread pool's `map` runs them on every
     core: the kernel releases the GIL) and the parts are merged in order, so the row does not depend on
     how many threads ran them."""
