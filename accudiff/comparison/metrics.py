@@ -191,7 +191,7 @@ def reduce_tensor(
     values[F["elements"]], values[F["samples"]] = r.size, 1
     if r.size == 0:
         return values, sketch
-    if not (np.issubdtype(r.dtype, np.floating) or np.issubdtype(c.dtype, np.floating)):
+    if not (r.dtype.kind == "f" or c.dtype.kind == "f"):  # as np.issubdtype(..., np.floating), at a tenth of the cost
         _reduce_exact(r, c, values, sample)
         return values, sketch
     if r.dtype != np.float32 or c.dtype not in (np.float32, np.float16):  # rare pairs: compared in float64
@@ -201,7 +201,7 @@ def reduce_tensor(
     if low <= high:
         values[F["ref_min"]], values[F["ref_max"]] = low, high
         values[F["ref_absmax"]] = absmax = max(-float(low), float(high))
-    base, floor = tol.atol + tol.stol * absmax, max(REL_FLOOR * absmax, float(np.finfo(r.dtype).tiny))
+    base, floor = tol.atol + tol.stol * absmax, max(REL_FLOOR * absmax, _TINY[r.dtype.itemsize])
     quant_args = (q.low, q.high, q.scale / 2) if (q := quant) is not None else None
     if r.size < 2 * PART_ELEMENTS:
         _reduce.reduce(r, c, tol.rtol, base, floor, quant_args, 0, values[: len(KERNEL_FIELDS)], sketch, _scratch())
@@ -244,6 +244,7 @@ def reference_range(ref: np.ndarray, map_parts: PartMap = map) -> tuple[float, f
     return float(low), float(high)
 
 
+_TINY = {4: float(np.finfo(np.float32).tiny), 8: float(np.finfo(np.float64).tiny)}  # the kernel's two element types
 _thread = threading.local()
 
 
@@ -311,6 +312,14 @@ def _cosines(dot: np.ndarray, ref_energy: np.ndarray, cand_energy: np.ndarray) -
 def sqnr_db(signal: float | np.ndarray, noise: float | np.ndarray) -> float | np.ndarray:
     """`10 log10(signal / noise)`, capped at +-SQNR_CAP_DB (identical tensors give the cap); of numbers, or
     of arrays element by element."""
+    if isinstance(signal, (float, np.floating)) and isinstance(noise, (float, np.floating)):
+        # One tensor's (every tensor of every sample): no array machinery, 8 -> 1 us. numpy's log10, as the
+        # arrays get (math's differs in the last bit); a Python division overflows to Inf without a warning.
+        ratio = float(signal) / float(noise) if noise != 0 else math.inf
+        if noise == 0 or ratio == 0:  # no error at all; a signal, or a ratio, too small to tell from zero
+            return SQNR_CAP_DB if noise == 0 else -SQNR_CAP_DB
+        value = float(10 * np.log10(ratio))
+        return value if math.isnan(value) else min(max(value, -SQNR_CAP_DB), SQNR_CAP_DB)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         value = np.clip(10 * np.log10(np.divide(signal, noise)), -SQNR_CAP_DB, SQNR_CAP_DB)
     value = np.where(np.equal(noise, 0), SQNR_CAP_DB, np.where(np.equal(signal, 0), -SQNR_CAP_DB, value))
