@@ -3,11 +3,13 @@ computation of the same definitions (the compiled kernel's oracle), and merged o
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
 from accudiff.comparison import _reduce
-from accudiff.comparison.metrics import SQNR_CAP_DB, StatsSet, finish, reduce_tensor
+from accudiff.comparison.metrics import SQNR_CAP_DB, StatsSet, finish, reduce_tensor, sqnr_db
 from accudiff.comparison.tolerances import Tolerance, Tolerances
 from accudiff.errors import AccudiffError
 
@@ -254,3 +256,16 @@ def test_the_table_holds_each_tensors_row_and_says_what_was_not_measured():
     assert list(table["status"]) == [STATUS_PASS, STATUS_FAIL, STATUS_FAIL, STATUS_FAIL, STATUS_MISSING, STATUS_FAIL]
     assert table.iloc[4][["max_abs_err", "elements", "sqnr_db"]].isna().all()
     assert table["tensor"].tolist() == [t.name for t in tensors] and table["is_output"].tolist() == [True] + [False] * 5
+
+
+def test_one_tensors_sqnr_is_what_the_arrays_get():
+    """One tensor's SQNR (every tensor of every sample) skips numpy's array machinery: it must equal the
+    array path's, edge cases included (no error, no signal, a ratio beyond float64's range, NaN)."""
+    rng = np.random.default_rng(0)
+    signal = np.concatenate([rng.uniform(0, 1e6, 2000) * 10.0 ** rng.integers(-300, 300, 2000), [0, 1, 0, np.inf, 1e308, 1e-308, np.nan, 1, np.inf, 5e-324]])
+    noise = np.concatenate([rng.uniform(0, 1, 2000) * 10.0 ** rng.integers(-300, 300, 2000), [0, 0, 1, 1, 1e-308, 1e308, 1, np.inf, np.inf, 1]])
+    arrays = sqnr_db(signal, noise)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        one_by_one = np.array([sqnr_db(s, n) for s, n in zip(signal, noise)])
+    assert np.array_equal(one_by_one, arrays, equal_nan=True)

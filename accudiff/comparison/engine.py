@@ -333,7 +333,7 @@ class Engine:
             if tensor not in self._ranges:  # the same range serves every pass of this sample
                 self._ranges[tensor] = reference_range(np.asarray(ref).reshape(-1), map_parts)
             tolerance, quant = self.tolerances.for_tensor(tensor), self.quant_ranges.get(tensor)
-            sketch = own.get(index, result.stats.sketch[self.row[tensor]])
+            sketch = own[index] if index in own else result.stats.sketch[self.row[tensor]]
             reduce_tensor(ref, cand, tolerance, quant, sample, self._ranges[tensor], (values[index], sketch), map_parts)
 
         # The largest tensors one at a time, each in parts on every core; the other large ones one by one on

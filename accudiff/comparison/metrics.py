@@ -182,10 +182,10 @@ def reduce_tensor(
     """One sample of one tensor as an accumulator row and its sketch (shapes must already match): the
     reference's finite range first (the tolerance scales with its absmax; `ref_range` when already known
     from `reference_range`), then the fused pass of the compiled kernel. `out`: an empty row to fill and a
-    sketch to add to (rows of a caller's arrays: a zeroed one, or a running total), else new ones. A tensor of twice PART_ELEMENTS or more
-    is reduced in parts of PART_ELEMENTS through `map_parts` (a thread pool's `map` runs them on every
-    core: the kernel releases the GIL) and the parts are merged in order, so the row does not depend on
-    how many threads ran them."""
+    sketch to add to (rows of a caller's arrays: a zeroed one, or a running total), else new ones. A
+    tensor of twice PART_ELEMENTS or more is reduced in parts of PART_ELEMENTS through `map_parts` (a
+    thread pool's `map` runs them on every core: the kernel releases the GIL) and the parts are merged in
+    order, so the row does not depend on how many threads ran them."""
     values, sketch = out if out is not None else (EMPTY_ROW.copy(), np.zeros(SKETCH_BUCKETS, np.int64))
     r, c = np.ascontiguousarray(ref).reshape(-1), np.ascontiguousarray(cand).reshape(-1)
     values[F["elements"]], values[F["samples"]] = r.size, 1
@@ -315,9 +315,11 @@ def sqnr_db(signal: float | np.ndarray, noise: float | np.ndarray) -> float | np
     if isinstance(signal, (float, np.floating)) and isinstance(noise, (float, np.floating)):
         # One tensor's (every tensor of every sample): no array machinery, 8 -> 1 us. numpy's log10, as the
         # arrays get (math's differs in the last bit); a Python division overflows to Inf without a warning.
-        ratio = float(signal) / float(noise) if noise != 0 else math.inf
-        if noise == 0 or ratio == 0:  # no error at all; a signal, or a ratio, too small to tell from zero
-            return SQNR_CAP_DB if noise == 0 else -SQNR_CAP_DB
+        if noise == 0:  # no error at all
+            return SQNR_CAP_DB
+        ratio = float(signal) / float(noise)
+        if ratio == 0:  # no signal, or one too small beside the error to tell from none
+            return -SQNR_CAP_DB
         value = float(10 * np.log10(ratio))
         return value if math.isnan(value) else min(max(value, -SQNR_CAP_DB), SQNR_CAP_DB)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
