@@ -13,9 +13,9 @@ that of N1, over N2 - N1: the fixed costs cancel out), with and without the isol
 `--no-verify`: verification tries keep-lists on at most 8 failing samples whatever the dataset's size,
 and how many it tries depends on which samples fail, which differs between N1 and N2 samples (on the
 recognizer's drawn lines, 8 samples took two more rounds than 40, which made each extra sample look
-0.015-0.02 s cheaper than it is). Beside it, its floor timed in this process: one marked FP32 run, one marked run of the lowered
-FP16 candidate and a numpy max|a - b| over every tensor pair, sessions created once, halved for two
-workers. Each is measured --repeat times, in turn; the medians are reported.
+0.015-0.02 s cheaper than it is). Beside it, its floor timed in this process: one marked FP32 run, one
+marked run of the lowered FP16 candidate and a numpy max|a - b| over every tensor pair, sessions created
+once, halved for two workers. Each is measured --repeat times, in turn; the medians are reported.
 """
 
 from __future__ import annotations
@@ -101,9 +101,9 @@ def per_sample_floor(model: Path, data: Path, samples: int = 4) -> float:
 
 
 def per_sample(model: Path, folder: Path, counts: tuple[int, int], repeat: int) -> dict:
-    """Each extra sample's wall time with --workers 2 (--no-verify), with and without the isolated run, and its floor,
-    measured `repeat` times (floor and runs in turn, so that a noisy spell of this shared machine hits
-    all of them); the medians, and every measurement."""
+    """Each extra sample's wall time with --workers 2 (--no-verify), with and without the isolated run, and
+    its floor, measured `repeat` times (floor and runs in turn, so that a noisy spell of this shared
+    machine hits all of them); the medians, and every measurement."""
     small, large = (make_dataset(folder / f"per-sample-{n}", n) for n in counts)
     rows = []
     for k in range(repeat):

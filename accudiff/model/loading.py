@@ -421,8 +421,7 @@ def infer_shapes_in_place(proto: onnx.ModelProto) -> None:
     arithmetic); large ones are declared as typed inputs (see `shape_inference_copy`). On failure the
     model keeps what it had: shapes are a convenience, and dtypes also come back from the runs themselves.
     """
-    outputs = {o.name for o in proto.graph.output}
-    constants = {node.output[0]: weight for node in proto.graph.node if (weight := _weight_constant(node, outputs)) is not None}
+    constants = _weight_constants(proto)
     try:
         inferred = onnx.shape_inference.infer_shapes(shape_inference_copy(proto), strict_mode=False, data_prop=True)
     except (onnx.shape_inference.InferenceError, ValueError):
@@ -433,7 +432,7 @@ def infer_shapes_in_place(proto: onnx.ModelProto) -> None:
     by_nodes = set(produced)
     del proto.graph.value_info[:]
     proto.graph.value_info.extend(found[name] for name in [*(n for n in found if n not in by_nodes), *produced])
-    _copy_body_value_info([node for node in proto.graph.node if _weight_constant(node, outputs) is None], inferred.graph.node)
+    _copy_body_value_info([node for node in proto.graph.node if not _is_one_of(node, constants)], inferred.graph.node)
 
 
 def shape_inference_copy(proto: onnx.ModelProto) -> onnx.ModelProto:
@@ -441,27 +440,33 @@ def shape_inference_copy(proto: onnx.ModelProto) -> onnx.ModelProto:
     arithmetic); the large ones, initializers or Constant nodes, declared as typed inputs (their shapes
     matter, their values are not copied: the PP-OCRv4 recognizer's 10 MB of Constants, copied, serialized
     and read back, made inference three times slower)."""
-    outputs = {o.name for o in proto.graph.output}
-    light = copy_without_initializers(proto, keep_node=lambda node: _weight_constant(node, outputs) is None)
+    constants = _weight_constants(proto)
+    light = copy_without_initializers(proto, keep_node=lambda node: not _is_one_of(node, constants))
     declared = {i.name for i in light.graph.input}
     for init in proto.graph.initializer:
         if tensor_bytes(init) <= SMALL_INITIALIZER_BYTES:
             light.graph.initializer.append(init)
         elif init.name not in declared:
             light.graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
-    for node in proto.graph.node:
-        if (weight := _weight_constant(node, outputs)) is not None:
-            light.graph.input.append(onnx.helper.make_tensor_value_info(node.output[0], weight.data_type, list(weight.dims)))
+    light.graph.input.extend(onnx.helper.make_tensor_value_info(name, weight.data_type, list(weight.dims)) for name, weight in constants.items())
     return light
 
 
-def _weight_constant(node: onnx.NodeProto, graph_outputs: set[str]) -> onnx.TensorProto | None:
-    """The value of a Constant node that holds a weight (larger than SMALL_INITIALIZER_BYTES, and not a
-    graph output): what Paddle's exports hold their weights in, instead of initializers."""
-    if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or len(node.attribute) != 1 or node.attribute[0].name != "value":
-        return None
-    weight = node.attribute[0].t
-    return weight if node.output[0] not in graph_outputs and tensor_bytes(weight) > SMALL_INITIALIZER_BYTES else None
+def _weight_constants(proto: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
+    """The values of the main graph's Constant nodes that hold weights (larger than SMALL_INITIALIZER_BYTES,
+    and not graph outputs), by the value's name: what Paddle's exports hold their weights in, instead of
+    initializers."""
+    outputs = {o.name for o in proto.graph.output}
+    return {
+        node.output[0]: node.attribute[0].t
+        for node in proto.graph.node
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.attribute) == 1 and node.attribute[0].name == "value"
+        and node.output[0] not in outputs and tensor_bytes(node.attribute[0].t) > SMALL_INITIALIZER_BYTES
+    }
+
+
+def _is_one_of(node: onnx.NodeProto, constants: Mapping[str, onnx.TensorProto]) -> bool:
+    return node.op_type == "Constant" and node.output[0] in constants
 
 
 def _known(value_info: Iterable[onnx.ValueInfoProto]) -> list[onnx.ValueInfoProto]:
