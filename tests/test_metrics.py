@@ -130,6 +130,17 @@ def test_the_kernel_agrees_with_plain_numpy_across_chunk_boundaries(cand_dtype):
         assert got[key] == pytest.approx(want[key], rel=0.016), key
 
 
+def test_an_fp16_candidate_is_read_as_numpy_widens_it_every_half_value():
+    """The kernel widens an FP16 candidate itself (eight halves at a time where the CPU can, one by one for
+    the rest): every half value, from an unaligned start, over a chunk boundary and a tail."""
+    halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    cand = np.concatenate([halves, halves[:13]])[3:]
+    ref = np.linspace(-70000, 70000, cand.size, dtype=np.float32)
+    got, want = reduce_tensor(ref, cand, FP16), reduce_tensor(ref, cand.astype(np.float32), FP16)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
 def test_quantiles_are_not_fooled_by_periodic_error_patterns():
     """A strided sample sees one phase of a periodic pattern; the sketch counts every element."""
     ref = np.ones(1 << 18, np.float32)

@@ -38,8 +38,8 @@
 
 /* x86-64 machines get AVX2 and AVX-512 (x86-64-v4, with GCC 12 or later) builds of the hot loops too,
  * picked at load time: their baseline, SSE2, works 4 floats at a time. From memory, on this project's
- * machine, an FP32 candidate took 2.14 ns an element with AVX2 and 1.51 with AVX-512, an FP16 one 2.08
- * and 1.76 (its halves are converted apart). */
+ * machine, an FP32 candidate took 2.14 ns an element with AVX2 and 1.51 with AVX-512; an FP16 one takes
+ * 1.44 with AVX-512 (its halves are converted apart, eight at a time: fewer bytes to read). */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && __GNUC__ >= 12
 #define HOT_LOOP __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 #elif defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
@@ -75,15 +75,19 @@ static void halves_to_floats_by_table(const uint16_t *restrict in, float *restri
     for (Py_ssize_t i = 0; i < n; i++) out[i] = half_to_float_table[in[i]];
 }
 
-/* With F16C (x86-64-v3), the conversion is one vector instruction per eight values. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && __GNUC__ >= 12
-__attribute__((target("arch=x86-64-v3"))) static void halves_to_floats_f16c(const uint16_t *restrict in, float *restrict out, Py_ssize_t n) {
-    const _Float16 *halves = (const _Float16 *)in;
-    for (Py_ssize_t i = 0; i < n; i++) out[i] = (float)halves[i];
+/* With F16C, one instruction converts eight halves. Written with intrinsics: GCC 12 left a `_Float16`
+ * loop scalar (a conversion per element, a quarter of the statistics' time on an FP16 candidate). */
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+
+__attribute__((target("avx,f16c"))) static void halves_to_floats_f16c(const uint16_t *restrict in, float *restrict out, Py_ssize_t n) {
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(in + i))));
+    halves_to_floats_by_table(in + i, out + i, n - i);
 }
 
 static void halves_to_floats(const uint16_t *restrict in, float *restrict out, Py_ssize_t n) {
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
+    if (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c"))
         halves_to_floats_f16c(in, out, n);
     else
         halves_to_floats_by_table(in, out, n);
