@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import onnx
+import pandas as pd
 import pytest
 
 import accudiff
@@ -93,6 +94,24 @@ def test_already_quantized_models(name, precision, run_cli, tmp_path):
     else:
         assert code == 2 and not (tmp_path / "report").exists()
         assert err.count("\n") == 1 and "already quantized" in err and "no float Conv/ConvTranspose/MatMul/Gemm left" in err, err
+
+
+def test_the_table_of_a_trained_model_does_not_depend_on_the_worker_count(tmp_path):
+    """On the recognizer, ONNX Runtime's unoptimized matrix products round by thread count, and an optimized
+    session rounds otherwise than an unoptimized one: every worker makes its sessions as the whole run's
+    size says (here just enough samples for optimized FP16 sessions), never by its share of the samples or
+    of the cores. Counts and maxima identical, float64 sums up to the order of addition."""
+    from accudiff.runners.onnxrt import OPTIMIZED_FROM_SAMPLES
+
+    path = _model("ppocr_rec_v4", tmp_path)
+    for seed in range(OPTIMIZED_FROM_SAMPLES):
+        save_feeds([realistic_inputs.ppocr_rec(seed)], tmp_path / f"line{seed:02d}.npz")
+    one, two = (accudiff.compare(path, "fp16", candidate="onnxrt", inputs=tmp_path, isolate=False, verify=False, workers=n) for n in (1, 2))
+    exact = ["tensor", "elements", "outside_count", "max_abs_err", "tol_ratio", "max_rel_err", "worst_index", "worst_sample", "flushed_to_zero"]
+    assert one.table["outside_count"].sum() > 0
+    pd.testing.assert_frame_equal(one.table[exact], two.table[exact])
+    pd.testing.assert_frame_equal(one.table, two.table, check_exact=False, rtol=1e-12)
+    pd.testing.assert_frame_equal(one.samples, two.samples)
 
 
 def test_subgraph_bisect_on_a_model_whose_network_sits_in_if_bodies(run_cli, tmp_path):

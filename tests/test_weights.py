@@ -198,13 +198,13 @@ def test_passes_running_one_file_read_it_once(tmp_path, monkeypatch):
 
 def test_a_few_samples_session_skips_prepacking_large_weights(tmp_path, monkeypatch):
     """Prepacking copies every MatMul/Gemm weight when a session is made: skipped for large weights unless
-    the session runs many samples."""
+    the run compares many samples."""
     from accudiff.runners import onnxrt
 
     path = _external(tmp_path)
-    for limit, runs_many, skipped in ((1 << 30, False, "0"), (16, False, "1"), (16, True, "0")):
+    for limit, samples, skipped in ((1 << 30, 1, "0"), (16, 1, "1"), (16, onnxrt.PREPACK_FROM_SAMPLES, "0")):
         monkeypatch.setattr(onnxrt, "PREPACK_UP_TO_BYTES", limit)
-        with OnnxrtRunner(path, ["y"], cpu=CpuOptions(runs_many=runs_many)) as runner:
+        with OnnxrtRunner(path, ["y"], cpu=CpuOptions(samples=samples)) as runner:
             entry = runner._session.get_session_options().get_session_config_entry
             assert (entry("session.disable_prepacking") if _has_entry(entry) else "0") == skipped
 

@@ -82,13 +82,17 @@ def run_shards(
 
 def _split(job: Job, entries: Sequence[Sequence[str]], indices: list[int], workers: int, threads: int | None) -> list[Job]:
     """`workers` shards of the samples, one job each, dealt out in turn: the first samples, which alone get
-    the isolated run (group.py), go to every worker (`threads`: None shares this machine's cores)."""
+    the isolated run (group.py), go to every worker (`threads`: None shares this machine's cores). Every
+    shard's sessions are made alike, whatever their number (see Job): locally each run has every core of
+    the machine, on Ray the one CPU a task gets."""
     count = len(entries)
     shards = [list(range(k, count, workers)) for k in range(min(workers, count))]
+    session_threads = threads or os.cpu_count() or 1
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // len(shards))
     return [
-        replace(job, samples=[list(entries[i]) for i in shard], sample_indices=[indices[i] for i in shard], result=f"{job.result}-{k}", threads=threads)
+        replace(job, samples=[list(entries[i]) for i in shard], sample_indices=[indices[i] for i in shard], result=f"{job.result}-{k}",
+                threads=threads, session_threads=session_threads, run_samples=count)
         for k, shard in enumerate(shards)
     ]
 

@@ -66,6 +66,11 @@ class Job:
     inputs: list[str] = field(default_factory=list)  # graph inputs whose ranges the diagnosis needs
     input_specs: list[list] = field(default_factory=list)  # [name, dtype, shape]: each sample is checked as it is read
     threads: int = 0  # cores this worker may use (0: all); several workers on one machine share them
+    # How its ONNX Runtime sessions are made is the same in every worker of a run, whatever the split: an
+    # unoptimized session's convolutions and matrix products round by thread count, and an optimized one
+    # otherwise than an unoptimized one, so the table would depend on --workers.
+    session_threads: int = 0  # threads of each run (0: `threads`)
+    run_samples: int = 0  # samples the whole run compares, over every worker (0: this job's)
     outputs_store: str | None = None  # a store folder where the reference's graph outputs are recorded
     largest_tensor: int = 0  # bytes: how the worker gets memory (memory.py; group.Plan)
 
@@ -240,7 +245,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
     from accudiff.model.source import ModelSource
     from accudiff.model.samples import Samples
     from accudiff.runners import CpuOptions, EngineShapes, TrtOptions, candidate_runner, reference_runner
-    from accudiff.runners.onnxrt import MANY_SAMPLES, release_shared_arena
+    from accudiff.runners.onnxrt import release_shared_arena
     from accudiff.runners.outputs import ReferenceStore
     from accudiff.runners.recorded import recorded_runner
     from accudiff.transforms.base import QuantRange
@@ -255,7 +260,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
     layer_report = Path(job.layer_report) if job.layer_report else None
 
     threads = job.threads or os.cpu_count() or 1
-    cpu = CpuOptions(threads, runs_many=len(job.sample_indices) >= MANY_SAMPLES, shared_arena=job.large_tensors)
+    cpu = CpuOptions(job.session_threads or threads, samples=job.run_samples or len(job.sample_indices), shared_arena=job.large_tensors)
 
     def factory(spec: dict):
         if spec["backend"] == "recorded":

@@ -33,9 +33,10 @@ from accudiff.runners.fp16_emulation import lower_fp16
 from accudiff.runners.base import Runner
 
 
-# A session whose weights reach this size prepacks them only if it runs many samples (see CpuOptions).
+# A session whose weights reach this size prepacks them only if its run compares many samples (see CpuOptions).
 PREPACK_UP_TO_BYTES = 256 << 20
-MANY_SAMPLES = 32
+PREPACK_FROM_SAMPLES = 32
+OPTIMIZED_FROM_SAMPLES = 16  # a lowered FP16 model's session is optimized from this many samples in the run
 # Weights a model holds itself (not in data files) up to this size go to ONNX Runtime inside the graph's
 # bytes; more are written to a side file it maps. It copies weights out of bytes: on resnet18 (45 MB) the
 # bytes cost 90 MB more at the peak and no time, writing the side file being as quick as the copy.
@@ -44,21 +45,26 @@ INLINE_WEIGHTS_UP_TO = 1 << 20
 
 @dataclass(frozen=True)
 class CpuOptions:
-    """How a session uses the CPU: `threads` cores per run (0: ONNX Runtime's default, all), and whether it
-    will run many samples (MANY_SAMPLES). ONNX Runtime prepacks MatMul/Gemm weights into its GEMM kernels'
-    layout when a session is created: about 1.4 s per GB of weights, and a second copy of a weight at its
-    peak, for runs some 15% faster (768x768 GEMMs of 128 rows). A session that runs few samples skips it
-    when its weights reach PREPACK_UP_TO_BYTES (below that it costs little, and a graph's results then do
-    not depend on how its weights were laid out: a switchboard matches its variants bit for bit).
+    """How a session uses the CPU: `threads` cores per run (0: ONNX Runtime's default, all), and how many
+    samples the whole run compares (`samples`, over every worker: a session is made the same way in each,
+    since how it is made can move its values by rounding-level amounts).
 
-    A lowered FP16 model (fp16_emulation.py) that runs few samples is not optimized: its Cast pairs leave
-    ONNX Runtime's fusions little to fuse, and what remains (convolutions in blocked layouts) costs more to
-    plan than it saves in one run. Sessions of the PP-OCRv4 recognizer's candidate: made in 0.07 s instead
-    of 0.16 s, first run as long; resnet18's: 0.02 s instead of 0.12 s, first run 0.05 s instead of 0.03 s.
-    Sessions that run many samples are optimized."""
+    ONNX Runtime prepacks MatMul/Gemm weights into its GEMM kernels' layout when a session is created:
+    about 1.4 s per GB of weights, and a second copy of a weight at its peak, for runs some 15% faster
+    (768x768 GEMMs of 128 rows). A session of a run of fewer than PREPACK_FROM_SAMPLES skips it when its
+    weights reach PREPACK_UP_TO_BYTES (below that it costs little, and a graph's results then do not depend
+    on how its weights were laid out: a switchboard matches its variants bit for bit).
+
+    A lowered FP16 model (fp16_emulation.py) of a run of fewer than OPTIMIZED_FROM_SAMPLES is not
+    optimized: its Cast pairs leave ONNX Runtime's fusions little to fuse, and what remains (convolutions
+    in blocked layouts) costs more to plan than it saves in one run. Sessions of the PP-OCRv4 recognizer's
+    candidate, whole, one thread: made in 0.044 s instead of 0.118 s, first run 0.091 s instead of 0.070 s,
+    later runs 0.057 s instead of 0.047 s; resnet18's: made in 0.03 s instead of 0.09 s, runs 0.038 s
+    instead of 0.029 s. Optimizing pays from about six runs of a worker: sixteen samples give eight to
+    each of two workers."""
 
     threads: int = 0
-    runs_many: bool = False
+    samples: int = 1
     shared_arena: bool = False  # allocate from the process's shared arena (see the module docstring)
 
 
@@ -91,7 +97,7 @@ class OnnxrtRunner(Runner):
 
         model, folder, weight_bytes, lowered = self._marked_model()
         options = ort.SessionOptions()
-        if lowered and not self.cpu.runs_many:
+        if lowered and self.cpu.samples < OPTIMIZED_FROM_SAMPLES:
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         options.log_severity_level = 4  # errors still raise, as one sentence; ONNX Runtime's own lines stay off the console
         options.enable_cpu_mem_arena = self.cpu.shared_arena
@@ -99,7 +105,7 @@ class OnnxrtRunner(Runner):
             _register_shared_arena()
             options.add_session_config_entry("session.use_env_allocators", "1")
         options.intra_op_num_threads = self.cpu.threads
-        if not self.cpu.runs_many and weight_bytes >= PREPACK_UP_TO_BYTES:
+        if self.cpu.samples < PREPACK_FROM_SAMPLES and weight_bytes >= PREPACK_UP_TO_BYTES:
             options.add_session_config_entry("session.disable_prepacking", "1")
         # A segmented comparison alternates many sessions and the statistics pass on the same cores: threads
         # left spinning after a run would steal them from whatever runs next.
