@@ -98,20 +98,29 @@ def test_already_quantized_models(name, precision, run_cli, tmp_path):
 
 def test_the_table_of_a_trained_model_does_not_depend_on_the_worker_count(tmp_path):
     """On the recognizer, ONNX Runtime's unoptimized matrix products round by thread count, and an optimized
-    session rounds otherwise than an unoptimized one: every worker makes its sessions as the whole run's
-    size says (here just enough samples for optimized FP16 sessions), never by its share of the samples or
-    of the cores. Counts and maxima identical, float64 sums up to the order of addition."""
+    session rounds otherwise than an unoptimized one: every worker makes a pass's sessions as the number of
+    samples the pass compares in the whole run says (here just enough for optimized FP16 candidate
+    sessions; the isolated run's eight stay below), never by its share of the samples or of the cores.
+    Counts and maxima identical, float64 sums up to the order of addition; the isolated figures are those
+    of a run of the first eight samples alone."""
+    from accudiff.comparison.group import ISOLATED_SAMPLES
     from accudiff.runners.onnxrt import OPTIMIZED_FROM_SAMPLES
 
     path = _model("ppocr_rec_v4", tmp_path)
-    for seed in range(OPTIMIZED_FROM_SAMPLES):
-        save_feeds([realistic_inputs.ppocr_rec(seed)], tmp_path / f"line{seed:02d}.npz")
-    one, two = (accudiff.compare(path, "fp16", candidate="onnxrt", inputs=tmp_path, isolate=False, verify=False, workers=n) for n in (1, 2))
+    lines = [realistic_inputs.ppocr_rec(seed) for seed in range(OPTIMIZED_FROM_SAMPLES)]
+    save_feeds(lines, tmp_path / "lines.npz")
+    save_feeds(lines[:ISOLATED_SAMPLES], tmp_path / "first.npz")
+    options = {"candidate": "onnxrt", "verify": False}
+    one, two = (accudiff.compare(path, "fp16", inputs=tmp_path / "lines.npz", workers=n, **options) for n in (1, 2))
+    first = accudiff.compare(path, "fp16", inputs=tmp_path / "first.npz", **options)
     exact = ["tensor", "elements", "outside_count", "max_abs_err", "tol_ratio", "max_rel_err", "worst_index", "worst_sample", "flushed_to_zero"]
     assert one.table["outside_count"].sum() > 0
     pd.testing.assert_frame_equal(one.table[exact], two.table[exact])
     pd.testing.assert_frame_equal(one.table, two.table, check_exact=False, rtol=1e-12)
     pd.testing.assert_frame_equal(one.samples, two.samples)
+    isolated = [c for c in one.table.columns if c.startswith("isolated_")]
+    assert isolated
+    pd.testing.assert_frame_equal(one.table[isolated], first.table[isolated])
 
 
 def test_subgraph_bisect_on_a_model_whose_network_sits_in_if_bodies(run_cli, tmp_path):

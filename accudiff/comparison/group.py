@@ -137,7 +137,8 @@ def make_candidate(
         isolated = working.with_name(f"isolated-{path.stem}.onnx")
         save_model(transformed.model, isolated)  # its graph: the weights are the candidate's, in the same folder
         up_to = group.samples[ISOLATED_SAMPLES] if len(group.samples) > ISOLATED_SAMPLES else None  # the group's first ones
-        passes.append({"name": "isolated", "model": str(isolated), "backend": kind, "fed_from_reference": fed, "samples": up_to})
+        runs = min(len(group.samples), ISOLATED_SAMPLES)  # how its sessions are made (worker.Job)
+        passes.append({"name": "isolated", "model": str(isolated), "backend": kind, "fed_from_reference": fed, "samples": up_to, "runs": runs})
     transformed.model = info.proto = onnx.ModelProto()
     return_freed_memory()
     return Candidate(info, transformed, working, passes, record)

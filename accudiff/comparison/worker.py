@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -48,7 +48,9 @@ class Job:
     """Everything a worker needs, as plain data (it crosses a process or machine boundary as JSON)."""
 
     reference: str
-    passes: list[dict]  # {"name", "model", "backend", "fed_from_reference": {input: tensor}, "layer_report": bool, "samples": int}
+    # {"name", "model", "backend", "fed_from_reference": {input: tensor}, "layer_report": bool, "samples": it runs on the
+    # samples numbered below this, "runs": how many of the run's samples it compares (absent: all)}
+    passes: list[dict]
     precision: str
     tensors: list[str]
     outputs: list[str]
@@ -267,11 +269,13 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
             return lambda model, outputs: recorded_runner(Path(spec["recorded"]), job.tensors, outputs, job.sample_indices, spec["label"])
         layers = layer_report if spec.get("layer_report") else None
 
+        runs = replace(cpu, samples=min(cpu.samples, spec.get("runs", cpu.samples)))
+
         def make(model: ModelSource, outputs: list[str]):
-            return candidate_runner(spec["backend"], model, outputs, job.precision, trt, shapes, layers, cpu)
+            return candidate_runner(spec["backend"], model, outputs, job.precision, trt, shapes, layers, runs)
 
         if spec.get("reuse"):
-            return lambda model, outputs: _REUSED.get((spec["backend"], str(model.path), tuple(outputs), job.precision, cpu), lambda: make(model, outputs))
+            return lambda model, outputs: _REUSED.get((spec["backend"], str(model.path), tuple(outputs), job.precision, runs), lambda: make(model, outputs))
         return make
 
     def plan(spec: dict) -> PassPlan:
