@@ -268,14 +268,13 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
         if spec["backend"] == "recorded":
             return lambda model, outputs: recorded_runner(Path(spec["recorded"]), job.tensors, outputs, job.sample_indices, spec["label"])
         layers = layer_report if spec.get("layer_report") else None
-
-        runs = replace(cpu, samples=min(cpu.samples, spec.get("runs", cpu.samples)))
+        pass_cpu = replace(cpu, samples=min(cpu.samples, spec.get("runs", cpu.samples)))  # the isolated run compares 8 at most
 
         def make(model: ModelSource, outputs: list[str]):
-            return candidate_runner(spec["backend"], model, outputs, job.precision, trt, shapes, layers, runs)
+            return candidate_runner(spec["backend"], model, outputs, job.precision, trt, shapes, layers, pass_cpu)
 
         if spec.get("reuse"):
-            return lambda model, outputs: _REUSED.get((spec["backend"], str(model.path), tuple(outputs), job.precision, runs), lambda: make(model, outputs))
+            return lambda model, outputs: _REUSED.get((spec["backend"], str(model.path), tuple(outputs), job.precision, pass_cpu), lambda: make(model, outputs))
         return make
 
     def plan(spec: dict) -> PassPlan:

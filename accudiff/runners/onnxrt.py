@@ -57,11 +57,11 @@ class CpuOptions:
 
     A lowered FP16 model (fp16_emulation.py) of a run of fewer than OPTIMIZED_FROM_SAMPLES is not
     optimized: its Cast pairs leave ONNX Runtime's fusions little to fuse, and what remains (convolutions
-    in blocked layouts) costs more to plan than it saves in one run. Sessions of the PP-OCRv4 recognizer's
-    candidate, whole, one thread: made in 0.044 s instead of 0.118 s, first run 0.091 s instead of 0.070 s,
-    later runs 0.057 s instead of 0.047 s; resnet18's: made in 0.03 s instead of 0.09 s, runs 0.038 s
-    instead of 0.029 s. Optimizing pays from about six runs of a worker: sixteen samples give eight to
-    each of two workers."""
+    in blocked layouts) costs more to plan than it saves in a few runs. Unoptimized against optimized, on
+    one thread, the PP-OCRv4 recognizer's whole candidate is made in 0.044 s against 0.118 s, runs first in
+    0.091 s against 0.070 s and then in 0.057 s against 0.047 s; resnet18's is made in 0.03 s against
+    0.09 s and runs in 0.038 s against 0.029 s. Optimizing pays from about six runs of a worker: sixteen
+    samples give eight to each of two workers."""
 
     threads: int = 0
     samples: int = 1
