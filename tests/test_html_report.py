@@ -11,6 +11,8 @@ import pytest
 
 import accudiff
 from accudiff.bisect.report import run_bisector
+from accudiff.report import plots
+from accudiff.report.svg import MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP
 from accudiff.settings import RunSettings
 from conftest import ROOT, fixture
 
@@ -75,6 +77,20 @@ def test_the_error_path_marks_the_verified_cause_and_the_absorbed_overflow(tmp_p
     path = (result.report_dir / "report.html").read_text().split('id="error-path"')[1].split("</svg>")[0]
     assert f"verified cause: {failure.cause.tensor}" in path
     assert f"absorbed by {drop.by_op_type} &#x27;{drop.by}&#x27;" in path and "ruled out: absorbed downstream" in path
+
+
+def test_a_tensor_without_finite_error_gets_a_sentence_not_empty_axes(tmp_path):
+    """nan_midgraph's output and its cause hold NaN/Inf where they fail and no other error: an error
+    histogram of them would be empty axes, and the scatter's NaN candidates sit above their references."""
+    accudiff.compare(fixture("nan_midgraph"), "fp16", candidate="onnxrt", verify=False, report_dir=tmp_path / "r")
+    page = (tmp_path / "r" / "report.html").read_text()
+    assert "absolute error (" not in page
+    assert page.count("no finite error above 0 to draw") == 2
+    for references in ([1.5, 2.5], [1.5, 1.5]):  # a range of one value is widened: the top is not 1.5
+        scatter = plots.candidate_vs_reference([[r, c] for r, c in zip(references, [float("nan"), float("inf")])], "y")
+        crosses = [(float(x) + 3, float(y) + 3) for x, y in re.findall(r'<path d="M([0-9.-]+),([0-9.-]+)L', scatter)]
+        inside = [(x, y) for x, y in crosses if MARGIN_LEFT <= x <= 400 - MARGIN_RIGHT]  # the legend's is not
+        assert len(inside) == 2 and all(y == MARGIN_TOP for _, y in inside)
 
 
 def test_plots_are_drawn_without_a_plotting_library(hostile_report):

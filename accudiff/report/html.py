@@ -220,16 +220,19 @@ def _failing_outputs(result) -> str:
     blocks = []
     indexed = result.table.set_index("tensor")
     for failure in result.output_failures:
-        figures = []
+        figures, undrawn = [], []
         for name in dict.fromkeys([failure.tensor, failure.cause.tensor] if failure.cause and failure.cause.tensor else [failure.tensor]):
             if name in result.error_sketches:
                 row = indexed.loc[name]
                 non_finite = int(row["ref_nan"] + row["ref_inf"] + row["cand_nan"] + row["cand_inf"])
-                figures.append(plots.error_distribution(result.error_sketches[name], name, non_finite))
+                histogram = plots.error_distribution(result.error_sketches[name], name, non_finite)
+                figures.append(histogram)
+                if histogram is None:
+                    undrawn.append(f"<p>'{escape(name)}': no finite error above 0 to draw (NaN/Inf values: {non_finite}).</p>")
         figures.append(plots.candidate_vs_reference(result.points.get(failure.tensor, []), failure.tensor))
         shown = [f for f in figures if f is not None]
-        if shown:
-            blocks.append(f"<h3>{escape(failure.tensor)}</h3><div class=\"plots\">{''.join(shown)}</div>")
+        if shown or undrawn:
+            blocks.append(f"<h3>{escape(failure.tensor)}</h3>{''.join(undrawn)}<div class=\"plots\">{''.join(shown)}</div>")
     if not blocks:
         return ""
     note = "<p>Error histograms count every element (from the comparison's sketch); the scatter shows sampled elements, the worst first.</p>"

@@ -59,10 +59,13 @@ def error_path(
 
 def error_distribution(sketch: np.ndarray, name: str, non_finite: int = 0) -> str | None:
     """Histogram of the absolute error of every element (one bar per octave, from the sketch); elements
-    where either side is NaN/Inf have no finite error and are counted in the title instead."""
+    where either side is NaN/Inf have no finite error and are counted in the title instead. None when no
+    finite error is above 0: empty axes would say nothing (the caller says it in words)."""
     edges, counts, zeros = error_histogram(sketch)
+    if not counts.size:
+        return None
     extra = f", {non_finite} NaN/Inf not shown" if non_finite else ""
-    chart = Chart(460, 290, (edges[0], edges[-1]) if counts.size else (1e-8, 1.0), (0, float(counts.max()) if counts.size else 1.0), x_log=True)
+    chart = Chart(460, 290, (edges[0], edges[-1]), (0, float(counts.max())), x_log=True)
     chart.title = f"{short(name, 36)}: absolute error ({zeros} exact{extra})"
     chart.x_label, chart.y_label = "|candidate - reference|", "elements"
     chart.bars(edges[:-1], edges[1:], counts, LINE_COLOUR)
@@ -70,19 +73,23 @@ def error_distribution(sketch: np.ndarray, name: str, non_finite: int = 0) -> st
 
 
 def candidate_vs_reference(points: Sequence[Sequence[float]], name: str) -> str | None:
-    """Candidate against reference for sampled elements; non-finite candidates drawn at the plot's top edge."""
+    """Candidate against reference for sampled elements; non-finite candidates drawn at the plot's top edge,
+    above their reference values (which the axes cover too)."""
     if not points:
         return None
     pairs = np.asarray(points, np.float64)
     ref, cand = pairs[:, 0], pairs[:, 1]
     finite = np.isfinite(ref) & np.isfinite(cand)
-    values = np.concatenate([ref[finite], cand[finite]]) if finite.any() else np.array([0.0, 1.0])
+    broken = ~np.isfinite(cand) & np.isfinite(ref)
+    values = np.concatenate([ref[finite], cand[finite], ref[broken]])
+    if not values.size:
+        values = np.array([0.0, 1.0])
     low, high = float(values.min()), float(values.max())
     chart = Chart(400, 340, (low, high), (low, high))
     chart.title = f"{short(name, 36)}: {len(pairs)} sampled elements"
     chart.x_label, chart.y_label = "reference", "candidate"
-    chart.line([low, high], [low, high], ABSORBED_COLOUR, dash="2,3", width=0.8)
+    edge_low, edge_high = chart.y_low, chart.y_high  # the axes' ends (a range of one value is widened)
+    chart.line([edge_low, edge_high], [edge_low, edge_high], ABSORBED_COLOUR, dash="2,3", width=0.8)
     chart.markers(ref[finite], cand[finite], LINE_COLOUR, size=1.6)
-    broken = ~np.isfinite(cand) & np.isfinite(ref)
-    chart.markers(ref[broken], np.full(int(broken.sum()), high), FAIL_COLOUR, "candidate NaN/Inf", shape="cross")
+    chart.markers(ref[broken], np.full(int(broken.sum()), edge_high), FAIL_COLOUR, "candidate NaN/Inf", shape="cross")
     return chart.render()
