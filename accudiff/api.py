@@ -97,7 +97,7 @@ def run(
         result, context = judge(info, transformed, outcome, settings, samples)
         result.worker_timings["comparison"] = outcome["timings"]
         laps.lap("diagnose")
-        unverified = None
+        unverified = []
         if settings.verify and result.output_failures:
             unverified = verify_outputs(result, context, settings, runs, samples, where.scratch)
             laps.lap("verify")
@@ -105,7 +105,7 @@ def run(
         inlined_engine = BRANCHES_INLINED_FOR_TRT if any(g.taken for g in groups) and settings.uses_trt else None
         notices = [*captured.notices, *describe_groups(groups, len(samples)), inlined_engine, isolation_notice(settings, groups),
                    *transformed.warnings, *outcome["passes"]["candidate"]["notices"]]
-        result.notices = [n for n in [chosen_backend, *notices, unverified] if n]
+        result.notices = [n for n in [chosen_backend, *notices, *unverified] if n]
         result.candidate_models = [r.candidate.path.name for r in runs]
         result.branches = [{"samples": g.samples, "taken": g.taken} for g in groups if g.taken]
         _report(result, settings, where, samples, laps)

@@ -118,3 +118,63 @@ def test_a_dataset_calibrates_int8_too(tmp_path):
         np.savez(data / f"{i}.npz", x=np.random.default_rng(i).uniform(0, 1, (1, 3, 16, 16)).astype(np.float32))
     result = accudiff.compare(fixture("clean"), "int8", candidate="onnxrt", calib_data=data)
     assert not any("random data" in notice for notice in result.notices)
+
+
+def test_each_failing_output_is_verified_on_a_sample_where_it_fails(tmp_path):
+    """Two outputs: 'big' overflows FP16 on nine samples, 'fine' loses its small part (2048 + y rounds to
+    a multiple of 2 in FP16) on the tenth only. Taken by the worst rows alone, the eight samples
+    verification tries were all 'big' ones, where 'fine' passes: its repair was "verified" from the whole
+    run's figure to a pass it never had to earn. Each output's worst failing sample is tried now, and
+    every repair starts from a control that fails. Neither node of 'fine' repairs it alone: the Sub
+    cancels against a weight, a cancellation the rules name with the node computing what it reads."""
+    from onnx import helper, numpy_helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "k"], ["big"], name="scale_up"),
+         helper.make_node("Add", ["y", "offset"], ["shifted"], name="shift"),
+         helper.make_node("Sub", ["shifted", "offset"], ["fine"], name="unshift")],
+        "two_faults",
+        [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [1, 4]) for n in ("x", "y")],
+        [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [1, 4]) for n in ("big", "fine")],
+        [numpy_helper.from_array(np.array(1000.0, np.float32), "k"), numpy_helper.from_array(np.array(2048.0, np.float32), "offset")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "two.onnx")
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.uniform(100, 200, (1, 4)).astype(np.float32), "y": np.zeros((1, 4), np.float32)} for _ in range(9)]
+    feeds.append({"x": np.ones((1, 4), np.float32), "y": rng.uniform(0.2, 0.8, (1, 4)).astype(np.float32)})
+    save_feeds(feeds, tmp_path / "data.npz")
+    result = accudiff.compare(tmp_path / "two.onnx", "fp16", candidate="onnxrt", inputs=tmp_path / "data.npz")
+    repairs = {f.tensor: f.repair for f in result.output_failures}
+    assert set(repairs) == {"big", "fine"}
+    assert 9 in repairs["fine"].samples
+    for repair in repairs.values():
+        assert repair.steps[0].tol_ratio > 1 and repair.verified
+    fine = next(f for f in result.output_failures if f.tensor == "fine")
+    assert fine.cause.node == "unshift" and "cancellation" in [f.kind for f in fine.cause.findings]
+    assert sorted(fine.repair.keep) == ["shift", "unshift"]
+
+
+def test_an_output_that_passes_in_the_control_keeps_the_rules_hypothesis(tmp_path):
+    """Nine outputs, each overflowing FP16 on its own sample: verification tries eight samples, so one
+    output passes in its control run (nothing kept). Its cause stays unverified and a notice says why,
+    instead of a repair "verified" from a failure the trials never saw (the keep-lists were judged
+    against the whole run's figure before)."""
+    from onnx import helper, numpy_helper
+
+    count = 9
+    nodes = [helper.make_node("Split", ["x"], [f"part{i}" for i in range(count)], name="split", axis=1, num_outputs=count)]
+    nodes += [helper.make_node("Mul", [f"part{i}", "k"], [f"y{i}"], name=f"scale{i}") for i in range(count)]
+    graph = helper.make_graph(
+        nodes, "nine_outputs", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, count])],
+        [helper.make_tensor_value_info(f"y{i}", onnx.TensorProto.FLOAT, [1, 1]) for i in range(count)],
+        [numpy_helper.from_array(np.array(1000.0, np.float32), "k")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), tmp_path / "nine.onnx")
+    save_feeds([{"x": np.where(np.arange(count) == i, 100.0 + i, 1.0).astype(np.float32)[None]} for i in range(count)], tmp_path / "data.npz")
+    result = accudiff.compare(tmp_path / "nine.onnx", "fp16", candidate="onnxrt", inputs=tmp_path / "data.npz")
+    assert len(result.output_failures) == count
+    unverified = [f for f in result.output_failures if not f.cause.verified]
+    assert len(unverified) == 1 and unverified[0].repair is None
+    notice = next(n for n in result.notices if "cannot be verified where the failure does not show" in n)
+    assert f"'{unverified[0].tensor}'" in notice and "on the 8 sample(s) verification runs" in notice
+    assert all(f.repair.verified and f.repair.steps[0].tol_ratio > 1 for f in result.output_failures if f is not unverified[0])

@@ -123,6 +123,29 @@ def test_the_table_of_a_trained_model_does_not_depend_on_the_worker_count(tmp_pa
     pd.testing.assert_frame_equal(one.table[isolated], first.table[isolated])
 
 
+def test_verification_measures_its_control_on_the_samples_and_sessions_it_tries(tmp_path):
+    """Sixteen of the recognizer's drawn lines make the comparison's FP16 sessions optimized, while
+    verification's trials, on at most eight failing samples, are not. Each repair's first step (nothing
+    kept) is measured by the trials themselves: it equals the output's figure in a comparison of those
+    samples alone, not the whole run's (which mixed an optimized session's rounding and other samples
+    into the ratio every keep was judged against: 17.66x where the trials measured 17.94x). Up to the
+    trials' FP32 reference: beyond eight samples it runs with only the graph outputs marked, which ONNX
+    Runtime fuses otherwise (a few parts in a million)."""
+    from accudiff.runners.onnxrt import OPTIMIZED_FROM_SAMPLES
+
+    path = _model("ppocr_rec_v4", tmp_path)
+    lines = [realistic_inputs.ppocr_rec(seed) for seed in range(OPTIMIZED_FROM_SAMPLES)]
+    save_feeds(lines, tmp_path / "lines.npz")
+    whole = accudiff.compare(path, "fp16", inputs=tmp_path / "lines.npz", candidate="onnxrt", verify_budget=4)
+    assert whole.output_failures
+    for failure in whole.output_failures:
+        repair = failure.repair
+        save_feeds([lines[s] for s in repair.samples], tmp_path / "tried.npz")
+        alone = accudiff.compare(path, "fp16", inputs=tmp_path / "tried.npz", candidate="onnxrt", verify=False, isolate=False)
+        expected = alone.table.set_index("tensor").loc[failure.tensor, "tol_ratio"]
+        assert repair.steps[0].keep == [] and repair.steps[0].tol_ratio == pytest.approx(expected, rel=1e-4), (repair.steps[0], expected)
+
+
 def test_subgraph_bisect_on_a_model_whose_network_sits_in_if_bodies(run_cli, tmp_path):
     """silero VAD: its whole network is inside nested Ifs and its weights are Constant nodes. bisect
     subgraph cuts the reproducer from the model with the taken branches inlined, its weight travels with

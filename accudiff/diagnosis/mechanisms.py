@@ -1,8 +1,9 @@
 """Numerical mechanisms a numerical analyst would name, read from the statistics table with their figures.
 
 * cancellation: an Add/Sub whose result is much smaller than its operands. Each operand carries FP16's
-  rounding (2^-11 of its size); relative to the result that error is amplified by (|a|+|b|)/|a±b|. The
-  classic case is a variance computed as E[x²] − E[x]².
+  rounding (2^-11 of its size); relative to the result that error is amplified by (|a|+|b|)/|a±b| (against
+  a weight, |a|/|a±b|: only the computed operand counts). The classic case is a variance computed as
+  E[x²] − E[x]².
 * amplifiers: ops downstream that grow a small relative error (Reciprocal, Sqrt, Div, Exp, Pow, Log):
   where the accumulated SQNR falls across such a node, it is named with the drop.
 * absorption: a node whose NaN/Inf a later saturating op (Tanh, Sigmoid, Min/Clip, Softmax...) turns back
@@ -50,18 +51,20 @@ def cancellations(output: str, table: pd.DataFrame, context: DiagnosisContext, r
     for tensor, row in table[table.index.isin(ancestors) & table["op_type"].isin(["Add", "Sub"])].iterrows():
         if row["node"] not in context.converted or not row["ref_absmax"] > 0:
             continue
+        # A weight or graph input operand has no row: only the computed operands' rounding is counted.
         operands = [name for name in context.upstream.get(tensor, []) if name in table.index]
-        if len(operands) != 2:
+        if not 1 <= len(operands) <= 2:
             continue
         sizes = [float(table.loc[name, "ref_absmax"]) for name in operands]
         amplification = sum(sizes) / float(row["ref_absmax"])
         if amplification * roundoff < rtol:
             continue
         form = "the variance computed as E[x²] − E[x]² cancels" if any(_is_square(name, table, context) for name in operands) else "it cancels"
+        reach = f"its operands reach {sizes[0]:.3g} and {sizes[1]:.3g}" if len(sizes) == 2 else (
+            f"its operand '{operands[0]}' reaches {sizes[0]:.3g} (the other is a weight or a graph input)")
         message = (
-            f"{form}: its operands reach {sizes[0]:.3g} and {sizes[1]:.3g}, its result only {row['ref_absmax']:.3g}, so FP16's rounding "
-            f"of the operands (2^-11 of their size) is amplified {amplification:.0f}x, to {amplification * roundoff:.1%} of the result "
-            f"(tolerance rtol {rtol:g})"
+            f"{form}: {reach}, its result only {row['ref_absmax']:.3g}, so FP16's rounding of what it reads "
+            f"(2^-11 of its size) is amplified {amplification:.0f}x, to {amplification * roundoff:.1%} of the result (tolerance rtol {rtol:g})"
         )
         found.append(Cancellation(row["node"], tensor, row["op_type"], Finding("cancellation", message), _operand_unit(tensor, operands, table, context)))
     return found
@@ -121,11 +124,13 @@ def _is_square(tensor: str, table: pd.DataFrame, context: DiagnosisContext) -> b
 
 
 def _operand_unit(tensor: str, operands: list[str], table: pd.DataFrame, context: DiagnosisContext) -> list[str]:
-    """The nodes computing the operands from their common source, and the cancelling node itself."""
-    first, second = (ancestor_tensors(name, context.upstream) for name in operands)
-    own = (first | second) - (first & second)
-    nodes = list(dict.fromkeys(table.loc[table.index.isin(own), "node"].tolist() + [table.loc[tensor, "node"]]))
-    if len(nodes) > MAX_UNIT_NODES:
-        nodes = [table.loc[name, "node"] for name in operands] + [table.loc[tensor, "node"]]
+    """The nodes computing the operands from their common source (with one computed operand, its own
+    node), and the cancelling node itself."""
+    nodes = [table.loc[name, "node"] for name in operands] + [table.loc[tensor, "node"]]
+    if len(operands) == 2:
+        first, second = (ancestor_tensors(name, context.upstream) for name in operands)
+        own = (first | second) - (first & second)
+        common = list(dict.fromkeys(table.loc[table.index.isin(own), "node"].tolist() + [table.loc[tensor, "node"]]))
+        nodes = common if len(common) <= MAX_UNIT_NODES else nodes
     return [node for node in nodes if node in context.converted]
 

@@ -8,7 +8,12 @@ The rules (cause.py) and mechanisms (mechanisms.py) only nominate suspects. For 
    across them (where error enters: early layers, whose rounding depth amplifies, show up here).
 2. Screen: each suspect kept in higher precision on its own (closed over precision boundaries), the
    candidate run again on the failing samples, graph outputs only (comparison/trial.py). A flagged node
-   whose keep leaves the output as it was is `absorbed`: its error never reaches the output.
+   whose keep leaves the output as it was is `absorbed`: its error never reaches the output. Beside
+   them, in the same batch, the candidate with nothing kept: the control every keep is measured against.
+   The comparison's own figure is not one: it covers every sample, where the trials run the worst
+   failing few, and its sessions may be made otherwise (optimized for many samples, a TensorRT engine
+   built with other tactics). An output that passes in the control (it fails on other samples, or the
+   rerun does not show its failure) keeps the rules' hypothesis as its cause.
 3. Confirm greedily: keep the suspect that helps most; while the output still fails, try the next two
    beside it (in one call) and add the better if it helps, within the budget of runs per output. The steps and their tolerance ratios are the `Repair`; it is verified
    only when its last run is within tolerance.
@@ -29,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from accudiff.comparison.group import GroupRun, could_be_a_shape
-from accudiff.comparison.trial import MAX_TRIAL_SAMPLES, TrialSetup, Trials, trial_workers
+from accudiff.comparison.trial import MAX_TRIAL_SAMPLES, TrialOutcome, TrialSetup, Trials, trial_workers
 from accudiff.comparison.worker import prestart
 from accudiff.diagnosis.cause import Absorbed, Cause, Contributor, ancestor_tensors, flagged_nodes, rank_contributors
 from accudiff.diagnosis.mechanisms import absorber, amplifiers, cancellations
@@ -82,28 +87,29 @@ class _Suspect:
     tol_ratio: float = math.inf
 
 
-def verify_outputs(result: CompareResult, context: DiagnosisContext, settings: RunSettings, runs: Sequence[GroupRun], samples: Samples, scratch: Path) -> str | None:
+def verify_outputs(result: CompareResult, context: DiagnosisContext, settings: RunSettings, runs: Sequence[GroupRun], samples: Samples, scratch: Path) -> list[str]:
     """The verify stage: each failing output's suspects tested at the output (`verify_causes`) on the
     worst failing samples, by trials of the candidate `compare` built; the output failures get their
     verified causes and repairs. A candidate captured elsewhere cannot run again: ONNX Runtime's model of
-    the same precision stands in for it, on the outputs that fail there too. Returns a notice when
-    verification cannot run (or not on every failing output)."""
+    the same precision stands in for it, on the outputs that fail there too. Returns the notices of the
+    outputs whose causes could not be verified."""
     if len(runs) > 1:
-        return (f"causes were not verified: the samples take {len(runs)} different combinations of If branches "
-                "(compare each group's samples on their own to verify)")
+        return [f"causes were not verified: the samples take {len(runs)} different combinations of If branches "
+                "(compare each group's samples on their own to verify)"]
     if settings.trt.engine is not None:
-        return "causes were not verified: a pre-built engine (--engine) cannot be rebuilt with nodes kept in higher precision"
+        return ["causes were not verified: a pre-built engine (--engine) cannot be rebuilt with nodes kept in higher precision"]
     indexed = result.table.set_index("tensor", drop=False)
     failures = result.output_failures
-    ratio_column, stand_in, notice = "tol_ratio", None, None
+    stand_in, notices = None, []
     if settings.backend[0] == "recorded":
         stand_in, notice, failures = _stand_in(failures, indexed, settings)
+        notices = [notice] if notice else []
         if stand_in is None:
-            return notice
-        ratio_column, settings = f"{settings.also}_tol_ratio", replace(settings, load_candidate=None, candidate_runner=None, candidate=settings.also, also=None)
+            return notices
+        settings = replace(settings, load_candidate=None, candidate_runner=None, candidate=settings.also, also=None)
     prestart(trial_workers(settings))  # the trial workers start while their models are prepared (or are warm)
     candidate = runs[0].candidate
-    chosen = list(dict.fromkeys(int(s) for s in result.failing_samples["sample"]))[:MAX_TRIAL_SAMPLES] or [0]
+    chosen = _trial_samples(result.failing_samples, [f.tensor for f in failures])
     info = read_again(candidate.info)
     base = replace(candidate.transformed, model=load_graph(candidate.path))
     first = samples[chosen[0]]
@@ -111,17 +117,30 @@ def verify_outputs(result: CompareResult, context: DiagnosisContext, settings: R
         info, CandidateVariants(info, settings.recipe(), base=base), samples.subset(chosen), settings, scratch / "verify",
         {name: first[name].reshape(-1).tolist() for name in first if could_be_a_shape(first[name])},
     )
-    ratios = {f.tensor: float(indexed.loc[f.tensor, ratio_column]) for f in failures}
     recorded = (runs[0].outputs, chosen) if runs[0].outputs is not None else None
     with Trials(setup, indexed, recorded) as trials:
-        verdicts = verify_causes(ratios, indexed, context, trials, settings.verify_budget, settings.tolerances.default.rtol)
+        verdicts, control = verify_causes([f.tensor for f in failures], indexed, context, trials, settings.verify_budget, settings.tolerances.default.rtol)
     result.worker_timings["verification"] = trials.timings
     result.output_failures = [
         replace(f, cause=replace(verdicts[f.tensor][0], stand_in=stand_in), repair=replace(verdicts[f.tensor][1], samples=chosen))
         if f.tensor in verdicts else f
         for f in result.output_failures
     ]
-    return notice
+    passed = [f"'{f.tensor}' ({times_tolerance(control.tol_ratio.get(f.tensor, math.inf), '')})" for f in failures if f.tensor not in verdicts]
+    if passed:
+        notices.append(
+            f"output(s) {', '.join(passed)} met the tolerance on the {len(chosen)} sample(s) verification runs (the worst failing ones), "
+            f"{stand_in or 'the candidate'} run again with nothing kept: a keep cannot be verified where the failure does not show, "
+            "so the cause stays the rules' hypothesis")
+    return notices
+
+
+def _trial_samples(failing: pd.DataFrame, outputs: Sequence[str]) -> list[int]:
+    """The samples verification tries (at most MAX_TRIAL_SAMPLES): each failing output's worst first,
+    then the worst of any output. Taken by the worst rows alone, one output's failures could fill them
+    all, and another output would be verified on samples where it passes."""
+    worst = failing[failing["tensor"].isin(outputs)].drop_duplicates("tensor")["sample"]
+    return list(dict.fromkeys(int(s) for s in [*worst, *failing["sample"]]))[:MAX_TRIAL_SAMPLES] or [0]
 
 
 def _stand_in(failures: list, table: pd.DataFrame, settings: RunSettings) -> tuple[str | None, str | None, list]:
@@ -144,20 +163,25 @@ def _stand_in(failures: list, table: pd.DataFrame, settings: RunSettings) -> tup
 
 
 def verify_causes(
-    ratios: dict[str, float], table: pd.DataFrame, context: DiagnosisContext, trials: Trials, budget: int, rtol: float
-) -> dict[str, tuple[Cause, Repair]]:
-    """For each failing output (with its tolerance ratio), the verified cause and repair (`table` indexed
-    by tensor, topological order). The screens of all outputs run as one batch."""
-    suspects = {output: _suspects(output, table, context, rtol)[: max(budget - GREEDY_RESERVE, 1)] for output in ratios}
-    keep_lists = list(dict.fromkeys(tuple(s.keep) for group in suspects.values() for s in group))
+    outputs: Sequence[str], table: pd.DataFrame, context: DiagnosisContext, trials: Trials, budget: int, rtol: float
+) -> tuple[dict[str, tuple[Cause, Repair]], TrialOutcome]:
+    """For each failing output that fails again in the control (nothing kept), the verified cause and
+    repair (`table` indexed by tensor, topological order); and the control. The screens of all outputs
+    and the control run as one batch."""
+    suspects = {output: _suspects(output, table, context, rtol)[: max(budget - GREEDY_RESERVE, 1)] for output in outputs}
+    keep_lists = list(dict.fromkeys([(), *(tuple(s.keep) for group in suspects.values() for s in group)]))
     screened = dict(zip(keep_lists, trials.run([list(k) for k in keep_lists])))
+    control = screened[()]
     verdicts = {}
     for output, group in suspects.items():
+        before = control.tol_ratio.get(output, math.inf)
+        if before <= 1.0:
+            continue
         for suspect in group:
             outcome = screened[tuple(suspect.keep)]
             suspect.tried, suspect.tol_ratio = outcome.keep, outcome.tol_ratio.get(output, math.inf)
-        verdicts[output] = _conclude(output, ratios[output], group, table, context, trials, budget - len(group))
-    return verdicts
+        verdicts[output] = _conclude(output, before, group, table, context, trials, budget - len(group))
+    return verdicts, control
 
 
 def _suspects(output: str, table: pd.DataFrame, context: DiagnosisContext, rtol: float) -> list[_Suspect]:
@@ -238,8 +262,9 @@ def _conclude(
     phrase = keep_phrase(context.precision)
     if repair.verified and len(used) == 1:
         best = used[0]
-        extra = len(best.tried) - 1
-        needs = f" (with {extra} node(s) its boundaries need)" if extra else ""
+        reads, boundary = len(best.keep) - 1, len(best.tried) - len(best.keep)
+        needs = ", ".join(filter(None, [reads and f"{reads} node(s) computing what it reads", boundary and f"{boundary} node(s) its boundaries need"]))
+        needs = f" (with {needs})" if needs else ""
         verdict = Finding("verified", f"{phrase}{needs} brings the output from {times_tolerance(before, '')} to {times_tolerance(best.tol_ratio)}")
         return Cause("local", best.node, best.tensor, best.op_type, [*best.findings, verdict], **common), repair
     gains = [improvement(a.tol_ratio, b.tol_ratio) for a, b in zip(steps, steps[1:])]

@@ -158,7 +158,7 @@ def repair_lines(failure, result) -> list[str]:
     flag = {"fp16": " --fp16", "int8": " --int8"}.get(result.precision, "")
     if repair is None or len(repair.steps) < 2:
         return [f"  to find the nodes to keep in higher precision: accudiff bisect precision {result.model}{flag}"]
-    samples = f"on {len(repair.samples)} failing sample(s)" if repair.samples else ""
+    samples = (f"on sample {repair.samples[0]}" if len(repair.samples) == 1 else f"on samples {', '.join(map(str, repair.samples))}") if repair.samples else ""
     if failure.cause is not None and failure.cause.stand_in:
         samples += f" of {failure.cause.stand_in}"
     head = "repair (verified" if repair.verified else "repair (NOT verified: the output still fails"
