@@ -172,7 +172,7 @@ def repair_lines(failure, result) -> list[str]:
 
 
 def _kept_effect(c) -> str:
-    return f"kept, the output is at {times_tolerance(c.tol_ratio_kept)}" + (f" ({len(c.keep)} nodes kept with what its boundaries need)" if len(c.keep) > 1 else "")
+    return f"kept, the output is at {times_tolerance(c.tol_ratio_kept)}" + (f" (with {len(c.keep) - 1} node(s) it needs kept beside it)" if len(c.keep) > 1 else "")
 
 
 def _own_error(c) -> str:
