@@ -109,7 +109,8 @@ def verify_outputs(result: CompareResult, context: DiagnosisContext, settings: R
         settings = replace(settings, load_candidate=None, candidate_runner=None, candidate=settings.also, also=None)
     prestart(trial_workers(settings))  # the trial workers start while their models are prepared (or are warm)
     candidate = runs[0].candidate
-    chosen = _trial_samples(result.failing_samples, [f.tensor for f in failures])
+    outputs = [f.tensor for f in failures]
+    chosen = _trial_samples(result.failing_samples, outputs)
     info = read_again(candidate.info)
     base = replace(candidate.transformed, model=load_graph(candidate.path))
     first = samples[chosen[0]]
@@ -119,14 +120,14 @@ def verify_outputs(result: CompareResult, context: DiagnosisContext, settings: R
     )
     recorded = (runs[0].outputs, chosen) if runs[0].outputs is not None else None
     with Trials(setup, indexed, recorded) as trials:
-        verdicts, control = verify_causes([f.tensor for f in failures], indexed, context, trials, settings.verify_budget, settings.tolerances.default.rtol)
+        verdicts, control = verify_causes(outputs, indexed, context, trials, settings.verify_budget, settings.tolerances.default.rtol)
     result.worker_timings["verification"] = trials.timings
     result.output_failures = [
         replace(f, cause=replace(verdicts[f.tensor][0], stand_in=stand_in), repair=replace(verdicts[f.tensor][1], samples=chosen))
         if f.tensor in verdicts else f
         for f in result.output_failures
     ]
-    passed = [f"'{f.tensor}' ({times_tolerance(control.tol_ratio.get(f.tensor, math.inf), '')})" for f in failures if f.tensor not in verdicts]
+    passed = [f"'{name}' ({times_tolerance(control.tol_ratio.get(name, math.inf), '')})" for name in outputs if name not in verdicts]
     if passed:
         notices.append(
             f"output(s) {', '.join(passed)} met the tolerance on the {len(chosen)} sample(s) verification runs (the worst failing ones), "
