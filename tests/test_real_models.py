@@ -131,12 +131,13 @@ def test_verification_measures_its_control_on_the_samples_and_sessions_it_tries(
     into the ratio every keep was judged against: 17.66x where the trials measured 17.94x). Up to the
     trials' FP32 reference: beyond eight samples it runs with only the graph outputs marked, which ONNX
     Runtime fuses otherwise (a few parts in a million)."""
+    from accudiff.report.content import repair_lines
     from accudiff.runners.onnxrt import OPTIMIZED_FROM_SAMPLES
 
     path = _model("ppocr_rec_v4", tmp_path)
     lines = [realistic_inputs.ppocr_rec(seed) for seed in range(OPTIMIZED_FROM_SAMPLES)]
     save_feeds(lines, tmp_path / "lines.npz")
-    whole = accudiff.compare(path, "fp16", inputs=tmp_path / "lines.npz", candidate="onnxrt", verify_budget=4)
+    whole = accudiff.compare(path, "fp16", inputs=tmp_path / "lines.npz", candidate="onnxrt")
     assert whole.output_failures
     for failure in whole.output_failures:
         repair = failure.repair
@@ -144,6 +145,10 @@ def test_verification_measures_its_control_on_the_samples_and_sessions_it_tries(
         alone = accudiff.compare(path, "fp16", inputs=tmp_path / "tried.npz", candidate="onnxrt", verify=False, isolate=False)
         expected = alone.table.set_index("tensor").loc[failure.tensor, "tol_ratio"]
         assert repair.steps[0].keep == [] and repair.steps[0].tol_ratio == pytest.approx(expected, rel=1e-4), (repair.steps[0], expected)
+        # The console names the samples tried, and claims no more than the worst of them still failing.
+        listed = ", ".join(map(str, repair.samples))
+        assert len(repair.steps) > 1 and not repair.verified
+        assert f"(NOT verified: tried on samples {listed}, the output still fails)" in repair_lines(failure, whole)[0]
 
 
 def test_subgraph_bisect_on_a_model_whose_network_sits_in_if_bodies(run_cli, tmp_path):

@@ -161,8 +161,9 @@ def repair_lines(failure, result) -> list[str]:
     samples = (f"on sample {repair.samples[0]}" if len(repair.samples) == 1 else f"on samples {', '.join(map(str, repair.samples))}") if repair.samples else ""
     if failure.cause is not None and failure.cause.stand_in:
         samples += f" of {failure.cause.stand_in}"
-    head = "repair (verified" if repair.verified else "repair (NOT verified: the output still fails"
-    lines = [f"  {head} {samples}): keep {len(repair.keep)} node(s) in higher precision: " + ", ".join(f"'{n}'" for n in repair.keep)]
+    # Unverified, the worst of the samples tried is what still fails, not each of them.
+    how = f"verified {samples}" if repair.verified else f"NOT verified: tried {samples}, the output still fails"
+    lines = [f"  repair ({how}): keep {len(repair.keep)} node(s) in higher precision: " + ", ".join(f"'{n}'" for n in repair.keep)]
     for number, step in enumerate(repair.steps):
         kept = "nothing kept" if not step.keep else f"keep {len(step.keep)} node(s)"
         lines.append(f"    step {number}: {kept} -> output at {times_tolerance(step.tol_ratio)}")
