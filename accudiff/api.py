@@ -2,6 +2,7 @@
 call this; each stage is a function in the module that owns it:
 
     load      model/loading.py       the model's inventory; the settings checked against it
+              (transforms/float_form.py: a model that is its own candidate gets its float form as reference)
     samples   model/samples.py       inputs loaded, given or generated
     groups    comparison/branches.py samples grouped by the If branches they take
     captured  model/run_results.py   tensors captured elsewhere (polygraphy's RunResults), read into stores
@@ -32,6 +33,7 @@ from accudiff.model.samples import Samples, prepare_samples
 from accudiff.report.content import CANDIDATE_MODEL_FILE, INPUTS_FILE
 from accudiff.runners import TrtOptions
 from accudiff.runners.outputs import ReferenceCache
+from accudiff.transforms.float_form import float_reference
 from accudiff.settings import RunSettings
 from accudiff.workspace import Progress, Workspace, workspace
 
@@ -68,6 +70,9 @@ def run(
     with workspace(settings.report_dir, progress, reference_cache) as where:
         if settings.ray is None:
             prestart()  # the first worker starts while the samples are read and the candidate is built
+        float_form = []
+        if settings.given_alone:  # the model is its own candidate: the reference is its float form
+            info, float_form = float_reference(info, where.scratch)
         samples = prepare_samples(info, settings, where.folder.path / INPUTS_FILE)
         groups = plan_groups(info, samples, settings, where.scratch)
         laps.lap("load")
@@ -99,11 +104,12 @@ def run(
         laps.lap("diagnose")
         unverified = []
         if settings.verify and result.output_failures:
-            unverified = verify_outputs(result, context, settings, runs, samples, where.scratch)
+            report = where.folder.path if where.folder.final is not None else None
+            unverified = verify_outputs(result, context, settings, runs, samples, where.scratch, report)
             laps.lap("verify")
         attach_sketches(result, info, outcome)
         inlined_engine = BRANCHES_INLINED_FOR_TRT if any(g.taken for g in groups) and settings.uses_trt else None
-        notices = [*captured.notices, *describe_groups(groups, len(samples)), inlined_engine, isolation_notice(settings, groups),
+        notices = [*float_form, *captured.notices, *describe_groups(groups, len(samples)), inlined_engine, isolation_notice(settings, groups),
                    *transformed.warnings, *outcome["passes"]["candidate"]["notices"]]
         result.notices = [n for n in [chosen_backend, *notices, *unverified] if n]
         result.candidate_models = [r.candidate.path.name for r in runs]

@@ -8,6 +8,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -113,9 +114,9 @@ def _run_compare(args: argparse.Namespace) -> int:
     from accudiff.api import run
     from accudiff.report.console import ProgressBar, format_summary, format_timings
 
-    report_dir = args.report_dir or default_report_dir(Path(args.model).stem, args.precision)
-    only_compare = {name: getattr(args, name) for name in COMPARE_ONLY}
-    result = run(run_settings(args, report_dir=report_dir, **only_compare), progress=ProgressBar(), import_seconds=time.perf_counter() - started)
+    settings = run_settings(args, **{name: getattr(args, name) for name in COMPARE_ONLY})
+    settings = replace(settings, report_dir=args.report_dir or default_report_dir(Path(args.model).stem, settings.precision))  # a candidate model's precision is read from it
+    result = run(settings, progress=ProgressBar(), import_seconds=time.perf_counter() - started)
     print(format_summary(result))
     if args.timings:
         print(format_timings(result))

@@ -22,6 +22,7 @@ def add_run_options(cmd: argparse.ArgumentParser) -> None:
     precision.add_argument("--fp16", dest="precision", action="store_const", const="fp16", help="FP16 mixed-precision candidate")
     precision.add_argument("--int8", dest="precision", action="store_const", const="int8", help="explicit INT8 Q/DQ candidate")
     cmd.set_defaults(precision="fp32")
+    cmd.add_argument("--candidate-model", metavar="FILE", help="a candidate made from the model by another tool (ModelOpt, ONNX Runtime's quantizer, a converter): compared as it is")
     cmd.add_argument("--candidate", choices=CANDIDATES, default="auto", help="backend that runs the candidate (default: auto)")
     cmd.add_argument("--input-shapes", action="append", default=[], metavar="NAME:DIMS", help="shape of an input with dynamic dimensions, e.g. x:1x3x224x224 (repeatable)")
     cmd.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
@@ -71,5 +72,6 @@ def run_settings(args: argparse.Namespace, **only_compare) -> RunSettings:
         workers=args.workers,
         ray=args.ray,
         trt=TrtOptions(args.trt_module, args.trt_mark, args.trt_workspace, args.trt_legacy_precision, engine=args.engine),
+        candidate_model=args.candidate_model,
         **only_compare,
     )

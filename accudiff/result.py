@@ -63,6 +63,10 @@ class CompareResult:
     candidate_models: list[str] = field(default_factory=list)  # the candidate model files in the report (one per branch group)
     branches: list[dict] = field(default_factory=list)  # per group of samples: {"samples": [...], "taken": {If node: branch}}
     replay: list[str] = field(default_factory=list)  # the command that runs this comparison again on the same inputs
+    target: list[str] = field(default_factory=list)  # what was compared, as command-line arguments (the model, a precision flag or the candidate model)
+    candidate_model: Path | None = None  # a candidate made by another tool (ModelOpt, ONNX Runtime's quantizer...), compared as it is
+    unmatched: dict[str, str] = field(default_factory=dict)  # for such a candidate: a reference tensor it has no partner for -> why
+    repaired_candidate: str | None = None  # the file in the report: that candidate with its verified repairs kept
     # For the HTML report: the nodes and weights as written, every failing output's and cause's error
     # sketch (metrics.error_histogram), and sampled [reference, candidate] pairs of each graph output.
     nodes: dict[str, NodeSummary] = field(default_factory=dict)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 from accudiff.comparison.tolerances import Tolerances
 from accudiff.errors import AccudiffError
+from accudiff.model.formats import QUANTIZED_FORMATS, file_formats, is_precision_label, model_formats, precision_label
 from accudiff.model.segments import memory_budget
 from accudiff.runners import TrtOptions, resolve_candidate
 from accudiff.transforms import NodeSelector
@@ -48,6 +49,10 @@ class RunSettings:
     RunResults file (`polygraphy run ... --save-outputs`; `candidate_runner` picks one runner of several)
     instead of running them: a TensorRT run from another machine is compared here, against an FP32 run on
     the inputs it was made from. `save_reference` / `save_candidate` write this run's tensors as such a file.
+    `candidate_model` is a candidate made by another tool (quantized by ModelOpt or ONNX Runtime, converted
+    to FP16...) from `model`: the formats it stores values in become the run's precision ("int8+fp16"). A
+    model that itself stores values narrow, compared without a precision flag, is its own candidate, against
+    its float form.
     """
 
     model: str | Path
@@ -78,6 +83,7 @@ class RunSettings:
     candidate_runner: str | None = None
     save_reference: str | Path | None = None
     save_candidate: str | Path | None = None
+    candidate_model: str | Path | None = None
 
     def __post_init__(self) -> None:
         """Checks that need no model; `check_against` does the rest once the model is loaded."""
@@ -85,7 +91,8 @@ class RunSettings:
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, int, float, dict)):
                 object.__setattr__(self, name, tuple(value))
-        if self.precision not in PRECISIONS:
+        self._resolve_candidate_model()
+        if self.precision not in PRECISIONS and not (self.candidate_model is not None and is_precision_label(self.precision)):
             raise AccudiffError(f"unknown precision '{self.precision}'; choose one of: {', '.join(PRECISIONS)}")
         if self.iterations < 1:
             raise AccudiffError("--iterations must be at least 1")
@@ -121,6 +128,35 @@ class RunSettings:
         if self.also is None and self.precision != "fp32":
             object.__setattr__(self, "also", "onnxrt")
 
+    def _resolve_candidate_model(self) -> None:
+        """A candidate made by another tool: what goes with it, and the precision it computes in. A model
+        that stores values narrow itself (Q/DQ pairs, FP16/BF16), with no precision flag, is that candidate."""
+        if self.candidate_model is None and self.precision == "fp32" and self.load_candidate is None and self.trt.engine is None:
+            if file_formats(self.model):
+                object.__setattr__(self, "candidate_model", self.model)
+        if self.candidate_model is None:
+            return
+        if not Path(self.candidate_model).is_file():
+            raise AccudiffError(f"candidate model file '{self.candidate_model}' does not exist")
+        for given, what in ((self.load_candidate, "--load-candidate gives its tensors"), (self.trt.engine, "--engine gives a built engine"),
+                            (self.calib_data, "--calib-data calibrates an INT8 candidate accudiff would make")):
+            if given is not None:
+                raise AccudiffError(f"--candidate-model gives the candidate, made by another tool: {what}, which is another one")
+        if not self.autokeep:
+            raise AccudiffError("--no-autokeep changes how accudiff converts a model to FP16; a candidate model (--candidate-model) is compared as it was made")
+        label = precision_label(file_formats(self.candidate_model))
+        if self.precision not in ("fp32", label):
+            raise AccudiffError(
+                f"--candidate-model gives the candidate, made by another tool: --{self.precision} would make another one "
+                f"(the formats it stores values in, {label}, are read from it)"
+            )
+        object.__setattr__(self, "precision", label)
+
+    @property
+    def given_alone(self) -> bool:
+        """The model is its own candidate (it stores values narrow): the reference is its float form."""
+        return self.candidate_model is not None and Path(self.candidate_model) == Path(self.model)
+
     @cached_property
     def tolerances(self) -> Tolerances:
         return Tolerances.build(self.precision, self.atol, self.rtol, self.stol)
@@ -145,7 +181,8 @@ class RunSettings:
         from accudiff.transforms.candidate import CandidateRecipe
 
         chosen = calibration if calibration is not None else self.calib_data
-        return CandidateRecipe(self.precision, self.keep_fp32, self.autokeep, chosen, self.seed, self.trt.engine)
+        given = Path(self.candidate_model) if self.candidate_model is not None else None
+        return CandidateRecipe(self.precision, self.keep_fp32, self.autokeep, chosen, self.seed, self.trt.engine, given)
 
     def check_against(self, info: ModelInfo) -> None:
         """What can only be checked with the model: something to compare, and every keep pattern and
@@ -157,12 +194,25 @@ class RunSettings:
             raise AccudiffError(f"'{info.path.name}' computes no tensor accudiff can compare" + (f": {reasons[0]}" if reasons else ""))
         NodeSelector(self.keep_fp32).require_matches(all_nodes(info.proto.graph))
         self.tolerances.require_known_tensors({t.name for t in info.tensors})
+        quantized = [f for f in model_formats(info.proto.graph) if f in QUANTIZED_FORMATS]
+        if self.candidate_model is not None and not self.given_alone and quantized:
+            raise AccudiffError(
+                f"'{info.path.name}' is quantized itself ({'+'.join(quantized)}): --candidate-model compares a candidate against "
+                "the float model it was made from, so give that float model first"
+            )
+
+    def target_arguments(self) -> list[str]:
+        """What is compared, as command-line arguments: the model and its precision flag, or the candidate
+        model made by another tool (none for a model that is its own candidate)."""
+        if self.candidate_model is None:
+            return [str(self.model), *([PRECISION_FLAGS[self.precision]] if self.precision in PRECISION_FLAGS else [])]
+        return [str(self.model)] + ([] if self.given_alone else ["--candidate-model", str(self.candidate_model)])
 
     def arguments(self) -> list[str]:
         """The command-line arguments after `accudiff compare` that run this again; options left at their
         defaults are not written. Input data must be files (`inputs`, `calib_data`); the report folder is
         left to the default, so the command never collides with the folder it came from."""
-        args = [str(self.model), *([PRECISION_FLAGS[self.precision]] if self.precision in PRECISION_FLAGS else [])]
+        args = self.target_arguments()
         if self.candidate != "auto":
             args += ["--candidate", self.candidate]
         for value, flag in ((self.inputs, "--load-inputs"), (self.calib_data, "--calib-data")):

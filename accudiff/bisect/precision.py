@@ -26,7 +26,7 @@ from accudiff.bisect.session import BisectSession
 from accudiff.diagnosis.cause import rank_contributors
 from accudiff.comparison.trial import Trials
 from accudiff.model.loading import save_model
-from accudiff.transforms.candidate import keep_pattern
+from accudiff.transforms.candidate import keep_pattern, repaired, repaired_file
 
 KEEP_LIST_FILE, RANKING_FILE = "keep_fp32.txt", "ranking.csv"
 PRUNE_LIMIT = 8
@@ -75,8 +75,8 @@ def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
     ranking["kept"] = ranking["node"].isin(result.keep)
     ranking.to_csv(out_dir / RANKING_FILE, index=False)
     (out_dir / KEEP_LIST_FILE).write_text("".join(f"{keep_pattern(name)}\n" for name in result.keep))
-    result.repaired_model = f"repaired-{session.precision}.onnx"
-    save_model(trials.setup.variants.with_kept(result.keep).model, out_dir / result.repaired_model)
+    result.repaired_model = repaired_file(trials.setup.variants.recipe)
+    save_model(repaired(trials.setup.variants, result.keep), out_dir / result.repaired_model)
     return result
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Callable, TextIO
 
@@ -18,7 +19,9 @@ from accudiff.model.samples import Samples, prepare_samples
 from accudiff.result import CompareResult
 from accudiff.runners.outputs import ReferenceCache, ReferenceStore
 from accudiff.settings import RunSettings
+from accudiff.transforms.base import TransformResult
 from accudiff.transforms.candidate import CandidateVariants, calibration_samples, transform_model
+from accudiff.transforms.float_form import float_reference
 
 
 @dataclass
@@ -33,6 +36,8 @@ class BisectSession:
         self.info: ModelInfo = load_model(self.settings.model)
         self.settings.check_against(self.info)  # a bad option is one sentence before any step is shown
         self.cache = ReferenceCache()
+        if self.settings.given_alone:  # the model is its own candidate: the reference is its float form
+            self.info, _ = float_reference(self.info, self.cache.folder)
         self.feeds = prepare_samples(self.info, self.settings, self.cache.folder / "inputs.npz")
 
     @property
@@ -82,12 +87,15 @@ class BisectSession:
         """The INT8 calibration samples of the full model, exactly as `compare` uses them."""
         return calibration_samples(self.info, self.feeds[0], self.settings.calib_data, self.settings.seed, self.cache.folder)
 
+    @cached_property
+    def candidate(self) -> TransformResult:
+        """The candidate exactly as `compare` builds it (a candidate made by another tool: aligned)."""
+        return transform_model(self.info, self.settings.recipe(), self.feeds[0], self.cache.folder)
+
     def trials(self, full: CompareResult) -> Trials:
         """Trials of the candidate with nodes kept in higher precision, on every sample of the session,
         built from the same recipe as `compare`'s candidate (so the repaired model is the one verified)."""
-        recipe = self.settings.recipe()
-        base = transform_model(self.info, recipe, self.feeds[0], self.cache.folder)
-        setup = TrialSetup(self.info, CandidateVariants(self.info, recipe, base), self.feeds, self.settings, self.cache.folder / "trials")
+        setup = TrialSetup(self.info, CandidateVariants(self.info, self.settings.recipe(), self.candidate), self.feeds, self.settings, self.cache.folder / "trials")
         return Trials(setup, full.table.set_index("tensor"))
 
     def close(self) -> None:

@@ -18,11 +18,13 @@ With several input samples a subgraph fails if it fails on any of them (statisti
 from __future__ import annotations
 
 import math
+import os
 import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from accudiff.bisect.session import BisectSession
 from accudiff.comparison.table import STATUS_FAIL
@@ -32,8 +34,10 @@ from accudiff.model.subgraph import extract
 from accudiff.result import TensorFailure
 from accudiff.settings import RunSettings
 from accudiff.transforms.base import NodeSelector
+from accudiff.transforms.keep_float import STORAGE_OPS
 
 MODEL_FILE, INPUTS_FILE, CALIBRATION_FILE = "subgraph.onnx", "subgraph_inputs.npz", "subgraph_calibration.npz"
+CANDIDATE_FILE = "subgraph_candidate.onnx"  # the cut of a candidate made by another tool
 GROWN_REPRODUCER_NODES = 3
 
 
@@ -46,6 +50,7 @@ class SubgraphResult:
     model_path: str | None = None  # file names relative to the result folder
     inputs_path: str | None = None
     calibration_path: str | None = None
+    candidate_path: str | None = None
     command: str = ""  # runs verbatim from the result folder
     confirmed: bool = False
     candidate_runs: int = 0
@@ -130,37 +135,51 @@ def _fails(session, chosen, target) -> bool:
     scratch = Path(session.cache.folder) / f"cut-{chosen[0]}-{chosen[-1]}"  # one folder per cut: cached runs never mix
     scratch.mkdir(exist_ok=True)
     cut = _save_cut(session, chosen, scratch)
-    table = _run_cut(session, scratch, cut).table.set_index("tensor")
+    table = _run_cut(session, cut).table.set_index("tensor")
     return table.loc[target, "status"] == STATUS_FAIL
 
 
 def _write_reproducer(session, chosen: list[int], out_dir: Path, result: SubgraphResult) -> None:
     result.nodes = [session.info.proto.graph.node[i].name for i in chosen]
     cut = _save_cut(session, chosen, out_dir)
-    result.model_path, result.inputs_path, result.calibration_path = MODEL_FILE, INPUTS_FILE, cut.calib_data
-    result.command = shlex.join(["accudiff", "compare", *cut.arguments()])
+    result.model_path, result.inputs_path = MODEL_FILE, INPUTS_FILE
+    result.calibration_path = CALIBRATION_FILE if cut.calib_data is not None else None
+    result.candidate_path = CANDIDATE_FILE if cut.candidate_model is not None and not cut.given_alone else None
+    folder = str(out_dir.resolve())
+    relative = [os.path.relpath(arg, folder) if arg.startswith(folder + os.sep) else arg for arg in cut.arguments()]
+    result.command = shlex.join(["accudiff", "compare", *relative])
     session.progress(f"confirming that the reproducer ({len(chosen)} node(s)) fails on its own")
-    confirm = _run_cut(session, out_dir, cut)
+    confirm = _run_cut(session, cut)
     result.confirmed = confirm.table.set_index("tensor").loc[result.tensor, "status"] == STATUS_FAIL
 
 
 def _save_cut(session, chosen: list[int], folder: Path) -> RunSettings:
     """Save the nodes as `subgraph.onnx` with the reference's values of its inputs (and for INT8 its
-    calibration samples) in `folder`; return the settings that run it, with file names relative to
-    `folder`: the session's settings narrowed to what applies to this cut."""
+    calibration samples) in `folder`; return the settings that run it: the session's settings narrowed to
+    what applies to this cut. A candidate made by another tool is cut too, at the same nodes with the
+    Q/DQ pairs and Casts they read through (`subgraph_candidate.onnx`; for a model that is its own
+    candidate, the cut of the candidate is the subgraph itself)."""
+    folder = folder.resolve()
     model = extract(session.info.proto, chosen)
-    save_model(model, folder / MODEL_FILE)
+    outputs = [o.name for o in model.graph.output]
+    settings = session.settings
+    candidate = None
+    if settings.candidate_model is not None:
+        names = {session.info.proto.graph.node[i].name for i in chosen}
+        candidate = folder / (MODEL_FILE if settings.given_alone else CANDIDATE_FILE)
+        save_model(_candidate_cut(session.candidate.model, names, outputs), candidate)
+    if not settings.given_alone:
+        save_model(model, folder / MODEL_FILE)
     inputs = [i.name for i in model.graph.input]
     save_feeds(_values_at(inputs, session.feeds, session.reference_outputs()), folder / INPUTS_FILE)
     calibration = None
-    if session.precision == "int8":
+    if session.precision == "int8" and settings.candidate_model is None:
         # Calibrated on the values its inputs take on the full model's calibration samples, the cut's
         # quantized tensors get exactly the ranges, and so the scales, they have in the full model.
         samples = session.calibration_feeds()
         save_feeds(_values_at(inputs, samples, session.reference_outputs(samples)), folder / CALIBRATION_FILE)
-        calibration = CALIBRATION_FILE
+        calibration = folder / CALIBRATION_FILE
     nodes = list(model.graph.node)
-    settings = session.settings
     keep = [p for p in settings.keep_fp32 if any(NodeSelector([p]).matches(n) for n in nodes)]
     tensors = {o for n in nodes for o in n.output}
     tolerances = {}
@@ -169,14 +188,32 @@ def _save_cut(session, chosen: list[int], folder: Path) -> RunSettings:
         if value is not None:
             items = [value] if isinstance(value, (int, float)) else list(value)
             tolerances[key] = [v for v in map(str, items) if ":" not in v or v.rpartition(":")[0] in tensors]
-    return replace(settings, model=MODEL_FILE, inputs=INPUTS_FILE, calib_data=calibration, keep_fp32=keep, report_dir=None, **tolerances)
+    precision = settings.precision if candidate is None else "fp32"  # a cut of a candidate holds the formats it holds: read from it again
+    return replace(settings, model=folder / MODEL_FILE, inputs=folder / INPUTS_FILE, calib_data=calibration, keep_fp32=keep, report_dir=None,
+                   candidate_model=candidate, precision=precision, **tolerances)
 
 
-def _run_cut(session, folder: Path, cut: RunSettings):
-    """Compare a saved cut, its files read from `folder` (only its verdicts are needed: no verification)."""
-    calibration = folder / cut.calib_data if cut.calib_data is not None else None
+def _candidate_cut(candidate: onnx.ModelProto, names: set[str], outputs: list[str]) -> onnx.ModelProto:
+    """The candidate's nodes of these names, with the Q/DQ, Cast and Constant nodes they read through
+    (back to values the cut is fed, or weights), as a model with the reference cut's outputs."""
+    nodes = list(candidate.graph.node)
+    producer = {out: i for i, node in enumerate(nodes) for out in node.output if out}
+    chosen = {i for i, node in enumerate(nodes) if node.name in names}
+    stack = list(chosen)
+    while stack:
+        for name in nodes[stack.pop()].input:
+            i = producer.get(name)
+            if i is not None and i not in chosen and nodes[i].op_type in STORAGE_OPS:
+                chosen.add(i)
+                stack.append(i)
+    return extract(candidate, sorted(chosen), outputs=outputs)
+
+
+def _run_cut(session, cut: RunSettings):
+    """Compare a saved cut (only its verdicts are needed: no verification)."""
     narrowed = {"keep_fp32": cut.keep_fp32, "atol": cut.atol, "rtol": cut.rtol, "stol": cut.stol}
-    return session.compare(model=folder / cut.model, inputs=str(folder / cut.inputs), calib_data=calibration, verify=False, **narrowed)
+    return session.compare(model=cut.model, inputs=str(cut.inputs), calib_data=cut.calib_data, candidate_model=cut.candidate_model,
+                           precision=cut.precision, verify=False, **narrowed)
 
 
 def _values_at(names: list[str], feeds: list[Feed], reference) -> list[Feed]:

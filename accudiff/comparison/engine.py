@@ -34,7 +34,7 @@ from accudiff.model.source import IN_MEMORY_WEIGHTS_UP_TO, ModelSource, own_weig
 from accudiff.model.subgraph import cut_inputs, extract
 from accudiff.runners.base import Runner
 from accudiff.runners.outputs import ReferenceStore
-from accudiff.transforms.base import QuantRange
+from accudiff.model.formats import QuantRange
 
 Progress = Callable[[str], None]
 _RANGE_ONLY = Tolerance(atol=1.0, rtol=0.0)  # for a tensor compared with itself: no error, only its range

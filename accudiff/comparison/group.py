@@ -7,7 +7,7 @@ A model without Ifs is one group: the model itself, every sample.
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -245,12 +245,13 @@ def combine(model: Path, runs: Sequence[GroupRun]) -> tuple[ModelInfo, Transform
         quant_ranges={name: q for t in reversed(transforms) for name, q in t.quant_ranges.items()},
         warnings=list(dict.fromkeys(w for t in transforms for w in t.warnings)),
         constant_overflows={node: text for t in transforms for node, text in t.constant_overflows.items()},
+        unmatched={name: why for t in transforms for name, why in t.unmatched.items()},
     )
     return info, transformed, outcome
 
 
-def quant_ranges_json(transformed: TransformResult) -> dict[str, list[float]]:
-    return {name: [q.scale, q.low, q.high] for name, q in transformed.quant_ranges.items()}
+def quant_ranges_json(transformed: TransformResult) -> dict[str, dict]:
+    return {name: asdict(q) for name, q in transformed.quant_ranges.items()}
 
 
 def job_for(info: ModelInfo, samples: Samples, segments, precision: str, tolerances: Tolerances, scratch: Path, store: ReferenceStore | None) -> Job:

@@ -14,7 +14,7 @@ import pandas as pd
 from accudiff.comparison.metrics import F, StatsSet, finish_rows
 from accudiff.comparison.tolerances import Tolerances
 from accudiff.model.loading import InputSpec, TensorInfo
-from accudiff.transforms.base import QuantRange
+from accudiff.model.formats import QuantRange
 
 STATUS_PASS, STATUS_FAIL, STATUS_MISSING = "pass", "fail", "not observed"
 SIDE_COLUMNS = ["max_abs_err", "tol_ratio", "sqnr_db", "outside_share", "status"]

@@ -29,12 +29,27 @@ class Tolerance:
 
 # Chosen so that a healthy model passes and a broken one fails (README, "Tolerances"):
 # fp32: reordered accumulation only; fp16: a few FP16 roundings (2^-11 = 4.9e-4 each) relative to the
-# element and to the tensor's scale; int8: about two quantization steps (1/127) of the tensor's scale.
+# element and to the tensor's scale; bf16: FP16's scaled by 8, BF16's rounding (2^-8) being 8 times FP16's;
+# int8: about two quantization steps (1/127) of the tensor's scale; fp8: INT8's, with two E4M3 roundings
+# (2^-4 each) relative to the element; int4 and fp4: about two steps of a 4-bit grid (1/7).
 DEFAULT_TOLERANCES = {
     "fp32": Tolerance(atol=1e-5, rtol=1e-4, stol=0.0),
     "fp16": Tolerance(atol=1e-3, rtol=1e-2, stol=2e-3),
+    "bf16": Tolerance(atol=8e-3, rtol=8e-2, stol=1.6e-2),
     "int8": Tolerance(atol=1e-2, rtol=1e-1, stol=2e-2),
+    "fp8": Tolerance(atol=1e-2, rtol=1.25e-1, stol=2e-2),
+    "int4": Tolerance(atol=5e-2, rtol=2.5e-1, stol=1e-1),
+    "fp4": Tolerance(atol=5e-2, rtol=2.5e-1, stol=1e-1),
 }
+
+
+def default_tolerance(precision: str) -> Tolerance:
+    """The default of a precision; a candidate holding several formats ("int8+fp16") gets the loosest of
+    theirs, field by field (its error is at least the coarsest format's)."""
+    if precision in DEFAULT_TOLERANCES:
+        return DEFAULT_TOLERANCES[precision]
+    parts = [DEFAULT_TOLERANCES[f] for f in precision.split("+")]
+    return Tolerance(*(max(getattr(t, name) for t in parts) for name in ("atol", "rtol", "stol")))
 
 
 @dataclass(frozen=True)
@@ -50,7 +65,7 @@ class Tolerances:
         rtol: Iterable[str] | float | None = None,
         stol: Iterable[str] | float | None = None,
     ) -> "Tolerances":
-        base = DEFAULT_TOLERANCES[precision]
+        base = default_tolerance(precision)
         defaults, overrides = {}, {}
         for option, given in (("atol", atol), ("rtol", rtol), ("stol", stol)):
             default, overrides[option] = _parse(option, given)

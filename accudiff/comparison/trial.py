@@ -34,7 +34,7 @@ from accudiff.model.samples import Samples
 from accudiff.runners.outputs import ReferenceStore
 from accudiff.settings import RunSettings
 from accudiff.transforms.candidate import CandidateVariants
-from accudiff.transforms.fp16 import FP16_MAX
+from accudiff.model.formats import FP16_MAX, formats_of
 from accudiff.transforms.switches import Switchboard
 
 if TYPE_CHECKING:
@@ -229,7 +229,7 @@ def switchable(settings: RunSettings) -> bool:
     """Whether the candidate can be tried as a switchboard: an FP16 model run by ONNX Runtime (a TensorRT
     build of a switchboard would fuse differently; INT8 and pre-built engines need variants, see
     CandidateVariants.switchboard, which may still refuse nodes inside If/Loop/Scan bodies)."""
-    return settings.precision == "fp16" and settings.backend[0] == "onnxrt" and settings.trt.engine is None
+    return settings.precision == "fp16" and settings.backend[0] == "onnxrt" and settings.trt.engine is None and settings.candidate_model is None
 
 
 def trial_workers(settings: RunSettings) -> int:
@@ -258,7 +258,7 @@ class Boundaries:
             if node.name in converted:
                 for name in node.input:
                     self.consumers.setdefault(name, []).append(node.name)
-        self.active = precision == "fp16"
+        self.active = "fp16" in formats_of(precision)
 
     def close(self, keep: Sequence[str]) -> list[str]:
         closed, queue = list(dict.fromkeys(keep)), list(dict.fromkeys(keep))

@@ -56,7 +56,7 @@ class Job:
     outputs: list[str]
     segments: list[list[str]]
     tolerances: dict
-    quant_ranges: dict[str, list[float]]  # tensor -> [scale, low, high]
+    quant_ranges: dict[str, dict]  # tensor -> its QuantRange's fields
     samples: list[list[str]]  # this worker's samples: [file, key prefix] (model/samples.py)
     sample_indices: list[int]  # their positions among all samples
     result: str  # where the worker writes its result (<result>.npz and <result>.json)
@@ -250,7 +250,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
     from accudiff.runners.onnxrt import release_shared_arena
     from accudiff.runners.outputs import ReferenceStore
     from accudiff.runners.recorded import recorded_runner
-    from accudiff.transforms.base import QuantRange
+    from accudiff.model.formats import QuantRange
 
     if len(job.segments) > 1 and job.largest_tensor >= SEPARATE_MAPPINGS_FROM_TENSOR_BYTES:
         # Segments drop their tensors as they go; the memory must leave the process (memory.py). A model run
@@ -291,7 +291,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
             job.outputs,
             job.segments,
             Tolerances.from_dict(job.tolerances),
-            {name: QuantRange(*values) for name, values in job.quant_ranges.items()},
+            {name: QuantRange(**fields) for name, fields in job.quant_ranges.items()},
             job.inputs,
         )
         engine = Engine(

@@ -3,6 +3,7 @@ and every failing output gets the rules' cause (a hypothesis until the verify st
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,11 +29,13 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings
     """The result of a comparison (tables, verdict, the first failing tensor, the failing outputs with
     their causes) and what the rules knew when they named them."""
     tolerances = settings.tolerances
+    row_of = {t.name: k for k, t in enumerate(info.tensors)}
 
     def table_of(name: str) -> pd.DataFrame:
         result = outcome["passes"][name]
         seen = {int(k): v for k, v in result["seen"].items()}
         notes = {int(k): v for k, v in result["notes"].items()}
+        notes.update({row_of[name]: f"no partner in the candidate: {why}" for name, why in transformed.unmatched.items() if name in row_of})
         return build_table(info.tensors, StatsSet.from_arrays(result), seen, notes, tolerances, transformed.quant_ranges)
 
     table = table_of("candidate")
@@ -48,6 +51,7 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings
         {k.node: k.reason for k in transformed.kept},
         transformed.constant_overflows,
         graph_input_table(float_inputs, StatsSet.from_arrays(outcome["inputs"]), transformed.quant_ranges),
+        dict(transformed.quant_ranges),
     )
     indexed = table.set_index("tensor", drop=False)
     failing = table.loc[table["status"] == STATUS_FAIL, "tensor"].tolist()
@@ -66,7 +70,7 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings
     observed_outputs = table.loc[(table["status"] != STATUS_MISSING) & table["is_output"], "tensor"].tolist()
     candidate_pass = outcome["passes"]["candidate"]
     result = CompareResult(
-        model=info.path,
+        model=Path(settings.model),
         precision=settings.precision,
         candidate=candidate_pass["label"],
         table=table,
@@ -81,6 +85,9 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings
         seed=settings.seed if settings.inputs is None else None,
         samples=_sample_table(candidate_pass["outcomes"]),
         inputs=samples.source,
+        target=settings.target_arguments(),
+        candidate_model=Path(settings.candidate_model) if settings.candidate_model is not None else None,
+        unmatched=dict(transformed.unmatched),
     )
     if len(result.outputs) and not result.outputs["elements"].any():
         raise AccudiffError(f"every graph output of '{info.path.name}' is empty on these inputs: the comparison would cover no element")

@@ -21,7 +21,7 @@ from accudiff.comparison.table import STATUS_PASS
 from accudiff.diagnosis.cause import ancestor_tensors
 from accudiff.diagnosis.rules import DiagnosisContext, Finding, new_non_finite
 
-UNIT_ROUNDOFF = {"fp16": 2.0**-11}
+UNIT_ROUNDOFF = {"fp16": (2.0**-11, "2^-11"), "bf16": (2.0**-8, "2^-8")}  # a float format's unit roundoff, and as written
 AMPLIFYING_OPS = frozenset({"Reciprocal", "Sqrt", "Div", "Exp", "Pow", "Log"})
 SATURATING_OPS = frozenset({"Tanh", "Sigmoid", "HardSigmoid", "Min", "Clip", "Softmax", "LogSoftmax", "Erf", "Relu"})
 AMPLIFIER_DROP_DB = 6.0  # an SQNR fall of at least this across one node is worth naming
@@ -43,9 +43,11 @@ class Cancellation:
 def cancellations(output: str, table: pd.DataFrame, context: DiagnosisContext, rtol: float) -> list[Cancellation]:
     """Add/Sub nodes upstream of `output` whose operands' rounding, amplified by cancellation, exceeds `rtol`
     of the result (`table` indexed by tensor, topological order)."""
-    roundoff = UNIT_ROUNDOFF.get(context.precision)
-    if roundoff is None:
+    stored = [f for f in context.formats if f in UNIT_ROUNDOFF]
+    if not stored:
         return []
+    fmt = max(stored, key=lambda f: UNIT_ROUNDOFF[f][0])  # the coarsest float format the candidate stores values in
+    roundoff, written = UNIT_ROUNDOFF[fmt]
     ancestors = ancestor_tensors(output, context.upstream)
     found = []
     for tensor, row in table[table.index.isin(ancestors) & table["op_type"].isin(["Add", "Sub"])].iterrows():
@@ -63,8 +65,8 @@ def cancellations(output: str, table: pd.DataFrame, context: DiagnosisContext, r
         reach = f"its operands reach {sizes[0]:.3g} and {sizes[1]:.3g}" if len(sizes) == 2 else (
             f"its operand '{operands[0]}' reaches {sizes[0]:.3g} (the other is a weight or a graph input)")
         message = (
-            f"{form}: {reach}, its result only {row['ref_absmax']:.3g}, so FP16's rounding of what it reads "
-            f"(2^-11 of its size) is amplified {amplification:.0f}x, to {amplification * roundoff:.1%} of the result (tolerance rtol {rtol:g})"
+            f"{form}: {reach}, its result only {row['ref_absmax']:.3g}, so {fmt.upper()}'s rounding of what it reads "
+            f"({written} of its size) is amplified {amplification:.0f}x, to {amplification * roundoff:.1%} of the result (tolerance rtol {rtol:g})"
         )
         found.append(Cancellation(row["node"], tensor, row["op_type"], Finding("cancellation", message), _operand_unit(tensor, operands, table, context)))
     return found
@@ -93,6 +95,8 @@ def absorber(start: str, output: str, table: pd.DataFrame, context: DiagnosisCon
     first whose output is within tolerance again. None when the fault never fades."""
     poisoned = new_non_finite(table.loc[start])
     for _, row in _path_rows(start, output, table, context).iterrows():
+        if "float" not in str(row["dtype"]):
+            continue  # a shape or an index read off the path carries none of its values: it undoes nothing
         if not new_non_finite(row) and (poisoned or row["status"] == STATUS_PASS):
             return row["node"], row["op_type"]
     return None

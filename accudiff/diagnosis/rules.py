@@ -16,7 +16,7 @@ import pandas as pd
 from accudiff.comparison.metrics import FP16_SMALLEST_NORMAL
 from accudiff.comparison.table import STATUS_FAIL
 from accudiff.text import percent
-from accudiff.transforms.fp16 import FP16_MAX
+from accudiff.model.formats import FP16_MAX, QUANTIZED_FORMATS, QuantRange, formats_of
 
 # Shares of affected elements below these are noise, not the cause.
 SIGNIFICANT_SHARE = 0.01
@@ -33,7 +33,7 @@ VALUE_PRESERVING_OPS = frozenset(
         "Tile", "TopK", "Transpose", "Unsqueeze", "Upsample", "Where",
     }
 )
-RANGE_KINDS = frozenset({"overflow", "input_overflow", "constant_overflow", "underflow", "int8_clipping", "int8_resolution"})
+RANGE_KINDS = frozenset({"overflow", "input_overflow", "constant_overflow", "underflow", *(f"{f}_{fault}" for f in QUANTIZED_FORMATS for fault in ("clipping", "resolution"))})
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,11 @@ class DiagnosisContext:
     kept: dict[str, str] = field(default_factory=dict)  # node -> why it stays in higher precision
     constant_overflows: dict[str, str] = field(default_factory=dict)  # node -> what overflowed in its constants
     graph_inputs: pd.DataFrame | None = None  # range statistics of the graph inputs
+    quant_ranges: dict[str, QuantRange] = field(default_factory=dict)  # tensor -> the grid a Q/DQ pair puts it on
+
+    @property
+    def formats(self) -> frozenset[str]:
+        return formats_of(self.precision)
 
     def inputs_of(self, tensor: str, table: pd.DataFrame) -> list[str]:
         """What the node producing `tensor` reads, among the tensors and graph inputs that have statistics."""
@@ -98,7 +103,7 @@ def range_findings(tensor: str, table: pd.DataFrame, context: DiagnosisContext) 
     converted = node in context.converted
     inputs = context.inputs_of(tensor, table)
     findings: list[Finding] = []
-    if context.precision == "fp16":
+    if "fp16" in context.formats:
         if row["ref_absmax"] > FP16_MAX and (row["cand_dtype"] == "float16" or row["cand_inf"] > row["ref_inf"]):
             findings.append(
                 Finding("overflow", f"reference absmax {row['ref_absmax']:.3g} exceeds the FP16 maximum {FP16_MAX:.0f}, so FP16 turns it into Inf")
@@ -109,8 +114,8 @@ def range_findings(tensor: str, table: pd.DataFrame, context: DiagnosisContext) 
             findings.append(Finding("constant_overflow", context.constant_overflows[node]))
         stored_fp16 = [tensor] if row["cand_dtype"] == "float16" else []
         findings += _fp16_underflow(table, context, stored_fp16 + (inputs if converted else []), tensor)
-    if context.precision == "int8" and converted:
-        findings += _int8_inputs(table, context, inputs)
+    if context.formats & QUANTIZED_FORMATS and converted:
+        findings += _quantized_inputs(table, context, inputs)
     return findings
 
 
@@ -153,28 +158,35 @@ def _fp16_underflow(table: pd.DataFrame, context: DiagnosisContext, names: list[
     return []
 
 
-def _int8_inputs(table: pd.DataFrame, context: DiagnosisContext, inputs: list[str]) -> list[Finding]:
+def _quantized_inputs(table: pd.DataFrame, context: DiagnosisContext, inputs: list[str]) -> list[Finding]:
+    """An input its Q/DQ pair puts on a grid that does not hold it: values beyond the grid's range clip (an
+    integer grid) or saturate (FP8), values below half its smallest step become 0."""
     findings = []
     for name in inputs:
-        source = context.row(name, table)
-        if not source["elements"] or pd.isna(source["int8_scale"]):
+        source, grid = context.row(name, table), context.quant_ranges.get(name)
+        if not source["elements"] or grid is None:
             continue
         clipped = source["beyond_int8_range"] / source["elements"]
         tiny = source["below_int8_step"] / source["elements"]
+        floating = grid.format in ("fp8", "fp4")
+        symmetric = abs(grid.low + grid.high) <= grid.step  # INT8's -128..127 steps read as +-127 steps
+        calibrated = f"+-{grid.high:.3g}" if symmetric else f"{grid.low:.3g}..{grid.high:.3g}"
         if clipped >= CLIPPING_SHARE:
+            fate = f"they saturate at its largest value ({grid.high:.3g})" if floating else "they clip"
             findings.append(
                 Finding(
-                    "int8_clipping",
-                    f"{percent(clipped)} of the values of its input '{name}' lie outside its calibrated INT8 range "
-                    f"+-{127 * source['int8_scale']:.3g} (reference absmax {source['ref_absmax']:.3g}): they clip",
+                    f"{grid.format}_clipping",
+                    f"{percent(clipped)} of the values of its input '{name}' lie outside its calibrated {grid.grid} range "
+                    f"{calibrated} (reference absmax {source['ref_absmax']:.3g}): {fate}",
                 )
             )
         if tiny >= RESOLUTION_SHARE:
+            step = f"its smallest {grid.grid} step ({grid.step:.3g}" if floating else f"an {grid.grid} step (scale {grid.scale:.3g}"
             findings.append(
                 Finding(
-                    "int8_resolution",
-                    f"{percent(tiny)} of the values of its input '{name}' are smaller than half an INT8 step "
-                    f"(scale {source['int8_scale']:.3g}, set by a calibrated range of +-{127 * source['int8_scale']:.3g}), so they round to 0",
+                    f"{grid.format}_resolution",
+                    f"{percent(tiny)} of the values of its input '{name}' are smaller than half {step}, set by a calibrated range of "
+                    f"{calibrated}), so they round to 0",
                 )
             )
     return findings

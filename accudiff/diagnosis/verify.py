@@ -39,10 +39,11 @@ from accudiff.comparison.worker import prestart
 from accudiff.diagnosis.cause import Absorbed, Cause, Contributor, ancestor_tensors, flagged_nodes, rank_contributors
 from accudiff.diagnosis.mechanisms import absorber, amplifiers, cancellations
 from accudiff.diagnosis.rules import VALUE_PRESERVING_OPS, DiagnosisContext, Finding, isolated_figures, isolation_ran
-from accudiff.model.loading import load_graph, read_again
+from accudiff.model.formats import QUANTIZED_FORMATS, formats_of
+from accudiff.model.loading import load_graph, read_again, save_model
 from accudiff.model.samples import Samples
 from accudiff.text import times_tolerance
-from accudiff.transforms.candidate import CandidateVariants
+from accudiff.transforms.candidate import CandidateVariants, repaired, repaired_file
 
 if TYPE_CHECKING:
     from accudiff.result import CompareResult
@@ -87,12 +88,16 @@ class _Suspect:
     tol_ratio: float = math.inf
 
 
-def verify_outputs(result: CompareResult, context: DiagnosisContext, settings: RunSettings, runs: Sequence[GroupRun], samples: Samples, scratch: Path) -> list[str]:
+def verify_outputs(
+    result: CompareResult, context: DiagnosisContext, settings: RunSettings, runs: Sequence[GroupRun], samples: Samples, scratch: Path,
+    report: Path | None = None,
+) -> list[str]:
     """The verify stage: each failing output's suspects tested at the output (`verify_causes`) on the
     worst failing samples, by trials of the candidate `compare` built; the output failures get their
     verified causes and repairs. A candidate captured elsewhere cannot run again: ONNX Runtime's model of
-    the same precision stands in for it, on the outputs that fail there too. Returns the notices of the
-    outputs whose causes could not be verified."""
+    the same precision stands in for it, on the outputs that fail there too. For a candidate made by
+    another tool, the verified repairs' nodes kept in it are saved in the `report` folder as the repaired
+    candidate. Returns the notices of the outputs whose causes could not be verified."""
     if len(runs) > 1:
         return [f"causes were not verified: the samples take {len(runs)} different combinations of If branches "
                 "(compare each group's samples on their own to verify)"]
@@ -122,6 +127,10 @@ def verify_outputs(result: CompareResult, context: DiagnosisContext, settings: R
     with Trials(setup, indexed, recorded) as trials:
         verdicts, control = verify_causes(outputs, indexed, context, trials, settings.verify_budget, settings.tolerances.default.rtol)
     result.worker_timings["verification"] = trials.timings
+    keep = list(dict.fromkeys(n for _, repair in verdicts.values() if repair.verified for n in repair.keep))
+    if report is not None and keep and settings.candidate_model is not None:
+        save_model(repaired(setup.variants, keep), report / repaired_file(setup.variants.recipe))
+        result.repaired_candidate = repaired_file(setup.variants.recipe)
     result.output_failures = [
         replace(f, cause=replace(verdicts[f.tensor][0], stand_in=stand_in), repair=replace(verdicts[f.tensor][1], samples=chosen))
         if f.tensor in verdicts else f
@@ -294,7 +303,8 @@ def improvement(before: float, after: float) -> float:
 
 def keep_phrase(precision: str) -> str:
     """How keeping a node in higher precision is said for this precision."""
-    return "leaving it unquantized" if precision == "int8" else "keeping it in FP32"
+    formats = formats_of(precision)
+    return "leaving it unquantized" if formats and formats <= QUANTIZED_FORMATS else "keeping it in FP32"
 
 
 def _contributor(suspect: _Suspect, table: pd.DataFrame) -> Contributor:

@@ -140,7 +140,7 @@ def validate_feeds(feeds: list[Feed], specs: list[InputSpec], source: str) -> No
             if spec.name not in feed:
                 raise AccudiffError(f"{source} gives no data for the model input '{spec.name}'")
             array = feed[spec.name]
-            if array.dtype != spec.dtype:
+            if array.dtype != spec.dtype and not _widens_exactly(array.dtype, spec.dtype):
                 raise AccudiffError(f"{source} gives input '{spec.name}' as {array.dtype}, but the model expects {spec.dtype}")
             _check_shape(spec, array.shape, source)
 
@@ -160,6 +160,12 @@ def _decode_polygraphy_array(value: object) -> np.ndarray:
         raise ValueError("an input is not a polygraphy-encoded array")
     raw = base64.b64decode(value["array"].encode(), validate=True)
     return np.load(io.BytesIO(raw), allow_pickle=False)
+
+
+def _widens_exactly(given: np.dtype, expected: np.dtype) -> bool:
+    """A float input given in a narrower float type (FP16 for an FP32 input: a model compared with its float
+    form takes the inputs of the model) is fed widened, which loses nothing."""
+    return np.issubdtype(given, np.floating) and np.issubdtype(expected, np.floating) and np.can_cast(given, expected, "safe")
 
 
 def _check_names(given: Mapping[str, object], specs: list[InputSpec], source: str) -> None:

@@ -11,6 +11,7 @@ import shlex
 from dataclasses import asdict
 
 from accudiff import __version__
+from accudiff.model.formats import QUANTIZED_FORMATS
 from accudiff.text import percent, times_tolerance
 
 SUMMARY_SCHEMA = "accudiff.compare.summary"
@@ -70,11 +71,21 @@ def summary(result) -> dict:
         "worker_timings_s": result.worker_timings,
         "inputs": result.inputs,
         "samples": _samples_summary(result),
+        "alignment": _alignment(result),
         "files": {"tensors": TENSORS_FILE, "samples": SAMPLES_FILE, "inputs": INPUTS_FILE, "candidate_models": result.candidate_models,
-                  "html": HTML_FILE, "markdown": MARKDOWN_FILE},
+                  "repaired_candidate": result.repaired_candidate, "html": HTML_FILE, "markdown": MARKDOWN_FILE},
         "replay": shlex.join(result.replay) if result.replay else None,
     }
     return finite(document)
+
+
+def _alignment(result) -> dict | None:
+    """For a candidate made by another tool: how many of the model's tensors it has a partner for, and why
+    the others have none."""
+    if result.candidate_model is None:
+        return None
+    return {"candidate_model": str(result.candidate_model), "reference_tensors": len(result.table),
+            "matched": len(result.table) - len(result.unmatched), "unmatched": result.unmatched}
 
 
 def _samples_summary(result) -> dict:
@@ -155,9 +166,8 @@ def cause_lines(failure, result) -> list[str]:
 def repair_lines(failure, result) -> list[str]:
     """The verified repair, one line per step; without one, how to look for it."""
     repair = failure.repair
-    flag = {"fp16": " --fp16", "int8": " --int8"}.get(result.precision, "")
     if repair is None or len(repair.steps) < 2:
-        return [f"  to find the nodes to keep in higher precision: accudiff bisect precision {result.model}{flag}"]
+        return [f"  to find the nodes to keep in higher precision: accudiff bisect precision {shlex.join(result.target)}"]
     samples = (f"on sample {repair.samples[0]}" if len(repair.samples) == 1 else f"on samples {', '.join(map(str, repair.samples))}") if repair.samples else ""
     if failure.cause is not None and failure.cause.stand_in:
         samples += f" of {failure.cause.stand_in}"
@@ -169,6 +179,27 @@ def repair_lines(failure, result) -> list[str]:
         lines.append(f"    step {number}: {kept} -> output at {times_tolerance(step.tol_ratio)}")
     if repair.verified:
         lines.append("    apply it: " + " ".join(f"--keep-fp32 '{re.escape(n)}'" for n in repair.keep))
+        lines += [f"    {line}" for line in remake_lines(repair.keep, result)]
+    return lines
+
+
+def remake_lines(nodes: list[str], result) -> list[str]:
+    """For a candidate made by another tool: the options that make it again without `nodes` quantized or
+    converted, in the tools' own terms, and the repaired candidate in the report."""
+    if result.candidate_model is None:
+        return []
+    formats = set(result.precision.split("+"))
+    regexes = " ".join(shlex.quote(re.escape(n)) for n in nodes)
+    names = ", ".join(repr(n) for n in nodes)
+    lines = []
+    if formats & QUANTIZED_FORMATS:
+        lines.append(f"or quantize again without them: ModelOpt --nodes_to_exclude {regexes}; ONNX Runtime quantize_static(..., nodes_to_exclude=[{names}])"
+                     + (" (excluded from quantization, they still run in the tool's FP16/BF16)" if formats & {"fp16", "bf16"} else ""))
+    elif formats & {"fp16", "bf16"}:
+        lines.append(f"or convert again keeping them in FP32: ModelOpt AutoCast --nodes_to_exclude {regexes}; "
+                     f"onnxconverter-common convert_float_to_float16(..., node_block_list=[{names}])")
+    if result.repaired_candidate and result.report_dir is not None:
+        lines.append(f"the candidate with them kept (every verified repair): {result.report_dir / result.repaired_candidate}")
     return lines
 
 

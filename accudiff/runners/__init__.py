@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from accudiff.errors import AccudiffError
+from accudiff.model.formats import formats_of
 from accudiff.model.source import ModelSource
 from accudiff.runners.base import Runner
 from accudiff.runners.onnxrt import CpuOptions, OnnxrtRunner
@@ -15,11 +16,24 @@ from accudiff.runners.trt_env import inference_unavailable_reason
 
 CANDIDATES = ("auto", "onnxrt", "trt")
 
-_ONNXRT_LABELS = {
-    "fp32": "ONNX Runtime CPU, FP32",
-    "fp16": "ONNX Runtime CPU running the FP16 model (simulates FP16 storage; its arithmetic is FP32)",
-    "int8": "ONNX Runtime CPU running the Q/DQ model (simulates INT8 rounding, not TensorRT's fused INT8 kernels)",
+# What ONNX Runtime's CPU run of each format really computes (README, "How compare works").
+_SIMULATES = {
+    "fp16": "simulates FP16 storage; its arithmetic is FP32",
+    "bf16": "simulates BF16 storage; its arithmetic is FP32",
+    "int8": "simulates INT8 rounding, not TensorRT's fused INT8 kernels",
+    "fp8": "simulates FP8 rounding, not TensorRT's FP8 kernels",
+    "int4": "simulates INT4 rounding, not TensorRT's INT4 kernels",
+    "fp4": "simulates FP4 rounding, not TensorRT's FP4 kernels",
 }
+
+
+def onnxrt_label(precision: str) -> str:
+    """What the ONNX Runtime candidate of `precision` computes, in words."""
+    formats = [f for f in precision.split("+") if f in _SIMULATES]
+    if not formats:
+        return "ONNX Runtime CPU, FP32"
+    model = {"fp16": "the FP16 model", "int8": "the Q/DQ model"}.get(precision, f"the {precision.upper()} model")
+    return f"ONNX Runtime CPU running {model} ({'; '.join(_SIMULATES[f] for f in formats)})"
 
 
 def reference_runner(model: Path | ModelSource, outputs: Sequence[str], cpu: CpuOptions = CpuOptions()) -> Runner:
@@ -103,7 +117,7 @@ def candidate_runner(
         settings = BuildSettings(trt.mark, dict(shapes.inputs), dict(shapes.values), trt.workspace_mb, trt.legacy_precision)
         path = model.file() if isinstance(model, ModelSource) else model
         return TrtRunner(path, outputs, settings, trt.module, trt.cache_dir, layer_report, trt.engine)
-    return OnnxrtRunner(model, outputs, label=_ONNXRT_LABELS[precision], emulate_fp16=precision == "fp16", cpu=cpu)
+    return OnnxrtRunner(model, outputs, label=onnxrt_label(precision), emulate_fp16="fp16" in formats_of(precision), cpu=cpu)
 
 
 __all__ = ["CANDIDATES", "CpuOptions", "EngineShapes", "OnnxrtRunner", "Runner", "TrtOptions", "candidate_runner", "reference_runner", "resolve_candidate", "unavailable_reason"]

@@ -30,6 +30,7 @@ from accudiff.model.source import ModelSource, own_weight_bytes
 from accudiff.model.subgraph import drop_unread_nodes
 from accudiff.model.weights import is_external, weight_folder, without_folder
 from accudiff.runners.fp16_emulation import lower_fp16
+from accudiff.runners.numpy_types import carry_in_numpy
 from accudiff.runners.base import Runner
 
 
@@ -84,6 +85,7 @@ class OnnxrtRunner(Runner):
         self._scratch: Path | None = None
         self._answers: dict[str, str] = {}  # session output -> the tensor it answers for
         self._input_types: dict[str, np.dtype | None] = {}
+        self._fed_as: dict[str, str] = {}  # a session input renamed to carry its value in numpy -> the value it is fed
 
     def activate(self) -> None:
         try:
@@ -121,7 +123,7 @@ class OnnxrtRunner(Runner):
     def infer(self, feed: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
         inputs = {}
         for name, dtype in self._input_types.items():
-            value = feed[name]
+            value = feed[self._fed_as.get(name, name)]
             if dtype is not None and value.dtype != dtype:  # e.g. a reference value fed to an FP16 input
                 with np.errstate(over="ignore"):
                     value = value.astype(dtype)
@@ -157,11 +159,13 @@ class OnnxrtRunner(Runner):
             raise AccudiffError(f"'{self.model_path.name}' could not be read: {first_line(exc)}") from exc
         clear_unknown_dims(model)  # a size written as 0 means "unknown", not an empty tensor
         weight_bytes = sum(tensor_bytes(init) for init in model.graph.initializer)
+        carried = carry_in_numpy(model, self.outputs)  # while the model is typed: lowering drops the types
+        self._fed_as = carried.inputs
         fp16_copies = lower_fp16(model) if self.emulate_fp16 else {}
         produced = {o for node in model.graph.node for o in node.output}
         self._answers = {}
         for name in self.outputs:
-            marked = fp16_copies.get(name, name)
+            marked = fp16_copies.get(name, carried.outputs.get(name, name))
             if marked in produced:
                 self._answers[marked] = name
         del model.graph.output[:]  # exactly what was asked for: a graph output nobody wants is not kept alive

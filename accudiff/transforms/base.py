@@ -10,6 +10,7 @@ from typing import Iterable
 import onnx
 
 from accudiff.errors import AccudiffError
+from accudiff.model.formats import QuantRange
 
 
 @dataclass(frozen=True)
@@ -19,15 +20,6 @@ class KeptNode:
     node: str
     op_type: str
     reason: str
-
-
-@dataclass(frozen=True)
-class QuantRange:
-    """The INT8 grid a tensor is quantized onto: values beyond `low..high` clip, steps are `scale` wide."""
-
-    scale: float
-    low: float
-    high: float
 
 
 @dataclass
@@ -45,6 +37,7 @@ class TransformResult:
     # The isolated run feeds each copy from the tensor's reference value, so every node reads the reference
     # exactly as it reads its inputs in the candidate.
     storage_copies: dict[str, str] = field(default_factory=dict)
+    unmatched: dict[str, str] = field(default_factory=dict)  # a reference tensor -> why a candidate given by the user has no partner for it
 
 
 class NodeSelector:

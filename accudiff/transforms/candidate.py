@@ -9,21 +9,25 @@ from __future__ import annotations
 
 import re
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
+import onnx
 
 from accudiff.model.inputs import Feed, generate_feeds
-from accudiff.model.loading import ModelInfo
+from accudiff.model.loading import ModelInfo, load_model
 from accudiff.model.samples import Samples, samples_from_feeds, samples_from_path
-from accudiff.transforms.base import TransformResult
+from accudiff.transforms.base import KeptNode, TransformResult
 from accudiff.transforms.fp16 import to_fp16
+from accudiff.transforms.given import adopt
 from accudiff.transforms.int8 import leave_unquantized, to_int8
+from accudiff.transforms.keep_float import keep_in_float
 from accudiff.transforms.switches import Switchboard, build_switchboard
 
 KEPT_TO_VERIFY = "kept in higher precision to verify a cause"
+REPAIRED_CANDIDATE_FILE = "repaired-candidate.onnx"
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class CandidateRecipe:
     calib_data: Samples | str | Path | None = None
     seed: int = 0
     engine: Path | None = None  # a pre-built TensorRT engine: nothing to transform
+    candidate_model: Path | None = None  # a candidate made by another tool, taken as it is (transforms/given.py)
 
 
 def transform_model(info: ModelInfo, recipe: CandidateRecipe, sample: Feed, scratch: Path | None = None) -> TransformResult:
@@ -43,6 +48,8 @@ def transform_model(info: ModelInfo, recipe: CandidateRecipe, sample: Feed, scra
     calibration_samples)."""
     if recipe.engine is not None:
         return TransformResult(model=info.proto, precision=recipe.precision)
+    if recipe.candidate_model is not None:
+        return adopt(load_model(recipe.candidate_model), info, recipe.keep_fp32)
     if recipe.precision == "fp16":
         return to_fp16(info.proto, recipe.keep_fp32, recipe.autokeep)
     if recipe.precision == "int8":
@@ -65,6 +72,10 @@ class CandidateVariants:
         nodes = list(nodes)
         if not nodes or self.recipe.precision == "fp32" or self.recipe.engine is not None:
             return self.base
+        if self.recipe.candidate_model is not None:
+            kept = [KeptNode(node.name, node.op_type, KEPT_TO_VERIFY) for node in self.base.model.graph.node if node.name in self.base.converted and node.name in nodes]
+            model = keep_in_float(self.base.model, self.info.proto, nodes)
+            return replace(self.base, model=model, kept=[*self.base.kept, *kept], converted=self.base.converted - set(nodes))
         if self.recipe.precision == "int8":
             return leave_unquantized(self.base, self.info.proto, nodes, KEPT_TO_VERIFY)
         return to_fp16(self.info.proto, [*self.recipe.keep_fp32, *map(keep_pattern, nodes)], self.recipe.autokeep)
@@ -74,13 +85,28 @@ class CandidateVariants:
         every keep-list among them. Nodes it already keeps (or that hold no float value) need no switch.
         None where keep-lists need variants of their own: INT8 (a node left unquantized changes which
         Q/DQ pairs exist around it), a pre-built engine, a node inside an If/Loop/Scan body."""
-        if self.recipe.precision != "fp16" or self.recipe.engine is not None:
+        if self.recipe.precision != "fp16" or self.recipe.engine is not None or self.recipe.candidate_model is not None:
             return None
         main = {node.name for node in self.base.model.graph.node}
         nodes = [n for n in dict.fromkeys(nodes) if n in self.base.converted]
         if not set(nodes) <= main:
             return None
         return build_switchboard(self.base.model, self.info.proto, nodes)
+
+
+def repaired(variants: CandidateVariants, nodes: Iterable[str]) -> onnx.ModelProto:
+    """The model to ship with `nodes` kept in higher precision: the variant verified, or, for a candidate
+    made by another tool, that candidate as the user gave it (its own tensor names; the names a run aligns
+    do not change what it computes) with the same nodes kept, the user's --keep-fp32 ones included."""
+    if variants.recipe.candidate_model is None:
+        return variants.with_kept(nodes).model
+    given = load_model(variants.recipe.candidate_model).proto
+    return keep_in_float(given, variants.info.proto, [*(k.node for k in variants.base.kept), *nodes])
+
+
+def repaired_file(recipe: CandidateRecipe) -> str:
+    """The repaired model's file name in a report or bisect folder."""
+    return REPAIRED_CANDIDATE_FILE if recipe.candidate_model is not None else f"repaired-{recipe.precision}.onnx"
 
 
 def keep_pattern(node: str) -> str:

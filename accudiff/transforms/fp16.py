@@ -22,11 +22,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from accudiff.model.formats import FP16_MAX
 from accudiff.model.loading import copy_without_initializers, declare_like, subgraph_outer_references
 from accudiff.model.weights import weight_blocks
 from accudiff.transforms.base import KeptNode, NodeSelector, TransformResult
 
-FP16_MAX = 65504.0
 _FLOAT16 = "tensor(float16)"
 
 

@@ -21,14 +21,14 @@ import warnings
 from pathlib import Path
 from typing import Iterable
 
-import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from accudiff.errors import AccudiffError, first_line
 from accudiff.model.inputs import Feed
 from accudiff.model.loading import needs_data_file, save_model, toposort
-from accudiff.transforms.base import KeptNode, NodeSelector, QuantRange, TransformResult
+from accudiff.model.formats import quant_ranges
+from accudiff.transforms.base import KeptNode, NodeSelector, TransformResult
+from accudiff.transforms.keep_float import keep_in_float
 
 QUANTIZED_OPS = ["Conv", "ConvTranspose", "MatMul", "Gemm"]
 PREQUANTIZED_OPS = frozenset({  # besides QLinear*: what an already-quantized model holds
@@ -101,7 +101,7 @@ def to_int8(
         precision="int8",
         kept=kept,
         converted=converted,
-        quant_ranges=quant_ranges(quantized),
+        quant_ranges=quant_ranges(quantized.graph),
         warnings=notices,
     )
 
@@ -224,56 +224,14 @@ def _quiet_root_logger():
         root.setLevel(level)
 
 
-def quant_ranges(model: onnx.ModelProto) -> dict[str, QuantRange]:
-    """The INT8 grid of every per-tensor-quantized activation, read from its QuantizeLinear node."""
-    initializers = {init.name: init for init in model.graph.initializer}
-    ranges: dict[str, QuantRange] = {}
-    for node in model.graph.node:
-        if node.op_type != "QuantizeLinear" or node.input[1] not in initializers:
-            continue
-        scale = numpy_helper.to_array(initializers[node.input[1]])
-        if scale.size != 1:
-            continue  # per-channel: weights, which are constants and not compared
-        zero_point = numpy_helper.to_array(initializers[node.input[2]]) if len(node.input) > 2 and node.input[2] in initializers else np.int8(0)
-        info = np.iinfo(zero_point.dtype)
-        step = float(scale.reshape(()))
-        offset = int(np.asarray(zero_point).reshape(()))
-        ranges[node.input[0]] = QuantRange(scale=step, low=(info.min - offset) * step, high=(info.max - offset) * step)
-    return ranges
-
-
 def leave_unquantized(quantized: TransformResult, fp32: onnx.ModelProto, nodes: Iterable[str], reason: str) -> TransformResult:
     """`quantized` with `nodes` reading their float inputs again, as `to_int8(keep_fp32=nodes)` would make
     it without calibrating anew (calibration runs on the FP32 model, so the other nodes' scales are the
-    same): each node gets back the inputs it has in `fp32`, and Q/DQ nodes nobody reads any more go."""
+    same): each node reads from before its Q/DQ pairs, its weights `fp32`'s (keep_float.py)."""
     leave = set(nodes) & quantized.converted
-    model = onnx.ModelProto()
-    model.CopyFrom(quantized.model)
-    graph = model.graph
-    original = {node.name: node for node in fp32.graph.node if node.name in leave}
-    present = {init.name for init in graph.initializer}
-    for node in graph.node:
-        if node.name in original:
-            node.input[:] = original[node.name].input
-    needed = {name for node in graph.node for name in node.input} - present
-    graph.initializer.extend(init for init in fp32.graph.initializer if init.name in needed)
-    _drop_unread_quantization(graph)
-    kept = quantized.kept + [KeptNode(name, original[name].op_type, reason) for name in sorted(leave)]
+    model = keep_in_float(quantized.model, fp32, leave)
+    ops = {node.name: node.op_type for node in fp32.graph.node if node.name in leave}
+    kept = quantized.kept + [KeptNode(name, ops[name], reason) for name in sorted(leave)]
     return TransformResult(
-        model=model, precision="int8", kept=kept, converted=quantized.converted - leave, quant_ranges=quant_ranges(model), warnings=quantized.warnings
+        model=model, precision="int8", kept=kept, converted=quantized.converted - leave, quant_ranges=quant_ranges(model.graph), warnings=quantized.warnings
     )
-
-
-def _drop_unread_quantization(graph: onnx.GraphProto) -> None:
-    """Remove Q/DQ nodes whose outputs nobody reads, then the initializers nobody reads."""
-    while True:
-        read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
-        unread = [n for n in graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear") and not any(o in read for o in n.output)]
-        if not unread:
-            break
-        for node in unread:
-            graph.node.remove(node)
-    read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
-    unused = [init for init in graph.initializer if init.name not in read]
-    for init in unused:
-        graph.initializer.remove(init)

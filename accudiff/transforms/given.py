@@ -1,0 +1,198 @@
+"""A candidate the user made with another tool (ModelOpt, ONNX Runtime's quantizer, a converter), taken as
+it is: checked to be a version of the reference model, its tensors aligned with the reference's.
+
+Alignment is structural, never fuzzy. A reference tensor is compared with the candidate's tensor of the
+same name; where the candidate has none, with the output at the same position of the candidate's node of
+the same name (a tool that renamed a node's output), renamed in the copy that runs. Where the candidate
+only stores a value differently (a Q/DQ pair, a Cast), the value keeps its name on the node's own result,
+which is what is compared; graph outputs are compared as the candidate returns them. A reference tensor
+left without a partner is listed with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+import onnx
+
+from accudiff.errors import AccudiffError
+from accudiff.model.formats import REDUCED_FLOATS, constant_values, model_formats, precision_label, quant_ranges, value_types
+from accudiff.model.loading import ModelInfo
+from accudiff.transforms.base import KeptNode, NodeSelector, TransformResult
+from accudiff.transforms.keep_float import FLOAT_TYPES, STORAGE_OPS, keep_in_float
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """How the candidate's tensors answer for the reference's."""
+
+    renamed: dict[str, str]  # the candidate's tensor -> the reference tensor it is compared as
+    unmatched: dict[str, str]  # a reference tensor -> why the candidate has no partner for it
+
+
+def adopt(candidate: ModelInfo, reference: ModelInfo, keep_fp32: Iterable[str] = ()) -> TransformResult:
+    """The user's candidate as the run compares it: checked against the reference, aligned (renamed in
+    place), with the nodes `keep_fp32` selects kept in FP32 (keep_float.py)."""
+    require_derived(candidate, reference)
+    graph = candidate.proto.graph
+    alignment = align(graph, reference)
+    _rename(graph, alignment.renamed)
+    selector = NodeSelector(keep_fp32)
+    selected = {node.name: selector.matches(node) for node in graph.node if node.op_type not in STORAGE_OPS}
+    kept = [KeptNode(node.name, node.op_type, f"selected by --keep-fp32 {selected[node.name]}")
+            for node in graph.node if selected.get(node.name) is not None]
+    model = keep_in_float(candidate.proto, reference.proto, [k.node for k in kept]) if kept else candidate.proto
+    warnings = []
+    if alignment.unmatched:
+        warnings.append(f"{len(alignment.unmatched)} of the model's {len(reference.tensors)} tensors have no partner in the candidate "
+                        f"({_reasons_in_short(alignment.unmatched)}): they are listed as not observed")
+    return TransformResult(
+        model=model,
+        precision=precision_label(model_formats(candidate.proto.graph)),
+        kept=kept,
+        converted=reduced_nodes(model.graph),
+        quant_ranges=_by_reference_name(quant_ranges(model.graph), model.graph),
+        warnings=warnings,
+        unmatched=alignment.unmatched,
+    )
+
+
+def require_derived(candidate: ModelInfo, reference: ModelInfo) -> None:
+    """A candidate is a version of the model: the same graph inputs and outputs, each float where the
+    model's is float (any float type) and of the same type otherwise; one sentence if not."""
+    theirs, ours = candidate.path.name, reference.path.name
+    for what, mine, other in (
+        ("inputs", {spec.name for spec in reference.inputs}, {spec.name for spec in candidate.inputs}),
+        ("outputs", set(reference.output_names), set(candidate.output_names)),
+    ):
+        if mine != other:
+            raise AccudiffError(
+                f"'{theirs}' is not a version of '{ours}': its graph {what} are {_names(other)} where the model's are {_names(mine)} "
+                "(--candidate-model takes the model as another tool quantized or converted it, with the same inputs and outputs)"
+            )
+    kinds = {t.name: t.dtype for t in candidate.tensors} | {spec.name: spec.dtype for spec in candidate.inputs}
+    for name, dtype in [*((t.name, t.dtype) for t in reference.tensors if t.is_output), *((s.name, s.dtype) for s in reference.inputs)]:
+        if name in kinds and not _same_kind(dtype, kinds[name]):
+            raise AccudiffError(f"'{theirs}' is not a version of '{ours}': its '{name}' holds {kinds[name]} values where the model's holds {dtype}")
+
+
+def align(graph: onnx.GraphProto, reference: ModelInfo) -> Alignment:
+    """The candidate tensor that answers for each reference tensor (see the module's docstring). A value of
+    the same name counts when the candidate computes it in the same node, or only stores it (a Cast, a Q/DQ
+    pair) or computes it in a node the reference does not have; not when another of the reference's nodes
+    writes it: a quantizer that folds a Relu into the Q/DQ pair after a BatchNormalization has that node
+    write the Relu's name, and the value is the BatchNormalization's."""
+    producer = {out: node for node in graph.node for out in node.output if out}
+    nodes = {node.name: node for node in graph.node}
+    types = value_types(graph)
+    ours = {t.name: t for t in reference.tensors}
+    folded = _computed_from_weights(reference.proto.graph)
+
+    def same_value(tensor) -> bool:
+        node = producer[tensor.name]
+        return node.name == tensor.node or node.op_type in STORAGE_OPS | {"Identity"} or node.name not in reference.nodes
+
+    exact = {t.name for t in reference.tensors if t.name in producer and same_value(t) and _same_kind(t.dtype, _np(types.get(t.name)))}
+    taken = (set(producer) - (set(ours) - exact)) | {vi.name for vi in graph.input} | set(constant_values(graph))
+    renamed: dict[str, str] = {}
+    unmatched: dict[str, str] = {}
+    for tensor in reference.tensors:
+        if tensor.name in exact:
+            continue
+        theirs, summary = nodes.get(tensor.node), reference.nodes.get(tensor.node)
+        if theirs is None:
+            unmatched[tensor.name] = _why_missing(tensor, folded, producer.get(tensor.name))
+            continue
+        position = summary.outputs.index(tensor.name) if summary is not None and tensor.name in summary.outputs else -1
+        partner = theirs.output[position] if 0 <= position < len(theirs.output) else ""
+        if partner and partner not in exact and partner not in renamed and tensor.name not in taken and _same_kind(tensor.dtype, _np(types.get(partner))):
+            renamed[partner] = tensor.name
+            taken.add(tensor.name)
+        else:
+            kind = _np(types.get(tensor.name)) if tensor.name in producer else None
+            unmatched[tensor.name] = (f"the candidate's value of that name holds {kind} values, the reference's {tensor.dtype}" if kind is not None
+                                      and not _same_kind(tensor.dtype, kind) else f"its node '{tensor.node}' in the candidate has no output that can answer for it")
+    return Alignment(renamed, unmatched)
+
+
+def _why_missing(tensor, folded: set[str], writer: onnx.NodeProto | None) -> str:
+    """Why a reference tensor whose node the candidate lacks has no partner."""
+    if tensor.name in folded:
+        return "computed from weights only: folded into a constant by the tool that made the candidate"
+    text = f"its node '{tensor.node}' ({tensor.op_type}) is not in the candidate: removed or fused by the tool that made it"
+    if writer is not None:
+        text += f"; the candidate's {writer.op_type} '{writer.name}' writes its name, computing another value"
+    return text
+
+
+def reduced_nodes(graph: onnx.GraphProto) -> set[str]:
+    """The candidate's nodes that compute in reduced precision: those reading a dequantized value (TensorRT
+    runs them quantized) or an FP16/BF16 one, or writing FP16/BF16 (Casts, Q/DQ and Constants only store)."""
+    types = value_types(graph)
+    dequantized = {out for node in graph.node if node.op_type == "DequantizeLinear" for out in node.output}
+    return {
+        node.name for node in graph.node
+        if node.op_type not in STORAGE_OPS and any(types.get(out) in FLOAT_TYPES for out in node.output)
+        and any(name in dequantized or types.get(name) in REDUCED_FLOATS for name in [*node.input, *node.output] if name)
+    }
+
+
+def _by_reference_name(ranges: dict, graph: onnx.GraphProto) -> dict:
+    """Quantization ranges keyed by the value the reference knows: a Q reading a Cast of a tensor (ModelOpt
+    casts the graph input to FP16 before quantizing it) quantizes that tensor."""
+    producer = {out: node for node in graph.node for out in node.output if out}
+    resolved = {}
+    for name, grid in ranges.items():
+        node = producer.get(name)
+        resolved[node.input[0] if node is not None and node.op_type == "Cast" else name] = grid
+    return resolved
+
+
+def _computed_from_weights(graph: onnx.GraphProto) -> set[str]:
+    """The values a graph computes from its weights alone (a tool folds them into constants)."""
+    known = set(constant_values(graph))
+    found = set()
+    for node in graph.node:
+        if node.op_type != "Constant" and node.input and all(not name or name in known for name in node.input):
+            known.update(node.output)
+            found.update(node.output)
+    return found
+
+
+def _rename(graph: onnx.GraphProto, renamed: dict[str, str]) -> None:
+    if not renamed:
+        return
+    for node in graph.node:
+        node.input[:] = [renamed.get(name, name) for name in node.input]
+        node.output[:] = [renamed.get(name, name) for name in node.output]
+    for vi in [*graph.value_info, *graph.output]:
+        vi.name = renamed.get(vi.name, vi.name)
+
+
+def _same_kind(ours, theirs) -> bool:
+    """Comparable values: both floating point (of any width), or of the same type."""
+    if ours is None or theirs is None:
+        return True
+    ours, theirs = np.dtype(ours), np.dtype(theirs)
+    floating = lambda kind: np.issubdtype(kind, np.floating) or kind.name in ("bfloat16",)  # noqa: E731
+    return (floating(ours) and floating(theirs)) or ours == theirs
+
+
+def _np(elem_type: int | None):
+    return None if not elem_type else np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+
+
+def _names(names: set[str]) -> str:
+    shown = ", ".join(f"'{n}'" for n in sorted(names)[:4])
+    return shown + (f" and {len(names) - 4} more" if len(names) > 4 else "") if names else "none"
+
+
+def _reasons_in_short(unmatched: dict[str, str]) -> str:
+    folded = sum(1 for why in unmatched.values() if why.startswith("computed from weights"))
+    removed = sum(1 for why in unmatched.values() if "removed or fused" in why)
+    other = len(unmatched) - folded - removed
+    parts = [f"{folded} folded into constants" if folded else "", f"{removed} whose nodes the tool removed or fused" if removed else "",
+             f"{other} that no output of their node answers for" if other else ""]
+    return ", ".join(p for p in parts if p)

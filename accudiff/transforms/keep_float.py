@@ -1,0 +1,172 @@
+"""Keep chosen nodes of a reduced-precision model in FP32: the one edit behind verification's keeps, the
+repairs `bisect precision` writes, `--keep-fp32` on a candidate model and the repaired candidate.
+
+A model as a quantizer writes it stores values narrow in two ways: behind a QuantizeLinear/
+DequantizeLinear pair (TensorRT folds the DequantizeLinear into the node that reads it, so that node runs
+quantized) and in FP16/BF16 (Casts, and weights and values of those types). A node kept in FP32 reads each
+input from before its Q/DQ pair and from before the Cast that narrowed it, computes in FP32, and hands its
+result to the nodes that are not kept rounded to the type they read it in, under its own name, as before.
+A weight stored narrow is taken from the reference model where the reference's node of the same name reads
+a float one at the same input (ModelOpt keeps float weights behind their Q/DQ pairs, ONNX Runtime's
+quantizer does not); otherwise its narrow values are read, widened.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import onnx
+from onnx import TensorProto
+
+from accudiff.model.formats import REDUCED_FLOATS, constant_values, value_types
+from accudiff.model.loading import declare_like, infer_shapes_unless_typed
+
+QUANTIZATION_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
+STORAGE_OPS = QUANTIZATION_OPS | {"Cast", "Constant"}  # what only changes how a value is stored: never a node to keep
+FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, *REDUCED_FLOATS})
+WIDE = "__fp32"
+
+
+def keep_in_float(
+    model: onnx.ModelProto, reference: onnx.ModelProto | None, nodes: Iterable[str], dequantize: bool = True, widen: bool = True
+) -> onnx.ModelProto:
+    """A copy of `model` with `nodes` computing from float inputs (`dequantize`: read from before their Q/DQ
+    pairs) in FP32 (`widen`: FP16/BF16 inputs read as FP32, outputs computed in FP32); the Q/DQ pairs,
+    Casts and weights nobody reads any more are dropped. `reference`: the float model whose weights a kept
+    node reads where its own are stored narrow (nodes matched by name)."""
+    kept = set(nodes)
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    graph = result.graph
+    infer_shapes_unless_typed(result)
+    edit = _Edit(graph, reference, dequantize, widen)
+    rebuilt: list[onnx.NodeProto] = []
+    for node in graph.node:
+        if node.name in kept and node.op_type not in STORAGE_OPS:
+            rebuilt += edit.keep(node)
+        else:
+            rebuilt.append(node)
+    del graph.node[:]
+    graph.node.extend(rebuilt)
+    graph.initializer.extend(edit.imported)
+    drop_unread_storage(graph)
+    return result
+
+
+class _Edit:
+    """What keeping nodes needs to know of the graph, and what it added (Casts, weights from the reference)."""
+
+    def __init__(self, graph: onnx.GraphProto, reference: onnx.ModelProto | None, dequantize: bool, widen: bool):
+        self.graph, self.dequantize, self.widen = graph, dequantize, widen
+        self.types = value_types(graph)
+        self.constants = constant_values(graph)
+        self.producer = {out: node for node in graph.node for out in node.output if out}
+        self.declared = {vi.name: vi for vi in [*graph.value_info, *graph.input, *graph.output]}
+        self.reference_nodes = {node.name: node for node in reference.graph.node} if reference is not None else {}
+        self.reference_weights = constant_values(reference.graph) if reference is not None else {}
+        self.taken = set(self.types) | set(self.producer) | {vi.name for vi in graph.input}
+        self.imported: list[onnx.TensorProto] = []
+        self._imports: dict[str, str] = {}
+        self.casts: dict[tuple[str, int], str] = {}
+        self.wide: dict[str, str] = {}  # a narrow value a kept node computed -> its FP32 result
+
+    def keep(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+        """`node` rewired to read float inputs (and the Casts that widen them, before it) and to compute in
+        FP32 (and the Casts that narrow its results for the others, after it)."""
+        before: list[onnx.NodeProto] = []
+        for index, name in enumerate(node.input):
+            if name and self.types.get(name) in FLOAT_TYPES:
+                node.input[index] = self._float_input(node, index, name, before)
+        after = []
+        if self.widen:
+            for attr in node.attribute:
+                if node.op_type == "Cast" and attr.name == "to" and attr.i in REDUCED_FLOATS:
+                    attr.i = TensorProto.FLOAT
+            for index, out in enumerate(node.output):
+                kind = self.types.get(out)
+                if kind in REDUCED_FLOATS:
+                    node.output[index] = self.wide[out] = self._fresh(out + WIDE)
+                    declare_like(self.graph, self.declared, self.wide[out], out, TensorProto.FLOAT)
+                    after.append(onnx.helper.make_node("Cast", [self.wide[out]], [out], to=kind))
+        return [*before, node, *after]
+
+    def _float_input(self, node: onnx.NodeProto, index: int, name: str, before: list[onnx.NodeProto]) -> str:
+        wanted = self.types.get(name)
+        if self.widen and wanted in REDUCED_FLOATS:
+            wanted = TensorProto.FLOAT
+        source = self._before_narrowing(name)
+        if source in self.wide:
+            source = self.wide[source]
+        elif self._narrow_weight(source):
+            source = self._reference_weight(node, index) or source
+        if self.types.get(source) == wanted or source not in self.types:
+            return source
+        key = (source, wanted)
+        if key not in self.casts:
+            self.casts[key] = self._fresh(f"{source}__as_{TensorProto.DataType.Name(wanted).lower()}")
+            before.append(onnx.helper.make_node("Cast", [source], [self.casts[key]], to=wanted))
+            declare_like(self.graph, self.declared, self.casts[key], source, wanted)
+            self.types[self.casts[key]] = wanted
+        return self.casts[key]
+
+    def _before_narrowing(self, name: str) -> str:
+        """The value `name` was made from by Q/DQ pairs (`dequantize`) and Casts to FP16/BF16 (`widen`)."""
+        while (node := self.producer.get(name)) is not None:
+            source = node.input[0] if node.input else ""
+            feeder = self.producer.get(source)
+            if self.dequantize and node.op_type == "DequantizeLinear" and feeder is not None and feeder.op_type == "QuantizeLinear":
+                name = feeder.input[0]
+            elif self.widen and node.op_type == "Cast" and _cast_to(node) in REDUCED_FLOATS and self.types.get(source) in FLOAT_TYPES:
+                name = source
+            else:
+                return name
+        return name
+
+    def _narrow_weight(self, name: str) -> bool:
+        """A weight stored narrow: a dequantized constant (`dequantize`), or an FP16/BF16 constant (`widen`)."""
+        node = self.producer.get(name)
+        if self.dequantize and node is not None and node.op_type == "DequantizeLinear" and node.input[0] in self.constants:
+            return True
+        return self.widen and name in self.constants and self.constants[name].data_type in REDUCED_FLOATS
+
+    def _reference_weight(self, node: onnx.NodeProto, index: int) -> str | None:
+        """The reference's float weight at this input of the reference's node of the same name, added to the
+        model (under its own name where that is free); None where there is none."""
+        theirs = self.reference_nodes.get(node.name)
+        name = theirs.input[index] if theirs is not None and index < len(theirs.input) else ""
+        weight = self.reference_weights.get(name)
+        if weight is None or weight.data_type not in FLOAT_TYPES - set(REDUCED_FLOATS):
+            return None
+        if name not in self._imports:
+            copy = onnx.TensorProto()
+            copy.CopyFrom(weight)
+            copy.name = self._imports[name] = self._fresh(name if name not in self.taken else name + "__float")
+            self.imported.append(copy)
+            self.types[copy.name] = copy.data_type
+        return self._imports[name]
+
+    def _fresh(self, name: str) -> str:
+        while name in self.taken:
+            name += "_"
+        self.taken.add(name)
+        return name
+
+
+def _cast_to(node: onnx.NodeProto) -> int | None:
+    return next((a.i for a in node.attribute if a.name == "to"), None)
+
+
+def drop_unread_storage(graph: onnx.GraphProto) -> None:
+    """Remove the Q/DQ, Cast and Constant nodes whose outputs nobody reads (repeatedly), then the weights
+    nobody reads."""
+    while True:
+        read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+        unread = [n for n in graph.node if n.op_type in STORAGE_OPS and not any(o in read for o in n.output)]
+        if not unread:
+            break
+        for node in unread:
+            graph.node.remove(node)
+    read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    unused = [init for init in graph.initializer if init.name not in read]
+    for init in unused:
+        graph.initializer.remove(init)
