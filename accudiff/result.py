@@ -67,6 +67,9 @@ class CompareResult:
     candidate_model: Path | None = None  # a candidate made by another tool (ModelOpt, ONNX Runtime's quantizer...), compared as it is
     unmatched: dict[str, str] = field(default_factory=dict)  # for such a candidate: a reference tensor it has no partner for -> why
     repaired_candidate: str | None = None  # the file in the report: that candidate with its verified repairs kept
+    # For such a candidate that quantizes and stores in FP16/BF16: per failing output, its tolerance ratio with
+    # both, with its Q/DQ pairs undone, with its casts undone (and the top-1 agreement of each), on the trials' samples.
+    loss_split: dict[str, dict] = field(default_factory=dict)
     # For the HTML report: the nodes and weights as written, every failing output's and cause's error
     # sketch (metrics.error_histogram), and sampled [reference, candidate] pairs of each graph output.
     nodes: dict[str, NodeSummary] = field(default_factory=dict)

@@ -8,6 +8,10 @@
 * ppocr_cls_v2_dynamic_int8, ppocr_cls_v2_qdq_int8: that classifier already quantized, as users receive such
   models: dynamically (ConvInteger, DynamicQuantizeLinear; IR 6, importing seven domains no node uses, as
   exported by older tools) and statically (Q/DQ pairs everywhere, calibrated on drawn text lines).
+Quantized candidates as users make them, with the real tools: `onnxruntime_qdq` (ONNX Runtime's
+quantize_static in the form TensorRT builds: symmetric, per-channel weights; INT8 or FP8 E4M3) and
+`modelopt_quantized` (NVIDIA ModelOpt's ONNX PTQ on the CPU, INT8 or FP8, which also casts the rest of the
+model to FP16).
 Realistic inputs for the trained ones are in `realistic_inputs.py`.
 Each function returns the path of an ONNX file (exported once into `folder`), or raises ModuleNotFoundError
 when the package it needs is not installed, so callers can skip.
@@ -18,6 +22,10 @@ from __future__ import annotations
 import importlib.util
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 OPSET = 17
 
@@ -166,7 +174,7 @@ def ppocr_cls_v2_dynamic_int8(folder: Path) -> Path:
 
 
 def ppocr_cls_v2_qdq_int8(folder: Path) -> Path:
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     from benchmarks.realistic_inputs import ppocr_cls
 
@@ -182,6 +190,58 @@ def ppocr_cls_v2_qdq_int8(folder: Path) -> Path:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             quantize_static(str(ppocr_cls_v2()), str(target), Lines(), quant_format=QuantFormat.QDQ, activation_type=QuantType.QInt8, weight_type=QuantType.QInt8)
+    return target
+
+
+def onnxruntime_qdq(model: Path, calibration: list[dict], target: Path, grid: str = "int8", per_channel: bool = True) -> Path:
+    """`model` quantized by ONNX Runtime's quantize_static into `target`: Q/DQ pairs in the form TensorRT
+    builds (symmetric activations and weights; INT8, or FP8 E4M3 for `grid="fp8"`), calibrated on
+    `calibration` (feeds)."""
+    from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    class Feeds(CalibrationDataReader):
+        def __init__(self):
+            self.feeds = iter(calibration)
+
+        def get_next(self):
+            return next(self.feeds, None)
+
+    kind = {"int8": QuantType.QInt8, "fp8": QuantType.QFLOAT8E4M3FN}[grid]
+    source = target.with_name(f"{target.stem}.float.onnx")  # the quantizer writes files beside its source: never beside ours
+    source.write_bytes(Path(model).read_bytes())
+    from accudiff.transforms.int8 import quiet_root_logger
+
+    with warnings.catch_warnings(), quiet_root_logger():
+        warnings.simplefilter("ignore")
+        quantize_static(str(source), str(target), Feeds(), quant_format=QuantFormat.QDQ, activation_type=kind, weight_type=kind,
+                        per_channel=per_channel and grid == "int8", extra_options={"ActivationSymmetric": True, "WeightSymmetric": True},
+                        calibrate_method=CalibrationMethod.Distribution if grid == "fp8" else CalibrationMethod.MinMax)
+    return target
+
+
+def modelopt_quantized(model: Path, calibration: np.ndarray, target: Path, mode: str = "int8") -> Path:
+    """`model` quantized by NVIDIA ModelOpt's ONNX PTQ (`python -m modelopt.onnx.quantization`, calibrated on
+    the CPU on `calibration`, the batch of the model's one input) into `target`; ModelOpt's version is
+    recorded in the model's doc string. ModuleNotFoundError when ModelOpt is not installed."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    import numpy as np
+    import onnx
+
+    if importlib.util.find_spec("modelopt") is None:
+        raise ModuleNotFoundError("ModelOpt is not installed (pip install --no-deps nvidia-modelopt, and its ONNX needs: see .ci/run)")
+    data = target.with_suffix(".calibration.npy")
+    np.save(data, calibration)
+    command = [sys.executable, "-m", "modelopt.onnx.quantization", "--onnx_path", str(model), "--quantize_mode", mode,
+               "--calibration_data_path", str(data), "--calibration_eps", "cpu", "--output_path", str(target)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0 or not target.exists():
+        raise RuntimeError(f"ModelOpt failed on {model.name}: {done.stderr.strip().splitlines()[-1:] or done.returncode}")
+    quantized = onnx.load(str(target))
+    quantized.doc_string = f"quantized by nvidia-modelopt {importlib.metadata.version('nvidia-modelopt')}, --quantize_mode {mode}"
+    onnx.save(quantized, str(target))
     return target
 
 

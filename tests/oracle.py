@@ -340,3 +340,86 @@ def int8_output_ratio(model: Path | onnx.ModelProto, candidate: Path | onnx.Mode
             present |= set(node.input)
     produced = _session(variant).run([output], feed)[0]
     return _ratio(values[output], produced, tolerance)
+
+
+# --- Keep-one-node oracle, a candidate made by another tool: one quantized node left unquantized ---
+
+
+def candidate_single_keep_ranking(model_path: Path, candidate_path: Path, feed, tolerance, output: str) -> list[tuple[float, str]]:
+    """(the output's ratio, node) for each node of a candidate made by another tool that reads a
+    DequantizeLinear, left unquantized alone (`candidate_output_ratio`), best first. The reference is the
+    FP32 model run as it is."""
+    model, candidate = onnx.load(str(model_path)), onnx.load(str(candidate_path))
+    reference = _session(model).run([output], feed)[0]
+    dequantized = {o for n in candidate.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    quantized = [n.name for n in candidate.graph.node if n.op_type not in ("QuantizeLinear", "DequantizeLinear") and any(i in dequantized for i in n.input)]
+    return sorted((candidate_output_ratio(model, candidate, reference, feed, tolerance, output, {name}), name) for name in quantized)
+
+
+def candidate_output_ratio(model, candidate, reference: np.ndarray, feed, tolerance, output: str, keep: set[str]) -> float:
+    """`output`'s worst |cand - ref| / tolerance when the candidate runs in ONNX Runtime with the nodes `keep`
+    unquantized: each input they read through a Q/DQ pair read from before it (a quantized weight: the FP32
+    model's weight at the same input of its node of the same name), and a graph output a Q/DQ pair
+    quantizes right after them their own result again. FP16 values are rounded through Cast pairs (ONNX
+    Runtime's CPU provider would compute them in FP32 unrounded); the kept nodes stay in the type they had."""
+    original = {n.name: n for n in _loaded(model).graph.node}
+    weights = {init.name: init for init in _loaded(model).graph.initializer}
+    variant = onnx.ModelProto()
+    variant.CopyFrom(_loaded(candidate))
+    graph = variant.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    outputs = {o.name for o in graph.output}
+    for node in graph.node:
+        if node.name not in keep:
+            continue
+        for position, name in enumerate(node.input):
+            dq = producer.get(name)
+            if dq is None or dq.op_type != "DequantizeLinear":
+                continue
+            q = producer.get(dq.input[0])
+            if q is not None and q.op_type == "QuantizeLinear":
+                node.input[position] = q.input[0]
+            elif node.name in original and original[node.name].input[position] in weights:
+                weight = weights[original[node.name].input[position]]
+                graph.initializer.append(weight)
+                node.input[position] = weight.name
+        for out in node.output:
+            for q in [n for n in graph.node if n.op_type == "QuantizeLinear" and n.input[0] == out]:
+                for dq in [n for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] == q.output[0] and n.output[0] in outputs]:
+                    dq.op_type, dq.input[:] = "Identity", [out]
+                    del dq.attribute[:]
+    produced = _session(_fp16_rounded(variant)).run([output], feed)[0]
+    return _ratio(reference, produced, tolerance)
+
+
+def _fp16_rounded(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with every FP16 value held in FP32 and rounded to FP16 by a Cast pair after the node that
+    writes it, its FP16 weights as FP32 values (exact), a Cast to FP16 as the same round trip."""
+    model = onnx.shape_inference.infer_shapes(model)
+    graph = model.graph
+    halves = {vi.name for vi in [*graph.value_info, *graph.output] if vi.type.tensor_type.elem_type == FP16}
+    if not halves and not any(init.data_type == FP16 for init in graph.initializer):
+        return model
+    for init in graph.initializer:
+        if init.data_type == FP16:
+            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float32), init.name))
+    nodes = []
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == FP16:
+                attr.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(attr.t).astype(np.float32), attr.t.name))
+        if node.op_type == "Cast" and any(a.name == "to" and a.i == FP16 for a in node.attribute):
+            nodes += _round_trip(node.input[0], node.output[0])
+            continue
+        rounded = [o for o in node.output if o in halves]
+        node.output[:] = [f"{o}__unrounded" if o in halves else o for o in node.output]
+        nodes.append(node)
+        for out in rounded:
+            nodes += _round_trip(f"{out}__unrounded", out)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    del graph.value_info[:]
+    for vi in [*graph.input, *graph.output]:
+        if vi.type.tensor_type.elem_type == FP16:
+            vi.type.tensor_type.elem_type = FLOAT
+    return model

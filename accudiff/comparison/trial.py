@@ -104,15 +104,16 @@ class Trials:
         while self._workers:
             self._workers.pop().let_go()  # their teardown overlaps what the caller does next
 
-    def run(self, keep_lists: Sequence[Sequence[str]]) -> list[TrialOutcome]:
+    def run(self, keep_lists: Sequence[Sequence[str]], parts: str = "all") -> list[TrialOutcome]:
         """Each keep-list (closed over boundaries) tried on the setup's samples; outcomes in the same order.
         On a switchboard, one worker tries them all, its runs on every core. Variants are shared among as
         many workers as there are cores, at once: what a variant costs is mostly single-threaded
-        (preparing its model and creating its session)."""
+        (preparing its model and creating its session). `parts`: of a candidate made by another tool, what
+        keeping undoes (CandidateVariants.with_kept): "all", or only its "quantization" or its "casts"."""
         closed = [self.boundaries.close(keep) for keep in keep_lists]
         cores = os.cpu_count() or 1
         started = time.perf_counter()
-        board = self._switchboard(closed)
+        board = self._switchboard(closed) if parts == "all" else None
         size = len(closed) if board is not None else min(VARIANTS_PER_WORKER, math.ceil(len(closed) / cores))
         chunks = [closed[start : start + size] for start in range(0, len(closed), size or 1)]
         # Threads per worker stay as they were for the workers already up: their sessions were made with them.
@@ -124,7 +125,7 @@ class Trials:
             sent = []
             try:
                 for index, chunk in enumerate(chunks):  # each job leaves as soon as its models are saved
-                    batch = self._job(chunk, self.reference.folder if not recording or index == 0 else None, board)
+                    batch = self._job(chunk, self.reference.folder if not recording or index == 0 else None, board, parts)
                     self.timings["models (caller)"] = round(self.timings.get("models (caller)", 0.0) + time.perf_counter() - started, 4)
                     if index == len(self._workers):
                         self._workers.append(take_worker())
@@ -166,7 +167,7 @@ class Trials:
         self._board = board, path
         return self._board
 
-    def _job(self, keep_lists: list[list[str]], reference: Path | None, board: tuple[Switchboard, Path] | None) -> _Batch:
+    def _job(self, keep_lists: list[list[str]], reference: Path | None, board: tuple[Switchboard, Path] | None, parts: str = "all") -> _Batch:
         """The models of `keep_lists` (their switchboard, or a variant each, saved), and the worker job that
         tries them (recording the reference's outputs in `reference`, or replaying them from it once complete)."""
         setup = self.setup
@@ -180,7 +181,7 @@ class Trials:
                 pass_.update(model=str(path), fixed_inputs=switchboard.settings(keep), reuse=True)
             else:
                 path = folder / f"variant{k}.onnx"
-                save_model(setup.variants.with_kept(keep).model, path)
+                save_model(setup.variants.with_kept(keep, parts).model, path)
                 pass_.update(model=str(path))
             passes.append(pass_)
         self.runs += len(keep_lists)

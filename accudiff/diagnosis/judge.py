@@ -52,6 +52,7 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings
         transformed.constant_overflows,
         graph_input_table(float_inputs, StatsSet.from_arrays(outcome["inputs"]), transformed.quant_ranges),
         dict(transformed.quant_ranges),
+        dict(transformed.weight_findings),
     )
     indexed = table.set_index("tensor", drop=False)
     failing = table.loc[table["status"] == STATUS_FAIL, "tensor"].tolist()

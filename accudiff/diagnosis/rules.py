@@ -33,7 +33,7 @@ VALUE_PRESERVING_OPS = frozenset(
         "Tile", "TopK", "Transpose", "Unsqueeze", "Upsample", "Where",
     }
 )
-RANGE_KINDS = frozenset({"overflow", "input_overflow", "constant_overflow", "underflow", *(f"{f}_{fault}" for f in QUANTIZED_FORMATS for fault in ("clipping", "resolution"))})
+RANGE_KINDS = frozenset({"overflow", "input_overflow", "constant_overflow", "underflow", "per_tensor_scale", *(f"{f}_{fault}" for f in QUANTIZED_FORMATS for fault in ("clipping", "resolution"))})
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,7 @@ class DiagnosisContext:
     constant_overflows: dict[str, str] = field(default_factory=dict)  # node -> what overflowed in its constants
     graph_inputs: pd.DataFrame | None = None  # range statistics of the graph inputs
     quant_ranges: dict[str, QuantRange] = field(default_factory=dict)  # tensor -> the grid a Q/DQ pair puts it on
+    weight_findings: dict[str, str] = field(default_factory=dict)  # node -> what its weight's one quantization scale zeroes
 
     @property
     def formats(self) -> frozenset[str]:
@@ -116,6 +117,8 @@ def range_findings(tensor: str, table: pd.DataFrame, context: DiagnosisContext) 
         findings += _fp16_underflow(table, context, stored_fp16 + (inputs if converted else []), tensor)
     if context.formats & QUANTIZED_FORMATS and converted:
         findings += _quantized_inputs(table, context, inputs)
+    if node in context.weight_findings:
+        findings.append(Finding("per_tensor_scale", context.weight_findings[node]))
     return findings
 
 

@@ -38,7 +38,7 @@ from accudiff.comparison.trial import MAX_TRIAL_SAMPLES, TrialOutcome, TrialSetu
 from accudiff.comparison.worker import prestart
 from accudiff.diagnosis.cause import Absorbed, Cause, Contributor, ancestor_tensors, flagged_nodes, rank_contributors
 from accudiff.diagnosis.mechanisms import absorber, amplifiers, cancellations
-from accudiff.diagnosis.rules import VALUE_PRESERVING_OPS, DiagnosisContext, Finding, isolated_figures, isolation_ran
+from accudiff.diagnosis.rules import VALUE_PRESERVING_OPS, DiagnosisContext, Finding, isolated_figures, isolation_ran, range_findings
 from accudiff.model.formats import QUANTIZED_FORMATS, formats_of
 from accudiff.model.loading import load_graph, read_again, save_model
 from accudiff.model.samples import Samples
@@ -126,6 +126,7 @@ def verify_outputs(
     recorded = (runs[0].outputs, chosen) if runs[0].outputs is not None else None
     with Trials(setup, indexed, recorded) as trials:
         verdicts, control = verify_causes(outputs, indexed, context, trials, settings.verify_budget, settings.tolerances.default.rtol)
+        result.loss_split = _loss_split(outputs, control, trials, setup.variants, context.formats)
     result.worker_timings["verification"] = trials.timings
     keep = list(dict.fromkeys(n for _, repair in verdicts.values() if repair.verified for n in repair.keep))
     if report is not None and keep and settings.candidate_model is not None:
@@ -143,6 +144,25 @@ def verify_outputs(
             f"{stand_in or 'the candidate'} run again with nothing kept: a keep cannot be verified where the failure does not show, "
             "so the cause stays the rules' hypothesis")
     return notices
+
+
+def _loss_split(outputs: Sequence[str], control: TrialOutcome, trials: Trials, variants: CandidateVariants, formats: frozenset[str]) -> dict[str, dict]:
+    """For a candidate made by another tool that both quantizes and stores in FP16/BF16 (ModelOpt's INT8 and
+    FP8 models do): each failing output with only its Q/DQ pairs undone, and with only its casts undone, next
+    to the control (both kept); with the top-1 agreement of class scores. Two runs, on the trials' samples."""
+    if variants.recipe.candidate_model is None or not (formats & QUANTIZED_FORMATS and formats - QUANTIZED_FORMATS):
+        return {}
+    every = sorted(variants.base.converted)
+    [unquantized] = trials.run([every], parts="quantization")
+    [widened] = trials.run([every], parts="casts")
+    return {
+        output: {
+            "with_both": control.tol_ratio.get(output, math.inf), "without_quantization": unquantized.tol_ratio.get(output, math.inf),
+            "without_casts": widened.tol_ratio.get(output, math.inf),
+            "top1": {"with_both": control.top1.get(output), "without_quantization": unquantized.top1.get(output), "without_casts": widened.top1.get(output)},
+        }
+        for output in outputs
+    }
 
 
 def _trial_samples(failing: pd.DataFrame, outputs: Sequence[str]) -> list[int]:
@@ -196,6 +216,11 @@ def verify_causes(
 
 def _suspects(output: str, table: pd.DataFrame, context: DiagnosisContext, rtol: float) -> list[_Suspect]:
     found = [_Suspect(c.node, c.tensor, c.op_type, [c.node], c.findings, flagged=True) for c in flagged_nodes(output, table, context)]
+    # A weight's one scale zeroing a channel is a fault whatever the tolerance says of the node's own output
+    # (a tensor dominated by one large channel passes while its small channels are lost).
+    rows = table[table.index.isin(ancestor_tensors(output, context.upstream)) & table["node"].isin(context.weight_findings.keys())]
+    found += [_Suspect(row["node"], tensor, row["op_type"], [row["node"]], range_findings(tensor, table, context), flagged=True)
+              for tensor, row in rows.drop_duplicates("node").iterrows()]
     for cancel in cancellations(output, table, context, rtol):
         found.append(_Suspect(cancel.node, cancel.tensor, cancel.op_type, cancel.unit, [cancel.finding, *amplifiers(cancel.tensor, output, table, context)]))
     rows = table[table.index.isin(ancestor_tensors(output, context.upstream))]
@@ -266,10 +291,24 @@ def _conclude(
                 used.append(suspect)
                 keep, ratio = outcome.keep, tried
                 steps.append(RepairStep(keep, ratio))
+    joint = False
+    if not helpful and len(suspects) >= 2 and runs_left > 0:
+        # Two faults on one path (a weight whose one scale zeroes a channel, and the activation its node
+        # writes on a grid that zeroes it again) each undo what the other would repair: none helps alone.
+        used, steps = _together(output, before, suspects, trials, runs_left) or (used, steps)
+        joint = len(used) > 1
     repair = Repair(steps[-1].keep, steps, verified=steps[-1].tol_ratio <= 1.0)
-    ruled_out = [_absorbed(s, output, table, context) for s in suspects if s.flagged and s not in helpful and s.node not in repair.keep]
+    ruled_out = [_absorbed(s, output, table, context) for s in suspects
+                 if s.flagged and s not in helpful and s not in used and s.node not in repair.keep]
     common = dict(contributors=contributors, verified=True, absorbed=ruled_out)
     phrase = keep_phrase(context.precision)
+    if joint and repair.verified and len(used) <= SEVERAL_LIMIT:
+        best = used[0]
+        alone = ", ".join(f"{s.op_type} '{s.node}' {times_tolerance(s.tol_ratio, '')}" for s in used)
+        verdict = Finding("verified", f"none of them alone repairs the output ({alone} of {times_tolerance(before, '')}); "
+                                      f"{phrase.replace(' it ', ' them ')} together brings it to {times_tolerance(repair.steps[-1].tol_ratio)}")
+        return Cause("several", best.node, best.tensor, best.op_type, [*best.findings, verdict],
+                     co_causes=[_contributor(s, table) for s in used[1:]], **common), repair
     if repair.verified and len(used) == 1:
         best = used[0]
         reads, boundary = len(best.keep) - 1, len(best.tried) - len(best.keep)
@@ -292,6 +331,29 @@ def _conclude(
         f" (best: {best.op_type} '{best.node}', {times_tolerance(best.tol_ratio_kept, '')} of {times_tolerance(before, '')})" if best else ""
     )
     return Cause("accumulated", findings=[Finding("verified", summary)], **common), repair
+
+
+def _together(output: str, before: float, suspects: list[_Suspect], trials: Trials, runs_left: int) -> tuple[list[_Suspect], list[RepairStep]] | None:
+    """When no suspect helps alone: all of them kept together, and, if that helps, each dropped again (the
+    one whose own keep did least first) while the rest helps as much, within `runs_left` runs; the members
+    left and the steps (nothing kept, all kept, then the pruned lists). None when together they do not help."""
+    keep = list(dict.fromkeys(n for s in suspects for n in s.tried))
+    [outcome] = trials.run([keep])
+    ratio = outcome.tol_ratio.get(output, math.inf)
+    if improvement(before, ratio) <= 1 / HELPS:
+        return None
+    members, steps, runs_left = list(suspects), [RepairStep([], before), RepairStep(outcome.keep, ratio)], runs_left - 1
+    target = 1.0 if ratio <= 1.0 else ratio / HELPS  # what the rest must still reach for a member to go
+    for suspect in sorted(suspects, key=lambda s: -s.tol_ratio):
+        if runs_left <= 0 or len(members) <= 2:
+            break
+        rest = [s for s in members if s is not suspect]
+        [trial] = trials.run([list(dict.fromkeys(n for s in rest for n in s.tried))])
+        runs_left -= 1
+        if trial.tol_ratio.get(output, math.inf) <= target:
+            members = rest
+            steps.append(RepairStep(trial.keep, trial.tol_ratio.get(output, math.inf)))
+    return members, steps
 
 
 def improvement(before: float, after: float) -> float:

@@ -42,6 +42,7 @@ def summary(result) -> dict:
             entry["cause"] = asdict(failure.cause)
             entry["repair"] = asdict(failure.repair) if failure.repair is not None else None
             entry["first_failing_upstream"] = failure.first_failing_upstream
+            entry["loss_split"] = result.loss_split.get(row["tensor"])
         outputs.append(entry)
     document = {
         "schema": SUMMARY_SCHEMA,
@@ -141,13 +142,16 @@ def cause_lines(failure, result) -> list[str]:
         what = "introduces the error" if cause.kind == "local" else "is one of several causes"
         lines = [f"cause: {cause.op_type} '{cause.node}' {what} (its output '{cause.tensor}'; {status})"]
         lines += [f"  {f.kind}: {f.message}" for f in cause.findings]
-        lines += [f"  also: {c.op_type} '{c.node}' ({_kept_effect(c)})" for c in cause.co_causes]
+        for c in cause.co_causes:
+            lines.append(f"  also: {c.op_type} '{c.node}' ({_kept_effect(c)})")
+            lines += [f"    {f.kind}: {f.message}" for f in c.findings if f.kind != "own_error"]
     elif cause.kind == "accumulated":
         lines = ["cause: accumulated error: no single node breaks this output; small errors grow past the tolerance on the way"]
         lines += [f"  {f.kind}: {f.message}" for f in cause.findings]
     else:
         lines = ["cause: unknown: no range fault found, and without the isolated run (--no-isolate) one node's own error "
                  "cannot be told from error that adds up"]
+    lines += split_lines(failure.tensor, result)
     for absorbed in cause.absorbed:
         by = f"its error is absorbed downstream by {absorbed.by_op_type} '{absorbed.by}'; " if absorbed.by else ""
         lines.append(f"  ruled out: {absorbed.op_type} '{absorbed.node}' (flagged by the rules): {by}kept in higher precision alone, it leaves the output at {times_tolerance(absorbed.tol_ratio_kept)}")
@@ -161,6 +165,21 @@ def cause_lines(failure, result) -> list[str]:
                 lines += [f"      {f.kind}: {f.message}" for f in c.findings]
     lines += repair_lines(failure, result)
     return lines
+
+
+def split_lines(output: str, result) -> list[str]:
+    """Which share of a candidate's loss its quantization brings and which its FP16/BF16 casts."""
+    split = result.loss_split.get(output)
+    if not split:
+        return []
+    formats = result.precision.split("+")
+    quantized, stored = formats[0].upper(), "/".join(f.upper() for f in formats[1:])
+    top1 = split["top1"]
+    decision = (f"; top-1 agreement {percent(top1['without_quantization'], 1)}, {percent(top1['without_casts'], 1)} and {percent(top1['with_both'], 1)}"
+                if top1.get("with_both") is not None else "")
+    return [f"  loss split: without its Q/DQ pairs ({stored} kept) the output is at {times_tolerance(split['without_quantization'], '')}, "
+            f"without its {stored} casts ({quantized} kept) at {times_tolerance(split['without_casts'], '')}, with both at "
+            f"{times_tolerance(split['with_both'])}{decision}"]
 
 
 def repair_lines(failure, result) -> list[str]:

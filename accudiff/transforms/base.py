@@ -38,6 +38,7 @@ class TransformResult:
     # exactly as it reads its inputs in the candidate.
     storage_copies: dict[str, str] = field(default_factory=dict)
     unmatched: dict[str, str] = field(default_factory=dict)  # a reference tensor -> why a candidate given by the user has no partner for it
+    weight_findings: dict[str, str] = field(default_factory=dict)  # node -> what its weight's one quantization scale zeroes
 
 
 class NodeSelector:

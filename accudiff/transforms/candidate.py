@@ -68,13 +68,16 @@ class CandidateVariants:
         """`base`: the candidate `transform_model(info, recipe, ...)` made."""
         self.info, self.recipe, self.base = info, recipe, base
 
-    def with_kept(self, nodes: Iterable[str]) -> TransformResult:
+    def with_kept(self, nodes: Iterable[str], parts: str = "all") -> TransformResult:
+        """The candidate with `nodes` kept in higher precision. Of a candidate made by another tool, `parts`
+        says what keeping undoes: "all" (Q/DQ pairs and FP16/BF16), or only its "quantization" or its "casts"
+        (which share of its loss each brings)."""
         nodes = list(nodes)
         if not nodes or self.recipe.precision == "fp32" or self.recipe.engine is not None:
             return self.base
         if self.recipe.candidate_model is not None:
             kept = [KeptNode(node.name, node.op_type, KEPT_TO_VERIFY) for node in self.base.model.graph.node if node.name in self.base.converted and node.name in nodes]
-            model = keep_in_float(self.base.model, self.info.proto, nodes)
+            model = keep_in_float(self.base.model, self.info.proto, nodes, dequantize=parts != "casts", widen=parts != "quantization")
             return replace(self.base, model=model, kept=[*self.base.kept, *kept], converted=self.base.converted - set(nodes))
         if self.recipe.precision == "int8":
             return leave_unquantized(self.base, self.info.proto, nodes, KEPT_TO_VERIFY)

@@ -16,10 +16,12 @@ from typing import Iterable
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from accudiff.errors import AccudiffError
-from accudiff.model.formats import REDUCED_FLOATS, constant_values, model_formats, precision_label, quant_ranges, value_types
+from accudiff.model.formats import GRIDS, REDUCED_FLOATS, constant_values, grid_type, model_formats, precision_label, quant_ranges, value_types
 from accudiff.model.loading import ModelInfo
+from accudiff.model.weights import weight_values
 from accudiff.transforms.base import KeptNode, NodeSelector, TransformResult
 from accudiff.transforms.keep_float import FLOAT_TYPES, STORAGE_OPS, keep_in_float
 
@@ -56,6 +58,7 @@ def adopt(candidate: ModelInfo, reference: ModelInfo, keep_fp32: Iterable[str] =
         quant_ranges=_by_reference_name(quant_ranges(model.graph), model.graph),
         warnings=warnings,
         unmatched=alignment.unmatched,
+        weight_findings=per_tensor_weights(model.graph, reference.proto.graph),
     )
 
 
@@ -125,6 +128,59 @@ def _why_missing(tensor, folded: set[str], writer: onnx.NodeProto | None) -> str
     if writer is not None:
         text += f"; the candidate's {writer.op_type} '{writer.name}' writes its name, computing another value"
     return text
+
+
+def per_tensor_weights(graph: onnx.GraphProto, reference: onnx.GraphProto) -> dict[str, str]:
+    """Nodes reading a weight quantized with one scale for all its channels where some channel's values
+    all fall below half the grid's smallest step, and so become 0 (per-channel scales would keep them):
+    node -> what happens, in words. The float weight is the one before the Q/DQ pair, else the reference's
+    at the same input of its node of the same name; a weight known only quantized is not judged."""
+    producer = {out: node for node in graph.node for out in node.output if out}
+    constants, types = constant_values(graph), value_types(graph)
+    theirs = {node.name: node for node in reference.node}
+    reference_weights = constant_values(reference)
+    found = {}
+    for node in graph.node:
+        if node.op_type in STORAGE_OPS:
+            continue
+        for position, name in enumerate(node.input):
+            dequantize = producer.get(name)
+            if dequantize is None or dequantize.op_type != "DequantizeLinear" or dequantize.input[1] not in constants:
+                continue
+            scale = numpy_helper.to_array(constants[dequantize.input[1]]).astype(np.float64)
+            quantize = producer.get(dequantize.input[0])
+            source = quantize.input[0] if quantize is not None and quantize.op_type == "QuantizeLinear" else None
+            if scale.size != 1 or (source is None and dequantize.input[0] not in constants):
+                continue
+            weight = constants.get(source) if source is not None else None
+            if weight is None and node.name in theirs and position < len(theirs[node.name].input):
+                weight = reference_weights.get(theirs[node.name].input[position])
+            grid = GRIDS.get(grid_type(dequantize, types) or (grid_type(quantize, types) if quantize is not None else None))
+            if weight is None or grid is None:
+                continue
+            lost = _lost_channels(weight_values(weight).astype(np.float64), node.op_type, grid.smallest * float(scale.reshape(())) / 2)
+            if lost:
+                count, channels, axis, largest = lost
+                found[node.name] = (
+                    f"its weight '{weight.name}' is quantized to {grid.name} with one scale ({float(scale.reshape(())):.3g}) for all its {channels} "
+                    f"channels along axis {axis}: {count} of them hold only values below half a step (the largest {largest:.3g}) and become 0; "
+                    "per-channel scales would keep them")
+    return found
+
+
+def _lost_channels(values: np.ndarray, op_type: str, half_step: float) -> tuple[int, int, int, float] | None:
+    """(channels whose nonzero values all round to 0, channels, axis, their largest magnitude), along the
+    axis per-channel quantization would use (output channels), or None."""
+    if values.ndim == 0:
+        return None
+    axis = {"Conv": 0, "ConvTranspose": 1 % values.ndim, "MatMul": values.ndim - 1, "Gemm": values.ndim - 1}.get(op_type)
+    if axis is None:  # an elementwise weight: along its longest axis
+        axis = int(np.argmax(values.shape))
+    if values.shape[axis] < 2:
+        return None
+    magnitude = np.abs(np.moveaxis(values, axis, 0).reshape(values.shape[axis], -1)).max(axis=1)
+    lost = (magnitude > 0) & (magnitude < half_step)
+    return (int(lost.sum()), values.shape[axis], axis, float(magnitude[lost].max())) if lost.any() else None
 
 
 def reduced_nodes(graph: onnx.GraphProto) -> set[str]:

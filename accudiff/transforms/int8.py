@@ -70,7 +70,7 @@ def to_int8(
         source, target = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
         save_model(model, source)  # its weights beside it past the threshold: protobuf stops at 2 GB
         try:
-            with warnings.catch_warnings(), _quiet_root_logger():
+            with warnings.catch_warnings(), quiet_root_logger():
                 warnings.simplefilter("ignore")
                 quantize_static(
                     str(source),
@@ -108,13 +108,21 @@ def to_int8(
 
 def _what_remains_to_quantize(model: onnx.ModelProto, excluded: list[str]) -> list[str]:
     """Check that the INT8 candidate will differ from the model: some float Conv/ConvTranspose/MatMul/Gemm
-    is left to quantize, else one sentence says why not. In a model that is already quantized (Q/DQ
-    pairs, QLinear*, dynamic quantization's integer ops), those parts stay as they are on both sides and
-    the nodes a DequantizeLinear feeds join `excluded`; the notice that says so is returned."""
+    is left to quantize, else one sentence says why not. A model with Q/DQ pairs is refused: its own
+    quantization is what to measure (without --int8, or with --candidate-model). In a model quantized
+    dynamically (ConvInteger, MatMulInteger...), those parts stay as they are on both sides and the nodes
+    a DequantizeLinear feeds join `excluded`; the notice that says so is returned."""
     found: dict[str, int] = {}
     for node in model.graph.node:
         if node.op_type in PREQUANTIZED_OPS or node.op_type.startswith("QLinear"):
             found[node.op_type] = found.get(node.op_type, 0) + 1
+    if found.get("QuantizeLinear") or found.get("DequantizeLinear"):
+        pairs = max(found.get("QuantizeLinear", 0), found.get("DequantizeLinear", 0))
+        raise AccudiffError(
+            f"the model is already quantized ({pairs} Q/DQ nodes): --int8 would quantize only what it left in float and compare that with "
+            "the quantized model itself, leaving out what its own quantization costs; to measure that, compare it without --int8 (against "
+            "its float form) or against the float model it was made from (accudiff compare float.onnx --candidate-model quantized.onnx)"
+        )
     dequantized = {out for node in model.graph.node if node.op_type == "DequantizeLinear" for out in node.output}
     candidates = [node for node in model.graph.node if node.op_type in QUANTIZED_OPS]
     remaining = []
@@ -213,7 +221,7 @@ def _is_dequantized_weight(name: str, producer: dict[str, onnx.NodeProto]) -> bo
 
 
 @contextlib.contextmanager
-def _quiet_root_logger():
+def quiet_root_logger():
     """The quantizer logs advice on the root logger; accudiff's own notices say what matters."""
     root = logging.getLogger()
     level = root.level

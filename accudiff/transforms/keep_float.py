@@ -69,6 +69,11 @@ class _Edit:
         self._imports: dict[str, str] = {}
         self.casts: dict[tuple[str, int], str] = {}
         self.wide: dict[str, str] = {}  # a narrow value a kept node computed -> its FP32 result
+        self.readers: dict[str, list[onnx.NodeProto]] = {}
+        for node in graph.node:
+            for name in node.input:
+                self.readers.setdefault(name, []).append(node)
+        self.graph_outputs = {o.name for o in graph.output}
 
     def keep(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
         """`node` rewired to read float inputs (and the Casts that widen them, before it) and to compute in
@@ -77,6 +82,8 @@ class _Edit:
         for index, name in enumerate(node.input):
             if name and self.types.get(name) in FLOAT_TYPES:
                 node.input[index] = self._float_input(node, index, name, before)
+        if self.dequantize:
+            self._unquantize_graph_outputs(node)
         after = []
         if self.widen:
             for attr in node.attribute:
@@ -89,6 +96,19 @@ class _Edit:
                     declare_like(self.graph, self.declared, self.wide[out], out, TensorProto.FLOAT)
                     after.append(onnx.helper.make_node("Cast", [self.wide[out]], [out], to=kind))
         return [*before, node, *after]
+
+    def _unquantize_graph_outputs(self, node: onnx.NodeProto) -> None:
+        """A graph output a Q/DQ pair quantizes after this node (ONNX Runtime's quantizer quantizes graph
+        outputs) is the node's own result again: that DequantizeLinear becomes an Identity of it."""
+        for out in node.output:
+            for quantize in self.readers.get(out, []):
+                if quantize.op_type != "QuantizeLinear":
+                    continue
+                for dequantize in self.readers.get(quantize.output[0], []):
+                    if dequantize.op_type == "DequantizeLinear" and dequantize.output[0] in self.graph_outputs:
+                        dequantize.op_type = "Identity"
+                        dequantize.input[:] = [out]
+                        del dequantize.attribute[:]
 
     def _float_input(self, node: onnx.NodeProto, index: int, name: str, before: list[onnx.NodeProto]) -> str:
         wanted = self.types.get(name)

@@ -1,0 +1,270 @@
+"""Candidates made by other tools (--candidate-model), and quantized models given alone.
+
+The candidates are made by the real tools: ONNX Runtime's quantize_static (QDQ, symmetric, per-channel
+weights, as TensorRT builds them; INT8 and FP8) here, and NVIDIA ModelOpt's ONNX PTQ on the trained text
+recognizer where ModelOpt is installed (.ci/run installs it). Causes are held to a brute-force oracle
+written apart from accudiff (oracle.py): each quantized node left unquantized alone, in ONNX Runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import accudiff
+import oracle
+from conftest import ROOT, fixture, user_shell_environment
+
+sys.path.insert(0, str(ROOT))
+from benchmarks import models, realistic_inputs  # noqa: E402
+from accudiff.model.inputs import save_feeds  # noqa: E402
+
+OUTLIER = fixture("int8_outlier_channel")
+TOP = 3
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """The candidates ONNX Runtime's quantizer makes of the outlier fixture (INT8, FP8) and its inputs."""
+    folder = tmp_path_factory.mktemp("candidates")
+    rng = np.random.default_rng(7)
+    calibration = [{"x": rng.uniform(0, 1, (1, 8, 6, 6)).astype(np.float32)} for _ in range(4)]
+    save_feeds([{"x": rng.uniform(0, 1, (1, 8, 6, 6)).astype(np.float32)}], folder / "inputs.npz")
+    for grid in ("int8", "fp8"):
+        models.onnxruntime_qdq(OUTLIER, calibration, folder / f"outlier-{grid}.onnx", grid)
+    return folder
+
+
+def _summary(folder) -> dict:
+    return json.loads((folder / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("grid", ["int8", "fp8"])
+def test_a_candidate_quantized_by_onnxruntime_is_compared_with_its_float_model(made, grid, run_cli, tmp_path):
+    """INT8: the Mul's weight quantized with one scale zeroes seven of its eight channels, and the Conv
+    reads its activation on a grid the outlier channel stretches: neither alone repairs the output, both
+    together do (several). FP8: the Relu's input saturates at the calibrated range. Every tensor has its
+    partner; the repair is printed as the quantizers' options and written as repaired-candidate.onnx, which
+    compared again meets the tolerance."""
+    candidate = made / f"outlier-{grid}.onnx"
+    code, out, err = run_cli("compare", OUTLIER, "--candidate-model", candidate, "--load-inputs", made / "inputs.npz", "-o", "report")
+    assert code == 1, err
+    summary = _summary(tmp_path / "report")
+    assert summary["precision"] == grid
+    assert summary["alignment"]["matched"] == summary["alignment"]["reference_tensors"] == 3
+    cause, repair = summary["outputs"][0]["cause"], summary["outputs"][0]["repair"]
+    assert repair["verified"]
+    if grid == "int8":
+        assert cause["kind"] == "several" and {cause["node"], *(c["node"] for c in cause["co_causes"])} == {"conv", "channel_gain"}
+        gain = next(c for c in [cause, *cause["co_causes"]] if c["node"] == "channel_gain")
+        assert any(f["kind"] == "per_tensor_scale" and "7 of them" in f["message"] for f in gain["findings"])
+    else:
+        assert cause["kind"] == "local" and cause["node"] == "relu"
+        assert any(f["kind"] == "fp8_clipping" and "FP8 E4M3" in f["message"] for f in cause["findings"])
+    assert "--nodes_to_exclude" in out and "nodes_to_exclude=[" in out
+    repaired = tmp_path / "report" / "repaired-candidate.onnx"
+    assert summary["files"]["repaired_candidate"] == "repaired-candidate.onnx" and repaired.is_file()
+    code, again, err = run_cli("compare", OUTLIER, "--candidate-model", repaired, "--load-inputs", made / "inputs.npz", "-o", "repaired")
+    assert code == 0, again + err
+
+
+@pytest.mark.parametrize("grid", ["int8", "fp8"])
+def test_the_causes_agree_with_the_keep_one_oracle(made, grid, tmp_path):
+    """The oracle leaves each quantized node unquantized alone: where one of them repairs the output, the
+    named cause is among its best; where none does, the cause is not 'local'."""
+    candidate = made / f"outlier-{grid}.onnx"
+    feed = {"x": np.load(made / "inputs.npz")["0/x"]}
+    result = accudiff.compare(OUTLIER, candidate_model=candidate, inputs=made / "inputs.npz", candidate="onnxrt")
+    tolerance = (result.tolerances.default.atol, result.tolerances.default.rtol, result.tolerances.default.stol)
+    ranking = oracle.candidate_single_keep_ranking(OUTLIER, candidate, feed, tolerance, "y")
+    cause = result.output_failures[0].cause
+    if ranking[0][0] <= 1.0:
+        assert cause.kind == "local" and cause.node in [node for _, node in ranking[:TOP]], ranking
+    else:
+        assert cause.kind != "local", ranking
+        both = oracle.candidate_output_ratio(OUTLIER, candidate, oracle._session(onnx.load(str(OUTLIER))).run(["y"], feed)[0], feed, tolerance, "y",
+                                             {cause.node, *(c.node for c in cause.co_causes)})
+        assert both <= 1.0
+
+
+def test_a_quantized_model_given_alone_is_compared_with_its_float_form(made, run_cli, tmp_path):
+    """Without a precision flag, the quantized model is its own candidate; the reference is its float form,
+    whose weights are the dequantized ones. Here the weight's one scale already zeroed the channels the
+    activation's grid would lose, in the float form too: it passes, and a notice says that the weights'
+    rounding cannot show, and how to see it (against the float model it fails, above)."""
+    code, out, err = run_cli("compare", made / "outlier-int8.onnx", "--load-inputs", made / "inputs.npz", "-o", "report")
+    assert code == 0, err
+    assert "2 weight(s) kept only quantized were dequantized" in out and "accudiff compare float.onnx --candidate-model outlier-int8.onnx" in out
+    summary = _summary(tmp_path / "report")
+    assert summary["precision"] == "int8" and summary["alignment"]["matched"] == summary["alignment"]["reference_tensors"]
+
+
+def test_a_relu_the_quantizer_folded_is_not_compared_with_another_value(run_cli, tmp_path):
+    """ONNX Runtime's asymmetric quantizer drops a Relu after a BatchNormalization and lets the Q/DQ pair
+    clip: that node then writes the Relu's name. The reference's Relu output has no partner (said why), the
+    BatchNormalization's output is compared with the node's own result; given alone, the float form keeps
+    the clipping of such pairs, so its output is the model's (not NaN) and the cause is the same."""
+    quantized = models.ppocr_cls_v2_qdq_int8(tmp_path)
+    save_feeds(realistic_inputs.dataset("ppocr_cls_v2", 4), tmp_path / "lines.npz")
+    code, out, err = run_cli("compare", models.ppocr_cls_v2(), "--candidate-model", quantized, "--load-inputs", "lines.npz", "-o", "explicit")
+    assert code in (0, 1), err
+    explicit = _summary(tmp_path / "explicit")
+    unmatched = explicit["alignment"]["unmatched"]
+    assert "relu_0.tmp_0" in unmatched and "writes its name" in unmatched["relu_0.tmp_0"]
+    assert "batch_norm_1.tmp_2" not in unmatched
+    code, out, err = run_cli("compare", quantized, "--load-inputs", "lines.npz", "-o", "alone")
+    assert code in (0, 1), err
+    alone = _summary(tmp_path / "alone")
+    assert "folded a Relu or a Clip" in out
+    assert all(np.isfinite(float(o["max_abs_err"])) for o in alone["outputs"])
+    causes = [s["outputs"][0].get("cause") for s in (explicit, alone)]
+    assert (causes[0] or {}).get("node") == (causes[1] or {}).get("node")
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--fp16"], "--fp16 would make another one"),
+        (["--calib-data", "inputs.npz"], "--calib-data calibrates an INT8 candidate"),
+        (["--no-autokeep"], "--no-autokeep"),
+    ],
+)
+def test_options_that_would_make_another_candidate_are_refused(made, extra, message, run_cli, tmp_path):
+    save_feeds([{"x": np.zeros((1, 8, 6, 6), np.float32)}], tmp_path / "inputs.npz")
+    code, out, err = run_cli("compare", OUTLIER, "--candidate-model", made / "outlier-int8.onnx", *extra)
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_a_candidate_of_another_model_or_a_quantized_reference_is_one_sentence(made, run_cli):
+    code, out, err = run_cli("compare", OUTLIER, "--candidate-model", fixture("clean"))
+    assert code == 2 and err.count("\n") == 1 and "is not a version of 'int8_outlier_channel.onnx'" in err, err
+    code, out, err = run_cli("compare", made / "outlier-fp8.onnx", "--candidate-model", made / "outlier-int8.onnx")
+    assert code == 2 and err.count("\n") == 1 and "give that float model first" in err, err
+    code, out, err = run_cli("compare", OUTLIER, "--candidate-model", "missing.onnx")
+    assert code == 2 and "candidate model file 'missing.onnx' does not exist" in err, err
+
+
+def test_fp8_values_cross_a_segment_boundary(tmp_path):
+    """A comparison cut into segments between a QuantizeLinear and its DequantizeLinear: the FP8 value comes
+    back from ONNX Runtime widened to FP32 (exactly) and is fed to the next segment that way (it failed with
+    'Unexpected input data type ... tensor(Float8E4M3FN)' on ModelOpt's FP8 recognizer)."""
+    size = 1 << 20
+    nodes = [
+        helper.make_node("Mul", ["x", "two"], ["a"], name="double"),
+        helper.make_node("QuantizeLinear", ["a", "scale", "zero"], ["q"], name="quantize"),
+        helper.make_node("DequantizeLinear", ["q", "scale", "zero"], ["d"], name="dequantize"),
+        helper.make_node("Mul", ["d", "two"], ["y"], name="again"),
+    ]
+    graph = helper.make_graph(
+        nodes, "fp8", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, size])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, size])],
+        [numpy_helper.from_array(np.array(2.0, np.float32), "two"), numpy_helper.from_array(np.array(0.05, np.float32), "scale"),
+         helper.make_tensor("zero", TensorProto.FLOAT8E4M3FN, [], [0.0])],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)]), str(tmp_path / "fp8.onnx"))
+    save_feeds([{"x": np.random.default_rng(0).uniform(0, 4, (1, size)).astype(np.float32)}], tmp_path / "x.npz")
+    result = accudiff.compare(tmp_path / "fp8.onnx", "fp16", inputs=tmp_path / "x.npz", max_memory="16M", candidate="onnxrt", verify=False)
+    table = result.table.set_index("tensor")
+    assert table.loc["q", "status"] != "not observed" and table.loc["q", "ref_max"] > 0  # the FP8 codes themselves, widened
+    assert result.coverage == (4, 4)
+
+
+def test_an_overflow_is_absorbed_by_the_tanh_not_by_a_shape_read_off_its_path(tmp_path):
+    """An FP16 overflow a Tanh turns back into 1 is ruled out, absorbed by the Tanh: the Shape of the same
+    value, which comes first and is 'within tolerance' as integers are, undoes nothing (it was named)."""
+    nodes = [
+        helper.make_node("Mul", ["x", "three_hundred"], ["large"], name="enlarge"),
+        helper.make_node("Mul", ["large", "large"], ["amplified"], name="amplify"),
+        helper.make_node("Shape", ["amplified"], ["shape"], name="shape_of"),
+        helper.make_node("Tanh", ["amplified"], ["squashed"], name="squash"),
+        helper.make_node("Reshape", ["squashed", "shape"], ["reshaped"], name="reshape"),
+        helper.make_node("Mul", ["x", "three_hundred"], ["scaled"], name="scale"),
+        helper.make_node("Mul", ["scaled", "scaled"], ["square"], name="square"),
+        helper.make_node("Sqrt", ["square"], ["root"], name="root"),
+        helper.make_node("Add", ["reshaped", "root"], ["y"], name="add"),
+    ]
+    graph = helper.make_graph(
+        nodes, "absorbed", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16])],
+        [numpy_helper.from_array(np.array(300.0, np.float32), "three_hundred")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "absorbed.onnx"))
+    result = accudiff.compare(tmp_path / "absorbed.onnx", "fp16", candidate="onnxrt", val_range=["0.5,1"])
+    cause = result.output_failures[0].cause
+    assert cause.kind == "local" and cause.node == "square", cause
+    absorbed = {a.node: a.by for a in cause.absorbed}
+    assert absorbed.get("amplify") == "squash", cause
+
+
+def test_bisect_precision_and_subgraph_take_the_candidate_model(made, tmp_path):
+    """bisect precision keeps nodes of the candidate and writes it repaired (passing when compared);
+    bisect subgraph cuts the candidate at the same nodes and its command fails as it says, run verbatim."""
+    inputs = made / "inputs.npz"
+    candidate = made / "outlier-int8.onnx"
+    done = subprocess.run(["accudiff", "bisect", "precision", str(OUTLIER), "--candidate-model", str(candidate), "--load-inputs", str(inputs),
+                           "-o", str(tmp_path / "precision")], capture_output=True, text=True, env=user_shell_environment())
+    assert done.returncode == 1, done.stderr
+    result = json.loads((tmp_path / "precision" / "result.json").read_text())
+    assert result["repaired"] and set(result["keep"]) <= {"conv", "channel_gain"} and result["repaired_model"] == "repaired-candidate.onnx"
+    again = accudiff.compare(OUTLIER, candidate_model=tmp_path / "precision" / "repaired-candidate.onnx", inputs=inputs, candidate="onnxrt")
+    assert again.passed
+    done = subprocess.run(["accudiff", "bisect", "subgraph", str(OUTLIER), "--candidate-model", str(candidate), "--load-inputs", str(inputs),
+                           "-o", str(tmp_path / "subgraph")], capture_output=True, text=True, env=user_shell_environment())
+    assert done.returncode == 1, done.stderr
+    result = json.loads((tmp_path / "subgraph" / "result.json").read_text())
+    assert result["confirmed"] and result["candidate_path"] == "subgraph_candidate.onnx" and "--candidate-model subgraph_candidate.onnx" in result["command"]
+    replay = subprocess.run(result["command"] + " -o replay", shell=True, cwd=tmp_path / "subgraph", capture_output=True, text=True, env=user_shell_environment())
+    assert replay.returncode == 1, replay.stdout + replay.stderr
+
+
+def test_the_pytest_plugin_takes_the_candidate_model(made, pytester):
+    pytester.makepyfile(
+        f"""
+        import pytest
+
+        def test_candidate(accudiff):
+            accudiff.compare({str(OUTLIER)!r}, candidate_model={str(made / "outlier-int8.onnx")!r}, inputs={str(made / "inputs.npz")!r}).assert_within()
+        """
+    )
+    outcome = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    outcome.assert_outcomes(failed=1)
+    assert "several" in outcome.stdout.str() or "channel_gain" in outcome.stdout.str()
+
+
+@pytest.fixture(scope="module")
+def modelopt_candidates(tmp_path_factory):
+    """The trained recognizer quantized by ModelOpt (INT8 and FP8, calibrated on 32 drawn lines), and 4 others."""
+    folder = tmp_path_factory.mktemp("modelopt")
+    calibration = np.concatenate([realistic_inputs.ppocr_rec(seed)["x"] for seed in range(100, 132)])
+    try:
+        made = {mode: models.modelopt_quantized(models.ppocr_rec_v4(), calibration, folder / f"rec-{mode}.onnx", mode) for mode in ("int8", "fp8")}
+    except ModuleNotFoundError as missing:
+        pytest.skip(str(missing))
+    save_feeds(realistic_inputs.dataset("ppocr_rec_v4", 4), folder / "lines.npz")
+    return made, folder / "lines.npz"
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_modelopt_candidates_of_the_trained_recognizer(modelopt_candidates, mode):
+    """ModelOpt's INT8 and FP8 recognizers (it also casts the rest to FP16): at least 90% of the float
+    model's tensors compared, the per-time-step top-1 agreement reported, and the cause either verified or
+    'accumulated' where the oracle finds that no single node left unquantized repairs the output."""
+    made, lines = modelopt_candidates
+    result = accudiff.compare(models.ppocr_rec_v4(), candidate_model=made[mode], inputs=lines, candidate="onnxrt")
+    compared, computed = result.coverage
+    assert compared >= 0.9 * computed
+    assert result.precision == f"{mode}+fp16"
+    agreement = result.class_agreement()["softmax_11.tmp_0"]
+    assert agreement is not None and 0 < agreement["top1"] <= 1
+    failure = result.output_failures[0]
+    if failure.cause.kind == "accumulated":
+        feed = {"x": np.load(lines)["0/x"]}
+        tolerance = (result.tolerances.default.atol, result.tolerances.default.rtol, result.tolerances.default.stol)
+        ranking = oracle.candidate_single_keep_ranking(models.ppocr_rec_v4(), made[mode], feed, tolerance, "softmax_11.tmp_0")
+        assert ranking[0][0] > 1.0, ranking[:3]
+    else:
+        assert failure.repair.verified
