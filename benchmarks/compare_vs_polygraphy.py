@@ -1,10 +1,14 @@
 """Wall time and peak memory of `accudiff compare --fp16` next to polygraphy doing the same job.
 
-    python benchmarks/compare_vs_polygraphy.py [--models resnet18 ppocr_rec_v4 nudenet_320n] [--repeat 3] [--out benchmarks/out]
+    python benchmarks/compare_vs_polygraphy.py [--models resnet18 ppocr_rec_v4 nudenet_320n ppocr_rec_v4_modelopt_int8 ppocr_rec_v4_modelopt_fp8]
+        [--repeat 3] [--out benchmarks/out]
 
 polygraphy's flow (0.53): `run M --onnxrt --onnx-outputs mark all --save-outputs ref.json`, then `convert
 M --fp-to-fp16 -o M16`, then `run M16 --onnxrt --onnx-outputs mark all --load-outputs ref.json`.
-accudiff's: `accudiff compare M --fp16 --candidate onnxrt`. Both run as fresh processes; peak memory is
+accudiff's: `accudiff compare M --fp16 --candidate onnxrt`. For a candidate made by another tool (the
+recognizer quantized by ModelOpt, INT8 or FP8, made before timing starts), polygraphy runs the candidate
+instead of converting (`run Q --onnxrt --onnx-outputs mark all --load-outputs ref.json`), and accudiff
+runs `accudiff compare M --candidate-model Q --candidate onnxrt`. Both run as fresh processes; peak memory is
 the largest sum of resident memory over the whole process tree (sampled every 10 ms from /proc), so
 accudiff's worker processes count; both run from byte-compiled modules (`measure.accudiff_command`). The
 floor is two marked ONNX Runtime runs plus one pass over the tensors, with sessions already created.
@@ -23,21 +27,24 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import models  # noqa: E402
-from benchmarks.measure import accudiff_command, measure  # noqa: E402
+from benchmarks import models, realistic_inputs
+from benchmarks.measure import accudiff_command, measure
 
 SHAPES = {"resnet18": "input:1x3x224x224", "ppocr_rec_v4": "x:1x3x48x320", "nudenet_320n": "images:1x3x320x320"}
 
 
-def polygraphy_flow(model: Path, shape: str, work: Path) -> dict:
+CANDIDATES = {"ppocr_rec_v4_modelopt_int8": ("ppocr_rec_v4", "int8"), "ppocr_rec_v4_modelopt_fp8": ("ppocr_rec_v4", "fp8")}
+
+
+def polygraphy_flow(model: Path, shape: str, work: Path, candidate: Path | None = None) -> dict:
     name, dims = shape.split(":")
     shape_arg = ["--input-shapes", f"{name}:[{','.join(dims.split('x'))}]"]
     polygraphy = [str(Path(sys.executable).with_name("polygraphy"))]
-    steps = [
-        polygraphy + ["run", str(model), "--onnxrt", "--onnx-outputs", "mark", "all", "--save-outputs", str(work / "ref.json"), *shape_arg],
-        polygraphy + ["convert", str(model), "--fp-to-fp16", "-o", str(work / "model16.onnx")],
-        polygraphy + ["run", str(work / "model16.onnx"), "--onnxrt", "--onnx-outputs", "mark", "all", "--load-outputs", str(work / "ref.json"), *shape_arg],
-    ]
+    steps = [polygraphy + ["run", str(model), "--onnxrt", "--onnx-outputs", "mark", "all", "--save-outputs", str(work / "ref.json"), *shape_arg]]
+    if candidate is None:
+        candidate = work / "model16.onnx"
+        steps.append(polygraphy + ["convert", str(model), "--fp-to-fp16", "-o", str(candidate)])
+    steps.append(polygraphy + ["run", str(candidate), "--onnxrt", "--onnx-outputs", "mark", "all", "--load-outputs", str(work / "ref.json"), *shape_arg])
     results = [measure(step) for step in steps]
     return {
         "seconds": sum(r["seconds"] for r in results),
@@ -47,8 +54,9 @@ def polygraphy_flow(model: Path, shape: str, work: Path) -> dict:
     }
 
 
-def accudiff_flow(model: Path, shape: str, work: Path) -> dict:
-    result = measure(accudiff_command("compare", str(model), "--fp16", "--candidate", "onnxrt", "--input-shapes", shape, "--report-dir", str(work / "report")))
+def accudiff_flow(model: Path, shape: str, work: Path, candidate: Path | None = None) -> dict:
+    what = ["--fp16"] if candidate is None else ["--candidate-model", str(candidate)]
+    result = measure(accudiff_command("compare", str(model), *what, "--candidate", "onnxrt", "--input-shapes", shape, "--report-dir", str(work / "report")))
     summary = json.loads((work / "report" / "summary.json").read_text()) if (work / "report").exists() else {}
     result.update(tensors=summary.get("counts", {}).get("tensors"), phases=summary.get("timings_s"), workers=summary.get("worker_timings_s"))
     return result
@@ -96,7 +104,7 @@ def _breakdown(run: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(SHAPES))
+    parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=[*SHAPES, *CANDIDATES])
     parser.add_argument("--repeat", type=int, default=3, help="runs of each flow; the median time and the largest peak are reported")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = parser.parse_args()
@@ -104,16 +112,21 @@ def main() -> None:
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
-            model = models.MODELS[name](Path(tmp))
+            base, mode = CANDIDATES.get(name, (name, None))
+            model = models.MODELS[base](Path(tmp))
+            candidate = None
+            if mode is not None:  # made before timing starts
+                calibration = np.concatenate([realistic_inputs.ppocr_rec(seed)["x"] for seed in range(100, 132)])
+                candidate = models.modelopt_quantized(model, calibration, Path(tmp) / f"{name}.onnx", mode)
             runs = {"polygraphy": [], "accudiff": []}
             for repeat in range(args.repeat):  # alternated, so a noisy spell on this shared machine hits both
                 work = Path(tmp) / name / str(repeat)
                 (work / "pg").mkdir(parents=True)
                 (work / "ad").mkdir()
-                runs["polygraphy"].append(polygraphy_flow(model, SHAPES[name], work / "pg"))
-                runs["accudiff"].append(accudiff_flow(model, SHAPES[name], work / "ad"))
+                runs["polygraphy"].append(polygraphy_flow(model, SHAPES[base], work / "pg", candidate))
+                runs["accudiff"].append(accudiff_flow(model, SHAPES[base], work / "ad", candidate))
             rows[name] = {tool: _median_run(results) for tool, results in runs.items()}
-            rows[name]["floor"] = floor(model, SHAPES[name])
+            rows[name]["floor"] = floor(model, SHAPES[base])
             row = rows[name]
             pg, ad, fl = row["polygraphy"], row["accudiff"], row["floor"]
             print(

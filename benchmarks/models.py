@@ -174,7 +174,7 @@ def ppocr_cls_v2_dynamic_int8(folder: Path) -> Path:
 
 
 def ppocr_cls_v2_qdq_int8(folder: Path) -> Path:
-    from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
     from benchmarks.realistic_inputs import ppocr_cls
 

@@ -1,6 +1,7 @@
 """The switchboard computes what the variant it stands for computes: for each keep-list, its graph outputs
-with those switches on are the outputs of the FP16 candidate converted with those nodes kept in FP32
-(both run as the ONNX Runtime candidate runs them)."""
+with those switches on are the outputs of the FP16 candidate converted with those nodes kept in FP32, or of
+a candidate made by another tool with those nodes kept by keep_float.py (both run as the ONNX Runtime
+candidate runs them)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from accudiff.model.formats import file_formats, precision_label
 from accudiff.model.inputs import generate_feeds
 from accudiff.model.loading import load_model, save_model
 from accudiff.runners.onnxrt import OnnxrtRunner
@@ -26,9 +28,9 @@ def _outputs(model, path: Path, names, feed) -> dict[str, np.ndarray]:
         return dict(runner.infer(feed))
 
 
-def _assert_switchboard_matches_variants(model_path: Path, feed, keep_lists, tmp_path: Path) -> None:
+def _assert_switchboard_matches_variants(model_path: Path, feed, keep_lists, tmp_path: Path, candidate: Path | None = None) -> None:
     info = load_model(model_path)
-    recipe = CandidateRecipe("fp16")
+    recipe = CandidateRecipe("fp16") if candidate is None else CandidateRecipe(precision_label(file_formats(candidate)), candidate_model=candidate)
     variants = CandidateVariants(info, recipe, transform_model(info, recipe, feed))
     board = variants.switchboard({n for keep in keep_lists for n in keep})
     assert board is not None
@@ -64,3 +66,35 @@ def test_the_trained_recognizer_on_a_drawn_text_line(tmp_path):
     last = nodes[-3:]  # the nodes feeding the graph output
     middle = nodes[len(nodes) // 2 : len(nodes) // 2 + 4]
     _assert_switchboard_matches_variants(path, feed, [[], chain, last, middle, chain + last, [chain[0], last[-1]]], tmp_path)
+
+
+def test_candidates_made_by_onnxruntimes_quantizer(tmp_path):
+    """INT8 and FP8 Q/DQ candidates of the outlier fixture (a graph output quantized too: keeping its node
+    undoes that pair) and of the trained direction classifier."""
+    rng = np.random.default_rng(3)
+    calibration = [{"x": rng.uniform(0, 1, (1, 8, 6, 6)).astype(np.float32)} for _ in range(4)]
+    feed = {"x": rng.uniform(0, 1, (1, 8, 6, 6)).astype(np.float32)}
+    for grid in ("int8", "fp8"):
+        candidate = models.onnxruntime_qdq(fixture("int8_outlier_channel"), calibration, tmp_path / f"outlier-{grid}.onnx", grid)
+        keep_lists = [[], ["conv"], ["relu"], ["channel_gain", "conv"], ["channel_gain", "conv", "relu"]]
+        _assert_switchboard_matches_variants(fixture("int8_outlier_channel"), feed, keep_lists, tmp_path, candidate)
+    try:
+        classifier = models.ppocr_cls_v2()
+    except ModuleNotFoundError as missing:
+        pytest.skip(f"{missing.name} is not installed")
+    candidate = models.onnxruntime_qdq(classifier, realistic_inputs.dataset("ppocr_cls_v2", 4, 100), tmp_path / "cls-int8.onnx")
+    nodes = [n.name for n in load_model(classifier).proto.graph.node if n.op_type in ("Conv", "BatchNormalization", "HardSigmoid", "Mul", "Add")]
+    _assert_switchboard_matches_variants(classifier, realistic_inputs.ppocr_cls(0), [[], nodes[:4], nodes[10:13], nodes[:4] + nodes[-3:]], tmp_path, candidate)
+
+
+def test_a_candidate_modelopt_made_of_the_trained_recognizer(tmp_path):
+    """ModelOpt's FP8 recognizer, which also casts the rest to FP16: switched nodes read FP32 from before
+    their Q/DQ pairs and their Casts, and hand their readers their result in FP16."""
+    try:
+        calibration = np.concatenate([realistic_inputs.ppocr_rec(seed)["x"] for seed in range(100, 108)])
+        candidate = models.modelopt_quantized(models.ppocr_rec_v4(), calibration, tmp_path / "rec-fp8.onnx", "fp8")
+    except ModuleNotFoundError as missing:
+        pytest.skip(str(missing))
+    nodes = [n.name for n in load_model(candidate).proto.graph.node if n.op_type in ("Conv", "MatMul", "Mul", "Add")]
+    keep_lists = [[], nodes[:3], nodes[40:46], nodes[-4:], nodes[:3] + nodes[-4:]]
+    _assert_switchboard_matches_variants(models.ppocr_rec_v4(), realistic_inputs.ppocr_rec(0), keep_lists, tmp_path, candidate)

@@ -13,7 +13,7 @@ from accudiff.bisect.precision import KEEP_LIST_FILE, RANKING_FILE, bisect_preci
 from accudiff.bisect.session import BisectSession, stderr_progress
 from accudiff.bisect.subgraph import bisect_subgraph
 from accudiff.report.folder import ReportFolder
-from accudiff.report.content import HTML_FILE, finite
+from accudiff.report.content import HTML_FILE, finite, remake_lines
 from accudiff.report.html import bisect_page
 from accudiff.settings import RunSettings
 
@@ -39,7 +39,7 @@ def run_bisector(name: str, settings: RunSettings, out_dir: Path) -> tuple[str, 
             text, found = _subgraph_text(result, folder.final), result.output is not None
         else:
             result = bisect_precision(session, folder.path)
-            text, found = _precision_text(result, folder.final), not result.passed_without_changes
+            text, found = _precision_text(result, folder.final, settings), not result.passed_without_changes
         fields = {key: value for key, value in vars(result).items() if not isinstance(value, pd.DataFrame)}
         document = {"schema": RESULT_SCHEMA, "schema_version": 2, "bisector": name, "model": str(model), "precision": precision, **fields}
         folder.write_text(RESULT_FILE, json.dumps(finite(document), indent=2) + "\n")
@@ -72,13 +72,15 @@ def _subgraph_text(result, folder: Path) -> str:
     return "\n".join(lines)
 
 
-def _precision_text(result, folder: Path) -> str:
+def _precision_text(result, folder: Path, settings: RunSettings) -> str:
     lines = [f"accudiff bisect precision: {result.candidate_runs} candidate runs (bound {result.bound})"]
     if result.passed_without_changes:
         lines.append("  the model already meets tolerance: nothing to keep in higher precision")
     elif result.repaired:
         lines.append(f"  keeping {len(result.keep)} node(s) in higher precision makes the outputs meet tolerance: {', '.join(result.keep[:8])}{' ...' if len(result.keep) > 8 else ''}")
         lines.append(f"  keep-list: {folder / KEEP_LIST_FILE} (one --keep-fp32 pattern per line); repaired model: {folder / result.repaired_model}")
+        if settings.candidate_model is not None:
+            lines += [f"  {line}" for line in remake_lines(result.keep, settings.precision)]
     elif result.interrupted:
         lines.append("  interrupted before a passing keep-list was found")
     else:

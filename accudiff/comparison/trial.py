@@ -104,18 +104,24 @@ class Trials:
         while self._workers:
             self._workers.pop().let_go()  # their teardown overlaps what the caller does next
 
-    def run(self, keep_lists: Sequence[Sequence[str]], parts: str = "all") -> list[TrialOutcome]:
+    def run(self, keep_lists: Sequence[Sequence[str]], parts: Sequence[str] | None = None) -> list[TrialOutcome]:
         """Each keep-list (closed over boundaries) tried on the setup's samples; outcomes in the same order.
         On a switchboard, one worker tries them all, its runs on every core. Variants are shared among as
         many workers as there are cores, at once: what a variant costs is mostly single-threaded
-        (preparing its model and creating its session). `parts`: of a candidate made by another tool, what
-        keeping undoes (CandidateVariants.with_kept): "all", or only its "quantization" or its "casts"."""
+        (preparing its model and creating its session). `parts`, one per keep-list: of a candidate made by
+        another tool, what keeping undoes (CandidateVariants.with_kept): "all" (the default), or only its
+        "quantization" or its "casts"."""
         closed = [self.boundaries.close(keep) for keep in keep_lists]
+        parts = list(parts) if parts is not None else ["all"] * len(closed)
         cores = os.cpu_count() or 1
         started = time.perf_counter()
-        board = self._switchboard(closed) if parts == "all" else None
-        size = len(closed) if board is not None else min(VARIANTS_PER_WORKER, math.ceil(len(closed) / cores))
-        chunks = [closed[start : start + size] for start in range(0, len(closed), size or 1)]
+        board = self._switchboard([keep for keep, undone in zip(closed, parts) if undone == "all"])
+        # Positions of the keep-lists per worker: those the switchboard serves in one, the others shared.
+        on_board = [i for i, undone in enumerate(parts) if board is not None and undone == "all"]
+        apart = [i for i in range(len(closed)) if i not in set(on_board)]
+        size = min(VARIANTS_PER_WORKER, math.ceil(len(apart) / max(cores - bool(on_board), 1)))
+        groups = [on_board] * bool(on_board) + [apart[start : start + size] for start in range(0, len(apart), size or 1)]
+        chunks = [[(closed[i], parts[i]) for i in group] for group in groups]
         # Threads per worker stay as they were for the workers already up: their sessions were made with them.
         threads = max(1, cores // min(cores, max(len(chunks), len(self._workers), 1)))
         prestart(len(chunks) - len(self._workers))  # their start overlaps the building of the models
@@ -125,18 +131,20 @@ class Trials:
             sent = []
             try:
                 for index, chunk in enumerate(chunks):  # each job leaves as soon as its models are saved
-                    batch = self._job(chunk, self.reference.folder if not recording or index == 0 else None, board, parts)
+                    batch = self._job(chunk, self.reference.folder if not recording or index == 0 else None, board)
                     self.timings["models (caller)"] = round(self.timings.get("models (caller)", 0.0) + time.perf_counter() - started, 4)
                     if index == len(self._workers):
                         self._workers.append(take_worker())
                     worker = self._workers[index]
                     sent.append((batch, pool.submit(lambda job, worker: merge_results([worker.run(replace(job, threads=threads))]), batch.job, worker)))
                     started = time.perf_counter()
-                for batch, future in sent:
+                found: dict[int, TrialOutcome] = {}
+                for group, (batch, future) in zip(groups, sent):
                     merged = future.result()
                     self.timings = added_timings([self.timings, merged["timings"]])
                     passes = merged["passes"]
-                    outcomes += [_outcome(keep, passes[p["name"]]["outcomes"]) for keep, p in zip(batch.keep_lists, batch.job.passes)]
+                    found.update((i, _outcome(keep, passes[p["name"]]["outcomes"])) for i, keep, p in zip(group, batch.keep_lists, batch.job.passes))
+                outcomes = [found[i] for i in range(len(closed))]
             except BaseException:
                 discard_spares()
                 for worker in self._workers:
@@ -167,16 +175,18 @@ class Trials:
         self._board = board, path
         return self._board
 
-    def _job(self, keep_lists: list[list[str]], reference: Path | None, board: tuple[Switchboard, Path] | None, parts: str = "all") -> _Batch:
-        """The models of `keep_lists` (their switchboard, or a variant each, saved), and the worker job that
-        tries them (recording the reference's outputs in `reference`, or replaying them from it once complete)."""
+    def _job(self, chosen: list[tuple[list[str], str]], reference: Path | None, board: tuple[Switchboard, Path] | None) -> _Batch:
+        """The models of the `chosen` keep-lists (with what each undoes: their switchboard, or a variant each,
+        saved), and the worker job that tries them (recording the reference's outputs in `reference`, or
+        replaying them from it once complete)."""
         setup = self.setup
         folder = setup.scratch / f"trials-{self.runs}"
         folder.mkdir(parents=True, exist_ok=True)
         passes = []
-        for k, keep in enumerate(keep_lists):
+        keep_lists = [keep for keep, _ in chosen]
+        for k, (keep, parts) in enumerate(chosen):
             pass_ = {"name": f"variant{k}", "backend": setup.settings.backend[0], "fed_from_reference": {}}
-            if board is not None:
+            if board is not None and parts == "all":
                 switchboard, path = board
                 pass_.update(model=str(path), fixed_inputs=switchboard.settings(keep), reuse=True)
             else:
@@ -227,10 +237,11 @@ def _outcome(keep: list[str], samples: list[dict]) -> TrialOutcome:
 
 
 def switchable(settings: RunSettings) -> bool:
-    """Whether the candidate can be tried as a switchboard: an FP16 model run by ONNX Runtime (a TensorRT
-    build of a switchboard would fuse differently; INT8 and pre-built engines need variants, see
-    CandidateVariants.switchboard, which may still refuse nodes inside If/Loop/Scan bodies)."""
-    return settings.precision == "fp16" and settings.backend[0] == "onnxrt" and settings.trt.engine is None and settings.candidate_model is None
+    """Whether the candidate can be tried as a switchboard: an FP16 model, or a candidate made by another
+    tool, run by ONNX Runtime (a TensorRT build of a switchboard would fuse differently; accudiff's INT8 and
+    pre-built engines need variants, see CandidateVariants.switchboard, which may still refuse nodes inside
+    If/Loop/Scan bodies)."""
+    return (settings.precision == "fp16" or settings.candidate_model is not None) and settings.backend[0] == "onnxrt" and settings.trt.engine is None
 
 
 def trial_workers(settings: RunSettings) -> int:

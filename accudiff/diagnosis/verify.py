@@ -125,8 +125,9 @@ def verify_outputs(
     )
     recorded = (runs[0].outputs, chosen) if runs[0].outputs is not None else None
     with Trials(setup, indexed, recorded) as trials:
-        verdicts, control = verify_causes(outputs, indexed, context, trials, settings.verify_budget, settings.tolerances.default.rtol)
-        result.loss_split = _loss_split(outputs, control, trials, setup.variants, context.formats)
+        split = _splits(setup.variants, context.formats)
+        verdicts, control, parts = verify_causes(outputs, indexed, context, trials, settings.verify_budget, settings.tolerances.default.rtol, split)
+        result.loss_split = _loss_split(outputs, control, parts)
     result.worker_timings["verification"] = trials.timings
     keep = list(dict.fromkeys(n for _, repair in verdicts.values() if repair.verified for n in repair.keep))
     if report is not None and keep and settings.candidate_model is not None:
@@ -146,21 +147,25 @@ def verify_outputs(
     return notices
 
 
-def _loss_split(outputs: Sequence[str], control: TrialOutcome, trials: Trials, variants: CandidateVariants, formats: frozenset[str]) -> dict[str, dict]:
+def _splits(variants: CandidateVariants, formats: frozenset[str]) -> list[tuple[list[str], str]]:
     """For a candidate made by another tool that both quantizes and stores in FP16/BF16 (ModelOpt's INT8 and
-    FP8 models do): each failing output with only its Q/DQ pairs undone, and with only its casts undone, next
-    to the control (both kept); with the top-1 agreement of class scores. Two runs, on the trials' samples."""
+    FP8 models do): every converted node kept with only its Q/DQ pairs undone, and with only its casts
+    undone (which share of the loss each brings); nothing for any other candidate."""
     if variants.recipe.candidate_model is None or not (formats & QUANTIZED_FORMATS and formats - QUANTIZED_FORMATS):
-        return {}
+        return []
     every = sorted(variants.base.converted)
-    [unquantized] = trials.run([every], parts="quantization")
-    [widened] = trials.run([every], parts="casts")
+    return [(every, "quantization"), (every, "casts")]
+
+
+def _loss_split(outputs: Sequence[str], control: TrialOutcome, parts: list[TrialOutcome]) -> dict[str, dict]:
+    """Each failing output's tolerance ratio (and top-1 agreement) with both, without the Q/DQ pairs, without the casts."""
+    if not parts:
+        return {}
+    unquantized, widened = parts
+    named = {"with_both": control, "without_quantization": unquantized, "without_casts": widened}
     return {
-        output: {
-            "with_both": control.tol_ratio.get(output, math.inf), "without_quantization": unquantized.tol_ratio.get(output, math.inf),
-            "without_casts": widened.tol_ratio.get(output, math.inf),
-            "top1": {"with_both": control.top1.get(output), "without_quantization": unquantized.top1.get(output), "without_casts": widened.top1.get(output)},
-        }
+        output: {**{key: outcome.tol_ratio.get(output, math.inf) for key, outcome in named.items()},
+                 "top1": {key: outcome.top1.get(output) for key, outcome in named.items()}}
         for output in outputs
     }
 
@@ -193,14 +198,17 @@ def _stand_in(failures: list, table: pd.DataFrame, settings: RunSettings) -> tup
 
 
 def verify_causes(
-    outputs: Sequence[str], table: pd.DataFrame, context: DiagnosisContext, trials: Trials, budget: int, rtol: float
-) -> tuple[dict[str, tuple[Cause, Repair]], TrialOutcome]:
+    outputs: Sequence[str], table: pd.DataFrame, context: DiagnosisContext, trials: Trials, budget: int, rtol: float,
+    extra: Sequence[tuple[list[str], str]] = (),
+) -> tuple[dict[str, tuple[Cause, Repair]], TrialOutcome, list[TrialOutcome]]:
     """For each failing output that fails again in the control (nothing kept), the verified cause and
-    repair (`table` indexed by tensor, topological order); and the control. The screens of all outputs
-    and the control run as one batch."""
+    repair (`table` indexed by tensor, topological order); the control; and the outcomes of the `extra`
+    keep-lists (each with what it undoes, see Trials.run). The screens of all outputs, the control and the
+    extra keep-lists run as one batch."""
     suspects = {output: _suspects(output, table, context, rtol)[: max(budget - GREEDY_RESERVE, 1)] for output in outputs}
     keep_lists = list(dict.fromkeys([(), *(tuple(s.keep) for group in suspects.values() for s in group)]))
-    screened = dict(zip(keep_lists, trials.run([list(k) for k in keep_lists])))
+    outcomes = trials.run([*(list(k) for k in keep_lists), *(keep for keep, _ in extra)], ["all"] * len(keep_lists) + [parts for _, parts in extra])
+    screened = dict(zip(keep_lists, outcomes))
     control = screened[()]
     verdicts = {}
     for output, group in suspects.items():
@@ -211,7 +219,7 @@ def verify_causes(
             outcome = screened[tuple(suspect.keep)]
             suspect.tried, suspect.tol_ratio = outcome.keep, outcome.tol_ratio.get(output, math.inf)
         verdicts[output] = _conclude(output, before, group, table, context, trials, budget - len(group))
-    return verdicts, control
+    return verdicts, control, outcomes[len(keep_lists):]
 
 
 def _suspects(output: str, table: pd.DataFrame, context: DiagnosisContext, rtol: float) -> list[_Suspect]:

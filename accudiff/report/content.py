@@ -9,6 +9,7 @@ import math
 import re
 import shlex
 from dataclasses import asdict
+from pathlib import Path
 
 from accudiff import __version__
 from accudiff.model.formats import QUANTIZED_FORMATS
@@ -198,27 +199,28 @@ def repair_lines(failure, result) -> list[str]:
         lines.append(f"    step {number}: {kept} -> output at {times_tolerance(step.tol_ratio)}")
     if repair.verified:
         lines.append("    apply it: " + " ".join(f"--keep-fp32 '{re.escape(n)}'" for n in repair.keep))
-        lines += [f"    {line}" for line in remake_lines(repair.keep, result)]
+        if result.candidate_model is not None:
+            repaired = result.report_dir / result.repaired_candidate if result.repaired_candidate and result.report_dir is not None else None
+            lines += [f"    {line}" for line in remake_lines(repair.keep, result.precision, repaired)]
     return lines
 
 
-def remake_lines(nodes: list[str], result) -> list[str]:
-    """For a candidate made by another tool: the options that make it again without `nodes` quantized or
-    converted, in the tools' own terms, and the repaired candidate in the report."""
-    if result.candidate_model is None:
-        return []
-    formats = set(result.precision.split("+"))
+def remake_lines(nodes: list[str], precision: str, repaired: Path | None = None) -> list[str]:
+    """For a candidate made by another tool (of `precision`): the options that make it again without `nodes`
+    quantized or converted, in the tools' own terms, and where the repaired candidate is."""
+    formats = set(precision.split("+"))
     regexes = " ".join(shlex.quote(re.escape(n)) for n in nodes)
     names = ", ".join(repr(n) for n in nodes)
     lines = []
     if formats & QUANTIZED_FORMATS:
         lines.append(f"or quantize again without them: ModelOpt --nodes_to_exclude {regexes}; ONNX Runtime quantize_static(..., nodes_to_exclude=[{names}])"
-                     + (" (excluded from quantization, they still run in the tool's FP16/BF16)" if formats & {"fp16", "bf16"} else ""))
+                     + (" (excluded from quantization, they still run in the tool's FP16/BF16: ModelOpt --high_precision_dtype fp32 keeps FP32)"
+                        if formats & {"fp16", "bf16"} else ""))
     elif formats & {"fp16", "bf16"}:
         lines.append(f"or convert again keeping them in FP32: ModelOpt AutoCast --nodes_to_exclude {regexes}; "
                      f"onnxconverter-common convert_float_to_float16(..., node_block_list=[{names}])")
-    if result.repaired_candidate and result.report_dir is not None:
-        lines.append(f"the candidate with them kept (every verified repair): {result.report_dir / result.repaired_candidate}")
+    if repaired is not None:
+        lines.append(f"the candidate with them kept: {repaired}")
     return lines
 
 

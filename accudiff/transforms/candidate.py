@@ -24,7 +24,7 @@ from accudiff.transforms.fp16 import to_fp16
 from accudiff.transforms.given import adopt
 from accudiff.transforms.int8 import leave_unquantized, to_int8
 from accudiff.transforms.keep_float import keep_in_float
-from accudiff.transforms.switches import Switchboard, build_switchboard
+from accudiff.transforms.switches import Switchboard, build_candidate_switchboard, build_switchboard
 
 KEPT_TO_VERIFY = "kept in higher precision to verify a cause"
 REPAIRED_CANDIDATE_FILE = "repaired-candidate.onnx"
@@ -84,17 +84,20 @@ class CandidateVariants:
         return to_fp16(self.info.proto, [*self.recipe.keep_fp32, *map(keep_pattern, nodes)], self.recipe.autokeep)
 
     def switchboard(self, nodes: Iterable[str]) -> Switchboard | None:
-        """The FP16 candidate with `nodes` switchable back to FP32 (transforms/switches.py): one model for
-        every keep-list among them. Nodes it already keeps (or that hold no float value) need no switch.
-        None where keep-lists need variants of their own: INT8 (a node left unquantized changes which
-        Q/DQ pairs exist around it), a pre-built engine, a node inside an If/Loop/Scan body."""
-        if self.recipe.precision != "fp16" or self.recipe.engine is not None or self.recipe.candidate_model is not None:
+        """The FP16 candidate, or a candidate made by another tool, with `nodes` switchable back to FP32
+        (transforms/switches.py): one model for every keep-list among them. Nodes it already keeps (or that
+        hold no float value) need no switch. None where keep-lists need variants of their own: accudiff's
+        INT8 (a node left unquantized changes which Q/DQ pairs exist around it), a pre-built engine, a node
+        inside an If/Loop/Scan body."""
+        given = self.recipe.candidate_model is not None
+        if (self.recipe.precision != "fp16" and not given) or self.recipe.engine is not None:
             return None
         main = {node.name for node in self.base.model.graph.node}
         nodes = [n for n in dict.fromkeys(nodes) if n in self.base.converted]
         if not set(nodes) <= main:
             return None
-        return build_switchboard(self.base.model, self.info.proto, nodes)
+        build = build_candidate_switchboard if given else build_switchboard
+        return build(self.base.model, self.info.proto, nodes)
 
 
 def repaired(variants: CandidateVariants, nodes: Iterable[str]) -> onnx.ModelProto:

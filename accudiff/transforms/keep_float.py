@@ -39,7 +39,7 @@ def keep_in_float(
     result.CopyFrom(model)
     graph = result.graph
     infer_shapes_unless_typed(result)
-    edit = _Edit(graph, reference, dequantize, widen)
+    edit = FloatInputs(graph, reference, dequantize, widen)
     rebuilt: list[onnx.NodeProto] = []
     for node in graph.node:
         if node.name in kept and node.op_type not in STORAGE_OPS:
@@ -53,10 +53,12 @@ def keep_in_float(
     return result
 
 
-class _Edit:
-    """What keeping nodes needs to know of the graph, and what it added (Casts, weights from the reference)."""
+class FloatInputs:
+    """What keeping nodes needs to know of the graph (types, producers, readers, the reference's weights),
+    the float value each kept node reads instead of a narrow one, and what that added to the graph (Casts,
+    weights from the reference). The switchboard of such a candidate reads its kept copies' inputs here too."""
 
-    def __init__(self, graph: onnx.GraphProto, reference: onnx.ModelProto | None, dequantize: bool, widen: bool):
+    def __init__(self, graph: onnx.GraphProto, reference: onnx.ModelProto | None, dequantize: bool = True, widen: bool = True):
         self.graph, self.dequantize, self.widen = graph, dequantize, widen
         self.types = value_types(graph)
         self.constants = constant_values(graph)
@@ -81,7 +83,7 @@ class _Edit:
         before: list[onnx.NodeProto] = []
         for index, name in enumerate(node.input):
             if name and self.types.get(name) in FLOAT_TYPES:
-                node.input[index] = self._float_input(node, index, name, before)
+                node.input[index] = self.float_input(node, index, name, before)
         if self.dequantize:
             self._unquantize_graph_outputs(node)
         after = []
@@ -93,7 +95,7 @@ class _Edit:
                 kind = self.types.get(out)
                 if kind in REDUCED_FLOATS:
                     node.output[index] = self.wide[out] = self._fresh(out + WIDE)
-                    declare_like(self.graph, self.declared, self.wide[out], out, TensorProto.FLOAT)
+                    self.declare(self.wide[out], out, TensorProto.FLOAT)
                     after.append(onnx.helper.make_node("Cast", [self.wide[out]], [out], to=kind))
         return [*before, node, *after]
 
@@ -110,11 +112,19 @@ class _Edit:
                         dequantize.input[:] = [out]
                         del dequantize.attribute[:]
 
-    def _float_input(self, node: onnx.NodeProto, index: int, name: str, before: list[onnx.NodeProto]) -> str:
+    def declare(self, name: str, like: str, elem_type: int | None) -> None:
+        """Type a value added, `name`, with the shape of `like` (the models accudiff builds stay typed)."""
+        if elem_type:
+            declare_like(self.graph, self.declared, name, like, elem_type)
+            self.types[name] = elem_type
+
+    def float_input(self, node: onnx.NodeProto, index: int, name: str, before: list[onnx.NodeProto]) -> str:
+        """What `node` reads at input `index` (now `name`) when kept: the value before its narrowing, in FP32
+        (`widen`), a Cast added to `before` where one is needed."""
         wanted = self.types.get(name)
         if self.widen and wanted in REDUCED_FLOATS:
             wanted = TensorProto.FLOAT
-        source = self._before_narrowing(name)
+        source = self.before_narrowing(name)
         if source in self.wide:
             source = self.wide[source]
         elif self._narrow_weight(source):
@@ -125,11 +135,10 @@ class _Edit:
         if key not in self.casts:
             self.casts[key] = self._fresh(f"{source}__as_{TensorProto.DataType.Name(wanted).lower()}")
             before.append(onnx.helper.make_node("Cast", [source], [self.casts[key]], to=wanted))
-            declare_like(self.graph, self.declared, self.casts[key], source, wanted)
-            self.types[self.casts[key]] = wanted
+            self.declare(self.casts[key], source, wanted)
         return self.casts[key]
 
-    def _before_narrowing(self, name: str) -> str:
+    def before_narrowing(self, name: str) -> str:
         """The value `name` was made from by Q/DQ pairs (`dequantize`) and Casts to FP16/BF16 (`widen`)."""
         while (node := self.producer.get(name)) is not None:
             source = node.input[0] if node.input else ""

@@ -21,8 +21,10 @@ from typing import Iterable
 import onnx
 from onnx import TensorProto, helper
 
-from accudiff.model.loading import cast_target, declare_like
+from accudiff.model.formats import REDUCED_FLOATS
+from accudiff.model.loading import cast_target, declare_like, infer_shapes_unless_typed
 from accudiff.transforms.fp16 import elem_types
+from accudiff.transforms.keep_float import FLOAT_TYPES, FloatInputs
 
 SWITCH_PREFIX = "accudiff_keep_"
 
@@ -87,7 +89,7 @@ def build_switchboard(candidate: onnx.ModelProto, fp32: onnx.ModelProto, nodes: 
             if name:
                 produced = node.output[j]
                 in_fp16 = board_types.get(produced) == TensorProto.FLOAT16
-                placed += _switch(node, j, kept, switches[node.name], in_fp16)
+                placed += _switch(node, j, kept, switches[node.name], TensorProto.FLOAT16 if in_fp16 else TensorProto.FLOAT)
                 for added, elem_type in _switched_values(produced, name, fp32_types.get(name), board_types.get(produced), in_fp16):
                     if elem_type:
                         declare_like(graph, declared, added, produced, elem_type)
@@ -100,21 +102,84 @@ def build_switchboard(candidate: onnx.ModelProto, fp32: onnx.ModelProto, nodes: 
     return Switchboard(board, switches)
 
 
-def _switch(node: onnx.NodeProto, j: int, kept: onnx.NodeProto, switch: str, in_fp16: bool) -> list[onnx.NodeProto]:
+def build_candidate_switchboard(candidate: onnx.ModelProto, reference: onnx.ModelProto, nodes: Iterable[str]) -> Switchboard:
+    """The switchboard of a candidate made by another tool (transforms/given.py) for `nodes`: with a
+    node's switch on, it computes as `keep_in_float` keeps it (its inputs from before their Q/DQ pairs and
+    narrowing Casts, the reference's float weights, FP32 arithmetic; its result rounded to its own type for
+    the others, and a graph output quantized right after it its own result again). tests/test_switches.py
+    holds it to keep_in_float's variants, keep-list by keep-list."""
+    board = onnx.ModelProto()
+    board.CopyFrom(candidate)
+    graph = board.graph
+    infer_shapes_unless_typed(board)
+    edit = FloatInputs(graph, reference)
+    switches = {node: f"{SWITCH_PREFIX}{k}" for k, node in enumerate(dict.fromkeys(nodes))}
+    switched: dict[str, str] = {}  # an output of a switchable node -> its switched FP32 value
+    owner: dict[str, str] = {}  # ... -> that node
+    placed: list[onnx.NodeProto] = []
+    for node in graph.node:
+        placed.append(node)
+        if node.name not in switches:
+            continue
+        kept = onnx.NodeProto()
+        kept.CopyFrom(node)
+        kept.name = node.name + "__kept"
+        for i, name in enumerate(node.input):
+            if name and edit.types.get(name) in FLOAT_TYPES:
+                kept.input[i] = switched.get(edit.before_narrowing(name)) or edit.float_input(node, i, name, placed)
+        for attr in kept.attribute:
+            if kept.op_type == "Cast" and attr.name == "to" and attr.i in REDUCED_FLOATS:
+                attr.i = TensorProto.FLOAT
+        placed.append(kept)
+        for j, produced in enumerate(node.output):
+            own = edit.types.get(produced)
+            if not produced or own not in FLOAT_TYPES:
+                continue
+            placed += _switch(node, j, kept, switches[node.name], own)
+            for added, elem_type in _switched_values(produced, produced, TensorProto.FLOAT, own, own != TensorProto.FLOAT):
+                edit.declare(added, produced, elem_type)
+            switched[produced], owner[produced] = produced + "__switched", node.name
+    placed += _switched_graph_outputs(placed, owner, switches, {o.name for o in graph.output}, edit)
+    del graph.node[:]
+    graph.node.extend(placed)
+    graph.initializer.extend(edit.imported)
+    graph.input.extend(helper.make_tensor_value_info(switch, TensorProto.BOOL, []) for switch in switches.values())
+    return Switchboard(board, switches)
+
+
+def _switched_graph_outputs(placed: list[onnx.NodeProto], owner: dict[str, str], switches: dict[str, str], outputs: set[str],
+                            edit: FloatInputs) -> list[onnx.NodeProto]:
+    """A graph output a Q/DQ pair quantizes right after a switchable node: with the node's switch on, the
+    node's own result (as keep_in_float makes it), else the quantized value."""
+    producer = {out: node for node in placed for out in node.output if out}
+    added = []
+    for dequantize in [n for n in placed if n.op_type == "DequantizeLinear" and n.output[0] in outputs]:
+        quantize = producer.get(dequantize.input[0])
+        if quantize is None or quantize.op_type != "QuantizeLinear" or quantize.input[0] not in owner:
+            continue
+        name = dequantize.output[0]
+        dequantize.output[0] = name + "__quantized"
+        edit.declare(dequantize.output[0], name, edit.types.get(name))
+        added.append(helper.make_node("Where", [switches[owner[quantize.input[0]]], quantize.input[0], dequantize.output[0]], [name], name=name + "__switched_output"))
+    return added
+
+
+def _switch(node: onnx.NodeProto, j: int, kept: onnx.NodeProto, switch: str, own: int) -> list[onnx.NodeProto]:
     """Output `j` of `node` switched: the kept copy's FP32 value where `switch` is on, the candidate's
     (widened) where it is off, under `<value>__switched`; the candidate's own name then holds it in the
-    candidate's type. Renames the outputs of `node` and `kept`."""
+    candidate's type `own`. Renames the outputs of `node` and `kept`."""
     value, produced = kept.output[j], node.output[j]
+    narrow = own != TensorProto.FLOAT
     kept.output[j] = value + "__kept"
     node.output[j] = produced + "__candidate"
     added = []
     candidate_value = node.output[j]
-    if in_fp16:
+    if narrow:
         candidate_value = produced + "__candidate_fp32"
         added.append(helper.make_node("Cast", [node.output[j]], [candidate_value], name=candidate_value, to=TensorProto.FLOAT))
     added.append(helper.make_node("Where", [switch, kept.output[j], candidate_value], [value + "__switched"], name=value + "__switched"))
-    if in_fp16:
-        added.append(helper.make_node("Cast", [value + "__switched"], [produced], name=produced + "__from_switch", to=TensorProto.FLOAT16))
+    if narrow:
+        added.append(helper.make_node("Cast", [value + "__switched"], [produced], name=produced + "__from_switch", to=own))
     else:
         added.append(helper.make_node("Identity", [value + "__switched"], [produced], name=produced + "__from_switch"))
     return added
