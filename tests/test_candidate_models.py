@@ -268,3 +268,19 @@ def test_modelopt_candidates_of_the_trained_recognizer(modelopt_candidates, mode
         assert ranking[0][0] > 1.0, ranking[:3]
     else:
         assert failure.repair.verified
+
+
+def test_a_candidate_compared_in_segments_gives_the_table_of_one_run(tmp_path):
+    """Cut into segments by a small memory budget, the candidate's nodes (its Q/DQ pairs among them) run
+    with the segment of the model's nodes they answer for, and the table is the one-shot table."""
+    try:
+        classifier = models.ppocr_cls_v2()
+    except ModuleNotFoundError as missing:
+        pytest.skip(f"{missing.name} is not installed")
+    candidate = models.onnxruntime_qdq(classifier, realistic_inputs.dataset("ppocr_cls_v2", 4, 100), tmp_path / "cls-int8.onnx")
+    save_feeds(realistic_inputs.dataset("ppocr_cls_v2", 2), tmp_path / "lines.npz")
+    options = {"candidate_model": candidate, "inputs": tmp_path / "lines.npz", "candidate": "onnxrt", "verify": False}
+    whole, cut = (accudiff.compare(classifier, max_memory=budget, **options) for budget in ("1G", "16M"))
+    assert whole.coverage == cut.coverage and whole.coverage[0] > 0.9 * whole.coverage[1]
+    columns = ["tensor", "status", "elements", "outside_count", "max_abs_err", "isolated_max_abs_err"]
+    assert whole.table[columns].equals(cut.table[columns])

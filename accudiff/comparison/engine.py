@@ -436,7 +436,8 @@ def _class_agreement(ref: np.ndarray, cand: np.ndarray) -> tuple[int, int, int]:
 
 def _place_nodes(nodes: Sequence[onnx.NodeProto], node_segment: Mapping[str, int], count: int) -> list[int]:
     """The segment of each node: its own for nodes of the original model, its first reader's for nodes a
-    transform added (casts, Q/DQ), the last one for nodes only graph outputs read."""
+    transform added (casts, Q/DQ), the last one for nodes only graph outputs read; never one before the
+    segment of a node it reads."""
     placed = [node_segment.get(node.name, -1) for node in nodes]
     readers: dict[str, list[int]] = {}
     for index, node in enumerate(nodes):
@@ -446,6 +447,11 @@ def _place_nodes(nodes: Sequence[onnx.NodeProto], node_segment: Mapping[str, int
         if placed[index] < 0:
             segments = [placed[r] for o in nodes[index].output for r in readers.get(o, []) if placed[r] >= 0]
             placed[index] = min(segments) if segments else count - 1
+    # A candidate made by another tool may compute a node of the model's later segment before one of an
+    # earlier segment reads it: no node runs before what it reads (Constants come along with any cut).
+    producer = {o: index for index, node in enumerate(nodes) if node.op_type != "Constant" for o in node.output if o}
+    for index, node in enumerate(nodes):
+        placed[index] = max([placed[index], *(placed[producer[name]] for name in node.input if name in producer)])
     return placed
 
 
