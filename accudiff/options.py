@@ -35,6 +35,7 @@ def add_run_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--atol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="absolute tolerance, default and per tensor")
     cmd.add_argument("--rtol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="relative tolerance, default and per tensor")
     cmd.add_argument("--stol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="tolerance as a fraction of the tensor's reference absmax")
+    cmd.add_argument("--threshold", nargs="+", action="extend", metavar="[OUTPUT:]VALUE", help="where a probability map's elements are binarized, for its flipped share and IoU (default 0.5)")
     cmd.add_argument("--workers", type=int, metavar="N", help="split the samples over N worker processes or Ray tasks (default 1; with --ray, one per CPU of the cluster)")
     cmd.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS", help="run the workers as Ray tasks: 'local' (the default) starts a local cluster, an address joins one")
     cmd.add_argument("--max-memory", metavar="SIZE", help="memory the compared tensors may take, e.g. 512M or 4G (default: 256M, or a quarter of the free memory if less); larger models are compared segment by segment")
@@ -73,5 +74,6 @@ def run_settings(args: argparse.Namespace, **only_compare) -> RunSettings:
         ray=args.ray,
         trt=TrtOptions(args.trt_module, args.trt_mark, args.trt_workspace, args.trt_legacy_precision, engine=args.engine),
         candidate_model=args.candidate_model,
+        threshold=args.threshold,
         **only_compare,
     )

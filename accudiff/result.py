@@ -70,6 +70,10 @@ class CompareResult:
     # For such a candidate that quantizes and stores in FP16/BF16: per failing output, its tolerance ratio with
     # both, with its Q/DQ pairs undone, with its casts undone (and the top-1 agreement of each), on the trials' samples.
     loss_split: dict[str, dict] = field(default_factory=dict)
+    # Per graph output, what its error does to the decision taken from it (comparison/decisions.py: top-1/top-5
+    # of class scores, a probability map's flipped share and IoU, error percentiles) and the tolerance it meets.
+    decisions: dict[str, dict] = field(default_factory=dict)
+    tolerance_met: dict[str, dict[str, float]] = field(default_factory=dict)
     # For the HTML report: the nodes and weights as written, every failing output's and cause's error
     # sketch (metrics.error_histogram), and sampled [reference, candidate] pairs of each graph output.
     nodes: dict[str, NodeSummary] = field(default_factory=dict)
@@ -105,8 +109,7 @@ class CompareResult:
     def class_agreement(self) -> dict[str, dict | None]:
         """Per graph output: top-1 and top-5 agreement of reference and candidate over every sample, for
         outputs that look like class scores; None (not applicable) for the others."""
-        agreement = {}
-        for output, rows in self.samples.groupby("tensor", sort=False):
-            count = int(rows["rows"].sum())
-            agreement[output] = {"rows": count, "top1": rows["top1"].sum() / count, "top5": rows["top5"].sum() / count} if count else None
-        return agreement
+        return {
+            output: {"rows": found["score_vectors"], "top1": found["top1"], "top5": found["top5"]} if "top1" in found else None
+            for output, found in self.decisions.items()
+        }

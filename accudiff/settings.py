@@ -9,7 +9,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Sequence
 
-from accudiff.comparison.tolerances import Tolerances
+from accudiff.comparison.tolerances import Tolerances, parse_named_values
 from accudiff.errors import AccudiffError
 from accudiff.model.formats import QUANTIZED_FORMATS, file_formats, is_precision_label, model_formats, precision_label
 from accudiff.model.segments import memory_budget
@@ -84,10 +84,11 @@ class RunSettings:
     save_reference: str | Path | None = None
     save_candidate: str | Path | None = None
     candidate_model: str | Path | None = None
+    threshold: Iterable[str] | float | None = None
 
     def __post_init__(self) -> None:
         """Checks that need no model; `check_against` does the rest once the model is loaded."""
-        for name in ("keep_fp32", "val_range", "input_shapes", "atol", "rtol", "stol"):  # lists and tuples alike compare equal
+        for name in ("keep_fp32", "val_range", "input_shapes", "atol", "rtol", "stol", "threshold"):  # lists and tuples alike compare equal
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, int, float, dict)):
                 object.__setattr__(self, name, tuple(value))
@@ -107,6 +108,7 @@ class RunSettings:
         if self.also is not None and self.also not in SIDE_BACKENDS:
             raise AccudiffError(f"--also takes {' or '.join(SIDE_BACKENDS)}, not '{self.also}'")
         self.tolerances  # noqa: B018 - a malformed tolerance is an error now, not after the runs
+        self.thresholds  # noqa: B018 - likewise a threshold
         self._check_captured()
 
     def _check_captured(self) -> None:
@@ -152,6 +154,16 @@ class RunSettings:
             )
         object.__setattr__(self, "precision", label)
 
+    @cached_property
+    def thresholds(self) -> dict[str, float]:
+        """Where a probability map's elements are binarized (`--threshold [NAME:]VALUE`): by output, "" for
+        the default (decisions.py; 0.5 when not given)."""
+        default, named = parse_named_values("threshold", self.threshold)
+        for name, value in [("", default), *named.items()]:
+            if value is not None and not 0 < value < 1:
+                raise AccudiffError(f"--threshold {f'{name}:' if name else ''}{value:g} is not between 0 and 1: a probability map's elements would all fall on one side")
+        return {**({"": default} if default is not None else {}), **named}
+
     @property
     def given_alone(self) -> bool:
         """The model is its own candidate (it stores values narrow): the reference is its float form."""
@@ -194,6 +206,9 @@ class RunSettings:
             raise AccudiffError(f"'{info.path.name}' computes no tensor accudiff can compare" + (f": {reasons[0]}" if reasons else ""))
         NodeSelector(self.keep_fp32).require_matches(all_nodes(info.proto.graph))
         self.tolerances.require_known_tensors({t.name for t in info.tensors})
+        unknown = [name for name in self.thresholds if name and name not in info.output_names]
+        if unknown:
+            raise AccudiffError(f"--threshold names '{unknown[0]}', which is not a graph output of the model; its outputs are: {', '.join(info.output_names)}")
         quantized = [f for f in model_formats(info.proto.graph) if f in QUANTIZED_FORMATS]
         if self.candidate_model is not None and not self.given_alone and quantized:
             raise AccudiffError(
@@ -231,7 +246,7 @@ class RunSettings:
         for pattern in self.keep_fp32:
             args += ["--keep-fp32", pattern]
         args += ["--no-autokeep"] * (not self.autokeep)
-        for flag, value in (("--atol", self.atol), ("--rtol", self.rtol), ("--stol", self.stol)):
+        for flag, value in (("--atol", self.atol), ("--rtol", self.rtol), ("--stol", self.stol), ("--threshold", self.threshold)):
             if value is not None:
                 args += [flag, *(str(v) for v in ([value] if isinstance(value, (int, float)) else value))]
         for flag, value in (

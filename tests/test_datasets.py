@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 import accudiff
-from accudiff.comparison.engine import MAX_CLASSES
+from accudiff.comparison.decisions import MAX_CLASSES
 from accudiff.model.inputs import save_feeds
 from conftest import fixture
 

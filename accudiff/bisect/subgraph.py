@@ -59,7 +59,7 @@ class SubgraphResult:
     findings: list[dict] = field(default_factory=list)
 
 
-SINGLE_NODE_CAUSES = ("local", "several")  # a verified cause node to start the cut from
+SINGLE_NODE_CAUSES = ("local", "several", "dominant")  # a verified cause node to start the cut from
 
 
 def bisect_subgraph(session: BisectSession, out_dir: Path) -> SubgraphResult:

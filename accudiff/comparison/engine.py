@@ -19,13 +19,14 @@ import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
 
+from accudiff.comparison.decisions import DEFAULT_THRESHOLD, decide
 from accudiff.comparison.metrics import EMPTY_ROW, F, PART_ELEMENTS, SKETCH_BUCKETS, PartMap, StatsSet, finish, reduce_tensor, reference_range
 from accudiff.comparison.tolerances import Tolerance, Tolerances
 from accudiff.model.inputs import Feed
@@ -46,7 +47,6 @@ POINTS_PER_OUTPUT = 2048  # ... and in all
 # Runtime's packed copies) beside the running one's: the recognizer's 10 MB save 0.4 s of its 9 sessions,
 # resnet18's 45 MB cost 60 MB more at the peak and saved no time.
 AHEAD_UP_TO_BYTES = 32 << 20
-MAX_CLASSES = 1 << 20  # wider rows are not class scores (a [1, N] signal, say), and ranking them costs seconds
 RunnerFactory = Callable[[ModelSource, list[str]], Runner]  # (model, tensors to return) -> runner
 
 
@@ -65,9 +65,9 @@ class PassPlan:
 
 @dataclass
 class SampleOutcome:
-    """One graph output on one sample (the per-sample view of a dataset). For outputs that look like class
-    scores (see `_class_rows`), how many rows (score vectors) there are and in how many the reference's
-    top class is the candidate's top class (top1) or among its five highest (top5); rows is 0 otherwise."""
+    """One graph output on one sample (the per-sample view of a dataset), with what its error does to the
+    decision taken from it (decisions.py: class scores' top-1/top-5, a probability map's flipped elements,
+    the tolerance it meets)."""
 
     sample: int
     tensor: str
@@ -78,6 +78,12 @@ class SampleOutcome:
     rows: int = 0
     top1: int = 0
     top5: int = 0
+    map_elements: int = 0
+    flipped: int = 0
+    intersection: int = 0
+    union: int = 0
+    atol_needed: float = 0.0
+    rtol_needed: float = 0.0
 
 
 @dataclass
@@ -92,6 +98,7 @@ class PassResult:
     notices: list[str] = field(default_factory=list)
     outcomes: list[SampleOutcome] = field(default_factory=list)
     points: dict[str, list[list[float]]] = field(default_factory=dict)  # graph output -> sampled [sample, reference, candidate]
+    ratio_sketches: dict[str, np.ndarray] = field(default_factory=dict)  # graph output -> sketch of its elements' errors in tolerances
 
 
 @dataclass
@@ -117,6 +124,7 @@ class Measured:
     tolerances: Tolerances
     quant_ranges: Mapping[str, QuantRange]
     inputs: Sequence[str] = ()
+    thresholds: Mapping[str, float] = field(default_factory=dict)  # a probability map's threshold: by output, "" the default
 
 
 class Engine:
@@ -147,6 +155,7 @@ class Engine:
         self.tensors, self.outputs = list(measured.tensors), set(measured.outputs)
         self.inputs = list(measured.inputs)
         tolerances, quant_ranges, segments = measured.tolerances, measured.quant_ranges, measured.segments
+        self.thresholds = dict(measured.thresholds)
         self.input_stats = StatsSet(len(self.inputs))
         self.row = {name: index for index, name in enumerate(self.tensors)}
         self.tolerances, self.quant_ranges, self.progress, self.store = tolerances, quant_ranges, progress, store
@@ -352,9 +361,13 @@ class Engine:
             if tensor in self.outputs:
                 result.stats.sketch[self.row[tensor]] += own[index]
                 one = finish(values[index], own[index])
-                agreement = _class_agreement(reference[tensor], candidate[tensor])
+                ratios = result.ratio_sketches.setdefault(tensor, np.zeros(SKETCH_BUCKETS, np.int64))
+                threshold = self.thresholds.get(tensor, self.thresholds.get("", DEFAULT_THRESHOLD))
+                low, high = self._ranges[tensor]
+                absmax = max(abs(low), abs(high)) if low <= high else 0.0
+                decision = decide(reference[tensor], candidate[tensor], self.tolerances.for_tensor(tensor), threshold, absmax, ratios)
                 result.outcomes.append(
-                    SampleOutcome(sample, tensor, one["max_abs_err"], one["tol_ratio"], one["outside_share"], one["sqnr_db"], *agreement)
+                    SampleOutcome(sample, tensor, one["max_abs_err"], one["tol_ratio"], one["outside_share"], one["sqnr_db"], **asdict(decision))
                 )
                 kept = result.points.setdefault(tensor, [])
                 kept += sample_points(sample, reference[tensor], candidate[tensor], int(values[index][F["worst_index"]]), POINTS_PER_OUTPUT - len(kept))
@@ -412,26 +425,6 @@ def sample_points(sample: int, ref: np.ndarray, cand: np.ndarray, worst: int, ro
     if 0 <= worst < r.size:
         picked = np.concatenate([[worst], picked[picked != worst]])[:count]
     return np.stack([np.full(picked.size, float(sample)), r[picked].astype(np.float64), c[picked].astype(np.float64)], axis=1).tolist()
-
-
-def _class_agreement(ref: np.ndarray, cand: np.ndarray) -> tuple[int, int, int]:
-    """(rows, top-1 agreements, top-5 agreements) for class scores; (0, 0, 0) for anything else.
-
-    Class scores: a float tensor of rank 2 ([batch, classes]), or of higher rank whose reference rows along
-    the last axis are probabilities (non-negative, summing to 1: a softmax), with 2 to MAX_CLASSES classes.
-    """
-    if ref.ndim < 2 or ref.size == 0 or not 2 <= ref.shape[-1] <= MAX_CLASSES or not np.issubdtype(ref.dtype, np.floating) or ref.shape != cand.shape:
-        return 0, 0, 0
-    r = np.asarray(ref, np.float32).reshape(-1, ref.shape[-1])
-    c = np.asarray(cand, np.float32).reshape(-1, ref.shape[-1])
-    if ref.ndim > 2 and not (r.min() >= 0 and np.allclose(r.sum(axis=1), 1.0, atol=1e-3)):
-        return 0, 0, 0
-    top = r.argmax(axis=1)
-    top1 = int(np.count_nonzero(c.argmax(axis=1) == top))
-    k = min(5, r.shape[1])
-    five = np.argpartition(-c, k - 1, axis=1)[:, :k]
-    top5 = int(np.count_nonzero((five == top[:, None]).any(axis=1)))
-    return r.shape[0], top1, top5
 
 
 def _place_nodes(nodes: Sequence[onnx.NodeProto], node_segment: Mapping[str, int], count: int) -> list[int]:

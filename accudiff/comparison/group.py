@@ -170,6 +170,7 @@ def run_group(
         input_shapes={spec.name: list(first[spec.name].shape) for spec in info.inputs},
         shape_values={name: first[name].reshape(-1).tolist() for name in first if could_be_a_shape(first[name])},
         layer_report=str(where.folder.path / ENGINE_LAYERS_FILE) if where.folder.final is not None else None,
+        thresholds=settings.thresholds,
     )
     outputs = None
     if settings.verify and len(group.samples) <= MAX_TRIAL_SAMPLES:  # few enough to keep: verification replays them

@@ -148,7 +148,7 @@ def finish_rows(v: np.ndarray, sketch: np.ndarray) -> dict[str, np.ndarray]:
             "max_abs_err": np.maximum(column["max_abs_err"], 0.0),
             "tol_ratio": np.maximum(column["tol_ratio"], 0.0),
             "mean_abs_err": np.where(finite != 0, column["abs_err_sum"] / finite, 0.0),
-            **dict(zip(("median_abs_err", "p99_abs_err"), _quantiles(sketch, (0.5, 0.99)))),
+            **dict(zip(("median_abs_err", "p99_abs_err"), quantiles(sketch, (0.5, 0.99)))),
             "max_rel_err": np.maximum(column["max_rel_err"], 0.0),
             "mean_rel_err": np.where(finite != 0, column["rel_err_sum"] / finite, 0.0),
             "cosine": np.where(exact, np.nan, _cosines(column["ref_cand"], column["ref_sq"], column["cand_sq"])),
@@ -272,7 +272,7 @@ def _reduce_exact(r: np.ndarray, c: np.ndarray, v: np.ndarray, sample: int) -> N
         v[_WORST] = (float(err[index]), index, float(wide_r[index]), float(wide_c[index]), sample)
 
 
-def _quantiles(sketch: np.ndarray, qs: Sequence[float]) -> list[np.ndarray]:
+def quantiles(sketch: np.ndarray, qs: Sequence[float]) -> list[np.ndarray]:
     """Nearest-rank quantiles of each row's sketch: the geometric middle of its bucket (0 for the lowest,
     and for an empty sketch)."""
     total, cumulative = sketch.sum(axis=1), np.cumsum(sketch, axis=1)

@@ -20,6 +20,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
+import numpy as np
+
 from accudiff.comparison.engine import POINTS_PER_OUTPUT
 from accudiff.comparison.metrics import StatsSet
 from accudiff.comparison.worker import Job, decode_result, result_files, run_job
@@ -114,10 +116,13 @@ def merge_results(results: Iterable[dict]) -> dict:
             if name not in merged["passes"]:
                 merged["passes"][name] = {**part, "stats": stats, "seen": dict(part["seen"]), "notes": dict(part["notes"]),
                                           "not_observable": dict(part["not_observable"]), "outcomes": list(part["outcomes"]),
-                                          "points": {k: list(v) for k, v in part["points"].items()}}
+                                          "points": {k: list(v) for k, v in part["points"].items()},
+                                          "ratio_sketches": {k: np.array(v) for k, v in part["ratio_sketches"].items()}}
                 continue
             into = merged["passes"][name]
             into["stats"].merge(stats)
+            for output, sketch in part["ratio_sketches"].items():
+                into["ratio_sketches"][output] = into["ratio_sketches"].get(output, 0) + sketch
             for key in ("seen", "notes", "not_observable"):
                 into[key] = {**part[key], **into[key]}
             into["outcomes"] += part["outcomes"]

@@ -68,7 +68,7 @@ class Tolerances:
         base = default_tolerance(precision)
         defaults, overrides = {}, {}
         for option, given in (("atol", atol), ("rtol", rtol), ("stol", stol)):
-            default, overrides[option] = _parse(option, given)
+            default, overrides[option] = parse_named_values(option, given)
             defaults[option] = getattr(base, option) if default is None else default
         return cls(Tolerance(**defaults), overrides)
 
@@ -93,8 +93,9 @@ class Tolerances:
         return cls(Tolerance(document["atol"], document["rtol"], document["stol"]), dict(document["per_tensor"]))
 
 
-def _parse(option: str, values: Iterable[str] | float | None) -> tuple[float | None, dict[str, float]]:
-    """Split `["1e-3", "logits:1e-2"]` into the default (1e-3) and the overrides ({"logits": 1e-2})."""
+def parse_named_values(option: str, values: Iterable[str] | float | None) -> tuple[float | None, dict[str, float]]:
+    """Split `["1e-3", "logits:1e-2"]` into the default (1e-3) and the overrides ({"logits": 1e-2}): how
+    every option that takes a default and per-tensor values reads them."""
     if values is None:
         return None, {}
     if isinstance(values, (int, float)):

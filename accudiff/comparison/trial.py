@@ -205,6 +205,7 @@ class Trials:
             outputs=list(info.output_names),
             segments=[[node.name for node in info.proto.graph.node]],
             tolerances=setup.settings.tolerances.as_dict(),
+            thresholds=setup.settings.thresholds,
             quant_ranges={},
             samples=setup.samples.as_json(),
             sample_indices=list(range(len(setup.samples))),

@@ -75,6 +75,7 @@ class Job:
     run_samples: int = 0  # samples the whole run compares, over every worker (0: this job's)
     outputs_store: str | None = None  # a store folder where the reference's graph outputs are recorded
     largest_tensor: int = 0  # bytes: how the worker gets memory (memory.py; group.Plan)
+    thresholds: dict[str, float] = field(default_factory=dict)  # a probability map's threshold by output ("": the default)
 
     @property
     def large_tensors(self) -> bool:
@@ -226,6 +227,7 @@ def decode_result(document_text: str, arrays_npz: bytes) -> dict:
     with np.load(io.BytesIO(arrays_npz), allow_pickle=False) as arrays:
         for name, result in document["passes"].items():
             result["values"], result["sketch"] = arrays[f"{name}/values"], _dense(arrays, f"{name}/sketch")
+            result["ratio_sketches"] = dict(zip(result.pop("ratio_outputs"), _dense(arrays, f"{name}/ratios")))
         document["inputs"] = {"values": arrays["inputs/values"], "sketch": _dense(arrays, "inputs/sketch")}
     return document
 
@@ -293,6 +295,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
             Tolerances.from_dict(job.tolerances),
             {name: QuantRange(**fields) for name, fields in job.quant_ranges.items()},
             job.inputs,
+            job.thresholds,
         )
         engine = Engine(
             Path(job.reference),
@@ -374,7 +377,10 @@ def _write_result(engine, path: Path) -> None:
     document = {"passes": {}, "reference_not_observable": engine.reference_not_observable, "timings": engine.timings}
     for name, result in engine.results.items():
         arrays.update({f"{name}/values": result.stats.values, **_sparse(f"{name}/sketch", result.stats.sketch)})
+        ratios = list(result.ratio_sketches)
+        arrays.update(_sparse(f"{name}/ratios", np.array([result.ratio_sketches[o] for o in ratios], np.int64).reshape(len(ratios), -1)))
         document["passes"][name] = {
+            "ratio_outputs": ratios,
             "seen": {str(k): v for k, v in result.seen.items()},
             "notes": {str(k): v for k, v in result.notes.items()},
             "not_observable": result.not_observable,

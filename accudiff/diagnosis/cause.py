@@ -72,7 +72,7 @@ class Absorbed:
 
 @dataclass(frozen=True)
 class Cause:
-    kind: str  # local | several | accumulated | unknown
+    kind: str  # local | several | dominant | accumulated | unknown
     node: str | None = None
     tensor: str | None = None
     op_type: str | None = None

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
+from accudiff.comparison.decisions import DEFAULT_THRESHOLD, summarize, tolerance_met
 from accudiff.comparison.metrics import StatsSet
 from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, STATUS_PASS, build_table, graph_input_table, with_side_run
 from accudiff.diagnosis.cause import ancestor_tensors, find_cause
@@ -22,7 +23,8 @@ from accudiff.transforms import TransformResult
 if TYPE_CHECKING:
     from accudiff.settings import RunSettings
 
-SAMPLE_COLUMNS = ["sample", "tensor", "status", "max_abs_err", "tol_ratio", "outside_share", "sqnr_db", "rows", "top1", "top5"]
+SAMPLE_COLUMNS = ["sample", "tensor", "status", "max_abs_err", "tol_ratio", "outside_share", "sqnr_db", "rows", "top1", "top5",
+                  "map_elements", "flipped", "intersection", "union", "atol_needed", "rtol_needed"]
 
 
 def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings: RunSettings, samples: Samples) -> tuple[CompareResult, DiagnosisContext]:
@@ -95,6 +97,12 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings
     compared, computed = result.coverage
     result.passed = bool(observed_outputs) and not failing_outputs and compared >= MIN_COVERAGE * computed
     result.points = {name: [point[1:] for point in points] for name, points in candidate_pass.get("points", {}).items()}  # [reference, candidate]
+    sketches = np.asarray(candidate_pass["sketch"])
+    for output, rows in result.samples.groupby("tensor", sort=False):
+        threshold = settings.thresholds.get(output, settings.thresholds.get("", DEFAULT_THRESHOLD))
+        errors = sketches[row_of[output]] if output in row_of else None
+        result.decisions[output] = summarize(rows, candidate_pass["ratio_sketches"].get(output), errors, threshold)
+        result.tolerance_met[output] = tolerance_met(rows)
     result.nodes, result.weights = info.nodes, info.weights
     return result, context
 

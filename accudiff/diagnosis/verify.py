@@ -19,8 +19,10 @@ The rules (cause.py) and mechanisms (mechanisms.py) only nominate suspects. For 
    only when its last run is within tolerance.
 
 The cause is then `local` (one suspect's keep repairs the output), `several` (two or three suspects repair
-it together, each step of the repair improving the output at least twofold) or `accumulated` (no single keep among those
-tried repairs it; contributors ranked by their measured effect at the output).
+it together, each step of the repair improving the output at least twofold, or none of them alone), `dominant` (no
+keep repairs it, but one improves it at least twofold: that fault carries most of the error, the rest accumulates) or
+`accumulated` (no single keep among those tried repairs it or halves it; contributors ranked by their measured effect
+at the output).
 """
 
 from __future__ import annotations
@@ -333,6 +335,13 @@ def _conclude(
             + ", ".join(f"{s.op_type} '{s.node}'" for s in used[1:]) + f" too, {times_tolerance(repair.steps[-1].tol_ratio, '')}",
         )
         return Cause("several", best.node, best.tensor, best.op_type, [*best.findings, verdict], co_causes=[_contributor(s, table) for s in used[1:]], **common), repair
+    if helpful and improvement(before, helpful[0].tol_ratio) >= SEVERAL_FACTOR:
+        # One fault carries most of the error, the rest accumulates: naming only "accumulated" would hide it.
+        best = helpful[0]
+        rest = f"; with {len(repair.keep)} node(s) kept, {times_tolerance(repair.steps[-1].tol_ratio, '')}" if len(repair.steps) > 2 else ""
+        verdict = Finding("verified", f"{phrase} brings the output from {times_tolerance(before, '')} to {times_tolerance(best.tol_ratio, '')}{rest}: "
+                                      "the rest of the error accumulates over the network")
+        return Cause("dominant", best.node, best.tensor, best.op_type, [*best.findings, verdict], **common), repair
     tried = len(suspects)
     best = contributors[0] if contributors else None
     summary = f"{phrase.replace(' it ', ' any one node ')}, among the {tried} tried, leaves the output out of tolerance" + (

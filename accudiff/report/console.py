@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from accudiff.report.content import cause_lines, element_index, sample_lines, worst_tensors
+from accudiff.report.content import cause_lines, element_index, sample_lines, tolerance_met_line, worst_tensors
 from accudiff.text import percent
 
 
@@ -41,7 +41,7 @@ def format_summary(result) -> str:
             f"  output '{out.tensor}' FAILS: {int(row['outside_count'])} of {int(row['elements'])} elements ({percent(row['outside_share'])}) outside tolerance; "
             f"worst element {element_index(row)}: reference {row['worst_ref']:.6g}, candidate {row['worst_cand']:.6g}"
         )
-        lines += ["    " + line for line in cause_lines(out, result)]
+        lines += ["    " + line for line in [*tolerance_met_line(out.tensor, result), *cause_lines(out, result)]]
         if out.first_failing_upstream not in (None, out.tensor, out.cause.tensor):
             lines.append(f"    (the first tensor out of tolerance on its way is '{out.first_failing_upstream}')")
         lines += _backend_lines(indexed.loc[out.cause.tensor if out.cause.tensor else out.tensor])

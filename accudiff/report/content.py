@@ -44,6 +44,8 @@ def summary(result) -> dict:
             entry["repair"] = asdict(failure.repair) if failure.repair is not None else None
             entry["first_failing_upstream"] = failure.first_failing_upstream
             entry["loss_split"] = result.loss_split.get(row["tensor"])
+            entry["tolerance_met"] = result.tolerance_met.get(row["tensor"])
+        entry["decision"] = result.decisions.get(row["tensor"])
         outputs.append(entry)
     document = {
         "schema": SUMMARY_SCHEMA,
@@ -111,8 +113,33 @@ def worst_tensors(table, count: int = WORST_COUNT):
     return order.head(count)[["tensor", "op_type", "status", "max_abs_err", "sqnr_db", "outside_share"]]
 
 
+def decision_lines(output: str, found: dict) -> list[str]:
+    """What an output's error does to the decision taken from it (comparison/decisions.py), in one line:
+    class scores' agreement, a probability map's flipped elements, or else its error percentiles."""
+    if "top1" in found:
+        return [f"  class scores '{output}': top-1 agreement {percent(found['top1'], 2)}, top-5 {percent(found['top5'], 2)} over {found['score_vectors']} score vector(s)"]
+    if "flipped_share" in found:
+        return [f"  probability map '{output}': {percent(found['flipped_share'], 3)} of its elements fall on the other side of {found['threshold']:g} "
+                f"(--threshold), IoU of the binarized maps {found['iou']:.4f}"]
+    if "p999_tol_ratio" in found:
+        return [f"  error percentiles '{output}': p99 |err| {found['p99_abs_err']:.3g}, p99.9 {found['p999_abs_err']:.3g}; in tolerances p99 "
+                f"{times_tolerance(found['p99_tol_ratio'], '')}, p99.9 {times_tolerance(found['p999_tol_ratio'], '')}"]
+    return []
+
+
+def tolerance_met_line(output: str, result) -> list[str]:
+    """The tolerance a failing output does meet: whether the run's is tighter than the format's rounding."""
+    met = result.tolerance_met.get(output)
+    if met is None:
+        return []
+    tolerance = result.tolerances.for_tensor(output)
+    rtol = f"rtol {met['rtol']:.3g}" if math.isfinite(met["rtol"]) else "no rtol (an element whose reference is 0 errs more than atol)"
+    atol = f"atol {met['atol']:.3g}" if math.isfinite(met["atol"]) else "no atol (NaN/Inf where the reference is finite)"
+    return [f"tolerance met: {atol} (at rtol {tolerance.rtol:g}, stol {tolerance.stol:g}), or {rtol} (at atol {tolerance.atol:g}, stol {tolerance.stol:g})"]
+
+
 def sample_lines(result) -> list[str]:
-    """Per-sample outcome (with several samples) and class-score agreement, per graph output."""
+    """Per-sample outcome (with several samples) and what the error does to the decision, per graph output."""
     lines = []
     samples = result.samples
     for output, rows in samples.groupby("tensor", sort=False):
@@ -123,11 +150,7 @@ def sample_lines(result) -> list[str]:
                 worst = failing.loc[failing["tol_ratio"].idxmax()]
                 text += f" (worst: sample {int(worst['sample'])}, {percent(worst['outside_share'])} of elements outside, {times_tolerance(worst['tol_ratio'])})"
             lines.append(text)
-        agreement = result.class_agreement().get(output)
-        if agreement is not None:
-            lines.append(
-                f"  class scores '{output}': top-1 agreement {percent(agreement['top1'], 2)}, top-5 {percent(agreement['top5'], 2)} over {agreement['rows']} score vector(s)"
-            )
+        lines += decision_lines(output, result.decisions.get(output, {}))
     if result.report_dir is not None and result.iterations > 1 and len(result.failing_samples):
         lines.append(f"  the worst failing samples are saved for replay: --load-inputs {result.report_dir / 'worst_samples.npz'}")
     return lines
@@ -139,8 +162,8 @@ def cause_lines(failure, result) -> list[str]:
     status = "not verified: the rules' hypothesis"
     if cause.verified:
         status = f"verified at the output on {cause.stand_in}, standing in for the captured candidate" if cause.stand_in else "verified at the output"
-    if cause.kind in ("local", "several"):
-        what = "introduces the error" if cause.kind == "local" else "is one of several causes"
+    if cause.kind in ("local", "several", "dominant"):
+        what = {"local": "introduces the error", "several": "is one of several causes", "dominant": "carries most of the error, the rest accumulates"}[cause.kind]
         lines = [f"cause: {cause.op_type} '{cause.node}' {what} (its output '{cause.tensor}'; {status})"]
         lines += [f"  {f.kind}: {f.message}" for f in cause.findings]
         for c in cause.co_causes:
@@ -156,7 +179,7 @@ def cause_lines(failure, result) -> list[str]:
     for absorbed in cause.absorbed:
         by = f"its error is absorbed downstream by {absorbed.by_op_type} '{absorbed.by}'; " if absorbed.by else ""
         lines.append(f"  ruled out: {absorbed.op_type} '{absorbed.node}' (flagged by the rules): {by}kept in higher precision alone, it leaves the output at {times_tolerance(absorbed.tol_ratio_kept)}")
-    if cause.kind in ("accumulated", "unknown") and cause.contributors:
+    if cause.kind in ("accumulated", "dominant", "unknown") and cause.contributors:
         measured = cause.contributors[0].tol_ratio_kept is not None
         lines.append("  contributors, by their effect at the output (the output's tolerance ratio with each kept):" if measured
                      else "  largest own errors upstream (isolated run):")

@@ -1,0 +1,150 @@
+"""What the error of a graph output does to the decision taken from it, and which tolerance it meets: per
+sample, in figures that add up over samples, workers and machines.
+
+An elementwise verdict says whether every element is within tolerance; a user needs to know what the
+error changes. So for each graph output and sample:
+* class scores (a float [batch, classes], or rows along the last axis that are probabilities): in how
+  many score vectors the reference's top class is the candidate's top class, or among its five highest;
+* a probability map (float values in [0, 1] that are not class scores): how many elements cross the
+  output's threshold (0.5 unless set) on one side and not on the other, and the intersection and union
+  of the two binarized maps (their IoU);
+* any float output: the tolerance it meets, the smallest atol (at the run's rtol and stol) and the
+  smallest rtol (at its atol and stol) under which every element would pass; and a sketch of each
+  element's error in tolerances (|err| / (atol + rtol·|ref| + stol·absmax)), for its percentiles.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from accudiff.comparison.metrics import CHUNK, SKETCH_BITS, SKETCH_BUCKETS, SKETCH_LOW_EXPONENT, quantiles
+from accudiff.comparison.tolerances import Tolerance
+
+MAX_CLASSES = 1 << 20  # wider rows are not class scores (a [1, N] signal, say), and ranking them costs seconds
+DEFAULT_THRESHOLD = 0.5
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One output on one sample (see the module's docstring); counts are 0 where a figure does not apply."""
+
+    rows: int = 0
+    top1: int = 0
+    top5: int = 0
+    map_elements: int = 0
+    flipped: int = 0
+    intersection: int = 0
+    union: int = 0
+    atol_needed: float = 0.0
+    rtol_needed: float = 0.0
+
+
+def decide(ref: np.ndarray, cand: np.ndarray, tolerance: Tolerance, threshold: float, absmax: float, ratios: np.ndarray) -> Decision:
+    """The decision figures of one output on one sample (`absmax`: of its finite reference values); each
+    element's error in tolerances is added to the sketch `ratios` (SKETCH_BUCKETS counts). Elements are
+    read CHUNK at a time: memory stays bounded whatever the output's size."""
+    if not np.issubdtype(ref.dtype, np.floating) or ref.shape != cand.shape or ref.size == 0:
+        return Decision()
+    rows, top1, top5 = _class_agreement(ref, cand)
+    r, c = np.asarray(ref).reshape(-1), np.asarray(cand).reshape(-1)
+    is_map = not rows and _is_probability_map(r)
+    counts = np.zeros(3, np.int64)  # flipped, intersection, union
+    atol = rtol = 0.0
+    for start in range(0, r.size, CHUNK):
+        part_r, part_c = r[start : start + CHUNK].astype(np.float64), c[start : start + CHUNK].astype(np.float64)
+        if is_map:
+            counts += _map_counts(part_r, part_c, threshold)
+        part_atol, part_rtol = _tolerance_needed(part_r, part_c, tolerance, absmax, ratios)
+        atol, rtol = max(atol, part_atol), max(rtol, part_rtol)
+    return Decision(rows, top1, top5, r.size if is_map else 0, *(int(n) for n in counts), atol, rtol)
+
+
+def _class_agreement(ref: np.ndarray, cand: np.ndarray) -> tuple[int, int, int]:
+    """(rows, top-1 agreements, top-5 agreements) for class scores; (0, 0, 0) for anything else.
+
+    Class scores: a float tensor of rank 2 ([batch, classes]), or of higher rank whose reference rows along
+    the last axis are probabilities (non-negative, summing to 1: a softmax), with 2 to MAX_CLASSES classes.
+    """
+    if ref.ndim < 2 or not 2 <= ref.shape[-1] <= MAX_CLASSES:
+        return 0, 0, 0
+    r = np.asarray(ref, np.float32).reshape(-1, ref.shape[-1])
+    c = np.asarray(cand, np.float32).reshape(-1, ref.shape[-1])
+    if ref.ndim > 2 and not (r.min() >= 0 and np.allclose(r.sum(axis=1), 1.0, atol=1e-3)):
+        return 0, 0, 0
+    top = r.argmax(axis=1)
+    top1 = int(np.count_nonzero(c.argmax(axis=1) == top))
+    k = min(5, r.shape[1])
+    five = np.argpartition(-c, k - 1, axis=1)[:, :k]
+    top5 = int(np.count_nonzero((five == top[:, None]).any(axis=1)))
+    return r.shape[0], top1, top5
+
+
+def _is_probability_map(r: np.ndarray) -> bool:
+    """Float values all in [0, 1] (no NaN): what a sigmoid or a softmax over a map gives."""
+    low, high = np.min(r), np.max(r)
+    return bool(np.isfinite(low) and np.isfinite(high) and low >= 0 and high <= 1)
+
+
+def _map_counts(r: np.ndarray, c: np.ndarray, threshold: float) -> np.ndarray:
+    """(elements on the other side of `threshold`, intersection, union) of the two binarized maps."""
+    above_r, above_c = r > threshold, np.nan_to_num(c, nan=-np.inf) > threshold
+    return np.array([np.count_nonzero(above_r != above_c), np.count_nonzero(above_r & above_c), np.count_nonzero(above_r | above_c)], np.int64)
+
+
+def _tolerance_needed(r: np.ndarray, c: np.ndarray, tolerance: Tolerance, absmax: float, ratios: np.ndarray) -> tuple[float, float]:
+    """(the smallest atol at the run's rtol and stol, the smallest rtol at its atol and stol) under which
+    every element passes (infinite where none would: NaN/Inf on one side only, or an error where the
+    reference is 0 for rtol); each element's error in tolerances goes into `ratios`."""
+    same = (np.isnan(r) & np.isnan(c)) | (np.isinf(r) & (r == c))
+    with np.errstate(invalid="ignore", over="ignore"):
+        error = np.where(same, 0.0, np.nan_to_num(np.abs(c - r), nan=np.inf))
+    magnitude = np.abs(np.where(np.isfinite(r), r, 0.0))
+    allowed = tolerance.atol + tolerance.rtol * magnitude + tolerance.stol * absmax
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        _add_to_sketch(ratios, np.where(allowed > 0, error / allowed, np.where(error > 0, np.inf, 0.0)))
+        atol = float(np.max(error - tolerance.rtol * magnitude - tolerance.stol * absmax, initial=0.0))
+        excess = error - tolerance.atol - tolerance.stol * absmax
+        rtol = float(np.max(np.where(excess > 0, excess / magnitude, 0.0), initial=0.0))
+    return max(atol, 0.0), rtol if not math.isnan(rtol) else math.inf
+
+
+def _add_to_sketch(sketch: np.ndarray, values: np.ndarray) -> None:
+    """Count `values` (non-negative) into a sketch laid out as the kernel's error sketch: the float32
+    exponent and top SKETCH_BITS mantissa bits; 0 and values below its lowest octave in bucket 0, Inf
+    (and what overflows float32) in the last."""
+    single = np.minimum(values, np.finfo(np.float32).max).astype(np.float32)
+    bits = single.view(np.uint32).astype(np.int64)
+    exponent = ((bits >> 23) & 0xFF) - 127 - SKETCH_LOW_EXPONENT
+    bucket = (exponent << SKETCH_BITS) + ((bits >> (23 - SKETCH_BITS)) & ((1 << SKETCH_BITS) - 1))
+    bucket = np.where(single > 0, np.clip(bucket, 0, SKETCH_BUCKETS - 1), 0)
+    bucket = np.where(np.isinf(values), SKETCH_BUCKETS - 1, bucket)
+    sketch += np.bincount(bucket, minlength=SKETCH_BUCKETS)
+
+
+def summarize(rows, ratios: np.ndarray | None, errors: np.ndarray | None, threshold: float) -> dict:
+    """An output's decision figures over every sample (`rows`: its per-sample outcomes, a DataFrame;
+    `ratios` and `errors`: the sketches of its elements' errors in tolerances and in absolute terms)."""
+    found: dict = {}
+    vectors = int(rows["rows"].sum())
+    if vectors:
+        found.update(score_vectors=vectors, top1=float(rows["top1"].sum() / vectors), top5=float(rows["top5"].sum() / vectors))
+    elements = int(rows["map_elements"].sum())
+    if elements:
+        union = int(rows["union"].sum())
+        found.update(threshold=threshold, map_elements=elements, flipped_share=float(rows["flipped"].sum() / elements),
+                     iou=float(rows["intersection"].sum() / union) if union else 1.0)
+    if errors is not None:
+        found.update(zip(("p99_abs_err", "p999_abs_err"), (float(q[0]) for q in quantiles(errors[None], (0.99, 0.999)))))
+    if ratios is not None and ratios.sum():
+        top = quantiles(np.eye(1, SKETCH_BUCKETS, SKETCH_BUCKETS - 1, dtype=np.int64), (0.5,))[0][0]  # the bucket Inf is counted in
+        found.update(zip(("p99_tol_ratio", "p999_tol_ratio"), (math.inf if q[0] >= top else float(q[0]) for q in quantiles(ratios[None], (0.99, 0.999)))))
+    return found
+
+
+def tolerance_met(rows) -> dict[str, float]:
+    """The smallest atol (at the run's rtol and stol) and the smallest rtol (at its atol and stol) under
+    which the output passes on every sample."""
+    return {"atol": float(rows["atol_needed"].max()), "rtol": float(rows["rtol_needed"].max())}
