@@ -167,15 +167,28 @@ class AccuracyCheck:
         min_sqnr_db: float | None = None,
         tensors: str | Sequence[str] = "outputs",
         baseline: bool = False,
+        **decision: float,
     ):
         """Run the comparison and fail the test, with a message a person can act on, if it is out of bounds.
 
-        `tensors`: "outputs" (graph outputs decide), "all", or a list of tensor names. Returns the result.
+        `tensors`: "outputs" (graph outputs decide), "all", or a list of tensor names. `decision`: targets of
+        decision figures (top1=0.99, top5=, iou=, flipped_share=1e-3): a graph output that has the figure is
+        judged by it instead of its tolerance, as `--require` does (verification aims at it too). Returns
+        the result.
         """
         __tracebackhide__ = True
-        result = self._run(atol, rtol, stol)
+        from accudiff.report.content import requirement_text
+
+        result = self._run(atol, rtol, stol, [f"{name}={value}" for name, value in decision.items()])
         rows = _select(result.table, tensors)
-        problems = [_tolerance_problem(row) for _, row in rows.iterrows() if row["status"] == "fail"]
+        failing = {f.tensor for f in result.output_failures}
+        problems = []
+        for _, row in rows.iterrows():
+            required = requirement_text(row["tensor"], result)
+            if required is not None:
+                problems += [f"output '{row['tensor']}' fails {required}"] if row["tensor"] in failing else []
+            elif row["status"] == "fail":
+                problems.append(_tolerance_problem(row))
         if min_sqnr_db is not None:
             problems += [
                 f"tensor '{row['tensor']}': SQNR {row['sqnr_db']:.1f} dB is below the required {min_sqnr_db:g} dB"
@@ -198,13 +211,13 @@ class AccuracyCheck:
             pytest.fail(_message(result, problems), pytrace=False)
         return result
 
-    def _run(self, atol, rtol, stol):
+    def _run(self, atol, rtol, stol, require: list[str]):
         __tracebackhide__ = True
         from accudiff.api import compare
         from accudiff.report.folder import default_report_dir
         from accudiff.runners import unavailable_reason
 
-        options = {"workers": self.settings.workers, **self.options}
+        options = {"workers": self.settings.workers, **self.options, **({"require": require} if require else {})}
         candidate = options.pop("candidate", self.settings.candidate)
         reason = unavailable_reason(candidate)
         if reason is not None:

@@ -74,6 +74,7 @@ class CompareResult:
     # of class scores, a probability map's flipped share and IoU, error percentiles) and the tolerance it meets.
     decisions: dict[str, dict] = field(default_factory=dict)
     tolerance_met: dict[str, dict[str, float]] = field(default_factory=dict)
+    require: dict[str, float] = field(default_factory=dict)  # decision targets outputs are judged by instead of their tolerance (--require)
     # For the HTML report: the nodes and weights as written, every failing output's and cause's error
     # sketch (metrics.error_histogram), and sampled [reference, candidate] pairs of each graph output.
     nodes: dict[str, NodeSummary] = field(default_factory=dict)

@@ -9,6 +9,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Sequence
 
+from accudiff.comparison.objective import Objective, parse_requirements
 from accudiff.comparison.tolerances import Tolerances, parse_named_values
 from accudiff.errors import AccudiffError
 from accudiff.model.formats import QUANTIZED_FORMATS, file_formats, is_precision_label, model_formats, precision_label
@@ -85,10 +86,12 @@ class RunSettings:
     save_candidate: str | Path | None = None
     candidate_model: str | Path | None = None
     threshold: Iterable[str] | float | None = None
+    objective: str = "tolerance"
+    require: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         """Checks that need no model; `check_against` does the rest once the model is loaded."""
-        for name in ("keep_fp32", "val_range", "input_shapes", "atol", "rtol", "stol", "threshold"):  # lists and tuples alike compare equal
+        for name in ("keep_fp32", "val_range", "input_shapes", "atol", "rtol", "stol", "threshold", "require"):  # lists and tuples alike compare equal
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, int, float, dict)):
                 object.__setattr__(self, name, tuple(value))
@@ -109,6 +112,7 @@ class RunSettings:
             raise AccudiffError(f"--also takes {' or '.join(SIDE_BACKENDS)}, not '{self.also}'")
         self.tolerances  # noqa: B018 - a malformed tolerance is an error now, not after the runs
         self.thresholds  # noqa: B018 - likewise a threshold
+        self.judged  # noqa: B018 - and an objective or a requirement
         self._check_captured()
 
     def _check_captured(self) -> None:
@@ -163,6 +167,11 @@ class RunSettings:
             if value is not None and not 0 < value < 1:
                 raise AccudiffError(f"--threshold {f'{name}:' if name else ''}{value:g} is not between 0 and 1: a probability map's elements would all fall on one side")
         return {**({"": default} if default is not None else {}), **named}
+
+    @cached_property
+    def judged(self) -> Objective:
+        """How verification and `bisect precision` judge a keep at the outputs (comparison/objective.py)."""
+        return Objective(self.objective, parse_requirements(self.require))
 
     @property
     def given_alone(self) -> bool:
@@ -255,6 +264,9 @@ class RunSettings:
         ):
             if value is not None:
                 args += [flag, str(value)]
+        args += ["--objective", self.objective] * (self.objective != "tolerance")
+        for text in self.require:
+            args += ["--require", text]
         args += ["--no-isolate"] * (not self.isolate) + ["--no-verify"] * (not self.verify)
         if self.verify and self.verify_budget != DEFAULT_VERIFY_BUDGET:
             args += ["--verify-budget", str(self.verify_budget)]

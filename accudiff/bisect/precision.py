@@ -42,6 +42,9 @@ class PrecisionResult:
     candidate_runs: int = 0
     bound: int = 0
     interrupted: bool = False
+    trivial: bool = False  # only keeping every converted node meets the target: the format is too coarse for it
+    decisions: dict = field(default_factory=dict)  # the candidate's decision figures and tolerance met, per failing output
+    tolerance_met: dict = field(default_factory=dict)
 
 
 def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
@@ -53,6 +56,10 @@ def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
         return result
     ranking = rank(full)
     result.ranking = ranking
+    failing = [f.tensor for f in full.output_failures]
+    result.decisions = {name: full.decisions.get(name, {}) for name in failing}
+    result.tolerance_met = {name: full.tolerance_met.get(name, {}) for name in failing}
+    units = {c.node: c.keep for f in full.output_failures for c in f.cause.contributors if c.keep}  # a cancellation with what computes its operands
     repairs = [f.repair for f in full.output_failures]
     verified = all(r is not None and r.verified for r in repairs)
     start = list(dict.fromkeys(n for r in repairs if r is not None for n in r.keep)) if verified else []
@@ -62,7 +69,11 @@ def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
     try:
         best = _from_repair(session, trials, start, full) if verified else None
         if best is None:
-            best = _smallest_passing_prefix(session, trials, list(ranking["node"]), full)
+            best = _smallest_passing_prefix(session, trials, list(ranking["node"]), units, full)
+        if best is None and not result.interrupted:
+            every = sorted(full.converted)
+            if _passes(session, trials, every, full, f"every one of the {len(every)} converted nodes", result.bound):
+                best, result.trivial = trials.boundaries.close(every), True
     except KeyboardInterrupt:
         result.interrupted = True
         best = None
@@ -112,7 +123,7 @@ def _passes(session: BisectSession, trials: Trials, chosen: list[str], full: Com
     session.progress(f"step {session.candidate_runs + 1} of at most {total}: keep {len(keep)} node(s) in higher precision ({what} and what they need)")
     [outcome] = trials.run([keep])
     session.candidate_runs += 1
-    return outcome.passes(list(full.outputs["tensor"]))
+    return outcome.passes(list(full.outputs["tensor"]), session.settings.judged)
 
 
 def _from_repair(session: BisectSession, trials: Trials, start: list[str], full: CompareResult) -> list[str] | None:
@@ -128,20 +139,24 @@ def _from_repair(session: BisectSession, trials: Trials, start: list[str], full:
     return trials.boundaries.close(chosen)
 
 
-def _smallest_passing_prefix(session: BisectSession, trials: Trials, nodes: list[str], full: CompareResult) -> list[str] | None:
-    """The keep-list of the smallest k such that keeping nodes[:k] (closed over boundaries) passes; None if
-    keeping all of them still fails."""
+def _smallest_passing_prefix(session: BisectSession, trials: Trials, nodes: list[str], units: dict[str, list[str]], full: CompareResult) -> list[str] | None:
+    """The keep-list of the smallest k such that keeping nodes[:k] (each with its unit: a cancellation with
+    the nodes computing its operands; closed over boundaries) passes; None if keeping all of them still fails."""
     total = _run_bound(len(nodes), 0)
-    if not nodes or not _passes(session, trials, nodes, full, f"all {len(nodes)} ranked", total):
+
+    def prefix(k: int) -> list[str]:
+        return list(dict.fromkeys(n for node in nodes[:k] for n in units.get(node, [node])))
+
+    if not nodes or not _passes(session, trials, prefix(len(nodes)), full, f"all {len(nodes)} ranked", total):
         return None
     failing, passing = 0, len(nodes)
     while passing - failing > 1:
         middle = (failing + passing) // 2
-        if _passes(session, trials, nodes[:middle], full, f"the top {middle}", total):
+        if _passes(session, trials, prefix(middle), full, f"the top {middle}", total):
             passing = middle
         else:
             failing = middle
-    chosen = nodes[:passing]
+    chosen = prefix(passing)
     if len(chosen) <= PRUNE_LIMIT:
         for node in reversed(chosen[1:]):
             rest = [n for n in chosen if n != node]
@@ -152,7 +167,8 @@ def _smallest_passing_prefix(session: BisectSession, trials: Trials, nodes: list
 
 def _run_bound(ranked: int, repair: int) -> int:
     """Candidate runs at most: the comparison with its isolated run (2) and verification (reported apart),
-    then either the repair and its pruning, or all ranked kept, the bisection and the pruning."""
+    then either the repair and its pruning, or all ranked kept, the bisection and the pruning; and, if
+    none of these passes, every converted node kept."""
     from_repair = 1 + max(repair - 1, 0) if repair else 0
     bisection = 1 + math.ceil(math.log2(max(ranked, 1))) + max(min(PRUNE_LIMIT, ranked) - 1, 0) if ranked else 0
-    return 2 + from_repair + bisection
+    return 2 + from_repair + bisection + 1  # and last, every converted node kept

@@ -13,7 +13,7 @@ from accudiff.bisect.precision import KEEP_LIST_FILE, RANKING_FILE, bisect_preci
 from accudiff.bisect.session import BisectSession, stderr_progress
 from accudiff.bisect.subgraph import bisect_subgraph
 from accudiff.report.folder import ReportFolder
-from accudiff.report.content import HTML_FILE, finite, remake_lines
+from accudiff.report.content import HTML_FILE, decision_lines, finite, remake_lines
 from accudiff.report.html import bisect_page
 from accudiff.settings import RunSettings
 
@@ -72,19 +72,39 @@ def _subgraph_text(result, folder: Path) -> str:
     return "\n".join(lines)
 
 
+def _target(settings: RunSettings) -> str:
+    required = settings.judged.require
+    return " and ".join(f"{name}={value:g}" for name, value in required.items()) + " (--require)" if required else "tolerance"
+
+
+def _where_it_stands(result) -> list[str]:
+    """Per failing output, what the candidate's error does to the decision and the tolerance it meets."""
+    lines = []
+    for output, met in result.tolerance_met.items():
+        decided = decision_lines(output, result.decisions.get(output, {}))
+        lines += [line.strip() for line in decided]
+        lines.append(f"output '{output}' as it is meets atol {met.get('atol', float('nan')):.3g}, or rtol {met.get('rtol', float('nan')):.3g}")
+    return lines
+
+
 def _precision_text(result, folder: Path, settings: RunSettings) -> str:
     lines = [f"accudiff bisect precision: {result.candidate_runs} candidate runs (bound {result.bound})"]
     if result.passed_without_changes:
         lines.append("  the model already meets tolerance: nothing to keep in higher precision")
+    elif result.trivial:
+        lines.append(f"  only keeping every converted node ({len(result.keep)}) in higher precision makes the outputs meet {_target(settings)}: "
+                     "no smaller keep-list does, so this format is too coarse for it on this model")
+        lines += [f"  {line}" for line in _where_it_stands(result)]
     elif result.repaired:
-        lines.append(f"  keeping {len(result.keep)} node(s) in higher precision makes the outputs meet tolerance: {', '.join(result.keep[:8])}{' ...' if len(result.keep) > 8 else ''}")
+        lines.append(f"  keeping {len(result.keep)} node(s) in higher precision makes the outputs meet {_target(settings)}: {', '.join(result.keep[:8])}{' ...' if len(result.keep) > 8 else ''}")
         lines.append(f"  keep-list: {folder / KEEP_LIST_FILE} (one --keep-fp32 pattern per line); repaired model: {folder / result.repaired_model}")
         if settings.candidate_model is not None:
             lines += [f"  {line}" for line in remake_lines(result.keep, settings.precision)]
     elif result.interrupted:
         lines.append("  interrupted before a passing keep-list was found")
     else:
-        lines.append("  even keeping every ranked node in higher precision does not meet tolerance")
+        lines.append(f"  even keeping every converted node in higher precision does not meet {_target(settings)}")
+        lines += [f"  {line}" for line in _where_it_stands(result)]
     if result.ranking is not None:
         lines.append(f"  ranking of the nodes (causes first, then by own error): {folder / RANKING_FILE}")
     return "\n".join(lines)

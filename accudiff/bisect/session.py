@@ -94,9 +94,10 @@ class BisectSession:
 
     def trials(self, full: CompareResult) -> Trials:
         """Trials of the candidate with nodes kept in higher precision, on every sample of the session,
-        built from the same recipe as `compare`'s candidate (so the repaired model is the one verified)."""
+        built from the same recipe as `compare`'s candidate (so the repaired model is the one verified); a
+        kept node's readers that only move its values are kept with it (Boundaries, regions)."""
         setup = TrialSetup(self.info, CandidateVariants(self.info, self.settings.recipe(), self.candidate), self.feeds, self.settings, self.cache.folder / "trials")
-        return Trials(setup, full.table.set_index("tensor"))
+        return Trials(setup, full.table.set_index("tensor"), regions=True)
 
     def close(self) -> None:
         self.cache.close()

@@ -124,18 +124,27 @@ def _add_to_sketch(sketch: np.ndarray, values: np.ndarray) -> None:
     sketch += np.bincount(bucket, minlength=SKETCH_BUCKETS)
 
 
+COUNTS = ("rows", "top1", "top5", "map_elements", "flipped", "intersection", "union")  # what adds up over samples
+
+
+def decision_figures(counts: dict, threshold: float | None = None) -> dict:
+    """Class scores' top-1/top-5 agreement and a probability map's flipped share and IoU, from the COUNTS of
+    an output added up over samples (figures that do not apply are left out)."""
+    found: dict = {}
+    if counts.get("rows"):
+        vectors = int(counts["rows"])
+        found.update(score_vectors=vectors, top1=float(counts["top1"] / vectors), top5=float(counts["top5"] / vectors))
+    if counts.get("map_elements"):
+        elements, union = int(counts["map_elements"]), int(counts["union"])
+        found.update(**({"threshold": threshold} if threshold is not None else {}), map_elements=elements,
+                     flipped_share=float(counts["flipped"] / elements), iou=float(counts["intersection"] / union) if union else 1.0)
+    return found
+
+
 def summarize(rows, ratios: np.ndarray | None, errors: np.ndarray | None, threshold: float) -> dict:
     """An output's decision figures over every sample (`rows`: its per-sample outcomes, a DataFrame;
     `ratios` and `errors`: the sketches of its elements' errors in tolerances and in absolute terms)."""
-    found: dict = {}
-    vectors = int(rows["rows"].sum())
-    if vectors:
-        found.update(score_vectors=vectors, top1=float(rows["top1"].sum() / vectors), top5=float(rows["top5"].sum() / vectors))
-    elements = int(rows["map_elements"].sum())
-    if elements:
-        union = int(rows["union"].sum())
-        found.update(threshold=threshold, map_elements=elements, flipped_share=float(rows["flipped"].sum() / elements),
-                     iou=float(rows["intersection"].sum() / union) if union else 1.0)
+    found = decision_figures(rows[list(COUNTS)].sum().to_dict(), threshold)
     if errors is not None:
         found.update(zip(("p99_abs_err", "p999_abs_err"), (float(q[0]) for q in quantiles(errors[None], (0.99, 0.999)))))
     if ratios is not None and ratios.sum():

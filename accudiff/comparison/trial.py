@@ -24,12 +24,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-import numpy as np
 import onnx
 
+from accudiff.comparison.decisions import COUNTS, decision_figures
+from accudiff.comparison.objective import Objective
 from accudiff.comparison.shards import added_timings, merge_results
 from accudiff.comparison.worker import Job, Worker, discard_spares, prestart, take_worker
 from accudiff.model.loading import ModelInfo, save_model
+from accudiff.model.ops import VALUE_PRESERVING_OPS
 from accudiff.model.samples import Samples
 from accudiff.runners.outputs import ReferenceStore
 from accudiff.settings import RunSettings
@@ -48,14 +50,16 @@ UNDERFLOW_SHARE = 0.01  # as diagnosis/rules.py: a smaller share of tiny values 
 @dataclass(frozen=True)
 class TrialOutcome:
     """One keep-list tried: each graph output's tolerance ratio (worst over the samples; at most 1 means
-    within tolerance) and, for class scores, the share of score vectors whose top class agrees."""
+    within tolerance) and its decision figures (comparison/decisions.py: top-1/top-5 of class scores, a
+    probability map's flipped share and IoU) over the samples."""
 
     keep: list[str]
     tol_ratio: dict[str, float]
-    top1: dict[str, float | None] = field(default_factory=dict)
+    figures: dict[str, dict] = field(default_factory=dict)
 
-    def passes(self, outputs: Sequence[str]) -> bool:
-        return all(self.tol_ratio.get(name, np.inf) <= 1.0 for name in outputs)
+    def passes(self, outputs: Sequence[str], objective: Objective) -> bool:
+        """Every output meets what `objective` asks of it (its tolerance, or a required decision figure)."""
+        return all(objective.met(self.tol_ratio.get(name, math.inf), self.figures.get(name, {})) for name in outputs)
 
 
 @dataclass
@@ -75,10 +79,10 @@ class Trials:
     """Counted trials over one setup; `boundaries` closes every keep-list before it is tried. Use it as a
     context manager: its workers stay up until it closes."""
 
-    def __init__(self, setup: TrialSetup, table: pd.DataFrame, recorded: tuple[ReferenceStore, Sequence[int]] | None = None):
+    def __init__(self, setup: TrialSetup, table: pd.DataFrame, recorded: tuple[ReferenceStore, Sequence[int]] | None = None, regions: bool = False):
         """`table`: the comparison's statistics (ranges of the reference tensors), indexed by tensor.
         `recorded`: the reference's graph outputs as the comparison recorded them, and which of its
-        samples are the setup's (else the first trial records them)."""
+        samples are the setup's (else the first trial records them). `regions`: see Boundaries."""
         self.setup = setup
         self.runs = 0
         setup.scratch.mkdir(parents=True, exist_ok=True)
@@ -88,7 +92,7 @@ class Trials:
             for k, sample in enumerate(samples):
                 self.reference.write(k, store.read(sample, setup.info.output_names))
             self.reference.finish()
-        self.boundaries = Boundaries(setup.info.proto.graph, unfit_for_fp16(table), setup.variants.base.converted, setup.variants.recipe.precision)
+        self.boundaries = Boundaries(setup.info.proto.graph, unfit_for_fp16(table), setup.variants.base.converted, setup.variants.recipe.precision, regions)
         self._workers: list[Worker] = []
         self.timings: dict[str, float] = {}  # the trial workers' seconds per phase, added up
         self._board: tuple[Switchboard, Path] | None = None
@@ -227,14 +231,14 @@ class _Batch:
 
 def _outcome(keep: list[str], samples: list[dict]) -> TrialOutcome:
     ratio: dict[str, float] = {}
-    rows: dict[str, list[int]] = {}
+    counts: dict[str, dict[str, float]] = {}
     for one in samples:
         name = one["tensor"]
         ratio[name] = max(ratio.get(name, 0.0), float(one["tol_ratio"]))
-        counts = rows.setdefault(name, [0, 0])
-        counts[0] += one["rows"]
-        counts[1] += one["top1"]
-    return TrialOutcome(keep, ratio, {name: (top / count if count else None) for name, (count, top) in rows.items()})
+        added = counts.setdefault(name, dict.fromkeys(COUNTS, 0))
+        for key in COUNTS:
+            added[key] += one[key]
+    return TrialOutcome(keep, ratio, {name: decision_figures(added) for name, added in counts.items()})
 
 
 def switchable(settings: RunSettings) -> bool:
@@ -260,25 +264,30 @@ def unfit_for_fp16(table: pd.DataFrame) -> set[str]:
 
 
 class Boundaries:
-    """Which FP16 consumers must join a keep-list: a node kept in FP32 whose output FP16 cannot hold (an
+    """Which converted nodes must join a keep-list. A node kept in FP32 whose output FP16 cannot hold (an
     overflow, or values that underflow) would break where a converted consumer reads it in FP16, so that
-    consumer is kept too (transitively)."""
+    consumer is kept too (transitively). With `regions` (bisect precision), a kept node's converted readers
+    that only move or select values (Relu, Reshape, Concat, Resize, MaxPool...) are kept with it: left
+    reduced, they would round again what it computed in FP32."""
 
-    def __init__(self, graph: onnx.GraphProto, unfit: set[str], converted: set[str], precision: str):
+    def __init__(self, graph: onnx.GraphProto, unfit: set[str], converted: set[str], precision: str, regions: bool = False):
         self.overflowing = {node.name: [o for o in node.output if o in unfit] for node in graph.node}
         self.consumers: dict[str, list[str]] = {}
         for node in graph.node:
             if node.name in converted:
                 for name in node.input:
                     self.consumers.setdefault(name, []).append(node.name)
+        moving = {node.name for node in graph.node if node.op_type in VALUE_PRESERVING_OPS}
+        self.passed_on = {node.name: [c for o in node.output for c in self.consumers.get(o, []) if c in moving] for node in graph.node} if regions else {}
         self.active = "fp16" in formats_of(precision)
 
     def close(self, keep: Sequence[str]) -> list[str]:
         closed, queue = list(dict.fromkeys(keep)), list(dict.fromkeys(keep))
-        while self.active and queue:
-            for tensor in self.overflowing.get(queue.pop(), []):
-                for consumer in self.consumers.get(tensor, []):
-                    if consumer not in closed:
-                        closed.append(consumer)
-                        queue.append(consumer)
+        while queue:
+            node = queue.pop()
+            overflowing = [c for tensor in self.overflowing.get(node, []) for c in self.consumers.get(tensor, [])] if self.active else []
+            for consumer in [*overflowing, *self.passed_on.get(node, [])]:
+                if consumer not in closed:
+                    closed.append(consumer)
+                    queue.append(consumer)
         return closed

@@ -28,7 +28,6 @@ import pandas as pd
 from accudiff.comparison.table import STATUS_FAIL
 from accudiff.diagnosis.rules import (
     RANGE_KINDS,
-    VALUE_PRESERVING_OPS,
     DiagnosisContext,
     Finding,
     isolated_figures,
@@ -36,6 +35,7 @@ from accudiff.diagnosis.rules import (
     new_non_finite,
     range_findings,
 )
+from accudiff.model.ops import VALUE_PRESERVING_OPS
 
 CONTRIBUTOR_COUNT = 5
 HARD_RANGE_KINDS = frozenset({"overflow", "input_overflow", "constant_overflow"})
@@ -55,6 +55,7 @@ class Contributor:
     findings: list[Finding] = field(default_factory=list)
     tol_ratio_kept: float | None = None  # verified: the failing output's tolerance ratio with this node kept (and what its boundaries need)
     keep: list[str] = field(default_factory=list)  # verified: the nodes that keep-list held
+    figures_kept: dict = field(default_factory=dict)  # verified: the output's decision figures with it kept (top-1, a map's flipped share)
 
 
 @dataclass(frozen=True)

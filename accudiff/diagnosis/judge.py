@@ -11,6 +11,7 @@ import pandas as pd
 
 from accudiff.comparison.decisions import DEFAULT_THRESHOLD, summarize, tolerance_met
 from accudiff.comparison.metrics import StatsSet
+from accudiff.comparison.objective import Objective
 from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, STATUS_PASS, build_table, graph_input_table, with_side_run
 from accudiff.diagnosis.cause import ancestor_tensors, find_cause
 from accudiff.diagnosis.rules import DiagnosisContext, diagnose
@@ -62,16 +63,21 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings
     def output_failure(name: str) -> TensorFailure:
         row = indexed.loc[name]
         upstream = ancestor_tensors(name, info.upstream)
-        first = next(t for t in failing if t in upstream)
+        first = next((t for t in failing if t in upstream), None)
         return TensorFailure(name, row["node"], row["op_type"], diagnose(name, indexed, context), first, find_cause(name, indexed, context))
 
     first_failure = None
     if failing:
         row = indexed.loc[failing[0]]
         first_failure = TensorFailure(failing[0], row["node"], row["op_type"], diagnose(failing[0], indexed, context))
-    failing_outputs = table.loc[(table["status"] == STATUS_FAIL) & table["is_output"], "tensor"].tolist()
-    observed_outputs = table.loc[(table["status"] != STATUS_MISSING) & table["is_output"], "tensor"].tolist()
     candidate_pass = outcome["passes"]["candidate"]
+    sample_table = _sample_table(candidate_pass["outcomes"])
+    decisions, met = _decisions(sample_table, candidate_pass, settings, row_of)
+    objective = settings.judged
+    objective.applies(decisions, info.output_names)
+    observed_outputs = table.loc[(table["status"] != STATUS_MISSING) & table["is_output"], "tensor"].tolist()
+    # An output with a required decision figure fails by it (--require); any other by its tolerance.
+    failing_outputs = [name for name in observed_outputs if _fails(indexed.loc[name], decisions.get(name, {}), objective)]
     result = CompareResult(
         model=Path(settings.model),
         precision=settings.precision,
@@ -86,7 +92,7 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings
         not_observable={**info.not_observable, **outcome["reference_not_observable"], **candidate_pass["not_observable"]},
         iterations=len(samples),
         seed=settings.seed if settings.inputs is None else None,
-        samples=_sample_table(candidate_pass["outcomes"]),
+        samples=sample_table,
         inputs=samples.source,
         target=settings.target_arguments(),
         candidate_model=Path(settings.candidate_model) if settings.candidate_model is not None else None,
@@ -97,14 +103,27 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings
     compared, computed = result.coverage
     result.passed = bool(observed_outputs) and not failing_outputs and compared >= MIN_COVERAGE * computed
     result.points = {name: [point[1:] for point in points] for name, points in candidate_pass.get("points", {}).items()}  # [reference, candidate]
-    sketches = np.asarray(candidate_pass["sketch"])
-    for output, rows in result.samples.groupby("tensor", sort=False):
-        threshold = settings.thresholds.get(output, settings.thresholds.get("", DEFAULT_THRESHOLD))
-        errors = sketches[row_of[output]] if output in row_of else None
-        result.decisions[output] = summarize(rows, candidate_pass["ratio_sketches"].get(output), errors, threshold)
-        result.tolerance_met[output] = tolerance_met(rows)
+    result.decisions, result.tolerance_met, result.require = decisions, met, dict(objective.require)
     result.nodes, result.weights = info.nodes, info.weights
     return result, context
+
+
+def _decisions(samples: pd.DataFrame, candidate: dict, settings: RunSettings, row_of: dict[str, int]) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Per graph output, its decision figures over every sample and the tolerance it meets."""
+    sketches = np.asarray(candidate["sketch"])
+    decisions, met = {}, {}
+    for output, rows in samples.groupby("tensor", sort=False):
+        threshold = settings.thresholds.get(output, settings.thresholds.get("", DEFAULT_THRESHOLD))
+        errors = sketches[row_of[output]] if output in row_of else None
+        decisions[output] = summarize(rows, candidate["ratio_sketches"].get(output), errors, threshold)
+        met[output] = tolerance_met(rows)
+    return decisions, met
+
+
+def _fails(row: pd.Series, figures: dict, objective: Objective) -> bool:
+    """Whether a graph output fails: by its required decision figures where it has them, else by its tolerance."""
+    miss = objective.miss(figures)
+    return miss > 1.0 if miss is not None else row["status"] == STATUS_FAIL
 
 
 def attach_sketches(result: CompareResult, info: ModelInfo, outcome: dict) -> None:

@@ -15,24 +15,14 @@ import pandas as pd
 
 from accudiff.comparison.metrics import FP16_SMALLEST_NORMAL
 from accudiff.comparison.table import STATUS_FAIL
-from accudiff.text import percent
 from accudiff.model.formats import FP16_MAX, QUANTIZED_FORMATS, QuantRange, formats_of
+from accudiff.text import percent
 
 # Shares of affected elements below these are noise, not the cause.
 SIGNIFICANT_SHARE = 0.01
 CLIPPING_SHARE = 0.001
 RESOLUTION_SHARE = 0.5
 
-# Ops that only move, select or compare values: they add no rounding of their own, so they are never
-# blamed for it (they can still be where an input stored in reduced precision overflows).
-VALUE_PRESERVING_OPS = frozenset(
-    {
-        "ArgMax", "ArgMin", "Clip", "Compress", "Concat", "DepthToSpace", "Expand", "Flatten", "Gather",
-        "GatherElements", "GatherND", "Identity", "Max", "MaxPool", "Min", "Pad", "ReduceMax", "ReduceMin",
-        "Relu", "Reshape", "Resize", "ScatterElements", "ScatterND", "Slice", "SpaceToDepth", "Split", "Squeeze",
-        "Tile", "TopK", "Transpose", "Unsqueeze", "Upsample", "Where",
-    }
-)
 RANGE_KINDS = frozenset({"overflow", "input_overflow", "constant_overflow", "underflow", "per_tensor_scale", *(f"{f}_{fault}" for f in QUANTIZED_FORMATS for fault in ("clipping", "resolution"))})
 
 

@@ -36,15 +36,16 @@ import numpy as np
 import pandas as pd
 
 from accudiff.comparison.group import GroupRun, could_be_a_shape
+from accudiff.comparison.objective import Objective, describe
 from accudiff.comparison.trial import MAX_TRIAL_SAMPLES, TrialOutcome, TrialSetup, Trials, trial_workers
 from accudiff.comparison.worker import prestart
 from accudiff.diagnosis.cause import Absorbed, Cause, Contributor, ancestor_tensors, flagged_nodes, rank_contributors
 from accudiff.diagnosis.mechanisms import absorber, amplifiers, cancellations
-from accudiff.diagnosis.rules import VALUE_PRESERVING_OPS, DiagnosisContext, Finding, isolated_figures, isolation_ran, range_findings
+from accudiff.diagnosis.rules import DiagnosisContext, Finding, isolated_figures, isolation_ran, range_findings
 from accudiff.model.formats import QUANTIZED_FORMATS, formats_of
 from accudiff.model.loading import load_graph, read_again, save_model
+from accudiff.model.ops import VALUE_PRESERVING_OPS
 from accudiff.model.samples import Samples
-from accudiff.text import times_tolerance
 from accudiff.transforms.candidate import CandidateVariants, repaired, repaired_file
 
 if TYPE_CHECKING:
@@ -65,6 +66,31 @@ BACKEND_NAMES = {"onnxrt": "ONNX Runtime", "trt": "TensorRT"}
 class RepairStep:
     keep: list[str]
     tol_ratio: float  # the output's tolerance ratio with `keep` in higher precision
+    figures: dict = field(default_factory=dict)  # and its decision figures (top-1 agreement, a map's flipped share)
+
+
+@dataclass(frozen=True)
+class _Reading:
+    """One keep-list at one output: its tolerance ratio and decision figures, and how the objective reads
+    them (`score`: lower is better; `met`: the output passes)."""
+
+    tol_ratio: float
+    figures: dict
+    score: float
+    met: bool
+    decisive: bool  # the objective reads the decision here (--objective decision, or a required figure)
+
+    @classmethod
+    def of(cls, outcome: TrialOutcome, output: str, objective: Objective) -> _Reading:
+        ratio, figures = outcome.tol_ratio.get(output, math.inf), outcome.figures.get(output, {})
+        return cls(ratio, figures, objective.score(ratio, figures), objective.met(ratio, figures), objective.score(ratio, figures) != ratio)
+
+    def step(self, keep: list[str]) -> RepairStep:
+        return RepairStep(keep, self.tol_ratio, self.figures)
+
+    def said(self, suffix: str = " its tolerance") -> str:
+        """As the findings say it: the decision figure beside the ratio only where the objective reads it."""
+        return describe(self.tol_ratio, self.figures if self.decisive else {}, suffix)
 
 
 @dataclass(frozen=True)
@@ -87,7 +113,11 @@ class _Suspect:
     findings: list[Finding]
     flagged: bool = False
     tried: list[str] = field(default_factory=list)  # the keep-list as tried (closed over boundaries)
-    tol_ratio: float = math.inf
+    reading: _Reading | None = None  # the output with it kept
+
+    @property
+    def score(self) -> float:
+        return self.reading.score if self.reading is not None else math.inf
 
 
 def verify_outputs(
@@ -128,7 +158,8 @@ def verify_outputs(
     recorded = (runs[0].outputs, chosen) if runs[0].outputs is not None else None
     with Trials(setup, indexed, recorded) as trials:
         split = _splits(setup.variants, context.formats)
-        verdicts, control, parts = verify_causes(outputs, indexed, context, trials, settings.verify_budget, settings.tolerances.default.rtol, split)
+        verdicts, control, parts = verify_causes(outputs, indexed, context, trials, settings.verify_budget, settings.tolerances.default.rtol, split,
+                                                 settings.judged)
         result.loss_split = _loss_split(outputs, control, parts)
     result.worker_timings["verification"] = trials.timings
     keep = list(dict.fromkeys(n for _, repair in verdicts.values() if repair.verified for n in repair.keep))
@@ -140,10 +171,11 @@ def verify_outputs(
         if f.tensor in verdicts else f
         for f in result.output_failures
     ]
-    passed = [f"'{name}' ({times_tolerance(control.tol_ratio.get(name, math.inf), '')})" for name in outputs if name not in verdicts]
+    passed = [f"'{name}' ({_Reading.of(control, name, settings.judged).said('')})" for name in outputs if name not in verdicts]
     if passed:
         notices.append(
-            f"output(s) {', '.join(passed)} met the tolerance on the {len(chosen)} sample(s) verification runs (the worst failing ones), "
+            f"output(s) {', '.join(passed)} met {'their target' if settings.judged.require else 'the tolerance'} on the {len(chosen)} sample(s) "
+            "verification runs (the worst failing ones), "
             f"{stand_in or 'the candidate'} run again with nothing kept: a keep cannot be verified where the failure does not show, "
             "so the cause stays the rules' hypothesis")
     return notices
@@ -167,7 +199,7 @@ def _loss_split(outputs: Sequence[str], control: TrialOutcome, parts: list[Trial
     named = {"with_both": control, "without_quantization": unquantized, "without_casts": widened}
     return {
         output: {**{key: outcome.tol_ratio.get(output, math.inf) for key, outcome in named.items()},
-                 "top1": {key: outcome.top1.get(output) for key, outcome in named.items()}}
+                 "top1": {key: outcome.figures.get(output, {}).get("top1") for key, outcome in named.items()}}
         for output in outputs
     }
 
@@ -201,12 +233,12 @@ def _stand_in(failures: list, table: pd.DataFrame, settings: RunSettings) -> tup
 
 def verify_causes(
     outputs: Sequence[str], table: pd.DataFrame, context: DiagnosisContext, trials: Trials, budget: int, rtol: float,
-    extra: Sequence[tuple[list[str], str]] = (),
+    extra: Sequence[tuple[list[str], str]] = (), objective: Objective = Objective(),
 ) -> tuple[dict[str, tuple[Cause, Repair]], TrialOutcome, list[TrialOutcome]]:
     """For each failing output that fails again in the control (nothing kept), the verified cause and
-    repair (`table` indexed by tensor, topological order); the control; and the outcomes of the `extra`
-    keep-lists (each with what it undoes, see Trials.run). The screens of all outputs, the control and the
-    extra keep-lists run as one batch."""
+    repair (`table` indexed by tensor, topological order), keeps judged by `objective`; the control; and
+    the outcomes of the `extra` keep-lists (each with what it undoes, see Trials.run). The screens of all
+    outputs, the control and the extra keep-lists run as one batch."""
     suspects = {output: _suspects(output, table, context, rtol)[: max(budget - GREEDY_RESERVE, 1)] for output in outputs}
     keep_lists = list(dict.fromkeys([(), *(tuple(s.keep) for group in suspects.values() for s in group)]))
     outcomes = trials.run([*(list(k) for k in keep_lists), *(keep for keep, _ in extra)], ["all"] * len(keep_lists) + [parts for _, parts in extra])
@@ -214,13 +246,13 @@ def verify_causes(
     control = screened[()]
     verdicts = {}
     for output, group in suspects.items():
-        before = control.tol_ratio.get(output, math.inf)
-        if before <= 1.0:
+        before = _Reading.of(control, output, objective)
+        if before.met:
             continue
         for suspect in group:
             outcome = screened[tuple(suspect.keep)]
-            suspect.tried, suspect.tol_ratio = outcome.keep, outcome.tol_ratio.get(output, math.inf)
-        verdicts[output] = _conclude(output, before, group, table, context, trials, budget - len(group))
+            suspect.tried, suspect.reading = outcome.keep, _Reading.of(outcome, output, objective)
+        verdicts[output] = _conclude(output, before, group, table, context, _Tries(trials, output, objective), budget - len(group))
     return verdicts, control, outcomes[len(keep_lists):]
 
 
@@ -273,50 +305,65 @@ def _own_error(row: pd.Series) -> list[Finding]:
     return [Finding("own_error", f"its own rounding, fed the reference's values: {isolated_figures(row)}")]
 
 
+@dataclass
+class _Tries:
+    """Trials of keep-lists read at one output by the objective."""
+
+    trials: Trials
+    output: str
+    objective: Objective
+
+    def run(self, keep_lists: list[list[str]]) -> list[tuple[list[str], _Reading]]:
+        return [(o.keep, _Reading.of(o, self.output, self.objective)) for o in self.trials.run(keep_lists)]
+
+
 def _conclude(
-    output: str, before: float, suspects: list[_Suspect], table: pd.DataFrame, context: DiagnosisContext, trials: Trials, runs_left: int
+    output: str, before: _Reading, suspects: list[_Suspect], table: pd.DataFrame, context: DiagnosisContext, tries: _Tries, runs_left: int
 ) -> tuple[Cause, Repair]:
-    helpful = sorted((s for s in suspects if improvement(before, s.tol_ratio) > 1 / HELPS), key=lambda s: s.tol_ratio)
-    contributors = [_contributor(s, table) for s in sorted(suspects, key=lambda s: s.tol_ratio)]
-    steps = [RepairStep([], before)]
+    helpful = sorted((s for s in suspects if improvement(before.score, s.score) > 1 / HELPS), key=lambda s: s.score)
+    contributors = [_contributor(s, table) for s in sorted(suspects, key=lambda s: s.score)]
+    steps, readings = [before.step([])], [before]
+    now = before
     used: list[_Suspect] = []
     if helpful:
-        used, keep, ratio = [helpful[0]], helpful[0].tried, helpful[0].tol_ratio
-        steps.append(RepairStep(keep, ratio))
+        used, keep, now = [helpful[0]], helpful[0].tried, helpful[0].reading
+        steps.append(now.step(keep))
+        readings.append(now)
         # The others that help alone first; then the rest, as a node may help only beside another (an
         # input it reads must be exact too). They are tried GREEDY_ROUND at a time, in one call, and the
         # round's best that helps is added (a fixed round, so the answer does not depend on the cores).
         queue = helpful[1:] + [s for s in suspects if s not in helpful]
-        while queue and ratio > 1.0 and runs_left > 0:
+        while queue and not now.met and runs_left > 0:
             round_ = [s for s in queue if not set(s.tried) <= set(keep)][: min(GREEDY_ROUND, runs_left)]
             if not round_:
                 break
             queue = queue[queue.index(round_[-1]) + 1 :]
-            outcomes = trials.run([keep + [n for n in s.tried if n not in keep] for s in round_])
+            tried = tries.run([keep + [n for n in s.tried if n not in keep] for s in round_])
             runs_left -= len(round_)
-            tried, suspect, outcome = min(
-                ((o.tol_ratio.get(output, math.inf), s, o) for s, o in zip(round_, outcomes)), key=lambda t: t[0]
-            )
-            if improvement(ratio, tried) > 1 / HELPS or (tried <= 1.0 < ratio):
+            (kept, reading), suspect = min(zip(tried, round_), key=lambda pair: pair[0][1].score)
+            if improvement(now.score, reading.score) > 1 / HELPS or (reading.met and not now.met):
                 used.append(suspect)
-                keep, ratio = outcome.keep, tried
-                steps.append(RepairStep(keep, ratio))
+                keep, now = kept, reading
+                steps.append(now.step(keep))
+                readings.append(now)
     joint = False
     if not helpful and len(suspects) >= 2 and runs_left > 0:
         # Two faults on one path (a weight whose one scale zeroes a channel, and the activation its node
         # writes on a grid that zeroes it again) each undo what the other would repair: none helps alone.
-        used, steps = _together(output, before, suspects, trials, runs_left) or (used, steps)
-        joint = len(used) > 1
-    repair = Repair(steps[-1].keep, steps, verified=steps[-1].tol_ratio <= 1.0)
+        found = _together(before, suspects, tries, runs_left)
+        if found is not None:
+            used, steps, now = found
+            joint = len(used) > 1
+    repair = Repair(steps[-1].keep, steps, verified=now.met)
     ruled_out = [_absorbed(s, output, table, context) for s in suspects
                  if s.flagged and s not in helpful and s not in used and s.node not in repair.keep]
     common = dict(contributors=contributors, verified=True, absorbed=ruled_out)
     phrase = keep_phrase(context.precision)
     if joint and repair.verified and len(used) <= SEVERAL_LIMIT:
         best = used[0]
-        alone = ", ".join(f"{s.op_type} '{s.node}' {times_tolerance(s.tol_ratio, '')}" for s in used)
-        verdict = Finding("verified", f"none of them alone repairs the output ({alone} of {times_tolerance(before, '')}); "
-                                      f"{phrase.replace(' it ', ' them ')} together brings it to {times_tolerance(repair.steps[-1].tol_ratio)}")
+        alone = ", ".join(f"{s.op_type} '{s.node}' {s.reading.said('')}" for s in used)
+        verdict = Finding("verified", f"none of them alone repairs the output ({alone} of {before.said('')}); "
+                                      f"{phrase.replace(' it ', ' them ')} together brings it to {now.said()}")
         return Cause("several", best.node, best.tensor, best.op_type, [*best.findings, verdict],
                      co_causes=[_contributor(s, table) for s in used[1:]], **common), repair
     if repair.verified and len(used) == 1:
@@ -324,57 +371,54 @@ def _conclude(
         reads, boundary = len(best.keep) - 1, len(best.tried) - len(best.keep)
         needs = ", ".join(filter(None, [reads and f"{reads} node(s) computing what it reads", boundary and f"{boundary} node(s) its boundaries need"]))
         needs = f" (with {needs})" if needs else ""
-        verdict = Finding("verified", f"{phrase}{needs} brings the output from {times_tolerance(before, '')} to {times_tolerance(best.tol_ratio)}")
+        verdict = Finding("verified", f"{phrase}{needs} brings the output from {before.said('')} to {best.reading.said()}")
         return Cause("local", best.node, best.tensor, best.op_type, [*best.findings, verdict], **common), repair
-    gains = [improvement(a.tol_ratio, b.tol_ratio) for a, b in zip(steps, steps[1:])]
+    gains = [improvement(a.score, b.score) for a, b in zip(readings, readings[1:])]
     if repair.verified and len(used) <= SEVERAL_LIMIT and all(gain >= SEVERAL_FACTOR for gain in gains):
         best = used[0]
         verdict = Finding(
             "verified",
-            f"{phrase} alone brings the output from {times_tolerance(before, '')} to {times_tolerance(best.tol_ratio)}; with "
-            + ", ".join(f"{s.op_type} '{s.node}'" for s in used[1:]) + f" too, {times_tolerance(repair.steps[-1].tol_ratio, '')}",
+            f"{phrase} alone brings the output from {before.said('')} to {best.reading.said()}; with "
+            + ", ".join(f"{s.op_type} '{s.node}'" for s in used[1:]) + f" too, {now.said('')}",
         )
         return Cause("several", best.node, best.tensor, best.op_type, [*best.findings, verdict], co_causes=[_contributor(s, table) for s in used[1:]], **common), repair
-    if helpful and improvement(before, helpful[0].tol_ratio) >= SEVERAL_FACTOR:
+    if helpful and improvement(before.score, helpful[0].score) >= SEVERAL_FACTOR:
         # One fault carries most of the error, the rest accumulates: naming only "accumulated" would hide it.
         best = helpful[0]
-        rest = f"; with {len(repair.keep)} node(s) kept, {times_tolerance(repair.steps[-1].tol_ratio, '')}" if len(repair.steps) > 2 else ""
-        verdict = Finding("verified", f"{phrase} brings the output from {times_tolerance(before, '')} to {times_tolerance(best.tol_ratio, '')}{rest}: "
+        rest = f"; with {len(repair.keep)} node(s) kept, {now.said('')}" if len(repair.steps) > 2 else ""
+        verdict = Finding("verified", f"{phrase} brings the output from {before.said('')} to {best.reading.said('')}{rest}: "
                                       "the rest of the error accumulates over the network")
         return Cause("dominant", best.node, best.tensor, best.op_type, [*best.findings, verdict], **common), repair
-    tried = len(suspects)
-    best = contributors[0] if contributors else None
-    summary = f"{phrase.replace(' it ', ' any one node ')}, among the {tried} tried, leaves the output out of tolerance" + (
-        f" (best: {best.op_type} '{best.node}', {times_tolerance(best.tol_ratio_kept, '')} of {times_tolerance(before, '')})" if best else ""
+    best = min(suspects, key=lambda s: s.score) if suspects else None
+    summary = f"{phrase.replace(' it ', ' any one node ')}, among the {len(suspects)} tried, leaves the output out of tolerance" + (
+        f" (best: {best.op_type} '{best.node}', {best.reading.said('')} of {before.said('')})" if best is not None and best.reading else ""
     )
     return Cause("accumulated", findings=[Finding("verified", summary)], **common), repair
 
 
-def _together(output: str, before: float, suspects: list[_Suspect], trials: Trials, runs_left: int) -> tuple[list[_Suspect], list[RepairStep]] | None:
+def _together(before: _Reading, suspects: list[_Suspect], tries: _Tries, runs_left: int) -> tuple[list[_Suspect], list[RepairStep], _Reading] | None:
     """When no suspect helps alone: all of them kept together, and, if that helps, each dropped again (the
     one whose own keep did least first) while the rest helps as much, within `runs_left` runs; the members
-    left and the steps (nothing kept, all kept, then the pruned lists). None when together they do not help."""
-    keep = list(dict.fromkeys(n for s in suspects for n in s.tried))
-    [outcome] = trials.run([keep])
-    ratio = outcome.tol_ratio.get(output, math.inf)
-    if improvement(before, ratio) <= 1 / HELPS:
+    left, the steps (nothing kept, all kept, then the pruned lists) and the last step's reading. None when
+    together they do not help."""
+    [(keep, joint)] = tries.run([list(dict.fromkeys(n for s in suspects for n in s.tried))])
+    if improvement(before.score, joint.score) <= 1 / HELPS:
         return None
-    members, steps, runs_left = list(suspects), [RepairStep([], before), RepairStep(outcome.keep, ratio)], runs_left - 1
-    target = 1.0 if ratio <= 1.0 else ratio / HELPS  # what the rest must still reach for a member to go
-    for suspect in sorted(suspects, key=lambda s: -s.tol_ratio):
+    members, steps, now, runs_left = list(suspects), [before.step([]), joint.step(keep)], joint, runs_left - 1
+    for suspect in sorted(suspects, key=lambda s: -s.score):
         if runs_left <= 0 or len(members) <= 2:
             break
         rest = [s for s in members if s is not suspect]
-        [trial] = trials.run([list(dict.fromkeys(n for s in rest for n in s.tried))])
+        [(kept, reading)] = tries.run([list(dict.fromkeys(n for s in rest for n in s.tried))])
         runs_left -= 1
-        if trial.tol_ratio.get(output, math.inf) <= target:
-            members = rest
-            steps.append(RepairStep(trial.keep, trial.tol_ratio.get(output, math.inf)))
-    return members, steps
+        if reading.met if joint.met else reading.score <= joint.score / HELPS:  # the rest still does what all did
+            members, now = rest, reading
+            steps.append(reading.step(kept))
+    return members, steps, now
 
 
 def improvement(before: float, after: float) -> float:
-    """How many times smaller the tolerance ratio became (Inf to finite: infinitely; Inf to Inf: not at all)."""
+    """How many times smaller a score became (Inf to finite: infinitely; Inf to Inf: not at all)."""
     if math.isinf(after):
         return 1.0 if math.isinf(before) else 0.0
     return math.inf if math.isinf(before) or after == 0 else before / after
@@ -397,12 +441,13 @@ def _contributor(suspect: _Suspect, table: pd.DataFrame) -> Contributor:
         float(row["isolated_max_abs_err"]) if isolated else math.nan,
         float(row["isolated_tol_ratio"]) if isolated else math.nan,
         suspect.findings,
-        tol_ratio_kept=suspect.tol_ratio,
+        tol_ratio_kept=suspect.reading.tol_ratio if suspect.reading else math.inf,
         keep=suspect.tried,
+        figures_kept=suspect.reading.figures if suspect.reading else {},
     )
 
 
 def _absorbed(suspect: _Suspect, output: str, table: pd.DataFrame, context: DiagnosisContext) -> Absorbed:
     by = absorber(suspect.tensor, output, table, context)
-    return Absorbed(suspect.node, suspect.op_type, suspect.tensor, suspect.tol_ratio, *(by or (None, None)))
+    return Absorbed(suspect.node, suspect.op_type, suspect.tensor, suspect.reading.tol_ratio if suspect.reading else math.inf, *(by or (None, None)))
 

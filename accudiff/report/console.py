@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from accudiff.report.content import cause_lines, element_index, sample_lines, tolerance_met_line, worst_tensors
+from accudiff.report.content import cause_lines, element_index, requirement_text, sample_lines, tolerance_met_line, worst_tensors
 from accudiff.text import percent
 
 
@@ -35,11 +35,18 @@ def format_summary(result) -> str:
             f"  first tensor out of tolerance (topological order): '{failure.tensor}' ({failure.op_type} '{failure.node}'), "
             f"{percent(row['outside_share'])} of elements{isolated.get(row.get('isolated_status'), '')}"
         )
+    failing = {out.tensor for out in result.output_failures}
+    for output in result.outputs["tensor"]:
+        required = requirement_text(output, result)
+        if required and output not in failing and indexed.loc[output, "status"] == "fail":
+            lines.append(f"  output '{output}' meets {required}, though {int(indexed.loc[output, 'outside_count'])} elements are outside the elementwise tolerance")
     for out in result.output_failures:
         row = indexed.loc[out.tensor]
+        required = requirement_text(out.tensor, result)
         lines.append(
-            f"  output '{out.tensor}' FAILS: {int(row['outside_count'])} of {int(row['elements'])} elements ({percent(row['outside_share'])}) outside tolerance; "
-            f"worst element {element_index(row)}: reference {row['worst_ref']:.6g}, candidate {row['worst_cand']:.6g}"
+            f"  output '{out.tensor}' FAILS{f' {required}; elementwise' if required else ''}: {int(row['outside_count'])} of {int(row['elements'])} "
+            f"elements ({percent(row['outside_share'])}) outside tolerance; worst element {element_index(row)}: reference {row['worst_ref']:.6g}, "
+            f"candidate {row['worst_cand']:.6g}"
         )
         lines += ["    " + line for line in [*tolerance_met_line(out.tensor, result), *cause_lines(out, result)]]
         if out.first_failing_upstream not in (None, out.tensor, out.cause.tensor):
@@ -62,7 +69,8 @@ def format_summary(result) -> str:
         )
     else:
         lines.append(
-            f"  verdict: {result.verdict.upper()} ({len(result.output_failures)} of {len(outputs)} graph output(s) out of tolerance)"
+            f"  verdict: {result.verdict.upper()} ({len(result.output_failures)} of {len(outputs)} graph output(s) "
+            f"{'fail their requirement or tolerance' if result.require else 'out of tolerance'})"
         )
     if result.report_dir is not None:
         lines.append(f"  report: {result.report_dir}")

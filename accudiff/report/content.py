@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from accudiff import __version__
+from accudiff.comparison.objective import REQUIREMENTS, describe
 from accudiff.model.formats import QUANTIZED_FORMATS
 from accudiff.text import percent, times_tolerance
 
@@ -127,6 +128,17 @@ def decision_lines(output: str, found: dict) -> list[str]:
     return []
 
 
+def requirement_text(output: str, result) -> str | None:
+    """The decision targets an output is judged by (--require), with its figures: None where none applies."""
+    figures = result.decisions.get(output, {})
+    applied = [(name, target) for name, target in result.require.items() if name in figures]
+    if not applied:
+        return None
+    said = [f"{REQUIREMENTS[name][1]} {'>=' if REQUIREMENTS[name][0] == 'min' else '<='} {target:g} ({percent(figures[name], 3)})"
+            for name, target in applied]
+    return "its requirement " + " and ".join(said)
+
+
 def tolerance_met_line(output: str, result) -> list[str]:
     """The tolerance a failing output does meet: whether the run's is tighter than the format's rounding."""
     met = result.tolerance_met.get(output)
@@ -181,7 +193,7 @@ def cause_lines(failure, result) -> list[str]:
         lines.append(f"  ruled out: {absorbed.op_type} '{absorbed.node}' (flagged by the rules): {by}kept in higher precision alone, it leaves the output at {times_tolerance(absorbed.tol_ratio_kept)}")
     if cause.kind in ("accumulated", "dominant", "unknown") and cause.contributors:
         measured = cause.contributors[0].tol_ratio_kept is not None
-        lines.append("  contributors, by their effect at the output (the output's tolerance ratio with each kept):" if measured
+        lines.append("  contributors, by their effect at the output (the output with each kept):" if measured
                      else "  largest own errors upstream (isolated run):")
         for c in cause.contributors:
             lines.append(f"    {c.op_type} '{c.node}': {_kept_effect(c) if measured else _own_error(c)}")
@@ -219,7 +231,7 @@ def repair_lines(failure, result) -> list[str]:
     lines = [f"  repair ({how}): keep {len(repair.keep)} node(s) in higher precision: " + ", ".join(f"'{n}'" for n in repair.keep)]
     for number, step in enumerate(repair.steps):
         kept = "nothing kept" if not step.keep else f"keep {len(step.keep)} node(s)"
-        lines.append(f"    step {number}: {kept} -> output at {times_tolerance(step.tol_ratio)}")
+        lines.append(f"    step {number}: {kept} -> output at {describe(step.tol_ratio, step.figures)}")
     if repair.verified:
         lines.append("    apply it: " + " ".join(f"--keep-fp32 '{re.escape(n)}'" for n in repair.keep))
         if result.candidate_model is not None:
@@ -248,7 +260,7 @@ def remake_lines(nodes: list[str], precision: str, repaired: Path | None = None)
 
 
 def _kept_effect(c) -> str:
-    return f"kept, the output is at {times_tolerance(c.tol_ratio_kept)}" + (f" (with {len(c.keep) - 1} node(s) it needs kept beside it)" if len(c.keep) > 1 else "")
+    return f"kept, the output is at {describe(c.tol_ratio_kept, c.figures_kept)}" + (f" (with {len(c.keep) - 1} node(s) it needs kept beside it)" if len(c.keep) > 1 else "")
 
 
 def _own_error(c) -> str:

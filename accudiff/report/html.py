@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from accudiff.report import plots
-from accudiff.report.content import HTML_FILE, cause_lines, element_index, sample_lines, worst_tensors
+from accudiff.report.content import HTML_FILE, cause_lines, decision_lines, element_index, sample_lines, tolerance_met_line, worst_tensors
 from accudiff.text import percent
 
 MAX_TABLE_ROWS = 2000
@@ -188,8 +188,10 @@ def _causes(result) -> str:
         row = indexed.loc[failure.tensor]
         head = (f"output '{failure.tensor}': {int(row['outside_count'])} of {int(row['elements'])} elements ({percent(row['outside_share'])}) outside "
                 f"tolerance; worst element {element_index(row)}: reference {row['worst_ref']:.6g}, candidate {row['worst_cand']:.6g}")
+        said = [*tolerance_met_line(failure.tensor, result), *(line.strip() for line in decision_lines(failure.tensor, result.decisions.get(failure.tensor, {}))),
+                *cause_lines(failure, result)]
         blocks.append(f'<div class="cause" id="cause-{escape(failure.tensor)}"><strong>{escape(head)}</strong>'
-                      f"<pre>{escape(chr(10).join(cause_lines(failure, result)))}</pre></div>")
+                      f"<pre>{escape(chr(10).join(said))}</pre></div>")
     return _section("Cause", "".join(blocks))
 
 

@@ -1,0 +1,102 @@
+"""How a keep is judged at the graph outputs, in verification and `bisect precision`: by the output's tolerance
+ratio (the default), or by the decision taken from it (`--objective decision`: class scores' top-1 agreement,
+a probability map's flipped share), towards a target where one is required (`--require top1=0.97`).
+
+An elementwise tolerance can be tighter than a format's accumulated rounding while the decision hardly moves
+(a detector's map flips 0.02% of its pixels), and a keep can lift top-1 agreement from 93% to 97.5% while the
+worst element's ratio barely moves: judged by the ratio alone, the most useful keep looks useless.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+from accudiff.errors import AccudiffError
+from accudiff.text import percent, times_tolerance
+
+OBJECTIVES = ("tolerance", "decision")
+# A required figure: whether it must reach its target from below ("min") or stay under it ("max"), and its name.
+REQUIREMENTS = {"top1": ("min", "top-1 agreement"), "top5": ("min", "top-5 agreement"), "iou": ("min", "IoU"), "flipped_share": ("max", "flipped share")}
+
+
+def parse_requirements(texts: Iterable[str]) -> dict[str, float]:
+    """`["top1=0.97", "flipped_share=1e-3"]` -> {"top1": 0.97, "flipped_share": 0.001}; one sentence if malformed."""
+    found = {}
+    for text in texts:
+        name, _, value = str(text).partition("=")
+        if name not in REQUIREMENTS:
+            raise AccudiffError(f"--require '{text}' names no decision figure; it takes {', '.join(f'{n}=VALUE' for n in REQUIREMENTS)}")
+        try:
+            target = float(value)
+        except ValueError:
+            raise AccudiffError(f"--require '{text}' is not FIGURE=VALUE, e.g. top1=0.97") from None
+        if not 0 <= target <= 1:
+            raise AccudiffError(f"--require '{text}': {REQUIREMENTS[name][1]} is a share, between 0 and 1")
+        found[name] = target
+    return found
+
+
+@dataclass(frozen=True)
+class Objective:
+    """`kind` "tolerance" or "decision", and the required figures (name -> target). An output with a required
+    figure is met when its figures reach their targets, else when it is within tolerance."""
+
+    kind: str = "tolerance"
+    require: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in OBJECTIVES:
+            raise AccudiffError(f"--objective takes {' or '.join(OBJECTIVES)}, not '{self.kind}'")
+
+    def miss(self, figures: Mapping[str, float]) -> float | None:
+        """How far the required figures the output has are from their targets (at most 1: every one
+        reached), or None when it has none of them."""
+        misses = [_miss(figures[name], target, REQUIREMENTS[name][0]) for name, target in self.require.items() if name in figures]
+        return max(misses) if misses else None
+
+    def score(self, tol_ratio: float, figures: Mapping[str, float]) -> float:
+        """What a keep is ranked and judged helpful by (lower is better): the miss of a required figure,
+        else with `decision` the decision's error (1 - top-1, the flipped share), else the tolerance ratio."""
+        miss = self.miss(figures)
+        if miss is not None:
+            return miss
+        if self.kind == "decision" and decision_error(figures) is not None:
+            return decision_error(figures)
+        return tol_ratio
+
+    def met(self, tol_ratio: float, figures: Mapping[str, float]) -> bool:
+        miss = self.miss(figures)
+        return miss <= 1.0 if miss is not None else tol_ratio <= 1.0
+
+    def applies(self, decisions: Mapping[str, Mapping[str, float]], outputs: Sequence[str]) -> None:
+        """A required figure no graph output has would make the requirement vacuous: one sentence."""
+        for name in self.require:
+            if not any(name in decisions.get(output, {}) for output in outputs):
+                kind = "class scores" if name in ("top1", "top5") else "a probability map (float values in [0, 1])"
+                raise AccudiffError(f"--require {name} applies to {kind}, and no graph output of the model is one")
+
+
+def decision_error(figures: Mapping[str, float]) -> float | None:
+    """What a decision gets wrong: 1 - top-1 agreement for class scores, the flipped share of a map."""
+    if "top1" in figures:
+        return 1.0 - figures["top1"]
+    return figures.get("flipped_share")
+
+
+def describe(tol_ratio: float, figures: Mapping[str, float], suffix: str = " its tolerance") -> str:
+    """A tried keep as read: its tolerance ratio, and its decision figure where the output has one."""
+    text = times_tolerance(tol_ratio, suffix)
+    if "top1" in figures:
+        text += f" (top-1 agreement {percent(figures['top1'], 2)})"
+    elif "flipped_share" in figures:
+        text += f" ({percent(figures['flipped_share'], 3)} of the map flipped)"
+    return text
+
+
+def _miss(value: float, target: float, direction: str) -> float:
+    """At most 1 when `value` reaches `target` (from below for "min", staying under it for "max")."""
+    if direction == "min":
+        return 0.0 if value >= 1.0 else (1.0 - value) / (1.0 - target) if target < 1.0 else math.inf
+    return value / target if target > 0 else (0.0 if value == 0 else math.inf)
