@@ -21,6 +21,7 @@ def add_run_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("model", help="ONNX model file")
     precision = cmd.add_mutually_exclusive_group()
     precision.add_argument("--fp16", dest="precision", action="store_const", const="fp16", help="FP16 mixed-precision candidate")
+    precision.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="BF16 mixed-precision candidate")
     precision.add_argument("--int8", dest="precision", action="store_const", const="int8", help="explicit INT8 Q/DQ candidate")
     cmd.set_defaults(precision="fp32")
     cmd.add_argument("--candidate-model", metavar="FILE", help="a candidate made from the model by another tool (ModelOpt, ONNX Runtime's quantizer, a converter): compared as it is")

@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     from accudiff.model.samples import Samples
     from accudiff.transforms.candidate import CandidateRecipe
 
-PRECISIONS = ("fp32", "fp16", "int8")
-PRECISION_FLAGS = {"fp16": "--fp16", "int8": "--int8"}
+PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+PRECISION_FLAGS = {"fp16": "--fp16", "bf16": "--bf16", "int8": "--int8"}
 SIDE_BACKENDS = ("onnxrt", "trt")
 DEFAULT_VERIFY_BUDGET = 8  # candidate runs that may test suspects, per failing output (diagnosis/verify.py)
 
@@ -188,7 +188,7 @@ class RunSettings:
         "recorded" for a candidate captured elsewhere."""
         if self.load_candidate is not None:
             return "recorded", None
-        kind, notice = resolve_candidate(self.candidate, self.trt)
+        kind, notice = resolve_candidate(self.candidate, self.trt, self.precision)
         if self.trt.engine is not None and kind != "trt":
             raise AccudiffError("--engine compares a TensorRT engine: it needs --candidate trt (or auto, where TensorRT can run)")
         return kind, notice

@@ -76,7 +76,7 @@ def node_verdicts(
             if not value_name:
                 continue
             value = values[value_name]
-            if reduced and precision == "fp16" and value.dtype == np.float32 and _allows_fp16(node, position, opset, "inputs"):
+            if reduced and precision == "fp16" and value.dtype == np.float32 and _allows(node, position, opset, "inputs"):
                 with np.errstate(over="ignore"):
                     value = value.astype(np.float16).astype(np.float32)
             if reduced and precision == "int8" and (name, position) in quantized:
@@ -88,7 +88,7 @@ def node_verdicts(
             if not out or out not in values or not np.issubdtype(values[out].dtype, np.floating):
                 continue
             produced = outputs[out]
-            if reduced and precision == "fp16" and _allows_fp16(node, position, opset, "outputs"):
+            if reduced and precision == "fp16" and _allows(node, position, opset, "outputs"):
                 with np.errstate(over="ignore"):
                     produced = produced.astype(np.float16).astype(np.float32)
             error, out_of_tolerance = _judge(values[out], produced, tolerance)
@@ -153,12 +153,12 @@ def _session(model: onnx.ModelProto) -> ort.InferenceSession:
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def _allows_fp16(node: onnx.NodeProto, position: int, opset: int, side: str) -> bool:
+def _allows(node: onnx.NodeProto, position: int, opset: int, side: str, half_type: str = "tensor(float16)") -> bool:
     schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
     formals = getattr(schema, side)
     type_str = formals[min(position, len(formals) - 1)].type_str
     allowed = next((c.allowed_type_strs for c in schema.type_constraints if c.type_param_str == type_str), [])
-    return "tensor(float16)" in allowed
+    return half_type in allowed
 
 
 def _quantized_inputs(candidate_path: Path) -> dict[tuple[str, int], callable]:
@@ -219,23 +219,28 @@ FP16_LARGEST = 65504.0
 FP16_TINY = 6.1e-5
 
 
+HALF = {"fp16": (FP16, "tensor(float16)"), "bf16": (onnx.TensorProto.BFLOAT16, "tensor(bfloat16)")}
+
+
 def output_ratios(model: Path | onnx.ModelProto, values: dict[str, np.ndarray], feed: dict[str, np.ndarray], reduced: set[str], keep: set[str],
-                  tolerance: tuple[float, float, float], outputs: list[str]) -> dict[str, float]:
+                  tolerance: tuple[float, float, float], outputs: list[str], half: str = "fp16") -> dict[str, float]:
     """Each graph output's worst |cand - ref| / tolerance when the nodes `reduced - keep` read and write
-    their float values rounded to FP16 (Cast to FP16 and back on every such edge; arithmetic in FP32, as
-    ONNX Runtime's CPU provider does) and every other node runs in FP32. `model`: a file, or a loaded
-    model (left unchanged)."""
+    their float values rounded to FP16 or BF16 (`half`: Cast to it and back on every such edge; arithmetic
+    in FP32, as ONNX Runtime's CPU provider does) and every other node runs in FP32. `model`: a file, or a
+    loaded model (left unchanged)."""
     copy = onnx.ModelProto()
     copy.CopyFrom(_loaded(model))
-    model = _rounded_model(copy, values, reduced - keep)
+    model = _rounded_model(copy, values, reduced - keep, half)
     names = list(outputs)
     produced = dict(zip(names, _session(model).run(names, feed)))
     return {name: _ratio(values[name], produced[name], tolerance) for name in names}
 
 
-def closed_keep(model: Path | onnx.ModelProto, values: dict[str, np.ndarray], reduced: set[str], keep: set[str]) -> set[str]:
+def closed_keep(model: Path | onnx.ModelProto, values: dict[str, np.ndarray], reduced: set[str], keep: set[str], half: str = "fp16") -> set[str]:
     """`keep` plus the reduced nodes that read a kept node's output FP16 cannot hold (beyond 65504, or
-    1% or more of its nonzero values below FP16's normal range), transitively."""
+    1% or more of its nonzero values below FP16's normal range), transitively. BF16 holds FP32's range."""
+    if half == "bf16":
+        return set(keep)
     model = _loaded(model)
     nodes = {(n.name or f"{n.op_type}_{i}"): n for i, n in enumerate(model.graph.node)}
     closed, queue = set(keep), list(keep)
@@ -252,13 +257,13 @@ def closed_keep(model: Path | onnx.ModelProto, values: dict[str, np.ndarray], re
     return closed
 
 
-def single_keep_ranking(model_path: Path, values, feed, reduced: set[str], tolerance, output: str) -> list[tuple[float, str]]:
+def single_keep_ranking(model_path: Path, values, feed, reduced: set[str], tolerance, output: str, half: str = "fp16") -> list[tuple[float, str]]:
     """(the output's ratio, node) for each reduced node kept alone (closed over boundaries), best first."""
     model = onnx.load(str(model_path))
     ranking = []
     for node in sorted(reduced):
-        keep = closed_keep(model, values, reduced, {node})
-        ranking.append((output_ratios(model, values, feed, reduced, keep, tolerance, [output])[output], node))
+        keep = closed_keep(model, values, reduced, {node}, half)
+        ranking.append((output_ratios(model, values, feed, reduced, keep, tolerance, [output], half)[output], node))
     return sorted(ranking)
 
 
@@ -273,8 +278,9 @@ def _unfit(value: np.ndarray) -> bool:
     return bool(finite.max() > FP16_LARGEST or ((finite > 0) & (finite < FP16_TINY)).mean() >= 0.01)
 
 
-def _rounded_model(model: onnx.ModelProto, values: dict[str, np.ndarray], rounded: set[str]) -> onnx.ModelProto:
+def _rounded_model(model: onnx.ModelProto, values: dict[str, np.ndarray], rounded: set[str], half: str = "fp16") -> onnx.ModelProto:
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    kind, type_str = HALF[half]
     nodes = []
     for index, node in enumerate(model.graph.node):
         name = node.name or f"{node.op_type}_{index}"
@@ -283,26 +289,26 @@ def _rounded_model(model: onnx.ModelProto, values: dict[str, np.ndarray], rounde
             continue
         for position, value_name in enumerate(node.input):
             value = values.get(value_name)
-            if value_name and value is not None and value.dtype == np.float32 and _allows_fp16(node, position, opset, "inputs"):
-                stored = f"{value_name}__fp16_for_{name}_{position}"
-                nodes += _round_trip(value_name, stored)
+            if value_name and value is not None and value.dtype == np.float32 and _allows(node, position, opset, "inputs", type_str):
+                stored = f"{value_name}__{half}_for_{name}_{position}"
+                nodes += _round_trip(value_name, stored, kind)
                 node.input[position] = stored
         outs = []
         for position, out in enumerate(node.output):
             value = values.get(out)
-            if out and value is not None and value.dtype == np.float32 and _allows_fp16(node, position, opset, "outputs"):
+            if out and value is not None and value.dtype == np.float32 and _allows(node, position, opset, "outputs", type_str):
                 raw = f"{out}__fp32_raw"
                 node.output[position] = raw
-                outs += _round_trip(raw, out)
+                outs += _round_trip(raw, out, kind)
         nodes += [node, *outs]
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     return model
 
 
-def _round_trip(source: str, target: str) -> list[onnx.NodeProto]:
-    middle = f"{target}__as_fp16"
-    return [helper.make_node("Cast", [source], [middle], to=FP16), helper.make_node("Cast", [middle], [target], to=FLOAT)]
+def _round_trip(source: str, target: str, kind: int = FP16) -> list[onnx.NodeProto]:
+    middle = f"{target}__as_half"
+    return [helper.make_node("Cast", [source], [middle], to=kind), helper.make_node("Cast", [middle], [target], to=FLOAT)]
 
 
 def _ratio(ref: np.ndarray, cand: np.ndarray, tolerance: tuple[float, float, float]) -> float:

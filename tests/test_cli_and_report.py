@@ -47,6 +47,22 @@ def test_failing_model_exits_1_and_names_the_cause(run_cli, tmp_path):
     assert output["first_failing_upstream"] == "squared"
 
 
+def test_bf16_from_the_command_line_names_the_cause_and_its_repair_holds(run_cli, tmp_path):
+    """--bf16 end to end: the cancelling variance is named in BF16's terms, its printed keep-list passes when
+    pasted, and bisect subgraph says what kind of cause it starts from."""
+    path = fixture("bf16_cancelling_variance")
+    code, out, _ = run_cli("compare", path, "--bf16", "--report-dir", tmp_path / "r")
+    assert code == 1 and "[bf16]" in out
+    assert "cause: Sub 'ln_variance' introduces the error" in out and "so BF16's rounding of what it reads (2^-8 of its size)" in out
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["precision"] == "bf16"
+    repair = next(line for line in out.splitlines() if "apply it:" in line).split("apply it:")[1].split()
+    code, out, _ = run_cli("compare", path, "--bf16", *[part.strip("'") for part in repair], "--report-dir", tmp_path / "kept")
+    assert code == 0, out
+    code, out, _ = run_cli("bisect", "subgraph", path, "--bf16", "--atol", "1e-2", "--rtol", "1e-2", "--stol", "0", "-o", tmp_path / "s")
+    assert code == 1 and "failing output: 'y' (one node carries most of the error, the rest accumulates)" in out
+    assert "smallest failing subgraph (1 node(s), checked at 'ln_var'): ln_variance" in out
+
+
 def test_timings_say_where_the_time_went(run_cli, tmp_path):
     code, out, _ = run_cli("compare", fixture("layernorm_overflow"), "--fp16", "--report-dir", tmp_path / "r", "--timings")
     assert code == 1

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 import accudiff
 from conftest import fixture
@@ -146,3 +149,42 @@ def test_an_overflow_to_minus_infinity_is_named_with_its_infinities(tmp_path):
     assert "nan_inf_origin" in [f.kind for f in failure.cause.findings]
     row = result.table.set_index("tensor").loc["product"]
     assert row["cand_inf"] > 0 and row["ref_inf"] == 0
+
+
+def _graph_model(name: str, nodes: list, shape: list[int], out_shape: list[int], constants: dict[str, np.ndarray]) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)], [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)],
+                              [numpy_helper.from_array(np.asarray(v), n) for n, v in constants.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_residual_absorbed_by_a_large_value_is_named_with_the_cancellation_that_exposes_it(tmp_path):
+    """BF16 spaces values near 2000 by 8: a residual under 0.5 added there is lost, and subtracting the large
+    part again leaves only rounding. The cause is the cancellation; what it lost is named beside it."""
+    model = _graph_model("absorbed_residual", [
+        helper.make_node("Mul", ["x", "wide"], ["large"], name="widen"),
+        helper.make_node("Add", ["large", "base"], ["big"], name="raise"),
+        helper.make_node("Mul", ["x", "small"], ["residual"], name="shrink"),
+        helper.make_node("Add", ["big", "residual"], ["total"], name="add_residual"),
+        helper.make_node("Sub", ["total", "big"], ["y"], name="recover"),
+    ], [1, 256], [1, 256], {"wide": np.float32(1000), "base": np.float32(1024), "small": np.float32(0.5)})
+    onnx.save(model, str(tmp_path / "absorbed.onnx"))
+    [failure] = accudiff.compare(tmp_path / "absorbed.onnx", "bf16", candidate="onnxrt").output_failures
+    assert (failure.cause.kind, failure.cause.node) == ("local", "recover")
+    [lost] = [f for f in failure.cause.findings if f.kind == "absorption"]
+    assert lost.message.startswith("Add 'add_residual': its operand 'residual' (absmax 0.499) is below half a BF16 ulp of its operand 'big' at its largest (4 at 2.02e+03)")
+
+
+def test_a_long_sum_of_cancelling_terms_is_named_as_accumulation(tmp_path):
+    """4096 terms near ±100 that cancel: each stored in BF16 is off by up to 0.25, together by ~sqrt(4096)
+    times that, where the sums themselves reach ~34. Keeping the sum alone cannot help (its terms are already
+    rounded): only with the nodes computing them."""
+    model = _graph_model("alternating_sum", [
+        helper.make_node("Add", ["x", "offset"], ["lifted"], name="lift"),
+        helper.make_node("Mul", ["lifted", "sign"], ["terms"], name="alternate"),
+        helper.make_node("ReduceSum", ["terms", "axes"], ["y"], name="total", keepdims=0),
+    ], [1, 8, 4096], [1, 8], {"offset": np.float32(100), "sign": np.tile(np.float32([1, -1]), 2048), "axes": np.array([-1], np.int64)})
+    onnx.save(model, str(tmp_path / "alternating.onnx"))
+    [failure] = accudiff.compare(tmp_path / "alternating.onnx", "bf16", candidate="onnxrt").output_failures
+    assert failure.cause.kind == "several" and {failure.cause.node, *(c.node for c in failure.cause.co_causes)} == {"lift", "alternate", "total"}
+    [finding] = [f for f in failure.cause.findings if f.kind == "accumulation"]
+    assert finding.message.startswith("each of its values sums 4096 terms of up to 101 stored in BF16")

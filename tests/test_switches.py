@@ -28,9 +28,9 @@ def _outputs(model, path: Path, names, feed) -> dict[str, np.ndarray]:
         return dict(runner.infer(feed))
 
 
-def _assert_switchboard_matches_variants(model_path: Path, feed, keep_lists, tmp_path: Path, candidate: Path | None = None) -> None:
+def _assert_switchboard_matches_variants(model_path: Path, feed, keep_lists, tmp_path: Path, candidate: Path | None = None, precision: str = "fp16") -> None:
     info = load_model(model_path)
-    recipe = CandidateRecipe("fp16") if candidate is None else CandidateRecipe(precision_label(file_formats(candidate)), candidate_model=candidate)
+    recipe = CandidateRecipe(precision) if candidate is None else CandidateRecipe(precision_label(file_formats(candidate)), candidate_model=candidate)
     variants = CandidateVariants(info, recipe, transform_model(info, recipe, feed))
     board = variants.switchboard({n for keep in keep_lists for n in keep})
     assert board is not None
@@ -44,14 +44,15 @@ def _assert_switchboard_matches_variants(model_path: Path, feed, keep_lists, tmp
                 np.testing.assert_array_equal(switched[name], expected[name], err_msg=f"keep {keep}, output {name}")
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
 @pytest.mark.parametrize("name", ["two_faults_one_path", "absorbed_then_overflow", "layernorm_overflow", "multi_io", "cancelling_layernorm"])
-def test_every_single_keep_all_keeps_and_adjacent_pairs_on_the_fixtures(name, tmp_path):
+def test_every_single_keep_all_keeps_and_adjacent_pairs_on_the_fixtures(name, precision, tmp_path):
     info = load_model(fixture(name))
     [feed] = generate_feeds(info.inputs, {spec.name: spec.shape for spec in info.inputs}, seed=0)
-    converted = sorted(transform_model(info, CandidateRecipe("fp16"), feed).converted)
+    converted = sorted(transform_model(info, CandidateRecipe(precision), feed).converted)
     nodes = [n.name for n in info.proto.graph.node if n.name in converted]
     keep_lists = [[], nodes, *([n] for n in nodes), *(list(pair) for pair in zip(nodes, nodes[1:]))]
-    _assert_switchboard_matches_variants(fixture(name), feed, keep_lists, tmp_path)
+    _assert_switchboard_matches_variants(fixture(name), feed, keep_lists, tmp_path, precision=precision)
 
 
 def test_the_trained_recognizer_on_a_drawn_text_line(tmp_path):

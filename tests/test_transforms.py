@@ -1,4 +1,4 @@
-"""The FP16 and INT8 transforms: valid models, original names kept, nothing clamped silently."""
+"""The FP16, BF16 and INT8 transforms: valid models, original names kept, nothing clamped silently."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from accudiff.model.loading import load_model
 from accudiff.runners.onnxrt import OnnxrtRunner
 from accudiff.errors import AccudiffError
 from accudiff.transforms import to_fp16, to_int8
+from accudiff.transforms.fp16 import BF16, FP16
 from accudiff.transforms.int8 import QUANTIZED_OPS
 from accudiff.model.inputs import generate_feeds, resolve_shapes
 from conftest import FIXTURES, fixture
@@ -111,6 +112,38 @@ def test_fp16_converts_weights_without_clamping():
     converted = {i.name: numpy_helper.to_array(i) for i in result.model.graph.initializer if i.data_type == TensorProto.FLOAT16}
     assert np.isinf(converted["bn.var__fp16"]).sum() == 1  # 1e8 became Inf, as FP16 would: not clamped to 1e4
     assert "bn" in result.constant_overflows
+
+
+def test_bf16_weights_round_to_nearest_even_as_ml_dtypes_does():
+    """BF16 keeps FP32's top 16 bits after rounding to nearest, ties to even; NaN stays NaN, Inf stays Inf."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    ties = np.array([1 + 2.0**-8, 1 + 3 * 2.0**-8, -(1 + 2.0**-8), 3.3895313e38], dtype=np.float32)  # halfway cases; near the top
+    special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40], dtype=np.float32)
+    values = np.concatenate([rng.normal(0, 10, 500).astype(np.float32), ties, special])
+    stored = BF16.values(values)
+    expected = values.astype(ml_dtypes.bfloat16).view(np.uint16)
+    finite = ~np.isnan(values)
+    assert np.array_equal(stored[finite], expected[finite])
+    assert np.isnan(stored[~finite].view(ml_dtypes.bfloat16).astype(np.float32)).all()
+
+
+def test_a_constant_of_minus_infinity_is_no_reason_to_keep_a_node():
+    """An attention mask's -inf is exact in FP16: the Add reading it converts (it was kept in FP32 as
+    'beyond the FP16 maximum'), and no constant is reported as overflowing."""
+    mask = np.where(np.tri(4, dtype=bool), 0.0, -np.inf).astype(np.float32)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Add", ["x", "mask"], ["masked"], name="apply_mask"), onnx.helper.make_node("Softmax", ["masked"], ["y"], name="softmax")],
+        "masked_softmax",
+        [onnx.helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 4])],
+        [onnx.helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 4])],
+        [numpy_helper.from_array(mask, "mask")],
+    )
+    model = onnx.shape_inference.infer_shapes(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]))
+    for half in (FP16, BF16):
+        result = to_fp16(model, half=half)
+        assert not result.kept and result.converted == {"apply_mask", "softmax"} and not result.constant_overflows
 
 
 @pytest.mark.parametrize("pattern", ["conv2", "Conv", "conv[0-9]"])

@@ -11,7 +11,7 @@ import pytest
 import accudiff
 from accudiff.errors import AccudiffError
 from accudiff.model.loading import load_model
-from accudiff.runners.trt_env import import_tensorrt, inference_unavailable_reason
+from accudiff.runners.trt_env import import_tensorrt, inference_unavailable_reason, missing_arithmetic
 from conftest import FIXTURES, fixture
 from test_fixtures import FAULTS
 
@@ -23,6 +23,7 @@ except AccudiffError as exc:
 from accudiff.bisect.partition import partition  # noqa: E402
 from accudiff.runners.trt_build import BuildSettings, build_engine, create_network  # noqa: E402
 from accudiff.transforms import to_fp16, to_int8  # noqa: E402
+from accudiff.transforms.fp16 import HALVES  # noqa: E402
 from accudiff.model.inputs import generate_feeds, resolve_shapes  # noqa: E402
 
 PARSEABLE = sorted(p.stem for p in FIXTURES.glob("*.onnx") if p.stem != "unsupported_op")
@@ -108,11 +109,11 @@ def test_a_damaged_engine_cache_entry_is_rebuilt_with_a_notice(damage, tmp_path)
     assert third.from_cache and not any("built again" in n for n in third.notices)
 
 
-@pytest.mark.parametrize("precision", ["fp16", "int8"])
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "int8"])
 def test_strongly_typed_build_of_the_transformed_models(precision, tmp_path):
     info = load_model(fixture("clean"))
-    if precision == "fp16":
-        model = to_fp16(info.proto).model
+    if precision in HALVES:
+        model = to_fp16(info.proto, half=HALVES[precision]).model
     else:
         model = to_int8(info.proto, generate_feeds(info.inputs, resolve_shapes(info.inputs, {}), iterations=2)).model
     path = tmp_path / f"clean-{precision}.onnx"
@@ -277,6 +278,13 @@ def test_every_tensorrt_type_has_a_defined_reading():
     readings = {name: host_reading(TRT, getattr(TRT.DataType, name)) for name in kinds}
     assert {"FLOAT", "HALF", "INT8", "INT32", "INT64", "BOOL", "UINT8", "BF16", "FP8"} <= {k for k, r in readings.items() if not isinstance(r, str)}
     assert all(isinstance(r, str) for k, r in readings.items() if k in ("INT4", "FP4", "E8M0"))
+
+
+def test_a_gpu_without_the_formats_arithmetic_is_named():
+    """BF16 needs compute capability 8.0, FP8 8.9: an older GPU would not compute in them at all."""
+    assert missing_arithmetic("bf16", (7, 5)) == "this GPU (compute capability 7.5) has no BF16 arithmetic (TensorRT needs 8.0 or later for it)"
+    assert "FP8" in missing_arithmetic("int8+fp8", (8, 6))
+    assert missing_arithmetic("fp16", (7, 5)) is None and missing_arithmetic("fp8+bf16", (8, 9)) is None
 
 
 def test_bf16_and_fp8_decode_exactly():

@@ -102,8 +102,8 @@ def rank(full: CompareResult) -> pd.DataFrame:
         cause, repair = failure.cause, failure.repair
         if repair is not None and repair.verified:
             rows += [{"node": n, "why": "in the verified repair of a failing output"} for n in repair.keep]
-        elif cause.kind in ("local", "several"):
-            rows.append({"node": cause.node, "why": "cause of a failing output"})
+        elif cause.kind in ("local", "several", "dominant"):
+            rows.append({"node": cause.node, "why": "cause of a failing output" if cause.kind != "dominant" else "carries most of a failing output's error"})
         rows += [{"node": c.node, "why": "effect at the output (verification)"} for c in cause.contributors if c.tol_ratio_kept is not None]
     rows += [{"node": c.node, "why": "own error (isolated run)"} for c in rank_contributors(table, full.converted)]
     ranked = pd.DataFrame(rows, columns=["node", "why"]).drop_duplicates("node")

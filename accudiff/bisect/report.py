@@ -12,6 +12,7 @@ import pandas as pd
 from accudiff.bisect.precision import KEEP_LIST_FILE, RANKING_FILE, bisect_precision
 from accudiff.bisect.session import BisectSession, stderr_progress
 from accudiff.bisect.subgraph import bisect_subgraph
+from accudiff.diagnosis.cause import CAUSE_KINDS
 from accudiff.report.folder import ReportFolder
 from accudiff.report.content import HTML_FILE, decision_lines, finite, remake_lines
 from accudiff.report.html import bisect_page
@@ -59,9 +60,7 @@ def _subgraph_text(result, folder: Path) -> str:
     if result.output is None:
         lines.append("  every graph output is within tolerance: nothing to isolate")
         return "\n".join(lines)
-    what = {"local": "one node introduces the error", "several": "several nodes introduce the error",
-            "accumulated": "no single node breaks it: the error accumulates"}
-    lines.append(f"  failing output: '{result.output}' ({what.get(result.cause_kind, 'cause unknown')})")
+    lines.append(f"  failing output: '{result.output}' ({CAUSE_KINDS.get(result.cause_kind, CAUSE_KINDS['unknown'])})")
     if result.interrupted:
         lines.append("  interrupted before a reproducer was confirmed")
     if result.nodes:

@@ -44,7 +44,7 @@ GROWN_REPRODUCER_NODES = 3
 @dataclass
 class SubgraphResult:
     output: str | None = None  # the failing graph output the reproducer explains; None when nothing fails
-    cause_kind: str | None = None  # local | accumulated | unknown (see diagnosis/cause.py)
+    cause_kind: str | None = None  # a key of diagnosis/cause.py CAUSE_KINDS
     tensor: str | None = None  # the tensor the reproducer checks
     nodes: list[str] = field(default_factory=list)  # ONNX node names of the reproducer, in order
     model_path: str | None = None  # file names relative to the result folder

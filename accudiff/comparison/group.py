@@ -228,9 +228,9 @@ def combine(model: Path, runs: Sequence[GroupRun]) -> tuple[ModelInfo, Transform
         outcome["timings"] = added_timings(r.outcome["timings"] for r in runs)
     by_name = {t.name: t for info in reversed(infos) for t in info.tensors}
     upstream: dict[str, list[str]] = {}
-    for each in infos:
+    for each in infos:  # a node reading one value twice (x * x) keeps both reads: that makes it a square
         for name, reads in each.upstream.items():
-            upstream[name] = list(dict.fromkeys([*upstream.get(name, []), *reads]))
+            upstream[name] = [*upstream[name], *(r for r in reads if r not in upstream[name])] if name in upstream else list(reads)
     info = ModelInfo(
         Path(model), onnx.ModelProto(), infos[0].inputs, infos[0].output_names, [by_name[name] for name in tensors], upstream,
         {name: why for each in infos for name, why in each.not_observable.items() if name not in by_name},

@@ -242,11 +242,11 @@ def _outcome(keep: list[str], samples: list[dict]) -> TrialOutcome:
 
 
 def switchable(settings: RunSettings) -> bool:
-    """Whether the candidate can be tried as a switchboard: an FP16 model, or a candidate made by another
+    """Whether the candidate can be tried as a switchboard: an FP16 or BF16 model, or a candidate made by another
     tool, run by ONNX Runtime (a TensorRT build of a switchboard would fuse differently; accudiff's INT8 and
     pre-built engines need variants, see CandidateVariants.switchboard, which may still refuse nodes inside
     If/Loop/Scan bodies)."""
-    return (settings.precision == "fp16" or settings.candidate_model is not None) and settings.backend[0] == "onnxrt" and settings.trt.engine is None
+    return (settings.precision in ("fp16", "bf16") or settings.candidate_model is not None) and settings.backend[0] == "onnxrt" and settings.trt.engine is None
 
 
 def trial_workers(settings: RunSettings) -> int:

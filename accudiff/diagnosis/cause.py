@@ -71,9 +71,19 @@ class Absorbed:
     by_op_type: str | None = None
 
 
+# What each kind of cause says of a failing output, in every command's words.
+CAUSE_KINDS = {
+    "local": "one node introduces the error",
+    "several": "several nodes introduce the error, none alone",
+    "dominant": "one node carries most of the error, the rest accumulates",
+    "accumulated": "no single node breaks it: the error accumulates",
+    "unknown": "cause unknown",
+}
+
+
 @dataclass(frozen=True)
 class Cause:
-    kind: str  # local | several | dominant | accumulated | unknown
+    kind: str  # a key of CAUSE_KINDS
     node: str | None = None
     tensor: str | None = None
     op_type: str | None = None

@@ -13,15 +13,15 @@ These are findings to explain a cause, never a cause on their own: verify.py dec
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pandas as pd
 
 from accudiff.comparison.table import STATUS_PASS
 from accudiff.diagnosis.cause import ancestor_tensors
-from accudiff.diagnosis.rules import DiagnosisContext, Finding, new_non_finite
+from accudiff.diagnosis.rules import DiagnosisContext, Finding, absorption, new_non_finite
 
-UNIT_ROUNDOFF = {"fp16": (2.0**-11, "2^-11"), "bf16": (2.0**-8, "2^-8")}  # a float format's unit roundoff, and as written
 AMPLIFYING_OPS = frozenset({"Reciprocal", "Sqrt", "Div", "Exp", "Pow", "Log"})
 SATURATING_OPS = frozenset({"Tanh", "Sigmoid", "HardSigmoid", "Min", "Clip", "Softmax", "LogSoftmax", "Erf", "Relu"})
 AMPLIFIER_DROP_DB = 6.0  # an SQNR fall of at least this across one node is worth naming
@@ -36,18 +36,17 @@ class Cancellation:
     node: str
     tensor: str
     op_type: str
-    finding: Finding
+    findings: list[Finding]  # the cancellation's, then what its operands lost before it (absorption)
     unit: list[str]
 
 
 def cancellations(output: str, table: pd.DataFrame, context: DiagnosisContext, rtol: float) -> list[Cancellation]:
     """Add/Sub nodes upstream of `output` whose operands' rounding, amplified by cancellation, exceeds `rtol`
     of the result (`table` indexed by tensor, topological order)."""
-    stored = [f for f in context.formats if f in UNIT_ROUNDOFF]
-    if not stored:
+    if context.roundoff is None:
         return []
-    fmt = max(stored, key=lambda f: UNIT_ROUNDOFF[f][0])  # the coarsest float format the candidate stores values in
-    roundoff, written = UNIT_ROUNDOFF[fmt]
+    roundoff, fmt = context.roundoff  # of the coarsest float format the candidate stores values in
+    written = f"2^{round(math.log2(roundoff))}"
     ancestors = ancestor_tensors(output, context.upstream)
     found = []
     for tensor, row in table[table.index.isin(ancestors) & table["op_type"].isin(["Add", "Sub"])].iterrows():
@@ -65,10 +64,11 @@ def cancellations(output: str, table: pd.DataFrame, context: DiagnosisContext, r
         reach = f"its operands reach {sizes[0]:.3g} and {sizes[1]:.3g}" if len(sizes) == 2 else (
             f"its operand '{operands[0]}' reaches {sizes[0]:.3g} (the other is a weight or a graph input)")
         message = (
-            f"{form}: {reach}, its result only {row['ref_absmax']:.3g}, so {fmt.upper()}'s rounding of what it reads "
+            f"{form}: {reach}, its result only {row['ref_absmax']:.3g}, so {fmt}'s rounding of what it reads "
             f"({written} of its size) is amplified {amplification:.0f}x, to {amplification * roundoff:.1%} of the result (tolerance rtol {rtol:g})"
         )
-        found.append(Cancellation(row["node"], tensor, row["op_type"], Finding("cancellation", message), _operand_unit(tensor, operands, table, context)))
+        lost = [f for name in operands for f in absorption(name, table, context)]
+        found.append(Cancellation(row["node"], tensor, row["op_type"], [Finding("cancellation", message), *lost], _operand_unit(tensor, operands, table, context)))
     return found
 
 

@@ -9,6 +9,7 @@ Nothing is called the node's own error without the isolated run behind it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -23,6 +24,8 @@ SIGNIFICANT_SHARE = 0.01
 CLIPPING_SHARE = 0.001
 RESOLUTION_SHARE = 0.5
 
+UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8}
+REDUCTIONS = frozenset({"ReduceSum", "ReduceMean", "ReduceSumSquare", "ReduceL1", "MatMul"})
 RANGE_KINDS = frozenset({"overflow", "input_overflow", "constant_overflow", "underflow", "per_tensor_scale", *(f"{f}_{fault}" for f in QUANTIZED_FORMATS for fault in ("clipping", "resolution"))})
 
 
@@ -46,6 +49,16 @@ class DiagnosisContext:
     @property
     def formats(self) -> frozenset[str]:
         return formats_of(self.precision)
+
+    @property
+    def roundoff(self) -> tuple[float, str] | None:
+        """The unit roundoff of the coarsest float format values are stored in (FP16: 2^-11, BF16: 2^-8), and
+        its name; None for a candidate that stores none."""
+        stored = [f for f in self.formats if f in UNIT_ROUNDOFF]
+        if not stored:
+            return None
+        coarsest = max(stored, key=UNIT_ROUNDOFF.get)
+        return UNIT_ROUNDOFF[coarsest], coarsest.upper()
 
     def inputs_of(self, tensor: str, table: pd.DataFrame) -> list[str]:
         """What the node producing `tensor` reads, among the tensors and graph inputs that have statistics."""
@@ -109,7 +122,62 @@ def range_findings(tensor: str, table: pd.DataFrame, context: DiagnosisContext) 
         findings += _quantized_inputs(table, context, inputs)
     if node in context.weight_findings:
         findings.append(Finding("per_tensor_scale", context.weight_findings[node]))
+    if converted and context.roundoff is not None:
+        findings += absorption(tensor, table, context) + _accumulation(row, inputs, table, context)
     return findings
+
+
+def absorption(tensor: str, table: pd.DataFrame, context: DiagnosisContext) -> list[Finding]:
+    """x + y where y is below half an ulp of x's largest values: added to them in the stored format, it is
+    lost (a small residual or epsilon added to a large value). Harmless to the sum itself; what is lost
+    shows where a later subtraction takes the large part away again."""
+    row, inputs = table.loc[tensor], context.inputs_of(tensor, table)
+    if row["op_type"] not in ("Add", "Sub") or len(inputs) != 2 or row["node"] not in context.converted or context.roundoff is None:
+        return []
+    roundoff, name = context.roundoff
+    large, small = sorted(inputs, key=lambda n: -float(context.row(n, table)["ref_absmax"]))
+    big, tiny = float(context.row(large, table)["ref_absmax"]), float(context.row(small, table)["ref_absmax"])
+    half_ulp = 2.0 ** math.floor(math.log2(big)) * roundoff if big > 0 else 0.0  # u = 2^-p is half the spacing at 1
+    if not 0 < tiny < half_ulp:
+        return []
+    return [Finding("absorption", f"{row['op_type']} '{row['node']}': its operand '{small}' (absmax {tiny:.3g}) is below half a {name} ulp of its operand '{large}' at its largest "
+                                  f"({half_ulp:.3g} at {big:.3g}): added to values that large in {name}, it is lost")]
+
+
+def _accumulation(row: pd.Series, inputs: list[str], table: pd.DataFrame, context: DiagnosisContext) -> list[Finding]:
+    """A long reduction over values stored in the format: the rounding of N terms (the unit roundoff u of
+    each) adds up, at random, to about sqrt(N)·u times a term's size. Named when that estimate, with the
+    largest term, is beyond the tolerance of the node's largest value: the terms cancel, and their rounding
+    is what is left."""
+    if row["op_type"] not in REDUCTIONS or not inputs or row["ref_absmax"] == 0:
+        return []
+    terms, term_size = _terms(row, inputs, table, context)
+    if terms < 64:
+        return []
+    roundoff, name = context.roundoff
+    estimate = math.sqrt(terms) * roundoff * term_size
+    largest = float(row["ref_absmax"])
+    allowed = row["atol"] + (row["rtol"] + row["stol"]) * largest
+    if estimate <= allowed:
+        return []
+    return [Finding("accumulation", f"each of its values sums {terms} terms of up to {term_size:.3g} stored in {name}: their rounding (2^{round(math.log2(roundoff))} each) "
+                                    f"adds up to about sqrt({terms}) x 2^{round(math.log2(roundoff))} x {term_size:.3g} = {estimate:.3g}, where its results reach only "
+                                    f"{largest:.3g} (tolerance there {allowed:.3g})")]
+
+
+def _terms(row: pd.Series, inputs: list[str], table: pd.DataFrame, context: DiagnosisContext) -> tuple[int, float]:
+    """How many terms each value of a reduction sums, from the shapes compared, and the largest term's
+    size; (0, 0) when unknown (a MatMul whose operand is a weight has no statistics for it)."""
+    shapes = [str(table.loc[name, "shape"]) if name in table.index else "" for name in (inputs[0], row["tensor"])]
+    if not all(shapes):
+        return 0, 0.0
+    first, result = ([int(d) for d in shape.split("x")] for shape in shapes)
+    sizes = [float(context.row(name, table)["ref_absmax"]) for name in inputs]
+    if row["op_type"] == "MatMul":
+        return (first[-1], sizes[0] * sizes[1]) if len(sizes) == 2 and first else (0, 0.0)
+    terms = max(math.prod(first) // max(math.prod(result), 1), 0)
+    size = {"ReduceSumSquare": sizes[0] ** 2, "ReduceMean": sizes[0] / max(terms, 1)}.get(row["op_type"], sizes[0])
+    return terms, size
 
 
 def _fp16_input_overflow(inputs: list[str], table: pd.DataFrame, context: DiagnosisContext) -> list[Finding]:

@@ -41,7 +41,7 @@ from accudiff.comparison.trial import MAX_TRIAL_SAMPLES, TrialOutcome, TrialSetu
 from accudiff.comparison.worker import prestart
 from accudiff.diagnosis.cause import Absorbed, Cause, Contributor, ancestor_tensors, flagged_nodes, rank_contributors
 from accudiff.diagnosis.mechanisms import absorber, amplifiers, cancellations
-from accudiff.diagnosis.rules import DiagnosisContext, Finding, isolated_figures, isolation_ran, range_findings
+from accudiff.diagnosis.rules import RANGE_KINDS, DiagnosisContext, Finding, isolated_figures, isolation_ran, range_findings
 from accudiff.model.formats import QUANTIZED_FORMATS, formats_of
 from accudiff.model.loading import load_graph, read_again, save_model
 from accudiff.model.ops import VALUE_PRESERVING_OPS
@@ -257,14 +257,21 @@ def verify_causes(
 
 
 def _suspects(output: str, table: pd.DataFrame, context: DiagnosisContext, rtol: float) -> list[_Suspect]:
-    found = [_Suspect(c.node, c.tensor, c.op_type, [c.node], c.findings, flagged=True) for c in flagged_nodes(output, table, context)]
+    """The suspects in the order they are tried (the budget may stop short of the last): nodes with range
+    or NaN/Inf evidence, then the cancellations (with what computes their operands), then the nodes that
+    only fail on their own (in a format as coarse as BF16, many do), then contributors by their own error
+    and by where the accumulated error grows."""
+    flagged = [_Suspect(c.node, c.tensor, c.op_type, [c.node], c.findings, flagged=True) for c in flagged_nodes(output, table, context)]
+    hard = [s for s in flagged if any(f.kind in RANGE_KINDS or f.kind.startswith("nan_inf") for f in s.findings)]
+    found = list(hard)
     # A weight's one scale zeroing a channel is a fault whatever the tolerance says of the node's own output
     # (a tensor dominated by one large channel passes while its small channels are lost).
     rows = table[table.index.isin(ancestor_tensors(output, context.upstream)) & table["node"].isin(context.weight_findings.keys())]
     found += [_Suspect(row["node"], tensor, row["op_type"], [row["node"]], range_findings(tensor, table, context), flagged=True)
               for tensor, row in rows.drop_duplicates("node").iterrows()]
     for cancel in cancellations(output, table, context, rtol):
-        found.append(_Suspect(cancel.node, cancel.tensor, cancel.op_type, cancel.unit, [cancel.finding, *amplifiers(cancel.tensor, output, table, context)]))
+        found.append(_Suspect(cancel.node, cancel.tensor, cancel.op_type, cancel.unit, [*cancel.findings, *amplifiers(cancel.tensor, output, table, context)]))
+    found += [s for s in flagged if s not in hard]
     rows = table[table.index.isin(ancestor_tensors(output, context.upstream))]
     by_own_error = [(c.node, c.tensor, c.op_type) for c in rank_contributors(rows, context.converted)[:CONTRIBUTORS_PER_RANKING]]
     for node, tensor, op_type in _interleave(by_own_error, _by_sqnr_fall(rows, table, context)[:CONTRIBUTORS_PER_RANKING]):

@@ -18,6 +18,7 @@ import pandas as pd
 from accudiff.report import plots
 from accudiff.report.content import HTML_FILE, cause_lines, decision_lines, element_index, sample_lines, tolerance_met_line, worst_tensors
 from accudiff.text import percent
+from accudiff.diagnosis.cause import CAUSE_KINDS
 
 MAX_TABLE_ROWS = 2000
 TABLE_COLUMNS = [
@@ -98,7 +99,7 @@ def bisect_page(bisector: str, model: str, precision: str, result, steps: Sequen
     sections = []
     if bisector == "subgraph":
         verdict, label = ("fail", "FAILING SUBGRAPH FOUND") if result.output is not None else ("pass", "NOTHING FAILS")
-        facts.update({"failing output": result.output or "none", "cause": result.cause_kind or "-", "checked at": result.tensor or "-"})
+        facts.update({"failing output": result.output or "none", "cause": CAUSE_KINDS.get(result.cause_kind, "-"), "checked at": result.tensor or "-"})
         body = [_facts(facts)]
         if result.nodes:
             body.append(f"<h3>Smallest failing subgraph ({len(result.nodes)} node(s)), "

@@ -32,7 +32,7 @@ def onnxrt_label(precision: str) -> str:
     formats = [f for f in precision.split("+") if f in _SIMULATES]
     if not formats:
         return "ONNX Runtime CPU, FP32"
-    model = {"fp16": "the FP16 model", "int8": "the Q/DQ model"}.get(precision, f"the {precision.upper()} model")
+    model = {"fp16": "the FP16 model", "bf16": "the BF16 model", "int8": "the Q/DQ model"}.get(precision, f"the {precision.upper()} model")
     return f"ONNX Runtime CPU running {model} ({'; '.join(_SIMULATES[f] for f in formats)})"
 
 
@@ -71,13 +71,13 @@ class TrtOptions:
         return args
 
 
-def resolve_candidate(kind: str, trt: TrtOptions = TrtOptions()) -> tuple[str, str | None]:
-    """The concrete candidate for `kind`, and a one-line notice when 'auto' had to fall back."""
+def resolve_candidate(kind: str, trt: TrtOptions = TrtOptions(), precision: str = "fp32") -> tuple[str, str | None]:
+    """The concrete candidate for `kind` in `precision`, and a one-line notice when 'auto' had to fall back."""
     if kind not in CANDIDATES:
         raise AccudiffError(f"unknown candidate '{kind}'; choose one of: {', '.join(CANDIDATES)}")
     if kind == "onnxrt":
         return kind, None
-    reason = inference_unavailable_reason(trt.module)
+    reason = inference_unavailable_reason(trt.module, precision)
     if reason is None:
         return "trt", None
     if kind == "trt":
@@ -117,7 +117,7 @@ def candidate_runner(
         settings = BuildSettings(trt.mark, dict(shapes.inputs), dict(shapes.values), trt.workspace_mb, trt.legacy_precision)
         path = model.file() if isinstance(model, ModelSource) else model
         return TrtRunner(path, outputs, settings, trt.module, trt.cache_dir, layer_report, trt.engine)
-    return OnnxrtRunner(model, outputs, label=onnxrt_label(precision), emulate_fp16="fp16" in formats_of(precision), cpu=cpu)
+    return OnnxrtRunner(model, outputs, label=onnxrt_label(precision), emulate_fp16=bool({"fp16", "bf16"} & formats_of(precision)), cpu=cpu)
 
 
 __all__ = ["CANDIDATES", "CpuOptions", "EngineShapes", "OnnxrtRunner", "Runner", "TrtOptions", "candidate_runner", "reference_runner", "resolve_candidate", "unavailable_reason"]

@@ -15,6 +15,9 @@ from accudiff.errors import AccudiffError
 MODULES = ("tensorrt", "tensorrt_rtx")
 INSTALL_HINT = "pip install 'accudiff[trt]' (tensorrt) or 'accudiff[rtx]' (tensorrt-rtx)"
 RTX_COMPUTE_CAPABILITIES = {(8, 0), (8, 6), (8, 9)}  # and every 12.x
+# The oldest GPU with arithmetic in a format (TensorRT's support matrix): a BF16 or FP8 engine cannot be
+# built for an older one, so the comparison could not say how that format behaves there.
+FORMAT_MIN_CAPABILITY = {"bf16": (8, 0), "fp8": (8, 9), "fp4": (10, 0)}
 
 
 def import_tensorrt(module: str | None = None) -> ModuleType:
@@ -60,9 +63,9 @@ def gpu_compute_capability(device: int = 0) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def require_inference(trt: ModuleType) -> tuple[int, int]:
-    """Check that `trt` can run engines on this machine's GPU (polygraphy runs them); return its compute
-    capability."""
+def require_inference(trt: ModuleType, precision: str = "fp32") -> tuple[int, int]:
+    """Check that `trt` can run engines on this machine's GPU (polygraphy runs them), in the formats
+    `precision` names; return its compute capability."""
     try:
         import polygraphy  # noqa: F401
     except ImportError:
@@ -73,13 +76,26 @@ def require_inference(trt: ModuleType) -> tuple[int, int]:
             f"TensorRT-RTX cannot run on this GPU (compute capability {capability[0]}.{capability[1]}); "
             "it supports 8.0, 8.6, 8.9 and 12.x"
         )
+    missing = missing_arithmetic(precision, capability)
+    if missing is not None:
+        raise AccudiffError(missing)
     return capability
 
 
-def inference_unavailable_reason(module: str | None = None) -> str | None:
-    """Why TensorRT inference cannot run here, or None when it can."""
+def missing_arithmetic(precision: str, capability: tuple[int, int]) -> str | None:
+    """Why a GPU of `capability` cannot compute in a format `precision` names (None when it can)."""
+    for fmt in precision.split("+"):
+        oldest = FORMAT_MIN_CAPABILITY.get(fmt)
+        if oldest is not None and capability < oldest:
+            return (f"this GPU (compute capability {capability[0]}.{capability[1]}) has no {fmt.upper()} arithmetic "
+                    f"(TensorRT needs {oldest[0]}.{oldest[1]} or later for it)")
+    return None
+
+
+def inference_unavailable_reason(module: str | None = None, precision: str = "fp32") -> str | None:
+    """Why TensorRT inference cannot run here in `precision`, or None when it can."""
     try:
-        require_inference(import_tensorrt(module))
+        require_inference(import_tensorrt(module), precision)
     except AccudiffError as exc:
         return str(exc)
     return None

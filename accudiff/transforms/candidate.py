@@ -20,7 +20,7 @@ from accudiff.model.inputs import Feed, generate_feeds
 from accudiff.model.loading import ModelInfo, load_model
 from accudiff.model.samples import Samples, samples_from_feeds, samples_from_path
 from accudiff.transforms.base import KeptNode, TransformResult
-from accudiff.transforms.fp16 import to_fp16
+from accudiff.transforms.fp16 import HALVES, to_fp16
 from accudiff.transforms.given import adopt
 from accudiff.transforms.int8 import leave_unquantized, to_int8
 from accudiff.transforms.keep_float import keep_in_float
@@ -50,8 +50,8 @@ def transform_model(info: ModelInfo, recipe: CandidateRecipe, sample: Feed, scra
         return TransformResult(model=info.proto, precision=recipe.precision)
     if recipe.candidate_model is not None:
         return adopt(load_model(recipe.candidate_model), info, recipe.keep_fp32)
-    if recipe.precision == "fp16":
-        return to_fp16(info.proto, recipe.keep_fp32, recipe.autokeep)
+    if recipe.precision in HALVES:
+        return to_fp16(info.proto, recipe.keep_fp32, recipe.autokeep, HALVES[recipe.precision])
     if recipe.precision == "int8":
         calibration = calibration_samples(info, sample, recipe.calib_data, recipe.seed, scratch)
         return to_int8(info.proto, calibration, recipe.keep_fp32, calibrated_on_random_data=recipe.calib_data is None)
@@ -81,7 +81,7 @@ class CandidateVariants:
             return replace(self.base, model=model, kept=[*self.base.kept, *kept], converted=self.base.converted - set(nodes))
         if self.recipe.precision == "int8":
             return leave_unquantized(self.base, self.info.proto, nodes, KEPT_TO_VERIFY)
-        return to_fp16(self.info.proto, [*self.recipe.keep_fp32, *map(keep_pattern, nodes)], self.recipe.autokeep)
+        return to_fp16(self.info.proto, [*self.recipe.keep_fp32, *map(keep_pattern, nodes)], self.recipe.autokeep, HALVES[self.recipe.precision])
 
     def switchboard(self, nodes: Iterable[str]) -> Switchboard | None:
         """The FP16 candidate, or a candidate made by another tool, with `nodes` switchable back to FP32
@@ -90,7 +90,7 @@ class CandidateVariants:
         INT8 (a node left unquantized changes which Q/DQ pairs exist around it), a pre-built engine, a node
         inside an If/Loop/Scan body."""
         given = self.recipe.candidate_model is not None
-        if (self.recipe.precision != "fp16" and not given) or self.recipe.engine is not None:
+        if (self.recipe.precision not in HALVES and not given) or self.recipe.engine is not None:
             return None
         main = {node.name for node in self.base.model.graph.node}
         nodes = [n for n in dict.fromkeys(nodes) if n in self.base.converted]

@@ -1,4 +1,4 @@
-"""FP32 -> FP16 mixed precision that keeps tensor names and never clamps silently.
+"""FP32 -> FP16 (or BF16) mixed precision that keeps tensor names and never clamps silently.
 
 Why our own pass instead of onnxconverter-common: that converter clamps constants to +-1e4 (silently
 changing the model), renames tensors (so they no longer align with the reference) and breaks on Cast
@@ -12,10 +12,13 @@ retyping and subgraphs. Here:
 * every node output keeps its name and holds the node's own result; Casts are inserted between
   FP16 and FP32 regions under new names, and graph inputs and outputs keep their FP32 types
   (a graph output computed in FP16 is produced by a Cast under its original name).
+BF16 (`to_fp16(..., BF16)`) follows the same rules with its own type: its range is FP32's, so autokeep never
+keeps a node for it in practice.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
@@ -27,19 +30,46 @@ from accudiff.model.loading import copy_without_initializers, declare_like, subg
 from accudiff.model.weights import weight_blocks
 from accudiff.transforms.base import KeptNode, NodeSelector, TransformResult
 
-_FLOAT16 = "tensor(float16)"
+@dataclass(frozen=True)
+class Half:
+    """A 16-bit float format a model is converted to: FP16 (11 significant bits, up to 65504) or BF16 (8
+    significant bits, FP32's range)."""
+
+    elem_type: int
+    precision: str  # "fp16" / "bf16"
+    type_str: str  # as ONNX schemas name it
+    suffix: str  # of the copies of values and weights made in it
+    maximum: float
+
+    @property
+    def label(self) -> str:
+        return self.precision.upper()
+
+    def values(self, block: np.ndarray) -> np.ndarray:
+        """FP32 values in this format (round to nearest even; Inf beyond its maximum), as ONNX stores them."""
+        if self.elem_type == TensorProto.FLOAT16:
+            with np.errstate(over="ignore"):
+                return block.astype("<f2")
+        bits = np.ascontiguousarray(block, dtype="<f4").view("<u4").astype(np.uint64)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
+        return np.where(np.isnan(block), np.uint16(0x7FC0), rounded).astype("<u2")
 
 
-def to_fp16(model: onnx.ModelProto, keep_fp32: Iterable[str] = (), autokeep: bool = True) -> TransformResult:
-    """Convert a shape-inferred FP32 model to FP16 mixed precision (see the module docstring)."""
+FP16 = Half(TensorProto.FLOAT16, "fp16", "tensor(float16)", "__fp16", FP16_MAX)
+BF16 = Half(TensorProto.BFLOAT16, "bf16", "tensor(bfloat16)", "__bf16", float(np.finfo(np.float32).max))
+HALVES = {h.precision: h for h in (FP16, BF16)}
+
+
+def to_fp16(model: onnx.ModelProto, keep_fp32: Iterable[str] = (), autokeep: bool = True, half: Half = FP16) -> TransformResult:
+    """Convert a shape-inferred FP32 model to FP16 (or BF16) mixed precision (see the module docstring)."""
     source = {init.name: init for init in model.graph.initializer}
     model = copy_without_initializers(model)  # weights are added back as each is needed, in its new type
-    conversion = _GraphConversion(_default_opset(model), NodeSelector(keep_fp32), autokeep)
+    conversion = _GraphConversion(_default_opset(model), NodeSelector(keep_fp32), autokeep, half)
     conversion.convert(model.graph, source, {}, "")
     warnings = [f"node '{node}': {text} (--no-autokeep)" for node, text in conversion.constant_overflows.items()]
     return TransformResult(
         model=model,
-        precision="fp16",
+        precision=half.precision,
         kept=conversion.kept,
         converted=conversion.converted,
         warnings=warnings,
@@ -52,8 +82,8 @@ class _GraphConversion:
     """Converts a graph, then the bodies of its If/Loop/Scan nodes the same way: a body's inputs and
     outputs keep their types (so do the values it reads from outside), its inner nodes run in FP16."""
 
-    def __init__(self, opset: int, selector: NodeSelector, autokeep: bool):
-        self.opset, self.selector, self.autokeep = opset, selector, autokeep
+    def __init__(self, opset: int, selector: NodeSelector, autokeep: bool, half: Half):
+        self.opset, self.selector, self.autokeep, self.half = opset, selector, autokeep, half
         self.kept: list[KeptNode] = []
         self.converted: set[str] = set()
         self.constant_overflows: dict[str, str] = {}
@@ -64,11 +94,11 @@ class _GraphConversion:
         what it reads from enclosing graphs, `scope` a suffix that keeps its Cast names unique."""
         opset = self.opset
         types = {**outer_types, **elem_types(graph, source.values())}
-        constants, halves = _read_weights(graph, source.values())
+        constants, halves = _read_weights(graph, source.values(), self.half)
         outer_refs = subgraph_outer_references(graph.node)
         converted_params: dict[int, set[str]] = {}  # fp16 node (index) -> its type parameters bound to FP16
         for index, node in enumerate(graph.node):
-            decision = _decide(node, opset, types, constants, outer_refs, self.selector, self.autokeep)
+            decision = _decide(node, opset, types, constants, outer_refs, self.selector, self.autokeep, self.half)
             if isinstance(decision, KeptNode):
                 self.kept.append(decision)
             elif decision:
@@ -88,27 +118,29 @@ class _GraphConversion:
             schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
             for position, out in enumerate(node.output):
                 if out and types.get(out) == TensorProto.FLOAT and _formal_type(schema.outputs, position) in params:
-                    new_types[out] = TensorProto.FLOAT16
+                    new_types[out] = self.half.elem_type
             for name in node.input:
                 absmax = constants.get(name, 0.0)
-                if absmax > FP16_MAX:
-                    self.constant_overflows[node.name] = f"its constant '{name}' (absmax {absmax:.3g}) is beyond the FP16 maximum 65504 and became Inf"
+                if absmax > self.half.maximum:
+                    self.constant_overflows[node.name] = (f"its constant '{name}' (absmax {absmax:.3g}) is beyond the {self.half.label} maximum "
+                                                          f"{self.half.maximum:.6g} and became Inf")
 
-        _retype_graph_outputs(graph, types, new_types, converted_params)
-        copies = _insert_casts(graph, source, halves, opset, types, new_types, converted_params, scope)
+        _retype_graph_outputs(graph, types, new_types, converted_params, self.half)
+        copies = _insert_casts(graph, source, halves, opset, types, new_types, converted_params, scope, self.half)
         if not scope:  # only the main graph's copies can be fed in an isolated run
             self.copies.update(copies)
 
 
-def _decide(node, opset, types, constants, outer_refs, selector, autokeep) -> set[str] | KeptNode | None:
-    """FP16 type parameters for a convertible node, a KeptNode when it must stay FP32, None if neutral."""
+def _decide(node, opset, types, constants, outer_refs, selector, autokeep, half: Half) -> set[str] | KeptNode | None:
+    """Type parameters bound to the half format for a convertible node, a KeptNode when it must stay FP32,
+    None if neutral."""
     float_inputs = [i for i, name in enumerate(node.input) if name and types.get(name) == TensorProto.FLOAT]
     float_outputs = [o for o in node.output if o and types.get(o) == TensorProto.FLOAT]
     if node.op_type == "Constant" or not (float_inputs or float_outputs):
         return None
     keep = lambda reason: KeptNode(node.name, node.op_type, reason)  # noqa: E731
     if node.domain not in ("", "ai.onnx"):
-        return keep(f"op of domain '{node.domain}' has no known FP16 schema")
+        return keep(f"op of domain '{node.domain}' has no known {half.label} schema")
     if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
         return None  # If/Loop/Scan: its inputs and outputs keep their types; its bodies are converted
     pattern = selector.matches(node)
@@ -120,31 +152,31 @@ def _decide(node, opset, types, constants, outer_refs, selector, autokeep) -> se
     params = {
         _formal_type(schema.inputs, i)
         for i in float_inputs
-        if _allows_fp16(schema, _formal_type(schema.inputs, i))
+        if _allows(schema, _formal_type(schema.inputs, i), half)
     }
     if not params:
-        return keep("its op has no FP16 form for these inputs") if float_inputs else None
+        return keep(f"its op has no {half.label} form for these inputs") if float_inputs else None
     if autokeep:
         for i in float_inputs:
             name = node.input[i]
             if name in constants and _formal_type(schema.inputs, i) in params:
                 absmax = constants[name]
-                if absmax > FP16_MAX:
-                    return keep(f"its constant '{name}' has absmax {absmax:.3g}, beyond the FP16 maximum 65504")
+                if absmax > half.maximum:
+                    return keep(f"its constant '{name}' has absmax {absmax:.3g}, beyond the {half.label} maximum {half.maximum:.6g}")
     return params
 
 
-def _retype_graph_outputs(graph, types, new_types, converted_params) -> None:
+def _retype_graph_outputs(graph, types, new_types, converted_params, half: Half) -> None:
     """A graph output converted to FP16 is renamed `<name>__fp16`; a Cast then restores `<name>` in FP32.
     (An output the model already computes in FP16 stays as it is.)"""
     for out in graph.output:
-        if new_types.get(out.name) != TensorProto.FLOAT16 or types.get(out.name) == TensorProto.FLOAT16:
+        if new_types.get(out.name) != half.elem_type or types.get(out.name) == half.elem_type:
             continue
-        inner = out.name + "__fp16"
+        inner = out.name + half.suffix
         for node in graph.node:
             node.output[:] = [inner if o == out.name else o for o in node.output]
             node.input[:] = [inner if i == out.name else i for i in node.input]
-        types[inner], new_types[inner] = TensorProto.FLOAT, TensorProto.FLOAT16
+        types[inner], new_types[inner] = TensorProto.FLOAT, half.elem_type
         declared = graph.value_info.add()
         declared.CopyFrom(out)
         declared.name = inner  # its type becomes FP16 with the other converted values
@@ -154,7 +186,7 @@ def _retype_graph_outputs(graph, types, new_types, converted_params) -> None:
         graph.node.append(cast)
 
 
-def _insert_casts(graph, initializers, halves, opset, types, new_types, converted_params, scope: str) -> dict[str, str]:
+def _insert_casts(graph, initializers, halves, opset, types, new_types, converted_params, scope: str, half: Half) -> dict[str, str]:
     """Give every node input the element type its node now needs: FP16 copies of weights (`halves`: their
     values, made as the weights were read), Casts otherwise.
 
@@ -169,12 +201,12 @@ def _insert_casts(graph, initializers, halves, opset, types, new_types, converte
     def convert(name: str, target: int) -> str:
         key = (name, target)
         if key not in produced:
-            suffix = ("__fp16" if target == TensorProto.FLOAT16 else "__fp32") + scope
+            suffix = (half.suffix if target == half.elem_type else "__fp32") + scope
             produced[key] = name + suffix
-            if name in initializers and target == TensorProto.FLOAT16:
+            if name in initializers and target == half.elem_type:
                 values = halves.pop(name)
                 # Built in place: a TensorProto made first and appended would be copied once more.
-                weight = graph.initializer.add(name=produced[key], data_type=TensorProto.FLOAT16, dims=initializers[name].dims)
+                weight = graph.initializer.add(name=produced[key], data_type=half.elem_type, dims=initializers[name].dims)
                 weight.raw_data = values.tobytes()
                 del values
             else:
@@ -189,7 +221,7 @@ def _insert_casts(graph, initializers, halves, opset, types, new_types, converte
         for i, name in enumerate(node.input):
             if types.get(name) != TensorProto.FLOAT:
                 continue  # only values that were FP32 change type; others stay as the author wrote them
-            wanted = TensorProto.FLOAT16 if schema is not None and _formal_type(schema.inputs, i) in params else TensorProto.FLOAT
+            wanted = half.elem_type if schema is not None and _formal_type(schema.inputs, i) in params else TensorProto.FLOAT
             if new_types[name] != wanted:
                 node.input[i] = convert(name, wanted)
         new_nodes.append(node)
@@ -236,20 +268,19 @@ def elem_types(graph: onnx.GraphProto, initializers: Iterable[onnx.TensorProto])
     return types
 
 
-def _read_weights(graph: onnx.GraphProto, initializers: Iterable[onnx.TensorProto]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+def _read_weights(graph: onnx.GraphProto, initializers: Iterable[onnx.TensorProto], half: Half) -> tuple[dict[str, float], dict[str, np.ndarray]]:
     """Largest magnitude of every FP32 weight and Constant (all autokeep needs), and each FP32 weight's
-    values in FP16 (little-endian, as ONNX raw data is), made in the same read: a weight in a data file is
-    read once, a block at a time, and never held whole in FP32."""
+    values in the half format (little-endian, as ONNX raw data is), made in the same read: a weight in a
+    data file is read once, a block at a time, and never held whole in FP32."""
     absmax, halves = {}, {}
     for init in initializers:
         if init.data_type != TensorProto.FLOAT:
             continue
-        values, filled, high = np.empty(int(np.prod(init.dims, dtype=np.int64)), "<f2"), 0, 0.0
-        with np.errstate(over="ignore"):  # beyond FP16 only with --no-autokeep, and then reported
-            for block in weight_blocks(init):
-                high = max(high, _absmax(block))
-                values[filled : filled + block.size] = block
-                filled += block.size
+        values, filled, high = np.empty(int(np.prod(init.dims, dtype=np.int64)), "<u2"), 0, 0.0
+        for block in weight_blocks(init):  # beyond FP16 only with --no-autokeep, and then reported
+            high = max(high, _absmax(block))
+            values[filled : filled + block.size] = half.values(block).view("<u2")
+            filled += block.size
         absmax[init.name], halves[init.name] = high, values
     for node in graph.node:
         if node.op_type == "Constant":
@@ -260,8 +291,15 @@ def _read_weights(graph: onnx.GraphProto, initializers: Iterable[onnx.TensorProt
 
 
 def _absmax(values: np.ndarray) -> float:
-    """max(abs(values)) without an absolute copy of a weight that may take gigabytes."""
-    return float(max(values.max(initial=0.0), -values.min(initial=0.0))) if values.size else 0.0
+    """max(abs(values)) of the finite values (an Inf is stored as it is, it does not overflow), without an
+    absolute copy of a weight that may take gigabytes."""
+    if not values.size:
+        return 0.0
+    high, low = values.max(), values.min()
+    if not (np.isfinite(high) and np.isfinite(low)):
+        finite = values[np.isfinite(values)]
+        high, low = finite.max(initial=0.0), finite.min(initial=0.0)
+    return float(max(high, -low, 0.0))
 
 
 def _formal_type(formals, index: int) -> str:
@@ -270,8 +308,8 @@ def _formal_type(formals, index: int) -> str:
     return formal.type_str
 
 
-def _allows_fp16(schema, type_str: str) -> bool:
+def _allows(schema, type_str: str, half: Half) -> bool:
     for constraint in schema.type_constraints:
         if constraint.type_param_str == type_str:
-            return _FLOAT16 in constraint.allowed_type_strs
+            return half.type_str in constraint.allowed_type_strs
     return False  # a fixed type such as tensor(float): that input must stay FP32

@@ -23,7 +23,7 @@ from onnx import TensorProto, helper
 
 from accudiff.model.formats import REDUCED_FLOATS
 from accudiff.model.loading import cast_target, declare_like, infer_shapes_unless_typed
-from accudiff.transforms.fp16 import elem_types
+from accudiff.transforms.fp16 import HALVES, elem_types
 from accudiff.transforms.keep_float import FLOAT_TYPES, FloatInputs
 
 SWITCH_PREFIX = "accudiff_keep_"
@@ -43,8 +43,9 @@ class Switchboard:
 
 
 def build_switchboard(candidate: onnx.ModelProto, fp32: onnx.ModelProto, nodes: Iterable[str]) -> Switchboard:
-    """The switchboard of `candidate` (made from `fp32` by `to_fp16`, so its value_info has each value's
-    type) for `nodes`: converted nodes of the main graph, present in both models under the same names."""
+    """The switchboard of `candidate` (made from `fp32` by `to_fp16`, FP16 or BF16, so its value_info has
+    each value's type) for `nodes`: converted nodes of the main graph, present in both models under the
+    same names."""
     wanted = list(dict.fromkeys(nodes))
     board = onnx.ModelProto()
     board.CopyFrom(candidate)
@@ -53,8 +54,9 @@ def build_switchboard(candidate: onnx.ModelProto, fp32: onnx.ModelProto, nodes: 
     fp32_types, board_types = elem_types(fp32.graph, fp32.graph.initializer), elem_types(graph, graph.initializer)
     outputs = {o.name for o in graph.output}
     for node in graph.node:  # a graph output computed in FP16 is `<name>__fp16`, cast to `<name>` (see fp16.py)
-        if node.op_type == "Cast" and node.output[0] in outputs and node.input[0] == node.output[0] + "__fp16":
-            board_types[node.input[0]] = TensorProto.FLOAT16
+        for half in HALVES.values():
+            if node.op_type == "Cast" and node.output[0] in outputs and node.input[0] == node.output[0] + half.suffix:
+                board_types[node.input[0]] = half.elem_type
     declared = {vi.name: vi for vi in [*graph.input, *graph.value_info, *graph.output]}
     fp32_weights = {init.name: init for init in fp32.graph.initializer}
     held = {init.name for init in graph.initializer}
@@ -75,7 +77,7 @@ def build_switchboard(candidate: onnx.ModelProto, fp32: onnx.ModelProto, nodes: 
         for i, name in enumerate(kept.input):
             if name in switched:
                 kept.input[i] = switched[name]
-            elif fp32_types.get(name) == TensorProto.FLOAT and board_types.get(name) == TensorProto.FLOAT16:
+            elif fp32_types.get(name) == TensorProto.FLOAT and board_types.get(name) in REDUCED_FLOATS:
                 kept.input[i] = name + "__widened"
                 if name not in widened:
                     widened.add(name)
@@ -88,8 +90,8 @@ def build_switchboard(candidate: onnx.ModelProto, fp32: onnx.ModelProto, nodes: 
         for j, name in enumerate(kept.output):
             if name:
                 produced = node.output[j]
-                in_fp16 = board_types.get(produced) == TensorProto.FLOAT16
-                placed += _switch(node, j, kept, switches[node.name], TensorProto.FLOAT16 if in_fp16 else TensorProto.FLOAT)
+                in_fp16 = board_types.get(produced) in REDUCED_FLOATS
+                placed += _switch(node, j, kept, switches[node.name], board_types[produced] if in_fp16 else TensorProto.FLOAT)
                 for added, elem_type in _switched_values(produced, name, fp32_types.get(name), board_types.get(produced), in_fp16):
                     if elem_type:
                         declare_like(graph, declared, added, produced, elem_type)
