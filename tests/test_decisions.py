@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import sys
 
-import numpy as np
 import pytest
 
 import accudiff
