@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from accudiff.comparison.branches import describe_groups, plan_groups
 from accudiff.comparison.group import combine, group_model, isolation_notice, make_candidate, plan, run_group, save_tensors
 from accudiff.comparison.worker import prestart
+from accudiff.comparison.shards import default_workers
 from accudiff.model.loading import load_model
 from accudiff.model.run_results import read_captured
 from accudiff.model.samples import Samples, prepare_samples
@@ -74,6 +75,8 @@ def run(
         if settings.given_alone:  # the model is its own candidate: the reference is its float form
             info, float_form = float_reference(info, where.scratch)
         samples = prepare_samples(info, settings, where.folder.path / INPUTS_FILE)
+        if settings.ray is None:
+            prestart(min(settings.workers or default_workers(len(samples)), len(samples)))  # a dataset's other workers start now too
         groups = plan_groups(info, samples, settings, where.scratch)
         laps.lap("load")
         captured = read_captured([t.name for t in info.tensors], settings, len(samples), where.scratch)
@@ -100,7 +103,7 @@ def run(
 
         info, transformed, outcome = combine(info.path, runs)
         result, context = judge(info, transformed, outcome, settings, samples)
-        result.worker_timings["comparison"] = outcome["timings"]
+        result.worker_timings["comparison"], result.layout = outcome["timings"], outcome["layout"]
         laps.lap("diagnose")
         unverified = []
         if settings.verify and result.output_failures:

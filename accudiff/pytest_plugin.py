@@ -127,7 +127,8 @@ class Settings:
             tolerances=_parse_tolerances(config.getini("accudiff_tolerances")),
             sqnr_margin_db=float(config.getini("accudiff_sqnr_margin_db")),
             error_growth=float(config.getini("accudiff_error_growth")),
-            workers=config.getoption("accudiff_workers") or (int(config.getini("accudiff_workers")) if config.getini("accudiff_workers") else None),
+            # One worker per check unless asked: pytest-xdist already runs checks side by side.
+            workers=config.getoption("accudiff_workers") or (int(config.getini("accudiff_workers")) if config.getini("accudiff_workers") else 1),
         )
 
     def reference_cache(self) -> ReferenceCache:

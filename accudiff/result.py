@@ -57,6 +57,8 @@ class CompareResult:
     # Seconds per phase inside the worker processes, by stage ("comparison", "verification"), added over
     # workers (so with several workers they may exceed the stage's wall time): where a stage's time goes.
     worker_timings: dict[str, dict[str, float]] = field(default_factory=dict)
+    # How the comparison ran: {"workers": N, "session_threads": [T]} (the intra-op threads of each session).
+    layout: dict = field(default_factory=dict)
     report_dir: Path | None = None
     samples: pd.DataFrame | None = None  # one row per sample and graph output (see diagnosis/judge.py SAMPLE_COLUMNS)
     inputs: str = ""  # where the samples came from

@@ -1,27 +1,30 @@
-"""Dataset-scale comparison of the PP-OCRv4 recognizer: one worker, two, and Ray; and a 1,000-sample run.
+"""What each extra sample of a dataset costs with 1, 2, ... workers: the PP-OCRv4 recognizer on drawn text lines.
 
-    python benchmarks/dataset_scaling.py [--samples 16] [--large 1000] [--per-sample 8 40 [--repeat 3]] [--out benchmarks/out]
+    python benchmarks/dataset_scaling.py [--counts 8 40] [--workers 1 2 all] [--repeat 3] [--large 0] [--ray-overhead] [--out benchmarks/out]
 
-The dataset is made here: text lines drawn with PIL (benchmarks/realistic_inputs.py), one .npz file per
+The datasets are made here: text lines drawn with PIL (benchmarks/realistic_inputs.py), one .npz file per
 sample in a folder, read by accudiff one sample at a time. Each run is `accudiff compare --fp16
---candidate onnxrt --load-inputs FOLDER` as a fresh process (wall time, peak memory of the process tree).
-The Ray per-task overhead is measured on a one-CPU local cluster: the same samples as one task and as
-eight, the difference spread over the seven extra tasks.
+--candidate onnxrt --load-inputs FOLDER --workers W --no-verify` as a fresh process (wall time, peak memory
+of the process tree; the workers and the threads each session used, from summary.json's `layout`).
 
-`--per-sample N1 N2`: what each extra sample costs with `--workers 2` (the wall time of N2 samples less
-that of N1, over N2 - N1: the fixed costs cancel out), with and without the isolated run, both with
-`--no-verify`: verification tries keep-lists on at most 8 failing samples whatever the dataset's size,
-and how many it tries depends on which samples fail, which differs between N1 and N2 samples (on the
-recognizer's drawn lines, 8 samples took two more rounds than 40, which made each extra sample look
-0.015-0.02 s cheaper than it is). Beside it, its floor timed in this process: one marked FP32 run, one
-marked run of the lowered FP16 candidate and a numpy max|a - b| over every tensor pair, sessions created
-once, halved for two workers. Each is measured --repeat times, in turn; the medians are reported.
+The marginal cost of a sample is (wall time of N2 samples - wall time of N1) / (N2 - N1): the fixed costs
+(starting, loading, the isolated run's first 8 samples) cancel out. `--no-verify`: verification tries
+keep-lists on at most 8 failing samples whatever the dataset's size, and how many rounds it runs depends on
+which samples fail, which differs between N1 and N2. Beside it, the floor: one marked FP32 run, one marked
+run of the lowered FP16 candidate and a numpy max|a - b| over every tensor pair, on one thread, sessions
+made once, divided by the number of workers. Every (W, N) pair is measured --repeat times, in turn, so a
+noisy spell of a shared machine hits all of them; the medians are reported.
+
+On a machine with C cores, `all` is C workers: with one thread per session, W workers should cost about
+1/W of one worker's marginal time per sample while W <= C (the statistics and both runs are per worker),
+less whatever the workers contend for (memory bandwidth, the driver's merge).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -41,12 +44,12 @@ def make_dataset(folder: Path, count: int) -> Path:
     return folder
 
 
-def compare(model: Path, data: Path, report: Path, *extra: str) -> dict:
-    command = accudiff_command("compare", str(model), "--fp16", "--candidate", "onnxrt", "--load-inputs", str(data), "--report-dir", str(report), *extra)
+def compare(model: Path, data: Path, report: Path, workers: int) -> dict:
+    command = accudiff_command("compare", str(model), "--fp16", "--candidate", "onnxrt", "--load-inputs", str(data), "--report-dir", str(report),
+                               "--workers", str(workers), "--no-verify")
     result = measure(command)
     summary = json.loads((report / "summary.json").read_text()) if (report / "summary.json").exists() else {}
-    result["phases"] = summary.get("timings_s")
-    result["failing"] = {k: v["failing"] for k, v in summary.get("samples", {}).get("per_output", {}).items()}
+    result["layout"] = summary.get("layout")
     return result
 
 
@@ -59,11 +62,11 @@ def ray_task_overhead(model: Path, data: Path, tasks: int = 8) -> float:
 
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level=40)
     try:
-        accudiff.compare(model, "fp16", candidate="onnxrt", inputs=data, ray="local", workers=1)  # warm the cluster
+        accudiff.compare(model, "fp16", candidate="onnxrt", inputs=data, ray="local", workers=1, verify=False)  # warm the cluster
         seconds = {}
         for count in (1, tasks):
             start = time.perf_counter()
-            accudiff.compare(model, "fp16", candidate="onnxrt", inputs=data, ray="local", workers=count)
+            accudiff.compare(model, "fp16", candidate="onnxrt", inputs=data, ray="local", workers=count, verify=False)
             seconds[count] = time.perf_counter() - start
     finally:
         ray.shutdown()
@@ -71,7 +74,7 @@ def ray_task_overhead(model: Path, data: Path, tasks: int = 8) -> float:
 
 
 def per_sample_floor(model: Path, data: Path, samples: int = 4) -> float:
-    """Seconds per sample of the least a two-worker comparison does (see the module's docstring)."""
+    """Seconds per sample of the least one worker does (see the module's docstring), on one thread."""
     import onnx
     import onnxruntime as ort
 
@@ -83,11 +86,13 @@ def per_sample_floor(model: Path, data: Path, samples: int = 4) -> float:
     names = [t.name for t in info.tensors]
     candidate = to_fp16(info.proto).model
     copies = lower_fp16(candidate)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
     sessions = []
     for proto, marked in ((info.proto, names), (candidate, [copies.get(n, n) for n in names])):
         del proto.graph.output[:]
         proto.graph.output.extend(onnx.ValueInfoProto(name=n) for n in marked)
-        sessions.append(ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]))
+        sessions.append(ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"]))
     feeds = [dict(np.load(path)) for path in sorted(data.glob("*.npz"))[:samples]]
     for session in sessions:
         session.run(None, feeds[0])  # warm-up
@@ -97,63 +102,56 @@ def per_sample_floor(model: Path, data: Path, samples: int = 4) -> float:
         for a, b in zip(reference, candidate_values):
             if np.issubdtype(a.dtype, np.floating) and a.size:
                 float(np.abs(a - b.astype(np.float32)).max())
-    return (time.perf_counter() - start) / len(feeds) / 2
-
-
-def per_sample(model: Path, folder: Path, counts: tuple[int, int], repeat: int) -> dict:
-    """Each extra sample's wall time with --workers 2 (--no-verify), with and without the isolated run, and
-    its floor, measured `repeat` times (floor and runs in turn, so that a noisy spell of this shared
-    machine hits all of them); the medians, and every measurement."""
-    small, large = (make_dataset(folder / f"per-sample-{n}", n) for n in counts)
-    rows = []
-    for k in range(repeat):
-        row = {"floor_s": per_sample_floor(model, large)}
-        for label, extra in (("isolated", []), ("no_isolate", ["--no-isolate"])):
-            seconds = [compare(model, data, folder / f"report-{label}-{n}-{k}", "--workers", "2", "--no-verify", *extra)["seconds"] for data, n in ((small, counts[0]), (large, counts[1]))]
-            row[label] = (seconds[1] - seconds[0]) / (counts[1] - counts[0])
-        _print_per_sample(f"run {k + 1} of {repeat}", row)
-        rows.append(row)
-    median = {key: float(np.median([r[key] for r in rows])) for key in rows[0]}
-    _print_per_sample("median", median)
-    return {**median, "runs": rows}
-
-
-def _print_per_sample(label: str, row: dict) -> None:
-    print(f"{label}: each extra sample, 2 workers: {row['isolated']:.3f} s ({row['isolated'] / row['floor_s']:.2f}x its floor {row['floor_s']:.3f} s); "
-          f"--no-isolate {row['no_isolate']:.3f} s ({row['no_isolate'] / row['floor_s']:.2f}x)", flush=True)
+    return (time.perf_counter() - start) / len(feeds)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=16)
-    parser.add_argument("--large", type=int, default=1000, help="samples of the large run (0: skip it)")
-    parser.add_argument("--per-sample", type=int, nargs=2, metavar=("N1", "N2"), help="only the cost of each extra sample, between N1 and N2 samples")
-    parser.add_argument("--repeat", type=int, default=3, help="with --per-sample: measurements, of which the medians are reported")
+    parser.add_argument("--counts", type=int, nargs=2, default=[8, 40], metavar=("N1", "N2"))
+    parser.add_argument("--workers", nargs="+", default=["1", "2", "all"], help="worker counts ('all': one per core)")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--large", type=int, default=0, help="also one run of this many samples with one worker per core (0: skip)")
+    parser.add_argument("--ray-overhead", action="store_true", help="also the cost of each extra Ray task, on a one-CPU local cluster")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = parser.parse_args()
+    cores = os.cpu_count() or 1
+    workers = sorted({cores if w == "all" else int(w) for w in args.workers})
     args.out.mkdir(parents=True, exist_ok=True)
     model = models.ppocr_rec_v4()
-    rows = {}
+    small, large = args.counts
+    measured: dict[int, list[dict]] = {w: [] for w in workers}
     with tempfile.TemporaryDirectory(prefix="accudiff-dataset-") as tmp:
         folder = Path(tmp)
-        if args.per_sample:
-            rows["per_sample"] = per_sample(model, folder, tuple(args.per_sample), args.repeat)
-            (args.out / "dataset_per_sample.json").write_text(json.dumps(rows, indent=2) + "\n")
-            return
-        data = make_dataset(folder / "small", args.samples)
-        for label, extra in (("1 worker", []), ("2 workers", ["--workers", "2"]), ("ray local", ["--ray", "local"])):
-            rows[label] = compare(model, data, folder / f"report-{len(rows)}", *extra)
-            r = rows[label]
-            print(f"{args.samples} samples, {label:9}: {r['seconds']:6.1f} s, {r['peak_mb']:6.0f} MB, exit {r['exit']}, failing {r['failing']}", flush=True)
-        print(f"two workers / one: {rows['2 workers']['seconds'] / rows['1 worker']['seconds']:.2f}x wall time")
-        rows["ray_task_overhead_s"] = ray_task_overhead(model, data)
-        print(f"Ray per-task overhead: {rows['ray_task_overhead_s']:.2f} s")
+        data = {n: make_dataset(folder / f"data-{n}", n) for n in (small, large)}
+        floors = []
+        for k in range(args.repeat):
+            floors.append(per_sample_floor(model, data[large]))
+            for w in workers:
+                runs = {n: compare(model, data[n], folder / f"report-{w}-{n}-{k}", w) for n in (small, large)}
+                measured[w].append({"marginal_s": (runs[large]["seconds"] - runs[small]["seconds"]) / (large - small),
+                                    "peak_mb": max(r["peak_mb"] for r in runs.values()), "layout": runs[large]["layout"],
+                                    "seconds": {n: r["seconds"] for n, r in runs.items()}})
+                print(f"run {k + 1}/{args.repeat}, {w} worker(s): {measured[w][-1]['marginal_s']:.3f} s per extra sample", flush=True)
+        floor = float(np.median(floors))
+        one = float(np.median([m["marginal_s"] for m in measured[workers[0]]]))
+        rows = {}
+        print(f"\n{cores} cores, recognizer, {small} -> {large} samples, medians of {args.repeat}; floor {floor:.3f} s per sample on one core")
+        print("| workers | sessions' threads | each extra sample | vs the first row | vs its floor (floor / workers) | peak memory |")
+        print("|---|---|---|---|---|---|")
+        for w in workers:
+            marginal = float(np.median([m["marginal_s"] for m in measured[w]]))
+            layout = measured[w][-1]["layout"] or {}
+            peak = max(m["peak_mb"] for m in measured[w])
+            rows[w] = {"marginal_s": marginal, "ratio_to_first": marginal / one, "floor_s": floor / w, "peak_mb": peak, "layout": layout, "runs": measured[w]}
+            print(f"| {layout.get('workers', w)} | {layout.get('session_threads')} | {marginal:.3f} s | {marginal / one:.2f}x | {marginal / (floor / w):.2f}x | {peak:.0f} MB |")
         if args.large:
-            large = make_dataset(folder / "large", args.large)
-            rows["large"] = compare(model, large, folder / "report-large", "--workers", "2")
-            r = rows["large"]
-            print(f"{args.large} samples, 2 workers: {r['seconds']:6.1f} s, {r['peak_mb']:6.0f} MB, exit {r['exit']}, failing {r['failing']}")
-    (args.out / "dataset_scaling.json").write_text(json.dumps(rows, indent=2) + "\n")
+            big = compare(model, make_dataset(folder / "large", args.large), folder / "report-large", cores)
+            rows["large"] = big
+            print(f"{args.large} samples, {cores} workers: {big['seconds']:.1f} s, {big['peak_mb']:.0f} MB, exit {big['exit']}")
+        if args.ray_overhead:
+            rows["ray_task_overhead_s"] = ray_task_overhead(model, data[small])
+            print(f"Ray, each extra task: {rows['ray_task_overhead_s']:.2f} s")
+    (args.out / "dataset_scaling.json").write_text(json.dumps({"cores": cores, "counts": args.counts, "floor_s": floor, "rows": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

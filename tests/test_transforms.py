@@ -10,6 +10,7 @@ import pytest
 from onnx import TensorProto, numpy_helper
 
 from accudiff.model.loading import load_model
+from accudiff.runners.fp16_emulation import lower_fp16
 from accudiff.runners.onnxrt import OnnxrtRunner
 from accudiff.errors import AccudiffError
 from accudiff.transforms import to_fp16, to_int8
@@ -144,6 +145,34 @@ def test_a_constant_of_minus_infinity_is_no_reason_to_keep_a_node():
     for half in (FP16, BF16):
         result = to_fp16(model, half=half)
         assert not result.kept and result.converted == {"apply_mask", "softmax"} and not result.constant_overflows
+
+
+@pytest.mark.parametrize("name", ["per_channel_opset11_ir7", "clean"])
+def test_bf16_converts_a_model_whose_opset_has_no_bf16_conv(name, tmp_path):
+    """Conv, pooling and most activations gain BF16 forms at opset 22: an opset-11 or -17 model's BF16
+    candidate is converted to it (said in a notice), names kept, and every node computes in BF16 (they were
+    all kept in FP32, which made the BF16 check pass vacuously)."""
+    info = load_model(fixture(name))
+    result = to_fp16(info.proto, half=BF16)
+    onnx.checker.check_model(result.model, full_check=True)
+    assert not result.kept and result.converted == {n.name for n in info.proto.graph.node if n.op_type != "Constant"}
+    assert result.model.opset_import[0].version == 22 and "its candidate was converted to opset 22, for BF16 forms of its ops" in result.warnings[0]
+    lower_fp16(result.model)  # ONNX Runtime's CPU kernels have no BF16 Conv: it runs as accudiff emulates it
+    assert {t.name for t in info.tensors} <= set(_runs_in_onnxruntime(result.model, info, tmp_path))
+
+
+def test_a_half_candidate_that_converts_nothing_is_refused():
+    """The only node reads a constant beyond FP16's range (autokeep keeps it): the FP16 candidate would be the
+    model itself, a check that proves nothing. Kept by --keep-fp32 (a repair being checked), it is allowed."""
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Add", ["x", "big"], ["y"], name="shift")], "shift",
+        [onnx.helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])], [onnx.helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+        [numpy_helper.from_array(np.full(4, 1e6, np.float32), "big")],
+    )
+    model = onnx.shape_inference.infer_shapes(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]))
+    with pytest.raises(AccudiffError, match=r"^no node of the model can compute in FP16 \(its constant 'big' has absmax 1e\+06, beyond the FP16 maximum 65504\), so --fp16 would compare it with itself$"):
+        to_fp16(model)
+    assert to_fp16(model, keep_fp32=["shift"]).kept[0].reason == "selected by --keep-fp32 shift"
 
 
 @pytest.mark.parametrize("pattern", ["conv2", "Conv", "conv[0-9]"])

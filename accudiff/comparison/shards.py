@@ -29,6 +29,24 @@ from accudiff.errors import AccudiffError, first_line
 
 Progress = Callable[[str, int, int], None]
 RAY_LOG_LEVEL = 40  # logging.ERROR: Ray's own log lines stay off the console
+# A worker's start (its Python and imports, overlapped with the caller's work) and its sessions are paid
+# back after about this many samples (benchmarks/dataset_scaling.py): a dataset gets a worker per core
+# once each has that many.
+SAMPLES_PER_WORKER = 4
+
+
+def session_threads(samples: int) -> int:
+    """The intra-op threads of every ONNX Runtime session in a comparison of `samples` samples. One sample
+    runs on every core. A dataset runs each session on one thread, whatever the number of workers and
+    wherever they run (local processes, Ray tasks): ONNX Runtime splits some sums by thread count, so one
+    rule for every layout keeps the table the same; the cores are used by the workers instead."""
+    return 1 if samples > 1 else os.cpu_count() or 1
+
+
+def default_workers(samples: int) -> int:
+    """Local workers when --workers is not given: one per core for a dataset large enough to pay for
+    them (SAMPLES_PER_WORKER samples each), else one."""
+    return max(1, min(os.cpu_count() or 1, samples // SAMPLES_PER_WORKER))
 
 
 def run_shards(
@@ -42,15 +60,14 @@ def run_shards(
 ) -> dict:
     """Compare the samples `entries` (model/samples.py) in shards; their merged result.
 
-    `workers`: how many shards (default: 1 locally; with Ray, one per CPU of the cluster). `indices`: the
+    `workers`: how many shards (default: `default_workers` locally; with Ray, one per CPU of the cluster). `indices`: the
     samples' numbers in the whole dataset, which the per-sample results carry (default 0, 1, ...).
     `keep_warm`: local workers stay up for the jobs that may follow (worker.run_job)."""
     indices = list(indices) if indices is not None else list(range(len(entries)))
     if ray is not None:
         with _ray_cluster(ray) as cpus:
-            return merge_results(_run_on_ray(_split(job, entries, indices, workers or cpus, threads=1), progress))
-    # Workers on one machine share its cores; a Ray task has the one CPU Ray gives it.
-    jobs = _split(job, entries, indices, workers or 1, threads=None)
+            return merge_results(_run_on_ray(_split(job, entries, indices, workers or cpus, cores=1), progress))
+    jobs = _split(job, entries, indices, workers or default_workers(len(entries)), cores=os.cpu_count() or 1)
     done = [0] * len(jobs)
 
     def report(k: int):
@@ -82,19 +99,18 @@ def run_shards(
     return merge_results(results)
 
 
-def _split(job: Job, entries: Sequence[Sequence[str]], indices: list[int], workers: int, threads: int | None) -> list[Job]:
+def _split(job: Job, entries: Sequence[Sequence[str]], indices: list[int], workers: int, cores: int) -> list[Job]:
     """`workers` shards of the samples, one job each, dealt out in turn: the first samples, which alone get
-    the isolated run (group.py), go to every worker (`threads`: None shares this machine's cores). Every
-    shard's sessions are made alike, whatever their number (see Job): locally each run has every core of
-    the machine, on Ray the one CPU a task gets."""
+    the isolated run (group.py), go to every worker. Every shard's sessions are made alike, whatever their
+    number (`session_threads`, and optimized or not by the whole run's number of samples); the `cores`
+    each job may use (this machine's, or the one CPU a Ray task gets) are shared among the shards for the
+    statistics."""
     count = len(entries)
     shards = [list(range(k, count, workers)) for k in range(min(workers, count))]
-    session_threads = threads or os.cpu_count() or 1
-    if threads is None:
-        threads = max(1, (os.cpu_count() or 1) // len(shards))
+    threads = max(1, cores // len(shards))
     return [
         replace(job, samples=[list(entries[i]) for i in shard], sample_indices=[indices[i] for i in shard], result=f"{job.result}-{k}",
-                threads=threads, session_threads=session_threads, run_samples=count)
+                threads=threads, session_threads=min(session_threads(count), cores), run_samples=count)
         for k, shard in enumerate(shards)
     ]
 
@@ -102,8 +118,10 @@ def _split(job: Job, entries: Sequence[Sequence[str]], indices: list[int], worke
 def merge_results(results: Iterable[dict]) -> dict:
     """One result from several workers' results (same job, other samples), added up in their order, each
     as it comes: only the running total is held, whatever the number of shards."""
-    merged = {"passes": {}, "reference_not_observable": {}, "inputs": None, "timings": {}}
+    merged = {"passes": {}, "reference_not_observable": {}, "inputs": None, "timings": {}, "layout": {"workers": 0, "session_threads": []}}
     for result in results:
+        layout = merged["layout"]  # how many workers ran side by side, and their sessions' intra-op threads
+        merged["layout"] = {"workers": layout["workers"] + 1, "session_threads": sorted({*layout["session_threads"], *result["layout"]["session_threads"]})}
         merged["reference_not_observable"].update(result["reference_not_observable"])
         merged["timings"] = added_timings([merged["timings"], result.get("timings", {})])  # worker-seconds
         inputs = StatsSet.from_arrays(result["inputs"])

@@ -318,7 +318,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
         finally:
             engine.close()
             release_shared_arena()  # sessions kept for a later job (`reuse`) keep what they hold
-    _write_result(engine, Path(job.result))
+    _write_result(engine, Path(job.result), cpu.threads)
 
 
 class _ReusedRunners:
@@ -372,9 +372,10 @@ class _Reused(Runner):
 _REUSED = _ReusedRunners()
 
 
-def _write_result(engine, path: Path) -> None:
+def _write_result(engine, path: Path, session_threads: int) -> None:
     arrays = {"inputs/values": engine.input_stats.values, **_sparse("inputs/sketch", engine.input_stats.sketch)}
-    document = {"passes": {}, "reference_not_observable": engine.reference_not_observable, "timings": engine.timings}
+    document = {"passes": {}, "reference_not_observable": engine.reference_not_observable, "timings": engine.timings,
+                "layout": {"workers": 1, "session_threads": [session_threads]}}
     for name, result in engine.results.items():
         arrays.update({f"{name}/values": result.stats.values, **_sparse(f"{name}/sketch", result.stats.sketch)})
         ratios = list(result.ratio_sketches)

@@ -93,6 +93,9 @@ def format_timings(result) -> str:
     """Where the time went (`--timings`): this process's stages, then each stage's workers by phase."""
     stages = result.timings
     lines = [f"  time: {sum(stages.values()):.2f} s in this process (stages: " + ", ".join(f"{k} {v:.2f} s" for k, v in stages.items()) + ")"]
+    if result.layout:
+        threads = " or ".join(str(t) for t in result.layout["session_threads"])
+        lines.append(f"    comparison: {result.layout['workers']} worker(s), each session on {threads} thread(s)")
     for stage, phases in result.worker_timings.items():
         runs = {k.removeprefix("runs: "): v for k, v in phases.items() if k.startswith("runs: ")}
         shown = [f"{k} {v:.2f} s" for k, v in phases.items() if not k.startswith("runs: ")]

@@ -74,6 +74,7 @@ def summary(result) -> dict:
         "notices": result.notices,
         "timings_s": result.timings,
         "worker_timings_s": result.worker_timings,
+        "layout": result.layout,
         "inputs": result.inputs,
         "samples": _samples_summary(result),
         "alignment": _alignment(result),

@@ -29,6 +29,7 @@ from accudiff.model.loading import needs_data_file, save_model, toposort
 from accudiff.model.formats import quant_ranges
 from accudiff.transforms.base import KeptNode, NodeSelector, TransformResult
 from accudiff.transforms.keep_float import keep_in_float
+from accudiff.transforms.opset import with_opset
 
 QUANTIZED_OPS = ["Conv", "ConvTranspose", "MatMul", "Gemm"]
 PREQUANTIZED_OPS = frozenset({  # besides QLinear*: what an already-quantized model holds
@@ -64,7 +65,7 @@ def to_int8(
     selector = NodeSelector(keep_fp32)
     excluded = [node.name for node in model.graph.node if selector.matches(node) is not None]
     already = _what_remains_to_quantize(model, excluded)  # before the opset upgrade, which a model with nothing to quantize may not survive
-    model, upgraded = _with_per_channel_opset(model)
+    model, upgraded = with_opset(model, PER_CHANNEL_OPSET, "per-channel INT8 quantization")
     notices = [*already, *upgraded, *([RANDOM_CALIBRATION_WARNING] if calibrated_on_random_data else [])]
     with tempfile.TemporaryDirectory(prefix="accudiff-int8-") as tmp:
         source, target = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
@@ -149,32 +150,6 @@ def _what_remains_to_quantize(model: onnx.ModelProto, excluded: list[str]) -> li
     if not found:
         return []
     return [f"the model is already quantized ({what}): those parts run as they are on both sides, and only its {len(remaining)} float {ops} node(s) left were quantized"]
-
-
-def _with_per_channel_opset(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
-    """Per-channel DequantizeLinear (its `axis`) needs opset 13, as TensorRT's explicit quantization does:
-    a model exported at an older opset is converted with ONNX's version converter first, and it is said."""
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
-    if opset >= PER_CHANNEL_OPSET:
-        return model, []
-    try:
-        upgraded = onnx.version_converter.convert_version(model, PER_CHANNEL_OPSET)
-    except Exception as exc:  # the converter raises bare errors of many kinds
-        raise AccudiffError(
-            f"the INT8 candidate needs opset {PER_CHANNEL_OPSET} (per-channel quantization), and ONNX's version converter "
-            f"cannot convert this opset-{opset} model: {first_line(exc)}"
-        ) from exc
-    # The converter keeps the IR version; below 4 every initializer must also be a graph input, which the
-    # quantizer's calibration graph (new initializers, no new inputs) breaks. The opset's own IR is the floor.
-    upgraded.ir_version = max(upgraded.ir_version, _ir_floor(upgraded.opset_import))
-    return upgraded, [f"the model is at opset {opset}; its INT8 candidate was converted to opset {PER_CHANNEL_OPSET}, which per-channel quantization needs"]
-
-
-def _ir_floor(opsets: Iterable[onnx.OperatorSetIdProto]) -> int:
-    """The lowest IR version the imported opsets need, from the versions onnx knows: real models import
-    domains it has never heard of (com.microsoft, com.microsoft.nchwc, ...), which need nothing of it."""
-    known = [o for o in opsets if (o.domain or "ai.onnx", o.version) in onnx.helper.OP_SET_ID_VERSION_MAP]
-    return onnx.helper.find_min_ir_version_for(known) if known else 3
 
 
 def _unshare_quantized_activations(graph: onnx.GraphProto) -> set[str]:
