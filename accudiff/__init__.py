@@ -1,12 +1,11 @@
-"""accudiff: find the tensor where an ONNX model loses accuracy in FP16/INT8, and why.
+"""accudiff: find where an ONNX model loses accuracy in FP16, BF16, INT8 or FP8, and why.
 
 The public API is imported on first use, so that light entry points (the ONNX Runtime worker process,
 the pytest plugin's registration) do not pay for pandas and the whole pipeline at start-up.
 """
 
 from accudiff.errors import AccudiffError
-
-__version__ = "0.1.0"
+from accudiff.version import __version__
 __all__ = ["AccudiffError", "CompareResult", "RunSettings", "TensorFailure", "TrtOptions", "__version__", "compare"]
 
 _API = {"compare", "CompareResult", "RunSettings", "TensorFailure", "TrtOptions"}

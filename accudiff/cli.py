@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
-from accudiff import __version__
+from accudiff.version import __version__
 from accudiff.errors import AccudiffError
 from accudiff.options import add_report_dir_option, add_run_options, run_settings
 from accudiff.report.folder import default_report_dir

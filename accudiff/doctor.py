@@ -84,7 +84,7 @@ def run_doctor() -> DoctorReport:
 
 
 def _facts() -> dict[str, str]:
-    from accudiff import __version__
+    from accudiff.version import __version__
     from accudiff.runners.trt_env import MODULES, gpu_compute_capability
 
     facts = {"accudiff": __version__, "python": platform.python_version(), "platform": platform.platform()}
@@ -120,14 +120,14 @@ def _build(trt, model: Path, mark: str) -> str:
 
 
 def _compare(fixtures: Path, mark: str) -> str:
-    import accudiff
+    from accudiff.api import compare
     from accudiff.runners import TrtOptions
 
     options = {"candidate": "trt", "trt": TrtOptions(mark=mark)}
-    clean = accudiff.compare(fixtures / "clean.onnx", "fp16", **options)
+    clean = compare(fixtures / "clean.onnx", "fp16", **options)
     if not clean.passed:
         raise AssertionError(f"the clean fixture fails: {clean.output_failures[0].tensor}")
-    broken = accudiff.compare(fixtures / "layernorm_overflow.onnx", "fp16", **options)
+    broken = compare(fixtures / "layernorm_overflow.onnx", "fp16", **options)
     cause = broken.output_failures[0].cause if broken.output_failures else None
     if cause is None or cause.node != "ln_square":
         raise AssertionError(f"the LayerNorm overflow is not named (cause: {cause})")

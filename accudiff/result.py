@@ -13,8 +13,8 @@ from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING
 from accudiff.comparison.tolerances import Tolerances
 from accudiff.diagnosis.cause import Cause
 from accudiff.diagnosis.rules import Finding
-from accudiff.diagnosis.verify import Repair
-from accudiff.model.loading import NodeSummary
+from accudiff.diagnosis.cause import Repair
+from accudiff.model.inventory import NodeSummary
 from accudiff.transforms import KeptNode
 
 MIN_COVERAGE = 0.5  # below this share of the model's tensors compared, a clean result is not a pass

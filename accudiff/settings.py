@@ -19,9 +19,7 @@ from accudiff.transforms import NodeSelector
 
 if TYPE_CHECKING:
     from accudiff.model.inputs import Feed
-    from accudiff.model.loading import ModelInfo
-    from accudiff.model.samples import Samples
-    from accudiff.transforms.candidate import CandidateRecipe
+    from accudiff.model.inventory import ModelInfo
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 PRECISION_FLAGS = {"fp16": "--fp16", "bf16": "--bf16", "int8": "--int8"}
@@ -197,18 +195,10 @@ class RunSettings:
     def uses_trt(self) -> bool:
         return "trt" in (self.backend[0], self.also)
 
-    def recipe(self, calibration: Samples | str | Path | None = None) -> CandidateRecipe:
-        """How the candidate is made; `calibration` replaces `calib_data` (a branch group's own samples)."""
-        from accudiff.transforms.candidate import CandidateRecipe
-
-        chosen = calibration if calibration is not None else self.calib_data
-        given = Path(self.candidate_model) if self.candidate_model is not None else None
-        return CandidateRecipe(self.precision, self.keep_fp32, self.autokeep, chosen, self.seed, self.trt.engine, given)
-
     def check_against(self, info: ModelInfo) -> None:
         """What can only be checked with the model: something to compare, and every keep pattern and
         per-tensor tolerance names something in it (an option that matches nothing is an error)."""
-        from accudiff.model.loading import all_nodes
+        from accudiff.model.graph import all_nodes
 
         if not info.tensors:
             reasons = sorted(set(info.not_observable.values()))

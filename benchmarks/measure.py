@@ -57,7 +57,7 @@ def tree_rss(root: int) -> int:
 def accudiff_command(*args: str) -> list[str]:
     """The command that runs `accudiff *args` in a fresh process (from the repository root, this checkout's
     accudiff), its modules byte-compiled first, as pip compiles a package it installs. Where
-    PYTHONDONTWRITEBYTECODE is set (this sandbox sets it), a source checkout is otherwise compiled again by
+    PYTHONDONTWRITEBYTECODE is set, a source checkout is otherwise compiled again by
     every process it starts: 0.3 s of a recognizer compare on a busy hour, which polygraphy, installed by
     pip with its bytecode, does not pay."""
     _byte_compile_accudiff()

@@ -53,7 +53,8 @@ def test_segments_are_cut_in_memory_and_never_saved(tmp_path, keep_sessions):
     """A worker hands each pass's segments to ONNX Runtime as it cuts them: before, it saved every segment,
     and the runner read it back and saved it again (0.3-0.5 s of a compare of the PP-OCRv4 recognizer).
     With one sample, each segment is cut only when its runner is made."""
-    from accudiff.comparison.engine import Engine, Measured, PassPlan
+    from accudiff.comparison.engine import Engine
+    from accudiff.comparison.plans import EngineOptions, Measured, PassPlan, ReferencePlan
     from accudiff.comparison.tolerances import Tolerances
     from accudiff.model.inputs import generate_feeds
     from accudiff.model.loading import load_model
@@ -67,7 +68,7 @@ def test_segments_are_cut_in_memory_and_never_saved(tmp_path, keep_sessions):
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     candidate = PassPlan("candidate", chain, lambda model, outputs: candidate_runner("onnxrt", model, outputs, "fp32"))
-    engine = Engine(chain, reference_runner, [candidate], measured, scratch, keep_sessions=keep_sessions)
+    engine = Engine(ReferencePlan(chain, reference_runner), [candidate], measured, scratch, EngineOptions(keep_sessions=keep_sessions))
     try:
         engine.run_sample(0, generate_feeds(info.inputs, {spec.name: spec.shape for spec in info.inputs}, seed=0)[0])
     finally:

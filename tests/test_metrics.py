@@ -244,7 +244,7 @@ def test_the_table_holds_each_tensors_row_and_says_what_was_not_measured():
     (identical, poisoned, exact integer, out of tolerance), a tensor never measured is 'not observed'
     with no statistics, and a shape mismatch fails even without statistics."""
     from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, STATUS_PASS, build_table
-    from accudiff.model.loading import TensorInfo
+    from accudiff.model.inventory import TensorInfo
 
     rng = np.random.default_rng(0)
     ref = rng.normal(size=1000).astype(np.float32)

@@ -43,14 +43,14 @@ def test_weights_past_the_external_data_threshold_travel_beside_each_model(preci
     built from that candidate afterwards (once pointed at the candidate's data file, not beside it)."""
     import onnx
 
-    from accudiff.model import loading
+    from accudiff.model import saving
 
     folder = tmp_path / "a folder with spaces"
     folder.mkdir()
     model = onnx.load(str(fixture("int8_outlier_channel")))
     onnx.save(model, str(folder / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=False, size_threshold=0)
-    monkeypatch.setattr(loading, "EXTERNAL_DATA_THRESHOLD", 100)
-    monkeypatch.setattr(loading, "EXTERNAL_DATA_MIN_TENSOR", 0)
+    monkeypatch.setattr(saving, "EXTERNAL_DATA_THRESHOLD", 100)
+    monkeypatch.setattr(saving, "EXTERNAL_DATA_MIN_TENSOR", 0)
     result = accudiff.compare(folder / "model.onnx", precision, candidate="onnxrt", report_dir=tmp_path / "r")
     assert result.verdict in ("pass", "fail") and result.coverage[0] == result.coverage[1]
     [candidate] = result.candidate_models
@@ -66,10 +66,10 @@ def test_no_model_past_the_threshold_is_saved_whole(precision, tmp_path, monkeyp
     Here the threshold is lowered, and saving a model whole past it fails as protobuf would."""
     import onnx
 
-    from accudiff.model import loading
+    from accudiff.model import saving
 
-    monkeypatch.setattr(loading, "EXTERNAL_DATA_THRESHOLD", 100)
-    monkeypatch.setattr(loading, "EXTERNAL_DATA_MIN_TENSOR", 0)
+    monkeypatch.setattr(saving, "EXTERNAL_DATA_THRESHOLD", 100)
+    monkeypatch.setattr(saving, "EXTERNAL_DATA_MIN_TENSOR", 0)
     original = onnx.save_model
 
     def like_protobuf(proto, f, *args, save_as_external_data=False, **kwargs):
@@ -299,7 +299,7 @@ def test_weights_held_in_constant_nodes_are_typed_as_inference_types_them():
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from accudiff.model.loading import infer_shapes_in_place
+    from accudiff.model.shapes import infer_shapes_in_place
 
     rng = np.random.default_rng(0)
     weight = numpy_helper.from_array(rng.standard_normal((64, 48)).astype(np.float32), "w")

@@ -13,7 +13,8 @@ import pytest
 
 from accudiff.model.formats import file_formats, precision_label
 from accudiff.model.inputs import generate_feeds
-from accudiff.model.loading import load_model, save_model
+from accudiff.model.loading import load_model
+from accudiff.model.saving import save_model
 from accudiff.runners.onnxrt import OnnxrtRunner
 from accudiff.transforms.candidate import CandidateRecipe, CandidateVariants, transform_model
 from conftest import ROOT, fixture

@@ -56,7 +56,7 @@ def test_fp16_models_carry_the_types_shape_inference_would_give(name, kind):
     """The worker cuts and lowers the candidate, its isolated twin and the verification's switchboard without
     inferring their shapes again (0.2 s a model on the PP-OCRv4 recognizer): every value a node produces
     must already be typed, exactly as inference types it (the Casts and switches the transforms add included)."""
-    from accudiff.model.loading import infer_shapes_in_place
+    from accudiff.model.shapes import infer_shapes_in_place
     from accudiff.transforms.candidate import CandidateRecipe, CandidateVariants, transform_model
     from accudiff.transforms.isolate import isolate_in_place
 

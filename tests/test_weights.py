@@ -12,12 +12,15 @@ import onnx
 import pytest
 
 import accudiff
-from accudiff.comparison.engine import Engine, Measured, PassPlan
+from accudiff.comparison.engine import Engine
+from accudiff.comparison.plans import EngineOptions, Measured, PassPlan, ReferencePlan
 from accudiff.comparison.tolerances import Tolerances
 from accudiff.errors import AccudiffError
 from accudiff.model import weights as weights_module
 from accudiff.model.inputs import generate_feeds
-from accudiff.model.loading import SMALL_INITIALIZER_BYTES, load_graph, load_model, save_model
+from accudiff.model.loading import load_graph, load_model
+from accudiff.model.saving import save_model
+from accudiff.model.shapes import SMALL_INITIALIZER_BYTES
 from accudiff.model.subgraph import extract
 from accudiff.model.weights import is_external, weight_values
 from accudiff.runners import CpuOptions, candidate_runner, reference_runner
@@ -162,7 +165,7 @@ def test_one_samples_sessions_are_made_one_at_a_time(tmp_path, monkeypatch):
         monkeypatch.setattr(accudiff.comparison.engine, "AHEAD_UP_TO_BYTES", ahead_up_to)
         events.clear()
         passes = [PassPlan("candidate", candidate, watched(lambda p, o: candidate_runner("onnxrt", p, o, "fp16"), "candidate"))]
-        engine = Engine(fixture("layernorm_overflow"), watched(reference_runner, "reference"), passes, measured, tmp_path / f"{keep}{ahead_up_to}", keep_sessions=keep)
+        engine = Engine(ReferencePlan(fixture("layernorm_overflow"), watched(reference_runner, "reference")), passes, measured, tmp_path / f"{keep}{ahead_up_to}", EngineOptions(keep_sessions=keep))
         engine.run_sample(0, feed)
         engine.close()
         assert (events[: len(expected)] == expected) if expected else (sorted(events[:4]) == ["+candidate", "+reference", "-candidate", "-reference"]), events
@@ -188,7 +191,7 @@ def test_passes_running_one_file_read_it_once(tmp_path, monkeypatch):
     passes = [PassPlan(f"pass{k}", candidate, lambda p, o: candidate_runner("onnxrt", p, o, "fp16")) for k in range(3)]
     for keep in (False, True):
         reads.clear()
-        engine = Engine(fixture("layernorm_overflow"), reference_runner, passes, measured, tmp_path / str(keep), keep_sessions=keep)
+        engine = Engine(ReferencePlan(fixture("layernorm_overflow"), reference_runner), passes, measured, tmp_path / str(keep), EngineOptions(keep_sessions=keep))
         engine.run_sample(0, feed)
         engine.close()
         assert reads == [fixture("layernorm_overflow"), candidate]

@@ -18,7 +18,9 @@ from pathlib import Path
 import onnx
 import pandas as pd
 
-from accudiff.model.loading import load_model, save_model
+from accudiff.model.loading import load_model
+
+from accudiff.model.saving import save_model
 from accudiff.model.subgraph import extract
 from accudiff.errors import AccudiffError
 from accudiff.report.folder import ReportFolder

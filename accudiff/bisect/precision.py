@@ -25,7 +25,7 @@ from accudiff.result import CompareResult
 from accudiff.bisect.session import BisectSession
 from accudiff.diagnosis.cause import rank_contributors
 from accudiff.comparison.trial import Trials
-from accudiff.model.loading import save_model
+from accudiff.model.saving import save_model
 from accudiff.transforms.candidate import keep_pattern, repaired, repaired_file
 
 KEEP_LIST_FILE, RANKING_FILE = "keep_fp32.txt", "ranking.csv"

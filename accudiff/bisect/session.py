@@ -14,13 +14,15 @@ from accudiff.comparison.group import record_reference
 from accudiff.comparison.trial import TrialSetup, Trials
 from accudiff.comparison.branches import branch_groups, calibration_per_group
 from accudiff.errors import AccudiffError
-from accudiff.model.loading import ModelInfo, load_model, save_model
+from accudiff.model.inventory import ModelInfo
+from accudiff.model.loading import load_model
+from accudiff.model.saving import save_model
 from accudiff.model.samples import Samples, prepare_samples
 from accudiff.result import CompareResult
 from accudiff.runners.outputs import ReferenceCache, ReferenceStore
 from accudiff.settings import RunSettings
 from accudiff.transforms.base import TransformResult
-from accudiff.transforms.candidate import CandidateVariants, calibration_samples, transform_model
+from accudiff.transforms.candidate import CandidateRecipe, CandidateVariants, calibration_samples, transform_model
 from accudiff.transforms.float_form import float_reference
 
 
@@ -90,13 +92,13 @@ class BisectSession:
     @cached_property
     def candidate(self) -> TransformResult:
         """The candidate exactly as `compare` builds it (a candidate made by another tool: aligned)."""
-        return transform_model(self.info, self.settings.recipe(), self.feeds[0], self.cache.folder)
+        return transform_model(self.info, CandidateRecipe.of(self.settings), self.feeds[0], self.cache.folder)
 
     def trials(self, full: CompareResult) -> Trials:
         """Trials of the candidate with nodes kept in higher precision, on every sample of the session,
         built from the same recipe as `compare`'s candidate (so the repaired model is the one verified); a
         kept node's readers that only move its values are kept with it (Boundaries, regions)."""
-        setup = TrialSetup(self.info, CandidateVariants(self.info, self.settings.recipe(), self.candidate), self.feeds, self.settings, self.cache.folder / "trials")
+        setup = TrialSetup(self.info, CandidateVariants(self.info, CandidateRecipe.of(self.settings), self.candidate), self.feeds, self.settings, self.cache.folder / "trials")
         return Trials(setup, full.table.set_index("tensor"), regions=True)
 
     def close(self) -> None:

@@ -29,7 +29,7 @@ import onnx
 from accudiff.bisect.session import BisectSession
 from accudiff.comparison.table import STATUS_FAIL
 from accudiff.model.inputs import Feed, save_feeds
-from accudiff.model.loading import save_model
+from accudiff.model.saving import save_model
 from accudiff.model.subgraph import extract
 from accudiff.result import TensorFailure
 from accudiff.settings import RunSettings

@@ -26,7 +26,10 @@ import onnx
 from accudiff.comparison.metrics import EMPTY_ROW, SKETCH_BUCKETS
 from accudiff.comparison.shards import merge_results
 from accudiff.errors import AccudiffError
-from accudiff.model.loading import ModelInfo, all_nodes, infer_shapes_in_place, save_model, subgraph_outer_references
+from accudiff.model.graph import all_nodes, subgraph_outer_references
+from accudiff.model.inventory import ModelInfo
+from accudiff.model.saving import save_model
+from accudiff.model.shapes import infer_shapes_in_place
 from accudiff.model.samples import Samples, samples_from_path
 from accudiff.model.subgraph import extract
 from accudiff.model.weights import weight_values

@@ -27,17 +27,18 @@ import numpy as np
 import onnx
 
 from accudiff.comparison.decisions import DEFAULT_THRESHOLD, decide
+from accudiff.comparison.plans import EngineOptions, Measured, PassPlan, ReferencePlan, RunnerFactory
 from accudiff.comparison.metrics import EMPTY_ROW, F, PART_ELEMENTS, SKETCH_BUCKETS, PartMap, StatsSet, finish, reduce_tensor, reference_range
-from accudiff.comparison.tolerances import Tolerance, Tolerances
+from accudiff.comparison.tolerances import Tolerance
 from accudiff.model.inputs import Feed
-from accudiff.model.loading import infer_shapes_unless_typed, load_graph, name_unnamed_nodes, tensor_bytes
+from accudiff.model.graph import tensor_bytes
+from accudiff.model.inventory import name_unnamed_nodes
+from accudiff.model.loading import load_graph
+from accudiff.model.shapes import infer_shapes_unless_typed
 from accudiff.model.source import IN_MEMORY_WEIGHTS_UP_TO, ModelSource, own_weight_bytes
 from accudiff.model.subgraph import cut_inputs, extract
 from accudiff.runners.base import Runner
-from accudiff.runners.outputs import ReferenceStore
-from accudiff.model.formats import QuantRange
 
-Progress = Callable[[str], None]
 _RANGE_ONLY = Tolerance(atol=1.0, rtol=0.0)  # for a tensor compared with itself: no error, only its range
 PARALLEL_ELEMENTS = 1 << 18  # tensors this large are reduced on several cores at once
 POINTS_PER_SAMPLE = 512  # (reference, candidate) pairs of each graph output kept per sample, for plots
@@ -47,20 +48,6 @@ POINTS_PER_OUTPUT = 2048  # ... and in all
 # Runtime's packed copies) beside the running one's: the recognizer's 10 MB save 0.4 s of its 9 sessions,
 # resnet18's 45 MB cost 60 MB more at the peak and saved no time.
 AHEAD_UP_TO_BYTES = 32 << 20
-RunnerFactory = Callable[[ModelSource, list[str]], Runner]  # (model, tensors to return) -> runner
-
-
-@dataclass
-class PassPlan:
-    """One candidate pass: a model to run segment by segment, and its inputs fed from the reference."""
-
-    name: str  # "candidate", "isolated", or a second backend's name
-    model: Path
-    make_runner: RunnerFactory
-    fed_from_reference: dict[str, str] = field(default_factory=dict)  # input -> the reference tensor it is fed
-    record: ReferenceStore | None = None  # where its tensors are kept, when the user asked to save them
-    fixed_inputs: dict[str, np.ndarray] = field(default_factory=dict)  # inputs of the pass's own (a switchboard's switches)
-    samples: int | None = None  # it runs on the samples numbered below this (None: on every sample)
 
 
 @dataclass
@@ -112,46 +99,12 @@ class _Segment:
     ahead: Future | None = None  # its activation, under way while the segment before it runs
 
 
-@dataclass(frozen=True)
-class Measured:
-    """What the engine measures: the compared tensors (and which are graph outputs), the segments that
-    produce them (the original model's node names per segment), how they are judged, and the graph inputs
-    whose ranges the diagnosis needs (an input beyond FP16 or outside its INT8 range)."""
-
-    tensors: Sequence[str]
-    outputs: Sequence[str]
-    segments: Sequence[Sequence[str]]
-    tolerances: Tolerances
-    quant_ranges: Mapping[str, QuantRange]
-    inputs: Sequence[str] = ()
-    thresholds: Mapping[str, float] = field(default_factory=dict)  # a probability map's threshold: by output, "" the default
-
-
 class Engine:
     """Runs the reference and the candidate passes over samples, segment by segment, into statistics."""
 
-    def __init__(
-        self,
-        reference: Path,
-        make_reference: RunnerFactory,
-        passes: Sequence[PassPlan],
-        measured: Measured,
-        scratch: Path,
-        store: ReferenceStore | None = None,
-        progress: Progress = lambda step: None,
-        threads: int = 1,
-        outputs_store: ReferenceStore | None = None,
-        keep_sessions: bool = True,
-    ):
-        """`store`: reference outputs recorded earlier (then replayed, and the reference never runs) or to
-        record now. `outputs_store`: where the reference's graph outputs are recorded (verification replays
-        them instead of running the reference again). `keep_sessions`: every runner is activated at once
-        and kept for every sample; else (one sample: nothing to reuse) each is activated while the one
-        before it runs (or, past AHEAD_UP_TO_BYTES of weights, just before its own run, so one backend's
-        copy of the weights is in memory at a time) and deactivated after its run.
-        (Arrays a runner returned outlive its deactivation: ONNX Runtime's and TensorRT's are the
-        process's own, a recorded runner's deactivation does nothing.)"""
-        self.outputs_store, self.keep_sessions = outputs_store, keep_sessions
+    def __init__(self, reference: ReferencePlan, passes: Sequence[PassPlan], measured: Measured, scratch: Path, options: EngineOptions = EngineOptions()):
+        store, threads, progress = reference.store, options.threads, options.progress
+        self.outputs_store, self.keep_sessions = reference.outputs_store, options.keep_sessions
         self.tensors, self.outputs = list(measured.tensors), set(measured.outputs)
         self.inputs = list(measured.inputs)
         tolerances, quant_ranges, segments = measured.tolerances, measured.quant_ranges, measured.segments
@@ -176,14 +129,14 @@ class Engine:
         self._later_reference_reads: list[set[str]] = []
         try:
             replay = store is not None and store.complete
-            self.reference = self._segments(reference, node_segment, len(segments), None if replay else make_reference, scratch / "reference")
+            self.reference = self._segments(reference.model, node_segment, len(segments), None if replay else reference.make_runner, scratch / "reference")
             self.pass_segments = {
                 p.name: self._segments(p.model, node_segment, len(segments), p.make_runner, scratch / _safe(p.name)) for p in self.passes
             }
         except BaseException:
             self.close()
             raise
-        if not keep_sessions and self._weight_bytes < AHEAD_UP_TO_BYTES:
+        if not self.keep_sessions and self._weight_bytes < AHEAD_UP_TO_BYTES:
             self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="accudiff-session")
         for k in range(len(segments)):  # reference values later segments read, as inputs or fed to a pass
             later = {n for s in self.reference[k + 1 :] for n in s.inputs}

@@ -20,14 +20,16 @@ from accudiff.comparison.tolerances import Tolerances
 from accudiff.comparison.trial import MAX_TRIAL_SAMPLES
 from accudiff.comparison.worker import Job
 from accudiff.memory import return_freed_memory
-from accudiff.model.loading import ModelInfo, describe, link_model, needs_data_file, remember_types, save_model
+from accudiff.model.inventory import ModelInfo, describe
+from accudiff.model.loading import remember_types
+from accudiff.model.saving import link_model, needs_data_file, save_model
 from accudiff.model.inputs import Feed
 from accudiff.model.run_results import Captured, write_run_results
 from accudiff.model.samples import Samples
 from accudiff.model.segments import SEGMENTS_PER_BUDGET, memory_budget, plan_segments, tensor_sizes
 from accudiff.runners.outputs import ReferenceCache, ReferenceStore
 from accudiff.transforms import TransformResult
-from accudiff.transforms.candidate import transform_model
+from accudiff.transforms.candidate import CandidateRecipe, transform_model
 from accudiff.transforms.isolate import isolate_in_place
 
 if TYPE_CHECKING:
@@ -116,7 +118,7 @@ def make_candidate(
     any backend loads a model, so at most one copy of them is in memory at a time (from here on the
     workers read files). A candidate captured elsewhere is replayed from its store instead of run."""
     remember_types(info)  # verification reads the model again
-    transformed = transform_model(info, settings.recipe(group.calibration), samples[group.samples[0]], scratch)
+    transformed = transform_model(info, CandidateRecipe.of(settings, group.calibration), samples[group.samples[0]], scratch)
     working = scratch / "models" / path.name
     working.parent.mkdir(exist_ok=True)
     save_model(transformed.model, working, move_weights=True)

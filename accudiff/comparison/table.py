@@ -13,7 +13,7 @@ import pandas as pd
 
 from accudiff.comparison.metrics import F, StatsSet, finish_rows
 from accudiff.comparison.tolerances import Tolerances
-from accudiff.model.loading import InputSpec, TensorInfo
+from accudiff.model.inventory import InputSpec, TensorInfo
 from accudiff.model.formats import QuantRange
 
 STATUS_PASS, STATUS_FAIL, STATUS_MISSING = "pass", "fail", "not observed"

@@ -30,7 +30,8 @@ from accudiff.comparison.decisions import COUNTS, decision_figures
 from accudiff.comparison.objective import Objective
 from accudiff.comparison.shards import added_timings, merge_results
 from accudiff.comparison.worker import Job, Worker, discard_spares, prestart, take_worker
-from accudiff.model.loading import ModelInfo, save_model
+from accudiff.model.inventory import ModelInfo
+from accudiff.model.saving import save_model
 from accudiff.model.ops import VALUE_PRESERVING_OPS
 from accudiff.model.samples import Samples
 from accudiff.runners.outputs import ReferenceStore

@@ -243,9 +243,10 @@ def _how_it_died(code: int) -> str:
 
 def _work(job: Job, emit: Callable[[dict], None]) -> None:
     """The worker's side: build the engine, reduce every sample, write the result."""
-    from accudiff.comparison.engine import Engine, Measured, PassPlan
+    from accudiff.comparison.engine import Engine
+    from accudiff.comparison.plans import EngineOptions, Measured, PassPlan, ReferencePlan
     from accudiff.comparison.tolerances import Tolerances
-    from accudiff.model.loading import InputSpec
+    from accudiff.model.inventory import InputSpec
     from accudiff.model.source import ModelSource
     from accudiff.model.samples import Samples
     from accudiff.runners import CpuOptions, EngineShapes, TrtOptions, candidate_runner, reference_runner
@@ -297,18 +298,10 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
             job.inputs,
             job.thresholds,
         )
-        engine = Engine(
-            Path(job.reference),
-            lambda model, outputs: reference_runner(model, outputs, cpu),
-            passes,
-            measured,
-            Path(scratch),
-            store,
-            progress=lambda text: emit({"event": "step", "text": text}),
-            threads=threads,
-            outputs_store=ReferenceStore(Path(job.outputs_store), job.outputs) if job.outputs_store else None,
-            keep_sessions=len(job.sample_indices) > 1,
-        )
+        outputs_store = ReferenceStore(Path(job.outputs_store), job.outputs) if job.outputs_store else None
+        reference = ReferencePlan(Path(job.reference), lambda model, outputs: reference_runner(model, outputs, cpu), store, outputs_store)
+        options = EngineOptions(threads, keep_sessions=len(job.sample_indices) > 1, progress=lambda text: emit({"event": "step", "text": text}))
+        engine = Engine(reference, passes, measured, Path(scratch), options)
         specs = [InputSpec(name, np.dtype(dtype), tuple(shape)) for name, dtype, shape in job.input_specs]
         samples = Samples.from_json(job.samples, "the inputs", specs)
         try:

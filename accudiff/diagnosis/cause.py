@@ -186,3 +186,21 @@ def _introduced_error(rows: pd.DataFrame, table: pd.DataFrame, context: Diagnosi
 
 def _non_finite_counts(row: pd.Series) -> str:
     return f"{int(row['cand_nan'])} NaN and {int(row['cand_inf'])} Inf, the reference {int(row['ref_nan'])} and {int(row['ref_inf'])}"
+
+
+@dataclass(frozen=True)
+class RepairStep:
+    keep: list[str]
+    tol_ratio: float  # the output's tolerance ratio with `keep` in higher precision
+    figures: dict = field(default_factory=dict)  # and its decision figures (top-1 agreement, a map's flipped share)
+
+
+@dataclass(frozen=True)
+class Repair:
+    """Nodes to keep in higher precision for one output, the steps that found them (the first: nothing
+    kept), and whether the last step brought the output within tolerance on the samples tried."""
+
+    keep: list[str]
+    steps: list[RepairStep]
+    verified: bool
+    samples: list[int] = field(default_factory=list)

@@ -16,7 +16,7 @@ from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, STATUS_PASS, 
 from accudiff.diagnosis.cause import ancestor_tensors, find_cause
 from accudiff.diagnosis.rules import DiagnosisContext, diagnose
 from accudiff.errors import AccudiffError
-from accudiff.model.loading import ModelInfo
+from accudiff.model.inventory import ModelInfo
 from accudiff.model.samples import Samples
 from accudiff.result import MIN_COVERAGE, CompareResult, TensorFailure
 from accudiff.transforms import TransformResult

@@ -39,14 +39,15 @@ from accudiff.comparison.group import GroupRun, could_be_a_shape
 from accudiff.comparison.objective import Objective, describe
 from accudiff.comparison.trial import MAX_TRIAL_SAMPLES, TrialOutcome, TrialSetup, Trials, trial_workers
 from accudiff.comparison.worker import prestart
-from accudiff.diagnosis.cause import Absorbed, Cause, Contributor, ancestor_tensors, flagged_nodes, rank_contributors
+from accudiff.diagnosis.cause import Absorbed, Cause, Contributor, Repair, RepairStep, ancestor_tensors, flagged_nodes, rank_contributors
 from accudiff.diagnosis.mechanisms import absorber, amplifiers, cancellations
 from accudiff.diagnosis.rules import RANGE_KINDS, DiagnosisContext, Finding, isolated_figures, isolation_ran, range_findings
 from accudiff.model.formats import QUANTIZED_FORMATS, formats_of
-from accudiff.model.loading import load_graph, read_again, save_model
+from accudiff.model.loading import load_graph, read_again
+from accudiff.model.saving import save_model
 from accudiff.model.ops import VALUE_PRESERVING_OPS
 from accudiff.model.samples import Samples
-from accudiff.transforms.candidate import CandidateVariants, repaired, repaired_file
+from accudiff.transforms.candidate import CandidateRecipe, CandidateVariants, repaired, repaired_file
 
 if TYPE_CHECKING:
     from accudiff.result import CompareResult
@@ -60,13 +61,6 @@ SEVERAL_FACTOR = 2.0  # each of several causes must improve the output at least 
 CONTRIBUTORS_PER_RANKING = 3
 SQNR_CAP = 200.0
 BACKEND_NAMES = {"onnxrt": "ONNX Runtime", "trt": "TensorRT"}
-
-
-@dataclass(frozen=True)
-class RepairStep:
-    keep: list[str]
-    tol_ratio: float  # the output's tolerance ratio with `keep` in higher precision
-    figures: dict = field(default_factory=dict)  # and its decision figures (top-1 agreement, a map's flipped share)
 
 
 @dataclass(frozen=True)
@@ -91,17 +85,6 @@ class _Reading:
     def said(self, suffix: str = " its tolerance") -> str:
         """As the findings say it: the decision figure beside the ratio only where the objective reads it."""
         return describe(self.tol_ratio, self.figures if self.decisive else {}, suffix)
-
-
-@dataclass(frozen=True)
-class Repair:
-    """Nodes to keep in higher precision for one output, the steps that found them (the first: nothing
-    kept), and whether the last step brought the output within tolerance on the samples tried."""
-
-    keep: list[str]
-    steps: list[RepairStep]
-    verified: bool
-    samples: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -152,7 +135,7 @@ def verify_outputs(
     base = replace(candidate.transformed, model=load_graph(candidate.path))
     first = samples[chosen[0]]
     setup = TrialSetup(
-        info, CandidateVariants(info, settings.recipe(), base=base), samples.subset(chosen), settings, scratch / "verify",
+        info, CandidateVariants(info, CandidateRecipe.of(settings), base=base), samples.subset(chosen), settings, scratch / "verify",
         {name: first[name].reshape(-1).tolist() for name in first if could_be_a_shape(first[name])},
     )
     recorded = (runs[0].outputs, chosen) if runs[0].outputs is not None else None

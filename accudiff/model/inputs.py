@@ -18,7 +18,7 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from accudiff.errors import AccudiffError
-from accudiff.model.loading import InputSpec
+from accudiff.model.inventory import InputSpec
 
 Feed = dict[str, np.ndarray]
 

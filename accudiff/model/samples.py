@@ -26,7 +26,7 @@ from accudiff.model.inputs import (
     NPY_READ_ERRORS,
     Feed, generate_feeds, load_json_feeds, parse_input_shapes, parse_val_ranges, resolve_shapes, save_feeds, validate_feeds,
 )
-from accudiff.model.loading import InputSpec, ModelInfo
+from accudiff.model.inventory import InputSpec, ModelInfo
 
 if TYPE_CHECKING:
     from accudiff.settings import RunSettings

@@ -20,7 +20,8 @@ import numpy as np
 import onnx
 
 from accudiff.errors import AccudiffError
-from accudiff.model.loading import ModelInfo, infer_shapes_in_place, shape_inference_copy
+from accudiff.model.inventory import ModelInfo
+from accudiff.model.shapes import infer_shapes_in_place, shape_inference_copy
 
 DEFAULT_MAX_MEMORY = 256 << 20
 # A segment's compared tensors are held twice at once (the reference's and one pass's), beside the values

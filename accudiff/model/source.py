@@ -16,7 +16,11 @@ from typing import Callable
 
 import onnx
 
-from accudiff.model.loading import load_graph, save_model, tensor_bytes
+from accudiff.model.graph import tensor_bytes
+
+from accudiff.model.loading import load_graph
+
+from accudiff.model.saving import save_model
 from accudiff.model.weights import is_external
 
 # A model made or read in memory that holds weights of its own (not in data files) up to this size stays

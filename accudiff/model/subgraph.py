@@ -7,7 +7,7 @@ from typing import Sequence
 import numpy as np
 import onnx
 
-from accudiff.model.loading import subgraph_outer_references
+from accudiff.model.graph import subgraph_outer_references
 
 
 def extract(model: onnx.ModelProto, indices: Sequence[int], name: str | None = None, outputs: Sequence[str] | None = None) -> onnx.ModelProto:

@@ -4,7 +4,7 @@ loaded whole into the model.
 A weight kept in a data file carries, in memory, the folder its file is in (the `basepath` entry of its
 external data, a key onnx reserves for this; it is never written to a saved model). So a model built from
 another one (a candidate, a segment, an extracted subgraph) knows where each of its weights is, wherever
-it is saved (`loading.save_model`): a weight whose data file is in the target's folder stays there, any
+it is saved (`saving.save_model`): a weight whose data file is in the target's folder stays there, any
 other is copied block by block into the target's own data file.
 """
 

@@ -11,7 +11,7 @@ import shlex
 from dataclasses import asdict
 from pathlib import Path
 
-from accudiff import __version__
+from accudiff.version import __version__
 from accudiff.comparison.objective import REQUIREMENTS, describe
 from accudiff.model.formats import QUANTIZED_FORMATS
 from accudiff.text import percent, times_tolerance

@@ -18,7 +18,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from accudiff.model.loading import cast_target, infer_shapes_unless_typed
+from accudiff.model.graph import cast_target
+
+from accudiff.model.shapes import infer_shapes_unless_typed
 
 FP16, BF16 = TensorProto.FLOAT16, TensorProto.BFLOAT16
 FP32 = TensorProto.FLOAT

@@ -16,7 +16,8 @@ from typing import Sequence
 import onnx
 
 from accudiff.model.formats import CARRIED_AS, constant_values, value_types
-from accudiff.model.loading import declare_like, infer_shapes_unless_typed
+from accudiff.model.graph import declare_like
+from accudiff.model.shapes import infer_shapes_unless_typed
 
 CARRIED = "__carried"
 

@@ -25,7 +25,9 @@ import numpy as np
 import onnx
 
 from accudiff.errors import AccudiffError, first_line
-from accudiff.model.loading import clear_unknown_dims, save_model, tensor_bytes
+from accudiff.model.graph import tensor_bytes
+from accudiff.model.saving import save_model
+from accudiff.model.shapes import clear_unknown_dims
 from accudiff.model.source import ModelSource, own_weight_bytes
 from accudiff.model.subgraph import drop_unread_nodes
 from accudiff.model.weights import is_external, weight_folder, without_folder

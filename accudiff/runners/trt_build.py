@@ -250,7 +250,7 @@ def _cache_key(trt: ModuleType, model_path: Path, tensors: Sequence[str], settin
     the settings, TensorRT and the GPU."""
     import onnx
 
-    from accudiff.model.loading import data_files
+    from accudiff.model.graph import data_files
 
     digest = hashlib.sha256()
     files = [model_path, *(model_path.parent / name for name in data_files(onnx.load(str(model_path), load_external_data=False)))]

@@ -21,7 +21,10 @@ from onnx import TensorProto, numpy_helper
 
 from accudiff.errors import AccudiffError
 from accudiff.model.formats import REDUCED_FLOATS, constant_values, quant_ranges
-from accudiff.model.loading import EXTERNAL_DATA_MIN_TENSOR, ModelInfo, copy_without_initializers, load_model, save_model
+from accudiff.model.graph import copy_without_initializers
+from accudiff.model.inventory import ModelInfo
+from accudiff.model.loading import load_model
+from accudiff.model.saving import EXTERNAL_DATA_MIN_TENSOR, save_model
 from accudiff.model.weights import copy_bytes, is_external, refer_to, weight_blocks
 
 INTEGER_ARITHMETIC = frozenset({

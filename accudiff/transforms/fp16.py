@@ -27,7 +27,8 @@ from onnx import TensorProto, helper
 
 from accudiff.model.formats import FP16_MAX
 from accudiff.errors import AccudiffError
-from accudiff.model.loading import copy_without_initializers, declare_like, infer_shapes_in_place, shape_inference_copy, subgraph_outer_references
+from accudiff.model.graph import copy_without_initializers, declare_like, subgraph_outer_references
+from accudiff.model.shapes import infer_shapes_in_place, shape_inference_copy
 from accudiff.model.weights import weight_blocks
 from accudiff.transforms.base import KeptNode, NodeSelector, TransformResult
 from accudiff.transforms.opset import default_opset, with_opset

@@ -20,7 +20,7 @@ from onnx import numpy_helper
 
 from accudiff.errors import AccudiffError
 from accudiff.model.formats import GRIDS, REDUCED_FLOATS, constant_values, grid_type, model_formats, precision_label, quant_ranges, value_types
-from accudiff.model.loading import ModelInfo
+from accudiff.model.inventory import ModelInfo
 from accudiff.model.weights import weight_values
 from accudiff.transforms.base import KeptNode, NodeSelector, TransformResult
 from accudiff.transforms.keep_float import FLOAT_TYPES, STORAGE_OPS, keep_in_float

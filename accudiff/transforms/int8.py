@@ -25,7 +25,8 @@ import onnx
 
 from accudiff.errors import AccudiffError, first_line
 from accudiff.model.inputs import Feed
-from accudiff.model.loading import needs_data_file, save_model, toposort
+from accudiff.model.graph import toposort
+from accudiff.model.saving import needs_data_file, save_model
 from accudiff.model.formats import quant_ranges
 from accudiff.transforms.base import KeptNode, NodeSelector, TransformResult
 from accudiff.transforms.keep_float import keep_in_float
@@ -111,8 +112,8 @@ def _what_remains_to_quantize(model: onnx.ModelProto, excluded: list[str]) -> li
     """Check that the INT8 candidate will differ from the model: some float Conv/ConvTranspose/MatMul/Gemm
     is left to quantize, else one sentence says why not. A model with Q/DQ pairs is refused: its own
     quantization is what to measure (without --int8, or with --candidate-model). In a model quantized
-    dynamically (ConvInteger, MatMulInteger...), those parts stay as they are on both sides and the nodes
-    a DequantizeLinear feeds join `excluded`; the notice that says so is returned."""
+    dynamically (ConvInteger, MatMulInteger...), those parts stay as they are on both sides; the notice
+    that says so is returned."""
     found: dict[str, int] = {}
     for node in model.graph.node:
         if node.op_type in PREQUANTIZED_OPS or node.op_type.startswith("QLinear"):
@@ -124,16 +125,8 @@ def _what_remains_to_quantize(model: onnx.ModelProto, excluded: list[str]) -> li
             "the quantized model itself, leaving out what its own quantization costs; to measure that, compare it without --int8 (against "
             "its float form) or against the float model it was made from (accudiff compare float.onnx --candidate-model quantized.onnx)"
         )
-    dequantized = {out for node in model.graph.node if node.op_type == "DequantizeLinear" for out in node.output}
     candidates = [node for node in model.graph.node if node.op_type in QUANTIZED_OPS]
-    remaining = []
-    for node in candidates:
-        if node.name in excluded:
-            continue
-        if any(name in dequantized for name in node.input):
-            excluded.append(node.name)
-        else:
-            remaining.append(node.name)
+    remaining = [node.name for node in candidates if node.name not in excluded]
     ops = "/".join(QUANTIZED_OPS)
     what = ", ".join(f"{count} {op}" for op, count in sorted(found.items(), key=lambda item: -item[1]))
     if not remaining and any(node.name in excluded and node.op_type in QUANTIZED_OPS for node in candidates) and not found:

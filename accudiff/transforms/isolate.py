@@ -14,7 +14,9 @@ from typing import Mapping
 
 import onnx
 
-from accudiff.model.loading import declare_like, infer_shapes_unless_typed
+from accudiff.model.graph import declare_like
+
+from accudiff.model.shapes import infer_shapes_unless_typed
 
 SUFFIX = "__reference"
 

@@ -19,7 +19,8 @@ import onnx
 from onnx import TensorProto
 
 from accudiff.model.formats import REDUCED_FLOATS, constant_values, value_types
-from accudiff.model.loading import declare_like, infer_shapes_unless_typed
+from accudiff.model.graph import declare_like
+from accudiff.model.shapes import infer_shapes_unless_typed
 
 QUANTIZATION_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
 STORAGE_OPS = QUANTIZATION_OPS | {"Cast", "Constant"}  # what only changes how a value is stored: never a node to keep

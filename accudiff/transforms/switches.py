@@ -22,7 +22,8 @@ import onnx
 from onnx import TensorProto, helper
 
 from accudiff.model.formats import REDUCED_FLOATS
-from accudiff.model.loading import cast_target, declare_like, infer_shapes_unless_typed
+from accudiff.model.graph import cast_target, declare_like
+from accudiff.model.shapes import infer_shapes_unless_typed
 from accudiff.transforms.fp16 import HALVES, elem_types
 from accudiff.transforms.keep_float import FLOAT_TYPES, FloatInputs
 

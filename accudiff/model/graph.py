@@ -1,0 +1,147 @@
+"""Small graph utilities the transforms share: copies without weights, typed declarations, every node
+including If/Loop/Scan bodies, topological order, a tensor's size."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable, Mapping
+
+import onnx
+
+from accudiff.model.weights import is_external
+
+UNCHECKED_TYPES = {
+    getattr(onnx.TensorProto, name)
+    for name in ("UNDEFINED", "STRING", "COMPLEX64", "COMPLEX128", "INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
+    if hasattr(onnx.TensorProto, name)
+}
+
+
+def cast_target(node: onnx.NodeProto) -> int | None:
+    """The element type a Cast node converts to."""
+    return next((attr.i for attr in node.attribute if attr.name == "to"), None)
+
+
+def declare_like(graph: onnx.GraphProto, declared: Mapping[str, onnx.ValueInfoProto], name: str, source: str, elem_type: int) -> None:
+    """Type a value a transform adds, `name`, with the shape of `source` (when `declared` has it) and
+    `elem_type`: the models accudiff builds stay typed, so nothing runs shape inference on them again."""
+    if source in declared:
+        copy = graph.value_info.add()
+        copy.CopyFrom(declared[source])
+        copy.name, copy.type.tensor_type.elem_type = name, elem_type
+
+
+def copy_without_initializers(proto: onnx.ModelProto, keep_node: Callable[[onnx.NodeProto], bool] | None = None) -> onnx.ModelProto:
+    """A copy of everything but the weights: cheap, for analysis and for building transformed models.
+    `keep_node`: which nodes of the main graph are copied (default: all)."""
+    copy = onnx.ModelProto()
+    for descriptor, value in proto.ListFields():
+        if descriptor.name != "graph":
+            _copy_field(copy, descriptor, value)
+    for descriptor, value in proto.graph.ListFields():
+        if descriptor.name == "node" and keep_node is not None:
+            copy.graph.node.extend(node for node in value if keep_node(node))
+        elif descriptor.name != "initializer":
+            _copy_field(copy.graph, descriptor, value)
+    return copy
+
+
+def _copy_field(target, descriptor, value) -> None:
+    if descriptor.is_repeated:
+        getattr(target, descriptor.name).extend(value)
+    elif descriptor.message_type is not None:
+        getattr(target, descriptor.name).CopyFrom(value)
+    else:
+        setattr(target, descriptor.name, value)
+
+
+def attribute_graphs(attr: onnx.AttributeProto) -> list[onnx.GraphProto]:
+    if attr.type == onnx.AttributeProto.GRAPH:
+        return [attr.g]
+    if attr.type == onnx.AttributeProto.GRAPHS:
+        return list(attr.graphs)
+    return []
+
+
+def has_external_data(proto: onnx.ModelProto) -> bool:
+    """Whether any weight of the model (bodies included) lives in a data file beside it."""
+    return any(is_external(init) for init in all_initializers(proto))
+
+
+def data_files(proto: onnx.ModelProto) -> list[str]:
+    """The data files the model (bodies included) keeps its weights in, as written in it (relative)."""
+    return list(dict.fromkeys(e.value for init in all_initializers(proto) for e in init.external_data if e.key == "location"))
+
+
+def all_initializers(proto: onnx.ModelProto) -> list[onnx.TensorProto]:
+    bodies = [body for node in all_nodes(proto.graph) for attr in node.attribute for body in attribute_graphs(attr)]
+    return [init for graph in [proto.graph, *bodies] for init in graph.initializer]
+
+
+def all_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """The graph's nodes and, recursively, those inside its If/Loop/Scan bodies."""
+    nodes = []
+    for node in graph.node:
+        nodes.append(node)
+        for attr in node.attribute:
+            for body in attribute_graphs(attr):
+                nodes += all_nodes(body)
+    return nodes
+
+
+def all_node_outputs(graph: onnx.GraphProto) -> list[str]:
+    names = []
+    for node in graph.node:
+        names.extend(o for o in node.output if o)
+        for attr in node.attribute:
+            for body in attribute_graphs(attr):
+                names.extend(all_node_outputs(body))
+    return names
+
+
+def subgraph_outer_references(nodes: Iterable[onnx.NodeProto]) -> set[str]:
+    """Names that the If/Loop/Scan bodies of `nodes` read from the enclosing graph (their types must not change)."""
+    refs: set[str] = set()
+    for node in nodes:
+        for attr in node.attribute:
+            for body in attribute_graphs(attr):
+                defined = {i.name for i in body.input} | {i.name for i in body.initializer}
+                defined |= set(all_node_outputs(body))
+                for inner in body.node:
+                    refs.update(n for n in inner.input if n and n not in defined)
+                refs |= subgraph_outer_references(body.node) - defined
+    return refs
+
+
+def toposort(graph: onnx.GraphProto) -> None:
+    """Order nodes so each follows the producers of everything it reads, subgraph outer reads included.
+
+    Stable: nodes already in order keep it. Tools we call (the INT8 quantizer) may leave a graph unsorted.
+    """
+    available = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
+    nodes = list(graph.node)
+    reads = [set(node.input) | subgraph_outer_references([node]) for node in nodes]
+    pending, order = list(range(len(nodes))), []
+    while pending:
+        ready = [i for i in pending if reads[i] <= available]
+        if not ready:
+            order += pending  # reads of names nothing produces: leave them for the checker to report
+            break
+        for i in ready:
+            available.update(nodes[i].output)
+        order += ready
+        done = set(ready)
+        pending = [i for i in pending if i not in done]
+    if order != list(range(len(nodes))):
+        copies = [onnx.NodeProto() for _ in order]
+        for copy, i in zip(copies, order):
+            copy.CopyFrom(nodes[i])
+        del graph.node[:]
+        graph.node.extend(copies)
+
+
+def tensor_bytes(tensor: onnx.TensorProto) -> int:
+    """The bytes a weight's values take, from its shape and type: reading its data field would copy it."""
+    if tensor.data_type in UNCHECKED_TYPES:
+        return tensor.ByteSize()
+    return math.prod(tensor.dims) * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
