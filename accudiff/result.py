@@ -57,7 +57,8 @@ class CompareResult:
     # Seconds per phase inside the worker processes, by stage ("comparison", "verification"), added over
     # workers (so with several workers they may exceed the stage's wall time): where a stage's time goes.
     worker_timings: dict[str, dict[str, float]] = field(default_factory=dict)
-    # How the comparison ran: {"workers": N, "session_threads": [T]} (the intra-op threads of each session).
+    # How the comparison ran: {"workers": N, "threads": [T]}, the threads each worker used (its sessions'
+    # intra-op threads and its statistics).
     layout: dict = field(default_factory=dict)
     report_dir: Path | None = None
     samples: pd.DataFrame | None = None  # one row per sample and graph output (see diagnosis/judge.py SAMPLE_COLUMNS)

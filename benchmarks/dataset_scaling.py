@@ -5,7 +5,7 @@
 The datasets are made here: text lines drawn with PIL (benchmarks/realistic_inputs.py), one .npz file per
 sample in a folder, read by accudiff one sample at a time. Each run is `accudiff compare --fp16
 --candidate onnxrt --load-inputs FOLDER --workers W --no-verify` as a fresh process (wall time, peak memory
-of the process tree; the workers and the threads each session used, from summary.json's `layout`).
+of the process tree; the workers and the threads each used, from summary.json's `layout`).
 
 The marginal cost of a sample is (wall time of N2 samples - wall time of N1) / (N2 - N1): the fixed costs
 (starting, loading, the isolated run's first 8 samples) cancel out. `--no-verify`: verification tries
@@ -135,14 +135,14 @@ def main() -> None:
         one = float(np.median([m["marginal_s"] for m in measured[workers[0]]]))
         rows = {}
         print(f"\n{cores} cores, recognizer, {small} -> {large} samples, medians of {args.repeat}; floor {floor:.3f} s per sample on one core")
-        print("| workers | sessions' threads | each extra sample | vs the first row | vs its floor (floor / workers) | peak memory |")
+        print("| workers | threads each | each extra sample | vs the first row | vs its floor (floor / workers) | peak memory |")
         print("|---|---|---|---|---|---|")
         for w in workers:
             marginal = float(np.median([m["marginal_s"] for m in measured[w]]))
             layout = measured[w][-1]["layout"] or {}
             peak = max(m["peak_mb"] for m in measured[w])
             rows[w] = {"marginal_s": marginal, "ratio_to_first": marginal / one, "floor_s": floor / w, "peak_mb": peak, "layout": layout, "runs": measured[w]}
-            print(f"| {layout.get('workers', w)} | {layout.get('session_threads')} | {marginal:.3f} s | {marginal / one:.2f}x | {marginal / (floor / w):.2f}x | {peak:.0f} MB |")
+            print(f"| {layout.get('workers', w)} | {layout.get('threads')} | {marginal:.3f} s | {marginal / one:.2f}x | {marginal / (floor / w):.2f}x | {peak:.0f} MB |")
         if args.large:
             big = compare(model, make_dataset(folder / "large", args.large), folder / "report-large", cores)
             rows["large"] = big

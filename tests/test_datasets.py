@@ -49,13 +49,13 @@ def test_one_worker_two_workers_and_ray_give_the_same_table(tmp_path):
     assert one.iterations == 8 and not one.passed
     _assert_same(one, two)
     _assert_same(one, on_ray)
-    # One rule for a dataset's sessions, whatever the layout: one intra-op thread each (workers use the cores).
-    assert [r.layout for r in (one, two, on_ray)] == [{"workers": 1, "session_threads": [1]}, {"workers": 2, "session_threads": [1]}, {"workers": 2, "session_threads": [1]}]
+    # One rule for a dataset's workers, whatever the layout: one thread each, so N workers use N cores.
+    assert [r.layout for r in (one, two, on_ray)] == [{"workers": 1, "threads": [1]}, {"workers": 2, "threads": [1]}, {"workers": 2, "threads": [1]}]
 
 
 def test_a_dataset_gets_a_worker_per_core_and_a_single_sample_every_core(tmp_path):
-    """Without --workers, a dataset of SAMPLES_PER_WORKER samples per core runs one worker per core, each
-    session on one thread: a single sample runs in one worker on every core."""
+    """Without --workers, a dataset of SAMPLES_PER_WORKER samples per core runs one worker per core, each on
+    one thread (its sessions and its statistics): a single sample runs in one worker on every core."""
     import os
 
     from accudiff.comparison.shards import SAMPLES_PER_WORKER
@@ -64,8 +64,8 @@ def test_a_dataset_gets_a_worker_per_core_and_a_single_sample_every_core(tmp_pat
     data = _dataset(tmp_path / "data", 2 * max(cores * SAMPLES_PER_WORKER // 2, 1))
     many = accudiff.compare(fixture("overflow_activation"), "fp16", candidate="onnxrt", inputs=data, verify=False)
     single = accudiff.compare(fixture("overflow_activation"), "fp16", candidate="onnxrt", verify=False)
-    assert many.layout == {"workers": cores, "session_threads": [1]}
-    assert single.layout == {"workers": 1, "session_threads": [cores]}
+    assert many.layout == {"workers": cores, "threads": [1]}
+    assert single.layout == {"workers": 1, "threads": [cores]}
 
 
 def test_the_isolated_run_covers_the_first_samples_of_a_dataset(tmp_path):

@@ -229,7 +229,7 @@ def combine(model: Path, runs: Sequence[GroupRun]) -> tuple[ModelInfo, Transform
         tensors, outcome = merge_group_results([([t.name for t in info.tensors], r.outcome) for info, r in zip(infos, runs)])
         outcome["timings"] = added_timings(r.outcome["timings"] for r in runs)
         layouts = [r.outcome["layout"] for r in runs]  # the groups ran one after another
-        outcome["layout"] = {"workers": max(x["workers"] for x in layouts), "session_threads": sorted({t for x in layouts for t in x["session_threads"]})}
+        outcome["layout"] = {"workers": max(x["workers"] for x in layouts), "threads": sorted({t for x in layouts for t in x["threads"]})}
     by_name = {t.name: t for info in reversed(infos) for t in info.tensors}
     upstream: dict[str, list[str]] = {}
     for each in infos:  # a node reading one value twice (x * x) keeps both reads: that makes it a square

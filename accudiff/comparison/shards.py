@@ -35,11 +35,12 @@ RAY_LOG_LEVEL = 40  # logging.ERROR: Ray's own log lines stay off the console
 SAMPLES_PER_WORKER = 4
 
 
-def session_threads(samples: int) -> int:
-    """The intra-op threads of every ONNX Runtime session in a comparison of `samples` samples. One sample
-    runs on every core. A dataset runs each session on one thread, whatever the number of workers and
-    wherever they run (local processes, Ray tasks): ONNX Runtime splits some sums by thread count, so one
-    rule for every layout keeps the table the same; the cores are used by the workers instead."""
+def worker_cores(samples: int) -> int:
+    """The cores each worker of a comparison of `samples` samples uses, for its ONNX Runtime sessions
+    (intra-op threads) and its statistics. One sample runs on every core. A dataset's worker uses one,
+    whatever the number of workers and wherever they run (local processes, Ray tasks): ONNX Runtime splits
+    some sums by thread count, so one rule for every layout keeps the table the same, and N workers use
+    N cores, never more."""
     return 1 if samples > 1 else os.cpu_count() or 1
 
 
@@ -102,15 +103,14 @@ def run_shards(
 def _split(job: Job, entries: Sequence[Sequence[str]], indices: list[int], workers: int, cores: int) -> list[Job]:
     """`workers` shards of the samples, one job each, dealt out in turn: the first samples, which alone get
     the isolated run (group.py), go to every worker. Every shard's sessions are made alike, whatever their
-    number (`session_threads`, and optimized or not by the whole run's number of samples); the `cores`
-    each job may use (this machine's, or the one CPU a Ray task gets) are shared among the shards for the
-    statistics."""
+    number (`worker_cores`, at most the `cores` a job may use: this machine's, or the one CPU a Ray task
+    gets; optimized or not by the whole run's number of samples)."""
     count = len(entries)
     shards = [list(range(k, count, workers)) for k in range(min(workers, count))]
-    threads = max(1, cores // len(shards))
+    threads = min(worker_cores(count), cores)
     return [
         replace(job, samples=[list(entries[i]) for i in shard], sample_indices=[indices[i] for i in shard], result=f"{job.result}-{k}",
-                threads=threads, session_threads=min(session_threads(count), cores), run_samples=count)
+                threads=threads, run_samples=count)
         for k, shard in enumerate(shards)
     ]
 
@@ -118,10 +118,10 @@ def _split(job: Job, entries: Sequence[Sequence[str]], indices: list[int], worke
 def merge_results(results: Iterable[dict]) -> dict:
     """One result from several workers' results (same job, other samples), added up in their order, each
     as it comes: only the running total is held, whatever the number of shards."""
-    merged = {"passes": {}, "reference_not_observable": {}, "inputs": None, "timings": {}, "layout": {"workers": 0, "session_threads": []}}
+    merged = {"passes": {}, "reference_not_observable": {}, "inputs": None, "timings": {}, "layout": {"workers": 0, "threads": []}}
     for result in results:
-        layout = merged["layout"]  # how many workers ran side by side, and their sessions' intra-op threads
-        merged["layout"] = {"workers": layout["workers"] + 1, "session_threads": sorted({*layout["session_threads"], *result["layout"]["session_threads"]})}
+        layout = merged["layout"]  # how many workers ran side by side, and the threads each used
+        merged["layout"] = {"workers": layout["workers"] + 1, "threads": sorted({*layout["threads"], *result["layout"]["threads"]})}
         merged["reference_not_observable"].update(result["reference_not_observable"])
         merged["timings"] = added_timings([merged["timings"], result.get("timings", {})])  # worker-seconds
         inputs = StatsSet.from_arrays(result["inputs"])

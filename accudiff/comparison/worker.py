@@ -71,7 +71,6 @@ class Job:
     # How its ONNX Runtime sessions are made is the same in every worker of a run, whatever the split: an
     # unoptimized session's convolutions and matrix products round by thread count, and an optimized one
     # otherwise than an unoptimized one, so the table would depend on --workers.
-    session_threads: int = 0  # threads of each run (0: `threads`)
     run_samples: int = 0  # samples the whole run compares, over every worker (0: this job's)
     outputs_store: str | None = None  # a store folder where the reference's graph outputs are recorded
     largest_tensor: int = 0  # bytes: how the worker gets memory (memory.py; group.Plan)
@@ -265,7 +264,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
     layer_report = Path(job.layer_report) if job.layer_report else None
 
     threads = job.threads or os.cpu_count() or 1
-    cpu = CpuOptions(job.session_threads or threads, samples=job.run_samples or len(job.sample_indices), shared_arena=job.large_tensors)
+    cpu = CpuOptions(threads, samples=job.run_samples or len(job.sample_indices), shared_arena=job.large_tensors)
 
     def factory(spec: dict):
         if spec["backend"] == "recorded":
@@ -365,10 +364,10 @@ class _Reused(Runner):
 _REUSED = _ReusedRunners()
 
 
-def _write_result(engine, path: Path, session_threads: int) -> None:
+def _write_result(engine, path: Path, threads: int) -> None:
     arrays = {"inputs/values": engine.input_stats.values, **_sparse("inputs/sketch", engine.input_stats.sketch)}
     document = {"passes": {}, "reference_not_observable": engine.reference_not_observable, "timings": engine.timings,
-                "layout": {"workers": 1, "session_threads": [session_threads]}}
+                "layout": {"workers": 1, "threads": [threads]}}
     for name, result in engine.results.items():
         arrays.update({f"{name}/values": result.stats.values, **_sparse(f"{name}/sketch", result.stats.sketch)})
         ratios = list(result.ratio_sketches)
