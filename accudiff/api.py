@@ -2,7 +2,8 @@
 call this; each stage is a function in the module that owns it:
 
     load      model/loading.py       the model's inventory; the settings checked against it
-              (transforms/float_form.py: a model that is its own candidate gets its float form as reference)
+              (transforms/float_form.py: a model that is its own candidate gets its float form as reference;
+              transforms/opset.py: a model below the opset its formats need is compared at that opset)
     samples   model/samples.py       inputs loaded, given or generated
     groups    comparison/branches.py samples grouped by the If branches they take
     captured  model/run_results.py   tensors captured elsewhere (polygraphy's RunResults), read into stores
@@ -35,6 +36,7 @@ from accudiff.report.content import CANDIDATE_MODEL_FILE, INPUTS_FILE
 from accudiff.runners import TrtOptions
 from accudiff.runners.outputs import ReferenceCache
 from accudiff.transforms.float_form import float_reference
+from accudiff.transforms.opset import at_forms_opset
 from accudiff.settings import RunSettings
 from accudiff.workspace import Progress, Workspace, workspace
 
@@ -71,9 +73,11 @@ def run(
     with workspace(settings.report_dir, progress, reference_cache) as where:
         if settings.ray is None:
             prestart()  # the first worker starts while the samples are read and the candidate is built
-        float_form = []
+        reference_notices = []
         if settings.given_alone:  # the model is its own candidate: the reference is its float form
-            info, float_form = float_reference(info, where.scratch)
+            info, reference_notices = float_reference(info, where.scratch)
+        info, upgraded = at_forms_opset(info, settings.precision, where.scratch)  # an old opset has no BF16 Conv
+        reference_notices += upgraded
         samples = prepare_samples(info, settings, where.folder.path / INPUTS_FILE)
         if settings.ray is None:
             prestart(min(settings.workers or default_workers(len(samples)), len(samples)))  # a dataset's other workers start now too
@@ -112,7 +116,7 @@ def run(
             laps.lap("verify")
         attach_sketches(result, info, outcome)
         inlined_engine = BRANCHES_INLINED_FOR_TRT if any(g.taken for g in groups) and settings.uses_trt else None
-        notices = [*float_form, *captured.notices, *describe_groups(groups, len(samples)), inlined_engine, isolation_notice(settings, groups),
+        notices = [*reference_notices, *captured.notices, *describe_groups(groups, len(samples)), inlined_engine, isolation_notice(settings, groups),
                    *transformed.warnings, *outcome["passes"]["candidate"]["notices"]]
         result.notices = [n for n in [chosen_backend, *notices, *unverified] if n]
         result.candidate_models = [r.candidate.path.name for r in runs]

@@ -52,6 +52,10 @@ def test_a_decision_target_judges_the_outputs_that_have_the_figure(run_cli, tmp_
     code, out, err = run_cli("compare", MAP, "--fp16", "--iterations", "4", "--require", "flipped_share=0.01", "-o", "met")
     assert code == 0, out + err
     assert "output 'y' meets its requirement flipped share <= 0.01 (0.220%)" in out and "outside the elementwise tolerance" in out
+    # The report says the same: a pass by requirement never reads as "within tolerance" (report.html said so).
+    page, summary = ((tmp_path / "met" / name).read_text() for name in ("report.html", "summary.md"))
+    assert "Every graph output is within tolerance" not in page and "graph outputs failing their requirement or tolerance" in page
+    assert "meets its requirement flipped share &lt;= 0.01 (0.220%), though" in page and "meets its requirement flipped share" in summary
     code, out, err = run_cli("compare", MAP, "--fp16", "--iterations", "4", "--require", "flipped_share=1e-5", "-o", "missed")
     assert code == 1 and "output 'y' FAILS its requirement flipped share <= 1e-05 (0.220%)" in out, out
 

@@ -24,6 +24,7 @@ from accudiff.settings import RunSettings
 from accudiff.transforms.base import TransformResult
 from accudiff.transforms.candidate import CandidateRecipe, CandidateVariants, calibration_samples, transform_model
 from accudiff.transforms.float_form import float_reference
+from accudiff.transforms.opset import at_forms_opset
 
 
 @dataclass
@@ -40,6 +41,7 @@ class BisectSession:
         self.cache = ReferenceCache()
         if self.settings.given_alone:  # the model is its own candidate: the reference is its float form
             self.info, _ = float_reference(self.info, self.cache.folder)
+        self.info, _ = at_forms_opset(self.info, self.settings.precision, self.cache.folder)
         self.feeds = prepare_samples(self.info, self.settings, self.cache.folder / "inputs.npz")
 
     @property

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from accudiff.report.content import cause_lines, element_index, requirement_text, sample_lines, tolerance_met_line, worst_tensors
+from accudiff.report.content import cause_lines, element_index, requirement_text, requirements_met, sample_lines, tolerance_met_line, worst_tensors
 from accudiff.text import percent
 
 
@@ -35,11 +35,7 @@ def format_summary(result) -> str:
             f"  first tensor out of tolerance (topological order): '{failure.tensor}' ({failure.op_type} '{failure.node}'), "
             f"{percent(row['outside_share'])} of elements{isolated.get(row.get('isolated_status'), '')}"
         )
-    failing = {out.tensor for out in result.output_failures}
-    for output in result.outputs["tensor"]:
-        required = requirement_text(output, result)
-        if required and output not in failing and indexed.loc[output, "status"] == "fail":
-            lines.append(f"  output '{output}' meets {required}, though {int(indexed.loc[output, 'outside_count'])} elements are outside the elementwise tolerance")
+    lines += [f"  {line}" for line in requirements_met(result)]
     for out in result.output_failures:
         row = indexed.loc[out.tensor]
         required = requirement_text(out.tensor, result)

@@ -140,6 +140,22 @@ def requirement_text(output: str, result) -> str | None:
     return "its requirement " + " and ".join(said)
 
 
+def requirements_met(result) -> list[str]:
+    """The outputs that pass by their requirement (--require) while elements leave the elementwise
+    tolerance: said, so that a pass never reads as 'within tolerance'."""
+    failing, indexed = {f.tensor for f in result.output_failures}, result.table.set_index("tensor")
+    lines = []
+    for output in result.outputs["tensor"]:
+        required = requirement_text(output, result)
+        if required and output not in failing and indexed.loc[output, "status"] == "fail":
+            lines.append(f"output '{output}' meets {required}, though {int(indexed.loc[output, 'outside_count'])} elements are outside the elementwise tolerance")
+    return lines
+
+
+def failing_outputs_label(result) -> str:
+    return "graph outputs failing their requirement or tolerance" if result.require else "graph outputs out of tolerance"
+
+
 def tolerance_met_line(output: str, result) -> list[str]:
     """The tolerance a failing output does meet: whether the run's is tighter than the format's rounding."""
     met = result.tolerance_met.get(output)

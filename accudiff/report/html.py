@@ -16,7 +16,8 @@ import numpy as np
 import pandas as pd
 
 from accudiff.report import plots
-from accudiff.report.content import HTML_FILE, cause_lines, decision_lines, element_index, sample_lines, tolerance_met_line, worst_tensors
+from accudiff.report.content import (HTML_FILE, cause_lines, decision_lines, element_index, failing_outputs_label, requirement_text, requirements_met,
+                                     sample_lines, tolerance_met_line, worst_tensors)
 from accudiff.text import percent
 from accudiff.diagnosis.cause import CAUSE_KINDS
 
@@ -136,6 +137,7 @@ def summary_markdown(result, html_name: str = HTML_FILE) -> str:
         f"{_md(result.candidate)}; {compared} of {computed} tensors compared over {result.iterations} sample(s).",
         "",
     ]
+    lines += [f"- {_md(line)}" for line in requirements_met(result)]
     for failure in result.output_failures:
         lines.append(f"- output `{_md(failure.tensor)}` fails: " + _md(cause_lines(failure, result)[0].removeprefix("cause: ")))
         lines += [f"  - {_md(line.strip())}" for line in cause_lines(failure, result)[1:] if not line.strip().startswith("to find")]
@@ -170,7 +172,7 @@ def _heading(result) -> str:
         "candidate": result.candidate,
         "compared": f"{compared} of {computed} tensors ({percent(compared / max(computed, 1), 0)}), {result.iterations} sample(s) from {result.inputs or 'generated inputs'}",
         "tolerance": f"atol={tol.atol:g} rtol={tol.rtol:g} stol={tol.stol:g}",
-        "graph outputs out of tolerance": f"{len(result.output_failures)} of {len(result.outputs)}",
+        failing_outputs_label(result): f"{len(result.output_failures)} of {len(result.outputs)}",
     }
     if result.first_failure is not None:
         facts["first tensor out of tolerance"] = f"'{result.first_failure.tensor}' ({result.first_failure.op_type}; a fact, not the cause)"
@@ -181,19 +183,21 @@ def _heading(result) -> str:
 
 
 def _causes(result) -> str:
+    met = "".join(f"<p>{escape(line)}</p>" for line in requirements_met(result))
     if not result.output_failures:
-        return _section("Cause", "<p>Every graph output is within tolerance.</p>")
+        return _section("Cause", met or "<p>Every graph output is within tolerance.</p>")
     indexed = result.table.set_index("tensor")
     blocks = []
     for failure in result.output_failures:
         row = indexed.loc[failure.tensor]
-        head = (f"output '{failure.tensor}': {int(row['outside_count'])} of {int(row['elements'])} elements ({percent(row['outside_share'])}) outside "
-                f"tolerance; worst element {element_index(row)}: reference {row['worst_ref']:.6g}, candidate {row['worst_cand']:.6g}")
+        required = requirement_text(failure.tensor, result)
+        head = (f"output '{failure.tensor}'{f' fails {required}; elementwise' if required else ''}: {int(row['outside_count'])} of {int(row['elements'])} "
+                f"elements ({percent(row['outside_share'])}) outside tolerance; worst element {element_index(row)}: reference {row['worst_ref']:.6g}, candidate {row['worst_cand']:.6g}")
         said = [*tolerance_met_line(failure.tensor, result), *(line.strip() for line in decision_lines(failure.tensor, result.decisions.get(failure.tensor, {}))),
                 *cause_lines(failure, result)]
         blocks.append(f'<div class="cause" id="cause-{escape(failure.tensor)}"><strong>{escape(head)}</strong>'
                       f"<pre>{escape(chr(10).join(said))}</pre></div>")
-    return _section("Cause", "".join(blocks))
+    return _section("Cause", met + "".join(blocks))
 
 
 def _error_path(result) -> str:

@@ -28,10 +28,9 @@ from onnx import TensorProto, helper
 from accudiff.model.formats import FP16_MAX
 from accudiff.errors import AccudiffError
 from accudiff.model.graph import copy_without_initializers, declare_like, subgraph_outer_references
-from accudiff.model.shapes import infer_shapes_in_place, shape_inference_copy
 from accudiff.model.weights import weight_blocks
 from accudiff.transforms.base import KeptNode, NodeSelector, TransformResult
-from accudiff.transforms.opset import default_opset, with_opset
+from accudiff.transforms.opset import default_opset
 
 @dataclass(frozen=True)
 class Half:
@@ -61,13 +60,11 @@ class Half:
 FP16 = Half(TensorProto.FLOAT16, "fp16", "tensor(float16)", "__fp16", FP16_MAX)
 BF16 = Half(TensorProto.BFLOAT16, "bf16", "tensor(bfloat16)", "__bf16", float(np.finfo(np.float32).max))
 HALVES = {h.precision: h for h in (FP16, BF16)}
-HALF_FORMS_OPSET = {"fp16": 1, "bf16": 22}  # the opset by which an op's schema has its forms in that format
 
 
 def to_fp16(model: onnx.ModelProto, keep_fp32: Iterable[str] = (), autokeep: bool = True, half: Half = FP16) -> TransformResult:
     """Convert a shape-inferred FP32 model to FP16 (or BF16) mixed precision (see the module docstring)."""
     source = {init.name: init for init in model.graph.initializer}
-    model, upgraded = _with_half_forms(model, half, source)
     model = copy_without_initializers(model)  # weights are added back as each is needed, in its new type
     conversion = _GraphConversion(default_opset(model), NodeSelector(keep_fp32), autokeep, half)
     conversion.convert(model.graph, source, {}, "")
@@ -75,7 +72,7 @@ def to_fp16(model: onnx.ModelProto, keep_fp32: Iterable[str] = (), autokeep: boo
         reasons = sorted({k.reason for k in conversion.kept})
         raise AccudiffError(f"no node of the model can compute in {half.label}{f' ({reasons[0]})' if len(reasons) == 1 else ''}, "
                             f"so --{half.precision} would compare it with itself")
-    warnings = [*upgraded, *(f"node '{node}': {text} (--no-autokeep)" for node, text in conversion.constant_overflows.items())]
+    warnings = [f"node '{node}': {text} (--no-autokeep)" for node, text in conversion.constant_overflows.items()]
     return TransformResult(
         model=model,
         precision=half.precision,
@@ -255,47 +252,6 @@ def _undeclared_body_inputs(node: onnx.NodeProto, body: onnx.GraphProto, types: 
     else:
         return {}
     return {vi.name: types[name] for vi, name in zip(body.input, fed) if name and not vi.type.tensor_type.elem_type and types.get(name)}
-
-
-def _with_half_forms(model: onnx.ModelProto, half: Half, source: dict[str, onnx.TensorProto]) -> tuple[onnx.ModelProto, list[str]]:
-    """`model` converted to the opset where its ops have forms in `half`, when they gain some there (BF16
-    Conv, pooling and most activations come with opset 22), and the notice saying so. Converted without
-    its large weights (declared as typed inputs, as for shape inference); weights the converter adds join
-    `source`."""
-    target = HALF_FORMS_OPSET[half.precision]
-    opset = default_opset(model)
-    if opset >= target or not any(_gains_forms(node, opset, target, half) for node in model.graph.node):
-        return model, []
-    copy = shape_inference_copy(model)
-    declared = {value.name for value in model.graph.input}
-    upgraded, notices = with_opset(copy, target, f"{half.label} forms of its ops")
-    # The copy declared large weights as typed inputs: Constant nodes come back as nodes (they read
-    # nothing, so first), initializers stay declared until the types are inferred, then join `source`.
-    constants = [node for node in model.graph.node if node.op_type == "Constant" and node.output[0] not in declared
-                 and any(value.name == node.output[0] for value in copy.graph.input)]
-    made = {node.output[0] for node in constants}
-    nodes, inputs = [*constants, *upgraded.graph.node], [value for value in upgraded.graph.input if value.name not in made]
-    del upgraded.graph.node[:], upgraded.graph.input[:]
-    upgraded.graph.node.extend(nodes)
-    upgraded.graph.input.extend(inputs)
-    infer_shapes_in_place(upgraded)
-    source.update((init.name, init) for init in upgraded.graph.initializer if init.name not in source)
-    inputs = [value for value in upgraded.graph.input if value.name in declared]
-    del upgraded.graph.input[:], upgraded.graph.initializer[:]
-    upgraded.graph.input.extend(inputs)
-    return upgraded, notices
-
-
-def _gains_forms(node: onnx.NodeProto, opset: int, target: int, half: Half) -> bool:
-    """Whether `node`'s op has a form in `half` at `target` that it lacks at `opset`."""
-    if node.domain not in ("", "ai.onnx") or not onnx.defs.has(node.op_type):
-        return False
-    try:
-        before, after = (onnx.defs.get_schema(node.op_type, version) for version in (opset, target))
-    except onnx.defs.SchemaError:
-        return False
-    allowed = lambda schema: any(half.type_str in c.allowed_type_strs for c in schema.type_constraints)  # noqa: E731
-    return allowed(after) and not allowed(before)
 
 
 def elem_types(graph: onnx.GraphProto, initializers: Iterable[onnx.TensorProto]) -> dict[str, int]:

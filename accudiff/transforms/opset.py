@@ -1,17 +1,28 @@
-"""A candidate whose formats need newer operator schemas than its model was exported with: the model is
-converted with ONNX's version converter (node and tensor names kept), and it is said.
+"""A model exported at an opset whose schemas lack what a candidate needs: it is converted with ONNX's
+version converter (node and tensor names kept), and it is said.
 
-INT8's per-channel DequantizeLinear needs opset 13; BF16 forms of Conv, the pooling ops and most
-activations come with opset 22 (a model exported at opset 11 has no BF16 Conv at all).
+INT8's per-channel DequantizeLinear needs opset 13: the INT8 transform converts its candidate. BF16 forms
+of Conv, the pooling ops and most activations come with opset 22 (a model exported at opset 11 has no BF16
+Conv at all): there the model itself, reference and candidate alike, is compared at opset 22, so every
+variant verification builds (switchboards, keeps, the isolated run) reads one graph. The converter
+rewrites some ops (a Softmax-11 becomes Flatten, Softmax, Reshape): the values they add are compared too.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterable
 
 import onnx
 
 from accudiff.errors import AccudiffError, first_line
+from accudiff.model.formats import formats_of
+from accudiff.model.inventory import ModelInfo
+from accudiff.model.loading import load_model
+from accudiff.model.saving import save_model
+from accudiff.model.shapes import shape_inference_copy
+
+FORMS_OPSET = {"bf16": (22, "tensor(bfloat16)")}  # a format -> the opset whose schemas have its forms, and its type
 
 
 def default_opset(model: onnx.ModelProto) -> int:
@@ -39,3 +50,43 @@ def ir_floor(opsets: Iterable[onnx.OperatorSetIdProto]) -> int:
     domains it has never heard of (com.microsoft, com.microsoft.nchwc, ...), which need nothing of it."""
     known = [o for o in opsets if (o.domain or "ai.onnx", o.version) in onnx.helper.OP_SET_ID_VERSION_MAP]
     return onnx.helper.find_min_ir_version_for(known) if known else 3
+
+
+def at_forms_opset(info: ModelInfo, precision: str, scratch: Path) -> tuple[ModelInfo, list[str]]:
+    """The run's model at the opset where its ops have forms in the formats `precision` names, when they gain
+    some there (saved in `scratch` under the model's own name, and loaded), and the notice; else `info`."""
+    opset = default_opset(info.proto)
+    needed = [(target, type_str) for fmt in formats_of(precision) if fmt in FORMS_OPSET for target, type_str in [FORMS_OPSET[fmt]]]
+    targets = [target for target, type_str in needed if opset < target and any(_gains(node, opset, target, type_str) for node in info.proto.graph.node)]
+    if not targets:
+        return info, []
+    target = max(targets)
+    copy = shape_inference_copy(info.proto)  # large weights declared as typed inputs: the converter never copies them
+    upgraded, _ = with_opset(copy, target, "")
+    declared = {value.name for value in info.proto.graph.input}
+    large_constants = [node for node in info.proto.graph.node if node.op_type == "Constant" and node.output[0] not in declared
+                       and any(value.name == node.output[0] for value in copy.graph.input)]
+    nodes = [*large_constants, *upgraded.graph.node]  # Constants read nothing: first
+    inputs = [value for value in upgraded.graph.input if value.name in declared]
+    added = [init for init in upgraded.graph.initializer if not any(init.name == w.name for w in info.proto.graph.initializer)]
+    del upgraded.graph.node[:], upgraded.graph.input[:], upgraded.graph.initializer[:], upgraded.graph.value_info[:]
+    upgraded.graph.node.extend(nodes)
+    upgraded.graph.input.extend(inputs)
+    upgraded.graph.initializer.extend([*info.proto.graph.initializer, *added])
+    target_path = scratch / f"opset{target}" / info.path.name
+    target_path.parent.mkdir(parents=True, exist_ok=True)
+    save_model(upgraded, target_path)
+    formats = "/".join(fmt.upper() for fmt in formats_of(precision) if fmt in FORMS_OPSET)
+    return load_model(target_path), [f"the model is at opset {opset}, whose Conv, pooling and most activations have no {formats} form: "
+                                      f"it is compared at opset {target} (converted by ONNX's version converter, names kept)"]
+
+
+def _gains(node: onnx.NodeProto, opset: int, target: int, type_str: str) -> bool:
+    """Whether `node`'s op has a form in `type_str` at `target` that it lacks at `opset`."""
+    if node.domain not in ("", "ai.onnx") or not onnx.defs.has(node.op_type):
+        return False
+    try:
+        before, after = (onnx.defs.get_schema(node.op_type, version) for version in (opset, target))
+    except onnx.defs.SchemaError:
+        return False
+    return any(type_str in c.allowed_type_strs for c in after.type_constraints) and not any(type_str in c.allowed_type_strs for c in before.type_constraints)
