@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 import numpy as np
 import onnx
 
-from accudiff.comparison.decisions import DEFAULT_THRESHOLD, decide
+from accudiff.comparison.decisions import DEFAULT_THRESHOLD, Decision, decide
 from accudiff.comparison.plans import EngineOptions, Measured, PassPlan, ReferencePlan, RunnerFactory
 from accudiff.comparison.metrics import EMPTY_ROW, F, PART_ELEMENTS, SKETCH_BUCKETS, PartMap, StatsSet, finish, reduce_tensor, reference_range
 from accudiff.comparison.tolerances import Tolerance
@@ -50,11 +50,10 @@ POINTS_PER_OUTPUT = 2048  # ... and in all
 AHEAD_UP_TO_BYTES = 32 << 20
 
 
-@dataclass
-class SampleOutcome:
-    """One graph output on one sample (the per-sample view of a dataset), with what its error does to the
-    decision taken from it (decisions.py: class scores' top-1/top-5, a probability map's flipped elements,
-    the tolerance it meets)."""
+@dataclass(frozen=True, kw_only=True)
+class SampleOutcome(Decision):
+    """One graph output on one sample (the per-sample view of a dataset): its error, and what the error does
+    to the decision taken from it (decisions.py)."""
 
     sample: int
     tensor: str
@@ -62,15 +61,6 @@ class SampleOutcome:
     tol_ratio: float
     outside_share: float
     sqnr_db: float
-    rows: int = 0
-    top1: int = 0
-    top5: int = 0
-    map_elements: int = 0
-    flipped: int = 0
-    intersection: int = 0
-    union: int = 0
-    atol_needed: float = 0.0
-    rtol_needed: float = 0.0
 
 
 @dataclass
@@ -320,7 +310,8 @@ class Engine:
                 absmax = max(abs(low), abs(high)) if low <= high else 0.0
                 decision = decide(reference[tensor], candidate[tensor], self.tolerances.for_tensor(tensor), threshold, absmax, ratios)
                 result.outcomes.append(
-                    SampleOutcome(sample, tensor, one["max_abs_err"], one["tol_ratio"], one["outside_share"], one["sqnr_db"], **asdict(decision))
+                    SampleOutcome(sample=sample, tensor=tensor, max_abs_err=one["max_abs_err"], tol_ratio=one["tol_ratio"], outside_share=one["outside_share"],
+                                  sqnr_db=one["sqnr_db"], **asdict(decision))
                 )
                 kept = result.points.setdefault(tensor, [])
                 kept += sample_points(sample, reference[tensor], candidate[tensor], int(values[index][F["worst_index"]]), POINTS_PER_OUTPUT - len(kept))

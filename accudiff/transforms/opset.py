@@ -61,14 +61,15 @@ def at_forms_opset(info: ModelInfo, precision: str, scratch: Path) -> tuple[Mode
     if not targets:
         return info, []
     target = max(targets)
+    formats = "/".join(fmt.upper() for fmt in formats_of(precision) if fmt in FORMS_OPSET)
     copy = shape_inference_copy(info.proto)  # large weights declared as typed inputs: the converter never copies them
-    upgraded, _ = with_opset(copy, target, "")
-    declared = {value.name for value in info.proto.graph.input}
-    large_constants = [node for node in info.proto.graph.node if node.op_type == "Constant" and node.output[0] not in declared
-                       and any(value.name == node.output[0] for value in copy.graph.input)]
+    upgraded, _ = with_opset(copy, target, f"{formats} forms of its ops")
+    declared, held_apart = {value.name for value in info.proto.graph.input}, {value.name for value in copy.graph.input}
+    large_constants = [node for node in info.proto.graph.node if node.op_type == "Constant" and node.output[0] in held_apart - declared]
     nodes = [*large_constants, *upgraded.graph.node]  # Constants read nothing: first
     inputs = [value for value in upgraded.graph.input if value.name in declared]
-    added = [init for init in upgraded.graph.initializer if not any(init.name == w.name for w in info.proto.graph.initializer)]
+    weights = {init.name for init in info.proto.graph.initializer}
+    added = [init for init in upgraded.graph.initializer if init.name not in weights]  # what the converter made
     del upgraded.graph.node[:], upgraded.graph.input[:], upgraded.graph.initializer[:], upgraded.graph.value_info[:]
     upgraded.graph.node.extend(nodes)
     upgraded.graph.input.extend(inputs)
@@ -76,7 +77,6 @@ def at_forms_opset(info: ModelInfo, precision: str, scratch: Path) -> tuple[Mode
     target_path = scratch / f"opset{target}" / info.path.name
     target_path.parent.mkdir(parents=True, exist_ok=True)
     save_model(upgraded, target_path)
-    formats = "/".join(fmt.upper() for fmt in formats_of(precision) if fmt in FORMS_OPSET)
     return load_model(target_path), [f"the model is at opset {opset}, whose Conv, pooling and most activations have no {formats} form: "
                                       f"it is compared at opset {target} (converted by ONNX's version converter, names kept)"]
 
