@@ -280,6 +280,8 @@ def _unfit(value: np.ndarray) -> bool:
 
 def _rounded_model(model: onnx.ModelProto, values: dict[str, np.ndarray], rounded: set[str], half: str = "fp16") -> onnx.ModelProto:
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    if half == "bf16" and opset < 13:
+        raise ValueError(f"Cast to BF16 needs opset 13; this model is at opset {opset}: give the oracle the model at the opset it was compared at")
     kind, type_str = HALF[half]
     nodes = []
     for index, node in enumerate(model.graph.node):
