@@ -56,11 +56,13 @@ def at_forms_opset(info: ModelInfo, precision: str, scratch: Path) -> tuple[Mode
     """The run's model at the opset where its ops have forms in the formats `precision` names, when they gain
     some there (saved in `scratch` under the model's own name, and loaded), and the notice; else `info`."""
     opset = default_opset(info.proto)
-    needed = [(target, type_str) for fmt in formats_of(precision) if fmt in FORMS_OPSET for target, type_str in [FORMS_OPSET[fmt]]]
-    targets = [target for target, type_str in needed if opset < target and any(_gains(node, opset, target, type_str) for node in info.proto.graph.node)]
+    needed = [FORMS_OPSET[fmt] for fmt in formats_of(precision) if fmt in FORMS_OPSET]
+    gaining = {target: sorted({n.op_type for n in info.proto.graph.node if _gains(n, opset, target, type_str)}) for target, type_str in needed if opset < target}
+    targets = [target for target, ops in gaining.items() if ops]
     if not targets:
         return info, []
     target = max(targets)
+    ops = gaining[target]
     formats = "/".join(fmt.upper() for fmt in formats_of(precision) if fmt in FORMS_OPSET)
     copy = shape_inference_copy(info.proto)  # large weights declared as typed inputs: the converter never copies them
     upgraded, _ = with_opset(copy, target, f"{formats} forms of its ops")
@@ -77,7 +79,8 @@ def at_forms_opset(info: ModelInfo, precision: str, scratch: Path) -> tuple[Mode
     target_path = scratch / f"opset{target}" / info.path.name
     target_path.parent.mkdir(parents=True, exist_ok=True)
     save_model(upgraded, target_path)
-    return load_model(target_path), [f"the model is at opset {opset}, whose Conv, pooling and most activations have no {formats} form: "
+    named = ", ".join(ops[:4]) + (f" and {len(ops) - 4} other op(s)" if len(ops) > 4 else "")
+    return load_model(target_path), [f"the model is at opset {opset}, where {named} have no {formats} form: "
                                       f"it is compared at opset {target} (converted by ONNX's version converter, names kept)"]
 
 
