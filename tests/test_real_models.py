@@ -87,6 +87,7 @@ def test_already_quantized_models(name, precision, run_cli, tmp_path):
     calibration = ["--calib-data", "calib.npz"] if precision == "--int8" else []
     code, out, err = run_cli("compare", path, precision, "--candidate", "onnxrt", "--load-inputs", "inputs.npz", *calibration, "-o", "report")
     assert "Traceback" not in err and "internal error" not in err
+    assert "--keep-fp32 None" not in out  # every kept node says why in words
     if precision == "--fp16":
         assert code in (0, 1), err
     elif name == "ppocr_cls_v2_dynamic_int8":
