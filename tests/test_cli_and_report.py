@@ -313,6 +313,28 @@ def test_a_single_overflow_is_said_as_measured(run_cli, tmp_path):
     assert "1 of 4000 elements (&lt;0.1%) outside" in (tmp_path / "r" / "report.html").read_text()  # escaped, as every text
 
 
+def test_nan_inf_held_by_more_faults_than_verification_tries(run_cli, tmp_path):
+    """Eight branches each overflow FP16 into the same Sum: keeping any five leaves Inf at the output. No
+    cause is found, and it is not called small errors accumulating; none of the five is 'ruled out' (the
+    others hold the Inf); the tolerance met is none, where Inf read as the largest float gave 'atol 1.8e+308'."""
+    from onnx import TensorProto, helper
+
+    nodes, constants = [], []
+    for k in range(8):
+        constants += [helper.make_tensor(f"big{k}", TensorProto.FLOAT, [], [1e5 * (k + 1)]), helper.make_tensor(f"small{k}", TensorProto.FLOAT, [], [1e-5])]
+        nodes += [helper.make_node("Mul", ["x", f"big{k}"], [f"up{k}"], name=f"up{k}"), helper.make_node("Mul", [f"up{k}", f"small{k}"], [f"down{k}"], name=f"down{k}")]
+    nodes.append(helper.make_node("Sum", [f"down{k}" for k in range(8)], ["y"], name="sum"))
+    graph = helper.make_graph(nodes, "eight_overflows", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16])], constants)
+    model = tmp_path / "eight_overflows.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), model)
+    np.savez(tmp_path / "x.npz", x=np.linspace(0.5, 1.5, 16, dtype=np.float32)[None])
+    code, out, _ = run_cli("compare", model, "--fp16", "--candidate", "onnxrt", "--load-inputs", tmp_path / "x.npz", "-o", tmp_path / "r")
+    assert code == 1
+    assert "cause: not found: NaN/Inf reach this output and no keep tried removes them" in out, out
+    assert "accumulated error" not in out and "ruled out" not in out and "tolerance met: no atol" in out, out
+
+
 @pytest.mark.parametrize(
     "share, decimals, shown",
     [(0, 1, "0.0%"), (1, 1, "100.0%"), (1 / 265000, 1, "<0.1%"), (439 / 440, 0, ">99%"), (0.9995, 1, ">99.9%"), (0.5, 2, "50.00%")],

@@ -40,6 +40,7 @@ class Decision:
     union: int = 0
     atol_needed: float = 0.0
     rtol_needed: float = 0.0
+    non_finite: int = 0  # elements NaN/Inf on one side and not the same on the other: their error is Inf
 
 
 def decide(ref: np.ndarray, cand: np.ndarray, tolerance: Tolerance, threshold: float, absmax: float, ratios: np.ndarray) -> Decision:
@@ -53,13 +54,14 @@ def decide(ref: np.ndarray, cand: np.ndarray, tolerance: Tolerance, threshold: f
     is_map = not rows and _is_probability_map(r)
     counts = np.zeros(3, np.int64)  # flipped, intersection, union
     atol = rtol = 0.0
+    non_finite = 0
     for start in range(0, r.size, CHUNK):
         part_r, part_c = r[start : start + CHUNK].astype(np.float64), c[start : start + CHUNK].astype(np.float64)
         if is_map:
             counts += _map_counts(part_r, part_c, threshold)
-        part_atol, part_rtol = _tolerance_needed(part_r, part_c, tolerance, absmax, ratios)
-        atol, rtol = max(atol, part_atol), max(rtol, part_rtol)
-    return Decision(rows, top1, top5, r.size if is_map else 0, *(int(n) for n in counts), atol, rtol)
+        part_atol, part_rtol, part_non_finite = _tolerance_needed(part_r, part_c, tolerance, absmax, ratios)
+        atol, rtol, non_finite = max(atol, part_atol), max(rtol, part_rtol), non_finite + part_non_finite
+    return Decision(rows, top1, top5, r.size if is_map else 0, *(int(n) for n in counts), atol, rtol, non_finite)
 
 
 def _class_agreement(ref: np.ndarray, cand: np.ndarray) -> tuple[int, int, int]:
@@ -75,10 +77,11 @@ def _class_agreement(ref: np.ndarray, cand: np.ndarray) -> tuple[int, int, int]:
     if ref.ndim > 2 and not (r.min() >= 0 and np.allclose(r.sum(axis=1), 1.0, atol=1e-3)):
         return 0, 0, 0
     top = r.argmax(axis=1)
-    top1 = int(np.count_nonzero(c.argmax(axis=1) == top))
+    decided = ~np.isnan(c).any(axis=1)  # scores with a NaN decide nothing (argmax would name the NaN's class)
+    top1 = int(np.count_nonzero((c.argmax(axis=1) == top) & decided))
     k = min(5, r.shape[1])
     five = np.argpartition(-c, k - 1, axis=1)[:, :k]
-    top5 = int(np.count_nonzero((five == top[:, None]).any(axis=1)))
+    top5 = int(np.count_nonzero((five == top[:, None]).any(axis=1) & decided))
     return r.shape[0], top1, top5
 
 
@@ -94,13 +97,15 @@ def _map_counts(r: np.ndarray, c: np.ndarray, threshold: float) -> np.ndarray:
     return np.array([np.count_nonzero(above_r != above_c), np.count_nonzero(above_r & above_c), np.count_nonzero(above_r | above_c)], np.int64)
 
 
-def _tolerance_needed(r: np.ndarray, c: np.ndarray, tolerance: Tolerance, absmax: float, ratios: np.ndarray) -> tuple[float, float]:
+def _tolerance_needed(r: np.ndarray, c: np.ndarray, tolerance: Tolerance, absmax: float, ratios: np.ndarray) -> tuple[float, float, int]:
     """(the smallest atol at the run's rtol and stol, the smallest rtol at its atol and stol) under which
     every element passes (infinite where none would: NaN/Inf on one side only, or an error where the
-    reference is 0 for rtol); each element's error in tolerances goes into `ratios`."""
+    reference is 0 for rtol), and the count of elements NaN/Inf on one side only (or Inf of the other
+    sign); each element's error in tolerances goes into `ratios`."""
     same = (np.isnan(r) & np.isnan(c)) | (np.isinf(r) & (r == c))
+    non_finite = int(np.count_nonzero(~(np.isfinite(r) & np.isfinite(c)) & ~same))
     with np.errstate(invalid="ignore", over="ignore"):
-        error = np.where(same, 0.0, np.nan_to_num(np.abs(c - r), nan=np.inf))
+        error = np.where(same, 0.0, np.nan_to_num(np.abs(c - r), nan=np.inf, posinf=np.inf))  # Inf stays Inf
     magnitude = np.abs(np.where(np.isfinite(r), r, 0.0))
     allowed = tolerance.atol + tolerance.rtol * magnitude + tolerance.stol * absmax
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -108,7 +113,7 @@ def _tolerance_needed(r: np.ndarray, c: np.ndarray, tolerance: Tolerance, absmax
         atol = float(np.max(error - tolerance.rtol * magnitude - tolerance.stol * absmax, initial=0.0))
         excess = error - tolerance.atol - tolerance.stol * absmax
         rtol = float(np.max(np.where(excess > 0, excess / magnitude, 0.0), initial=0.0))
-    return max(atol, 0.0), rtol if not math.isnan(rtol) else math.inf
+    return max(atol, 0.0), rtol if not math.isnan(rtol) else math.inf, non_finite
 
 
 def _add_to_sketch(sketch: np.ndarray, values: np.ndarray) -> None:
@@ -124,7 +129,7 @@ def _add_to_sketch(sketch: np.ndarray, values: np.ndarray) -> None:
     sketch += np.bincount(bucket, minlength=SKETCH_BUCKETS)
 
 
-COUNTS = ("rows", "top1", "top5", "map_elements", "flipped", "intersection", "union")  # what adds up over samples
+COUNTS = ("rows", "top1", "top5", "map_elements", "flipped", "intersection", "union", "non_finite")  # what adds up over samples
 
 
 def decision_figures(counts: dict, threshold: float | None = None) -> dict:
@@ -144,13 +149,21 @@ def decision_figures(counts: dict, threshold: float | None = None) -> dict:
 def summarize(rows, ratios: np.ndarray | None, errors: np.ndarray | None, threshold: float) -> dict:
     """An output's decision figures over every sample (`rows`: its per-sample outcomes, a DataFrame;
     `ratios` and `errors`: the sketches of its elements' errors in tolerances and in absolute terms)."""
-    found = decision_figures(rows[list(COUNTS)].sum().to_dict(), threshold)
+    counts = rows[list(COUNTS)].sum().to_dict()
+    found = decision_figures(counts, threshold)
     if errors is not None:
-        found.update(zip(("p99_abs_err", "p999_abs_err"), (float(q[0]) for q in quantiles(errors[None], (0.99, 0.999)))))
+        errors = np.array(errors, np.int64)
+        errors[-1] += int(counts["non_finite"])  # the kernel's sketch holds finite errors only; these are Inf
+        found.update(zip(("p99_abs_err", "p999_abs_err"), _percentiles(errors)))
     if ratios is not None and ratios.sum():
-        top = quantiles(np.eye(1, SKETCH_BUCKETS, SKETCH_BUCKETS - 1, dtype=np.int64), (0.5,))[0][0]  # the bucket Inf is counted in
-        found.update(zip(("p99_tol_ratio", "p999_tol_ratio"), (math.inf if q[0] >= top else float(q[0]) for q in quantiles(ratios[None], (0.99, 0.999)))))
+        found.update(zip(("p99_tol_ratio", "p999_tol_ratio"), _percentiles(ratios)))
     return found
+
+
+def _percentiles(sketch: np.ndarray) -> list[float]:
+    """The 99th and 99.9th percentiles of a sketch, Inf where they fall in the last bucket (where Inf is counted)."""
+    top = quantiles(np.eye(1, SKETCH_BUCKETS, SKETCH_BUCKETS - 1, dtype=np.int64), (0.5,))[0][0]
+    return [math.inf if q[0] >= top else float(q[0]) for q in quantiles(sketch[None], (0.99, 0.999))]
 
 
 def tolerance_met(rows) -> dict[str, float]:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from accudiff.settings import RunSettings
 
 SAMPLE_COLUMNS = ["sample", "tensor", "status", "max_abs_err", "tol_ratio", "outside_share", "sqnr_db", "rows", "top1", "top5",
-                  "map_elements", "flipped", "intersection", "union", "atol_needed", "rtol_needed"]
+                  "map_elements", "flipped", "intersection", "union", "non_finite", "atol_needed", "rtol_needed"]
 
 
 def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings: RunSettings, samples: Samples) -> tuple[CompareResult, DiagnosisContext]:

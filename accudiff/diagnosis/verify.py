@@ -19,7 +19,8 @@ The rules (cause.py) and mechanisms (mechanisms.py) only nominate suspects. For 
    only when its last run is within tolerance.
 
 The cause is then `local` (one suspect's keep repairs the output), `several` (two or three suspects repair
-it together, each step of the repair improving the output at least twofold, or none of them alone), `dominant` (no
+it together, each step of the repair improving the output at least twofold; or suspects that repair it
+together where none alone does: two or three, or any number the rules flagged), `dominant` (no
 keep repairs it, but one improves it at least twofold: that fault carries most of the error, the rest accumulates) or
 `accumulated` (no single keep among those tried repairs it or halves it; contributors ranked by their measured effect
 at the output).
@@ -345,14 +346,20 @@ def _conclude(
             used, steps, now = found
             joint = len(used) > 1
     repair = Repair(steps[-1].keep, steps, verified=now.met)
+    # While NaN/Inf reach the output, a keep that leaves them there rules nothing out (another fault may hold
+    # them), unless the repair recovers the output without it.
     ruled_out = [_absorbed(s, output, table, context) for s in suspects
-                 if s.flagged and s not in helpful and s not in used and s.node not in repair.keep]
+                 if s.flagged and s not in helpful and s not in used and s.node not in repair.keep] if math.isfinite(before.tol_ratio) or repair.verified else []
     common = dict(contributors=contributors, verified=True, absorbed=ruled_out)
     phrase = keep_phrase(context.precision)
-    if joint and repair.verified and len(used) <= SEVERAL_LIMIT:
+    # Faults with range evidence that each alone leave the output broken (five Muls each overflowing to Inf)
+    # are several causes however many they are; more than SEVERAL_LIMIT unflagged ones are accumulation.
+    if joint and repair.verified and (len(used) <= SEVERAL_LIMIT or all(s.flagged for s in used)):
         best = used[0]
-        alone = ", ".join(f"{s.op_type} '{s.node}' {s.reading.said('')}" for s in used)
-        verdict = Finding("verified", f"none of them alone repairs the output ({alone} of {before.said('')}); "
+        said = {s.reading.said('') for s in used}
+        alone = (f"each leaves it at {said.pop()}" if len(said) == 1 and len(used) > 2
+                 else ", ".join(f"{s.op_type} '{s.node}' {s.reading.said('')}" for s in used) + f" of {before.said('')}")
+        verdict = Finding("verified", f"none of them alone repairs the output ({alone}); "
                                       f"{phrase.replace(' it ', ' them ')} together brings it to {now.said()}")
         return Cause("several", best.node, best.tensor, best.op_type, [*best.findings, verdict],
                      co_causes=[_contributor(s, table) for s in used[1:]], **common), repair

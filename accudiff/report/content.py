@@ -199,7 +199,11 @@ def cause_lines(failure, result) -> list[str]:
             lines.append(f"  also: {c.op_type} '{c.node}' ({_kept_effect(c)})")
             lines += [f"    {f.kind}: {f.message}" for f in c.findings if f.kind != "own_error"]
     elif cause.kind == "accumulated":
-        lines = ["cause: accumulated error: no single node breaks this output; small errors grow past the tolerance on the way"]
+        steps = failure.repair.steps if failure.repair else []
+        if steps and not math.isfinite(steps[0].tol_ratio):  # NaN/Inf are not small errors growing
+            lines = ["cause: not found: NaN/Inf reach this output and no keep tried removes them (see the findings upstream)"]
+        else:
+            lines = ["cause: accumulated error: no single node breaks this output; small errors grow past the tolerance on the way"]
         lines += [f"  {f.kind}: {f.message}" for f in cause.findings]
     else:
         lines = ["cause: unknown: no range fault found, and without the isolated run (--no-isolate) one node's own error "
