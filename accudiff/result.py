@@ -112,8 +112,9 @@ class CompareResult:
 
     def class_agreement(self) -> dict[str, dict | None]:
         """Per graph output: top-1 and top-5 agreement of reference and candidate over every sample, for
-        outputs that look like class scores; None (not applicable) for the others."""
+        outputs that look like class scores (top-5 None over five classes or fewer); None (not applicable)
+        for the others."""
         return {
-            output: {"rows": found["score_vectors"], "top1": found["top1"], "top5": found["top5"]} if "top1" in found else None
+            output: {"rows": found["score_vectors"], "top1": found["top1"], "top5": found.get("top5")} if "top1" in found else None
             for output, found in self.decisions.items()
         }

@@ -75,6 +75,23 @@ def test_a_target_or_threshold_that_cannot_apply_is_one_sentence(option, message
     assert code == 2 and err.count("\n") == 1 and message in err, err
 
 
+def test_top5_is_neither_shown_nor_required_over_five_classes_or_fewer(run_cli, tmp_path):
+    """The trained 2-class text-direction classifier fed a drawn line: over two classes top-5 always agrees,
+    so it is not reported (it read 'top-5 100.00%'), and requiring it would be vacuous: one sentence."""
+    try:
+        path = models.ppocr_cls_v2()
+    except ModuleNotFoundError as missing:
+        pytest.skip(f"{missing.name} is not installed")
+    save_feeds([realistic_inputs.ppocr_cls(0)], tmp_path / "line.npz")
+    code, out, err = run_cli("compare", path, "--fp16", "--load-inputs", tmp_path / "line.npz", "-o", "r")
+    assert code in (0, 1), err
+    decision = _summary(tmp_path / "r")["outputs"][0]["decision"]
+    assert decision["score_vectors"] == 1 and "top1" in decision and "top5" not in decision
+    assert "top-1 agreement" in out and "top-5" not in out
+    code, out, err = run_cli("compare", path, "--fp16", "--load-inputs", tmp_path / "line.npz", "--require", "top5=0.9")
+    assert code == 2 and err.count("\n") == 1 and "--require top5 applies to class scores of more than five classes" in err, err
+
+
 def test_a_fault_that_carries_most_of_the_error_is_named_dominant(tmp_path):
     """The BatchNormalization whose variance constant becomes Inf (--no-autokeep) under a drift that alone
     fails too: keeping it improves the output more than twofold without repairing it."""

@@ -34,6 +34,7 @@ class Decision:
     rows: int = 0
     top1: int = 0
     top5: int = 0
+    top5_rows: int = 0  # score vectors of more than five classes: where top-5 agreement is not vacuous
     map_elements: int = 0
     flipped: int = 0
     intersection: int = 0
@@ -49,7 +50,7 @@ def decide(ref: np.ndarray, cand: np.ndarray, tolerance: Tolerance, threshold: f
     read CHUNK at a time: memory stays bounded whatever the output's size."""
     if not np.issubdtype(ref.dtype, np.floating) or ref.shape != cand.shape or ref.size == 0:
         return Decision()
-    rows, top1, top5 = _class_agreement(ref, cand)
+    rows, top1, top5, top5_rows = _class_agreement(ref, cand)
     r, c = np.asarray(ref).reshape(-1), np.asarray(cand).reshape(-1)
     is_map = not rows and _is_probability_map(r)
     counts = np.zeros(3, np.int64)  # flipped, intersection, union
@@ -61,28 +62,30 @@ def decide(ref: np.ndarray, cand: np.ndarray, tolerance: Tolerance, threshold: f
             counts += _map_counts(part_r, part_c, threshold)
         part_atol, part_rtol, part_non_finite = _tolerance_needed(part_r, part_c, tolerance, absmax, ratios)
         atol, rtol, non_finite = max(atol, part_atol), max(rtol, part_rtol), non_finite + part_non_finite
-    return Decision(rows, top1, top5, r.size if is_map else 0, *(int(n) for n in counts), atol, rtol, non_finite)
+    return Decision(rows, top1, top5, top5_rows, r.size if is_map else 0, *(int(n) for n in counts), atol, rtol, non_finite)
 
 
-def _class_agreement(ref: np.ndarray, cand: np.ndarray) -> tuple[int, int, int]:
-    """(rows, top-1 agreements, top-5 agreements) for class scores; (0, 0, 0) for anything else.
+def _class_agreement(ref: np.ndarray, cand: np.ndarray) -> tuple[int, int, int, int]:
+    """(rows, top-1 agreements, top-5 agreements, rows top-5 applies to) for class scores; zeros for anything
+    else. Top-5 is counted only over more than five classes (over five or fewer it always agrees).
 
     Class scores: a float tensor of rank 2 ([batch, classes]), or of higher rank whose reference rows along
     the last axis are probabilities (non-negative, summing to 1: a softmax), with 2 to MAX_CLASSES classes.
     """
     if ref.ndim < 2 or not 2 <= ref.shape[-1] <= MAX_CLASSES:
-        return 0, 0, 0
+        return 0, 0, 0, 0
     r = np.asarray(ref, np.float32).reshape(-1, ref.shape[-1])
     c = np.asarray(cand, np.float32).reshape(-1, ref.shape[-1])
     if ref.ndim > 2 and not (r.min() >= 0 and np.allclose(r.sum(axis=1), 1.0, atol=1e-3)):
-        return 0, 0, 0
+        return 0, 0, 0, 0
     top = r.argmax(axis=1)
     decided = ~np.isnan(c).any(axis=1)  # scores with a NaN decide nothing (argmax would name the NaN's class)
     top1 = int(np.count_nonzero((c.argmax(axis=1) == top) & decided))
-    k = min(5, r.shape[1])
-    five = np.argpartition(-c, k - 1, axis=1)[:, :k]
+    if r.shape[1] <= 5:
+        return r.shape[0], top1, 0, 0
+    five = np.argpartition(-c, 4, axis=1)[:, :5]
     top5 = int(np.count_nonzero((five == top[:, None]).any(axis=1) & decided))
-    return r.shape[0], top1, top5
+    return r.shape[0], top1, top5, r.shape[0]
 
 
 def _is_probability_map(r: np.ndarray) -> bool:
@@ -129,7 +132,7 @@ def _add_to_sketch(sketch: np.ndarray, values: np.ndarray) -> None:
     sketch += np.bincount(bucket, minlength=SKETCH_BUCKETS)
 
 
-COUNTS = ("rows", "top1", "top5", "map_elements", "flipped", "intersection", "union", "non_finite")  # what adds up over samples
+COUNTS = ("rows", "top1", "top5", "top5_rows", "map_elements", "flipped", "intersection", "union", "non_finite")  # what adds up over samples
 
 
 def decision_figures(counts: dict, threshold: float | None = None) -> dict:
@@ -138,7 +141,9 @@ def decision_figures(counts: dict, threshold: float | None = None) -> dict:
     found: dict = {}
     if counts.get("rows"):
         vectors = int(counts["rows"])
-        found.update(score_vectors=vectors, top1=float(counts["top1"] / vectors), top5=float(counts["top5"] / vectors))
+        found.update(score_vectors=vectors, top1=float(counts["top1"] / vectors))
+        if counts.get("top5_rows"):
+            found["top5"] = float(counts["top5"] / counts["top5_rows"])
     if counts.get("map_elements"):
         elements, union = int(counts["map_elements"]), int(counts["union"])
         found.update(**({"threshold": threshold} if threshold is not None else {}), map_elements=elements,

@@ -74,7 +74,7 @@ class Objective:
         """A required figure no graph output has would make the requirement vacuous: one sentence."""
         for name in self.require:
             if not any(name in decisions.get(output, {}) for output in outputs):
-                kind = "class scores" if name in ("top1", "top5") else "a probability map (float values in [0, 1])"
+                kind = {"top1": "class scores", "top5": "class scores of more than five classes"}.get(name, "a probability map (float values in [0, 1])")
                 raise AccudiffError(f"--require {name} applies to {kind}, and no graph output of the model is one")
 
 

@@ -24,7 +24,7 @@ from accudiff.transforms import TransformResult
 if TYPE_CHECKING:
     from accudiff.settings import RunSettings
 
-SAMPLE_COLUMNS = ["sample", "tensor", "status", "max_abs_err", "tol_ratio", "outside_share", "sqnr_db", "rows", "top1", "top5",
+SAMPLE_COLUMNS = ["sample", "tensor", "status", "max_abs_err", "tol_ratio", "outside_share", "sqnr_db", "rows", "top1", "top5", "top5_rows",
                   "map_elements", "flipped", "intersection", "union", "non_finite", "atol_needed", "rtol_needed"]
 
 

@@ -119,7 +119,8 @@ def decision_lines(output: str, found: dict) -> list[str]:
     """What an output's error does to the decision taken from it (comparison/decisions.py), in one line:
     class scores' agreement, a probability map's flipped elements, or else its error percentiles."""
     if "top1" in found:
-        return [f"  class scores '{output}': top-1 agreement {percent(found['top1'], 2)}, top-5 {percent(found['top5'], 2)} over {found['score_vectors']} score vector(s)"]
+        top5 = f", top-5 {percent(found['top5'], 2)}" if "top5" in found else ""
+        return [f"  class scores '{output}': top-1 agreement {percent(found['top1'], 2)}{top5} over {found['score_vectors']} score vector(s)"]
     if "flipped_share" in found:
         return [f"  probability map '{output}': {percent(found['flipped_share'], 3)} of its elements fall on the other side of {found['threshold']:g} "
                 f"(--threshold), IoU of the binarized maps {found['iou']:.4f}"]
