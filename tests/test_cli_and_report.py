@@ -333,6 +333,7 @@ def test_nan_inf_held_by_more_faults_than_verification_tries(run_cli, tmp_path):
     assert code == 1
     assert "cause: not found: NaN/Inf reach this output and no keep tried removes them" in out, out
     assert "accumulated error" not in out and "ruled out" not in out and "tolerance met: no atol" in out, out
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["outputs"][0]["cause"]["kind"] == "not_found"  # as every report says it
 
 
 @pytest.mark.parametrize(

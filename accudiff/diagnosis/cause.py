@@ -77,6 +77,7 @@ CAUSE_KINDS = {
     "several": "several nodes introduce the error, none alone",
     "dominant": "one node carries most of the error, the rest accumulates",
     "accumulated": "no single node breaks it: the error accumulates",
+    "not_found": "NaN/Inf reach it and no keep tried removes them",
     "unknown": "cause unknown",
 }
 

@@ -23,7 +23,7 @@ it together, each step of the repair improving the output at least twofold; or s
 together where none alone does: two or three, or any number the rules flagged), `dominant` (no
 keep repairs it, but one improves it at least twofold: that fault carries most of the error, the rest accumulates) or
 `accumulated` (no single keep among those tried repairs it or halves it; contributors ranked by their measured effect
-at the output).
+at the output), or `not_found` where NaN/Inf still reach the output with every keep tried.
 """
 
 from __future__ import annotations
@@ -346,8 +346,7 @@ def _conclude(
             used, steps, now = found
             joint = len(used) > 1
     repair = Repair(steps[-1].keep, steps, verified=now.met)
-    # While NaN/Inf reach the output, a keep that leaves them there rules nothing out (another fault may hold
-    # them), unless the repair recovers the output without it.
+    # While NaN/Inf reach the output, a keep leaving them rules nothing out, unless the repair recovers it without it.
     ruled_out = [_absorbed(s, output, table, context) for s in suspects
                  if s.flagged and s not in helpful and s not in used and s.node not in repair.keep] if math.isfinite(before.tol_ratio) or repair.verified else []
     common = dict(contributors=contributors, verified=True, absorbed=ruled_out)
@@ -390,7 +389,8 @@ def _conclude(
     summary = f"{phrase.replace(' it ', ' any one node ')}, among the {len(suspects)} tried, leaves the output out of tolerance" + (
         f" (best: {best.op_type} '{best.node}', {best.reading.said('')} of {before.said('')})" if best is not None and best.reading else ""
     )
-    return Cause("accumulated", findings=[Finding("verified", summary)], **common), repair
+    kind = "accumulated" if math.isfinite(now.tol_ratio) else "not_found"  # NaN/Inf are not small errors growing
+    return Cause(kind, findings=[Finding("verified", summary)], **common), repair
 
 
 def _together(before: _Reading, suspects: list[_Suspect], tries: _Tries, runs_left: int) -> tuple[list[_Suspect], list[RepairStep], _Reading] | None:

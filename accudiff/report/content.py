@@ -199,12 +199,10 @@ def cause_lines(failure, result) -> list[str]:
         for c in cause.co_causes:
             lines.append(f"  also: {c.op_type} '{c.node}' ({_kept_effect(c)})")
             lines += [f"    {f.kind}: {f.message}" for f in c.findings if f.kind != "own_error"]
-    elif cause.kind == "accumulated":
-        steps = failure.repair.steps if failure.repair else []
-        if steps and not math.isfinite(steps[0].tol_ratio):  # NaN/Inf are not small errors growing
-            lines = ["cause: not found: NaN/Inf reach this output and no keep tried removes them (see the findings upstream)"]
-        else:
-            lines = ["cause: accumulated error: no single node breaks this output; small errors grow past the tolerance on the way"]
+    elif cause.kind in ("accumulated", "not_found"):
+        lines = ["cause: accumulated error: no single node breaks this output; small errors grow past the tolerance on the way"
+                 if cause.kind == "accumulated" else
+                 "cause: not found: NaN/Inf reach this output and no keep tried removes them (see the findings upstream)"]
         lines += [f"  {f.kind}: {f.message}" for f in cause.findings]
     else:
         lines = ["cause: unknown: no range fault found, and without the isolated run (--no-isolate) one node's own error "
@@ -213,7 +211,7 @@ def cause_lines(failure, result) -> list[str]:
     for absorbed in cause.absorbed:
         by = f"its error is absorbed downstream by {absorbed.by_op_type} '{absorbed.by}'; " if absorbed.by else ""
         lines.append(f"  ruled out: {absorbed.op_type} '{absorbed.node}' (flagged by the rules): {by}kept in higher precision alone, it leaves the output at {times_tolerance(absorbed.tol_ratio_kept)}")
-    if cause.kind in ("accumulated", "dominant", "unknown") and cause.contributors:
+    if cause.kind in ("accumulated", "not_found", "dominant", "unknown") and cause.contributors:
         measured = cause.contributors[0].tol_ratio_kept is not None
         lines.append("  contributors, by their effect at the output (the output with each kept):" if measured
                      else "  largest own errors upstream (isolated run):")
