@@ -69,6 +69,7 @@ class CompareResult:
     target: list[str] = field(default_factory=list)  # what was compared, as command-line arguments (the model, a precision flag or the candidate model)
     candidate_model: Path | None = None  # a candidate made by another tool (ModelOpt, ONNX Runtime's quantizer...), compared as it is
     unmatched: dict[str, str] = field(default_factory=dict)  # for such a candidate: a reference tensor it has no partner for -> why
+    quantized_by: dict[str, str] = field(default_factory=dict)  # for such a candidate: a node a tool quantized with ops of its own -> the tool
     repaired_candidate: str | None = None  # the file in the report: that candidate with its verified repairs kept
     # For such a candidate that quantizes and stores in FP16/BF16: per failing output, its tolerance ratio with
     # both, with its Q/DQ pairs undone, with its casts undone (and the top-1 agreement of each), on the trials' samples.

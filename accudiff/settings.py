@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 from accudiff.comparison.objective import Objective, parse_requirements
 from accudiff.comparison.tolerances import Tolerances, parse_named_values
 from accudiff.errors import AccudiffError
-from accudiff.model.formats import QUANTIZED_FORMATS, file_formats, is_precision_label, model_formats, precision_label
+from accudiff.model.formats import QUANTIZED_FORMATS, file_formats, formats_of, is_precision_label, model_formats, precision_label
 from accudiff.model.segments import memory_budget
 from accudiff.runners import TrtOptions, resolve_candidate
 from accudiff.transforms import NodeSelector
@@ -149,6 +149,11 @@ class RunSettings:
         if not self.autokeep:
             raise AccudiffError("--no-autokeep changes how accudiff converts a model to FP16; a candidate model (--candidate-model) is compared as it was made")
         label = precision_label(file_formats(self.candidate_model))
+        if self.given_alone and all(f.endswith("-weight") for f in formats_of(label)):
+            raise AccudiffError(
+                f"'{Path(self.model).name}' quantizes only its weights ({label}): given alone, its float form would hold the same rounded weights, "
+                f"so the comparison would measure none of that rounding; compare the float model it was made from against it "
+                f"(accudiff compare float.onnx --candidate-model {Path(self.model).name})")
         if self.precision not in ("fp32", label):
             raise AccudiffError(
                 f"--candidate-model gives the candidate, made by another tool: --{self.precision} would make another one "

@@ -45,12 +45,13 @@ class PrecisionResult:
     trivial: bool = False  # only keeping every converted node meets the target: the format is too coarse for it
     decisions: dict = field(default_factory=dict)  # the candidate's decision figures and tolerance met, per failing output
     tolerance_met: dict = field(default_factory=dict)
+    quantized_by: dict[str, str] = field(default_factory=dict)  # a node another tool quantized with ops of its own -> the tool
 
 
 def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
     session.progress("step 1: compare the whole model (with isolated errors), name and verify the causes")
     full = session.compare(isolate=True, verify=True)
-    result = PrecisionResult(passed_without_changes=full.passed)
+    result = PrecisionResult(passed_without_changes=full.passed, quantized_by=full.quantized_by)
     if full.passed:
         result.candidate_runs = session.candidate_runs
         return result

@@ -98,7 +98,7 @@ def _precision_text(result, folder: Path, settings: RunSettings) -> str:
         lines.append(f"  keeping {len(result.keep)} node(s) in higher precision makes the outputs meet {_target(settings)}: {', '.join(result.keep[:8])}{' ...' if len(result.keep) > 8 else ''}")
         lines.append(f"  keep-list: {folder / KEEP_LIST_FILE} (one --keep-fp32 pattern per line); repaired model: {folder / result.repaired_model}")
         if settings.candidate_model is not None:
-            lines += [f"  {line}" for line in remake_lines(result.keep, settings.precision)]
+            lines += [f"  {line}" for line in remake_lines(result.keep, settings.precision, result.quantized_by)]
     elif result.interrupted:
         lines.append("  interrupted before a passing keep-list was found")
     else:

@@ -28,7 +28,8 @@ import onnx
 
 from accudiff.comparison.decisions import DEFAULT_THRESHOLD, Decision, decide
 from accudiff.comparison.plans import EngineOptions, Measured, PassPlan, ReferencePlan, RunnerFactory
-from accudiff.comparison.metrics import EMPTY_ROW, F, PART_ELEMENTS, SKETCH_BUCKETS, PartMap, StatsSet, finish, reduce_tensor, reference_range
+from accudiff.comparison.metrics import (EMPTY_ROW, F, PART_ELEMENTS, SKETCH_BUCKETS, PartMap, StatsSet, finish, merge_run_time_ranges, reduce_tensor,
+                                         reference_range, run_time_range)
 from accudiff.comparison.tolerances import Tolerance
 from accudiff.model.inputs import Feed
 from accudiff.model.graph import tensor_bytes
@@ -108,6 +109,7 @@ class Engine:
         self._active: list[Runner] = []
         self.timings: dict[str, float] = {}  # seconds per phase: where a worker's time goes (summary.json)
         self._ranges: dict[str, tuple[float, float]] = {}  # each reference tensor's range, found once per sample
+        self.run_time_ranges: dict[str, list[float]] = {}  # a tensor quantized as the model runs -> what sets its ranges (metrics.run_time_range)
         # A pass's tensors are reduced on `threads` cores at once, between backend runs (which use them too);
         # each tensor's statistics are its own, so the order they finish in changes nothing.
         self._reducer, self._threads = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="accudiff-reduce"), threads
@@ -282,9 +284,13 @@ class Engine:
 
         def reduce_one(index: int, map_parts: PartMap = map) -> None:
             tensor, ref, cand = pairs[index]
+            tolerance, quant = self.tolerances.for_tensor(tensor), self.quant_ranges.get(tensor)
             if tensor not in self._ranges:  # the same range serves every pass of this sample
                 self._ranges[tensor] = reference_range(np.asarray(ref).reshape(-1), map_parts)
-            tolerance, quant = self.tolerances.for_tensor(tensor), self.quant_ranges.get(tensor)
+                if quant is not None and quant.levels:
+                    self.run_time_ranges[tensor] = merge_run_time_ranges(self.run_time_ranges.get(tensor), run_time_range(ref, quant.levels))
+            if quant is not None and quant.levels:  # quantized as the model runs: this sample's own grid
+                quant = quant.of_sample(*self._ranges[tensor])
             sketch = own[index] if index in own else result.stats.sketch[self.row[tensor]]
             reduce_tensor(ref, cand, tolerance, quant, sample, self._ranges[tensor], (values[index], sketch), map_parts)
 

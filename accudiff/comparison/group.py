@@ -252,6 +252,7 @@ def combine(model: Path, runs: Sequence[GroupRun]) -> tuple[ModelInfo, Transform
         constant_overflows={node: text for t in transforms for node, text in t.constant_overflows.items()},
         unmatched={name: why for t in transforms for name, why in t.unmatched.items()},
         weight_findings={node: text for t in transforms for node, text in t.weight_findings.items()},
+        quantized_by={node: tool for t in transforms for node, tool in t.quantized_by.items()},
     )
     return info, transformed, outcome
 

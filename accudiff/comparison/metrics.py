@@ -326,3 +326,38 @@ def sqnr_db(signal: float | np.ndarray, noise: float | np.ndarray) -> float | np
         value = np.clip(10 * np.log10(np.divide(signal, noise)), -SQNR_CAP_DB, SQNR_CAP_DB)
     value = np.where(np.equal(noise, 0), SQNR_CAP_DB, np.where(np.equal(signal, 0), -SQNR_CAP_DB, value))
     return value if value.ndim else float(value)
+
+
+BULK_SHARE = 0.999  # the share of a tensor's values whose span is "what the bulk needs"
+
+
+def run_time_range(ref: np.ndarray, levels: int) -> list[float]:
+    """What sets one sample's range of a tensor quantized per tensor as the model runs (its own [min, max],
+    0 included, in `levels` steps): [1 sample, elements, values beyond half the range's largest magnitude
+    (the few that set it), low, high, and the span 99.9% of its values need (0 included)]. Mergeable with
+    `merge_run_time_ranges`."""
+    values = np.asarray(ref, np.float64).reshape(-1)
+    values = values[np.isfinite(values)]
+    if values.size == 0:
+        return [1, 0, 0, 0.0, 0.0, 0.0, 0.0]
+    low, high = min(float(values.min()), 0.0), max(float(values.max()), 0.0)
+    setting = int(np.count_nonzero(np.abs(values) > max(-low, high) / 2))
+    tail = (1 - BULK_SHARE) / 2
+    bulk_low, bulk_high = np.quantile(values, [tail, 1 - tail])
+    return [1, values.size, setting, low, high, min(float(bulk_low), 0.0), max(float(bulk_high), 0.0)]
+
+
+def merge_run_time_ranges(into: list[float] | None, new: list[float]) -> list[float]:
+    """Two records of `run_time_range` as one: samples, elements and the values setting ranges added up; the
+    sample whose range is widest against its bulk's span kept."""
+    if into is None:
+        return list(new)
+    widest = max((into, new), key=widening)
+    return [into[0] + new[0], into[1] + new[1], into[2] + new[2], *widest[3:]]
+
+
+def widening(record: list[float]) -> float:
+    """How many times wider a sample's range is than the span its bulk needs (1: no outliers)."""
+    low, high, bulk_low, bulk_high = record[3:7]
+    return (high - low) / (bulk_high - bulk_low) if bulk_high > bulk_low else (1.0 if high == low else math.inf)
+

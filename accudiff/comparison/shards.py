@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from accudiff.comparison.engine import POINTS_PER_OUTPUT
-from accudiff.comparison.metrics import StatsSet
+from accudiff.comparison.metrics import StatsSet, merge_run_time_ranges
 from accudiff.comparison.worker import Job, decode_result, result_files, run_job
 from accudiff.errors import AccudiffError, first_line
 
@@ -118,8 +118,10 @@ def _split(job: Job, entries: Sequence[Sequence[str]], indices: list[int], worke
 def merge_results(results: Iterable[dict]) -> dict:
     """One result from several workers' results (same job, other samples), added up in their order, each
     as it comes: only the running total is held, whatever the number of shards."""
-    merged = {"passes": {}, "reference_not_observable": {}, "inputs": None, "timings": {}, "layout": {"workers": 0, "threads": []}}
+    merged = {"passes": {}, "reference_not_observable": {}, "inputs": None, "timings": {}, "layout": {"workers": 0, "threads": []}, "run_time_ranges": {}}
     for result in results:
+        for tensor, record in result.get("run_time_ranges", {}).items():
+            merged["run_time_ranges"][tensor] = merge_run_time_ranges(merged["run_time_ranges"].get(tensor), record)
         layout = merged["layout"]  # how many workers ran side by side, and the threads each used
         merged["layout"] = {"workers": layout["workers"] + 1, "threads": sorted({*layout["threads"], *result["layout"]["threads"]})}
         merged["reference_not_observable"].update(result["reference_not_observable"])

@@ -55,7 +55,7 @@ def build_table(
     columns["status"] = np.where(~measured & ~shape_differs, STATUS_MISSING, status).astype(object)
     columns["note"] = note
     table = pd.DataFrame(columns)
-    table["int8_scale"] = [quant_ranges[t.name].scale if t.name in quant_ranges else np.nan for t in tensors]
+    table["int8_scale"] = [quant_ranges[t.name].scale if t.name in quant_ranges and not quant_ranges[t.name].levels else np.nan for t in tensors]
     return table
 
 

@@ -367,7 +367,7 @@ _REUSED = _ReusedRunners()
 def _write_result(engine, path: Path, threads: int) -> None:
     arrays = {"inputs/values": engine.input_stats.values, **_sparse("inputs/sketch", engine.input_stats.sketch)}
     document = {"passes": {}, "reference_not_observable": engine.reference_not_observable, "timings": engine.timings,
-                "layout": {"workers": 1, "threads": [threads]}}
+                "layout": {"workers": 1, "threads": [threads]}, "run_time_ranges": engine.run_time_ranges}
     for name, result in engine.results.items():
         arrays.update({f"{name}/values": result.stats.values, **_sparse(f"{name}/sketch", result.stats.sketch)})
         ratios = list(result.ratio_sketches)

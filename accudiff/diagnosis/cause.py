@@ -92,6 +92,7 @@ class Cause:
     contributors: list[Contributor] = field(default_factory=list)
     verified: bool = False  # tested at the output by keeping suspects in higher precision (diagnosis/verify.py)
     co_causes: list[Contributor] = field(default_factory=list)  # kind "several": the other nodes the repair needs
+    alternatives: list[Contributor] = field(default_factory=list)  # kind "local": other single keeps that meet the target too
     absorbed: list[Absorbed] = field(default_factory=list)
     stand_in: str | None = None  # verified on this candidate instead (the compared one was captured elsewhere)
 

@@ -56,6 +56,7 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings
         graph_input_table(float_inputs, StatsSet.from_arrays(outcome["inputs"]), transformed.quant_ranges),
         dict(transformed.quant_ranges),
         dict(transformed.weight_findings),
+        dict(outcome.get("run_time_ranges", {})),
     )
     indexed = table.set_index("tensor", drop=False)
     failing = table.loc[table["status"] == STATUS_FAIL, "tensor"].tolist()
@@ -97,6 +98,7 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings
         target=settings.target_arguments(),
         candidate_model=Path(settings.candidate_model) if settings.candidate_model is not None else None,
         unmatched=dict(transformed.unmatched),
+        quantized_by=dict(transformed.quantized_by),
     )
     if len(result.outputs) and not result.outputs["elements"].any():
         raise AccudiffError(f"every graph output of '{info.path.name}' is empty on these inputs: the comparison would cover no element")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from accudiff.comparison.metrics import FP16_SMALLEST_NORMAL
+from accudiff.comparison.metrics import FP16_SMALLEST_NORMAL, widening
 from accudiff.comparison.table import STATUS_FAIL
 from accudiff.model.formats import FP16_MAX, QUANTIZED_FORMATS, QuantRange, formats_of
 from accudiff.text import percent
@@ -26,7 +26,7 @@ RESOLUTION_SHARE = 0.5
 
 UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8}
 REDUCTIONS = frozenset({"ReduceSum", "ReduceMean", "ReduceSumSquare", "ReduceL1", "MatMul"})
-RANGE_KINDS = frozenset({"overflow", "input_overflow", "constant_overflow", "underflow", "per_tensor_scale", *(f"{f}_{fault}" for f in QUANTIZED_FORMATS for fault in ("clipping", "resolution"))})
+RANGE_KINDS = frozenset({"overflow", "input_overflow", "constant_overflow", "underflow", "per_tensor_scale", "block_scale", "int8_dynamic_range", *(f"{f}_{fault}" for f in QUANTIZED_FORMATS for fault in ("clipping", "resolution"))})
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,8 @@ class DiagnosisContext:
     constant_overflows: dict[str, str] = field(default_factory=dict)  # node -> what overflowed in its constants
     graph_inputs: pd.DataFrame | None = None  # range statistics of the graph inputs
     quant_ranges: dict[str, QuantRange] = field(default_factory=dict)  # tensor -> the grid a Q/DQ pair puts it on
-    weight_findings: dict[str, str] = field(default_factory=dict)  # node -> what its weight's one quantization scale zeroes
+    weight_findings: dict[str, tuple[str, str]] = field(default_factory=dict)  # node -> (kind, what its weight's quantization scale zeroes)
+    run_time_ranges: dict[str, list[float]] = field(default_factory=dict)  # tensor quantized as the model runs -> metrics.run_time_range
 
     @property
     def formats(self) -> frozenset[str]:
@@ -120,11 +121,52 @@ def range_findings(tensor: str, table: pd.DataFrame, context: DiagnosisContext) 
         findings += _fp16_underflow(table, context, stored_fp16 + (inputs if converted else []), tensor)
     if context.formats & QUANTIZED_FORMATS and converted:
         findings += _quantized_inputs(table, context, inputs)
-    if node in context.weight_findings:
-        findings.append(Finding("per_tensor_scale", context.weight_findings[node]))
+    findings += grid_faults(tensor, table, context)
     if converted and context.roundoff is not None:
         findings += absorption(tensor, table, context) + _accumulation(row, inputs, table, context)
     return findings
+
+
+def grid_faults(tensor: str, table: pd.DataFrame, context: DiagnosisContext) -> list[Finding]:
+    """Faults of the grids the node producing `tensor` quantizes onto that hold whatever its own tolerance
+    says (a tensor dominated by a few large values passes while its small ones are lost): a weight scale
+    that zeroes channels or blocks, an input quantized as the model runs over a range a few values set."""
+    node = table.loc[tensor, "node"]
+    found = [Finding(*context.weight_findings[node])] if node in context.weight_findings else []
+    if node in context.converted:
+        found += [f for name in context.inputs_of(tensor, table) if (f := _run_time_range(name, table, context)) is not None]
+    return found
+
+
+def grid_fault_strength(tensor: str, table: pd.DataFrame, context: DiagnosisContext) -> float:
+    """How much the grid faults of the node producing `tensor` lose, to try the worst first: its inputs'
+    widest run-time range against what their bulk needs; a weight that loses channels or blocks counts as
+    a range WIDENING times too wide."""
+    node = table.loc[tensor, "node"]
+    widest = [widening(context.run_time_ranges[name]) for name in context.inputs_of(tensor, table) if name in context.run_time_ranges]
+    return max([*widest, *([WIDENING] if node in context.weight_findings else [])], default=0.0)
+
+
+WIDENING = 4.0  # an input's range this many times what 99.9% of its values need: two bits of its grid lost
+
+
+def _run_time_range(name: str, table: pd.DataFrame, context: DiagnosisContext) -> Finding | None:
+    """An input quantized per tensor as the model runs (ONNX Runtime's dynamic quantization: each sample
+    over its own [min, max], 0 included) whose range a few large values stretch far beyond what the rest
+    need: the step they force flattens the small values."""
+    record = context.run_time_ranges.get(name)
+    grid = context.quant_ranges.get(name)
+    if record is None or grid is None or not record[1] or widening(record) < WIDENING:
+        return None
+    samples, elements, setting, low, high, bulk_low, bulk_high = record
+    row = context.row(name, table)
+    flattened = row["below_int8_step"] / row["elements"] if row["elements"] else 0.0
+    step = (high - low) / grid.levels
+    return Finding("int8_dynamic_range",
+                   f"its input '{name}' is quantized to {grid.grid} per tensor as the model runs, each sample over its own range: in the widest, "
+                   f"[{low:.3g}, {high:.3g}] (a step of {step:.3g}), {widening(record):.3g} times the span 99.9% of its values need "
+                   f"([{bulk_low:.3g}, {bulk_high:.3g}]); a few values set it ({setting / samples:.3g} a sample, of {elements / samples:.0f}, lie beyond "
+                   f"half its largest magnitude), and {percent(flattened)} of its values lie below half a step and become 0")
 
 
 def absorption(tensor: str, table: pd.DataFrame, context: DiagnosisContext) -> list[Finding]:
@@ -225,7 +267,7 @@ def _quantized_inputs(table: pd.DataFrame, context: DiagnosisContext, inputs: li
     findings = []
     for name in inputs:
         source, grid = context.row(name, table), context.quant_ranges.get(name)
-        if not source["elements"] or grid is None:
+        if not source["elements"] or grid is None or grid.levels:  # a grid set as the model runs: _run_time_range
             continue
         clipped = source["beyond_int8_range"] / source["elements"]
         tiny = source["below_int8_step"] / source["elements"]

@@ -40,9 +40,10 @@ from accudiff.comparison.group import GroupRun, could_be_a_shape
 from accudiff.comparison.objective import Objective, describe
 from accudiff.comparison.trial import MAX_TRIAL_SAMPLES, TrialOutcome, TrialSetup, Trials, trial_workers
 from accudiff.comparison.worker import prestart
+from accudiff.diagnosis.loss_split import loss_split, loss_split_keeps
 from accudiff.diagnosis.cause import Absorbed, Cause, Contributor, Repair, RepairStep, ancestor_tensors, flagged_nodes, rank_contributors
 from accudiff.diagnosis.mechanisms import absorber, amplifiers, cancellations
-from accudiff.diagnosis.rules import RANGE_KINDS, DiagnosisContext, Finding, isolated_figures, isolation_ran, range_findings
+from accudiff.diagnosis.rules import RANGE_KINDS, DiagnosisContext, Finding, grid_fault_strength, isolated_figures, isolation_ran, range_findings
 from accudiff.model.formats import QUANTIZED_FORMATS, formats_of
 from accudiff.model.loading import load_graph, read_again
 from accudiff.model.saving import save_model
@@ -141,10 +142,10 @@ def verify_outputs(
     )
     recorded = (runs[0].outputs, chosen) if runs[0].outputs is not None else None
     with Trials(setup, indexed, recorded) as trials:
-        split = _splits(setup.variants, context.formats)
+        split = loss_split_keeps(setup.variants, context.formats, settings.given_alone)
         verdicts, control, parts = verify_causes(outputs, indexed, context, trials, settings.verify_budget, settings.tolerances.default.rtol, split,
                                                  settings.judged)
-        result.loss_split = _loss_split(outputs, control, parts)
+        result.loss_split = loss_split(outputs, control, parts, split)
     result.worker_timings["verification"] = trials.timings
     keep = list(dict.fromkeys(n for _, repair in verdicts.values() if repair.verified for n in repair.keep))
     if report is not None and keep and settings.candidate_model is not None:
@@ -163,29 +164,6 @@ def verify_outputs(
             f"{stand_in or 'the candidate'} run again with nothing kept: a keep cannot be verified where the failure does not show, "
             "so the cause stays the rules' hypothesis")
     return notices
-
-
-def _splits(variants: CandidateVariants, formats: frozenset[str]) -> list[tuple[list[str], str]]:
-    """For a candidate made by another tool that both quantizes and stores in FP16/BF16 (ModelOpt's INT8 and
-    FP8 models do): every converted node kept with only its Q/DQ pairs undone, and with only its casts
-    undone (which share of the loss each brings); nothing for any other candidate."""
-    if variants.recipe.candidate_model is None or not (formats & QUANTIZED_FORMATS and formats - QUANTIZED_FORMATS):
-        return []
-    every = sorted(variants.base.converted)
-    return [(every, "quantization"), (every, "casts")]
-
-
-def _loss_split(outputs: Sequence[str], control: TrialOutcome, parts: list[TrialOutcome]) -> dict[str, dict]:
-    """Each failing output's tolerance ratio (and top-1 agreement) with both, without the Q/DQ pairs, without the casts."""
-    if not parts:
-        return {}
-    unquantized, widened = parts
-    named = {"with_both": control, "without_quantization": unquantized, "without_casts": widened}
-    return {
-        output: {**{key: outcome.tol_ratio.get(output, math.inf) for key, outcome in named.items()},
-                 "top1": {key: outcome.figures.get(output, {}).get("top1") for key, outcome in named.items()}}
-        for output in outputs
-    }
 
 
 def _trial_samples(failing: pd.DataFrame, outputs: Sequence[str]) -> list[int]:
@@ -248,11 +226,13 @@ def _suspects(output: str, table: pd.DataFrame, context: DiagnosisContext, rtol:
     flagged = [_Suspect(c.node, c.tensor, c.op_type, [c.node], c.findings, flagged=True) for c in flagged_nodes(output, table, context)]
     hard = [s for s in flagged if any(f.kind in RANGE_KINDS or f.kind.startswith("nan_inf") for f in s.findings)]
     found = list(hard)
-    # A weight's one scale zeroing a channel is a fault whatever the tolerance says of the node's own output
-    # (a tensor dominated by one large channel passes while its small channels are lost).
-    rows = table[table.index.isin(ancestor_tensors(output, context.upstream)) & table["node"].isin(context.weight_findings.keys())]
+    # A weight's scale zeroing channels, an input's run-time range set by a few values: faults whatever the
+    # tolerance says of the node's own output (a tensor dominated by a few large values passes while its
+    # small ones are lost). The strongest first.
+    rows = table[table.index.isin(ancestor_tensors(output, context.upstream)) & table["node"].isin(context.converted)].drop_duplicates("node")
+    graded = sorted(((grid_fault_strength(tensor, table, context), tensor, row) for tensor, row in rows.iterrows()), key=lambda item: -item[0])
     found += [_Suspect(row["node"], tensor, row["op_type"], [row["node"]], range_findings(tensor, table, context), flagged=True)
-              for tensor, row in rows.drop_duplicates("node").iterrows()]
+              for strength, tensor, row in graded if strength > 0]
     for cancel in cancellations(output, table, context, rtol):
         found.append(_Suspect(cancel.node, cancel.tensor, cancel.op_type, cancel.unit, [*cancel.findings, *amplifiers(cancel.tensor, output, table, context)]))
     found += [s for s in flagged if s not in hard]
@@ -311,7 +291,10 @@ class _Tries:
 def _conclude(
     output: str, before: _Reading, suspects: list[_Suspect], table: pd.DataFrame, context: DiagnosisContext, tries: _Tries, runs_left: int
 ) -> tuple[Cause, Repair]:
-    helpful = sorted((s for s in suspects if improvement(before.score, s.score) > 1 / HELPS), key=lambda s: s.score)
+    # A keep helps when it improves the output enough to matter, or when it meets the target outright (an
+    # output barely out of tolerance may be repaired by several keeps, each by a little).
+    helpful = sorted((s for s in suspects if improvement(before.score, s.score) > 1 / HELPS or (s.reading is not None and s.reading.met)),
+                     key=lambda s: s.score)
     contributors = [_contributor(s, table) for s in sorted(suspects, key=lambda s: s.score)]
     steps, readings = [before.step([])], [before]
     now = before
@@ -368,7 +351,8 @@ def _conclude(
         needs = ", ".join(filter(None, [reads and f"{reads} node(s) computing what it reads", boundary and f"{boundary} node(s) its boundaries need"]))
         needs = f" (with {needs})" if needs else ""
         verdict = Finding("verified", f"{phrase}{needs} brings the output from {before.said('')} to {best.reading.said()}")
-        return Cause("local", best.node, best.tensor, best.op_type, [*best.findings, verdict], **common), repair
+        others = [_contributor(s, table) for s in helpful if s is not best and s.reading.met]
+        return Cause("local", best.node, best.tensor, best.op_type, [*best.findings, verdict], alternatives=others, **common), repair
     gains = [improvement(a.score, b.score) for a, b in zip(readings, readings[1:])]
     if repair.verified and len(used) <= SEVERAL_LIMIT and all(gain >= SEVERAL_FACTOR for gain in gains):
         best = used[0]

@@ -17,10 +17,16 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
+from accudiff.model.graph import constant_values, value_types
+from accudiff.model.quantized_ops import find_quantized_ops, quantized_members
+
 FP16_MAX = 65504.0
 REDUCED_FLOATS = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16"}
-FORMAT_ORDER = ("int8", "fp8", "int4", "fp4", "fp16", "bf16")
-QUANTIZED_FORMATS = frozenset(FORMAT_ORDER[:4])
+# Quantized formats first: static grids (Q/DQ pairs on activations and weights), activations quantized as the
+# model runs (`-dynamic`), weights alone (`-weight`: activations stay float); then the narrow floats.
+FORMAT_ORDER = ("int8", "int8-dynamic", "fp8", "int4", "fp4", "int8-weight", "int4-weight", "int2-weight", "fp16", "bf16")
+QUANTIZED_FORMATS = frozenset(FORMAT_ORDER[:-2])
+WEIGHT_ONLY = {"int8": "int8-weight", "int4": "int4-weight"}  # a grid only weights are stored on
 
 
 @dataclass(frozen=True)
@@ -66,13 +72,26 @@ CARRIED_AS = {
 class QuantRange:
     """The grid a tensor is quantized onto, in the tensor's own units: values beyond `low..high` clip (an
     integer grid) or saturate (FP8), and values below half of `step`, the smallest magnitude it holds,
-    become 0. `scale` is the quantizer's scale; `grid` names the element type ("INT8", "FP8 E4M3")."""
+    become 0. `scale` is the quantizer's scale; `grid` names the element type ("INT8", "FP8 E4M3").
+    `levels` > 0: a grid the model sets as it runs, each sample's own range (0 included) in that many steps
+    (ONNX Runtime's dynamic quantization); its other fields are then those of no sample."""
 
     scale: float
     low: float
     high: float
     step: float
     grid: str = "INT8"
+    levels: int = 0
+
+    @classmethod
+    def at_run_time(cls, levels: int, grid: str) -> QuantRange:
+        return cls(0.0, 0.0, 0.0, 0.0, grid, levels)
+
+    def of_sample(self, low: float, high: float) -> QuantRange:
+        """A run-time grid as one sample's range [low, high] sets it."""
+        low, high = min(low, 0.0), max(high, 0.0)
+        step = (high - low) / self.levels
+        return QuantRange(step, low, high, step, self.grid)
 
     @property
     def format(self) -> str:
@@ -95,22 +114,6 @@ def is_precision_label(text: str) -> bool:
     return text == "fp32" or (all(p in FORMAT_ORDER for p in parts) and precision_label(parts) == text)
 
 
-def constant_values(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
-    """The graph's constants by name: initializers and the values of Constant nodes."""
-    found = {init.name: init for init in graph.initializer}
-    for node in graph.node:
-        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
-            found[node.output[0]] = node.attribute[0].t
-    return found
-
-
-def value_types(graph: onnx.GraphProto) -> dict[str, int]:
-    """The element type of every value the graph declares (inputs, outputs, value_info, constants)."""
-    types = {vi.name: vi.type.tensor_type.elem_type for vi in [*graph.input, *graph.value_info, *graph.output] if vi.type.HasField("tensor_type")}
-    types.update((name, tensor.data_type) for name, tensor in constant_values(graph).items())
-    return {name: kind for name, kind in types.items() if kind}
-
-
 def grid_type(node: onnx.NodeProto, types: Mapping[str, int]) -> int | None:
     """The quantized element type of a QuantizeLinear (its output) or DequantizeLinear (its input)."""
     if node.op_type == "DequantizeLinear":
@@ -123,13 +126,47 @@ def grid_type(node: onnx.NodeProto, types: Mapping[str, int]) -> int | None:
 
 
 def model_formats(graph: onnx.GraphProto) -> list[str]:
-    """The formats a (shape-inferred) graph stores values in: its Q/DQ grids, and FP16/BF16 wherever a
-    weight, a value or a Cast has that type."""
+    """The formats a (shape-inferred) graph stores values in: its quantized ops' (quantized_ops.py), its Q/DQ
+    grids (an integer grid only weights are read from, by nodes whose activations stay float, is that
+    grid's `-weight` format), and FP16/BF16 wherever a weight, a value or a Cast has that type."""
     types = value_types(graph)
-    found = {GRIDS[kind].format for node in graph.node if (kind := grid_type(node, types)) in GRIDS}
+    ops = find_quantized_ops(graph)
+    members = quantized_members(ops)
+    found = {f for op in ops for f in op.formats}
+    weight_only = _weight_only_dequantizers(graph)
+    for node in graph.node:
+        kind = grid_type(node, types) if node.name not in members else None
+        if kind in GRIDS:
+            grid = GRIDS[kind].format
+            found.add(WEIGHT_ONLY.get(grid, grid) if node.name in weight_only else grid)
     found |= {REDUCED_FLOATS[kind] for kind in types.values() if kind in REDUCED_FLOATS}
     found |= {REDUCED_FLOATS[a.i] for node in graph.node if node.op_type == "Cast" for a in node.attribute if a.name == "to" and a.i in REDUCED_FLOATS}
     return [f for f in FORMAT_ORDER if f in found]
+
+
+def _weight_only_dequantizers(graph: onnx.GraphProto) -> set[str]:
+    """The DequantizeLinear nodes of weights (constants, or constants behind a QuantizeLinear) read only by
+    nodes that read no other dequantized value: their activations stay float."""
+    constants = constant_values(graph)
+    producer = {out: node for node in graph.node for out in node.output if out}
+
+    def dequantizer(name: str) -> tuple[onnx.NodeProto | None, bool]:
+        node = producer.get(name)
+        if node is None or node.op_type != "DequantizeLinear":
+            return None, False
+        source = producer.get(node.input[0])
+        quantized = source.input[0] if source is not None and source.op_type == "QuantizeLinear" else node.input[0]
+        return node, quantized in constants
+
+    weights, readers_of_activations = {}, set()
+    for node in graph.node:
+        read = [dequantizer(name) for name in node.input]
+        if any(d is not None and not is_weight for d, is_weight in read):
+            readers_of_activations.update(d.name for d, _ in read if d is not None)
+        for d, is_weight in read:
+            if d is not None and is_weight:
+                weights[d.name] = d
+    return set(weights) - readers_of_activations
 
 
 def quant_ranges(graph: onnx.GraphProto) -> dict[str, QuantRange]:

@@ -145,3 +145,19 @@ def tensor_bytes(tensor: onnx.TensorProto) -> int:
     if tensor.data_type in UNCHECKED_TYPES:
         return tensor.ByteSize()
     return math.prod(tensor.dims) * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+
+
+def constant_values(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    """The graph's constants by name: initializers and the values of Constant nodes."""
+    found = {init.name: init for init in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            found[node.output[0]] = node.attribute[0].t
+    return found
+
+
+def value_types(graph: onnx.GraphProto) -> dict[str, int]:
+    """The element type of every value the graph declares (inputs, outputs, value_info, constants)."""
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in [*graph.input, *graph.value_info, *graph.output] if vi.type.HasField("tensor_type")}
+    types.update((name, tensor.data_type) for name, tensor in constant_values(graph).items())
+    return {name: kind for name, kind in types.items() if kind}

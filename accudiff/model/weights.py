@@ -10,6 +10,7 @@ other is copied block by block into the target's own data file.
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -78,11 +79,42 @@ def weight_blocks(tensor: onnx.TensorProto, block_bytes: int = BLOCK_BYTES) -> I
 
 def weight_values(tensor: onnx.TensorProto) -> np.ndarray:
     """A weight's values (read whole: for the small weights whose values decide something, such as a
-    condition or a shape)."""
+    condition or a shape, and for the codes of quantized ones: 4-bit types come back as int8 or uint8)."""
+    if tensor.data_type in PACKED_4BIT:
+        return next(weight_code_blocks(tensor)).reshape(tuple(tensor.dims))
     if not is_external(tensor):
         return numpy_helper.to_array(tensor)
     blocks = list(weight_blocks(tensor))
     return (np.concatenate(blocks) if blocks else np.empty(0, stored_dtype(tensor))).reshape(tuple(tensor.dims))
+
+
+PACKED_4BIT = {onnx.TensorProto.INT4: True, onnx.TensorProto.UINT4: False}  # two values a byte, signed or not
+
+
+def weight_code_blocks(weight: onnx.TensorProto) -> Iterator[np.ndarray]:
+    """A weight's values, flattened, a block at a time, with 4-bit types unpacked (two values a byte, the
+    low nibble first) into int8 or uint8 in one block."""
+    if weight.data_type not in PACKED_4BIT:
+        yield from weight_blocks(weight)
+        return
+    signed = PACKED_4BIT[weight.data_type]
+    if not is_external(weight):
+        yield numpy_helper.to_array(weight).reshape(-1).astype(np.int8 if signed else np.uint8)
+        return
+    data = io.BytesIO()
+    copy_bytes(weight, data)
+    values = unpack_codes(np.frombuffer(data.getvalue(), np.uint8), 4, int(np.prod(weight.dims, dtype=np.int64)))
+    yield (np.where(values > 7, values.astype(np.int16) - 16, values).astype(np.int8)) if signed else values
+
+
+def unpack_codes(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """`count` codes of `bits` bits (2, 4 or 8) packed low bits first into the bytes `packed`, as uint8."""
+    packed = np.ascontiguousarray(packed, np.uint8).reshape(-1)
+    if bits == 8:
+        return packed[:count]
+    per_byte = 8 // bits
+    shifts = np.arange(per_byte, dtype=np.uint8) * bits
+    return ((packed[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:count].astype(np.uint8)
 
 
 def copy_bytes(tensor: onnx.TensorProto, target) -> int:

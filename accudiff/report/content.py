@@ -14,6 +14,7 @@ from pathlib import Path
 from accudiff.version import __version__
 from accudiff.comparison.objective import REQUIREMENTS, describe
 from accudiff.model.formats import QUANTIZED_FORMATS
+from accudiff.model.quantized_ops import TOOL_OPTIONS
 from accudiff.text import percent, times_tolerance
 
 SUMMARY_SCHEMA = "accudiff.compare.summary"
@@ -195,7 +196,11 @@ def cause_lines(failure, result) -> list[str]:
     if cause.kind in ("local", "several", "dominant"):
         what = {"local": "introduces the error", "several": "is one of several causes", "dominant": "carries most of the error, the rest accumulates"}[cause.kind]
         lines = [f"cause: {cause.op_type} '{cause.node}' {what} (its output '{cause.tensor}'; {status})"]
+        if cause.alternatives:  # several single keeps each repair it: no one node introduces the error
+            lines = [f"cause: the error accumulates just past the tolerance: keeping {cause.op_type} '{cause.node}' repairs the output, the best of "
+                     f"{len(cause.alternatives) + 1} of the {len(cause.contributors)} single keeps tried that each do (its output '{cause.tensor}'; {status})"]
         lines += [f"  {f.kind}: {f.message}" for f in cause.findings]
+        lines += [f"  also repairs it alone: {c.op_type} '{c.node}' ({_kept_effect(c)})" for c in cause.alternatives]
         for c in cause.co_causes:
             lines.append(f"  also: {c.op_type} '{c.node}' ({_kept_effect(c)})")
             lines += [f"    {f.kind}: {f.message}" for f in c.findings if f.kind != "own_error"]
@@ -224,18 +229,26 @@ def cause_lines(failure, result) -> list[str]:
 
 
 def split_lines(output: str, result) -> list[str]:
-    """Which share of a candidate's loss its quantization brings and which its FP16/BF16 casts."""
+    """Which share of a candidate's loss each part of its narrowing brings: its quantization against its
+    FP16/BF16 casts, its activations' quantization against its weights'."""
     split = result.loss_split.get(output)
     if not split:
         return []
+    ratios, top1 = split["ratios"], split["top1"]
     formats = result.precision.split("+")
-    quantized, stored = formats[0].upper(), "/".join(f.upper() for f in formats[1:])
-    top1 = split["top1"]
-    decision = (f"; top-1 agreement {percent(top1['without_quantization'], 1)}, {percent(top1['without_casts'], 1)} and {percent(top1['with_both'], 1)}"
-                if top1.get("with_both") is not None else "")
-    return [f"  loss split: without its Q/DQ pairs ({stored} kept) the output is at {times_tolerance(split['without_quantization'], '')}, "
-            f"without its {stored} casts ({quantized} kept) at {times_tolerance(split['without_casts'], '')}, with both at "
-            f"{times_tolerance(split['with_both'])}{decision}"]
+    stored = "/".join(f.upper() for f in formats if f in ("fp16", "bf16"))
+    quantized = "+".join(f.upper() for f in formats if f not in ("fp16", "bf16"))
+    # what is left when a part is undone: the other part alone
+    said = {"casts": f"its quantization alone ({quantized})", "quantization": f"its {stored} casts alone",
+            "activations": "its weights' quantization alone (activations float)", "weights": "its activations' quantization alone (weights float)"}
+    lines = []
+    for first, second in (("casts", "quantization"), ("activations", "weights")):
+        if first in ratios and second in ratios:
+            decision = (f"; top-1 agreement {percent(top1[first], 1)}, {percent(top1[second], 1)} and {percent(top1['with_both'], 1)}"
+                        if top1.get("with_both") is not None else "")
+            lines.append(f"  loss split: {said[first]} leaves the output at {times_tolerance(ratios[first], '')}, {said[second]} at "
+                         f"{times_tolerance(ratios[second], '')}, both at {times_tolerance(ratios['with_both'])}{decision}")
+    return lines
 
 
 def repair_lines(failure, result) -> list[str]:
@@ -256,22 +269,32 @@ def repair_lines(failure, result) -> list[str]:
         lines.append("    apply it: " + " ".join(f"--keep-fp32 '{re.escape(n)}'" for n in repair.keep))
         if result.candidate_model is not None:
             repaired = result.report_dir / result.repaired_candidate if result.repaired_candidate and result.report_dir is not None else None
-            lines += [f"    {line}" for line in remake_lines(repair.keep, result.precision, repaired)]
+            lines += [f"    {line}" for line in remake_lines(repair.keep, result.precision, result.quantized_by, repaired)]
     return lines
 
 
-def remake_lines(nodes: list[str], precision: str, repaired: Path | None = None) -> list[str]:
+def remake_lines(nodes: list[str], precision: str, quantized_by: dict[str, str], repaired: Path | None = None) -> list[str]:
     """For a candidate made by another tool (of `precision`): the options that make it again without `nodes`
-    quantized or converted, in the tools' own terms, and where the repaired candidate is."""
+    quantized or converted, in the tools' own terms (the tool that wrote a quantized op, `quantized_by`,
+    else the Q/DQ quantizers'), and where the repaired candidate is."""
     formats = set(precision.split("+"))
-    regexes = " ".join(shlex.quote(re.escape(n)) for n in nodes)
-    names = ", ".join(repr(n) for n in nodes)
+    by_tool: dict[str, list[str]] = {}
+    for node in nodes:
+        by_tool.setdefault(quantized_by.get(node, "Q/DQ"), []).append(node)
     lines = []
     if formats & QUANTIZED_FORMATS:
-        lines.append(f"or quantize again without them: ModelOpt --nodes_to_exclude {regexes}; ONNX Runtime quantize_static(..., nodes_to_exclude=[{names}])"
-                     + (" (excluded from quantization, they still run in the tool's FP16/BF16: ModelOpt --high_precision_dtype fp32 keeps FP32)"
-                        if formats & {"fp16", "bf16"} else ""))
+        options = [TOOL_OPTIONS[tool].format(names=", ".join(repr(n) for n in names)) for tool, names in by_tool.items() if tool in TOOL_OPTIONS]
+        if "Q/DQ" in by_tool:
+            qdq = by_tool["Q/DQ"]
+            options.append(f"ModelOpt --nodes_to_exclude {' '.join(shlex.quote(re.escape(n)) for n in qdq)}; "
+                           f"ONNX Runtime quantize_static(..., nodes_to_exclude=[{', '.join(repr(n) for n in qdq)}])")
+        if options:
+            lines.append("or quantize again without them: " + "; ".join(options)
+                         + (" (excluded from quantization, they still run in the tool's FP16/BF16: ModelOpt --high_precision_dtype fp32 keeps FP32)"
+                            if formats & {"fp16", "bf16"} else ""))
     elif formats & {"fp16", "bf16"}:
+        regexes = " ".join(shlex.quote(re.escape(n)) for n in nodes)
+        names = ", ".join(repr(n) for n in nodes)
         lines.append(f"or convert again keeping them in FP32: ModelOpt AutoCast --nodes_to_exclude {regexes}; "
                      f"onnxconverter-common convert_float_to_float16(..., node_block_list=[{names}])")
     if repaired is not None:

@@ -24,6 +24,10 @@ _SIMULATES = {
     "fp8": "simulates FP8 rounding, not TensorRT's FP8 kernels",
     "int4": "simulates INT4 rounding, not TensorRT's INT4 kernels",
     "fp4": "simulates FP4 rounding, not TensorRT's FP4 kernels",
+    "int8-dynamic": "ONNX Runtime's own kernels quantize activations to INT8 as the model runs",
+    "int8-weight": "simulates INT8 weights; its arithmetic is FP32",
+    "int4-weight": "simulates INT4 weights; its arithmetic is FP32",
+    "int2-weight": "simulates 2-bit weights; its arithmetic is FP32",
 }
 
 

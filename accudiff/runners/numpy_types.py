@@ -15,8 +15,8 @@ from typing import Sequence
 
 import onnx
 
-from accudiff.model.formats import CARRIED_AS, constant_values, value_types
-from accudiff.model.graph import declare_like
+from accudiff.model.formats import CARRIED_AS
+from accudiff.model.graph import constant_values, declare_like, value_types
 from accudiff.model.shapes import infer_shapes_unless_typed
 
 CARRIED = "__carried"

@@ -38,7 +38,8 @@ class TransformResult:
     # exactly as it reads its inputs in the candidate.
     storage_copies: dict[str, str] = field(default_factory=dict)
     unmatched: dict[str, str] = field(default_factory=dict)  # a reference tensor -> why a candidate given by the user has no partner for it
-    weight_findings: dict[str, str] = field(default_factory=dict)  # node -> what its weight's one quantization scale zeroes
+    weight_findings: dict[str, tuple[str, str]] = field(default_factory=dict)  # node -> (kind, what its weight's quantization scale zeroes)
+    quantized_by: dict[str, str] = field(default_factory=dict)  # a node another tool quantized with ops of its own -> that tool (quantized_ops.py)
 
 
 class NodeSelector:

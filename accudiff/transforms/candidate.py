@@ -22,9 +22,9 @@ from accudiff.model.loading import load_model
 from accudiff.model.samples import Samples, samples_from_feeds, samples_from_path
 from accudiff.transforms.base import KeptNode, TransformResult
 from accudiff.transforms.fp16 import HALVES, to_fp16
-from accudiff.transforms.given import adopt
+from accudiff.transforms.given import adopt, keepable_nodes, reference_node_names
 from accudiff.transforms.int8 import leave_unquantized, to_int8
-from accudiff.transforms.keep_float import keep_in_float
+from accudiff.transforms.keep_float import PARTS, keep_in_float
 from accudiff.transforms.switches import Switchboard, build_candidate_switchboard, build_switchboard
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ class CandidateVariants:
             return self.base
         if self.recipe.candidate_model is not None:
             kept = [KeptNode(node.name, node.op_type, KEPT_TO_VERIFY) for node in self.base.model.graph.node if node.name in self.base.converted and node.name in nodes]
-            model = keep_in_float(self.base.model, self.info.proto, nodes, dequantize=parts != "casts", widen=parts != "quantization")
+            model = keep_in_float(self.base.model, self.info.proto, nodes, PARTS[parts])
             return replace(self.base, model=model, kept=[*self.base.kept, *kept], converted=self.base.converted - set(nodes))
         if self.recipe.precision == "int8":
             return leave_unquantized(self.base, self.info.proto, nodes, KEPT_TO_VERIFY)
@@ -103,7 +103,7 @@ class CandidateVariants:
         given = self.recipe.candidate_model is not None
         if (self.recipe.precision not in HALVES and not given) or self.recipe.engine is not None:
             return None
-        main = {node.name for node in self.base.model.graph.node}
+        main = {node.name for node in keepable_nodes(self.base.model.graph, self.info.proto.graph)} if given else {node.name for node in self.base.model.graph.node}
         nodes = [n for n in dict.fromkeys(nodes) if n in self.base.converted]
         if not set(nodes) <= main:
             return None
@@ -118,7 +118,8 @@ def repaired(variants: CandidateVariants, nodes: Iterable[str]) -> onnx.ModelPro
     if variants.recipe.candidate_model is None:
         return variants.with_kept(nodes).model
     given = load_model(variants.recipe.candidate_model).proto
-    return keep_in_float(given, variants.info.proto, [*(k.node for k in variants.base.kept), *nodes])
+    theirs = {ours: name for name, ours in reference_node_names(given.graph, variants.info.proto.graph).items()}  # a node the tool renamed
+    return keep_in_float(given, variants.info.proto, [theirs.get(n, n) for n in [*(k.node for k in variants.base.kept), *nodes]])
 
 
 def repaired_file(recipe: CandidateRecipe) -> str:

@@ -3,8 +3,9 @@ such a model, given alone, is compared.
 
 Every Q/DQ pair goes (the value is read from before it); a weight behind a DequantizeLinear with no
 QuantizeLinear before it (ONNX Runtime's quantizer keeps only the quantized values) becomes its dequantized
-values; FP16/BF16 weights and values become FP32, and a Cast to FP16/BF16 a Cast to FP32, which changes
-nothing. Node and tensor names stay as they are, so the model aligns with its float form by name. What the
+values; an op computed in quantized arithmetic (dynamic INT8, MatMulNBits..., see quantized_ops.py) becomes
+its float op, under its float name, reading its dequantized weights and its activation unquantized;
+FP16/BF16 weights and values become FP32, and a Cast to FP16/BF16 a Cast to FP32, which changes nothing. Node and tensor names stay as they are, so the model aligns with its float form by name. What the
 tool rounded in the weights cannot be undone: a notice says how many weights that is, and how to see it.
 Weights are converted a block at a time into the float form's own data file (models past 2 GB included).
 """
@@ -20,19 +21,21 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from accudiff.errors import AccudiffError
-from accudiff.model.formats import REDUCED_FLOATS, constant_values, quant_ranges
-from accudiff.model.graph import copy_without_initializers
+from accudiff.model.formats import REDUCED_FLOATS, quant_ranges
+from accudiff.model.graph import constant_values, copy_without_initializers
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.loading import load_model
+from accudiff.model.quantized_ops import find_quantized_ops, float_nodes, quantized_members
+from accudiff.model.quantized_weights import float_weight
 from accudiff.model.saving import EXTERNAL_DATA_MIN_TENSOR, save_model
-from accudiff.model.weights import copy_bytes, is_external, refer_to, weight_blocks
+from accudiff.model.weights import refer_to, weight_code_blocks
+from accudiff.transforms.keep_float import drop_unread_storage
 
 INTEGER_ARITHMETIC = frozenset({
     "ConvInteger", "MatMulInteger", "DynamicQuantizeLinear", "DynamicQuantizeLSTM", "DynamicQuantizeMatMul", "MatMulIntegerToFloat",
     "QAttention", "QGemm", "QEmbedLayerNormalization", "MatMulNBits",
 })
 FLOAT = TensorProto.FLOAT
-PACKED_4BIT = {TensorProto.INT4: True, TensorProto.UINT4: False}
 
 
 def float_reference(info: ModelInfo, scratch: Path) -> tuple[ModelInfo, list[str]]:
@@ -46,9 +49,12 @@ def float_reference(info: ModelInfo, scratch: Path) -> tuple[ModelInfo, list[str
 
 def write_float_form(model: onnx.ModelProto, source: Path, target: Path) -> list[str]:
     """Write the float form of `model` (read from `source`) to `target`; return the notices a reader needs
-    (which weights it could only widen). One sentence if the model holds quantized arithmetic whose float
-    form cannot be recovered (dynamic quantization, QLinear* and ONNX Runtime's quantized contrib ops)."""
-    integer = sorted({n.op_type for n in model.graph.node if n.op_type in INTEGER_ARITHMETIC or n.op_type.startswith("QLinear")})
+    (which weights it could only widen or dequantize, which activation quantization it took out). One
+    sentence if the model holds quantized arithmetic of a form accudiff does not know (QLinear*, QAttention...)."""
+    ops = find_quantized_ops(model.graph)
+    members = quantized_members(ops)
+    known = {*members, *(op.activation_quantizer for op in ops)}
+    integer = sorted({n.op_type for n in model.graph.node if (n.op_type in INTEGER_ARITHMETIC or n.op_type.startswith("QLinear")) and n.name not in known})
     if integer:
         raise AccudiffError(
             f"'{source.name}' computes in quantized arithmetic ({', '.join(integer)}), whose float form cannot be recovered from it: "
@@ -64,7 +70,15 @@ def write_float_form(model: onnx.ModelProto, source: Path, target: Path) -> list
     grids = quant_ranges(graph)
     clip_inputs = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1) >= 11  # Clip's bounds as inputs
     folded_activations = 0
+    taken = {name for node in graph.node for name in [*node.input, *node.output]} | set(constants)
+    fresh = _fresh_names(taken)
     for node in form.graph.node:
+        op = members.get(node.name)
+        if op is not None:  # a quantized op's nodes: its float op in place of the last
+            if op.outputs[0] in node.output:
+                floats = {w.position: weights.dequantized_op_weight(fresh(f"{w.codes}__float"), float_weight(w, constants)) for w in op.weights}
+                nodes += float_nodes(op, floats, fresh)
+            continue
         feeder = producer.get(node.input[0]) if node.op_type == "DequantizeLinear" else None
         if node.op_type == "DequantizeLinear" and feeder is not None and feeder.op_type == "QuantizeLinear":
             grid = grids.get(feeder.input[0])
@@ -85,6 +99,8 @@ def write_float_form(model: onnx.ModelProto, source: Path, target: Path) -> list
         _widen_attributes(node)
     del form.graph.node[:]
     form.graph.node.extend(nodes)
+    drop_unread_storage(form.graph)  # the activations' quantizers nobody reads any more
+    nodes = list(form.graph.node)
     produced = {out for node in nodes for out in node.output}
     kept_types = [vi for vi in form.graph.value_info if vi.name in produced]  # the removed pairs' values are gone
     del form.graph.value_info[:]
@@ -104,10 +120,25 @@ def write_float_form(model: onnx.ModelProto, source: Path, target: Path) -> list
     weights.close()
     save_model(form, target)
     notices = weights.notices(source.name)
+    run_time = sum(1 for op in ops if op.quantizes_activation)
+    if run_time:
+        notices.append(f"{run_time} of the ops of '{source.name}' quantize their activations as the model runs; its float form reads them unquantized")
     if folded_activations:
         notices.append(f"{folded_activations} of the Q/DQ pairs of '{source.name}' have grids that start at 0, where the quantizer folded a Relu or "
                        "a Clip into them: its float form keeps them clipping there (from 0 to the top of their range), so clipping at those pairs does not show")
     return notices
+
+
+def _fresh_names(taken: set[str]):
+    """A maker of names no value of the model has (each taken once made)."""
+
+    def fresh(name: str) -> str:
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        return name
+
+    return fresh
 
 
 def _before_pairs(name: str, before_pair: dict[str, str]) -> str:
@@ -141,7 +172,13 @@ class _Weights:
 
     def widened(self, weight: onnx.TensorProto) -> onnx.TensorProto:
         self.widened_count += 1
-        return self._written(weight.name, list(weight.dims), (block.astype(np.float32) for block in _blocks(weight)))
+        return self._written(weight.name, list(weight.dims), (block.astype(np.float32) for block in weight_code_blocks(weight)))
+
+    def dequantized_op_weight(self, name: str, values: np.ndarray) -> str:
+        """A quantized op's weight, dequantized (quantized_ops.float_weight), written under `name`."""
+        self.dequantized_count += 1
+        self.made.append(self._written(name, list(values.shape), iter([values.reshape(-1)])))
+        return name
 
     def dequantize(self, node: onnx.NodeProto, constants: dict[str, onnx.TensorProto]) -> None:
         """The DequantizeLinear of a constant replaced by its values (per tensor, per axis or blocked), in FP32."""
@@ -155,7 +192,7 @@ class _Weights:
         shape = list(weight.dims)
         axis, block = attributes.get("axis", 1) % max(len(shape), 1), attributes.get("block_size", 0)
         self.dequantized_count += 1
-        self.made.append(self._written(node.output[0], shape, _dequantized(_blocks(weight), shape, scale, offset, axis, block)))
+        self.made.append(self._written(node.output[0], shape, _dequantized(weight_code_blocks(weight), shape, scale, offset, axis, block)))
 
     def _written(self, name: str, shape: list[int], blocks: Iterator[np.ndarray]) -> onnx.TensorProto:
         count = int(np.prod(shape, dtype=np.int64))
@@ -183,22 +220,6 @@ class _Weights:
             return []
         return [f"the reference is the float form of '{model}': {said}, so what rounding those weights cost does not show; "
                 f"to see it, compare the float model it was made from against it (accudiff compare float.onnx --candidate-model {model})"]
-
-
-def _blocks(weight: onnx.TensorProto) -> Iterator[np.ndarray]:
-    """A weight's values, flattened, a block at a time (4-bit types unpacked, two values a byte)."""
-    if weight.data_type not in PACKED_4BIT:
-        yield from weight_blocks(weight)
-        return
-    if not is_external(weight):
-        yield numpy_helper.to_array(weight).reshape(-1).astype(np.int8)
-        return
-    data = io.BytesIO()
-    copy_bytes(weight, data)
-    packed = np.frombuffer(data.getvalue(), np.uint8)
-    low, high = packed & 0x0F, packed >> 4
-    values = np.stack([low, high], axis=1).reshape(-1)[: int(np.prod(weight.dims, dtype=np.int64))].astype(np.int8)
-    yield np.where(values > 7, values - 16, values) if PACKED_4BIT[weight.data_type] else values
 
 
 def _dequantized(blocks: Iterator[np.ndarray], shape: list[int], scale: np.ndarray, offset: np.ndarray, axis: int, block: int) -> Iterator[np.ndarray]:

@@ -19,8 +19,11 @@ import onnx
 from onnx import numpy_helper
 
 from accudiff.errors import AccudiffError
-from accudiff.model.formats import GRIDS, REDUCED_FLOATS, constant_values, grid_type, model_formats, precision_label, quant_ranges, value_types
+from accudiff.model.formats import GRIDS, REDUCED_FLOATS, QuantRange, grid_type, model_formats, precision_label, quant_ranges
+from accudiff.model.graph import constant_values, value_types
 from accudiff.model.inventory import ModelInfo
+from accudiff.model.quantized_ops import find_quantized_ops, quantized_members
+from accudiff.model.quantized_weights import lost_channels, quantized_weight_findings
 from accudiff.model.weights import weight_values
 from accudiff.transforms.base import KeptNode, NodeSelector, TransformResult
 from accudiff.transforms.keep_float import FLOAT_TYPES, STORAGE_OPS, keep_in_float
@@ -41,11 +44,12 @@ def adopt(candidate: ModelInfo, reference: ModelInfo, keep_fp32: Iterable[str] =
     graph = candidate.proto.graph
     alignment = align(graph, reference)
     _rename(graph, alignment.renamed)
+    _rename_nodes(graph, reference_node_names(graph, reference.proto.graph))
     selector = NodeSelector(keep_fp32)
-    selected = {node.name: selector.matches(node) for node in graph.node if node.op_type not in STORAGE_OPS}
-    kept = [KeptNode(node.name, node.op_type, f"selected by --keep-fp32 {selected[node.name]}")
-            for node in graph.node if selected.get(node.name) is not None]
+    kept = [KeptNode(node.name, node.op_type, f"selected by --keep-fp32 {pattern}")
+            for node in keepable_nodes(graph, reference.proto.graph) if (pattern := selector.matches(node)) is not None]
     model = keep_in_float(candidate.proto, reference.proto, [k.node for k in kept]) if kept else candidate.proto
+    ops = find_quantized_ops(model.graph, reference.proto.graph)
     warnings = []
     if alignment.unmatched:
         warnings.append(f"{len(alignment.unmatched)} of the model's {len(reference.tensors)} tensors have no partner in the candidate "
@@ -54,12 +58,45 @@ def adopt(candidate: ModelInfo, reference: ModelInfo, keep_fp32: Iterable[str] =
         model=model,
         precision=precision_label(model_formats(candidate.proto.graph)),
         kept=kept,
-        converted=reduced_nodes(model.graph),
-        quant_ranges=_by_reference_name(quant_ranges(model.graph), model.graph),
+        converted=reduced_nodes(model.graph) | {name for op in ops for name in op.names},
+        quant_ranges={**_by_reference_name(quant_ranges(model.graph), model.graph),
+                      **{op.inputs[0]: QuantRange.at_run_time(op.run_time_levels, "UINT8") for op in ops if op.run_time_levels}},
         warnings=warnings,
         unmatched=alignment.unmatched,
-        weight_findings=per_tensor_weights(model.graph, reference.proto.graph),
+        weight_findings={**per_tensor_weights(model.graph, reference.proto.graph), **quantized_weight_findings(ops, model.graph, reference.proto.graph)},
+        quantized_by={name: op.tool for op in ops for name in op.names},
     )
+
+
+def keepable_nodes(graph: onnx.GraphProto, reference: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """The nodes a keep-list can name in a candidate: those that compute (not the ones that only store a
+    value), with each quantized op as its float node (its own nodes are not keepable on their own)."""
+    ops = find_quantized_ops(graph, reference)
+    members = quantized_members(ops)
+    nodes = [node for node in graph.node if node.op_type not in STORAGE_OPS and node.name not in members]
+    return nodes + [onnx.helper.make_node(op.op_type, [], [], name=name) for op in ops for name in op.names]
+
+
+def reference_node_names(graph: onnx.GraphProto, reference: onnx.GraphProto) -> dict[str, str]:
+    """Nodes a tool renamed: a node the reference lacks, that writes a value the reference's node of the same
+    op type writes, answers for that node (MatMulNBitsQuantizer's QDQ form writes `X_matmul_Q4` for `X`).
+    The candidate's name -> the reference's."""
+    ours = {node.name for node in reference.node}
+    theirs = {node.name for node in graph.node}
+    writer = {out: node for node in reference.node for out in node.output if out}
+    renamed = {}
+    for node in graph.node:
+        if node.name in ours or not node.output or node.output[0] not in writer:
+            continue
+        original = writer[node.output[0]]
+        if original.op_type == node.op_type and original.name not in theirs and original.name not in renamed.values():
+            renamed[node.name] = original.name
+    return renamed
+
+
+def _rename_nodes(graph: onnx.GraphProto, renamed: dict[str, str]) -> None:
+    for node in graph.node:
+        node.name = renamed.get(node.name, node.name)
 
 
 def require_derived(candidate: ModelInfo, reference: ModelInfo) -> None:
@@ -130,10 +167,10 @@ def _why_missing(tensor, folded: set[str], writer: onnx.NodeProto | None) -> str
     return text
 
 
-def per_tensor_weights(graph: onnx.GraphProto, reference: onnx.GraphProto) -> dict[str, str]:
+def per_tensor_weights(graph: onnx.GraphProto, reference: onnx.GraphProto) -> dict[str, tuple[str, str]]:
     """Nodes reading a weight quantized with one scale for all its channels where some channel's values
     all fall below half the grid's smallest step, and so become 0 (per-channel scales would keep them):
-    node -> what happens, in words. The float weight is the one before the Q/DQ pair, else the reference's
+    node -> ("per_tensor_scale", what happens, in words). The float weight is the one before the Q/DQ pair, else the reference's
     at the same input of its node of the same name; a weight known only quantized is not judged."""
     producer = {out: node for node in graph.node for out in node.output if out}
     constants, types = constant_values(graph), value_types(graph)
@@ -158,29 +195,10 @@ def per_tensor_weights(graph: onnx.GraphProto, reference: onnx.GraphProto) -> di
             grid = GRIDS.get(grid_type(dequantize, types) or (grid_type(quantize, types) if quantize is not None else None))
             if weight is None or grid is None:
                 continue
-            lost = _lost_channels(weight_values(weight).astype(np.float64), node.op_type, grid.smallest * float(scale.reshape(())) / 2)
-            if lost:
-                count, channels, axis, largest = lost
-                found[node.name] = (
-                    f"its weight '{weight.name}' is quantized to {grid.name} with one scale ({float(scale.reshape(())):.3g}) for all its {channels} "
-                    f"channels along axis {axis}: {count} of them hold only values below half a step (the largest {largest:.3g}) and become 0; "
-                    "per-channel scales would keep them")
+            said = lost_channels(weight_values(weight).astype(np.float64), node.op_type, grid.smallest * float(scale.reshape(())), grid.name, weight.name)
+            if said:
+                found[node.name] = ("per_tensor_scale", said)
     return found
-
-
-def _lost_channels(values: np.ndarray, op_type: str, half_step: float) -> tuple[int, int, int, float] | None:
-    """(channels whose nonzero values all round to 0, channels, axis, their largest magnitude), along the
-    axis per-channel quantization would use (output channels), or None."""
-    if values.ndim == 0:
-        return None
-    axis = {"Conv": 0, "ConvTranspose": 1 % values.ndim, "MatMul": values.ndim - 1, "Gemm": values.ndim - 1}.get(op_type)
-    if axis is None:  # an elementwise weight: along its longest axis
-        axis = int(np.argmax(values.shape))
-    if values.shape[axis] < 2:
-        return None
-    magnitude = np.abs(np.moveaxis(values, axis, 0).reshape(values.shape[axis], -1)).max(axis=1)
-    lost = (magnitude > 0) & (magnitude < half_step)
-    return (int(lost.sum()), values.shape[axis], axis, float(magnitude[lost].max())) if lost.any() else None
 
 
 def reduced_nodes(graph: onnx.GraphProto) -> set[str]:

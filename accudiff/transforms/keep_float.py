@@ -9,6 +9,14 @@ result to the nodes that are not kept rounded to the type they read it in, under
 A weight stored narrow is taken from the reference model where the reference's node of the same name reads
 a float one at the same input (ModelOpt keeps float weights behind their Q/DQ pairs, ONNX Runtime's
 quantizer does not); otherwise its narrow values are read, widened.
+
+A float op the model computes with nodes of its own (dynamic INT8, MatMulNBits... see quantized_ops.py) is
+kept by replacing those nodes with the float op, under its float name, reading its activation as a float
+and the reference's weights (or, with none, its own dequantized).
+
+What a keep undoes can be narrowed (the loss split): the quantization of "activations" (Q/DQ pairs on
+values, quantization as the model runs), of "weights" (their Q/DQ pairs and codes), and the "casts" to
+FP16/BF16.
 """
 
 from __future__ import annotations
@@ -16,34 +24,44 @@ from __future__ import annotations
 from typing import Iterable
 
 import onnx
-from onnx import TensorProto
+from onnx import TensorProto, numpy_helper
 
-from accudiff.model.formats import REDUCED_FLOATS, constant_values, value_types
-from accudiff.model.graph import declare_like
+from accudiff.model.formats import REDUCED_FLOATS
+from accudiff.model.graph import constant_values, declare_like, value_types
+from accudiff.model.quantized_ops import QuantizedOp, by_name, find_quantized_ops, float_nodes, quantized_members
+from accudiff.model.quantized_weights import float_weight
 from accudiff.model.shapes import infer_shapes_unless_typed
 
-QUANTIZATION_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
+QUANTIZATION_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})
 STORAGE_OPS = QUANTIZATION_OPS | {"Cast", "Constant"}  # what only changes how a value is stored: never a node to keep
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, *REDUCED_FLOATS})
 WIDE = "__fp32"
+UNDO_ALL = frozenset({"activations", "weights", "casts"})
+# What keeping undoes, by the name a loss split gives it (see CandidateVariants.with_kept).
+PARTS = {"all": UNDO_ALL, "quantization": frozenset({"activations", "weights"}), "casts": frozenset({"casts"}),
+         "activations": frozenset({"activations"}), "weights": frozenset({"weights"})}
 
 
-def keep_in_float(
-    model: onnx.ModelProto, reference: onnx.ModelProto | None, nodes: Iterable[str], dequantize: bool = True, widen: bool = True
-) -> onnx.ModelProto:
-    """A copy of `model` with `nodes` computing from float inputs (`dequantize`: read from before their Q/DQ
-    pairs) in FP32 (`widen`: FP16/BF16 inputs read as FP32, outputs computed in FP32); the Q/DQ pairs,
-    Casts and weights nobody reads any more are dropped. `reference`: the float model whose weights a kept
-    node reads where its own are stored narrow (nodes matched by name)."""
+def keep_in_float(model: onnx.ModelProto, reference: onnx.ModelProto | None, nodes: Iterable[str], undo: frozenset[str] = UNDO_ALL) -> onnx.ModelProto:
+    """A copy of `model` with `nodes` computing in FP32 from float inputs: what `undo` names of their
+    narrowing taken back (see the module's docstring); the Q/DQ pairs, Casts and weights nobody reads any
+    more are dropped. `reference`: the float model whose weights a kept node reads where its own are stored
+    narrow (nodes matched by name)."""
     kept = set(nodes)
     result = onnx.ModelProto()
     result.CopyFrom(model)
     graph = result.graph
     infer_shapes_unless_typed(result)
-    edit = FloatInputs(graph, reference, dequantize, widen)
+    edit = FloatInputs(graph, reference, undo)
+    ops = {op.node: op for name, op in edit.ops.items() if name in kept}
+    members = quantized_members(edit.ops.values())
     rebuilt: list[onnx.NodeProto] = []
     for node in graph.node:
-        if node.name in kept and node.op_type not in STORAGE_OPS:
+        op = members.get(node.name)
+        if op is not None and op.node in ops:
+            if op.outputs[0] in node.output:  # its last node: the float op takes its place
+                rebuilt += edit.keep_op(op)
+        elif node.name in kept and node.op_type not in STORAGE_OPS:
             rebuilt += edit.keep(node)
         else:
             rebuilt.append(node)
@@ -59,8 +77,9 @@ class FloatInputs:
     the float value each kept node reads instead of a narrow one, and what that added to the graph (Casts,
     weights from the reference). The switchboard of such a candidate reads its kept copies' inputs here too."""
 
-    def __init__(self, graph: onnx.GraphProto, reference: onnx.ModelProto | None, dequantize: bool = True, widen: bool = True):
-        self.graph, self.dequantize, self.widen = graph, dequantize, widen
+    def __init__(self, graph: onnx.GraphProto, reference: onnx.ModelProto | None, undo: frozenset[str] = UNDO_ALL):
+        self.graph, self.undo = graph, undo
+        self.widen = "casts" in undo
         self.types = value_types(graph)
         self.constants = constant_values(graph)
         self.producer = {out: node for node in graph.node for out in node.output if out}
@@ -77,6 +96,51 @@ class FloatInputs:
             for name in node.input:
                 self.readers.setdefault(name, []).append(node)
         self.graph_outputs = {o.name for o in graph.output}
+        self.ops: dict[str, QuantizedOp] = by_name(find_quantized_ops(graph, reference.graph if reference is not None else None))
+        self._dequantized: dict[str, str] = {}
+
+    def keep_op(self, op: QuantizedOp, read=None) -> list[onnx.NodeProto]:
+        """The float op `op` stands for, in place of its nodes: its weights the reference's (or its own
+        dequantized) where `undo` takes weights back, else its own dequantized; its activation float, or
+        quantized as the model runs where `undo` keeps that; its float inputs read by `read(node, index,
+        name, before)` (default: as `keep` reads them)."""
+        read = read or self.float_input
+        weights = {w.position: ("weights" in self.undo and self._reference_weight(op.node, w.position)) or self._dequantized_weight(w) for w in op.weights}
+        nodes = float_nodes(op, weights, self._fresh, quantized_activation=op.quantizes_activation and "activations" not in self.undo)
+        before: list[onnx.NodeProto] = []
+        floats = {name for position, name in enumerate(op.inputs) if position not in weights and self.types.get(name) in FLOAT_TYPES}
+        for node in nodes:
+            for index, name in enumerate(node.input):
+                if name in floats:
+                    node.input[index] = read(node, index, name, before)
+        for node in nodes:
+            self._type_added(node, op)
+        return [*before, *nodes]
+
+    def _type_added(self, node: onnx.NodeProto, op: QuantizedOp) -> None:
+        """Type the values a kept op's nodes add: its activation's codes (like it, UINT8) and their scalar
+        scale and zero point, the activation read back (FP32), the result before its bias (like the op's)."""
+        for out in node.output:
+            if out in self.types:
+                continue
+            if node.op_type == "DynamicQuantizeLinear" and out != node.output[0]:
+                kind = TensorProto.FLOAT if out == node.output[1] else TensorProto.UINT8
+                self.graph.value_info.append(onnx.helper.make_tensor_value_info(out, kind, []))
+                self.types[out] = kind
+            elif node.op_type in ("DynamicQuantizeLinear", "DequantizeLinear"):
+                self.declare(out, node.input[0], TensorProto.UINT8 if node.op_type == "DynamicQuantizeLinear" else TensorProto.FLOAT)
+            else:
+                self.declare(out, op.outputs[0], self.types.get(op.outputs[0]))
+
+    def _dequantized_weight(self, weight) -> str:
+        """A weight's own values dequantized, added to the model once."""
+        key = f"{weight.codes}/{weight.position}/{weight.layout}"
+        if key not in self._dequantized:
+            tensor = numpy_helper.from_array(float_weight(weight, self.constants), self._fresh(f"{weight.codes}__dequantized"))
+            self.imported.append(tensor)
+            self.types[tensor.name] = TensorProto.FLOAT
+            self._dequantized[key] = tensor.name
+        return self._dequantized[key]
 
     def keep(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
         """`node` rewired to read float inputs (and the Casts that widen them, before it) and to compute in
@@ -85,7 +149,7 @@ class FloatInputs:
         for index, name in enumerate(node.input):
             if name and self.types.get(name) in FLOAT_TYPES:
                 node.input[index] = self.float_input(node, index, name, before)
-        if self.dequantize:
+        if "activations" in self.undo:
             self._unquantize_graph_outputs(node)
         after = []
         if self.widen:
@@ -129,7 +193,7 @@ class FloatInputs:
         if source in self.wide:
             source = self.wide[source]
         elif self._narrow_weight(source):
-            source = self._reference_weight(node, index) or source
+            source = self._reference_weight(node.name, index) or source
         if self.types.get(source) == wanted or source not in self.types:
             return source
         key = (source, wanted)
@@ -140,11 +204,12 @@ class FloatInputs:
         return self.casts[key]
 
     def before_narrowing(self, name: str) -> str:
-        """The value `name` was made from by Q/DQ pairs (`dequantize`) and Casts to FP16/BF16 (`widen`)."""
+        """The value `name` was made from by the narrowing `undo` takes back: Q/DQ pairs (of a weight:
+        "weights", else "activations") and Casts to FP16/BF16 ("casts")."""
         while (node := self.producer.get(name)) is not None:
             source = node.input[0] if node.input else ""
             feeder = self.producer.get(source)
-            if self.dequantize and node.op_type == "DequantizeLinear" and feeder is not None and feeder.op_type == "QuantizeLinear":
+            if node.op_type == "DequantizeLinear" and feeder is not None and feeder.op_type == "QuantizeLinear" and self._undoes_pair(feeder):
                 name = feeder.input[0]
             elif self.widen and node.op_type == "Cast" and _cast_to(node) in REDUCED_FLOATS and self.types.get(source) in FLOAT_TYPES:
                 name = source
@@ -152,17 +217,20 @@ class FloatInputs:
                 return name
         return name
 
+    def _undoes_pair(self, quantize: onnx.NodeProto) -> bool:
+        return ("weights" if quantize.input[0] in self.constants else "activations") in self.undo
+
     def _narrow_weight(self, name: str) -> bool:
-        """A weight stored narrow: a dequantized constant (`dequantize`), or an FP16/BF16 constant (`widen`)."""
+        """A weight stored narrow: a dequantized constant ("weights"), or an FP16/BF16 constant ("casts")."""
         node = self.producer.get(name)
-        if self.dequantize and node is not None and node.op_type == "DequantizeLinear" and node.input[0] in self.constants:
+        if "weights" in self.undo and node is not None and node.op_type == "DequantizeLinear" and node.input[0] in self.constants:
             return True
         return self.widen and name in self.constants and self.constants[name].data_type in REDUCED_FLOATS
 
-    def _reference_weight(self, node: onnx.NodeProto, index: int) -> str | None:
-        """The reference's float weight at this input of the reference's node of the same name, added to the
-        model (under its own name where that is free); None where there is none."""
-        theirs = self.reference_nodes.get(node.name)
+    def _reference_weight(self, node: str, index: int) -> str | None:
+        """The reference's float weight at this input of its node named `node`, added to the model (under its
+        own name where that is free); None where there is none."""
+        theirs = self.reference_nodes.get(node)
         name = theirs.input[index] if theirs is not None and index < len(theirs.input) else ""
         weight = self.reference_weights.get(name)
         if weight is None or weight.data_type not in FLOAT_TYPES - set(REDUCED_FLOATS):

@@ -15,7 +15,7 @@ itself). tests/test_switches.py holds it to the variants `to_fp16` builds, keep-
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import onnx
@@ -25,6 +25,7 @@ from accudiff.model.formats import REDUCED_FLOATS
 from accudiff.model.graph import cast_target, declare_like
 from accudiff.model.shapes import infer_shapes_unless_typed
 from accudiff.transforms.fp16 import HALVES, elem_types
+from accudiff.model.quantized_ops import QuantizedOp, quantized_members
 from accudiff.transforms.keep_float import FLOAT_TYPES, FloatInputs
 
 SWITCH_PREFIX = "accudiff_keep_"
@@ -36,10 +37,11 @@ class Switchboard:
 
     model: onnx.ModelProto
     switches: dict[str, str]  # node -> its switch input
+    aliases: dict[str, str] = field(default_factory=dict)  # another name of a switchable node (a quantized op's) -> its own
 
     def settings(self, keep: Iterable[str]) -> dict[str, bool]:
         """Every switch's value for the keep-list `keep` (a subset of the switchable nodes)."""
-        kept = set(keep)
+        kept = {self.aliases.get(name, name) for name in keep}
         return {switch: node in kept for node, switch in self.switches.items()}
 
 
@@ -92,7 +94,7 @@ def build_switchboard(candidate: onnx.ModelProto, fp32: onnx.ModelProto, nodes: 
             if name:
                 produced = node.output[j]
                 in_fp16 = board_types.get(produced) in REDUCED_FLOATS
-                placed += _switch(node, j, kept, switches[node.name], board_types[produced] if in_fp16 else TensorProto.FLOAT)
+                placed += _switch(node, j, kept, j, switches[node.name], board_types[produced] if in_fp16 else TensorProto.FLOAT)
                 for added, elem_type in _switched_values(produced, name, fp32_types.get(name), board_types.get(produced), in_fp16):
                     if elem_type:
                         declare_like(graph, declared, added, produced, elem_type)
@@ -116,38 +118,74 @@ def build_candidate_switchboard(candidate: onnx.ModelProto, reference: onnx.Mode
     graph = board.graph
     infer_shapes_unless_typed(board)
     edit = FloatInputs(graph, reference)
-    switches = {node: f"{SWITCH_PREFIX}{k}" for k, node in enumerate(dict.fromkeys(nodes))}
+    ops = {op.node: op for name, op in edit.ops.items() if name in set(nodes)}
+    switches = {(edit.ops[node].node if node in edit.ops else node): None for node in nodes}
+    switches = {node: f"{SWITCH_PREFIX}{k}" for k, node in enumerate(switches)}
+    members = quantized_members(edit.ops.values())
     switched: dict[str, str] = {}  # an output of a switchable node -> its switched FP32 value
     owner: dict[str, str] = {}  # ... -> that node
     placed: list[onnx.NodeProto] = []
     for node in graph.node:
         placed.append(node)
-        if node.name not in switches:
+        op = members.get(node.name)
+        read = _reader(edit, switched)
+        if op is not None:  # a quantized op's node: the op is switched at its last node
+            if op.node not in ops or op.outputs[0] not in node.output:
+                continue
+            writers = {out: n for n in placed for out in n.output if out in op.outputs}
+            name, kept = op.node, _kept_op(op, placed, edit, read)
+            outputs = [(writers[out], list(writers[out].output).index(out), kept[out], list(kept[out].output).index(out)) for out in op.outputs]
+        elif node.name in switches:
+            name, kept_node = node.name, _kept_node(node, placed, edit, read)
+            outputs = [(node, j, kept_node, j) for j in range(len(node.output))]
+        else:
             continue
-        kept = onnx.NodeProto()
-        kept.CopyFrom(node)
-        kept.name = node.name + "__kept"
-        for i, name in enumerate(node.input):
-            if name and edit.types.get(name) in FLOAT_TYPES:
-                kept.input[i] = switched.get(edit.before_narrowing(name)) or edit.float_input(node, i, name, placed)
-        for attr in kept.attribute:
-            if kept.op_type == "Cast" and attr.name == "to" and attr.i in REDUCED_FLOATS:
-                attr.i = TensorProto.FLOAT
-        placed.append(kept)
-        for j, produced in enumerate(node.output):
+        for candidate_node, j, kept_node, k in outputs:
+            produced = candidate_node.output[j]
             own = edit.types.get(produced)
             if not produced or own not in FLOAT_TYPES:
                 continue
-            placed += _switch(node, j, kept, switches[node.name], own)
+            placed += _switch(candidate_node, j, kept_node, k, switches[name], own)
             for added, elem_type in _switched_values(produced, produced, TensorProto.FLOAT, own, own != TensorProto.FLOAT):
                 edit.declare(added, produced, elem_type)
-            switched[produced], owner[produced] = produced + "__switched", node.name
+            switched[produced], owner[produced] = produced + "__switched", name
     placed += _switched_graph_outputs(placed, owner, switches, {o.name for o in graph.output}, edit)
     del graph.node[:]
     graph.node.extend(placed)
     graph.initializer.extend(edit.imported)
     graph.input.extend(helper.make_tensor_value_info(switch, TensorProto.BOOL, []) for switch in switches.values())
-    return Switchboard(board, switches)
+    return Switchboard(board, switches, {name: op.node for name, op in edit.ops.items() if name != op.node and op.node in switches})
+
+
+def _reader(edit: FloatInputs, switched: dict[str, str]):
+    """How a kept copy reads a float input: the switched value of a switchable producer, else as
+    keep_in_float reads it (Casts it needs added to the list it is given)."""
+    return lambda node, index, name, before: switched.get(edit.before_narrowing(name)) or edit.float_input(node, index, name, before)
+
+
+def _kept_node(node: onnx.NodeProto, placed: list[onnx.NodeProto], edit: FloatInputs, read) -> onnx.NodeProto:
+    """A switchable node's copy computing as keep_in_float keeps it (added to `placed`)."""
+    kept = onnx.NodeProto()
+    kept.CopyFrom(node)
+    kept.name = node.name + "__kept"
+    for i, name in enumerate(node.input):
+        if name and edit.types.get(name) in FLOAT_TYPES:
+            kept.input[i] = read(node, i, name, placed)
+    for attr in kept.attribute:
+        if kept.op_type == "Cast" and attr.name == "to" and attr.i in REDUCED_FLOATS:
+            attr.i = TensorProto.FLOAT
+    placed.append(kept)
+    return kept
+
+
+def _kept_op(op: QuantizedOp, placed: list[onnx.NodeProto], edit: FloatInputs, read) -> dict[str, onnx.NodeProto]:
+    """A switchable quantized op's float op, as keep_in_float keeps it (added to `placed`); the node
+    writing each of its outputs (under the op's names: _switch renames them)."""
+    nodes = edit.keep_op(op, read)
+    for node in nodes:
+        node.name += "__kept"
+    placed += nodes
+    return {out: node for node in nodes for out in node.output if out in op.outputs}
 
 
 def _switched_graph_outputs(placed: list[onnx.NodeProto], owner: dict[str, str], switches: dict[str, str], outputs: set[str],
@@ -167,20 +205,20 @@ def _switched_graph_outputs(placed: list[onnx.NodeProto], owner: dict[str, str],
     return added
 
 
-def _switch(node: onnx.NodeProto, j: int, kept: onnx.NodeProto, switch: str, own: int) -> list[onnx.NodeProto]:
-    """Output `j` of `node` switched: the kept copy's FP32 value where `switch` is on, the candidate's
-    (widened) where it is off, under `<value>__switched`; the candidate's own name then holds it in the
-    candidate's type `own`. Renames the outputs of `node` and `kept`."""
-    value, produced = kept.output[j], node.output[j]
+def _switch(node: onnx.NodeProto, j: int, kept: onnx.NodeProto, k: int, switch: str, own: int) -> list[onnx.NodeProto]:
+    """Output `j` of `node` switched with output `k` of its kept copy: the kept copy's FP32 value where
+    `switch` is on, the candidate's (widened) where it is off, under `<value>__switched`; the candidate's
+    own name then holds it in the candidate's type `own`. Renames the outputs of `node` and `kept`."""
+    value, produced = kept.output[k], node.output[j]
     narrow = own != TensorProto.FLOAT
-    kept.output[j] = value + "__kept"
+    kept.output[k] = value + "__kept"
     node.output[j] = produced + "__candidate"
     added = []
     candidate_value = node.output[j]
     if narrow:
         candidate_value = produced + "__candidate_fp32"
         added.append(helper.make_node("Cast", [node.output[j]], [candidate_value], name=candidate_value, to=TensorProto.FLOAT))
-    added.append(helper.make_node("Where", [switch, kept.output[j], candidate_value], [value + "__switched"], name=value + "__switched"))
+    added.append(helper.make_node("Where", [switch, kept.output[k], candidate_value], [value + "__switched"], name=value + "__switched"))
     if narrow:
         added.append(helper.make_node("Cast", [value + "__switched"], [produced], name=produced + "__from_switch", to=own))
     else:

@@ -1,0 +1,145 @@
+"""A quantized op's weights as floats, and what their grids lose: the arithmetic behind keeping, the float
+form and the weight findings of the ops quantized_ops.py recognises. Dequantization is (code - zero point)
+x scale in FP32, as ONNX Runtime computes it."""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import numpy as np
+import onnx
+
+from accudiff.model.graph import constant_values
+from accudiff.model.quantized_ops import QuantizedOp, QuantizedWeight
+from accudiff.model.weights import unpack_codes, weight_values
+
+
+def float_weight(weight: QuantizedWeight, constants: Mapping[str, onnx.TensorProto]) -> np.ndarray:
+    """The weight's values as floats, in the float op's layout: (code - zero point) x scale, in FP32 as
+    ONNX Runtime dequantizes."""
+    if weight.layout == "runtime":
+        return weight_values(constants[weight.codes]).astype(np.float32)
+    codes = weight_values(constants[weight.codes])
+    scale = weight_values(constants[weight.scale]).astype(np.float32)
+    if weight.layout == "nbits":
+        return _nbits(weight, codes, scale, constants)
+    if dict(weight.extra).get("packed"):
+        codes = unpack_codes(codes, weight.bits, codes.size * (8 // weight.bits)).reshape(*codes.shape[:-1], -1)
+    zero = weight_values(constants[weight.zero_point]).astype(np.float32) if weight.zero_point else _default_zero(weight, codes)
+    values = codes.astype(np.float32)
+    if weight.layout == "lstm":  # one scale, or one per direction, or one per direction and gate row: along the last axis
+        shape = (scale.shape[0], 1, -1) if scale.size > 1 else ()
+        return np.ascontiguousarray(((values - zero.reshape(shape)) * scale.reshape(shape)).transpose(0, 2, 1), np.float32)
+    return ((values - _along(zero, values, weight)) * _along(scale, values, weight)).astype(np.float32)
+
+
+def _default_zero(weight: QuantizedWeight, codes: np.ndarray) -> np.ndarray:
+    """A missing zero point: 0 for signed codes, the grid's middle for unsigned ones read as a block table."""
+    unsigned = codes.dtype.kind == "u" and weight.block_size
+    return np.array(2.0 ** (weight.bits - 1) if unsigned else 0.0, np.float32)
+
+
+def _along(factor: np.ndarray, values: np.ndarray, weight: QuantizedWeight) -> np.ndarray:
+    """A scale or zero point broadcast over the codes: one number, one per index along the axis, or one per
+    block of indices along it."""
+    if factor.size == 1:
+        return factor.reshape(())
+    axis = weight.axis % values.ndim
+    if weight.block_size:
+        return np.repeat(factor, weight.block_size, axis=axis).take(np.arange(values.shape[axis]), axis=axis)
+    shape = [1] * values.ndim
+    shape[axis] = -1
+    return factor.reshape(shape)
+
+
+def _nbits(weight: QuantizedWeight, packed: np.ndarray, scale: np.ndarray, constants: Mapping[str, onnx.TensorProto]) -> np.ndarray:
+    """MatMulNBits' B as the [K, N] float weight: codes packed low bits first along K, a scale (and zero
+    point: packed codes, floats, or the grid's middle) per block of K and column."""
+    sizes = dict(weight.extra)
+    k, n, block = sizes["K"], sizes["N"], weight.block_size
+    blocks = -(-k // block)
+    codes = unpack_codes(packed, weight.bits, packed.size * (8 // weight.bits)).reshape(n, -1)[:, :k].astype(np.float32)
+    scale = scale.reshape(n, blocks)
+    if weight.zero_point is None:
+        zero = np.full((n, blocks), 2.0 ** (weight.bits - 1), np.float32)
+    else:
+        stored = weight_values(constants[weight.zero_point])
+        zero = (stored.astype(np.float32).reshape(n, blocks) if stored.dtype.kind == "f"
+                else unpack_codes(stored, weight.bits, stored.size * (8 // weight.bits)).reshape(n, -1)[:, :blocks].astype(np.float32))
+    index = weight_values(constants[weight.group_index]).astype(np.int64) if weight.group_index else np.arange(k) // block
+    return np.ascontiguousarray(((codes - zero[:, index]) * scale[:, index]).T, np.float32)
+
+
+BLOCK_FINDING_SHARE = 0.01  # blocks that lose most of their values: below this share of them, noise
+
+
+def quantized_weight_findings(ops: Iterable[QuantizedOp], graph: onnx.GraphProto, reference: onnx.GraphProto) -> dict[str, tuple[str, str]]:
+    """What the ops' weight grids lose, by op: a weight with one scale whose step zeroes whole output
+    channels ("per_tensor_scale"), or blocks whose step, set by their largest values, rounds most of their
+    values to 0 ("block_scale"). The float weight judged is the reference's where it has one."""
+    constants, theirs = constant_values(graph), constant_values(reference)
+    nodes = {node.name: node for node in reference.node}
+    found = {}
+    for op in ops:
+        for weight in op.weights:
+            original = nodes.get(op.node)
+            name = original.input[weight.position] if original is not None and weight.position < len(original.input) else None
+            said = _weight_finding(op, weight, constants, theirs.get(name) if name else None)
+            if said is not None:
+                found[op.node] = said
+                break
+    return found
+
+
+def _weight_finding(op: QuantizedOp, weight: QuantizedWeight, constants: Mapping[str, onnx.TensorProto], original: onnx.TensorProto | None) -> tuple[str, str] | None:
+    if weight.block_size or weight.layout == "nbits":
+        return _zeroed_blocks(op, weight, float_weight(weight, constants))
+    if weight.layout == "lstm":
+        return None
+    if weight.layout == "runtime":
+        values = weight_values(constants[weight.codes]).astype(np.float64)
+        step = (max(float(values.max()), 0.0) - min(float(values.min()), 0.0)) / 255
+        said = lost_channels(values, op.op_type, step, "UINT8 (its range taken as the model runs)", weight.codes)
+        return ("per_tensor_scale", said) if said else None
+    scale = weight_values(constants[weight.scale])
+    if scale.size != 1 or original is None:
+        return None
+    said = lost_channels(weight_values(original).astype(np.float64), op.op_type, float(scale.reshape(())), f"{weight.bits}-bit codes", original.name)
+    return ("per_tensor_scale", said) if said else None
+
+
+def lost_channels(values: np.ndarray, op_type: str, step: float, grid: str, weight: str) -> str | None:
+    """What a weight quantized with one scale (a step of `step`) loses: the output channels (along the axis
+    per-channel quantization would use) whose values all lie below half a step, and so become 0; None
+    when there are none."""
+    if values.ndim == 0:
+        return None
+    axis = {"Conv": 0, "ConvTranspose": 1 % values.ndim, "MatMul": values.ndim - 1, "Gemm": values.ndim - 1}.get(op_type)
+    if axis is None:  # an elementwise weight: along its longest axis
+        axis = int(np.argmax(values.shape))
+    if values.shape[axis] < 2:
+        return None
+    magnitude = np.abs(np.moveaxis(values, axis, 0).reshape(values.shape[axis], -1)).max(axis=1)
+    lost = (magnitude > 0) & (magnitude < step / 2)
+    if not lost.any():
+        return None
+    return (f"its weight '{weight}' is quantized to {grid} with one scale (a step of {step:.3g}) for all its {values.shape[axis]} channels along axis "
+            f"{axis}: {int(lost.sum())} of them hold only values below half a step (the largest {float(magnitude[lost].max()):.3g}) and become 0; "
+            "per-channel scales would keep them")
+
+
+def _zeroed_blocks(op: QuantizedOp, weight: QuantizedWeight, values: np.ndarray) -> tuple[str, str] | None:
+    """Blocks of a weight quantized in blocks (along K for MatMulNBits, along the quantized axis otherwise)
+    in which more than half of the values became 0: one large value set a step that flattens the rest."""
+    axis = 0 if weight.layout == "nbits" else weight.axis % values.ndim
+    block = weight.block_size
+    along = np.moveaxis(values, axis, -1)
+    if block < 2 or along.shape[-1] % block:
+        return None
+    zeros = (along.reshape(*along.shape[:-1], -1, block) == 0).mean(axis=-1)
+    flattened = zeros > 0.5
+    if flattened.mean() < BLOCK_FINDING_SHARE:
+        return None
+    return ("block_scale", f"its weight '{weight.codes}' is stored in {weight.blocks}: {int(flattened.sum())} of its {flattened.size} blocks "
+                           f"({flattened.mean():.1%}) round more than half of their values to 0 (in the worst, {zeros.max():.0%}), their step set by a few "
+                           "large values; smaller blocks, or keeping the node, would keep them")
