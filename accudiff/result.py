@@ -69,6 +69,7 @@ class CompareResult:
     target: list[str] = field(default_factory=list)  # what was compared, as command-line arguments (the model, a precision flag or the candidate model)
     candidate_model: Path | None = None  # a candidate made by another tool (ModelOpt, ONNX Runtime's quantizer...), compared as it is
     unmatched: dict[str, str] = field(default_factory=dict)  # for such a candidate: a reference tensor it has no partner for -> why
+    inside: dict[str, str] = field(default_factory=dict)  # ... of those, one computed inside a node its tool fused (compared at its output) -> that node
     quantized_by: dict[str, str] = field(default_factory=dict)  # for such a candidate: a node a tool quantized with ops of its own -> the tool
     repaired_candidate: str | None = None  # the file in the report: that candidate with its verified repairs kept
     # For such a candidate that quantizes and stores in FP16/BF16: per failing output, its tolerance ratio with
@@ -101,7 +102,8 @@ class CompareResult:
     @property
     def verdict(self) -> str:
         """"pass", "fail" (a graph output out of tolerance) or "inconclusive" (no graph output failed, but
-        less than MIN_COVERAGE of the model's tensors, or no graph output, was compared)."""
+        less than MIN_COVERAGE of the model's tensors, or no graph output, was compared; a tensor a
+        candidate's tool computes inside a fused node counts as compared at the node's output)."""
         if self.output_failures:
             return "fail"
         return "pass" if self.passed else "inconclusive"

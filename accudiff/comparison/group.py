@@ -251,6 +251,7 @@ def combine(model: Path, runs: Sequence[GroupRun]) -> tuple[ModelInfo, Transform
         warnings=list(dict.fromkeys(w for t in transforms for w in t.warnings)),
         constant_overflows={node: text for t in transforms for node, text in t.constant_overflows.items()},
         unmatched={name: why for t in transforms for name, why in t.unmatched.items()},
+        inside={name: node for t in transforms for name, node in t.inside.items()},
         weight_findings={node: text for t in transforms for node, text in t.weight_findings.items()},
         quantized_by={node: tool for t in transforms for node, tool in t.quantized_by.items()},
     )

@@ -98,12 +98,13 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings
         target=settings.target_arguments(),
         candidate_model=Path(settings.candidate_model) if settings.candidate_model is not None else None,
         unmatched=dict(transformed.unmatched),
+        inside=dict(transformed.inside),
         quantized_by=dict(transformed.quantized_by),
     )
     if len(result.outputs) and not result.outputs["elements"].any():
         raise AccudiffError(f"every graph output of '{info.path.name}' is empty on these inputs: the comparison would cover no element")
     compared, computed = result.coverage
-    result.passed = bool(observed_outputs) and not failing_outputs and compared >= MIN_COVERAGE * computed
+    result.passed = bool(observed_outputs) and not failing_outputs and compared + len(result.inside) >= MIN_COVERAGE * computed
     result.points = {name: [point[1:] for point in points] for name, points in candidate_pass.get("points", {}).items()}  # [reference, candidate]
     result.decisions, result.tolerance_met, result.require = decisions, met, dict(objective.require)
     result.nodes, result.weights = info.nodes, info.weights

@@ -188,22 +188,37 @@ def quant_ranges(graph: onnx.GraphProto) -> dict[str, QuantRange]:
     return ranges
 
 
+# Ops ONNX Runtime's tools write that TensorRT's ONNX parser does not take (besides every com.microsoft op).
+NOT_FOR_TENSORRT = frozenset({"ConvInteger", "MatMulInteger", "DynamicQuantizeLinear"})
+
+
 def file_formats(path: str | Path) -> list[str]:
     """The formats the model file at `path` stores values in (read without its weights' data files and
     without shape inference: weights, Casts and Q/DQ nodes tell); [] for a file that is not a model (the
     loading stage says what is wrong with it)."""
+    return list(_file_facts(path)[0])
+
+
+def onnxruntime_only_ops(path: str | Path) -> list[str]:
+    """The op types of the model file at `path` that only ONNX Runtime runs (its com.microsoft ops, dynamic
+    quantization's integer ops): TensorRT's ONNX parser takes none of them."""
+    return list(_file_facts(path)[1])
+
+
+def _file_facts(path: str | Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
     path = Path(path)
     try:
         stat = path.stat()
     except OSError:
-        return []
-    return list(_file_formats(str(path.resolve()), stat.st_mtime_ns, stat.st_size))
+        return (), ()
+    return _read_file_facts(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
 
 
 @functools.lru_cache(maxsize=8)
-def _file_formats(path: str, modified: int, size: int) -> tuple[str, ...]:
+def _read_file_facts(path: str, modified: int, size: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     try:
         proto = onnx.load(path, load_external_data=False)
     except Exception:  # noqa: BLE001 - any unreadable file: the loading stage says why, in one sentence
-        return ()
-    return tuple(model_formats(proto.graph))
+        return (), ()
+    ours = sorted({n.op_type for n in proto.graph.node if n.domain == "com.microsoft" or (n.domain in ("", "ai.onnx") and n.op_type in NOT_FOR_TENSORRT)})
+    return tuple(model_formats(proto.graph)), tuple(ours)

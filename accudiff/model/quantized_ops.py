@@ -55,6 +55,7 @@ class QuantizedWeight:
     bits: int = 8
     extra: tuple[tuple[str, int], ...] = ()  # nbits: K, N; g_idx is `group_index`
     group_index: str | None = None
+    scale_divisor: str | None = None  # the scale is `scale` / this constant (an optimizer folded the activation's scale into it)
 
     @property
     def blocks(self) -> str:
@@ -141,21 +142,31 @@ def _stem(name: str, suffixes: Iterable[str]) -> str:
 
 
 def _integer_chain(node: onnx.NodeProto, view: _View) -> QuantizedOp | None:
-    """quantize_dynamic's MatMul and Conv: DynamicQuantizeLinear(x) -> MatMulInteger/ConvInteger(codes,
-    weight codes) -> Cast -> Mul(scales) [-> Add(Reshape(bias)) for a Conv]."""
+    """quantize_dynamic's MatMul and Conv: MatMulInteger/ConvInteger(activation codes, weight codes) -> Cast
+    -> Mul(scales) [-> Add(Reshape(bias)) for a Conv]. The activation's codes come from a
+    DynamicQuantizeLinear (quantized per tensor as the model runs), or are a quantized Gather's, which a
+    DequantizeLinear also reads (the table's scale serves: its float value is that DequantizeLinear's)."""
     activation = view.made_by(node.input[0], "DynamicQuantizeLinear")
+    if activation is not None:
+        read, activation_scale = activation.input[0], activation.output[1]
+    else:
+        dequantize = next((n for n in view.readers.get(node.input[0], []) if n.op_type == "DequantizeLinear"), None)
+        if dequantize is None or _input(dequantize, 2) != _input(node, 2):
+            return None
+        read, activation_scale = dequantize.output[0], dequantize.input[1]
     cast = view.only_reader(node.output[0])
     scaled = view.only_reader(cast.output[0]) if cast is not None and cast.op_type == "Cast" else None
-    if activation is None or scaled is None or scaled.op_type != "Mul":
+    if scaled is None or scaled.op_type != "Mul":
         return None
-    scales = view.made_by(next(n for n in scaled.input if n != cast.output[0]), "Mul")
+    product = next(n for n in scaled.input if n != cast.output[0])
+    scales = view.made_by(product, "Mul")
     members = [node.name, cast.name, scaled.name]
-    weight = _integer_weight(node, 1, _input(node, 3), scales, activation, view, axis=-1 if node.op_type == "MatMulInteger" else 0)
+    weight = _integer_weight(node, 1, _input(node, 3), scales or product, activation_scale, view, axis=-1 if node.op_type == "MatMulInteger" else 0)
     if weight is None:
         return None
     weight_quantizer, weight = weight
     members += [n for n in (weight_quantizer, scales.name if scales is not None and view.only_reader(scales.output[0]) is scaled else None) if n]
-    inputs, outputs = [activation.input[0], weight.codes], [scaled.output[0]]
+    inputs, outputs = [read, weight.codes], [scaled.output[0]]
     bias_add = view.only_reader(scaled.output[0])
     reshape = next((view.made_by(n, "Reshape") for n in bias_add.input if n != scaled.output[0]), None) if bias_add is not None and bias_add.op_type == "Add" else None
     if node.op_type == "ConvInteger" and reshape is not None and reshape.input[0] in view.constants and bias_add.name == bias_add.output[0] + "_bias_add":
@@ -164,24 +175,28 @@ def _integer_chain(node: onnx.NodeProto, view: _View) -> QuantizedOp | None:
         members += [bias_add.name] + ([reshape.name] if view.only_reader(reshape.output[0]) is bias_add else [])
     op_type = "MatMul" if node.op_type == "MatMulInteger" else "Conv"
     attributes = tuple(node.attribute) if op_type == "Conv" else ()
+    run_time = activation is not None
+    how = "activations quantized per tensor as the model runs" if run_time else "reading a quantized table's codes"
     return QuantizedOp(_stem(node.name, ["_quant"]), op_type, tuple(inputs), tuple(outputs), tuple(members), (weight,), (DYNAMIC_INT8,),
-                       "quantize_dynamic", f"{node.op_type} (INT8, activations quantized per tensor as the model runs)", attributes,
-                       quantizes_activation=True, activation_quantizer=activation.name, run_time_levels=UINT8_LEVELS)
+                       "quantize_dynamic", f"{node.op_type} (INT8, {how})", attributes, quantizes_activation=run_time,
+                       activation_quantizer=activation.name if run_time else None, run_time_levels=UINT8_LEVELS if run_time else 0)
 
 
-def _integer_weight(node, position: int, zero_point: str | None, scales, activation, view: _View, axis: int):
-    """An integer op's weight: codes in a constant (their scale is the factor beside the activation's in
-    the `scales` Mul, or a constant), or a float constant quantized as the model runs by a
-    DynamicQuantizeLinear of its own. (that quantizer's name or None, the weight) or None."""
+def _integer_weight(node, position: int, zero_point: str | None, scales, activation_scale: str, view: _View, axis: int):
+    """An integer op's weight: codes in a constant (their scale is the factor beside the activation's,
+    `activation_scale`, in the `scales` Mul, or that product folded into a constant by an optimizer), or a
+    float constant quantized as the model runs by a DynamicQuantizeLinear of its own. (that quantizer's name
+    or None, the weight) or None."""
     codes = node.input[position]
     runtime = view.made_by(codes, "DynamicQuantizeLinear")
     if runtime is not None and runtime.input[0] in view.constants:
         return (runtime.name if len(view.readers.get(codes, [])) == 1 else None), QuantizedWeight(position, runtime.input[0], layout="runtime")
     if codes not in view.constants or (zero_point is not None and zero_point not in view.constants):
         return None
-    scale = None
-    if scales is not None and activation is not None and activation.output[1] in scales.input:
-        scale = next((n for n in scales.input if n != activation.output[1]), None)
+    if isinstance(scales, str):  # folded: the product of two constants
+        return (None, QuantizedWeight(position, codes, scales, zero_point, axis=axis, scale_divisor=activation_scale)
+                if {scales, activation_scale} <= view.constants.keys() else None)
+    scale = next((n for n in scales.input if n != activation_scale), None) if scales is not None and activation_scale in scales.input else None
     if scale not in view.constants:
         return None
     return None, QuantizedWeight(position, codes, scale, zero_point, axis=axis)
@@ -255,17 +270,20 @@ def _gather_block_quantized(node: onnx.NodeProto, view: _View) -> QuantizedOp | 
 
 
 def _gathered_codes(node: onnx.NodeProto, view: _View) -> QuantizedOp | None:
-    """quantize_dynamic's Gather: Gather(codes, indices) -> DequantizeLinear(scale, zero point), with one scale."""
-    dequantize = view.only_reader(node.output[0])
+    """quantize_dynamic's Gather: Gather(codes, indices) -> DequantizeLinear(scale, zero point), with one
+    scale. An integer op may read the gathered codes too (then the Gather is not the op's alone)."""
+    readers = view.readers.get(node.output[0], [])
+    dequantize = next((n for n in readers if n.op_type == "DequantizeLinear"), None)
     codes = node.input[0]
-    if dequantize is None or dequantize.op_type != "DequantizeLinear" or codes not in view.constants or view.constants[codes].data_type not in INTEGER_CODES:
+    if dequantize is None or codes not in view.constants or view.constants[codes].data_type not in INTEGER_CODES:
         return None
     scale, zero = dequantize.input[1], _input(dequantize, 2)
     if scale not in view.constants or (zero and zero not in view.constants) or math.prod(view.constants[scale].dims) != 1:
         return None
     bits, grid = INTEGER_CODES[view.constants[codes].data_type]
     weight = QuantizedWeight(0, codes, scale, zero, bits=bits)
-    return QuantizedOp(node.name, "Gather", tuple(node.input), (dequantize.output[0],), (node.name, dequantize.name), (weight,), (f"int{bits}-weight",),
+    members = (node.name, dequantize.name) if len(readers) == 1 else (dequantize.name,)
+    return QuantizedOp(node.name, "Gather", tuple(node.input), (dequantize.output[0],), members, (weight,), (f"int{bits}-weight",),
                        "quantize_dynamic", f"Gather of a table stored in {grid} with one scale", tuple(node.attribute))
 
 

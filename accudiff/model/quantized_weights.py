@@ -21,6 +21,8 @@ def float_weight(weight: QuantizedWeight, constants: Mapping[str, onnx.TensorPro
         return weight_values(constants[weight.codes]).astype(np.float32)
     codes = weight_values(constants[weight.codes])
     scale = weight_values(constants[weight.scale]).astype(np.float32)
+    if weight.scale_divisor:
+        scale = scale / weight_values(constants[weight.scale_divisor]).astype(np.float32)
     if weight.layout == "nbits":
         return _nbits(weight, codes, scale, constants)
     if dict(weight.extra).get("packed"):

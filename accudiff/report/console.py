@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from accudiff.report.content import cause_lines, element_index, requirement_text, requirements_met, sample_lines, tolerance_met_line, worst_tensors
+from accudiff.report.content import cause_lines, fused_nodes_text, element_index, requirement_text, requirements_met, sample_lines, tolerance_met_line, worst_tensors
 from accudiff.text import percent
 
 
@@ -19,6 +19,8 @@ def format_summary(result) -> str:
         f"  tensors compared: {compared} of {computed} ({percent(compared / max(computed, 1), 0)}), samples: {result.iterations}, "
         f"tolerance: atol={result.tolerances.default.atol:g} rtol={result.tolerances.default.rtol:g} stol={result.tolerances.default.stol:g}",
     ]
+    if result.inside:
+        lines.append(f"  inside fused nodes, compared at their outputs: {len(result.inside)} more ({fused_nodes_text(result.inside)})")
     lines += [f"  notice: {notice}" for notice in result.notices]
     if result.kept:
         lines.append(f"  kept in FP32: {len(result.kept)} node(s)")

@@ -75,12 +75,18 @@ class TrtOptions:
         return args
 
 
-def resolve_candidate(kind: str, trt: TrtOptions = TrtOptions(), precision: str = "fp32") -> tuple[str, str | None]:
-    """The concrete candidate for `kind` in `precision`, and a one-line notice when 'auto' had to fall back."""
+def resolve_candidate(kind: str, trt: TrtOptions = TrtOptions(), precision: str = "fp32", onnxruntime_only: Sequence[str] = ()) -> tuple[str, str | None]:
+    """The concrete candidate for `kind` in `precision`, and a one-line notice when 'auto' had to fall back.
+    `onnxruntime_only`: op types of the candidate that only ONNX Runtime runs (TensorRT cannot build it)."""
     if kind not in CANDIDATES:
         raise AccudiffError(f"unknown candidate '{kind}'; choose one of: {', '.join(CANDIDATES)}")
     if kind == "onnxrt":
         return kind, None
+    if onnxruntime_only:
+        ops = ", ".join(onnxruntime_only)
+        if kind == "trt":
+            raise AccudiffError(f"the candidate holds ops only ONNX Runtime runs ({ops}), which TensorRT's ONNX parser does not take: compare it with --candidate onnxrt")
+        return "onnxrt", f"the candidate holds ops only ONNX Runtime runs ({ops}): it runs in ONNX Runtime, as it would be deployed"
     reason = inference_unavailable_reason(trt.module, precision)
     if reason is None:
         return "trt", None

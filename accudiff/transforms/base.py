@@ -38,6 +38,7 @@ class TransformResult:
     # exactly as it reads its inputs in the candidate.
     storage_copies: dict[str, str] = field(default_factory=dict)
     unmatched: dict[str, str] = field(default_factory=dict)  # a reference tensor -> why a candidate given by the user has no partner for it
+    inside: dict[str, str] = field(default_factory=dict)  # ... of those, one computed inside a node the user's tool fused -> that node, in words
     weight_findings: dict[str, tuple[str, str]] = field(default_factory=dict)  # node -> (kind, what its weight's quantization scale zeroes)
     quantized_by: dict[str, str] = field(default_factory=dict)  # a node another tool quantized with ops of its own -> that tool (quantized_ops.py)
 

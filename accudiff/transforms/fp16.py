@@ -6,7 +6,8 @@ retyping and subgraphs. Here:
 
 * a node runs in FP16 when its op schema allows FP16 for its float inputs, unless it is kept;
 * kept in FP32: nodes named by `keep_fp32`, nodes that read a constant beyond +-65504 (autokeep),
-  nodes whose outputs If/Loop/Scan bodies read, ops outside the default domain;
+  nodes whose outputs If/Loop/Scan bodies read, ops outside the default domain that ONNX Runtime does not
+  know or has no CPU kernel for in that format (contrib_ops.py);
 * If/Loop/Scan bodies are converted by the same rules; the node's inputs and outputs, and so its
   bodies' inputs and outputs, keep their types (Casts inside the body bridge them);
 * every node output keeps its name and holds the node's own result; Casts are inserted between
@@ -25,6 +26,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from accudiff.model.contrib_ops import contrib_schema, has_cpu_kernel
 from accudiff.model.formats import FP16_MAX
 from accudiff.errors import AccudiffError
 from accudiff.model.graph import copy_without_initializers, declare_like, subgraph_outer_references
@@ -121,7 +123,7 @@ class _GraphConversion:
         new_types = dict(types)
         for index, params in converted_params.items():
             node = graph.node[index]
-            schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+            schema = _schema(node, opset)
             for position, out in enumerate(node.output):
                 if out and types.get(out) == TensorProto.FLOAT and _formal_type(schema.outputs, position) in params:
                     new_types[out] = self.half.elem_type
@@ -145,7 +147,8 @@ def _decide(node, opset, types, constants, outer_refs, selector, autokeep, half:
     if node.op_type == "Constant" or not (float_inputs or float_outputs):
         return None
     keep = lambda reason: KeptNode(node.name, node.op_type, reason)  # noqa: E731
-    if node.domain not in ("", "ai.onnx"):
+    schema = _schema(node, opset)
+    if schema is None:
         return keep(f"op of domain '{node.domain}' has no known {half.label} schema")
     if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
         return None  # If/Loop/Scan: its inputs and outputs keep their types; its bodies are converted
@@ -154,7 +157,6 @@ def _decide(node, opset, types, constants, outer_refs, selector, autokeep, half:
         return keep(f"selected by --keep-fp32 {pattern}")
     if any(o in outer_refs for o in node.output):
         return keep("an If/Loop/Scan body reads its output")
-    schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
     params = {
         _formal_type(schema.inputs, i)
         for i in float_inputs
@@ -162,6 +164,8 @@ def _decide(node, opset, types, constants, outer_refs, selector, autokeep, half:
     }
     if not params:
         return keep(f"its op has no {half.label} form for these inputs") if float_inputs else None
+    if node.domain not in ("", "ai.onnx") and not _cpu_kernel(node, schema, params, types, opset, half):
+        return keep(f"ONNX Runtime's CPU provider has no {half.label} kernel for {node.op_type}")
     if autokeep:
         for i in float_inputs:
             name = node.input[i]
@@ -223,7 +227,7 @@ def _insert_casts(graph, initializers, halves, opset, types, new_types, converte
 
     for index, node in enumerate(list(graph.node)):
         params = converted_params.get(index, set())
-        schema = onnx.defs.get_schema(node.op_type, opset, node.domain) if params else None
+        schema = _schema(node, opset) if params else None
         for i, name in enumerate(node.input):
             if types.get(name) != TensorProto.FLOAT:
                 continue  # only values that were FP32 change type; others stay as the author wrote them
@@ -302,6 +306,24 @@ def _absmax(values: np.ndarray) -> float:
         finite = values[np.isfinite(values)]
         high, low = finite.max(initial=0.0), finite.min(initial=0.0)
     return float(max(high, -low, 0.0))
+
+
+def _schema(node: onnx.NodeProto, opset: int):
+    """The op's schema: ONNX's, or ONNX Runtime's for its own ops (contrib_ops.py); None for an op neither knows."""
+    if node.domain in ("", "ai.onnx"):
+        return onnx.defs.get_schema(node.op_type, opset, node.domain)
+    return contrib_schema(node)
+
+
+def _cpu_kernel(node: onnx.NodeProto, schema, params: set[str], types: dict[str, int], opset: int, half: Half) -> bool:
+    """ONNX Runtime's CPU provider runs `node` with the float values of `params` in the half format."""
+    def kind(formals, position: int, name: str) -> int:
+        own = types.get(name, 0) if name else 0
+        return half.elem_type if own == TensorProto.FLOAT and _formal_type(formals, position) in params else own
+
+    inputs = tuple(kind(schema.inputs, i, name) for i, name in enumerate(node.input))
+    outputs = tuple(kind(schema.outputs, i, name) for i, name in enumerate(node.output))
+    return has_cpu_kernel(node, inputs, outputs, opset)
 
 
 def _formal_type(formals, index: int) -> str:

@@ -11,7 +11,7 @@ left without a partner is listed with the reason.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import numpy as np
@@ -35,6 +35,7 @@ class Alignment:
 
     renamed: dict[str, str]  # the candidate's tensor -> the reference tensor it is compared as
     unmatched: dict[str, str]  # a reference tensor -> why the candidate has no partner for it
+    inside: dict[str, str] = field(default_factory=dict)  # an unmatched reference tensor a fused node computes inside -> that node, in words
 
 
 def adopt(candidate: ModelInfo, reference: ModelInfo, keep_fp32: Iterable[str] = ()) -> TransformResult:
@@ -63,6 +64,7 @@ def adopt(candidate: ModelInfo, reference: ModelInfo, keep_fp32: Iterable[str] =
                       **{op.inputs[0]: QuantRange.at_run_time(op.run_time_levels, "UINT8") for op in ops if op.run_time_levels}},
         warnings=warnings,
         unmatched=alignment.unmatched,
+        inside=alignment.inside,
         weight_findings={**per_tensor_weights(model.graph, reference.proto.graph), **quantized_weight_findings(ops, model.graph, reference.proto.graph)},
         quantized_by={name: op.tool for op in ops for name in op.names},
     )
@@ -154,7 +156,37 @@ def align(graph: onnx.GraphProto, reference: ModelInfo) -> Alignment:
             kind = _np(types.get(tensor.name)) if tensor.name in producer else None
             unmatched[tensor.name] = (f"the candidate's value of that name holds {kind} values, the reference's {tensor.dtype}" if kind is not None
                                       and not _same_kind(tensor.dtype, kind) else f"its node '{tensor.node}' in the candidate has no output that can answer for it")
-    return Alignment(renamed, unmatched)
+    inside = held_inside(graph, reference, set(unmatched), {*exact, *renamed.values()})
+    for name, node in inside.items():
+        unmatched[name] = f"computed inside the candidate's fused {node}, whose output is compared"
+    return Alignment(renamed, unmatched, inside)
+
+
+def held_inside(graph: onnx.GraphProto, reference: ModelInfo, unmatched: set[str], matched: set[str]) -> dict[str, str]:
+    """The reference tensors a candidate computes inside nodes of its own (a fused Attention,
+    SkipLayerNormalization, BiasGelu...), each with the node, in words. A fused node holds the unmatched
+    tensors found walking back over the reference's graph from the outputs it answers for, up to the
+    tensors the candidate has; one that several fused nodes reach through a value they all read from
+    another fused node (the embeddings, the attention mask) is that node's."""
+    fused = [node for node in graph.node if node.name not in reference.nodes and node.op_type not in STORAGE_OPS]
+    producer = {out: node for node in fused for out in node.output if out}
+    reached: dict[str, list[onnx.NodeProto]] = {}
+    for node in fused:
+        stack = [parent for out in node.output if out in matched for parent in reference.upstream.get(out, [])]
+        seen = set()
+        while stack:
+            name = stack.pop()
+            if name in seen or name not in unmatched:
+                continue
+            seen.add(name)
+            reached.setdefault(name, []).append(node)
+            stack += reference.upstream.get(name, [])
+    held = {}
+    for name, owners in reached.items():
+        shared = set.intersection(*({producer[i].name for i in owner.input if i in producer} for owner in owners)) if len(owners) > 1 else set()
+        owner = next((producer_node for producer_node in fused if producer_node.name in shared), owners[0])
+        held[name] = f"{owner.op_type} '{owner.name}'"
+    return held
 
 
 def _why_missing(tensor, folded: set[str], writer: onnx.NodeProto | None) -> str:
@@ -266,7 +298,9 @@ def _names(names: set[str]) -> str:
 def _reasons_in_short(unmatched: dict[str, str]) -> str:
     folded = sum(1 for why in unmatched.values() if why.startswith("computed from weights"))
     removed = sum(1 for why in unmatched.values() if "removed or fused" in why)
-    other = len(unmatched) - folded - removed
+    inside = sum(1 for why in unmatched.values() if why.startswith("computed inside"))
+    other = len(unmatched) - folded - removed - inside
     parts = [f"{folded} folded into constants" if folded else "", f"{removed} whose nodes the tool removed or fused" if removed else "",
+             f"{inside} computed inside fused nodes, compared at their outputs" if inside else "",
              f"{other} that no output of their node answers for" if other else ""]
     return ", ".join(p for p in parts if p)

@@ -61,6 +61,9 @@ def keep_in_float(model: onnx.ModelProto, reference: onnx.ModelProto | None, nod
         if op is not None and op.node in ops:
             if op.outputs[0] in node.output:  # its last node: the float op takes its place
                 rebuilt += edit.keep_op(op)
+        elif node.name in ops:  # a node of a kept op that others read too (a quantized Gather's codes): it stays, renamed
+            node.name = edit.fresh(f"{node.name}__codes")
+            rebuilt.append(node)
         elif node.name in kept and node.op_type not in STORAGE_OPS:
             rebuilt += edit.keep(node)
         else:
@@ -106,7 +109,7 @@ class FloatInputs:
         name, before)` (default: as `keep` reads them)."""
         read = read or self.float_input
         weights = {w.position: ("weights" in self.undo and self._reference_weight(op.node, w.position)) or self._dequantized_weight(w) for w in op.weights}
-        nodes = float_nodes(op, weights, self._fresh, quantized_activation=op.quantizes_activation and "activations" not in self.undo)
+        nodes = float_nodes(op, weights, self.fresh, quantized_activation=op.quantizes_activation and "activations" not in self.undo)
         before: list[onnx.NodeProto] = []
         floats = {name for position, name in enumerate(op.inputs) if position not in weights and self.types.get(name) in FLOAT_TYPES}
         for node in nodes:
@@ -136,7 +139,7 @@ class FloatInputs:
         """A weight's own values dequantized, added to the model once."""
         key = f"{weight.codes}/{weight.position}/{weight.layout}"
         if key not in self._dequantized:
-            tensor = numpy_helper.from_array(float_weight(weight, self.constants), self._fresh(f"{weight.codes}__dequantized"))
+            tensor = numpy_helper.from_array(float_weight(weight, self.constants), self.fresh(f"{weight.codes}__dequantized"))
             self.imported.append(tensor)
             self.types[tensor.name] = TensorProto.FLOAT
             self._dequantized[key] = tensor.name
@@ -159,7 +162,7 @@ class FloatInputs:
             for index, out in enumerate(node.output):
                 kind = self.types.get(out)
                 if kind in REDUCED_FLOATS:
-                    node.output[index] = self.wide[out] = self._fresh(out + WIDE)
+                    node.output[index] = self.wide[out] = self.fresh(out + WIDE)
                     self.declare(self.wide[out], out, TensorProto.FLOAT)
                     after.append(onnx.helper.make_node("Cast", [self.wide[out]], [out], to=kind))
         return [*before, node, *after]
@@ -198,7 +201,7 @@ class FloatInputs:
             return source
         key = (source, wanted)
         if key not in self.casts:
-            self.casts[key] = self._fresh(f"{source}__as_{TensorProto.DataType.Name(wanted).lower()}")
+            self.casts[key] = self.fresh(f"{source}__as_{TensorProto.DataType.Name(wanted).lower()}")
             before.append(onnx.helper.make_node("Cast", [source], [self.casts[key]], to=wanted))
             self.declare(self.casts[key], source, wanted)
         return self.casts[key]
@@ -238,12 +241,12 @@ class FloatInputs:
         if name not in self._imports:
             copy = onnx.TensorProto()
             copy.CopyFrom(weight)
-            copy.name = self._imports[name] = self._fresh(name if name not in self.taken else name + "__float")
+            copy.name = self._imports[name] = self.fresh(name if name not in self.taken else name + "__float")
             self.imported.append(copy)
             self.types[copy.name] = copy.data_type
         return self._imports[name]
 
-    def _fresh(self, name: str) -> str:
+    def fresh(self, name: str) -> str:
         while name in self.taken:
             name += "_"
         self.taken.add(name)

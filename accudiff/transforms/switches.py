@@ -135,7 +135,7 @@ def build_candidate_switchboard(candidate: onnx.ModelProto, reference: onnx.Mode
             writers = {out: n for n in placed for out in n.output if out in op.outputs}
             name, kept = op.node, _kept_op(op, placed, edit, read)
             outputs = [(writers[out], list(writers[out].output).index(out), kept[out], list(kept[out].output).index(out)) for out in op.outputs]
-        elif node.name in switches:
+        elif node.name in switches and node.name not in ops:  # (a node sharing a switched op's name, its codes Gather, only feeds it)
             name, kept_node = node.name, _kept_node(node, placed, edit, read)
             outputs = [(node, j, kept_node, j) for j in range(len(node.output))]
         else:
@@ -146,7 +146,8 @@ def build_candidate_switchboard(candidate: onnx.ModelProto, reference: onnx.Mode
             if not produced or own not in FLOAT_TYPES:
                 continue
             placed += _switch(candidate_node, j, kept_node, k, switches[name], own)
-            for added, elem_type in _switched_values(produced, produced, TensorProto.FLOAT, own, own != TensorProto.FLOAT):
+            narrow = own in REDUCED_FLOATS
+            for added, elem_type in _switched_values(produced, produced, TensorProto.FLOAT if narrow else own, own, narrow):
                 edit.declare(added, produced, elem_type)
             switched[produced], owner[produced] = produced + "__switched", name
     placed += _switched_graph_outputs(placed, owner, switches, {o.name for o in graph.output}, edit)
@@ -201,7 +202,14 @@ def _switched_graph_outputs(placed: list[onnx.NodeProto], owner: dict[str, str],
         name = dequantize.output[0]
         dequantize.output[0] = name + "__quantized"
         edit.declare(dequantize.output[0], name, edit.types.get(name))
-        added.append(helper.make_node("Where", [switches[owner[quantize.input[0]]], quantize.input[0], dequantize.output[0]], [name], name=name + "__switched_output"))
+        kind = edit.types.get(name)
+        if kind == TensorProto.BFLOAT16:  # ONNX Runtime's Where has no BF16 kernel: switched in FP32, stored back in BF16
+            wide = [edit.fresh(f"{value}__fp32") for value in (quantize.input[0], dequantize.output[0], name)]
+            added += [helper.make_node("Cast", [source], [target], name=target, to=TensorProto.FLOAT) for source, target in zip((quantize.input[0], dequantize.output[0]), wide)]
+            added += [helper.make_node("Where", [switches[owner[quantize.input[0]]], *wide[:2]], [wide[2]], name=name + "__switched_output"),
+                      helper.make_node("Cast", [wide[2]], [name], name=name + "__to_bf16", to=TensorProto.BFLOAT16)]
+        else:
+            added.append(helper.make_node("Where", [switches[owner[quantize.input[0]]], quantize.input[0], dequantize.output[0]], [name], name=name + "__switched_output"))
     return added
 
 
@@ -210,7 +218,7 @@ def _switch(node: onnx.NodeProto, j: int, kept: onnx.NodeProto, k: int, switch: 
     `switch` is on, the candidate's (widened) where it is off, under `<value>__switched`; the candidate's
     own name then holds it in the candidate's type `own`. Renames the outputs of `node` and `kept`."""
     value, produced = kept.output[k], node.output[j]
-    narrow = own != TensorProto.FLOAT
+    narrow = own in REDUCED_FLOATS  # the kept copy computes in FP32 (a double stays a double: Where takes it as it is)
     kept.output[k] = value + "__kept"
     node.output[j] = produced + "__candidate"
     added = []

@@ -1,0 +1,179 @@
+"""Transformers as they are quantized for deployment, with the real tools, fed real inputs (they skip without
+the wheels that ship them; .ci/run installs them):
+
+* paraphrase-MiniLM-L3-v2 (trained, FP32) fed English sentences, quantized by ONNX Runtime's quantize_dynamic
+  and its MatMulNBitsQuantizer, and fused by its transformer optimizer: each candidate named in its
+  format, its cause and repair held to the exclude-one oracle (oracle.py: the quantizer run again with
+  `nodes_to_exclude=[node]`, one node at a time, judged at the graph output), `bisect precision`'s
+  exclusions held to the quantizer run again with them;
+* the flan-t5-small titler (shipped dynamically quantized: no float original exists) and smart-turn v3.2
+  (shipped with Q/DQ pairs), given alone: compared with their float forms, never with themselves.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import accudiff
+import oracle
+from accudiff.errors import AccudiffError
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT))
+from benchmarks import models, realistic_inputs  # noqa: E402
+from accudiff.model.inputs import save_feeds  # noqa: E402
+
+POOLED, HIDDEN = "461", "onnx::Shape_422"  # MiniLM's sentence embedding [batch, 384] and hidden states [batch, tokens, 384]
+INT8, INT4 = (1e-2, 1e-1, 2e-2), (5e-2, 2.5e-1, 1e-1)  # atol, rtol, stol: the defaults the runs are judged at
+
+
+def _available(make):
+    try:
+        return make()
+    except ModuleNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory):
+    """The float model, eight sentences as four samples of two, and the nodes its quantizers take (the
+    MatMuls reading a weight, the embedding Gathers)."""
+    import onnx
+
+    model = _available(models.minilm_l3)
+    feeds = _available(lambda: [realistic_inputs.sentences(seed) for seed in range(4)])
+    folder = tmp_path_factory.mktemp("minilm")
+    save_feeds(feeds, folder / "sentences.npz")
+    graph = onnx.load(str(model), load_external_data=False).graph
+    weights = {init.name for init in graph.initializer}
+    quantizable = [n.name for n in graph.node if (n.op_type == "MatMul" and n.input[1] in weights) or (n.op_type == "Gather" and n.input[0] in weights)]
+    return SimpleNamespace(model=model, feeds=feeds, inputs=folder / "sentences.npz", folder=folder, quantizable=quantizable)
+
+
+def _held_to_the_oracle(minilm, result, make, tolerance, output: str) -> tuple[str, str]:
+    """The failing output's verified cause agrees with the oracle: a node that repairs the output or carries
+    most of its error is the oracle's best exclusion, and the repair's first step reproduces the oracle's
+    figure within 10%; an accumulated error is one no single exclusion repairs or halves. Returns (the
+    cause's kind, the oracle's best exclusion)."""
+    nodes = [n for n in minilm.quantizable if n in result.quantized_by]
+    ranking = oracle.exclusion_ranking(minilm.model, make, nodes, minilm.feeds, tolerance, output)
+    best_ratio, best = ranking[0]
+    failure = next(f for f in result.output_failures if f.tensor == output)
+    cause, before = failure.cause, failure.repair.steps[0].tol_ratio
+    assert cause.verified and cause.kind in ("local", "dominant", "accumulated"), cause
+    if cause.kind == "accumulated":
+        assert best_ratio > 1 and before / best_ratio < 2, (before, ranking[:3])
+    else:
+        assert cause.node == best, (cause, ranking[:3])
+        step = failure.repair.steps[1]
+        assert step.keep[0] == best and abs(step.tol_ratio - best_ratio) <= 0.1 * best_ratio, (step, ranking[:3])
+    return cause.kind, best
+
+
+def test_dynamic_int8_minilm_names_its_format_and_the_quantizers_best_exclusion(minilm, tmp_path):
+    """quantize_dynamic's candidate was labelled FP32, judged at FP32's tolerance, and every keep left it
+    where it was ('accumulated'). Now: INT8's format and tolerance; the op carrying most of the loss (a
+    MatMul whose input's run-time range a few values set), verified, is the oracle's best exclusion."""
+    candidate = models.onnxruntime_dynamic(minilm.model, tmp_path / "dynamic.onnx")
+    result = accudiff.compare(minilm.model, candidate_model=candidate, inputs=minilm.inputs, report_dir=tmp_path / "report")
+    assert result.precision == "int8-dynamic+int8-weight" and result.tolerances.default.rtol == INT8[1]
+    assert "ONNX Runtime's own kernels quantize activations to INT8 as the model runs" in result.candidate
+    made = lambda excluded: models.onnxruntime_dynamic(minilm.model, tmp_path / "excluded.onnx", excluded)  # noqa: E731
+    kind, best = _held_to_the_oracle(minilm, result, made, INT8, POOLED)
+    assert kind == "dominant"
+    cause = next(f for f in result.output_failures if f.tensor == POOLED).cause
+    assert any(f.kind == "int8_dynamic_range" and "times the span 99.9% of its values need" in f.message for f in cause.findings)
+    split = result.loss_split[POOLED]["ratios"]
+    assert {"activations", "weights", "with_both"} <= split.keys()
+    # --keep-fp32 on the op undoes it: the same output as the quantizer excluding it.
+    kept = accudiff.compare(minilm.model, candidate_model=candidate, inputs=minilm.inputs, keep_fp32=[re.escape(best)], verify=False)
+    expected = [oracle._session(oracle._loaded(minilm.model)).run([POOLED], feed)[0] for feed in minilm.feeds]
+    figure = oracle.exclusion_ratio(made((best,)), expected, minilm.feeds, INT8, POOLED)
+    assert kept.table.set_index("tensor").loc[POOLED, "tol_ratio"] == pytest.approx(figure, rel=1e-3)
+
+
+def test_matmulnbits_minilm_names_its_format_and_the_quantizers_best_exclusion(minilm, tmp_path, run_cli):
+    """MatMulNBits (4 bits, blocks of 32): int4-weight and its tolerance, which it meets on these sentences;
+    judged at INT8's (a stricter team's), the cause the quantizer's own exclusions give, and the repair
+    printed as MatMulNBitsQuantizer's option."""
+    candidate = models.onnxruntime_nbits(minilm.model, tmp_path / "nbits.onnx")
+    result = accudiff.compare(minilm.model, candidate_model=candidate, inputs=minilm.inputs, verify=False)
+    assert result.precision == "int4-weight" and result.tolerances.default.rtol == INT4[1] and result.passed
+    strict = dict(zip(("atol", "rtol", "stol"), INT8))
+    result = accudiff.compare(minilm.model, candidate_model=candidate, inputs=minilm.inputs, **strict)
+    made = lambda excluded: models.onnxruntime_nbits(minilm.model, tmp_path / "excluded.onnx", exclude=excluded)  # noqa: E731
+    for failure in result.output_failures:
+        _held_to_the_oracle(minilm, result, made, INT8, failure.tensor)
+    code, out, _ = run_cli("bisect", "precision", minilm.model, "--candidate-model", candidate, "--load-inputs", minilm.inputs, "-o", "fix",
+                           *(f"--{name}={value}" for name, value in strict.items()))
+    assert code == 1 and "MatMulNBitsQuantizer(..., nodes_to_exclude=[" in out
+
+
+def test_bisect_precision_exclusions_hold_when_the_quantizer_runs_again(minilm, tmp_path, run_cli):
+    """The nodes `bisect precision` keeps, given to quantize_dynamic's nodes_to_exclude, make a candidate
+    that meets the tolerance (checked by the oracle, not by accudiff)."""
+    candidate = models.onnxruntime_dynamic(minilm.model, tmp_path / "dynamic.onnx")
+    code, out, err = run_cli("bisect", "precision", minilm.model, "--candidate-model", candidate, "--load-inputs", minilm.inputs, "-o", "fix")
+    assert code == 1, err  # exit 1: the candidate needed a repair
+    assert "quantize_dynamic(..., nodes_to_exclude=[" in out
+    excluded = tuple(re.sub(r"\\(.)", r"\1", line) for line in (tmp_path / "fix" / "keep_fp32.txt").read_text().split())
+    again = models.onnxruntime_dynamic(minilm.model, tmp_path / "again.onnx", excluded)
+    for output in (POOLED, HIDDEN):
+        expected = [oracle._session(oracle._loaded(minilm.model)).run([output], feed)[0] for feed in minilm.feeds]
+        assert oracle.exclusion_ratio(again, expected, minilm.feeds, INT8, output) <= 1.0
+
+
+def test_a_quantized_transformer_given_alone_is_compared_with_its_float_form(minilm, tmp_path):
+    """quantize_dynamic's MiniLM given alone was compared with itself (PASS, error 0). Its float form takes its
+    activations' run-time quantization out (weights as it rounded them: said); a weight-only model has no
+    float form but itself, and is refused in one sentence."""
+    candidate = models.onnxruntime_dynamic(minilm.model, tmp_path / "dynamic.onnx")
+    alone = accudiff.compare(candidate, inputs=minilm.inputs, verify=False)
+    assert alone.precision == "int8-dynamic+int8-weight"
+    assert any("quantize their activations as the model runs; its float form reads them unquantized" in n for n in alone.notices)
+    assert alone.table.set_index("tensor").loc[POOLED, "max_abs_err"] > 0
+    nbits = models.onnxruntime_nbits(minilm.model, tmp_path / "nbits.onnx")
+    with pytest.raises(AccudiffError, match=r"quantizes only its weights \(int4-weight\).*accudiff compare float.onnx --candidate-model nbits.onnx"):
+        accudiff.compare(nbits, inputs=minilm.inputs)
+
+
+def test_a_fused_graph_is_covered_inside_its_fused_nodes(minilm, tmp_path, run_cli):
+    """The transformer optimizer's fused MiniLM (Attention, SkipLayerNormalization, BiasGelu,
+    EmbedLayerNormalization) was INCONCLUSIVE: only 49 of 242 tensors compared. The tensors inside fused
+    nodes count as compared at their outputs, said per node type; in FP32 it passes."""
+    fused = models.onnxruntime_fused(minilm.model, tmp_path / "fused.onnx", heads=12, hidden=384)
+    result = accudiff.compare(minilm.model, candidate_model=fused, inputs=minilm.inputs)
+    assert result.verdict == "pass" and result.precision == "fp32"
+    held = {node.split(" ")[0] for node in result.inside.values()}
+    assert {"Attention", "SkipLayerNormalization", "BiasGelu"} <= held
+    code, out, _ = run_cli("compare", minilm.model, "--candidate-model", fused, "--load-inputs", minilm.inputs, "--no-verify")
+    assert code == 0 and re.search(r"inside fused nodes, compared at their outputs: \d+ more \(3 Attention nodes hold \d+ each", out)
+    # --bf16 on the fused graph: its ops convert where ONNX Runtime's CPU provider has a BF16 kernel, the rest stay FP32, saying why.
+    bf16 = accudiff.compare(fused, "bf16", inputs=minilm.inputs, verify=False)
+    reasons = {k.op_type: k.reason for k in bf16.kept}
+    assert reasons.get("Attention") == "ONNX Runtime's CPU provider has no BF16 kernel for Attention"
+    assert "SkipLayerNormalization" not in reasons
+
+
+def test_the_titler_shipped_quantized_is_compared_with_its_float_forms(tmp_path):
+    """The flan-t5-small titler ships only dynamically quantized (145 MatMulInteger): encoder and decoder
+    given alone were PASS with error 0 (compared with themselves). Now each is compared with its float form,
+    the decoder on teacher-forced prefixes its own greedy decoding produced."""
+    for name, feed in (("encoder.onnx", realistic_inputs.title_text), ("decoder.onnx", realistic_inputs.title_prefix)):
+        model = _available(lambda: models.title_model(name))
+        save_feeds([feed(seed) for seed in range(3)], tmp_path / f"{name}.npz")
+        result = accudiff.compare(model, inputs=tmp_path / f"{name}.npz", verify=False)
+        assert result.precision == "int8-dynamic+int8-weight"
+        assert (result.outputs["max_abs_err"] > 0).all(), result.outputs
+
+
+def test_smart_turn_shipped_with_qdq_pairs_is_compared_with_its_float_form(tmp_path):
+    model = _available(models.smart_turn_v3)
+    save_feeds([_available(lambda: realistic_inputs.speech_features(seed)) for seed in range(3)], tmp_path / "speech.npz")
+    result = accudiff.compare(model, inputs=tmp_path / "speech.npz", verify=False)
+    assert result.precision == "int8" and any("the reference is the float form of 'smart-turn-v3.2-cpu.onnx'" in n for n in result.notices)
