@@ -94,6 +94,10 @@ class Trials:
                 self.reference.write(k, store.read(sample, setup.info.output_names))
             self.reference.finish()
         self.boundaries = Boundaries(setup.info.proto.graph, unfit_for_fp16(table), setup.variants.base.converted, setup.variants.recipe.precision, regions)
+        # Every model the trials save is saved in their folder: with the reference's and the candidate's weights
+        # moved into data files there once, a variant or switchboard writes its graph, and refers to them.
+        for name, model in (("reference", setup.info.proto), ("candidate", setup.variants.base.model)):
+            save_model(model, setup.scratch / f"{name}-weights.onnx", move_weights=True, side_file=True)
         self._workers: list[Worker] = []
         self.timings: dict[str, float] = {}  # the trial workers' seconds per phase, added up
         self._board: tuple[Switchboard, Path] | None = None
@@ -186,7 +190,7 @@ class Trials:
         replaying them from it once complete)."""
         setup = self.setup
         folder = setup.scratch / f"trials-{self.runs}"
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)  # the worker's result; the models beside the weights they refer to
         passes = []
         keep_lists = [keep for keep, _ in chosen]
         for k, (keep, parts) in enumerate(chosen):
@@ -195,7 +199,7 @@ class Trials:
                 switchboard, path = board
                 pass_.update(model=str(path), fixed_inputs=switchboard.settings(keep), reuse=True)
             else:
-                path = folder / f"variant{k}.onnx"
+                path = setup.scratch / f"trials-{self.runs}-variant{k}.onnx"
                 save_model(setup.variants.with_kept(keep, parts).model, path)
                 pass_.update(model=str(path))
             passes.append(pass_)

@@ -313,16 +313,19 @@ def find_quantized_ops(graph: onnx.GraphProto, reference: onnx.GraphProto | None
             continue
         op = recognise(node, view)
         if op is not None:
-            found.append(_named(op, reference) if reference is not None else op)
-    return found
-
-
-def _named(op: QuantizedOp, reference: onnx.GraphProto) -> QuantizedOp:
-    """`op` named after the float model: its tool's name where the float model has a node of that name and op
-    type, else the float model's node of that type writing its output; the float model's other writer of
-    the output (a bias Add it fused) is in `also`."""
+            found.append(op)
+    if reference is None or not found:
+        return found
     nodes = {node.name: node for node in reference.node}
-    writers = [node for node in reference.node if set(node.output) & set(op.outputs)]
+    writer = {out: node for node in reference.node for out in node.output if out}
+    return [_named(op, nodes, writer) for op in found]
+
+
+def _named(op: QuantizedOp, nodes: Mapping[str, onnx.NodeProto], writer: Mapping[str, onnx.NodeProto]) -> QuantizedOp:
+    """`op` named after the float model (its `nodes`, and the `writer` of each value): its tool's name where
+    the float model has a node of that name and op type, else the float model's node of that type writing
+    its output; the float model's other writer of the output (a bias Add it fused) is in `also`."""
+    writers = list({id(w): w for out in op.outputs if (w := writer.get(out)) is not None}.values())
     name = op.node if op.node in nodes and nodes[op.node].op_type == op.op_type else next((n.name for n in writers if n.op_type == op.op_type), op.node)
     also = tuple(n.name for n in writers if n.name != name)
     return replace(op, node=name, also=also)

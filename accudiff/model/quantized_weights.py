@@ -28,6 +28,13 @@ def float_weight(weight: QuantizedWeight, constants: Mapping[str, onnx.TensorPro
     if dict(weight.extra).get("packed"):
         codes = unpack_codes(codes, weight.bits, codes.size * (8 // weight.bits)).reshape(*codes.shape[:-1], -1)
     zero = weight_values(constants[weight.zero_point]).astype(np.float32) if weight.zero_point else _default_zero(weight, codes)
+    if scale.size == 1 and zero.size == 1 and codes.dtype.itemsize == 1 and weight.layout != "lstm":
+        # One scale and zero point: the at most 256 values the codes stand for, looked up (the same FP32
+        # arithmetic, one pass over an embedding table instead of three).
+        byte = np.arange(256, dtype=np.uint8)
+        stood_for = byte.view(np.int8) if codes.dtype.kind == "i" else byte  # the code each byte holds
+        table = (stood_for.astype(np.float32) - zero.reshape(())) * scale.reshape(())
+        return table[codes.view(np.uint8)]
     values = codes.astype(np.float32)
     if weight.layout == "lstm":  # one scale, or one per direction, or one per direction and gate row: along the last axis
         shape = (scale.shape[0], 1, -1) if scale.size > 1 else ()
