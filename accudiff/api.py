@@ -107,6 +107,7 @@ def run(
 
         info, transformed, outcome = combine(info.path, runs)
         result, context = judge(info, transformed, outcome, settings, samples)
+        result.output_kinds = runs[0].candidate.kinds
         result.worker_timings["comparison"], result.layout = outcome["timings"], outcome["layout"]
         laps.lap("diagnose")
         unverified = []

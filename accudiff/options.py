@@ -39,7 +39,10 @@ def add_run_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--stol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="tolerance as a fraction of the tensor's reference absmax")
     cmd.add_argument("--threshold", nargs="+", action="extend", metavar="[OUTPUT:]VALUE", help="where a probability map's elements are binarized, for its flipped share and IoU (default 0.5)")
     cmd.add_argument("--objective", choices=OBJECTIVES, default="tolerance", help="what judges a keep at the outputs: the tolerance ratio, or the decision (top-1 agreement, a map's flipped share)")
-    cmd.add_argument("--require", action="append", default=[], metavar="FIGURE=VALUE", help="a decision target an output must meet instead of its tolerance, e.g. top1=0.97 or flipped_share=1e-3 (repeatable)")
+    cmd.add_argument("--require", action="append", default=[], metavar="FIGURE=VALUE",
+                     help="a decision target an output must meet instead of its tolerance, e.g. top1=0.97, kl=0.01, cosine_min=0.99 or flipped_share=1e-3 (repeatable)")
+    cmd.add_argument("--output-kind", action="append", default=[], metavar="NAME=KIND",
+                     help="what a graph output is, where the graph does not say: logits, probabilities, embedding, map or values (repeatable)")
     cmd.add_argument("--workers", type=int, metavar="N", help="split the samples over N worker processes or Ray tasks (default: a dataset with 4 samples per core gets one per core, else 1; with --ray, one per CPU of the cluster)")
     cmd.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS", help="run the workers as Ray tasks: 'local' (the default) starts a local cluster, an address joins one")
     cmd.add_argument("--max-memory", metavar="SIZE", help="memory the compared tensors may take, e.g. 512M or 4G (default: 256M, or a quarter of the free memory if less); larger models are compared segment by segment")
@@ -81,5 +84,6 @@ def run_settings(args: argparse.Namespace, **only_compare) -> RunSettings:
         threshold=args.threshold,
         objective=args.objective,
         require=args.require,
+        output_kind=args.output_kind,
         **only_compare,
     )

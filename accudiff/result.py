@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from accudiff.comparison.output_kinds import OutputKind
 from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING
 from accudiff.comparison.tolerances import Tolerances
 from accudiff.diagnosis.cause import Cause
@@ -69,7 +70,8 @@ class CompareResult:
     target: list[str] = field(default_factory=list)  # what was compared, as command-line arguments (the model, a precision flag or the candidate model)
     candidate_model: Path | None = None  # a candidate made by another tool (ModelOpt, ONNX Runtime's quantizer...), compared as it is
     unmatched: dict[str, str] = field(default_factory=dict)  # for such a candidate: a reference tensor it has no partner for -> why
-    inside: dict[str, str] = field(default_factory=dict)  # ... of those, one computed inside a node its tool fused (compared at its output) -> that node
+    inside: dict[str, str] = field(default_factory=dict)
+    output_kinds: dict[str, OutputKind] = field(default_factory=dict)  # what each graph output decides, and why (comparison/output_kinds.py)  # ... of those, one computed inside a node its tool fused (compared at its output) -> that node
     quantized_by: dict[str, str] = field(default_factory=dict)  # for such a candidate: a node a tool quantized with ops of its own -> the tool
     repaired_candidate: str | None = None  # the file in the report: that candidate with its verified repairs kept
     # For such a candidate that quantizes and stores in FP16/BF16: per failing output, its tolerance ratio with

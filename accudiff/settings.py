@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from accudiff.comparison.objective import Objective, parse_requirements
+from accudiff.comparison.output_kinds import parse_output_kinds
 from accudiff.comparison.tolerances import Tolerances, parse_named_values
 from accudiff.errors import AccudiffError
 from accudiff.model.formats import QUANTIZED_FORMATS, file_formats, formats_of, is_precision_label, model_formats, onnxruntime_only_ops, precision_label
@@ -86,10 +87,11 @@ class RunSettings:
     threshold: Iterable[str] | float | None = None
     objective: str = "tolerance"
     require: Sequence[str] = ()
+    output_kind: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         """Checks that need no model; `check_against` does the rest once the model is loaded."""
-        for name in ("keep_fp32", "val_range", "input_shapes", "atol", "rtol", "stol", "threshold", "require"):  # lists and tuples alike compare equal
+        for name in ("keep_fp32", "val_range", "input_shapes", "atol", "rtol", "stol", "threshold", "require", "output_kind"):  # lists and tuples alike compare equal
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, int, float, dict)):
                 object.__setattr__(self, name, tuple(value))
@@ -111,6 +113,7 @@ class RunSettings:
         self.tolerances  # noqa: B018 - a malformed tolerance is an error now, not after the runs
         self.thresholds  # noqa: B018 - likewise a threshold
         self.judged  # noqa: B018 - and an objective or a requirement
+        self.output_kinds  # noqa: B018 - and an output's kind
         self._check_captured()
 
     def _check_captured(self) -> None:
@@ -172,6 +175,11 @@ class RunSettings:
         return {**({"": default} if default is not None else {}), **named}
 
     @cached_property
+    def output_kinds(self) -> dict[str, str]:
+        """The kinds the user gave outputs (`--output-kind NAME=KIND`; comparison/output_kinds.py)."""
+        return parse_output_kinds(self.output_kind)
+
+    @cached_property
     def judged(self) -> Objective:
         """How verification and `bisect precision` judge a keep at the outputs (comparison/objective.py)."""
         return Objective(self.objective, parse_requirements(self.require))
@@ -211,9 +219,10 @@ class RunSettings:
             raise AccudiffError(f"'{info.path.name}' computes no tensor accudiff can compare" + (f": {reasons[0]}" if reasons else ""))
         NodeSelector(self.keep_fp32).require_matches(all_nodes(info.proto.graph))
         self.tolerances.require_known_tensors({t.name for t in info.tensors})
-        unknown = [name for name in self.thresholds if name and name not in info.output_names]
-        if unknown:
-            raise AccudiffError(f"--threshold names '{unknown[0]}', which is not a graph output of the model; its outputs are: {', '.join(info.output_names)}")
+        for option, names in (("--threshold", [name for name in self.thresholds if name]), ("--output-kind", list(self.output_kinds))):
+            unknown = [name for name in names if name not in info.output_names]
+            if unknown:
+                raise AccudiffError(f"{option} names '{unknown[0]}', which is not a graph output of the model; its outputs are: {', '.join(info.output_names)}")
         quantized = [f for f in model_formats(info.proto.graph) if f in QUANTIZED_FORMATS]
         if self.candidate_model is not None and not self.given_alone and quantized:
             raise AccudiffError(
@@ -261,8 +270,9 @@ class RunSettings:
             if value is not None:
                 args += [flag, str(value)]
         args += ["--objective", self.objective] * (self.objective != "tolerance")
-        for text in self.require:
-            args += ["--require", text]
+        for flag, texts in (("--require", self.require), ("--output-kind", self.output_kind)):
+            for text in texts:
+                args += [flag, text]
         args += ["--no-isolate"] * (not self.isolate) + ["--no-verify"] * (not self.verify)
         if self.verify and self.verify_budget != DEFAULT_VERIFY_BUDGET:
             args += ["--verify-budget", str(self.verify_budget)]

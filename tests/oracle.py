@@ -449,3 +449,54 @@ def exclusion_ratio(candidate: Path, expected: list[np.ndarray], feeds, toleranc
     """`output`'s worst ratio over `feeds` for one candidate, against the float model's `expected` outputs."""
     session = _session(_loaded(candidate))
     return max(_ratio(reference, session.run([output], feed)[0], tolerance) for reference, feed in zip(expected, feeds))
+
+
+# --- Decision figures, from the two runs' outputs with plain numpy ---
+
+
+def token_figures(reference: list[np.ndarray], candidate: list[np.ndarray]) -> dict:
+    """Per position along the last axis of logits, over every sample: the share whose top entry agrees, the
+    KL divergence KL(softmax(reference) || softmax(candidate)) (mean, median and 99th percentile at index ceil(q (n - 1)), largest),
+    and how much probability the reference's top entry loses (mean, largest)."""
+    kl, dp, same = [], [], []
+    for ref, cand in zip(reference, candidate):
+        for r, c in zip(ref.reshape(-1, ref.shape[-1]).astype(np.float64), cand.reshape(-1, ref.shape[-1]).astype(np.float64)):
+            log_p, log_q = r - np.logaddexp.reduce(r), c - np.logaddexp.reduce(c)
+            p, top = np.exp(log_p), int(r.argmax())
+            kl.append(float(np.sum(p * (log_p - log_q))))
+            dp.append(float(p[top] - np.exp(log_q[top])))
+            same.append(int(c.argmax()) == top)
+    rank = lambda q: float(np.quantile(kl, q, method="higher"))  # noqa: E731 - the value at index ceil(q (n - 1)), as accudiff's sketches read it
+    return {"top1": float(np.mean(same)), "kl": float(np.mean(kl)), "kl_median": rank(0.5), "kl_p99": rank(0.99),
+            "kl_max": float(np.max(kl)), "delta_p": float(np.mean(dp)), "delta_p_max": float(np.max(dp)), "score_vectors": len(kl)}
+
+
+def embedding_figures(reference: list[np.ndarray], candidate: list[np.ndarray]) -> dict:
+    """Per vector along the last axis, over every sample: the cosine (mean, lowest); for [batch, dim]
+    outputs of more than two rows, the share of rows whose nearest other row is the same on both sides."""
+    cosines, same, rows = [], 0, 0
+    for ref, cand in zip(reference, candidate):
+        r, c = ref.reshape(-1, ref.shape[-1]).astype(np.float64), cand.reshape(-1, ref.shape[-1]).astype(np.float64)
+        cosines += [float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))) for a, b in zip(r, c)]
+        if ref.ndim == 2 and len(r) > 2:
+            nearest = [[max((j for j in range(len(m)) if j != i), key=lambda j: m[i] @ m[j] / np.linalg.norm(m[j])) for i in range(len(m))] for m in (r, c)]
+            same += sum(a == b for a, b in zip(*nearest))
+            rows += len(r)
+    found = {"cosine": float(np.mean(cosines)), "cosine_min": float(np.min(cosines)), "vectors": len(cosines)}
+    return {**found, "neighbors": same / rows} if rows else found
+
+
+def run_results_outputs(path: Path, name: str) -> list[np.ndarray]:
+    """Tensor `name` of every iteration of a polygraphy RunResults file (its first runner), decoded here:
+    each array is a base64 .npy, bare or wrapped in a LazyArray."""
+    import base64
+    import io
+    import json
+
+    runner = json.loads(Path(path).read_text())["lst"][0]
+    arrays = []
+    for iteration in runner[1]:
+        encoded = iteration["outputs"][name]
+        encoded = encoded.get("values", encoded)
+        arrays.append(np.load(io.BytesIO(base64.b64decode(encoded["array"])), allow_pickle=False))
+    return arrays

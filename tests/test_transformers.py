@@ -16,7 +16,6 @@ import re
 import sys
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 import accudiff
@@ -177,3 +176,56 @@ def test_smart_turn_shipped_with_qdq_pairs_is_compared_with_its_float_form(tmp_p
     save_feeds([_available(lambda: realistic_inputs.speech_features(seed)) for seed in range(3)], tmp_path / "speech.npz")
     result = accudiff.compare(model, inputs=tmp_path / "speech.npz", verify=False)
     assert result.precision == "int8" and any("the reference is the float form of 'smart-turn-v3.2-cpu.onnx'" in n for n in result.notices)
+
+
+def test_a_decoders_tokens_are_judged_per_position_as_plain_numpy_judges_them(tmp_path, run_cli):
+    """The titler's decoder outputs logits [1, T, 32128]: it had no decision figure at all. Over every
+    position of three teacher-forced prefixes: same top-1, KL divergence (mean, median, p99, largest) and
+    Δp, as plain numpy computes them from the two runs' outputs (oracle.py), to 1e-6 (median and p99 come
+    from a sketch: within its 1.6%)."""
+    model = _available(lambda: models.title_model("decoder.onnx"))
+    save_feeds([realistic_inputs.title_prefix(seed) for seed in range(3)], tmp_path / "prefixes.npz")
+    result = accudiff.compare(model, inputs=tmp_path / "prefixes.npz", verify=False, save_reference=tmp_path / "reference.json",
+                              save_candidate=tmp_path / "candidate.json")
+    assert result.output_kinds["logits"].kind == "logits"
+    found = result.decisions["logits"]
+    expected = oracle.token_figures(*(oracle.run_results_outputs(tmp_path / f"{side}.json", "logits") for side in ("reference", "candidate")))
+    assert found["sequences"] == 3 and found["score_vectors"] == expected["score_vectors"]
+    for name in ("top1", "kl", "kl_max", "delta_p", "delta_p_max"):
+        assert found[name] == pytest.approx(expected[name], abs=1e-6), name
+    for name in ("kl_median", "kl_p99"):
+        assert found[name] == pytest.approx(expected[name], rel=0.02), name
+    code, out, _ = run_cli("compare", model, "--load-inputs", tmp_path / "prefixes.npz", "--no-verify", "-o", "report")
+    assert re.search(rf"logits 'logits' \(a \w+ head computes it: scores over its last axis\): top-1 agreement [\d.]+%, top-5 [\d.]+% over "
+                     rf"{found['score_vectors']} positions of 3 sequence\(s\); KL divergence mean", out), out
+
+
+def test_an_embeddings_decision_is_its_cosine_never_a_top1(minilm, tmp_path, run_cli):
+    """MiniLM's pooled sentence embedding was read as class scores ('top-1 agreement 62.5%'): the arg-max of
+    an embedding decides nothing. Its kind is read from the graph (a pooling), its figures are cosines and
+    nearest neighbours within the batch (as plain numpy computes them), and --require cosine_min judges it:
+    it fails above its lowest cosine and passes below."""
+    candidate = models.onnxruntime_nbits(minilm.model, tmp_path / "nbits.onnx")
+    feeds = [realistic_inputs.sentences(seed, batch=4) for seed in range(2)]
+    save_feeds(feeds, tmp_path / "four.npz")
+    result = accudiff.compare(minilm.model, candidate_model=candidate, inputs=tmp_path / "four.npz", verify=False)
+    assert {name: result.output_kinds[name].kind for name in (POOLED, HIDDEN, "output")} == {POOLED: "embedding", HIDDEN: "embedding", "output": "values"}
+    found = result.decisions[POOLED]
+    assert "top1" not in found
+    runs = [[oracle._session(oracle._loaded(path)).run([POOLED], feed)[0] for feed in feeds] for path in (minilm.model, candidate)]
+    expected = oracle.embedding_figures(*runs)
+    for name in ("cosine", "cosine_min", "neighbors"):
+        assert found[name] == pytest.approx(expected[name], abs=1e-6), name
+    lowest = found["cosine_min"]
+    above = min(lowest + 0.005, 1.0)
+    code, out, _ = run_cli("compare", minilm.model, "--candidate-model", candidate, "--load-inputs", tmp_path / "four.npz", "--no-verify",
+                           "--require", f"cosine_min={above:.6f}", "--output-kind", f"{HIDDEN}=values", "-o", "above")
+    assert code == 1 and f"output '{POOLED}' FAILS its requirement lowest cosine >= {above:.6f} ({lowest:.6f})" in out, out
+    code, out, _ = run_cli("compare", minilm.model, "--candidate-model", candidate, "--load-inputs", tmp_path / "four.npz", "--no-verify",
+                           "--require", f"cosine_min={lowest - 0.005:.6f}", "--output-kind", f"{HIDDEN}=values", "-o", "below")
+    assert code == 0 and "verdict: PASS" in out and f"error percentiles '{HIDDEN}' (given by --output-kind)" in out, out
+    code, out, err = run_cli("compare", minilm.model, "--candidate-model", candidate, "--load-inputs", tmp_path / "four.npz", "--require", "kl=0.01",
+                             "--output-kind", f"{POOLED}=embedding", "--output-kind", f"{HIDDEN}=embedding")
+    assert code == 2 and "--require kl applies to logits or probabilities, and no graph output of the model is one" in err, err
+    code, out, err = run_cli("compare", minilm.model, "--output-kind", "nope=logits")
+    assert code == 2 and "--output-kind names 'nope', which is not a graph output" in err, err

@@ -1,40 +1,61 @@
 """What the error of a graph output does to the decision taken from it, and which tolerance it meets: per
-sample, in figures that add up over samples, workers and machines.
+sample, in figures that add up over samples, workers and machines. What an output decides is its kind
+(output_kinds.py, read from the graph):
 
-An elementwise verdict says whether every element is within tolerance; a user needs to know what the
-error changes. So for each graph output and sample:
-* class scores (a float [batch, classes], or rows along the last axis that are probabilities): in how
-  many score vectors the reference's top class is the candidate's top class, or among its five highest;
-* a probability map (float values in [0, 1] that are not class scores): how many elements cross the
-  output's threshold (0.5 unless set) on one side and not on the other, and the intersection and union
-  of the two binarized maps (their IoU);
+* logits and probabilities, per position (every vector along the kind's axis, of every sequence of every
+  sample): whether the candidate's top entry is the reference's (and among its five highest, over more than
+  five entries), the KL divergence KL(reference || candidate) of the two softmax distributions (of
+  probabilities, the distributions themselves, each below 1e-30 read as 1e-30), and Δp, the probability the
+  reference's top entry loses in the candidate; a position holding a NaN agrees with nothing (its KL is
+  infinite, its Δp all the reference gave);
+* an embedding, per vector along the last axis: the cosine of the candidate's with the reference's (1 when
+  both are 0, -1 for one holding a NaN), and for a [batch, dim] output of more than two rows, whether each
+  row's nearest other row (by cosine) is the same on both sides;
+* a probability map (a Sigmoid's output, or values all in [0, 1] nothing else explains): how many elements
+  cross the output's threshold (0.5 unless set) on one side and not on the other, and the intersection and
+  union of the two binarized maps (their IoU);
 * any float output: the tolerance it meets, the smallest atol (at the run's rtol and stol) and the
   smallest rtol (at its atol and stol) under which every element would pass; and a sketch of each
   element's error in tolerances (|err| / (atol + rtol·|ref| + stol·absmax)), for its percentiles.
+Rows are read a bounded number at a time: memory stays bounded for vocabularies of 100k entries and more.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
 from accudiff.comparison.metrics import CHUNK, SKETCH_BITS, SKETCH_BUCKETS, SKETCH_LOW_EXPONENT, quantiles
+from accudiff.comparison.output_kinds import OutputKind
 from accudiff.comparison.tolerances import Tolerance
 
-MAX_CLASSES = 1 << 20  # wider rows are not class scores (a [1, N] signal, say), and ranking them costs seconds
+MAX_CLASSES = 1 << 20  # wider rows are not scores (a [1, N] signal, say), and ranking them costs seconds
 DEFAULT_THRESHOLD = 0.5
+ROWS_AT_ONCE = 1 << 20  # elements of score or embedding rows read at once (float64: 8 MB an array)
+PROBABILITY_FLOOR = 1e-30
+MAX_NEIGHBOUR_ROWS = 4096  # a batch's nearest neighbours compare every row with every other
 
 
 @dataclass(frozen=True)
 class Decision:
     """One output on one sample (see the module's docstring); counts are 0 where a figure does not apply."""
 
-    rows: int = 0
+    rows: int = 0  # score vectors: positions of logits or probabilities
+    sequences: int = 0  # the sequences they belong to (each row of a [batch, classes] output is its own)
     top1: int = 0
     top5: int = 0
     top5_rows: int = 0  # score vectors of more than five classes: where top-5 agreement is not vacuous
+    kl_sum: float = 0.0  # KL(reference || candidate) over the positions, added up
+    kl_max: float = 0.0
+    dp_sum: float = 0.0  # the probability the reference's top entry lost, added up over the positions
+    dp_max: float = -1.0  # ... at the position where it lost most (negative: it gained everywhere)
+    vectors: int = 0  # embedding vectors
+    cosine_sum: float = 0.0
+    cosine_min: float = 1.0
+    neighbor_rows: int = 0  # rows of a [batch, dim] embedding of more than two rows
+    neighbor_same: int = 0  # ... whose nearest other row is the same on both sides
     map_elements: int = 0
     flipped: int = 0
     intersection: int = 0
@@ -44,15 +65,40 @@ class Decision:
     non_finite: int = 0  # elements NaN/Inf on one side and not the same on the other: their error is Inf
 
 
-def decide(ref: np.ndarray, cand: np.ndarray, tolerance: Tolerance, threshold: float, absmax: float, ratios: np.ndarray) -> Decision:
+COUNTS = tuple(f.name for f in fields(Decision) if f.name not in ("atol_needed", "rtol_needed"))  # what the decision figures are made of
+# How each count merges over samples and workers: its lowest or its highest kept, or (the others) added up.
+LOWEST, HIGHEST = ("cosine_min",), ("kl_max", "dp_max")
+SUMMED = tuple(name for name in COUNTS if name not in LOWEST + HIGHEST)
+
+
+def merge_counts(into: dict, one) -> dict:
+    """One sample's (or trial's) COUNTS, a mapping, merged into `into`."""
+    for name in COUNTS:
+        merge = min if name in LOWEST else max if name in HIGHEST else (lambda a, b: a + b)
+        into[name] = merge(into[name], one[name]) if name in into else one[name]
+    return into
+
+
+def total_counts(rows) -> dict:
+    """The COUNTS of several samples' outcomes (a DataFrame, a row each) merged."""
+    return {**rows[list(SUMMED)].sum().to_dict(), **rows[list(LOWEST)].min().to_dict(), **rows[list(HIGHEST)].max().to_dict()}
+
+
+def decide(ref: np.ndarray, cand: np.ndarray, kind: OutputKind, tolerance: Tolerance, threshold: float, absmax: float,
+           sketches: dict[str, np.ndarray]) -> Decision:
     """The decision figures of one output on one sample (`absmax`: of its finite reference values); each
-    element's error in tolerances is added to the sketch `ratios` (SKETCH_BUCKETS counts). Elements are
-    read CHUNK at a time: memory stays bounded whatever the output's size."""
+    element's error in tolerances is added to the sketch `sketches["ratio"]`, each position's KL divergence to
+    `sketches["kl"]` (SKETCH_BUCKETS counts each). Elements are read CHUNK at a time, rows ROWS_AT_ONCE
+    elements at a time: memory stays bounded whatever the output's size."""
     if not np.issubdtype(ref.dtype, np.floating) or ref.shape != cand.shape or ref.size == 0:
         return Decision()
-    rows, top1, top5, top5_rows = _class_agreement(ref, cand)
+    found: dict = {}
+    if kind.kind in ("logits", "probabilities"):
+        found = _scores(ref, cand, kind, sketches["kl"])
+    elif kind.kind == "embedding":
+        found = _embedding(ref, cand)
     r, c = np.asarray(ref).reshape(-1), np.asarray(cand).reshape(-1)
-    is_map = not rows and _is_probability_map(r)
+    is_map = kind.kind == "map" or (kind.kind == "values" and _is_probability_map(r))
     counts = np.zeros(3, np.int64)  # flipped, intersection, union
     atol = rtol = 0.0
     non_finite = 0
@@ -60,32 +106,91 @@ def decide(ref: np.ndarray, cand: np.ndarray, tolerance: Tolerance, threshold: f
         part_r, part_c = r[start : start + CHUNK].astype(np.float64), c[start : start + CHUNK].astype(np.float64)
         if is_map:
             counts += _map_counts(part_r, part_c, threshold)
-        part_atol, part_rtol, part_non_finite = _tolerance_needed(part_r, part_c, tolerance, absmax, ratios)
+        part_atol, part_rtol, part_non_finite = _tolerance_needed(part_r, part_c, tolerance, absmax, sketches["ratio"])
         atol, rtol, non_finite = max(atol, part_atol), max(rtol, part_rtol), non_finite + part_non_finite
-    return Decision(rows, top1, top5, top5_rows, r.size if is_map else 0, *(int(n) for n in counts), atol, rtol, non_finite)
+    if is_map:
+        found.update(map_elements=r.size, flipped=int(counts[0]), intersection=int(counts[1]), union=int(counts[2]))
+    return Decision(**found, atol_needed=atol, rtol_needed=rtol, non_finite=non_finite)
 
 
-def _class_agreement(ref: np.ndarray, cand: np.ndarray) -> tuple[int, int, int, int]:
-    """(rows, top-1 agreements, top-5 agreements, rows top-5 applies to) for class scores; zeros for anything
-    else. Top-5 is counted only over more than five classes (over five or fewer it always agrees).
+def _rows(array: np.ndarray, axis: int) -> np.ndarray:
+    """The vectors along `axis`, one a row."""
+    return np.moveaxis(np.asarray(array), axis, -1).reshape(-1, array.shape[axis])
 
-    Class scores: a float tensor of rank 2 ([batch, classes]), or of higher rank whose reference rows along
-    the last axis are probabilities (non-negative, summing to 1: a softmax), with 2 to MAX_CLASSES classes.
-    """
-    if ref.ndim < 2 or not 2 <= ref.shape[-1] <= MAX_CLASSES:
-        return 0, 0, 0, 0
-    r = np.asarray(ref, np.float32).reshape(-1, ref.shape[-1])
-    c = np.asarray(cand, np.float32).reshape(-1, ref.shape[-1])
-    if ref.ndim > 2 and not (r.min() >= 0 and np.allclose(r.sum(axis=1), 1.0, atol=1e-3)):
-        return 0, 0, 0, 0
-    top = r.argmax(axis=1)
-    decided = ~np.isnan(c).any(axis=1)  # scores with a NaN decide nothing (argmax would name the NaN's class)
-    top1 = int(np.count_nonzero((c.argmax(axis=1) == top) & decided))
-    if r.shape[1] <= 5:
-        return r.shape[0], top1, 0, 0
-    five = np.argpartition(-c, 4, axis=1)[:, :5]
-    top5 = int(np.count_nonzero((five == top[:, None]).any(axis=1) & decided))
-    return r.shape[0], top1, top5, r.shape[0]
+
+def _scores(ref: np.ndarray, cand: np.ndarray, kind: OutputKind, kl_sketch: np.ndarray) -> dict:
+    """Per-position figures of logits or probabilities along the kind's axis (see the module's docstring)."""
+    width = ref.shape[kind.axis]
+    if ref.ndim < 2 or not 2 <= width <= MAX_CLASSES:
+        return {}
+    r, c = _rows(ref, kind.axis), _rows(cand, kind.axis)
+    found = dict(rows=r.shape[0], sequences=ref.shape[0] if ref.ndim > 2 else r.shape[0],  # a [batch, positions, entries] output: its batch
+                 top1=0, top5=0, top5_rows=r.shape[0] if width > 5 else 0, kl_sum=0.0, kl_max=0.0, dp_sum=0.0, dp_max=-1.0)
+    step = max(1, ROWS_AT_ONCE // width)
+    for start in range(0, r.shape[0], step):
+        part_r, part_c = r[start : start + step].astype(np.float64), c[start : start + step].astype(np.float64)
+        decided = np.isfinite(part_c).all(axis=1)  # a position holding a NaN or Inf decides nothing
+        top = part_r.argmax(axis=1)
+        found["top1"] += int(np.count_nonzero((part_c.argmax(axis=1) == top) & decided))
+        if width > 5:
+            five = np.argpartition(-np.nan_to_num(part_c, nan=-np.inf), 4, axis=1)[:, :5]
+            found["top5"] += int(np.count_nonzero((five == top[:, None]).any(axis=1) & decided))
+        log_p, log_q = (_log_distribution(part, kind.kind) for part in (part_r, np.where(decided[:, None], part_c, 0.0)))
+        p = np.exp(log_p)
+        kl = np.where(decided, np.maximum((p * (log_p - log_q)).sum(axis=1), 0.0), np.inf)
+        taken = np.take_along_axis(p, top[:, None], axis=1)[:, 0]
+        dp = taken - np.where(decided, np.exp(np.take_along_axis(log_q, top[:, None], axis=1)[:, 0]), 0.0)
+        found["kl_sum"] += float(kl.sum())
+        found["kl_max"] = max(found["kl_max"], float(kl.max()))
+        found["dp_sum"] += float(dp.sum())
+        found["dp_max"] = max(found["dp_max"], float(dp.max()))
+        _add_to_sketch(kl_sketch, kl)
+    return found
+
+
+def _log_distribution(rows: np.ndarray, kind: str) -> np.ndarray:
+    """Each row's log-probabilities: a log-softmax of logits, or of probabilities their own logarithms
+    (normalized; each below PROBABILITY_FLOOR read as it)."""
+    if kind == "logits":
+        shifted = rows - rows.max(axis=1, keepdims=True)
+        return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    p = np.maximum(rows, 0.0)
+    p = p / np.maximum(p.sum(axis=1, keepdims=True), PROBABILITY_FLOOR)
+    return np.log(np.maximum(p, PROBABILITY_FLOOR))
+
+
+def _embedding(ref: np.ndarray, cand: np.ndarray) -> dict:
+    """Per-vector cosines along the last axis, and the nearest neighbours of a [batch, dim] output's rows."""
+    r, c = _rows(ref, -1), _rows(cand, -1)
+    found = dict(vectors=r.shape[0], cosine_sum=0.0, cosine_min=1.0)
+    step = max(1, ROWS_AT_ONCE // r.shape[1])
+    for start in range(0, r.shape[0], step):
+        cosine = _cosines(r[start : start + step].astype(np.float64), c[start : start + step].astype(np.float64))
+        found["cosine_sum"] += float(cosine.sum())
+        found["cosine_min"] = min(found["cosine_min"], float(cosine.min()))
+    if ref.ndim == 2 and 2 < r.shape[0] <= MAX_NEIGHBOUR_ROWS:
+        found.update(neighbor_rows=r.shape[0], neighbor_same=int(np.count_nonzero(_nearest(r) == _nearest(c))))
+    return found
+
+
+def _cosines(r: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """Row by row: 1 where both are 0, 0 where one is, -1 where the candidate holds a NaN or Inf."""
+    norms = np.linalg.norm(r, axis=1) * np.linalg.norm(np.nan_to_num(c, nan=0.0, posinf=0.0, neginf=0.0), axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cosine = np.where(norms > 0, (r * c).sum(axis=1) / norms, np.where((r == 0).all(axis=1) & (c == 0).all(axis=1), 1.0, 0.0))
+    return np.where(np.isfinite(c).all(axis=1), np.clip(cosine, -1.0, 1.0), -1.0)
+
+
+def _nearest(rows: np.ndarray) -> np.ndarray:
+    """Each row's nearest other row by cosine (a row holding a NaN is nobody's neighbour and has none: -1)."""
+    rows = rows.astype(np.float64)
+    finite = np.isfinite(rows).all(axis=1)
+    unit = np.where(finite[:, None], rows, 0.0)
+    unit = unit / np.maximum(np.linalg.norm(unit, axis=1, keepdims=True), np.finfo(np.float64).tiny)
+    similarity = unit @ unit.T
+    np.fill_diagonal(similarity, -np.inf)
+    similarity[:, ~finite] = -np.inf
+    return np.where(finite, similarity.argmax(axis=1), -1)
 
 
 def _is_probability_map(r: np.ndarray) -> bool:
@@ -132,18 +237,22 @@ def _add_to_sketch(sketch: np.ndarray, values: np.ndarray) -> None:
     sketch += np.bincount(bucket, minlength=SKETCH_BUCKETS)
 
 
-COUNTS = ("rows", "top1", "top5", "top5_rows", "map_elements", "flipped", "intersection", "union", "non_finite")  # what adds up over samples
-
-
 def decision_figures(counts: dict, threshold: float | None = None) -> dict:
-    """Class scores' top-1/top-5 agreement and a probability map's flipped share and IoU, from the COUNTS of
-    an output added up over samples (figures that do not apply are left out)."""
+    """The decision figures of an output from its COUNTS merged over samples (figures that do not apply are
+    left out): top-1/top-5 agreement, mean and largest KL divergence, mean and worst Δp of scores; the mean
+    and lowest cosine, the nearest neighbours kept, of an embedding; a probability map's flipped share and IoU."""
     found: dict = {}
     if counts.get("rows"):
         vectors = int(counts["rows"])
-        found.update(score_vectors=vectors, top1=float(counts["top1"] / vectors))
+        found.update(score_vectors=vectors, sequences=int(counts["sequences"]), top1=float(counts["top1"] / vectors),
+                     kl=float(counts["kl_sum"] / vectors), kl_max=float(counts["kl_max"]), delta_p=float(counts["dp_sum"] / vectors),
+                     delta_p_max=float(counts["dp_max"]))
         if counts.get("top5_rows"):
             found["top5"] = float(counts["top5"] / counts["top5_rows"])
+    if counts.get("vectors"):
+        found.update(vectors=int(counts["vectors"]), cosine=float(counts["cosine_sum"] / counts["vectors"]), cosine_min=float(counts["cosine_min"]))
+        if counts.get("neighbor_rows"):
+            found.update(neighbor_rows=int(counts["neighbor_rows"]), neighbors=float(counts["neighbor_same"] / counts["neighbor_rows"]))
     if counts.get("map_elements"):
         elements, union = int(counts["map_elements"]), int(counts["union"])
         found.update(**({"threshold": threshold} if threshold is not None else {}), map_elements=elements,
@@ -151,24 +260,30 @@ def decision_figures(counts: dict, threshold: float | None = None) -> dict:
     return found
 
 
-def summarize(rows, ratios: np.ndarray | None, errors: np.ndarray | None, threshold: float) -> dict:
+def summarize(rows, sketches: dict[str, np.ndarray], errors: np.ndarray | None, threshold: float) -> dict:
     """An output's decision figures over every sample (`rows`: its per-sample outcomes, a DataFrame;
-    `ratios` and `errors`: the sketches of its elements' errors in tolerances and in absolute terms)."""
-    counts = rows[list(COUNTS)].sum().to_dict()
+    `sketches`: of its elements' errors in tolerances ("ratio") and of its positions' KL divergences ("kl");
+    `errors`: of its elements' absolute errors)."""
+    counts = total_counts(rows)
     found = decision_figures(counts, threshold)
     if errors is not None:
         errors = np.array(errors, np.int64)
         errors[-1] += int(counts["non_finite"])  # the kernel's sketch holds finite errors only; these are Inf
         found.update(zip(("p99_abs_err", "p999_abs_err"), _percentiles(errors)))
+    ratios, kl = sketches.get("ratio"), sketches.get("kl")
     if ratios is not None and ratios.sum():
         found.update(zip(("p99_tol_ratio", "p999_tol_ratio"), _percentiles(ratios)))
+    if "kl" in found and kl is not None and kl.sum():  # read from the sketch (within 1.6%), never beyond the exact largest
+        found["kl_median"], found["kl_p99"] = (min(math.inf if q[0] >= _TOP else float(q[0]), found["kl_max"]) for q in quantiles(kl[None], (0.5, 0.99)))
     return found
 
 
 def _percentiles(sketch: np.ndarray) -> list[float]:
     """The 99th and 99.9th percentiles of a sketch, Inf where they fall in the last bucket (where Inf is counted)."""
-    top = quantiles(np.eye(1, SKETCH_BUCKETS, SKETCH_BUCKETS - 1, dtype=np.int64), (0.5,))[0][0]
-    return [math.inf if q[0] >= top else float(q[0]) for q in quantiles(sketch[None], (0.99, 0.999))]
+    return [math.inf if q[0] >= _TOP else float(q[0]) for q in quantiles(sketch[None], (0.99, 0.999))]
+
+
+_TOP = quantiles(np.eye(1, SKETCH_BUCKETS, SKETCH_BUCKETS - 1, dtype=np.int64), (0.5,))[0][0]  # what the last bucket (Inf) reads as
 
 
 def tolerance_met(rows) -> dict[str, float]:

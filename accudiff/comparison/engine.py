@@ -30,6 +30,7 @@ from accudiff.comparison.decisions import DEFAULT_THRESHOLD, Decision, decide
 from accudiff.comparison.plans import EngineOptions, Measured, PassPlan, ReferencePlan, RunnerFactory
 from accudiff.comparison.metrics import (EMPTY_ROW, F, PART_ELEMENTS, SKETCH_BUCKETS, PartMap, StatsSet, finish, merge_run_time_ranges, reduce_tensor,
                                          reference_range, run_time_range)
+from accudiff.comparison.output_kinds import UNKNOWN
 from accudiff.comparison.tolerances import Tolerance
 from accudiff.model.inputs import Feed
 from accudiff.model.graph import tensor_bytes
@@ -76,7 +77,8 @@ class PassResult:
     notices: list[str] = field(default_factory=list)
     outcomes: list[SampleOutcome] = field(default_factory=list)
     points: dict[str, list[list[float]]] = field(default_factory=dict)  # graph output -> sampled [sample, reference, candidate]
-    ratio_sketches: dict[str, np.ndarray] = field(default_factory=dict)  # graph output -> sketch of its elements' errors in tolerances
+    # graph output -> its sketches: of its elements' errors in tolerances ("ratio"), of its positions' KL divergences ("kl")
+    sketches: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
 
 
 @dataclass
@@ -99,7 +101,7 @@ class Engine:
         self.tensors, self.outputs = list(measured.tensors), set(measured.outputs)
         self.inputs = list(measured.inputs)
         tolerances, quant_ranges, segments = measured.tolerances, measured.quant_ranges, measured.segments
-        self.thresholds = dict(measured.thresholds)
+        self.thresholds, self.kinds = dict(measured.thresholds), dict(measured.kinds)
         self.input_stats = StatsSet(len(self.inputs))
         self.row = {name: index for index, name in enumerate(self.tensors)}
         self.tolerances, self.quant_ranges, self.progress, self.store = tolerances, quant_ranges, progress, store
@@ -310,11 +312,12 @@ class Engine:
             if tensor in self.outputs:
                 result.stats.sketch[self.row[tensor]] += own[index]
                 one = finish(values[index], own[index])
-                ratios = result.ratio_sketches.setdefault(tensor, np.zeros(SKETCH_BUCKETS, np.int64))
+                sketches = result.sketches.setdefault(tensor, {figure: np.zeros(SKETCH_BUCKETS, np.int64) for figure in ("ratio", "kl")})
                 threshold = self.thresholds.get(tensor, self.thresholds.get("", DEFAULT_THRESHOLD))
                 low, high = self._ranges[tensor]
                 absmax = max(abs(low), abs(high)) if low <= high else 0.0
-                decision = decide(reference[tensor], candidate[tensor], self.tolerances.for_tensor(tensor), threshold, absmax, ratios)
+                kind = self.kinds.get(tensor, UNKNOWN)
+                decision = decide(reference[tensor], candidate[tensor], kind, self.tolerances.for_tensor(tensor), threshold, absmax, sketches)
                 result.outcomes.append(
                     SampleOutcome(sample=sample, tensor=tensor, max_abs_err=one["max_abs_err"], tol_ratio=one["tol_ratio"], outside_share=one["outside_share"],
                                   sqnr_db=one["sqnr_db"], **asdict(decision))

@@ -7,7 +7,7 @@ A model without Ifs is one group: the model itself, every sample.
 from __future__ import annotations
 
 import tempfile
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 
 from accudiff.comparison.branches import BranchGroup, merge_group_results
+from accudiff.comparison.output_kinds import OutputKind, kinds_of
 from accudiff.comparison.shards import added_timings, run_shards
 from accudiff.comparison.tolerances import Tolerances
 from accudiff.comparison.trial import MAX_TRIAL_SAMPLES
@@ -52,6 +53,7 @@ class Candidate:
     path: Path  # the candidate model the workers run (in the scratch folder; the report holds a link to it)
     passes: list[dict]
     record: ReferenceStore | None = None  # where the candidate's tensors are kept, to be saved (--save-candidate)
+    kinds: dict[str, OutputKind] = field(default_factory=dict)  # what each graph output decides (read before the model is let go of)
 
 
 @dataclass
@@ -118,6 +120,7 @@ def make_candidate(
     any backend loads a model, so at most one copy of them is in memory at a time (from here on the
     workers read files). A candidate captured elsewhere is replayed from its store instead of run."""
     remember_types(info)  # verification reads the model again
+    kinds = kinds_of(info, settings.output_kinds)
     transformed = transform_model(info, CandidateRecipe.of(settings, group.calibration), samples[group.samples[0]], scratch)
     working = scratch / "models" / path.name
     working.parent.mkdir(exist_ok=True)
@@ -143,7 +146,7 @@ def make_candidate(
         passes.append({"name": "isolated", "model": str(isolated), "backend": kind, "fed_from_reference": fed, "samples": up_to, "runs": runs})
     transformed.model = info.proto = onnx.ModelProto()
     return_freed_memory()
-    return Candidate(info, transformed, working, passes, record)
+    return Candidate(info, transformed, working, passes, record, kinds)
 
 
 def run_group(
@@ -173,6 +176,7 @@ def run_group(
         shape_values={name: first[name].reshape(-1).tolist() for name in first if could_be_a_shape(first[name])},
         layer_report=str(where.folder.path / ENGINE_LAYERS_FILE) if where.folder.final is not None else None,
         thresholds=settings.thresholds,
+        output_kinds={name: kind.as_json() for name, kind in candidate.kinds.items()},
     )
     outputs = None
     if settings.verify and len(group.samples) <= MAX_TRIAL_SAMPLES:  # few enough to keep: verification replays them

@@ -17,12 +17,21 @@ from accudiff.errors import AccudiffError
 from accudiff.text import percent, times_tolerance
 
 OBJECTIVES = ("tolerance", "decision")
-# A required figure: whether it must reach its target from below ("min") or stay under it ("max"), and its name.
-REQUIREMENTS = {"top1": ("min", "top-1 agreement"), "top5": ("min", "top-5 agreement"), "iou": ("min", "IoU"), "flipped_share": ("max", "flipped share")}
+# A required figure: whether it must reach its target from below ("min") or stay under it ("max"), its name, and
+# the kind of output it applies to (comparison/decisions.py, output_kinds.py).
+REQUIREMENTS = {
+    "top1": ("min", "top-1 agreement", "logits or probabilities"), "top5": ("min", "top-5 agreement", "logits or probabilities of more than five entries"),
+    "kl": ("max", "KL divergence (mean)", "logits or probabilities"), "kl_max": ("max", "largest KL divergence", "logits or probabilities"),
+    "delta_p": ("max", "Δp (mean)", "logits or probabilities"),
+    "cosine": ("min", "cosine (mean)", "an embedding"), "cosine_min": ("min", "lowest cosine", "an embedding"),
+    "neighbors": ("min", "nearest-neighbour agreement", "an embedding of more than two rows"),
+    "iou": ("min", "IoU", "a probability map"), "flipped_share": ("max", "flipped share", "a probability map"),
+}
+UNBOUNDED = frozenset({"kl", "kl_max"})  # the figures that are no share (between 0 and 1)
 
 
 def parse_requirements(texts: Iterable[str]) -> dict[str, float]:
-    """`["top1=0.97", "flipped_share=1e-3"]` -> {"top1": 0.97, "flipped_share": 0.001}; one sentence if malformed."""
+    """`["top1=0.97", "kl=0.01"]` -> {"top1": 0.97, "kl": 0.01}; one sentence if malformed."""
     found = {}
     for text in texts:
         name, _, value = str(text).partition("=")
@@ -32,7 +41,9 @@ def parse_requirements(texts: Iterable[str]) -> dict[str, float]:
             target = float(value)
         except ValueError:
             raise AccudiffError(f"--require '{text}' is not FIGURE=VALUE, e.g. top1=0.97") from None
-        if not 0 <= target <= 1:
+        if name in UNBOUNDED and not 0 <= target < math.inf:
+            raise AccudiffError(f"--require '{text}': {REQUIREMENTS[name][1]} is 0 or more")
+        if name not in UNBOUNDED and not 0 <= target <= 1:
             raise AccudiffError(f"--require '{text}': {REQUIREMENTS[name][1]} is a share, between 0 and 1")
         found[name] = target
     return found
@@ -74,14 +85,23 @@ class Objective:
         """A required figure no graph output has would make the requirement vacuous: one sentence."""
         for name in self.require:
             if not any(name in decisions.get(output, {}) for output in outputs):
-                kind = {"top1": "class scores", "top5": "class scores of more than five classes"}.get(name, "a probability map (float values in [0, 1])")
-                raise AccudiffError(f"--require {name} applies to {kind}, and no graph output of the model is one")
+                raise AccudiffError(f"--require {name} applies to {REQUIREMENTS[name][2]}, and no graph output of the model is one (--output-kind says what one is)")
+
+
+def figure_text(name: str, value: float) -> str:
+    """A decision figure as said: a share in percent, a divergence or a cosine as a number."""
+    if name in UNBOUNDED:
+        return f"{value:.3g}"
+    return f"{value:.6f}" if name.startswith("cosine") else percent(value, 3)
 
 
 def decision_error(figures: Mapping[str, float]) -> float | None:
-    """What a decision gets wrong: 1 - top-1 agreement for class scores, the flipped share of a map."""
+    """What a decision gets wrong: 1 - top-1 agreement of scores, 1 - the lowest cosine of an embedding, the
+    flipped share of a map."""
     if "top1" in figures:
         return 1.0 - figures["top1"]
+    if "cosine_min" in figures:
+        return 1.0 - figures["cosine_min"]
     return figures.get("flipped_share")
 
 
@@ -89,7 +109,9 @@ def describe(tol_ratio: float, figures: Mapping[str, float], suffix: str = " its
     """A tried keep as read: its tolerance ratio, and its decision figure where the output has one."""
     text = times_tolerance(tol_ratio, suffix)
     if "top1" in figures:
-        text += f" (top-1 agreement {percent(figures['top1'], 2)})"
+        text += f" (top-1 agreement {percent(figures['top1'], 2)}, KL divergence {figures['kl']:.3g})"
+    elif "cosine_min" in figures:
+        text += f" (lowest cosine {figures['cosine_min']:.6f})"
     elif "flipped_share" in figures:
         text += f" ({percent(figures['flipped_share'], 3)} of the map flipped)"
     return text

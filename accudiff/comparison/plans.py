@@ -9,6 +9,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from accudiff.comparison.output_kinds import OutputKind
 from accudiff.comparison.tolerances import Tolerances
 from accudiff.model.formats import QuantRange
 from accudiff.model.source import ModelSource
@@ -45,6 +46,7 @@ class Measured:
     quant_ranges: Mapping[str, QuantRange]
     inputs: Sequence[str] = ()
     thresholds: Mapping[str, float] = field(default_factory=dict)  # a probability map's threshold: by output, "" the default
+    kinds: Mapping[str, OutputKind] = field(default_factory=dict)  # what each graph output decides (output_kinds.py)
 
 
 @dataclass(frozen=True)

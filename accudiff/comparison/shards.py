@@ -137,12 +137,13 @@ def merge_results(results: Iterable[dict]) -> dict:
                 merged["passes"][name] = {**part, "stats": stats, "seen": dict(part["seen"]), "notes": dict(part["notes"]),
                                           "not_observable": dict(part["not_observable"]), "outcomes": list(part["outcomes"]),
                                           "points": {k: list(v) for k, v in part["points"].items()},
-                                          "ratio_sketches": {k: np.array(v) for k, v in part["ratio_sketches"].items()}}
+                                          "sketches": {k: {f: np.array(s) for f, s in v.items()} for k, v in part["sketches"].items()}}
                 continue
             into = merged["passes"][name]
             into["stats"].merge(stats)
-            for output, sketch in part["ratio_sketches"].items():
-                into["ratio_sketches"][output] = into["ratio_sketches"].get(output, 0) + sketch
+            for output, found in part["sketches"].items():
+                for figure, sketch in found.items():
+                    into["sketches"].setdefault(output, {})[figure] = into["sketches"].get(output, {}).get(figure, 0) + sketch
             for key in ("seen", "notes", "not_observable"):
                 into[key] = {**part[key], **into[key]}
             into["outcomes"] += part["outcomes"]

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 import onnx
 
-from accudiff.comparison.decisions import COUNTS, decision_figures
+from accudiff.comparison.decisions import decision_figures, merge_counts
 from accudiff.comparison.objective import Objective
 from accudiff.comparison.shards import added_timings, merge_results
 from accudiff.comparison.worker import Job, Worker, discard_spares, prestart, take_worker
@@ -240,9 +240,7 @@ def _outcome(keep: list[str], samples: list[dict]) -> TrialOutcome:
     for one in samples:
         name = one["tensor"]
         ratio[name] = max(ratio.get(name, 0.0), float(one["tol_ratio"]))
-        added = counts.setdefault(name, dict.fromkeys(COUNTS, 0))
-        for key in COUNTS:
-            added[key] += one[key]
+        merge_counts(counts.setdefault(name, {}), one)
     return TrialOutcome(keep, ratio, {name: decision_figures(added) for name, added in counts.items()})
 
 

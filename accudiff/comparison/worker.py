@@ -75,6 +75,7 @@ class Job:
     outputs_store: str | None = None  # a store folder where the reference's graph outputs are recorded
     largest_tensor: int = 0  # bytes: how the worker gets memory (memory.py; group.Plan)
     thresholds: dict[str, float] = field(default_factory=dict)  # a probability map's threshold by output ("": the default)
+    output_kinds: dict[str, list] = field(default_factory=dict)  # graph output -> [its kind, the axis its entries run along]
 
     @property
     def large_tensors(self) -> bool:
@@ -226,7 +227,9 @@ def decode_result(document_text: str, arrays_npz: bytes) -> dict:
     with np.load(io.BytesIO(arrays_npz), allow_pickle=False) as arrays:
         for name, result in document["passes"].items():
             result["values"], result["sketch"] = arrays[f"{name}/values"], _dense(arrays, f"{name}/sketch")
-            result["ratio_sketches"] = dict(zip(result.pop("ratio_outputs"), _dense(arrays, f"{name}/ratios")))
+            result["sketches"] = {}
+            for (output, figure), sketch in zip(result.pop("sketch_keys"), _dense(arrays, f"{name}/sketches")):
+                result["sketches"].setdefault(output, {})[figure] = sketch
         document["inputs"] = {"values": arrays["inputs/values"], "sketch": _dense(arrays, "inputs/sketch")}
     return document
 
@@ -253,6 +256,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
     from accudiff.runners.outputs import ReferenceStore
     from accudiff.runners.recorded import recorded_runner
     from accudiff.model.formats import QuantRange
+    from accudiff.comparison.output_kinds import OutputKind
 
     if len(job.segments) > 1 and job.largest_tensor >= SEPARATE_MAPPINGS_FROM_TENSOR_BYTES:
         # Segments drop their tensors as they go; the memory must leave the process (memory.py). A model run
@@ -296,6 +300,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
             {name: QuantRange(**fields) for name, fields in job.quant_ranges.items()},
             job.inputs,
             job.thresholds,
+            {name: OutputKind(kind, "", axis) for name, (kind, axis) in job.output_kinds.items()},
         )
         outputs_store = ReferenceStore(Path(job.outputs_store), job.outputs) if job.outputs_store else None
         reference = ReferencePlan(Path(job.reference), lambda model, outputs: reference_runner(model, outputs, cpu), store, outputs_store)
@@ -370,10 +375,10 @@ def _write_result(engine, path: Path, threads: int) -> None:
                 "layout": {"workers": 1, "threads": [threads]}, "run_time_ranges": engine.run_time_ranges}
     for name, result in engine.results.items():
         arrays.update({f"{name}/values": result.stats.values, **_sparse(f"{name}/sketch", result.stats.sketch)})
-        ratios = list(result.ratio_sketches)
-        arrays.update(_sparse(f"{name}/ratios", np.array([result.ratio_sketches[o] for o in ratios], np.int64).reshape(len(ratios), -1)))
+        keys = [(output, figure) for output, found in result.sketches.items() for figure in found]
+        arrays.update(_sparse(f"{name}/sketches", np.array([result.sketches[o][f] for o, f in keys], np.int64).reshape(len(keys), -1)))
         document["passes"][name] = {
-            "ratio_outputs": ratios,
+            "sketch_keys": keys,
             "seen": {str(k): v for k, v in result.seen.items()},
             "notes": {str(k): v for k, v in result.notes.items()},
             "not_observable": result.not_observable,

@@ -3,13 +3,14 @@ and every failing output gets the rules' cause (a hypothesis until the verify st
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
-from accudiff.comparison.decisions import DEFAULT_THRESHOLD, summarize, tolerance_met
+from accudiff.comparison.decisions import DEFAULT_THRESHOLD, Decision, summarize, tolerance_met
 from accudiff.comparison.metrics import StatsSet
 from accudiff.comparison.objective import Objective
 from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, STATUS_PASS, build_table, graph_input_table, with_side_run
@@ -24,8 +25,7 @@ from accudiff.transforms import TransformResult
 if TYPE_CHECKING:
     from accudiff.settings import RunSettings
 
-SAMPLE_COLUMNS = ["sample", "tensor", "status", "max_abs_err", "tol_ratio", "outside_share", "sqnr_db", "rows", "top1", "top5", "top5_rows",
-                  "map_elements", "flipped", "intersection", "union", "non_finite", "atol_needed", "rtol_needed"]
+SAMPLE_COLUMNS = ["sample", "tensor", "status", "max_abs_err", "tol_ratio", "outside_share", "sqnr_db", *(f.name for f in fields(Decision))]
 
 
 def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings: RunSettings, samples: Samples) -> tuple[CompareResult, DiagnosisContext]:
@@ -118,7 +118,7 @@ def _decisions(samples: pd.DataFrame, candidate: dict, settings: RunSettings, ro
     for output, rows in samples.groupby("tensor", sort=False):
         threshold = settings.thresholds.get(output, settings.thresholds.get("", DEFAULT_THRESHOLD))
         errors = sketches[row_of[output]] if output in row_of else None
-        decisions[output] = summarize(rows, candidate["ratio_sketches"].get(output), errors, threshold)
+        decisions[output] = summarize(rows, candidate["sketches"].get(output, {}), errors, threshold)
         met[output] = tolerance_met(rows)
     return decisions, met
 

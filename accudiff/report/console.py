@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from accudiff.report.content import cause_lines, fused_nodes_text, element_index, requirement_text, requirements_met, sample_lines, tolerance_met_line, worst_tensors
+from accudiff.report.content import cause_lines, failure_headline, fused_nodes_text, requirements_met, sample_lines, tolerance_met_line, worst_tensors
 from accudiff.text import percent
 
 
@@ -40,12 +40,7 @@ def format_summary(result) -> str:
     lines += [f"  {line}" for line in requirements_met(result)]
     for out in result.output_failures:
         row = indexed.loc[out.tensor]
-        required = requirement_text(out.tensor, result)
-        lines.append(
-            f"  output '{out.tensor}' FAILS{f' {required}; elementwise' if required else ''}: {int(row['outside_count'])} of {int(row['elements'])} "
-            f"elements ({percent(row['outside_share'])}) outside tolerance; worst element {element_index(row)}: reference {row['worst_ref']:.6g}, "
-            f"candidate {row['worst_cand']:.6g}"
-        )
+        lines.append(f"  {failure_headline(out.tensor, result)}")
         lines += ["    " + line for line in [*tolerance_met_line(out.tensor, result), *cause_lines(out, result)]]
         if out.first_failing_upstream not in (None, out.tensor, out.cause.tensor):
             lines.append(f"    (the first tensor out of tolerance on its way is '{out.first_failing_upstream}')")

@@ -12,7 +12,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from accudiff.version import __version__
-from accudiff.comparison.objective import REQUIREMENTS, describe
+from accudiff.comparison.objective import REQUIREMENTS, describe, figure_text
+from accudiff.comparison.output_kinds import OutputKind
 from accudiff.model.formats import QUANTIZED_FORMATS
 from accudiff.model.quantized_ops import TOOL_OPTIONS
 from accudiff.text import percent, times_tolerance
@@ -48,6 +49,8 @@ def summary(result) -> dict:
             entry["loss_split"] = result.loss_split.get(row["tensor"])
             entry["tolerance_met"] = result.tolerance_met.get(row["tensor"])
         entry["decision"] = result.decisions.get(row["tensor"])
+        kind = result.output_kinds.get(row["tensor"])
+        entry["kind"] = {"kind": kind.kind, "why": kind.why} if kind is not None else None
         outputs.append(entry)
     document = {
         "schema": SUMMARY_SCHEMA,
@@ -117,19 +120,45 @@ def worst_tensors(table, count: int = WORST_COUNT):
     return order.head(count)[["tensor", "op_type", "status", "max_abs_err", "sqnr_db", "outside_share"]]
 
 
-def decision_lines(output: str, found: dict) -> list[str]:
-    """What an output's error does to the decision taken from it (comparison/decisions.py), in one line:
-    class scores' agreement, a probability map's flipped elements, or else its error percentiles."""
+def decision_lines(output: str, found: dict, kind: OutputKind | None = None) -> list[str]:
+    """What an output's error does to the decision taken from it (comparison/decisions.py), in one line, by
+    its kind (and why it was given): scores' top-1 agreement, KL divergence and Δp; an embedding's cosines
+    and neighbours; a probability map's flipped elements; or else its error percentiles."""
+    what = f" ({kind.why})" if kind is not None and kind.why else ""
     if "top1" in found:
+        vectors, sequences = found["score_vectors"], found["sequences"]
+        where = f"over {vectors} positions of {sequences} sequence(s)" if sequences < vectors else f"over {vectors} score vector(s)"
         top5 = f", top-5 {percent(found['top5'], 2)}" if "top5" in found else ""
-        return [f"  class scores '{output}': top-1 agreement {percent(found['top1'], 2)}{top5} over {found['score_vectors']} score vector(s)"]
+        spread = ", ".join(f"{name} {_figure(found[key])}" for name, key in (("median", "kl_median"), ("p99", "kl_p99"), ("max", "kl_max")) if key in found)
+        return [f"  {kind.kind if kind is not None else 'scores'} '{output}'{what}: top-1 agreement {percent(found['top1'], 2)}{top5} {where}; "
+                f"KL divergence mean {_figure(found['kl'])} ({spread}); the probability of the reference's top entry drops by {found['delta_p']:.3g} "
+                f"on average, {found['delta_p_max']:.3g} at worst (Δp)"]
+    if "cosine" in found:
+        neighbours = (f"; each row's nearest other row in the batch is the same for {percent(found['neighbors'], 2)} of {found['neighbor_rows']} rows"
+                      if "neighbors" in found else "")
+        return [f"  embedding '{output}'{what}: cosine mean {found['cosine']:.6f}, lowest {found['cosine_min']:.6f} over {found['vectors']} vector(s){neighbours}"]
     if "flipped_share" in found:
-        return [f"  probability map '{output}': {percent(found['flipped_share'], 3)} of its elements fall on the other side of {found['threshold']:g} "
+        return [f"  probability map '{output}'{what}: {percent(found['flipped_share'], 3)} of its elements fall on the other side of {found['threshold']:g} "
                 f"(--threshold), IoU of the binarized maps {found['iou']:.4f}"]
     if "p999_tol_ratio" in found:
-        return [f"  error percentiles '{output}': p99 |err| {found['p99_abs_err']:.3g}, p99.9 {found['p999_abs_err']:.3g}; in tolerances p99 "
+        return [f"  error percentiles '{output}'{what}: p99 |err| {found['p99_abs_err']:.3g}, p99.9 {found['p999_abs_err']:.3g}; in tolerances p99 "
                 f"{times_tolerance(found['p99_tol_ratio'], '')}, p99.9 {times_tolerance(found['p999_tol_ratio'], '')}"]
     return []
+
+
+def _figure(value: float) -> str:
+    return "Inf" if math.isinf(value) else f"{value:.3g}"
+
+
+def failure_headline(output: str, result, verb: str = "FAILS") -> str:
+    """A failing output in one line (the console's and the report's): its requirement where it is judged by
+    one, how many elements leave the tolerance, and the worst of them, if any."""
+    row = result.table.set_index("tensor").loc[output]
+    required = requirement_text(output, result)
+    worst = (f"; worst element {element_index(row)}: reference {row['worst_ref']:.6g}, candidate {row['worst_cand']:.6g}"
+             if row["outside_count"] else "")  # an output failing only its requirement has no element out of tolerance
+    return (f"output '{output}' {verb}{f' {required}; elementwise' if required else ''}: {int(row['outside_count'])} of {int(row['elements'])} "
+            f"elements ({percent(row['outside_share'])}) outside tolerance{worst}")
 
 
 def requirement_text(output: str, result) -> str | None:
@@ -138,7 +167,7 @@ def requirement_text(output: str, result) -> str | None:
     applied = [(name, target) for name, target in result.require.items() if name in figures]
     if not applied:
         return None
-    said = [f"{REQUIREMENTS[name][1]} {'>=' if REQUIREMENTS[name][0] == 'min' else '<='} {target:g} ({percent(figures[name], 3)})"
+    said = [f"{REQUIREMENTS[name][1]} {'>=' if REQUIREMENTS[name][0] == 'min' else '<='} {target:g} ({figure_text(name, figures[name])})"
             for name, target in applied]
     return "its requirement " + " and ".join(said)
 
@@ -182,7 +211,7 @@ def sample_lines(result) -> list[str]:
                 worst = failing.loc[failing["tol_ratio"].idxmax()]
                 text += f" (worst: sample {int(worst['sample'])}, {percent(worst['outside_share'])} of elements outside, {times_tolerance(worst['tol_ratio'])})"
             lines.append(text)
-        lines += decision_lines(output, result.decisions.get(output, {}))
+        lines += decision_lines(output, result.decisions.get(output, {}), result.output_kinds.get(output))
     if result.report_dir is not None and result.iterations > 1 and len(result.failing_samples):
         lines.append(f"  the worst failing samples are saved for replay: --load-inputs {result.report_dir / 'worst_samples.npz'}")
     return lines
@@ -215,7 +244,8 @@ def cause_lines(failure, result) -> list[str]:
         what = {"local": "introduces the error", "several": "is one of several causes", "dominant": "carries most of the error, the rest accumulates"}[cause.kind]
         lines = [f"cause: {cause.op_type} '{cause.node}' {what} (its output '{cause.tensor}'; {status})"]
         if cause.alternatives:  # several single keeps each repair it: no one node introduces the error
-            lines = [f"cause: the error accumulates just past the tolerance: keeping {cause.op_type} '{cause.node}' repairs the output, the best of "
+            target = "its requirement" if requirement_text(failure.tensor, result) else "the tolerance"
+            lines = [f"cause: the error accumulates just past {target}: keeping {cause.op_type} '{cause.node}' repairs the output, the best of "
                      f"{len(cause.alternatives) + 1} of the {len(cause.contributors)} single keeps tried that each do (its output '{cause.tensor}'; {status})"]
         lines += [f"  {f.kind}: {f.message}" for f in cause.findings]
         lines += [f"  also repairs it alone: {c.op_type} '{c.node}' ({_kept_effect(c)})" for c in cause.alternatives]

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from accudiff.report import plots
-from accudiff.report.content import (HTML_FILE, cause_lines, decision_lines, element_index, failing_outputs_label, requirement_text, requirements_met,
+from accudiff.report.content import (HTML_FILE, cause_lines, decision_lines, failing_outputs_label, failure_headline, requirements_met,
                                      sample_lines, tolerance_met_line, worst_tensors)
 from accudiff.text import percent
 from accudiff.diagnosis.cause import CAUSE_KINDS
@@ -186,14 +186,11 @@ def _causes(result) -> str:
     met = "".join(f"<p>{escape(line)}</p>" for line in requirements_met(result))
     if not result.output_failures:
         return _section("Cause", met or "<p>Every graph output is within tolerance.</p>")
-    indexed = result.table.set_index("tensor")
     blocks = []
     for failure in result.output_failures:
-        row = indexed.loc[failure.tensor]
-        required = requirement_text(failure.tensor, result)
-        head = (f"output '{failure.tensor}'{f' fails {required}; elementwise' if required else ''}: {int(row['outside_count'])} of {int(row['elements'])} "
-                f"elements ({percent(row['outside_share'])}) outside tolerance; worst element {element_index(row)}: reference {row['worst_ref']:.6g}, candidate {row['worst_cand']:.6g}")
-        said = [*tolerance_met_line(failure.tensor, result), *(line.strip() for line in decision_lines(failure.tensor, result.decisions.get(failure.tensor, {}))),
+        head = failure_headline(failure.tensor, result, "fails")
+        said = [*tolerance_met_line(failure.tensor, result),
+                *(line.strip() for line in decision_lines(failure.tensor, result.decisions.get(failure.tensor, {}), result.output_kinds.get(failure.tensor))),
                 *cause_lines(failure, result)]
         blocks.append(f'<div class="cause" id="cause-{escape(failure.tensor)}"><strong>{escape(head)}</strong>'
                       f"<pre>{escape(chr(10).join(said))}</pre></div>")
