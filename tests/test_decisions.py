@@ -128,6 +128,32 @@ def test_the_pytest_plugin_asserts_on_a_decision_figure(pytester):
     assert "test_elementwise" in outcome.stdout.str() and "outside atol" in outcome.stdout.str()
 
 
+def test_the_pytest_plugin_asserts_on_token_and_embedding_figures(pytester):
+    """The clean classifier's logits in INT8 (calibrated on random data: they move): judged by their KL
+    divergence, and, given as an embedding (--output-kind), by their lowest cosine, at a target each
+    meets and at one none could."""
+    clean = str(fixture("clean"))
+    pytester.makepyfile(
+        f"""
+        def test_kl(accudiff):
+            accudiff.compare({clean!r}, precision="int8", iterations=4).assert_within(kl=1.0)
+
+        def test_kl_too_tight(accudiff):
+            accudiff.compare({clean!r}, precision="int8", iterations=4).assert_within(kl=1e-12)
+
+        def test_cosine(accudiff):
+            accudiff.compare({clean!r}, precision="int8", iterations=4, output_kind=["logits=embedding"]).assert_within(cosine_min=0.5)
+
+        def test_cosine_too_tight(accudiff):
+            accudiff.compare({clean!r}, precision="int8", iterations=4, output_kind=["logits=embedding"]).assert_within(cosine_min=1.0)
+        """
+    )
+    outcome = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    outcome.assert_outcomes(passed=2, failed=2)
+    text = outcome.stdout.str()
+    assert "fails its requirement KL divergence (mean) <= 1e-12" in text and "fails its requirement lowest cosine >= 1" in text, text
+
+
 @pytest.fixture(scope="module")
 def detector(tmp_path_factory):
     try:

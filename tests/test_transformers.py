@@ -229,3 +229,19 @@ def test_an_embeddings_decision_is_its_cosine_never_a_top1(minilm, tmp_path, run
     assert code == 2 and "--require kl applies to logits or probabilities, and no graph output of the model is one" in err, err
     code, out, err = run_cli("compare", minilm.model, "--output-kind", "nope=logits")
     assert code == 2 and "--output-kind names 'nope', which is not a graph output" in err, err
+
+
+def test_bisect_precision_aims_at_a_required_cosine(minilm, tmp_path, run_cli):
+    """`bisect precision --require cosine_min=...` on the MatMulNBits candidate: its trials judged the keeps by
+    the elementwise tolerance (they did not know the outputs were embeddings) and named one node, with
+    which the quantizer's model stays far below the target. The nodes it names now, excluded by
+    MatMulNBitsQuantizer, make a model whose lowest cosine meets it (plain numpy, oracle.py)."""
+    candidate = models.onnxruntime_nbits(minilm.model, tmp_path / "nbits.onnx")
+    code, out, err = run_cli("bisect", "precision", minilm.model, "--candidate-model", candidate, "--load-inputs", minilm.inputs,
+                             "--require", "cosine_min=0.995", "-o", "fix")
+    assert code == 1 and "makes the outputs meet cosine_min=0.995 (--require)" in out, err
+    excluded = tuple(re.sub(r"\\(.)", r"\1", line) for line in (tmp_path / "fix" / "keep_fp32.txt").read_text().split())
+    again = models.onnxruntime_nbits(minilm.model, tmp_path / "again.onnx", exclude=excluded)
+    for output in (POOLED, HIDDEN):
+        runs = [[oracle._session(oracle._loaded(path)).run([output], feed)[0] for feed in minilm.feeds] for path in (minilm.model, again)]
+        assert oracle.embedding_figures(*runs)["cosine_min"] >= 0.995, output

@@ -28,6 +28,7 @@ import onnx
 
 from accudiff.comparison.decisions import decision_figures, merge_counts
 from accudiff.comparison.objective import Objective
+from accudiff.comparison.output_kinds import kinds_of
 from accudiff.comparison.shards import added_timings, merge_results
 from accudiff.comparison.worker import Job, Worker, discard_spares, prestart, take_worker
 from accudiff.model.inventory import ModelInfo
@@ -102,6 +103,7 @@ class Trials:
         self.timings: dict[str, float] = {}  # the trial workers' seconds per phase, added up
         self._board: tuple[Switchboard, Path] | None = None
         self._switchable = switchable(setup.settings)
+        self.kinds = kinds_of(setup.info, setup.settings.output_kinds)  # what each output decides: the figures a keep is judged by
 
     def __enter__(self) -> Trials:
         return self
@@ -215,6 +217,7 @@ class Trials:
             segments=[[node.name for node in info.proto.graph.node]],
             tolerances=setup.settings.tolerances.as_dict(),
             thresholds=setup.settings.thresholds,
+            output_kinds={name: kind.as_json() for name, kind in self.kinds.items()},
             quant_ranges={},
             samples=setup.samples.as_json(),
             sample_indices=list(range(len(setup.samples))),

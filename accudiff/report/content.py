@@ -238,13 +238,13 @@ def cause_lines(failure, result) -> list[str]:
     """The cause of one failing output and its repair, as the console, report and pytest plugin show it."""
     cause = failure.cause
     status = "not verified: the rules' hypothesis"
+    target = "its requirement" if requirement_text(failure.tensor, result) else "the tolerance"
     if cause.verified:
         status = f"verified at the output on {cause.stand_in}, standing in for the captured candidate" if cause.stand_in else "verified at the output"
     if cause.kind in ("local", "several", "dominant"):
         what = {"local": "introduces the error", "several": "is one of several causes", "dominant": "carries most of the error, the rest accumulates"}[cause.kind]
         lines = [f"cause: {cause.op_type} '{cause.node}' {what} (its output '{cause.tensor}'; {status})"]
         if cause.alternatives:  # several single keeps each repair it: no one node introduces the error
-            target = "its requirement" if requirement_text(failure.tensor, result) else "the tolerance"
             lines = [f"cause: the error accumulates just past {target}: keeping {cause.op_type} '{cause.node}' repairs the output, the best of "
                      f"{len(cause.alternatives) + 1} of the {len(cause.contributors)} single keeps tried that each do (its output '{cause.tensor}'; {status})"]
         lines += [f"  {f.kind}: {f.message}" for f in cause.findings]
@@ -253,7 +253,7 @@ def cause_lines(failure, result) -> list[str]:
             lines.append(f"  also: {c.op_type} '{c.node}' ({_kept_effect(c)})")
             lines += [f"    {f.kind}: {f.message}" for f in c.findings if f.kind != "own_error"]
     elif cause.kind in ("accumulated", "not_found"):
-        lines = ["cause: accumulated error: no single node breaks this output; small errors grow past the tolerance on the way"
+        lines = [f"cause: accumulated error: no single node breaks this output; small errors grow past {target} on the way"
                  if cause.kind == "accumulated" else
                  "cause: not found: NaN/Inf reach this output and no keep tried removes them (see the findings upstream)"]
         lines += [f"  {f.kind}: {f.message}" for f in cause.findings]
