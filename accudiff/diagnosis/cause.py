@@ -60,8 +60,8 @@ class Contributor:
 
 @dataclass(frozen=True)
 class Absorbed:
-    """A node the rules flagged whose keep in higher precision leaves the output as it was: its error
-    never reaches the output (`by`: the first node downstream whose output is back within tolerance)."""
+    """A node the rules flagged whose keep in higher precision does not help the output (`by`: the first node
+    downstream across which its error measurably shrinks, where one does: diagnosis/mechanisms.py)."""
 
     node: str
     op_type: str
@@ -69,6 +69,7 @@ class Absorbed:
     tol_ratio_kept: float  # the output's tolerance ratio with this node kept
     by: str | None = None
     by_op_type: str | None = None
+    evidence: str | None = None  # how the error measurably shrinks across `by`
 
 
 # What each kind of cause says of a failing output, in every command's words.

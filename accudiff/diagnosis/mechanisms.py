@@ -6,8 +6,10 @@
   E[x²] − E[x]².
 * amplifiers: ops downstream that grow a small relative error (Reciprocal, Sqrt, Div, Exp, Pow, Log):
   where the accumulated SQNR falls across such a node, it is named with the drop.
-* absorption: a node whose NaN/Inf a later saturating op (Tanh, Sigmoid, Min/Clip, Softmax...) turns back
-  into the right value: the first node downstream whose output is within tolerance again.
+* absorption: a node whose error a later node measurably undoes: the first node downstream, reading a
+  value that carries the error, across which it shrinks (NaN/Inf turned back into finite values, as a
+  saturating Tanh, Sigmoid, Min/Clip or Softmax does; or the mean error at least halved while the SQNR rises
+  by ABSORBED_DB or more), named with that evidence.
 These are findings to explain a cause, never a cause on their own: verify.py decides what matters.
 """
 
@@ -18,13 +20,13 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from accudiff.comparison.table import STATUS_PASS
 from accudiff.diagnosis.cause import ancestor_tensors
 from accudiff.diagnosis.rules import DiagnosisContext, Finding, absorption, new_non_finite
 
 AMPLIFYING_OPS = frozenset({"Reciprocal", "Sqrt", "Div", "Exp", "Pow", "Log"})
 SATURATING_OPS = frozenset({"Tanh", "Sigmoid", "HardSigmoid", "Min", "Clip", "Softmax", "LogSoftmax", "Erf", "Relu"})
 AMPLIFIER_DROP_DB = 6.0  # an SQNR fall of at least this across one node is worth naming
+ABSORBED_DB = 6.0  # ... and a rise of at least this, an error undone
 MAX_UNIT_NODES = 12
 
 
@@ -89,16 +91,31 @@ def amplifiers(start: str, output: str, table: pd.DataFrame, context: DiagnosisC
     return findings
 
 
-def absorber(start: str, output: str, table: pd.DataFrame, context: DiagnosisContext) -> tuple[str, str] | None:
-    """(node, op type) of the first node after `start` on the way to `output` that undoes its fault: where
-    `start` has new NaN/Inf, the first whose output has none (a Tanh turning Inf into 1); otherwise the
-    first whose output is within tolerance again. None when the fault never fades."""
-    poisoned = new_non_finite(table.loc[start])
-    for _, row in _path_rows(start, output, table, context).iterrows():
+def absorber(start: str, output: str, table: pd.DataFrame, context: DiagnosisContext) -> tuple[str, str, str] | None:
+    """(node, op type, the evidence in words) of the first node after `start` on the way to `output` that
+    measurably undoes what it reads of `start`'s error (see the module's docstring); None where none does.
+    A node is judged against the inputs it reads on the path (the values that carry the error)."""
+    path = _path_rows(start, output, table, context)
+    carrying = {start, *path.index}
+    for tensor, row in path.iterrows():
         if "float" not in str(row["dtype"]):
             continue  # a shape or an index read off the path carries none of its values: it undoes nothing
-        if not new_non_finite(row) and (poisoned or row["status"] == STATUS_PASS):
-            return row["node"], row["op_type"]
+        read = [table.loc[name] for name in context.upstream.get(tensor, []) if name in carrying and name in table.index]
+        read = [r for r in read if "float" in str(r["dtype"])]
+        if not read:
+            continue
+        if any(new_non_finite(r) for r in read) and not new_non_finite(row):
+            return row["node"], row["op_type"], "it turns the NaN/Inf it reads into finite values"
+        if any(new_non_finite(r) for r in read) or new_non_finite(row):
+            continue
+        # The error itself shrinks (a scaling alone does that) and against the signal too (an added constant
+        # alone does that): both, or nothing is undone.
+        before_sqnr = min(float(r["sqnr_db"]) for r in read)
+        before_error = max(float(r["mean_abs_err"]) for r in read)
+        sqnr, error = float(row["sqnr_db"]), float(row["mean_abs_err"])
+        if error <= before_error / 2 and sqnr >= before_sqnr + ABSORBED_DB:
+            return (row["node"], row["op_type"], f"the mean error falls across it from {before_error:.3g} to {error:.3g}, "
+                                                 f"the SQNR rises from {before_sqnr:.1f} to {sqnr:.1f} dB")
     return None
 
 

@@ -430,5 +430,5 @@ def _contributor(suspect: _Suspect, table: pd.DataFrame) -> Contributor:
 
 def _absorbed(suspect: _Suspect, output: str, table: pd.DataFrame, context: DiagnosisContext) -> Absorbed:
     by = absorber(suspect.tensor, output, table, context)
-    return Absorbed(suspect.node, suspect.op_type, suspect.tensor, suspect.reading.tol_ratio if suspect.reading else math.inf, *(by or (None, None)))
+    return Absorbed(suspect.node, suspect.op_type, suspect.tensor, suspect.reading.tol_ratio if suspect.reading else math.inf, *(by or (None, None, None)))
 

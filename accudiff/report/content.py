@@ -262,7 +262,7 @@ def cause_lines(failure, result) -> list[str]:
                  "cannot be told from error that adds up"]
     lines += split_lines(failure.tensor, result)
     for absorbed in cause.absorbed:
-        by = f"its error is absorbed downstream by {absorbed.by_op_type} '{absorbed.by}'; " if absorbed.by else ""
+        by = f"its error is absorbed downstream by {absorbed.by_op_type} '{absorbed.by}' ({absorbed.evidence}); " if absorbed.by else ""
         lines.append(f"  ruled out: {absorbed.op_type} '{absorbed.node}' (flagged by the rules): {by}kept in higher precision alone, it leaves the output at {times_tolerance(absorbed.tol_ratio_kept)}")
     if cause.kind in ("accumulated", "not_found", "dominant", "unknown") and cause.contributors:
         measured = cause.contributors[0].tol_ratio_kept is not None
