@@ -35,7 +35,7 @@ def test_isolated_error_separates_local_from_inherited():
 def test_a_node_kept_in_fp32_is_fed_exact_values_in_the_isolated_run():
     """'bn' stays FP32: alone it reads its input as FP32 holds it, so FP16's rounding of that input is
     charged where it happens, not to 'bn'; 'attenuate' reads 'bn''s output in FP16 and fails alone."""
-    table = accudiff.compare(fixture("kept_feeds_fp16"), "fp16", candidate="onnxrt").table.set_index("tensor")
+    table = accudiff.compare(fixture("kept_feeds_fp16"), "fp16", candidate="onnxrt", keep_fp32=["bn"]).table.set_index("tensor")
     assert table.loc["centred", "status"] == "fail" and table.loc["centred", "isolated_status"] == "pass"
     assert table.loc["attenuated", "isolated_status"] == "fail"
 
@@ -46,7 +46,7 @@ def test_a_node_kept_in_fp32_is_fed_exact_values_in_the_isolated_run():
         ("layernorm_overflow", "fp16", {}, ["ln_square"]),
         ("nan_midgraph", "fp16", {}, ["denominator", "ratio"]),  # verified cause: the underflowing denominator, cut to where it breaks
         ("overflow_activation", "fp16", {}, ["amplify"]),
-        ("kept_feeds_fp16", "fp16", {}, ["attenuate"]),
+        ("kept_feeds_fp16", "fp16", {"keep_fp32": ["bn"]}, ["attenuate"]),
         ("drift_then_constant_overflow", "fp16", {"autokeep": False}, ["bn"]),  # dominant: keeping 'bn' alone leaves 1.18x, the drift accumulates
         ("underflow", "fp16", {}, ["shrink", "restore"]),  # accumulated: bisected; 'restore' alone reads exact values
         ("int8_outlier_channel", "int8", {}, ["conv"]),
@@ -104,7 +104,7 @@ def test_precision_bisect_repairs_the_model_with_few_runs(tmp_path):
 
 
 def test_precision_bisect_keeps_the_overflowing_consumer_and_what_feeds_the_kept_node(tmp_path):
-    session = _session("kept_feeds_fp16", "fp16")
+    session = _session("kept_feeds_fp16", "fp16", keep_fp32=["bn"])
     result = bisect_precision(session, tmp_path)
     session.close()
     assert result.repaired and set(result.keep) == {"attenuate", "lift"}

@@ -286,3 +286,44 @@ def test_a_candidate_compared_in_segments_gives_the_table_of_one_run(tmp_path):
     assert whole.coverage == cut.coverage and whole.coverage[0] > 0.9 * whole.coverage[1]
     columns = ["tensor", "status", "elements", "outside_count", "max_abs_err", "isolated_max_abs_err"]
     assert whole.table[columns].equals(cut.table[columns])
+
+
+def test_a_given_candidates_constants_that_became_inf_or_zero_are_findings(tmp_path):
+    """A converter that keeps names stored the mask's fill, FP32's lowest, in BF16 (where it is -Inf) and
+    the model casts its epsilon 1e-12 to FP16 as it runs (where it is 0): the first is the verified cause's
+    finding, with the NaN that follows, the second a finding of the Add that reads it."""
+    from accudiff.model.inventory import describe
+    from accudiff.transforms.fp16 import BF16, FP16, to_fp16
+    from accudiff.transforms.given import adopt
+
+    nodes = [
+        helper.make_node("Sub", ["one", "mask"], ["hidden"], name="invert"),
+        helper.make_node("Mul", ["hidden", "lowest"], ["bias"], name="fill"),
+        helper.make_node("Add", ["x", "bias"], ["scores"], name="apply_mask"),
+        helper.make_node("Softmax", ["scores"], ["weights"], name="softmax"),
+        helper.make_node("Constant", [], ["eps"], name="epsilon", value=numpy_helper.from_array(np.float32(1e-12))),
+        helper.make_node("Add", ["weights", "eps"], ["y"], name="add_eps"),
+    ]
+    graph = helper.make_graph(
+        nodes, "mask", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]), helper.make_tensor_value_info("mask", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        [numpy_helper.from_array(np.float32(1), "one"), numpy_helper.from_array(np.float32(np.finfo(np.float32).min), "lowest")],
+    )
+    reference = tmp_path / "mask.onnx"
+    onnx.save(onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)])), str(reference))
+    for half, name in ((BF16, "bf16"), (FP16, "fp16")):
+        converted = to_fp16(onnx.load(str(reference)), half=half, autokeep=False).model
+        for weight in converted.graph.initializer:
+            old = weight.name
+            weight.name = old.removesuffix(half.suffix)
+            for node in converted.graph.node:
+                node.input[:] = [weight.name if i == old else i for i in node.input]
+        onnx.save(converted, str(tmp_path / f"mask-{name}.onnx"))
+    save_feeds([{"x": np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4), "mask": np.array([[1, 1, 1, 0], [1, 1, 0, 0]], np.float32)}], tmp_path / "in.npz")
+    result = accudiff.compare(reference, candidate_model=tmp_path / "mask-bf16.onnx", inputs=tmp_path / "in.npz")
+    cause = result.output_failures[0].cause
+    assert cause.node == "fill" and cause.verified, cause
+    found = {f.kind: f.message for f in cause.findings}
+    assert "its constant 'lowest' holds -3.4028e+38 (FP32's lowest" in found["constant_overflow"] and "in BF16 it became -Inf" in found["constant_overflow"]
+    fp16 = adopt(describe(tmp_path / "mask-fp16.onnx", onnx.load(str(tmp_path / "mask-fp16.onnx"))), describe(reference, onnx.load(str(reference))))
+    assert fp16.constant_findings["add_eps"] == [("constant_underflow", "its constant 'eps' holds 1e-12, below half FP16's smallest subnormal 5.96e-08: in FP16 it became 0")]

@@ -77,7 +77,7 @@ def test_timings_say_where_the_time_went(run_cli, tmp_path):
 
 
 def test_first_failure_is_a_fact_never_called_the_cause(run_cli, tmp_path):
-    code, out, _ = run_cli("compare", fixture("kept_feeds_fp16"), "--fp16", "--report-dir", tmp_path / "r")
+    code, out, _ = run_cli("compare", fixture("kept_feeds_fp16"), "--fp16", "--keep-fp32", "bn", "--report-dir", tmp_path / "r")
     assert code == 1
     assert "first tensor out of tolerance (topological order): 'centred'" in out
     assert "cause: Mul 'attenuate' is one of several causes" in out  # verified: it and 'lift' repair the output together
@@ -313,10 +313,8 @@ def test_a_single_overflow_is_said_as_measured(run_cli, tmp_path):
     assert "1 of 4000 elements (&lt;0.1%) outside" in (tmp_path / "r" / "report.html").read_text()  # escaped, as every text
 
 
-def test_nan_inf_held_by_more_faults_than_verification_tries(run_cli, tmp_path):
-    """Eight branches each overflow FP16 into the same Sum: keeping any five leaves Inf at the output. No
-    cause is found, and it is not called small errors accumulating; none of the five is 'ruled out' (the
-    others hold the Inf); the tolerance met is none, where Inf read as the largest float gave 'atol 1.8e+308'."""
+def _eight_overflows(folder: Path) -> tuple[Path, Path]:
+    """Eight branches y = sum_k (x * big_k) * 1e-5, each big_k beyond FP16's range; x in [0.5, 1.5]."""
     from onnx import TensorProto, helper
 
     nodes, constants = [], []
@@ -326,14 +324,37 @@ def test_nan_inf_held_by_more_faults_than_verification_tries(run_cli, tmp_path):
     nodes.append(helper.make_node("Sum", [f"down{k}" for k in range(8)], ["y"], name="sum"))
     graph = helper.make_graph(nodes, "eight_overflows", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16])], constants)
-    model = tmp_path / "eight_overflows.onnx"
+    model = folder / "eight_overflows.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), model)
-    np.savez(tmp_path / "x.npz", x=np.linspace(0.5, 1.5, 16, dtype=np.float32)[None])
-    code, out, _ = run_cli("compare", model, "--fp16", "--candidate", "onnxrt", "--load-inputs", tmp_path / "x.npz", "-o", tmp_path / "r")
+    np.savez(folder / "x.npz", x=np.linspace(0.5, 1.5, 16, dtype=np.float32)[None])
+    return model, folder / "x.npz"
+
+
+def test_nan_inf_held_by_more_faults_than_verification_tries(run_cli, tmp_path):
+    """Without autokeep, eight branches each overflow FP16 into the same Sum: keeping any five leaves Inf at the
+    output. No cause is found, and it is not called small errors accumulating; none of the five is 'ruled
+    out' (the others hold the Inf); the tolerance met is none, where Inf read as the largest float gave
+    'atol 1.8e+308'."""
+    model, inputs = _eight_overflows(tmp_path)
+    code, out, _ = run_cli("compare", model, "--fp16", "--no-autokeep", "--candidate", "onnxrt", "--load-inputs", inputs, "-o", tmp_path / "r")
     assert code == 1
     assert "cause: not found: NaN/Inf reach this output and no keep tried removes them" in out, out
     assert "accumulated error" not in out and "ruled out" not in out and "tolerance met: no atol" in out, out
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["outputs"][0]["cause"]["kind"] == "not_found"  # as every report says it
+
+
+def test_autokeep_also_keeps_the_readers_of_what_it_kept_when_they_would_overflow(run_cli, tmp_path):
+    """Autokeep keeps each 'up' Mul in FP32 (its constant is beyond 65504), and so its output, x * 1e5 and
+    more, is beyond FP16 too: the 'down' Mul reading it in FP16 read Inf, and the output was Inf. Each
+    'down' is kept as well, with the values measured on the sample; the candidate passes."""
+    model, inputs = _eight_overflows(tmp_path)
+    code, out, _ = run_cli("compare", model, "--fp16", "--candidate", "onnxrt", "--load-inputs", inputs, "-o", tmp_path / "r")
+    assert code == 0, out
+    kept = {k["node"]: k["reason"] for k in json.loads((tmp_path / "r" / "summary.json").read_text())["kept_fp32"]}
+    assert sorted(kept) == sorted([f"up{k}" for k in range(8)] + [f"down{k}" for k in range(8)])
+    assert kept["up0"] == "its constant 'big0' holds 1e+05, beyond FP16's largest finite value 65504: in FP16 it would be +Inf; 0 × Inf is NaN, so the Mul would give NaN wherever it multiplies that by 0"
+    assert kept["down7"] == ("it reads 'up7', which Mul 'up7' (kept in FP32) outputs with values up to 1.2e+06 on the first sample, beyond FP16's largest "
+                             "finite value 65504: in FP16 they would be Inf")
 
 
 @pytest.mark.parametrize(

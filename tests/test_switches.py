@@ -33,7 +33,7 @@ def _outputs(model, path: Path, names, feed) -> dict[str, np.ndarray]:
 def _assert_switchboard_matches_variants(model_path: Path, feed, keep_lists, tmp_path: Path, candidate: Path | None = None, precision: str = "fp16") -> None:
     info = load_model(model_path)
     recipe = CandidateRecipe(precision) if candidate is None else CandidateRecipe(precision_label(file_formats(candidate)), candidate_model=candidate)
-    variants = CandidateVariants(info, recipe, transform_model(info, recipe, feed))
+    variants = CandidateVariants(info, recipe, transform_model(info, recipe, [feed]))
     board = variants.switchboard({n for keep in keep_lists for n in keep})
     assert board is not None
     outputs = info.output_names
@@ -51,7 +51,7 @@ def _assert_switchboard_matches_variants(model_path: Path, feed, keep_lists, tmp
 def test_every_single_keep_all_keeps_and_adjacent_pairs_on_the_fixtures(name, precision, tmp_path):
     info = load_model(fixture(name))
     [feed] = generate_feeds(info.inputs, {spec.name: spec.shape for spec in info.inputs}, seed=0)
-    converted = sorted(transform_model(info, CandidateRecipe(precision), feed).converted)
+    converted = sorted(transform_model(info, CandidateRecipe(precision), [feed]).converted)
     nodes = [n.name for n in info.proto.graph.node if n.name in converted]
     keep_lists = [[], nodes, *([n] for n in nodes), *(list(pair) for pair in zip(nodes, nodes[1:]))]
     _assert_switchboard_matches_variants(fixture(name), feed, keep_lists, tmp_path, precision=precision)

@@ -245,3 +245,24 @@ def test_bisect_precision_aims_at_a_required_cosine(minilm, tmp_path, run_cli):
     for output in (POOLED, HIDDEN):
         runs = [[oracle._session(oracle._loaded(path)).run([output], feed)[0] for feed in minilm.feeds] for path in (minilm.model, again)]
         assert oracle.embedding_figures(*runs)["cosine_min"] >= 0.995, output
+
+
+def test_bf16_minilm_keeps_its_mask_fill_and_what_reads_it_naming_the_mechanism(minilm, tmp_path):
+    """MiniLM's attention mask is (1 - mask) * FP32's lowest, which rounds to -Inf in BF16 (largest finite
+    3.3895e38): 0 x -Inf is NaN at every unmasked position, and every output was NaN, traced to the Mul with
+    only 'NaN appears here although its inputs are finite' (BF16's range was taken for FP32's, so autokeep
+    kept nothing). Now autokeep keeps the Mul saying why, and the Adds and Softmaxes that read its -3.4e38
+    (which BF16 would read as -Inf); the candidate passes. Without autokeep, the cause is the Mul, verified,
+    and its finding names the constant, what BF16 makes of it, and the NaN that follows."""
+    mul = "/model/model.0/auto_model/Mul_1"
+    result = accudiff.compare(minilm.model, "bf16", inputs=minilm.inputs)
+    kept = {k.node: k for k in result.kept}
+    assert result.verdict == "pass" and kept[mul].autokept and "(FP32's lowest" in kept[mul].reason and "in BF16 it would be -Inf" in kept[mul].reason
+    assert sorted(k.op_type for k in result.kept if k.node != mul) == ["Add"] * 3 + ["Softmax"] * 3
+    assert all(k.autokept and "beyond BF16's largest finite value 3.3895e+38" in k.reason for k in result.kept)
+    broken = accudiff.compare(minilm.model, "bf16", inputs=minilm.inputs, autokeep=False)
+    failure = next(f for f in broken.output_failures if f.tensor == POOLED)
+    assert failure.cause.node == mul and failure.cause.verified
+    found = {f.kind: f.message for f in failure.cause.findings}
+    assert "in BF16 it became -Inf; 0 × Inf is NaN, so the Mul gives NaN wherever it multiplies that by 0" in found["constant_overflow"]
+    assert found["nan_inf_origin"].endswith("although the activations it reads are finite")

@@ -63,7 +63,7 @@ def test_fp16_models_carry_the_types_shape_inference_would_give(name, kind):
 
     info = load_model(fixture(name))
     feed = generate_feeds(info.inputs, resolve_shapes(info.inputs, SHAPES.get(info.stem, {})))[0]
-    transformed = transform_model(info, CandidateRecipe("fp16"), feed)
+    transformed = transform_model(info, CandidateRecipe("fp16"), [feed])
     model = transformed.model
     if kind == "isolated":
         types = {t.name: onnx.helper.np_dtype_to_tensor_dtype(t.dtype) for t in info.tensors if t.dtype is not None}
@@ -113,7 +113,7 @@ def test_fp16_converts_weights_without_clamping():
     result = to_fp16(info.proto, autokeep=False)
     converted = {i.name: numpy_helper.to_array(i) for i in result.model.graph.initializer if i.data_type == TensorProto.FLOAT16}
     assert np.isinf(converted["bn.var__fp16"]).sum() == 1  # 1e8 became Inf, as FP16 would: not clamped to 1e4
-    assert "bn" in result.constant_overflows
+    assert [kind for kind, _ in result.constant_findings["bn"]] == ["constant_overflow"]
 
 
 def test_bf16_weights_round_to_nearest_even_as_ml_dtypes_does():
@@ -145,7 +145,56 @@ def test_a_constant_of_minus_infinity_is_no_reason_to_keep_a_node():
     model = onnx.shape_inference.infer_shapes(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]))
     for half in (FP16, BF16):
         result = to_fp16(model, half=half)
-        assert not result.kept and result.converted == {"apply_mask", "softmax"} and not result.constant_overflows
+        assert not result.kept and result.converted == {"apply_mask", "softmax"} and not result.constant_findings
+
+
+def _mask_and_epsilon_model() -> onnx.ModelProto:
+    """An attention mask written as exporters write it, (1 - mask) * FP32's lowest, and a normalization whose
+    epsilon is 1e-12: x / sqrt(mean(x^2) + eps)."""
+    nodes = [
+        onnx.helper.make_node("Sub", ["one", "mask"], ["hidden"], name="invert"),
+        onnx.helper.make_node("Mul", ["hidden", "lowest"], ["bias"], name="fill"),
+        onnx.helper.make_node("Add", ["x", "bias"], ["scores"], name="apply_mask"),
+        onnx.helper.make_node("Mul", ["scores", "scores"], ["square"], name="square"),
+        onnx.helper.make_node("ReduceMean", ["square"], ["variance"], name="mean", keepdims=1, axes=[-1]),
+        onnx.helper.make_node("Add", ["variance", "eps"], ["guarded"], name="add_eps"),
+        onnx.helper.make_node("Sqrt", ["guarded"], ["root"], name="root"),
+        onnx.helper.make_node("Div", ["scores", "root"], ["y"], name="normalize"),
+    ]
+    graph = onnx.helper.make_graph(
+        nodes, "mask_and_eps",
+        [onnx.helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]), onnx.helper.make_tensor_value_info("mask", TensorProto.FLOAT, [2, 4])],
+        [onnx.helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        [numpy_helper.from_array(np.float32(1), "one"), numpy_helper.from_array(np.float32(np.finfo(np.float32).min), "lowest"),
+         numpy_helper.from_array(np.float32(1e-12), "eps")],
+    )
+    return onnx.shape_inference.infer_shapes(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]))
+
+
+def test_fp32s_lowest_as_a_mask_fill_becomes_minus_infinity_in_bf16_and_says_why():
+    """BF16's largest finite value is (2 - 2^-7) * 2^127 = 3.3895e38, below FP32's: the fill exporters write
+    rounds to -Inf (as ml_dtypes rounds it), and 0 x -Inf is NaN in the Mul. Autokeep keeps the Mul saying
+    so (it treated BF16's range as FP32's, and kept nothing); without autokeep the finding says it."""
+    import ml_dtypes
+
+    assert BF16.maximum == float(ml_dtypes.finfo(ml_dtypes.bfloat16).max) == 3.3895313892515355e38
+    assert np.isneginf(np.float32(np.finfo(np.float32).min).astype(ml_dtypes.bfloat16))
+    model = _mask_and_epsilon_model()
+    kept = to_fp16(model, half=BF16).kept
+    assert [(k.node, k.autokept) for k in kept] == [("fill", True)]
+    assert kept[0].reason == ("its constant 'lowest' holds -3.4028e+38 (FP32's lowest, which exporters write where a mask hides a position), "
+                              "beyond BF16's largest finite value 3.3895e+38: in BF16 it would be -Inf; 0 × Inf is NaN, so the Mul would give "
+                              "NaN wherever it multiplies that by 0")
+    found = dict(to_fp16(model, half=BF16, autokeep=False).constant_findings["fill"])
+    assert "in BF16 it became -Inf; 0 × Inf is NaN, so the Mul gives NaN wherever it multiplies that by 0" in found["constant_overflow"]
+
+
+def test_an_epsilon_below_fp16s_smallest_subnormal_is_a_finding_that_names_the_denominator():
+    """1e-12 is 0 in FP16 (half its smallest subnormal is 2.98e-8): the Add no longer guards the Sqrt."""
+    found = to_fp16(_mask_and_epsilon_model(), half=FP16).constant_findings
+    assert found["add_eps"] == [("constant_underflow", "its constant 'eps' holds 1e-12, below half FP16's smallest subnormal 5.96e-08: "
+                                                      "in FP16 it became 0, so it no longer keeps the Sqrt 'root' that reads the sum away from 0")]
+    assert "add_eps" not in to_fp16(_mask_and_epsilon_model(), half=BF16).constant_findings  # BF16 holds 1e-12
 
 
 @pytest.mark.parametrize("name", ["per_channel_opset11_ir7", "clean"])
@@ -172,7 +221,7 @@ def test_a_half_candidate_that_converts_nothing_is_refused():
         [numpy_helper.from_array(np.full(4, 1e6, np.float32), "big")],
     )
     model = onnx.shape_inference.infer_shapes(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]))
-    with pytest.raises(AccudiffError, match=r"^no node of the model can compute in FP16 \(its constant 'big' has absmax 1e\+06, beyond the FP16 maximum 65504\), so --fp16 would compare it with itself$"):
+    with pytest.raises(AccudiffError, match=r"^no node of the model can compute in FP16 \(4 values of its constant 'big' \(up to 1e\+06\), beyond FP16's largest finite value 65504: in FP16 they would be Inf\), so --fp16 would compare it with itself$"):
         to_fp16(model)
     assert to_fp16(model, keep_fp32=["shift"]).kept[0].reason == "selected by --keep-fp32 shift"
 

@@ -94,7 +94,7 @@ class BisectSession:
     @cached_property
     def candidate(self) -> TransformResult:
         """The candidate exactly as `compare` builds it (a candidate made by another tool: aligned)."""
-        return transform_model(self.info, CandidateRecipe.of(self.settings), self.feeds[0], self.cache.folder)
+        return transform_model(self.info, CandidateRecipe.of(self.settings), self.feeds, self.cache.folder)
 
     def trials(self, full: CompareResult) -> Trials:
         """Trials of the candidate with nodes kept in higher precision, on every sample of the session,

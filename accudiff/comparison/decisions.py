@@ -54,6 +54,7 @@ class Decision:
     vectors: int = 0  # embedding vectors
     cosine_sum: float = 0.0
     cosine_min: float = 1.0
+    nan_vectors: int = 0  # ... holding NaN/Inf in the candidate: counted as cosine -1, the worst there is
     neighbor_rows: int = 0  # rows of a [batch, dim] embedding of more than two rows
     neighbor_same: int = 0  # ... whose nearest other row is the same on both sides
     map_elements: int = 0
@@ -162,7 +163,7 @@ def _log_distribution(rows: np.ndarray, kind: str) -> np.ndarray:
 def _embedding(ref: np.ndarray, cand: np.ndarray) -> dict:
     """Per-vector cosines along the last axis, and the nearest neighbours of a [batch, dim] output's rows."""
     r, c = _rows(ref, -1), _rows(cand, -1)
-    found = dict(vectors=r.shape[0], cosine_sum=0.0, cosine_min=1.0)
+    found = dict(vectors=r.shape[0], cosine_sum=0.0, cosine_min=1.0, nan_vectors=int(np.count_nonzero(~np.isfinite(c).all(axis=1))))
     step = max(1, ROWS_AT_ONCE // r.shape[1])
     for start in range(0, r.shape[0], step):
         cosine = _cosines(r[start : start + step].astype(np.float64), c[start : start + step].astype(np.float64))
@@ -251,6 +252,8 @@ def decision_figures(counts: dict, threshold: float | None = None) -> dict:
             found["top5"] = float(counts["top5"] / counts["top5_rows"])
     if counts.get("vectors"):
         found.update(vectors=int(counts["vectors"]), cosine=float(counts["cosine_sum"] / counts["vectors"]), cosine_min=float(counts["cosine_min"]))
+        if counts.get("nan_vectors"):
+            found["nan_vectors"] = int(counts["nan_vectors"])
         if counts.get("neighbor_rows"):
             found.update(neighbor_rows=int(counts["neighbor_rows"]), neighbors=float(counts["neighbor_same"] / counts["neighbor_rows"]))
     if counts.get("map_elements"):

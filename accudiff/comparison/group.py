@@ -121,7 +121,7 @@ def make_candidate(
     workers read files). A candidate captured elsewhere is replayed from its store instead of run."""
     remember_types(info)  # verification reads the model again
     kinds = kinds_of(info, settings.output_kinds)
-    transformed = transform_model(info, CandidateRecipe.of(settings, group.calibration), samples[group.samples[0]], scratch)
+    transformed = transform_model(info, CandidateRecipe.of(settings, group.calibration), samples.subset(group.samples), scratch)
     working = scratch / "models" / path.name
     working.parent.mkdir(exist_ok=True)
     save_model(transformed.model, working, move_weights=True)
@@ -253,7 +253,7 @@ def combine(model: Path, runs: Sequence[GroupRun]) -> tuple[ModelInfo, Transform
         converted=set().union(*(t.converted for t in transforms)),
         quant_ranges={name: q for t in reversed(transforms) for name, q in t.quant_ranges.items()},
         warnings=list(dict.fromkeys(w for t in transforms for w in t.warnings)),
-        constant_overflows={node: text for t in transforms for node, text in t.constant_overflows.items()},
+        constant_findings={node: found for t in transforms for node, found in t.constant_findings.items()},
         unmatched={name: why for t in transforms for name, why in t.unmatched.items()},
         inside={name: node for t in transforms for name, node in t.inside.items()},
         weight_findings={node: text for t in transforms for node, text in t.weight_findings.items()},

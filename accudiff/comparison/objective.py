@@ -88,6 +88,9 @@ class Objective:
                 raise AccudiffError(f"--require {name} applies to {REQUIREMENTS[name][2]}, and no graph output of the model is one (--output-kind says what one is)")
 
 
+NAN_AS_WORST = ": a vector holding NaN/Inf counts as -1"
+
+
 def figure_text(name: str, value: float) -> str:
     """A decision figure as said: a share in percent, a divergence or a cosine as a number."""
     if name in UNBOUNDED:
@@ -111,7 +114,7 @@ def describe(tol_ratio: float, figures: Mapping[str, float], suffix: str = " its
     if "top1" in figures:
         text += f" (top-1 agreement {percent(figures['top1'], 2)}, KL divergence {figures['kl']:.3g})"
     elif "cosine_min" in figures:
-        text += f" (lowest cosine {figures['cosine_min']:.6f})"
+        text += f" (lowest cosine {figures['cosine_min']:.6f}{NAN_AS_WORST if figures.get('nan_vectors') else ''})"
     elif "flipped_share" in figures:
         text += f" ({percent(figures['flipped_share'], 3)} of the map flipped)"
     return text

@@ -38,6 +38,7 @@ from accudiff.model.samples import Samples
 from accudiff.runners.outputs import ReferenceStore
 from accudiff.settings import RunSettings
 from accudiff.transforms.candidate import CandidateVariants
+from accudiff.transforms.fp16 import BF16
 from accudiff.model.formats import FP16_MAX, formats_of
 from accudiff.transforms.switches import Switchboard
 
@@ -94,7 +95,7 @@ class Trials:
             for k, sample in enumerate(samples):
                 self.reference.write(k, store.read(sample, setup.info.output_names))
             self.reference.finish()
-        self.boundaries = Boundaries(setup.info.proto.graph, unfit_for_fp16(table), setup.variants.base.converted, setup.variants.recipe.precision, regions)
+        self.boundaries = Boundaries(setup.info.proto.graph, unfit_for_format(table, setup.variants.recipe.precision), setup.variants.base.converted, regions)
         # Every model the trials save is saved in their folder: with the reference's and the candidate's weights
         # moved into data files there once, a variant or switchboard writes its graph, and refers to them.
         for name, model in (("reference", setup.info.proto), ("candidate", setup.variants.base.model)):
@@ -261,22 +262,28 @@ def trial_workers(settings: RunSettings) -> int:
     return 1 if switchable(settings) else os.cpu_count() or 1
 
 
-def unfit_for_fp16(table: pd.DataFrame) -> set[str]:
-    """Tensors whose reference values FP16 cannot hold: beyond 65504, or a significant share of them
-    nonzero below FP16's normal range (where they lose their bits or become 0)."""
-    elements = table["elements"].where(table["elements"] > 0)
-    tiny = (table["below_fp16_normal"] / elements).fillna(0) >= UNDERFLOW_SHARE
-    return set(table.index[(table["ref_absmax"] > FP16_MAX) | tiny])
+def unfit_for_format(table: pd.DataFrame, precision: str) -> set[str]:
+    """Tensors whose reference values the run's half format cannot hold: in FP16, beyond 65504, or a
+    significant share of them nonzero below its normal range (where they lose their bits or become 0); in
+    BF16, beyond its largest finite value (FP32's extremes: a mask's fill)."""
+    formats = formats_of(precision)
+    if "fp16" in formats:
+        elements = table["elements"].where(table["elements"] > 0)
+        tiny = (table["below_fp16_normal"] / elements).fillna(0) >= UNDERFLOW_SHARE
+        return set(table.index[(table["ref_absmax"] > FP16_MAX) | tiny])
+    if "bf16" in formats:
+        return set(table.index[table["ref_absmax"] > BF16.maximum])
+    return set()
 
 
 class Boundaries:
-    """Which converted nodes must join a keep-list. A node kept in FP32 whose output FP16 cannot hold (an
-    overflow, or values that underflow) would break where a converted consumer reads it in FP16, so that
+    """Which converted nodes must join a keep-list. A node kept in FP32 whose output the half format cannot
+    hold (unfit_for_format) would break where a converted consumer reads it in that format, so that
     consumer is kept too (transitively). With `regions` (bisect precision), a kept node's converted readers
     that only move or select values (Relu, Reshape, Concat, Resize, MaxPool...) are kept with it: left
     reduced, they would round again what it computed in FP32."""
 
-    def __init__(self, graph: onnx.GraphProto, unfit: set[str], converted: set[str], precision: str, regions: bool = False):
+    def __init__(self, graph: onnx.GraphProto, unfit: set[str], converted: set[str], regions: bool = False):
         self.overflowing = {node.name: [o for o in node.output if o in unfit] for node in graph.node}
         self.consumers: dict[str, list[str]] = {}
         for node in graph.node:
@@ -285,13 +292,12 @@ class Boundaries:
                     self.consumers.setdefault(name, []).append(node.name)
         moving = {node.name for node in graph.node if node.op_type in VALUE_PRESERVING_OPS}
         self.passed_on = {node.name: [c for o in node.output for c in self.consumers.get(o, []) if c in moving] for node in graph.node} if regions else {}
-        self.active = "fp16" in formats_of(precision)
 
     def close(self, keep: Sequence[str]) -> list[str]:
         closed, queue = list(dict.fromkeys(keep)), list(dict.fromkeys(keep))
         while queue:
             node = queue.pop()
-            overflowing = [c for tensor in self.overflowing.get(node, []) for c in self.consumers.get(tensor, [])] if self.active else []
+            overflowing = [c for tensor in self.overflowing.get(node, []) for c in self.consumers.get(tensor, [])]
             for consumer in [*overflowing, *self.passed_on.get(node, [])]:
                 if consumer not in closed:
                     closed.append(consumer)

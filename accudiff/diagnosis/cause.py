@@ -162,7 +162,8 @@ def _introduced_error(rows: pd.DataFrame, table: pd.DataFrame, context: Diagnosi
     for tensor in rows.index:
         findings += [f for f in range_findings(tensor, table, context) if f not in findings]
     nan_origin = [
-        Finding("nan_inf_origin", f"its output '{t}' has NaN/Inf in the candidate ({_non_finite_counts(table.loc[t])}) although its inputs are finite")
+        Finding("nan_inf_origin", f"its output '{t}' has NaN/Inf in the candidate ({_non_finite_counts(table.loc[t])}) although "
+                                  + ("the activations it reads are finite" if any(f.kind == "constant_overflow" for f in findings) else "its inputs are finite"))
         for t in rows.index
         if new_non_finite(table.loc[t]) and not any(new_non_finite(table.loc[i]) for i in context.inputs_of(t, table) if i in table.index)
     ]

@@ -52,7 +52,7 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings
         info.upstream,
         frozenset(transformed.converted),
         {k.node: k.reason for k in transformed.kept},
-        transformed.constant_overflows,
+        transformed.constant_findings,
         graph_input_table(float_inputs, StatsSet.from_arrays(outcome["inputs"]), transformed.quant_ranges),
         dict(transformed.quant_ranges),
         dict(transformed.weight_findings),

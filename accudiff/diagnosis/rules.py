@@ -26,7 +26,7 @@ RESOLUTION_SHARE = 0.5
 
 UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8}
 REDUCTIONS = frozenset({"ReduceSum", "ReduceMean", "ReduceSumSquare", "ReduceL1", "MatMul"})
-RANGE_KINDS = frozenset({"overflow", "input_overflow", "constant_overflow", "underflow", "per_tensor_scale", "block_scale", "int8_dynamic_range", *(f"{f}_{fault}" for f in QUANTIZED_FORMATS for fault in ("clipping", "resolution"))})
+RANGE_KINDS = frozenset({"overflow", "input_overflow", "constant_overflow", "constant_underflow", "underflow", "per_tensor_scale", "block_scale", "int8_dynamic_range", *(f"{f}_{fault}" for f in QUANTIZED_FORMATS for fault in ("clipping", "resolution"))})
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class DiagnosisContext:
     upstream: dict[str, list[str]]  # tensor -> tensors and graph inputs its node reads
     converted: frozenset[str] = frozenset()  # nodes that compute in reduced precision
     kept: dict[str, str] = field(default_factory=dict)  # node -> why it stays in higher precision
-    constant_overflows: dict[str, str] = field(default_factory=dict)  # node -> what overflowed in its constants
+    constant_findings: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # node -> (kind, what its constants became in the format)
     graph_inputs: pd.DataFrame | None = None  # range statistics of the graph inputs
     quant_ranges: dict[str, QuantRange] = field(default_factory=dict)  # tensor -> the grid a Q/DQ pair puts it on
     weight_findings: dict[str, tuple[str, str]] = field(default_factory=dict)  # node -> (kind, what its weight's quantization scale zeroes)
@@ -107,7 +107,7 @@ def range_findings(tensor: str, table: pd.DataFrame, context: DiagnosisContext) 
     node = row["node"]
     converted = node in context.converted
     inputs = context.inputs_of(tensor, table)
-    findings: list[Finding] = []
+    findings = [Finding(kind, text) for kind, text in context.constant_findings.get(node, [])]
     if "fp16" in context.formats:
         if row["ref_absmax"] > FP16_MAX and (row["cand_dtype"] == "float16" or row["cand_inf"] > row["ref_inf"]):
             findings.append(
@@ -115,8 +115,6 @@ def range_findings(tensor: str, table: pd.DataFrame, context: DiagnosisContext) 
             )
         if converted:
             findings += _fp16_input_overflow(inputs, table, context)
-        if node in context.constant_overflows:
-            findings.append(Finding("constant_overflow", context.constant_overflows[node]))
         stored_fp16 = [tensor] if row["cand_dtype"] == "float16" else []
         findings += _fp16_underflow(table, context, stored_fp16 + (inputs if converted else []), tensor)
     if context.formats & QUANTIZED_FORMATS and converted:
@@ -308,7 +306,15 @@ def _non_finite(tensor: str, table: pd.DataFrame, context: DiagnosisContext) -> 
     counts = f"the candidate has {int(row['cand_nan'])} NaN and {int(row['cand_inf'])} Inf where the reference has {int(row['ref_nan'])} and {int(row['ref_inf'])}"
     if poisoned:
         return [Finding("nan_inf_inherited", f"{counts}; they come from its input '{poisoned[0]}'")]
-    return [Finding("nan_inf_origin", f"NaN/Inf first appear here, from finite inputs: {counts}")]
+    return [Finding("nan_inf_origin", f"NaN/Inf first appear here, {_read_finite(row['node'], context)}: {counts}")]
+
+
+def _read_finite(node: str, context: DiagnosisContext) -> str:
+    """What a node where NaN/Inf first appear reads: finite values, or finite values and a constant the
+    candidate's format holds as Inf."""
+    if any(kind == "constant_overflow" for kind, _ in context.constant_findings.get(node, [])):
+        return "where it reads finite values and a constant the format made Inf"
+    return "from finite inputs"
 
 
 def _isolation(row: pd.Series) -> Finding:

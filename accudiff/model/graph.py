@@ -99,6 +99,16 @@ def all_node_outputs(graph: onnx.GraphProto) -> list[str]:
     return names
 
 
+def readers_of(nodes: Iterable[onnx.NodeProto]) -> dict[str, list[onnx.NodeProto]]:
+    """Every value's reading nodes, in graph order."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in nodes:
+        for name in node.input:
+            if name:
+                readers.setdefault(name, []).append(node)
+    return readers
+
+
 def subgraph_outer_references(nodes: Iterable[onnx.NodeProto]) -> set[str]:
     """Names that the If/Loop/Scan bodies of `nodes` read from the enclosing graph (their types must not change)."""
     refs: set[str] = set()

@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Mapping
 import onnx
 from onnx import TensorProto, helper
 
-from accudiff.model.graph import constant_values, value_types
+from accudiff.model.graph import constant_values, readers_of, value_types
 
 DYNAMIC_INT8 = "int8-dynamic"
 UINT8_LEVELS = 255  # DynamicQuantizeLinear: UINT8 over [min(x, 0), max(x, 0)]
@@ -103,14 +103,11 @@ class _View:
 
     @classmethod
     def of(cls, graph: onnx.GraphProto) -> _View:
-        view = cls(graph, constants=constant_values(graph), types=value_types(graph))
+        view = cls(graph, constants=constant_values(graph), types=value_types(graph), readers=readers_of(graph.node))
         for node in graph.node:
             for out in node.output:
                 if out:
                     view.producer[out] = node
-            for name in node.input:
-                if name:
-                    view.readers.setdefault(name, []).append(node)
         return view
 
     def only_reader(self, value: str) -> onnx.NodeProto | None:

@@ -136,7 +136,8 @@ def decision_lines(output: str, found: dict, kind: OutputKind | None = None) -> 
     if "cosine" in found:
         neighbours = (f"; each row's nearest other row in the batch is the same for {percent(found['neighbors'], 2)} of {found['neighbor_rows']} rows"
                       if "neighbors" in found else "")
-        return [f"  embedding '{output}'{what}: cosine mean {found['cosine']:.6f}, lowest {found['cosine_min']:.6f} over {found['vectors']} vector(s){neighbours}"]
+        poisoned = f" ({found['nan_vectors']} of them hold NaN/Inf in the candidate, each counted as cosine -1)" if found.get("nan_vectors") else ""
+        return [f"  embedding '{output}'{what}: cosine mean {found['cosine']:.6f}, lowest {found['cosine_min']:.6f} over {found['vectors']} vector(s){poisoned}{neighbours}"]
     if "flipped_share" in found:
         return [f"  probability map '{output}'{what}: {percent(found['flipped_share'], 3)} of its elements fall on the other side of {found['threshold']:g} "
                 f"(--threshold), IoU of the binarized maps {found['iou']:.4f}"]

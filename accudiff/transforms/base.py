@@ -20,6 +20,7 @@ class KeptNode:
     node: str
     op_type: str
     reason: str
+    autokept: bool = False  # kept by autokeep (a constant or an input beyond the format's range), not asked for
 
 
 @dataclass
@@ -32,7 +33,7 @@ class TransformResult:
     converted: set[str] = field(default_factory=set)  # nodes that compute in reduced precision (FP16, or INT8 inputs)
     quant_ranges: dict[str, QuantRange] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
-    constant_overflows: dict[str, str] = field(default_factory=dict)  # converted node -> its constant that became Inf
+    constant_findings: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # converted node -> (kind, what its constants became: Inf, 0)
     # A tensor's copy in another storage type, made for the nodes that read it in that type: {copy: tensor}.
     # The isolated run feeds each copy from the tensor's reference value, so every node reads the reference
     # exactly as it reads its inputs in the candidate.

@@ -11,7 +11,7 @@ import re
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 import onnx
@@ -20,6 +20,7 @@ from accudiff.model.inputs import Feed, generate_feeds
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.loading import load_model
 from accudiff.model.samples import Samples, samples_from_feeds, samples_from_path
+from accudiff.transforms.autokeep import close_autokeep
 from accudiff.transforms.base import KeptNode, TransformResult
 from accudiff.transforms.fp16 import HALVES, to_fp16
 from accudiff.transforms.given import adopt, keepable_nodes, reference_node_names
@@ -54,17 +55,18 @@ class CandidateRecipe:
         return cls(settings.precision, tuple(settings.keep_fp32), settings.autokeep, chosen, settings.seed, settings.trt.engine, given)
 
 
-def transform_model(info: ModelInfo, recipe: CandidateRecipe, sample: Feed, scratch: Path | None = None) -> TransformResult:
-    """The candidate model exactly as `compare` builds it; `sample` is the first sample compared (see
-    calibration_samples)."""
+def transform_model(info: ModelInfo, recipe: CandidateRecipe, samples: Sequence[Feed], scratch: Path | None = None) -> TransformResult:
+    """The candidate model exactly as `compare` builds it, for `samples` (the samples compared: what
+    autokeep measures, and the first is what random INT8 calibration data is shaped like)."""
     if recipe.engine is not None:
         return TransformResult(model=info.proto, precision=recipe.precision)
     if recipe.candidate_model is not None:
         return adopt(load_model(recipe.candidate_model), info, recipe.keep_fp32)
     if recipe.precision in HALVES:
-        return to_fp16(info.proto, recipe.keep_fp32, recipe.autokeep, HALVES[recipe.precision])
+        result = to_fp16(info.proto, recipe.keep_fp32, recipe.autokeep, HALVES[recipe.precision])
+        return close_autokeep(info, result, samples, recipe.keep_fp32, HALVES[recipe.precision]) if recipe.autokeep else result
     if recipe.precision == "int8":
-        calibration = calibration_samples(info, sample, recipe.calib_data, recipe.seed, scratch)
+        calibration = calibration_samples(info, samples[0], recipe.calib_data, recipe.seed, scratch)
         return to_int8(info.proto, calibration, recipe.keep_fp32, calibrated_on_random_data=recipe.calib_data is None)
     return TransformResult(model=info.proto, precision="fp32")
 
@@ -92,7 +94,8 @@ class CandidateVariants:
             return replace(self.base, model=model, kept=[*self.base.kept, *kept], converted=self.base.converted - set(nodes))
         if self.recipe.precision == "int8":
             return leave_unquantized(self.base, self.info.proto, nodes, KEPT_TO_VERIFY)
-        return to_fp16(self.info.proto, [*self.recipe.keep_fp32, *map(keep_pattern, nodes)], self.recipe.autokeep, HALVES[self.recipe.precision])
+        autokept = {k.node: k.reason for k in self.base.kept if k.autokept}  # as measured for the candidate (autokeep.py)
+        return to_fp16(self.info.proto, [*self.recipe.keep_fp32, *map(keep_pattern, nodes)], self.recipe.autokeep, HALVES[self.recipe.precision], autokept)
 
     def switchboard(self, nodes: Iterable[str]) -> Switchboard | None:
         """The FP16 candidate, or a candidate made by another tool, with `nodes` switchable back to FP32

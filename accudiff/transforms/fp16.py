@@ -20,7 +20,7 @@ keeps a node for it in practice.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import numpy as np
 import onnx
@@ -29,7 +29,8 @@ from onnx import TensorProto, helper
 from accudiff.model.contrib_ops import contrib_schema, has_cpu_kernel
 from accudiff.model.formats import FP16_MAX
 from accudiff.errors import AccudiffError
-from accudiff.model.graph import copy_without_initializers, declare_like, subgraph_outer_references
+from accudiff.model.constant_rounding import ConstantRounding, denominator_reader, overflow_text, underflow_text
+from accudiff.model.graph import copy_without_initializers, declare_like, readers_of, subgraph_outer_references
 from accudiff.model.weights import weight_blocks
 from accudiff.transforms.base import KeptNode, NodeSelector, TransformResult
 from accudiff.transforms.opset import default_opset
@@ -43,11 +44,18 @@ class Half:
     precision: str  # "fp16" / "bf16"
     type_str: str  # as ONNX schemas name it
     suffix: str  # of the copies of values and weights made in it
-    maximum: float
+    maximum: float  # its largest finite value
+    smallest: float  # its smallest subnormal
 
     @property
     def label(self) -> str:
         return self.precision.upper()
+
+    def as_float32(self, stored: np.ndarray) -> np.ndarray:
+        """Values as `values` stores them, back in FP32 (exactly: both formats are subsets of FP32)."""
+        if self.elem_type == TensorProto.FLOAT16:
+            return stored.view("<f2").astype(np.float32)
+        return (stored.view("<u2").astype("<u4") << 16).view("<f4")
 
     def values(self, block: np.ndarray) -> np.ndarray:
         """FP32 values in this format (round to nearest even; Inf beyond its maximum), as ONNX stores them."""
@@ -59,191 +67,217 @@ class Half:
         return np.where(np.isnan(block), np.uint16(0x7FC0), rounded).astype("<u2")
 
 
-FP16 = Half(TensorProto.FLOAT16, "fp16", "tensor(float16)", "__fp16", FP16_MAX)
-BF16 = Half(TensorProto.BFLOAT16, "bf16", "tensor(bfloat16)", "__bf16", float(np.finfo(np.float32).max))
+FP16 = Half(TensorProto.FLOAT16, "fp16", "tensor(float16)", "__fp16", FP16_MAX, 2.0**-24)
+# BF16 has FP32's exponent but 8 significant bits: its largest finite value, (2 - 2^-7) * 2^127, is below
+# FP32's, and FP32's extremes (which exporters write as mask fills) round to Inf.
+BF16 = Half(TensorProto.BFLOAT16, "bf16", "tensor(bfloat16)", "__bf16", (2 - 2.0**-7) * 2.0**127, 2.0**-133)
 HALVES = {h.precision: h for h in (FP16, BF16)}
 
 
-def to_fp16(model: onnx.ModelProto, keep_fp32: Iterable[str] = (), autokeep: bool = True, half: Half = FP16) -> TransformResult:
-    """Convert a shape-inferred FP32 model to FP16 (or BF16) mixed precision (see the module docstring)."""
+def to_fp16(model: onnx.ModelProto, keep_fp32: Iterable[str] = (), autokeep: bool = True, half: Half = FP16,
+            autokept: Mapping[str, str] | None = None) -> TransformResult:
+    """Convert a shape-inferred FP32 model to FP16 (or BF16) mixed precision (see the module docstring).
+    `autokept`: more nodes autokeep leaves in FP32, with the reason it measured (autokeep.py)."""
     source = {init.name: init for init in model.graph.initializer}
     model = copy_without_initializers(model)  # weights are added back as each is needed, in its new type
-    conversion = _GraphConversion(default_opset(model), NodeSelector(keep_fp32), autokeep, half)
+    conversion = _GraphConversion(default_opset(model), NodeSelector(keep_fp32), autokeep, half, dict(autokept or {}))
     conversion.convert(model.graph, source, {}, "")
     if not conversion.converted and not any(k.reason.startswith("selected by --keep-fp32") for k in conversion.kept):
         reasons = sorted({k.reason for k in conversion.kept})
         raise AccudiffError(f"no node of the model can compute in {half.label}{f' ({reasons[0]})' if len(reasons) == 1 else ''}, "
                             f"so --{half.precision} would compare it with itself")
-    warnings = [f"node '{node}': {text} (--no-autokeep)" for node, text in conversion.constant_overflows.items()]
+    overflows = [(node, text) for node, found in conversion.constant_findings.items() for kind, text in found if kind == "constant_overflow"]
     return TransformResult(
         model=model,
         precision=half.precision,
         kept=conversion.kept,
         converted=conversion.converted,
-        warnings=warnings,
-        constant_overflows=conversion.constant_overflows,
+        warnings=[f"node '{node}': {text} (--no-autokeep)" for node, text in overflows],
+        constant_findings=conversion.constant_findings,
         storage_copies=conversion.copies,
     )
+
+
+@dataclass
+class _Graph:
+    """One graph being converted: its weights (`source`, removed from it; `halves`, their values in the
+    half format), the element types of its values before and after, and the type parameters each
+    converted node (by index) binds to the half format."""
+
+    graph: onnx.GraphProto
+    source: dict[str, onnx.TensorProto]
+    halves: dict[str, np.ndarray]
+    types: dict[str, int]
+    new_types: dict[str, int]
+    converted_params: dict[int, set[str]]
+    scope: str  # a suffix that keeps its Cast names unique
 
 
 class _GraphConversion:
     """Converts a graph, then the bodies of its If/Loop/Scan nodes the same way: a body's inputs and
     outputs keep their types (so do the values it reads from outside), its inner nodes run in FP16."""
 
-    def __init__(self, opset: int, selector: NodeSelector, autokeep: bool, half: Half):
-        self.opset, self.selector, self.autokeep, self.half = opset, selector, autokeep, half
+    def __init__(self, opset: int, selector: NodeSelector, autokeep: bool, half: Half, autokept: dict[str, str]):
+        self.opset, self.selector, self.autokeep, self.half, self.autokept = opset, selector, autokeep, half, autokept
         self.kept: list[KeptNode] = []
         self.converted: set[str] = set()
-        self.constant_overflows: dict[str, str] = {}
+        self.constant_findings: dict[str, list[tuple[str, str]]] = {}
         self.copies: dict[str, str] = {}
 
     def convert(self, graph: onnx.GraphProto, source: dict[str, onnx.TensorProto], outer_types: dict[str, int], scope: str) -> None:
         """Convert `graph` in place; `source` holds its weights (removed from it), `outer_types` the types of
         what it reads from enclosing graphs, `scope` a suffix that keeps its Cast names unique."""
-        opset = self.opset
         types = {**outer_types, **elem_types(graph, source.values())}
-        constants, halves = _read_weights(graph, source.values(), self.half)
+        roundings, halves = _read_weights(graph, source.values(), self.half)
         outer_refs = subgraph_outer_references(graph.node)
-        converted_params: dict[int, set[str]] = {}  # fp16 node (index) -> its type parameters bound to FP16
+        state = _Graph(graph, source, halves, types, dict(types), {}, scope)
         for index, node in enumerate(graph.node):
-            decision = _decide(node, opset, types, constants, outer_refs, self.selector, self.autokeep, self.half)
+            decision = self._decide(node, types, roundings, outer_refs)
             if isinstance(decision, KeptNode):
                 self.kept.append(decision)
             elif decision:
-                converted_params[index] = decision
+                state.converted_params[index] = decision
                 self.converted.add(node.name)
             for attr in node.attribute:
                 for k, body in enumerate([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
                     weights = {init.name: init for init in body.initializer}
                     del body.initializer[:]
-                    inner = {**types, **_undeclared_body_inputs(node, body, types, opset)}
+                    inner = {**types, **_undeclared_body_inputs(node, body, types, self.opset)}
                     self.convert(body, weights, inner, f"{scope}_{node.name or node.op_type}_{attr.name}{k or ''}")
 
         # New element type of every FP32 value: FP16 when an FP16 node produced it through a converted parameter.
-        new_types = dict(types)
-        for index, params in converted_params.items():
+        readers = readers_of(graph.node)
+        for index, params in state.converted_params.items():
             node = graph.node[index]
-            schema = _schema(node, opset)
+            schema = _schema(node, self.opset)
             for position, out in enumerate(node.output):
                 if out and types.get(out) == TensorProto.FLOAT and _formal_type(schema.outputs, position) in params:
-                    new_types[out] = self.half.elem_type
-            for name in node.input:
-                absmax = constants.get(name, 0.0)
-                if absmax > self.half.maximum:
-                    self.constant_overflows[node.name] = (f"its constant '{name}' (absmax {absmax:.3g}) is beyond the {self.half.label} maximum "
-                                                          f"{self.half.maximum:.6g} and became Inf")
+                    state.new_types[out] = self.half.elem_type
+            found = self._constant_findings(node, schema, params, roundings, readers)
+            if found:
+                self.constant_findings[node.name] = found
 
-        _retype_graph_outputs(graph, types, new_types, converted_params, self.half)
-        copies = _insert_casts(graph, source, halves, opset, types, new_types, converted_params, scope, self.half)
+        self._retype_graph_outputs(state)
+        copies = self._insert_casts(state)
         if not scope:  # only the main graph's copies can be fed in an isolated run
             self.copies.update(copies)
 
+    def _decide(self, node, types, roundings: dict[str, ConstantRounding], outer_refs) -> set[str] | KeptNode | None:
+        """Type parameters bound to the half format for a convertible node, a KeptNode when it must stay
+        FP32, None if neutral."""
+        half = self.half
+        float_inputs = [i for i, name in enumerate(node.input) if name and types.get(name) == TensorProto.FLOAT]
+        float_outputs = [o for o in node.output if o and types.get(o) == TensorProto.FLOAT]
+        if node.op_type == "Constant" or not (float_inputs or float_outputs):
+            return None
+        keep = lambda reason, autokept=False: KeptNode(node.name, node.op_type, reason, autokept)  # noqa: E731
+        schema = _schema(node, self.opset)
+        if schema is None:
+            return keep(f"op of domain '{node.domain}' has no known {half.label} schema")
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+            return None  # If/Loop/Scan: its inputs and outputs keep their types; its bodies are converted
+        pattern = self.selector.matches(node)
+        if pattern is not None:
+            return keep(f"selected by --keep-fp32 {pattern}")
+        if any(o in outer_refs for o in node.output):
+            return keep("an If/Loop/Scan body reads its output")
+        params = {_formal_type(schema.inputs, i) for i in float_inputs if _allows(schema, _formal_type(schema.inputs, i), half)}
+        if not params:
+            return keep(f"its op has no {half.label} form for these inputs") if float_inputs else None
+        if node.domain not in ("", "ai.onnx") and not _cpu_kernel(node, schema, params, types, self.opset, half):
+            return keep(f"ONNX Runtime's CPU provider has no {half.label} kernel for {node.op_type}")
+        if self.autokeep:
+            if node.name in self.autokept:
+                return keep(self.autokept[node.name], True)
+            for i in float_inputs:
+                rounding = roundings.get(node.input[i])
+                if rounding is not None and rounding.to_inf and _formal_type(schema.inputs, i) in params:
+                    return keep(overflow_text(node.input[i], rounding, node.op_type, half.label, half.maximum, happened=False), True)
+        return params
 
-def _decide(node, opset, types, constants, outer_refs, selector, autokeep, half: Half) -> set[str] | KeptNode | None:
-    """Type parameters bound to the half format for a convertible node, a KeptNode when it must stay FP32,
-    None if neutral."""
-    float_inputs = [i for i, name in enumerate(node.input) if name and types.get(name) == TensorProto.FLOAT]
-    float_outputs = [o for o in node.output if o and types.get(o) == TensorProto.FLOAT]
-    if node.op_type == "Constant" or not (float_inputs or float_outputs):
-        return None
-    keep = lambda reason: KeptNode(node.name, node.op_type, reason)  # noqa: E731
-    schema = _schema(node, opset)
-    if schema is None:
-        return keep(f"op of domain '{node.domain}' has no known {half.label} schema")
-    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
-        return None  # If/Loop/Scan: its inputs and outputs keep their types; its bodies are converted
-    pattern = selector.matches(node)
-    if pattern is not None:
-        return keep(f"selected by --keep-fp32 {pattern}")
-    if any(o in outer_refs for o in node.output):
-        return keep("an If/Loop/Scan body reads its output")
-    params = {
-        _formal_type(schema.inputs, i)
-        for i in float_inputs
-        if _allows(schema, _formal_type(schema.inputs, i), half)
-    }
-    if not params:
-        return keep(f"its op has no {half.label} form for these inputs") if float_inputs else None
-    if node.domain not in ("", "ai.onnx") and not _cpu_kernel(node, schema, params, types, opset, half):
-        return keep(f"ONNX Runtime's CPU provider has no {half.label} kernel for {node.op_type}")
-    if autokeep:
-        for i in float_inputs:
-            name = node.input[i]
-            if name in constants and _formal_type(schema.inputs, i) in params:
-                absmax = constants[name]
-                if absmax > half.maximum:
-                    return keep(f"its constant '{name}' has absmax {absmax:.3g}, beyond the {half.label} maximum {half.maximum:.6g}")
-    return params
+    def _constant_findings(self, node, schema, params: set[str], roundings: dict[str, ConstantRounding], readers) -> list[tuple[str, str]]:
+        """What the half format did to the constants converted node `node` reads: Inf (--no-autokeep), 0."""
+        found = []
+        for position, name in enumerate(node.input):
+            rounding = roundings.get(name)
+            if rounding is None or _formal_type(schema.inputs, position) not in params:
+                continue
+            if rounding.to_inf:
+                found.append(("constant_overflow", overflow_text(name, rounding, node.op_type, self.half.label, self.half.maximum, happened=True)))
+            if rounding.underflow_matters:
+                denominator = denominator_reader(node.output[0], readers.get(node.output[0], [])) if node.op_type == "Add" and rounding.size == 1 else None
+                found.append(("constant_underflow", underflow_text(name, rounding, self.half.label, self.half.smallest, denominator)))
+        return found
 
+    def _retype_graph_outputs(self, state: _Graph) -> None:
+        """A graph output converted to FP16 is renamed `<name>__fp16`; a Cast then restores `<name>` in FP32.
+        (An output the model already computes in FP16 stays as it is.)"""
+        graph, types, new_types, half = state.graph, state.types, state.new_types, self.half
+        for out in graph.output:
+            if new_types.get(out.name) != half.elem_type or types.get(out.name) == half.elem_type:
+                continue
+            inner = out.name + half.suffix
+            for node in graph.node:
+                node.output[:] = [inner if o == out.name else o for o in node.output]
+                node.input[:] = [inner if i == out.name else i for i in node.input]
+            types[inner], new_types[inner] = TensorProto.FLOAT, half.elem_type
+            declared = graph.value_info.add()
+            declared.CopyFrom(out)
+            declared.name = inner  # its type becomes FP16 with the other converted values
+            new_types[out.name] = TensorProto.FLOAT
+            cast = helper.make_node("Cast", [inner], [out.name], name=out.name + "__to_fp32", to=TensorProto.FLOAT)
+            state.converted_params[len(graph.node)] = {"T1"}  # the Cast reads the FP16 value as it is
+            graph.node.append(cast)
 
-def _retype_graph_outputs(graph, types, new_types, converted_params, half: Half) -> None:
-    """A graph output converted to FP16 is renamed `<name>__fp16`; a Cast then restores `<name>` in FP32.
-    (An output the model already computes in FP16 stays as it is.)"""
-    for out in graph.output:
-        if new_types.get(out.name) != half.elem_type or types.get(out.name) == half.elem_type:
-            continue
-        inner = out.name + half.suffix
-        for node in graph.node:
-            node.output[:] = [inner if o == out.name else o for o in node.output]
-            node.input[:] = [inner if i == out.name else i for i in node.input]
-        types[inner], new_types[inner] = TensorProto.FLOAT, half.elem_type
-        declared = graph.value_info.add()
-        declared.CopyFrom(out)
-        declared.name = inner  # its type becomes FP16 with the other converted values
-        new_types[out.name] = TensorProto.FLOAT
-        cast = helper.make_node("Cast", [inner], [out.name], name=out.name + "__to_fp32", to=TensorProto.FLOAT)
-        converted_params[len(graph.node)] = {"T1"}  # the Cast reads the FP16 value as it is
-        graph.node.append(cast)
+    def _insert_casts(self, state: _Graph) -> dict[str, str]:
+        """Give every node input the element type its node now needs: FP16 copies of weights (their values
+        made as the weights were read), Casts otherwise.
 
+        Original weights are added back only where something still reads them in their own type. Returns
+        the activations' cast copies, {copy: tensor}.
+        """
+        graph, initializers, half = state.graph, state.source, self.half
+        produced: dict[tuple[str, int], str] = {}
+        new_nodes: list[onnx.NodeProto] = []
+        copies: dict[str, str] = {}
+        declared = {vi.name: vi for vi in [*graph.input, *graph.value_info, *graph.output]}
 
-def _insert_casts(graph, initializers, halves, opset, types, new_types, converted_params, scope: str, half: Half) -> dict[str, str]:
-    """Give every node input the element type its node now needs: FP16 copies of weights (`halves`: their
-    values, made as the weights were read), Casts otherwise.
+        def convert(name: str, target: int) -> str:
+            key = (name, target)
+            if key not in produced:
+                suffix = (half.suffix if target == half.elem_type else "__fp32") + state.scope
+                produced[key] = name + suffix
+                if name in initializers and target == half.elem_type:
+                    values = state.halves.pop(name)
+                    # Built in place: a TensorProto made first and appended would be copied once more.
+                    weight = graph.initializer.add(name=produced[key], data_type=half.elem_type, dims=initializers[name].dims)
+                    weight.raw_data = values.tobytes()
+                    del values
+                else:
+                    new_nodes.append(helper.make_node("Cast", [name], [produced[key]], name=produced[key] + "_cast", to=target))
+                    copies[produced[key]] = name
+                    declare_like(graph, declared, produced[key], name, target)
+            return produced[key]
 
-    Original weights are added back only where something still reads them in their own type. Returns the
-    activations' cast copies, {copy: tensor}.
-    """
-    produced: dict[tuple[str, int], str] = {}
-    new_nodes: list[onnx.NodeProto] = []
-    copies: dict[str, str] = {}
-    declared = {vi.name: vi for vi in [*graph.input, *graph.value_info, *graph.output]}
-
-    def convert(name: str, target: int) -> str:
-        key = (name, target)
-        if key not in produced:
-            suffix = (half.suffix if target == half.elem_type else "__fp32") + scope
-            produced[key] = name + suffix
-            if name in initializers and target == half.elem_type:
-                values = halves.pop(name)
-                # Built in place: a TensorProto made first and appended would be copied once more.
-                weight = graph.initializer.add(name=produced[key], data_type=half.elem_type, dims=initializers[name].dims)
-                weight.raw_data = values.tobytes()
-                del values
-            else:
-                new_nodes.append(helper.make_node("Cast", [name], [produced[key]], name=produced[key] + "_cast", to=target))
-                copies[produced[key]] = name
-                declare_like(graph, declared, produced[key], name, target)
-        return produced[key]
-
-    for index, node in enumerate(list(graph.node)):
-        params = converted_params.get(index, set())
-        schema = _schema(node, opset) if params else None
-        for i, name in enumerate(node.input):
-            if types.get(name) != TensorProto.FLOAT:
-                continue  # only values that were FP32 change type; others stay as the author wrote them
-            wanted = half.elem_type if schema is not None and _formal_type(schema.inputs, i) in params else TensorProto.FLOAT
-            if new_types[name] != wanted:
-                node.input[i] = convert(name, wanted)
-        new_nodes.append(node)
-    del graph.node[:]
-    graph.node.extend(new_nodes)  # each Cast sits right before its first reader: still topological
-    still_read = {name for node in new_nodes for name in node.input} | subgraph_outer_references(new_nodes)
-    still_read |= {i.name for i in graph.input} | {o.name for o in graph.output}
-    graph.initializer.extend(init for name, init in initializers.items() if name in still_read)
-    for vi in graph.value_info:
-        if vi.name in new_types and vi.type.HasField("tensor_type"):
-            vi.type.tensor_type.elem_type = new_types[vi.name]
-    return copies
+        for index, node in enumerate(list(graph.node)):
+            params = state.converted_params.get(index, set())
+            schema = _schema(node, self.opset) if params else None
+            for i, name in enumerate(node.input):
+                if state.types.get(name) != TensorProto.FLOAT:
+                    continue  # only values that were FP32 change type; others stay as the author wrote them
+                wanted = half.elem_type if schema is not None and _formal_type(schema.inputs, i) in params else TensorProto.FLOAT
+                if state.new_types[name] != wanted:
+                    node.input[i] = convert(name, wanted)
+            new_nodes.append(node)
+        del graph.node[:]
+        graph.node.extend(new_nodes)  # each Cast sits right before its first reader: still topological
+        still_read = {name for node in new_nodes for name in node.input} | subgraph_outer_references(new_nodes)
+        still_read |= {i.name for i in graph.input} | {o.name for o in graph.output}
+        graph.initializer.extend(init for name, init in initializers.items() if name in still_read)
+        for vi in graph.value_info:
+            if vi.name in state.new_types and vi.type.HasField("tensor_type"):
+                vi.type.tensor_type.elem_type = state.new_types[vi.name]
+        return copies
 
 
 def _undeclared_body_inputs(node: onnx.NodeProto, body: onnx.GraphProto, types: dict[str, int], opset: int) -> dict[str, int]:
@@ -274,38 +308,29 @@ def elem_types(graph: onnx.GraphProto, initializers: Iterable[onnx.TensorProto])
     return types
 
 
-def _read_weights(graph: onnx.GraphProto, initializers: Iterable[onnx.TensorProto], half: Half) -> tuple[dict[str, float], dict[str, np.ndarray]]:
-    """Largest magnitude of every FP32 weight and Constant (all autokeep needs), and each FP32 weight's
-    values in the half format (little-endian, as ONNX raw data is), made in the same read: a weight in a
-    data file is read once, a block at a time, and never held whole in FP32."""
-    absmax, halves = {}, {}
+def _read_weights(graph: onnx.GraphProto, initializers: Iterable[onnx.TensorProto], half: Half) -> tuple[dict[str, ConstantRounding], dict[str, np.ndarray]]:
+    """What the half format does to every FP32 weight and Constant (all autokeep and the findings need), and
+    each FP32 weight's values in the half format (little-endian, as ONNX raw data is), made in the same
+    read: a weight in a data file is read once, a block at a time, and never held whole in FP32."""
+    roundings, halves = {}, {}
     for init in initializers:
         if init.data_type != TensorProto.FLOAT:
             continue
-        values, filled, high = np.empty(int(np.prod(init.dims, dtype=np.int64)), "<u2"), 0, 0.0
+        values, filled, rounding = np.empty(int(np.prod(init.dims, dtype=np.int64)), "<u2"), 0, ConstantRounding()
         for block in weight_blocks(init):  # beyond FP16 only with --no-autokeep, and then reported
-            high = max(high, _absmax(block))
-            values[filled : filled + block.size] = half.values(block).view("<u2")
+            stored = half.values(block).view("<u2")
+            rounding.add(block, half.as_float32(stored))
+            values[filled : filled + block.size] = stored.reshape(-1)
             filled += block.size
-        absmax[init.name], halves[init.name] = high, values
+        roundings[init.name], halves[init.name] = rounding, values
     for node in graph.node:
         if node.op_type == "Constant":
             for attr in node.attribute:
                 if attr.name == "value" and attr.t.data_type == TensorProto.FLOAT:
-                    absmax[node.output[0]] = max((_absmax(block) for block in weight_blocks(attr.t)), default=0.0)
-    return absmax, halves
-
-
-def _absmax(values: np.ndarray) -> float:
-    """max(abs(values)) of the finite values (an Inf is stored as it is, it does not overflow), without an
-    absolute copy of a weight that may take gigabytes."""
-    if not values.size:
-        return 0.0
-    high, low = values.max(), values.min()
-    if not (np.isfinite(high) and np.isfinite(low)):
-        finite = values[np.isfinite(values)]
-        high, low = finite.max(initial=0.0), finite.min(initial=0.0)
-    return float(max(high, -low, 0.0))
+                    rounding = roundings[node.output[0]] = ConstantRounding()
+                    for block in weight_blocks(attr.t):
+                        rounding.add(block, half.as_float32(half.values(block).view("<u2")))
+    return roundings, halves
 
 
 def _schema(node: onnx.NodeProto, opset: int):

@@ -20,12 +20,14 @@ from onnx import numpy_helper
 
 from accudiff.errors import AccudiffError
 from accudiff.model.formats import GRIDS, REDUCED_FLOATS, QuantRange, grid_type, model_formats, precision_label, quant_ranges
-from accudiff.model.graph import constant_values, value_types
+from accudiff.model.constant_rounding import ConstantRounding, overflow_text, underflow_text
+from accudiff.model.graph import cast_target, constant_values, value_types
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.quantized_ops import find_quantized_ops, quantized_members
 from accudiff.model.quantized_weights import lost_channels, quantized_weight_findings
-from accudiff.model.weights import weight_values
+from accudiff.model.weights import weight_blocks, weight_values
 from accudiff.transforms.base import KeptNode, NodeSelector, TransformResult
+from accudiff.transforms.fp16 import HALVES
 from accudiff.transforms.keep_float import FLOAT_TYPES, STORAGE_OPS, keep_in_float
 
 
@@ -66,6 +68,7 @@ def adopt(candidate: ModelInfo, reference: ModelInfo, keep_fp32: Iterable[str] =
         unmatched=alignment.unmatched,
         inside=alignment.inside,
         weight_findings={**per_tensor_weights(model.graph, reference.proto.graph), **quantized_weight_findings(ops, model.graph, reference.proto.graph)},
+        constant_findings=half_constant_findings(model.graph, reference.proto.graph),
         quantized_by={name: op.tool for op in ops for name in op.names},
     )
 
@@ -231,6 +234,39 @@ def per_tensor_weights(graph: onnx.GraphProto, reference: onnx.GraphProto) -> di
             if said:
                 found[node.name] = ("per_tensor_scale", said)
     return found
+
+
+def half_constant_findings(graph: onnx.GraphProto, reference: onnx.GraphProto) -> dict[str, list[tuple[str, str]]]:
+    """What the candidate's FP16/BF16 constants hold where the float ones are finite and nonzero (as
+    to_fp16 reports its own: constant_rounding.py), by the node reading them: a constant stored in the
+    format (its float values: the reference's constant of the same name), or cast to it as the model runs."""
+    halves = {half.elem_type: half for half in HALVES.values()}
+    constants, theirs = constant_values(graph), constant_values(reference)
+    producer = {out: node for node in graph.node for out in node.output if out}
+    found: dict[str, list[tuple[str, str]]] = {}
+    for node in graph.node:
+        if node.op_type in STORAGE_OPS:
+            continue
+        for name in dict.fromkeys(node.input):
+            cast = producer.get(name)
+            if name in constants and name in theirs and constants[name].data_type in halves and theirs[name].data_type == onnx.TensorProto.FLOAT:
+                half, rounding = halves[constants[name].data_type], ConstantRounding()
+                for wide, narrow in zip(weight_blocks(theirs[name], ROUNDING_BLOCK * 4), weight_blocks(constants[name], ROUNDING_BLOCK * 2)):
+                    rounding.add(wide, narrow.astype(np.float32))
+            elif cast is not None and cast.op_type == "Cast" and cast_target(cast) in halves and constants.get(cast.input[0], onnx.TensorProto()).data_type == onnx.TensorProto.FLOAT:
+                half, rounding, name = halves[cast_target(cast)], ConstantRounding(), cast.input[0]
+                for wide in weight_blocks(constants[name]):
+                    rounding.add(wide, half.as_float32(half.values(wide)))
+            else:
+                continue
+            if rounding.to_inf:
+                found.setdefault(node.name, []).append(("constant_overflow", overflow_text(name, rounding, node.op_type, half.label, half.maximum, happened=True)))
+            if rounding.underflow_matters:
+                found.setdefault(node.name, []).append(("constant_underflow", underflow_text(name, rounding, half.label, half.smallest)))
+    return found
+
+
+ROUNDING_BLOCK = 1 << 20  # values read at a time from each side of a constant
 
 
 def reduced_nodes(graph: onnx.GraphProto) -> set[str]:

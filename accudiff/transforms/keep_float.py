@@ -27,7 +27,7 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from accudiff.model.formats import REDUCED_FLOATS
-from accudiff.model.graph import constant_values, declare_like, value_types
+from accudiff.model.graph import constant_values, declare_like, readers_of, value_types
 from accudiff.model.quantized_ops import QuantizedOp, by_name, find_quantized_ops, float_nodes, quantized_members
 from accudiff.model.quantized_weights import float_weight
 from accudiff.model.shapes import infer_shapes_unless_typed
@@ -94,10 +94,7 @@ class FloatInputs:
         self._imports: dict[str, str] = {}
         self.casts: dict[tuple[str, int], str] = {}
         self.wide: dict[str, str] = {}  # a narrow value a kept node computed -> its FP32 result
-        self.readers: dict[str, list[onnx.NodeProto]] = {}
-        for node in graph.node:
-            for name in node.input:
-                self.readers.setdefault(name, []).append(node)
+        self.readers = readers_of(graph.node)
         self.graph_outputs = {o.name for o in graph.output}
         self.ops: dict[str, QuantizedOp] = by_name(find_quantized_ops(graph, reference.graph if reference is not None else None))
         self._dequantized: dict[str, str] = {}
