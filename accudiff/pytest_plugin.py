@@ -99,8 +99,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     terminalreporter.section("accudiff")
     for entry in failures:
         terminalreporter.write_line(f"FAILED {entry['model']} [{entry['precision']}] ({entry['test']})")
+        for cause in entry["causes"]:
+            terminalreporter.write_line(f"    {cause}")
+        if entry["worst"]:  # where the error is largest: downstream of a cause, or absorbed on the way
+            terminalreporter.write_line("    lowest SQNR (where the error is largest, not what causes it):")
         for worst in entry["worst"]:
-            terminalreporter.write_line(f"    {worst}")
+            terminalreporter.write_line(f"      {worst}")
         if entry.get("report"):
             terminalreporter.write_line(f"    report: {entry['report']}")
     for entry in created:
@@ -243,6 +247,8 @@ class AccuracyCheck:
             pytest.fail(f"accudiff could not compare {self.model}: {exc}", pytrace=False)
 
     def _record(self, result, problems, written) -> None:
+        from accudiff.report.content import cause_lines
+
         table = result.table
         worst = table[table["sqnr_db"].notna()].nsmallest(3, "sqnr_db")
         self.node.user_properties.append(
@@ -253,6 +259,7 @@ class AccuracyCheck:
                     "model": str(self.model),
                     "precision": self.precision,
                     "failed": bool(problems),
+                    "causes": [f"output '{f.tensor}': {cause_lines(f, result)[0]}" for f in result.output_failures if f.cause is not None],
                     "worst": [f"{r['tensor']}: SQNR {r['sqnr_db']:.1f} dB, max abs err {r['max_abs_err']:.3g}" for _, r in worst.iterrows()],
                     "report": str(result.report_dir) if result.report_dir else None,
                     "baseline_written": written,

@@ -32,6 +32,10 @@ from conftest import ROOT, fixture
 
 sys.path.insert(0, str(ROOT))
 from benchmarks import models, realistic_inputs  # noqa: E402
+from accudiff.bisect.precision import bisect_precision  # noqa: E402
+from accudiff.bisect.session import BisectSession  # noqa: E402
+from accudiff.model.inputs import save_feeds  # noqa: E402
+from accudiff.settings import RunSettings  # noqa: E402
 
 FP16_FIXTURES = [
     ("overflow_activation", {}),
@@ -166,6 +170,20 @@ def test_trained_classifier_in_bf16_fed_real_file_bytes(tmp_path):
     [failure] = result.output_failures
     assert failure.cause.kind in ("dominant", "local") and failure.cause.node.endswith("LayerNorm_0/Sub")
     _hold_to_the_keep_one_oracle(path, feeds[worst], result)
+    # The repair is minimal: the square of the mean and the subtraction (it kept the 7 nodes of the
+    # cancellation's unit; bisect precision 6, its value-moving readers too). Dropping either breaks it,
+    # as the oracle's own BF16 Cast pairs say.
+    minimal = ["LayerNorm_0/Square_1", "LayerNorm_0/Sub"]
+    assert [n.rsplit("/", 2)[-2] + "/" + n.rsplit("/", 1)[-1] for n in failure.repair.keep] == minimal and failure.repair.pruning_runs >= 5
+    values, reduced, tolerance = oracle.reference_values(path, feeds[worst]), set(result.converted), tuple(BF16_TOLERANCE.values())
+    for kept in ([], failure.repair.keep[:1], failure.repair.keep[1:]):
+        assert oracle.output_ratios(path, values, feeds[worst], reduced, set(kept), tolerance, [failure.tensor], "bf16")[failure.tensor] > 1, kept
+    save_feeds([feeds[worst]], tmp_path / "worst.npz")
+    session = BisectSession(RunSettings(path, "bf16", candidate="onnxrt", inputs=tmp_path / "worst.npz", **BF16_TOLERANCE))
+    try:
+        assert bisect_precision(session, tmp_path).keep == failure.repair.keep
+    finally:
+        session.close()
 
 
 def test_absorbed_overflow_is_ruled_out_and_named_with_its_absorber(tmp_path):

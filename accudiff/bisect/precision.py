@@ -4,7 +4,8 @@
    failing output and its verified repair, and ranks the converted nodes: the repairs' nodes first, then
    the contributors by their measured effect at the output, then every other node by its own error.
 2. Where every failing output has a verified repair, their union is tried on all the samples and pruned
-   node by node (each dropped if the rest still passes): the keep-list is never longer than compare's.
+   node by node, value-moving readers kept for company included (each dropped if the rest still passes):
+   the keep-list is never longer than compare's.
 3. Otherwise, keeping the top k nodes is tried for k found by bisection over the ranking (about log2(N)
    runs): first the whole ranking (if even that fails, no keep-list of these nodes repairs the model),
    then halving towards the smallest k that passes; a short list (up to PRUNE_LIMIT nodes) is pruned.
@@ -24,7 +25,7 @@ import pandas as pd
 from accudiff.result import CompareResult
 from accudiff.bisect.session import BisectSession
 from accudiff.diagnosis.cause import rank_contributors
-from accudiff.comparison.trial import Trials
+from accudiff.comparison.trial import Trials, prune
 from accudiff.model.saving import save_model
 from accudiff.transforms.candidate import keep_pattern, repaired, repaired_file
 
@@ -64,9 +65,9 @@ def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
     repairs = [f.repair for f in full.output_failures]
     verified = all(r is not None and r.verified for r in repairs)
     start = list(dict.fromkeys(n for r in repairs if r is not None for n in r.keep)) if verified else []
-    result.bound = _run_bound(len(ranking), len(start))
     ranking.to_csv(out_dir / RANKING_FILE, index=False)
     trials = session.trials(full)
+    result.bound = _run_bound(len(ranking), len(trials.boundaries.close(start)))
     try:
         best = _from_repair(session, trials, start, full) if verified else None
         if best is None:
@@ -119,25 +120,30 @@ def rank(full: CompareResult) -> pd.DataFrame:
     return ranked
 
 
-def _passes(session: BisectSession, trials: Trials, chosen: list[str], full: CompareResult, what: str, total: int) -> bool:
-    keep = trials.boundaries.close(chosen)
+def _passes(session: BisectSession, trials: Trials, chosen: list[str], full: CompareResult, what: str, total: int, regions: bool | None = None) -> bool:
+    keep = trials.boundaries.close(chosen, regions)
     session.progress(f"step {session.candidate_runs + 1} of at most {total}: keep {len(keep)} node(s) in higher precision ({what} and what they need)")
-    [outcome] = trials.run([keep])
+    [outcome] = trials.run([keep], regions=regions)
     session.candidate_runs += 1
     return outcome.passes(list(full.outputs["tensor"]), session.settings.judged)
 
 
+def _pruned(session: BisectSession, trials: Trials, chosen: list[str], full: CompareResult, total: int, limit: int) -> list[str]:
+    """A passing keep-list (closed over its regions) with each node dropped while the rest still passes,
+    the value-moving readers kept for company too (trial.prune), in at most `limit` runs."""
+    def holds(rest: list[str]) -> bool:
+        return _passes(session, trials, rest, full, "pruning: one node fewer", total, regions=False)
+
+    return prune(trials.boundaries.close(chosen), holds, lambda keep: trials.boundaries.close(keep, regions=False), limit=limit)[0]
+
+
 def _from_repair(session: BisectSession, trials: Trials, start: list[str], full: CompareResult) -> list[str] | None:
     """compare's verified repairs, together, tried on every sample and pruned; None if they fail there."""
-    total = _run_bound(0, len(start))
+    closed = trials.boundaries.close(start)
+    total = _run_bound(0, len(closed))
     if not _passes(session, trials, start, full, f"the {len(start)} of the verified repairs", total):
         return None
-    chosen = list(start)
-    for node in reversed(start[1:]):
-        rest = [n for n in chosen if n != node]
-        if _passes(session, trials, rest, full, f"all but '{node}'", total):
-            chosen = rest
-    return trials.boundaries.close(chosen)
+    return _pruned(session, trials, start, full, total, len(closed))
 
 
 def _smallest_passing_prefix(session: BisectSession, trials: Trials, nodes: list[str], units: dict[str, list[str]], full: CompareResult) -> list[str] | None:
@@ -158,18 +164,13 @@ def _smallest_passing_prefix(session: BisectSession, trials: Trials, nodes: list
         else:
             failing = middle
     chosen = prefix(passing)
-    if len(chosen) <= PRUNE_LIMIT:
-        for node in reversed(chosen[1:]):
-            rest = [n for n in chosen if n != node]
-            if _passes(session, trials, rest, full, f"all but '{node}'", total):
-                chosen = rest
-    return trials.boundaries.close(chosen)
+    return _pruned(session, trials, chosen, full, total, PRUNE_LIMIT) if len(chosen) <= PRUNE_LIMIT else trials.boundaries.close(chosen)
 
 
 def _run_bound(ranked: int, repair: int) -> int:
     """Candidate runs at most: the comparison with its isolated run (2) and verification (reported apart),
     then either the repair and its pruning, or all ranked kept, the bisection and the pruning; and, if
     none of these passes, every converted node kept."""
-    from_repair = 1 + max(repair - 1, 0) if repair else 0
-    bisection = 1 + math.ceil(math.log2(max(ranked, 1))) + max(min(PRUNE_LIMIT, ranked) - 1, 0) if ranked else 0
+    from_repair = 1 + repair if repair else 0
+    bisection = 1 + math.ceil(math.log2(max(ranked, 1))) + PRUNE_LIMIT if ranked else 0
     return 2 + from_repair + bisection + 1  # and last, every converted node kept

@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Mapping, Sequence
 
 import onnx
 
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 MAX_TRIAL_SAMPLES = 8  # trials run on the worst failing samples, at most this many
 VARIANTS_PER_WORKER = 8  # every variant's session is open at once in a worker: bound that
 UNDERFLOW_SHARE = 0.01  # as diagnosis/rules.py: a smaller share of tiny values is noise
+PRUNE_RUNS = 16  # runs pruning a repair may take: its nodes tried for dropping, the last added first
 
 
 @dataclass(frozen=True)
@@ -116,14 +117,14 @@ class Trials:
         while self._workers:
             self._workers.pop().let_go()  # their teardown overlaps what the caller does next
 
-    def run(self, keep_lists: Sequence[Sequence[str]], parts: Sequence[str] | None = None) -> list[TrialOutcome]:
+    def run(self, keep_lists: Sequence[Sequence[str]], parts: Sequence[str] | None = None, regions: bool | None = None) -> list[TrialOutcome]:
         """Each keep-list (closed over boundaries) tried on the setup's samples; outcomes in the same order.
         On a switchboard, one worker tries them all, its runs on every core. Variants are shared among as
         many workers as there are cores, at once: what a variant costs is mostly single-threaded
         (preparing its model and creating its session). `parts`, one per keep-list: of a candidate made by
         another tool, what keeping undoes (CandidateVariants.with_kept): "all" (the default), or only its
-        "quantization" or its "casts"."""
-        closed = [self.boundaries.close(keep) for keep in keep_lists]
+        "quantization" or its "casts". `regions`: see Boundaries.close."""
+        closed = [self.boundaries.close(keep, regions) for keep in keep_lists]
         parts = list(parts) if parts is not None else ["all"] * len(closed)
         cores = os.cpu_count() or 1
         started = time.perf_counter()
@@ -262,6 +263,25 @@ def trial_workers(settings: RunSettings) -> int:
     return 1 if switchable(settings) else os.cpu_count() or 1
 
 
+def prune(keep: Sequence[str], holds: Callable[[list[str]], bool], close: Callable[[list[str]], list[str]], protected: Collection[str] = (),
+          limit: int = PRUNE_RUNS) -> tuple[list[str], int]:
+    """`keep`, each node dropped (the last added first) while the rest still `holds` (a run), and how many
+    runs that took. A repair grown by adding what helps, or kept as a unit (a cancellation with what
+    computes its operands), carries nodes it needs no more once the others are in. A node the rest's
+    boundaries would take back (`close`) is not tried; `protected` ones (the cause) neither."""
+    chosen, runs = list(keep), 0
+    for node in reversed(list(keep)):
+        if runs >= limit:
+            break
+        rest = [n for n in chosen if n != node]
+        if not rest or node in protected or node in close(rest):
+            continue
+        runs += 1
+        if holds(rest):
+            chosen = rest
+    return close(chosen), runs
+
+
 def unfit_for_format(table: pd.DataFrame, precision: str) -> set[str]:
     """Tensors whose reference values the run's half format cannot hold: in FP16, beyond 65504, or a
     significant share of them nonzero below its normal range (where they lose their bits or become 0); in
@@ -291,14 +311,18 @@ class Boundaries:
                 for name in node.input:
                     self.consumers.setdefault(name, []).append(node.name)
         moving = {node.name for node in graph.node if node.op_type in VALUE_PRESERVING_OPS}
-        self.passed_on = {node.name: [c for o in node.output for c in self.consumers.get(o, []) if c in moving] for node in graph.node} if regions else {}
+        self.passed_on = {node.name: [c for o in node.output for c in self.consumers.get(o, []) if c in moving] for node in graph.node}
+        self.regions = regions
 
-    def close(self, keep: Sequence[str]) -> list[str]:
+    def close(self, keep: Sequence[str], regions: bool | None = None) -> list[str]:
+        """`keep` and the nodes it needs; `regions` (default: as made) adds the value-moving readers too
+        (pruning goes without them: a repair may hold without a reader kept for company)."""
         closed, queue = list(dict.fromkeys(keep)), list(dict.fromkeys(keep))
+        regions = self.regions if regions is None else regions
         while queue:
             node = queue.pop()
             overflowing = [c for tensor in self.overflowing.get(node, []) for c in self.consumers.get(tensor, [])]
-            for consumer in [*overflowing, *self.passed_on.get(node, [])]:
+            for consumer in [*overflowing, *(self.passed_on.get(node, []) if regions else [])]:
                 if consumer not in closed:
                     closed.append(consumer)
                     queue.append(consumer)

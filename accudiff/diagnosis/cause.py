@@ -208,3 +208,4 @@ class Repair:
     steps: list[RepairStep]
     verified: bool
     samples: list[int] = field(default_factory=list)
+    pruning_runs: int = 0  # runs that tried dropping its nodes once it held (readings.pruned): the last step is what held

@@ -37,10 +37,11 @@ import numpy as np
 import pandas as pd
 
 from accudiff.comparison.group import GroupRun, could_be_a_shape
-from accudiff.comparison.objective import Objective, describe
+from accudiff.comparison.objective import Objective
 from accudiff.comparison.trial import MAX_TRIAL_SAMPLES, TrialOutcome, TrialSetup, Trials, trial_workers
 from accudiff.comparison.worker import prestart
 from accudiff.diagnosis.loss_split import loss_split, loss_split_keeps
+from accudiff.diagnosis.readings import Reading, Tries, improvement, pruned
 from accudiff.diagnosis.cause import Absorbed, Cause, Contributor, Repair, RepairStep, ancestor_tensors, flagged_nodes, rank_contributors
 from accudiff.diagnosis.mechanisms import absorber, amplifiers, cancellations
 from accudiff.diagnosis.rules import RANGE_KINDS, DiagnosisContext, Finding, grid_fault_strength, isolated_figures, isolation_ran, range_findings
@@ -65,30 +66,6 @@ SQNR_CAP = 200.0
 BACKEND_NAMES = {"onnxrt": "ONNX Runtime", "trt": "TensorRT"}
 
 
-@dataclass(frozen=True)
-class _Reading:
-    """One keep-list at one output: its tolerance ratio and decision figures, and how the objective reads
-    them (`score`: lower is better; `met`: the output passes)."""
-
-    tol_ratio: float
-    figures: dict
-    score: float
-    met: bool
-    decisive: bool  # the objective reads the decision here (--objective decision, or a required figure)
-
-    @classmethod
-    def of(cls, outcome: TrialOutcome, output: str, objective: Objective) -> _Reading:
-        ratio, figures = outcome.tol_ratio.get(output, math.inf), outcome.figures.get(output, {})
-        return cls(ratio, figures, objective.score(ratio, figures), objective.met(ratio, figures), objective.score(ratio, figures) != ratio)
-
-    def step(self, keep: list[str]) -> RepairStep:
-        return RepairStep(keep, self.tol_ratio, self.figures)
-
-    def said(self, suffix: str = " its tolerance") -> str:
-        """As the findings say it: the decision figure beside the ratio only where the objective reads it."""
-        return describe(self.tol_ratio, self.figures if self.decisive else {}, suffix)
-
-
 @dataclass
 class _Suspect:
     node: str
@@ -98,7 +75,7 @@ class _Suspect:
     findings: list[Finding]
     flagged: bool = False
     tried: list[str] = field(default_factory=list)  # the keep-list as tried (closed over boundaries)
-    reading: _Reading | None = None  # the output with it kept
+    reading: Reading | None = None  # the output with it kept
 
     @property
     def score(self) -> float:
@@ -156,7 +133,7 @@ def verify_outputs(
         if f.tensor in verdicts else f
         for f in result.output_failures
     ]
-    passed = [f"'{name}' ({_Reading.of(control, name, settings.judged).said('')})" for name in outputs if name not in verdicts]
+    passed = [f"'{name}' ({Reading.of(control, name, settings.judged).said('')})" for name in outputs if name not in verdicts]
     if passed:
         notices.append(
             f"output(s) {', '.join(passed)} met {'their target' if settings.judged.require else 'the tolerance'} on the {len(chosen)} sample(s) "
@@ -208,13 +185,13 @@ def verify_causes(
     control = screened[()]
     verdicts = {}
     for output, group in suspects.items():
-        before = _Reading.of(control, output, objective)
+        before = Reading.of(control, output, objective)
         if before.met:
             continue
         for suspect in group:
             outcome = screened[tuple(suspect.keep)]
-            suspect.tried, suspect.reading = outcome.keep, _Reading.of(outcome, output, objective)
-        verdicts[output] = _conclude(output, before, group, table, context, _Tries(trials, output, objective), budget - len(group))
+            suspect.tried, suspect.reading = outcome.keep, Reading.of(outcome, output, objective)
+        verdicts[output] = _conclude(output, before, group, table, context, Tries(trials, output, objective), budget - len(group))
     return verdicts, control, outcomes[len(keep_lists):]
 
 
@@ -276,20 +253,8 @@ def _own_error(row: pd.Series) -> list[Finding]:
     return [Finding("own_error", f"its own rounding, fed the reference's values: {isolated_figures(row)}")]
 
 
-@dataclass
-class _Tries:
-    """Trials of keep-lists read at one output by the objective."""
-
-    trials: Trials
-    output: str
-    objective: Objective
-
-    def run(self, keep_lists: list[list[str]]) -> list[tuple[list[str], _Reading]]:
-        return [(o.keep, _Reading.of(o, self.output, self.objective)) for o in self.trials.run(keep_lists)]
-
-
 def _conclude(
-    output: str, before: _Reading, suspects: list[_Suspect], table: pd.DataFrame, context: DiagnosisContext, tries: _Tries, runs_left: int
+    output: str, before: Reading, suspects: list[_Suspect], table: pd.DataFrame, context: DiagnosisContext, tries: Tries, runs_left: int
 ) -> tuple[Cause, Repair]:
     # A keep helps when it improves the output enough to matter, or when it meets the target outright (an
     # output barely out of tolerance may be repaired by several keeps, each by a little).
@@ -329,6 +294,8 @@ def _conclude(
             used, steps, now = found
             joint = len(used) > 1
     repair = Repair(steps[-1].keep, steps, verified=now.met)
+    if repair.verified:
+        repair = pruned(repair, tries, {s.node for s in used})
     # While NaN/Inf reach the output, a keep leaving them rules nothing out, unless the repair recovers it without it.
     ruled_out = [_absorbed(s, output, table, context) for s in suspects
                  if s.flagged and s not in helpful and s not in used and s.node not in repair.keep] if math.isfinite(before.tol_ratio) or repair.verified else []
@@ -377,7 +344,7 @@ def _conclude(
     return Cause(kind, findings=[Finding("verified", summary)], **common), repair
 
 
-def _together(before: _Reading, suspects: list[_Suspect], tries: _Tries, runs_left: int) -> tuple[list[_Suspect], list[RepairStep], _Reading] | None:
+def _together(before: Reading, suspects: list[_Suspect], tries: Tries, runs_left: int) -> tuple[list[_Suspect], list[RepairStep], Reading] | None:
     """When no suspect helps alone: all of them kept together, and, if that helps, each dropped again (the
     one whose own keep did least first) while the rest helps as much, within `runs_left` runs; the members
     left, the steps (nothing kept, all kept, then the pruned lists) and the last step's reading. None when
@@ -396,13 +363,6 @@ def _together(before: _Reading, suspects: list[_Suspect], tries: _Tries, runs_le
             members, now = rest, reading
             steps.append(reading.step(kept))
     return members, steps, now
-
-
-def improvement(before: float, after: float) -> float:
-    """How many times smaller a score became (Inf to finite: infinitely; Inf to Inf: not at all)."""
-    if math.isinf(after):
-        return 1.0 if math.isinf(before) else 0.0
-    return math.inf if math.isinf(before) or after == 0 else before / after
 
 
 def keep_phrase(precision: str) -> str:

@@ -314,6 +314,11 @@ def repair_lines(failure, result) -> list[str]:
     for number, step in enumerate(repair.steps):
         kept = "nothing kept" if not step.keep else f"keep {len(step.keep)} node(s)"
         lines.append(f"    step {number}: {kept} -> output at {describe(step.tol_ratio, step.figures)}")
+    if repair.pruning_runs:
+        grown = len(repair.steps[-2 if len(repair.steps[-1].keep) < len(repair.steps[-2].keep) else -1].keep)
+        dropped = grown - len(repair.keep)
+        lines.append(f"    pruned in {repair.pruning_runs} run(s): each node tried for dropping while the output still met its target; "
+                     + (f"{dropped} of {grown} dropped (the last step)" if dropped else "none could be"))
     if repair.verified:
         lines.append("    apply it: " + " ".join(f"--keep-fp32 '{re.escape(n)}'" for n in repair.keep))
         if result.candidate_model is not None:

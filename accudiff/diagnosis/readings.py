@@ -1,0 +1,72 @@
+"""A keep-list tried at one failing output, as the objective reads it; and the smallest part of a
+verified repair that still holds (each node dropped while the rest meets the target)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from accudiff.comparison.objective import Objective, describe
+from accudiff.comparison.trial import TrialOutcome, Trials, prune
+from accudiff.diagnosis.cause import Repair, RepairStep
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One keep-list at one output: its tolerance ratio and decision figures, and how the objective reads
+    them (`score`: lower is better; `met`: the output passes)."""
+
+    tol_ratio: float
+    figures: dict
+    score: float
+    met: bool
+    decisive: bool  # the objective reads the decision here (--objective decision, or a required figure)
+
+    @classmethod
+    def of(cls, outcome: TrialOutcome, output: str, objective: Objective) -> Reading:
+        ratio, figures = outcome.tol_ratio.get(output, math.inf), outcome.figures.get(output, {})
+        return cls(ratio, figures, objective.score(ratio, figures), objective.met(ratio, figures), objective.score(ratio, figures) != ratio)
+
+    def step(self, keep: list[str]) -> RepairStep:
+        return RepairStep(keep, self.tol_ratio, self.figures)
+
+    def said(self, suffix: str = " its tolerance") -> str:
+        """As the findings say it: the decision figure beside the ratio only where the objective reads it."""
+        return describe(self.tol_ratio, self.figures if self.decisive else {}, suffix)
+
+
+@dataclass
+class Tries:
+    """Trials of keep-lists read at one output by the objective."""
+
+    trials: Trials
+    output: str
+    objective: Objective
+
+    def run(self, keep_lists: list[list[str]]) -> list[tuple[list[str], Reading]]:
+        return [(o.keep, Reading.of(o, self.output, self.objective)) for o in self.trials.run(keep_lists)]
+
+
+def pruned(repair: Repair, tries: Tries, protected: set[str]) -> Repair:
+    """A verified repair without the nodes it holds without (trial.prune), the pruned list its last step;
+    `protected`: the causes, never dropped."""
+    held: list[tuple[list[str], Reading]] = []
+
+    def holds(rest: list[str]) -> bool:
+        [(kept, reading)] = tries.run([rest])
+        if reading.met:
+            held.append((kept, reading))
+        return reading.met
+
+    keep, runs = prune(repair.keep, holds, tries.trials.boundaries.close, protected)
+    if len(keep) == len(repair.keep):
+        return replace(repair, pruning_runs=runs)
+    kept, reading = held[-1]
+    return replace(repair, keep=kept, steps=[*repair.steps, reading.step(kept)], pruning_runs=runs)
+
+
+def improvement(before: float, after: float) -> float:
+    """How many times smaller a score became (Inf to finite: infinitely; Inf to Inf: not at all)."""
+    if math.isinf(after):
+        return 1.0 if math.isinf(before) else 0.0
+    return math.inf if math.isinf(before) or after == 0 else before / after
