@@ -309,7 +309,7 @@ def _quiet():
     """The quantizers' warnings and log lines (on the root logger) off while they run."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        logging.disable(logging.INFO)  # MatMulNBitsQuantizer logs a line per node
+        logging.disable(logging.WARNING)  # MatMulNBitsQuantizer logs a line per node, quantize_dynamic a warning
         try:
             yield
         finally:

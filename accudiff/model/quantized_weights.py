@@ -106,14 +106,14 @@ def _weight_finding(op: QuantizedOp, weight: QuantizedWeight, constants: Mapping
     if weight.layout == "lstm":
         return None
     if weight.layout == "runtime":
-        values = weight_values(constants[weight.codes]).astype(np.float64)
+        values = weight_values(constants[weight.codes])
         step = (max(float(values.max()), 0.0) - min(float(values.min()), 0.0)) / 255
         said = lost_channels(values, op.op_type, step, "UINT8 (its range taken as the model runs)", weight.codes)
         return ("per_tensor_scale", said) if said else None
     scale = weight_values(constants[weight.scale])
     if scale.size != 1 or original is None:
         return None
-    said = lost_channels(weight_values(original).astype(np.float64), op.op_type, float(scale.reshape(())), f"{weight.bits}-bit codes", original.name)
+    said = lost_channels(weight_values(original), op.op_type, float(scale.reshape(())), f"{weight.bits}-bit codes", original.name)
     return ("per_tensor_scale", said) if said else None
 
 
@@ -128,7 +128,8 @@ def lost_channels(values: np.ndarray, op_type: str, step: float, grid: str, weig
         axis = int(np.argmax(values.shape))
     if values.shape[axis] < 2:
         return None
-    magnitude = np.abs(np.moveaxis(values, axis, 0).reshape(values.shape[axis], -1)).max(axis=1)
+    others = tuple(i for i in range(values.ndim) if i != axis)  # reduced in place: no copy of a weight moved or widened
+    magnitude = np.maximum(values.max(axis=others).astype(np.float64), -values.min(axis=others).astype(np.float64))
     lost = (magnitude > 0) & (magnitude < step / 2)
     if not lost.any():
         return None
