@@ -1,8 +1,9 @@
 """Autokeep, closed over what it keeps: a node left in FP32 because a constant it reads is beyond the half
 format may output values beyond the format too (a mask filled with FP32's lowest), which its converted
-readers would then read as Inf. Those readers are kept as well, with the values measured: the FP32 model runs
-the first samples (up to MEASURED_SAMPLES) with the kept nodes' outputs marked, round after round, until no autokept node outputs a
-value beyond the format (a reader whose result is back within it, a Softmax, ends the chain)."""
+readers would then read as Inf. Those readers are kept as well, with the values measured: the FP32 model
+(only what the marked values need) runs the first MEASURED_SAMPLES samples with the kept nodes' outputs
+marked, round after round, until no autokept node outputs a value beyond the format (a reader whose
+result is back within it, a Softmax, ends the chain)."""
 
 from __future__ import annotations
 
