@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 
 from accudiff.errors import AccudiffError
+from accudiff.model.graph import writers_of
 from accudiff.model.inventory import ModelInfo
 
 KINDS = ("logits", "probabilities", "embedding", "map", "values")
@@ -69,7 +70,7 @@ def kinds_of(info: ModelInfo, overrides: Mapping[str, str]) -> dict[str, OutputK
 def output_kinds(graph: onnx.GraphProto, outputs: Iterable[str], floating: Mapping[str, bool], overrides: Mapping[str, str] | None = None) -> dict[str, OutputKind]:
     """Each graph output's kind: `overrides` (name -> kind) first, then what computes it (see the module's
     docstring); `floating`: whether each output holds floats."""
-    producer = {out: node for node in graph.node for out in node.output if out}
+    producer = writers_of(graph.node)
     constants = {init.name for init in graph.initializer} | {n.output[0] for n in graph.node if n.op_type == "Constant"}
     kinds = {}
     for name in outputs:

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from accudiff.model.graph import constant_values, value_types
+from accudiff.model.graph import constant_values, value_types, writers_of
 from accudiff.model.quantized_ops import find_quantized_ops, quantized_members
 
 FP16_MAX = 65504.0
@@ -148,7 +148,7 @@ def _weight_only_dequantizers(graph: onnx.GraphProto) -> set[str]:
     """The DequantizeLinear nodes of weights (constants, or constants behind a QuantizeLinear) read only by
     nodes that read no other dequantized value: their activations stay float."""
     constants = constant_values(graph)
-    producer = {out: node for node in graph.node for out in node.output if out}
+    producer = writers_of(graph.node)
 
     def dequantizer(name: str) -> tuple[onnx.NodeProto | None, bool]:
         node = producer.get(name)

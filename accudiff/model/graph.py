@@ -99,6 +99,19 @@ def all_node_outputs(graph: onnx.GraphProto) -> list[str]:
     return names
 
 
+def fresh_name(name: str, taken: set[str]) -> str:
+    """`name`, lengthened until no value or node in `taken` has it; recorded as taken."""
+    while name in taken:
+        name += "_"
+    taken.add(name)
+    return name
+
+
+def writers_of(nodes: Iterable[onnx.NodeProto]) -> dict[str, onnx.NodeProto]:
+    """The node that writes each value."""
+    return {out: node for node in nodes for out in node.output if out}
+
+
 def readers_of(nodes: Iterable[onnx.NodeProto]) -> dict[str, list[onnx.NodeProto]]:
     """Every value's reading nodes, in graph order."""
     readers: dict[str, list[onnx.NodeProto]] = {}

@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Mapping
 import onnx
 from onnx import TensorProto, helper
 
-from accudiff.model.graph import constant_values, readers_of, value_types
+from accudiff.model.graph import constant_values, readers_of, value_types, writers_of
 
 DYNAMIC_INT8 = "int8-dynamic"
 UINT8_LEVELS = 255  # DynamicQuantizeLinear: UINT8 over [min(x, 0), max(x, 0)]
@@ -103,12 +103,7 @@ class _View:
 
     @classmethod
     def of(cls, graph: onnx.GraphProto) -> _View:
-        view = cls(graph, constants=constant_values(graph), types=value_types(graph), readers=readers_of(graph.node))
-        for node in graph.node:
-            for out in node.output:
-                if out:
-                    view.producer[out] = node
-        return view
+        return cls(graph, constants=constant_values(graph), types=value_types(graph), readers=readers_of(graph.node), producer=writers_of(graph.node))
 
     def only_reader(self, value: str) -> onnx.NodeProto | None:
         readers = self.readers.get(value, [])
@@ -314,7 +309,7 @@ def find_quantized_ops(graph: onnx.GraphProto, reference: onnx.GraphProto | None
     if reference is None or not found:
         return found
     nodes = {node.name: node for node in reference.node}
-    writer = {out: node for node in reference.node for out in node.output if out}
+    writer = writers_of(reference.node)
     return [_named(op, nodes, writer) for op in found]
 
 

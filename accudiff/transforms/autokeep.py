@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-from accudiff.model.graph import readers_of
+from accudiff.model.graph import readers_of, writers_of
 from accudiff.model.inputs import Feed
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.source import ModelSource
@@ -27,7 +27,7 @@ def close_autokeep(info: ModelInfo, result: TransformResult, samples: Sequence[F
     """`result` (to_fp16 of `info` with autokeep), with every converted reader of an autokept node's
     too-large output kept in FP32 too."""
     graph = info.proto.graph
-    readers, writers = readers_of(graph.node), {out: node for node in graph.node for out in node.output if out}
+    readers, writers = readers_of(graph.node), writers_of(graph.node)
     float_values = {t.name for t in info.tensors if t.dtype == np.float32}
     reasons: dict[str, str] = {}
     checked: set[str] = set()

@@ -12,6 +12,7 @@ Weights are converted a block at a time into the float form's own data file (mod
 
 from __future__ import annotations
 
+import functools
 import io
 from pathlib import Path
 from typing import Iterator
@@ -22,7 +23,7 @@ from onnx import TensorProto, numpy_helper
 
 from accudiff.errors import AccudiffError
 from accudiff.model.formats import REDUCED_FLOATS, quant_ranges
-from accudiff.model.graph import constant_values, copy_without_initializers
+from accudiff.model.graph import constant_values, copy_without_initializers, fresh_name, writers_of
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.loading import load_model
 from accudiff.model.quantized_ops import find_quantized_ops, float_nodes, quantized_members
@@ -61,7 +62,7 @@ def write_float_form(model: onnx.ModelProto, source: Path, target: Path) -> list
             f"compare the float model it was made from against it (accudiff compare float.onnx --candidate-model {source.name})"
         )
     graph = model.graph
-    producer = {out: node for node in graph.node for out in node.output if out}
+    producer = writers_of(graph.node)
     constants = constant_values(graph)
     form = copy_without_initializers(model)
     weights = _Weights(target)
@@ -71,7 +72,7 @@ def write_float_form(model: onnx.ModelProto, source: Path, target: Path) -> list
     clip_inputs = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1) >= 11  # Clip's bounds as inputs
     folded_activations = 0
     taken = {name for node in graph.node for name in [*node.input, *node.output]} | set(constants)
-    fresh = _fresh_names(taken)
+    fresh = functools.partial(fresh_name, taken=taken)
     for node in form.graph.node:
         op = members.get(node.name)
         if op is not None:  # a quantized op's nodes: its float op in place of the last
@@ -127,18 +128,6 @@ def write_float_form(model: onnx.ModelProto, source: Path, target: Path) -> list
         notices.append(f"{folded_activations} of the Q/DQ pairs of '{source.name}' have grids that start at 0, where the quantizer folded a Relu or "
                        "a Clip into them: its float form keeps them clipping there (from 0 to the top of their range), so clipping at those pairs does not show")
     return notices
-
-
-def _fresh_names(taken: set[str]):
-    """A maker of names no value of the model has (each taken once made)."""
-
-    def fresh(name: str) -> str:
-        while name in taken:
-            name += "_"
-        taken.add(name)
-        return name
-
-    return fresh
 
 
 def _before_pairs(name: str, before_pair: dict[str, str]) -> str:

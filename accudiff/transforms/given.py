@@ -21,7 +21,7 @@ from onnx import numpy_helper
 from accudiff.errors import AccudiffError
 from accudiff.model.formats import GRIDS, REDUCED_FLOATS, QuantRange, grid_type, model_formats, precision_label, quant_ranges
 from accudiff.model.constant_rounding import ConstantRounding, overflow_text, underflow_text
-from accudiff.model.graph import cast_target, constant_values, value_types
+from accudiff.model.graph import cast_target, constant_values, value_types, writers_of
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.quantized_ops import find_quantized_ops, quantized_members
 from accudiff.model.quantized_weights import lost_channels, quantized_weight_findings
@@ -88,7 +88,7 @@ def reference_node_names(graph: onnx.GraphProto, reference: onnx.GraphProto) -> 
     The candidate's name -> the reference's."""
     ours = {node.name for node in reference.node}
     theirs = {node.name for node in graph.node}
-    writer = {out: node for node in reference.node for out in node.output if out}
+    writer = writers_of(reference.node)
     renamed = {}
     for node in graph.node:
         if node.name in ours or not node.output or node.output[0] not in writer:
@@ -129,7 +129,7 @@ def align(graph: onnx.GraphProto, reference: ModelInfo) -> Alignment:
     pair) or computes it in a node the reference does not have; not when another of the reference's nodes
     writes it: a quantizer that folds a Relu into the Q/DQ pair after a BatchNormalization has that node
     write the Relu's name, and the value is the BatchNormalization's."""
-    producer = {out: node for node in graph.node for out in node.output if out}
+    producer = writers_of(graph.node)
     nodes = {node.name: node for node in graph.node}
     types = value_types(graph)
     ours = {t.name: t for t in reference.tensors}
@@ -207,7 +207,7 @@ def per_tensor_weights(graph: onnx.GraphProto, reference: onnx.GraphProto) -> di
     all fall below half the grid's smallest step, and so become 0 (per-channel scales would keep them):
     node -> ("per_tensor_scale", what happens, in words). The float weight is the one before the Q/DQ pair, else the reference's
     at the same input of its node of the same name; a weight known only quantized is not judged."""
-    producer = {out: node for node in graph.node for out in node.output if out}
+    producer = writers_of(graph.node)
     constants, types = constant_values(graph), value_types(graph)
     theirs = {node.name: node for node in reference.node}
     reference_weights = constant_values(reference)
@@ -242,7 +242,7 @@ def half_constant_findings(graph: onnx.GraphProto, reference: onnx.GraphProto) -
     format (its float values: the reference's constant of the same name), or cast to it as the model runs."""
     halves = {half.elem_type: half for half in HALVES.values()}
     constants, theirs = constant_values(graph), constant_values(reference)
-    producer = {out: node for node in graph.node for out in node.output if out}
+    producer = writers_of(graph.node)
     found: dict[str, list[tuple[str, str]]] = {}
     for node in graph.node:
         if node.op_type in STORAGE_OPS:
@@ -284,7 +284,7 @@ def reduced_nodes(graph: onnx.GraphProto) -> set[str]:
 def _by_reference_name(ranges: dict, graph: onnx.GraphProto) -> dict:
     """Quantization ranges keyed by the value the reference knows: a Q reading a Cast of a tensor (ModelOpt
     casts the graph input to FP16 before quantizing it) quantizes that tensor."""
-    producer = {out: node for node in graph.node for out in node.output if out}
+    producer = writers_of(graph.node)
     resolved = {}
     for name, grid in ranges.items():
         node = producer.get(name)

@@ -25,7 +25,7 @@ import onnx
 
 from accudiff.errors import AccudiffError, first_line
 from accudiff.model.inputs import Feed
-from accudiff.model.graph import toposort
+from accudiff.model.graph import toposort, writers_of
 from accudiff.model.saving import needs_data_file, save_model
 from accudiff.model.formats import quant_ranges
 from accudiff.transforms.base import KeptNode, NodeSelector, TransformResult
@@ -149,7 +149,7 @@ def _unshare_quantized_activations(graph: onnx.GraphProto) -> set[str]:
     """Point every consumer of a quantized activation that is not a quantized op back at the float tensor;
     return the nodes that read quantized values (the quantized ops)."""
     _restore_graph_output_names(graph)
-    producer = {out: node for node in graph.node for out in node.output}
+    producer = writers_of(graph.node)
     float_of = {}  # DQ output of an activation -> the float tensor it quantizes
     for node in graph.node:
         if node.op_type == "DequantizeLinear" and node.input[0] in producer and producer[node.input[0]].op_type == "QuantizeLinear":
@@ -169,7 +169,7 @@ def _unshare_quantized_activations(graph: onnx.GraphProto) -> set[str]:
 def _restore_graph_output_names(graph: onnx.GraphProto) -> None:
     """Where the quantizer quantized a graph output, it renamed the producer's output and gave the output's
     name to the DQ: give the name back to the producer, so the output holds the node's own result."""
-    producer = {out: node for node in graph.node for out in node.output}
+    producer = writers_of(graph.node)
     outputs = {o.name for o in graph.output}
     for dequantize in [n for n in graph.node if n.op_type == "DequantizeLinear" and n.output[0] in outputs]:
         quantize = producer.get(dequantize.input[0])

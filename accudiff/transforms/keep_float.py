@@ -27,7 +27,7 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from accudiff.model.formats import REDUCED_FLOATS
-from accudiff.model.graph import constant_values, declare_like, readers_of, value_types
+from accudiff.model.graph import constant_values, declare_like, fresh_name, readers_of, value_types, writers_of
 from accudiff.model.quantized_ops import QuantizedOp, by_name, find_quantized_ops, float_nodes, quantized_members
 from accudiff.model.quantized_weights import float_weight
 from accudiff.model.shapes import infer_shapes_unless_typed
@@ -85,7 +85,7 @@ class FloatInputs:
         self.widen = "casts" in undo
         self.types = value_types(graph)
         self.constants = constant_values(graph)
-        self.producer = {out: node for node in graph.node for out in node.output if out}
+        self.producer = writers_of(graph.node)
         self.declared = {vi.name: vi for vi in [*graph.value_info, *graph.input, *graph.output]}
         self.reference_nodes = {node.name: node for node in reference.graph.node} if reference is not None else {}
         self.reference_weights = constant_values(reference.graph) if reference is not None else {}
@@ -244,10 +244,7 @@ class FloatInputs:
         return self._imports[name]
 
     def fresh(self, name: str) -> str:
-        while name in self.taken:
-            name += "_"
-        self.taken.add(name)
-        return name
+        return fresh_name(name, self.taken)
 
 
 def _cast_to(node: onnx.NodeProto) -> int | None:
