@@ -179,3 +179,21 @@ def test_a_large_weight_gives_its_consumer_its_true_size_not_its_own(tmp_path):
     sizes = tensor_sizes(info, {"x": (1, width)})
     assert [sizes[f"h{layer}"] for layer in range(3)] == [width * 4] * 3
     assert len(plan_segments(info, sizes, budget=16 << 10)) == 1
+
+
+def test_a_large_weight_does_not_make_its_tensors_large(tmp_path):
+    """A worker gets huge pages (and the worker started ahead is ended for a new one) when the tensors a run
+    makes are large. MiniLM's 47 MB embedding table counted as its largest tensor: every compare threw its
+    warm worker away and started another (0.4 s of a 2 s compare)."""
+    from accudiff.comparison.group import plan
+    from accudiff.memory import HUGE_PAGES_FROM_TENSOR_BYTES
+    from accudiff.model.loading import load_model
+
+    rows = HUGE_PAGES_FROM_TENSOR_BYTES // (64 * 4) + 1
+    table = numpy_helper.from_array(np.zeros((rows, 64), np.float32), "table")
+    graph = helper.make_graph([helper.make_node("Gather", ["table", "ids"], ["e"], name="emb")], "embedding",
+                              [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 8])],
+                              [helper.make_tensor_value_info("e", TensorProto.FLOAT, [1, 8, 64])], [table])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "embedding.onnx"))
+    planned = plan(load_model(tmp_path / "embedding.onnx"), {"ids": np.zeros((1, 8), np.int64)}, None, one_segment=False)
+    assert planned.largest_tensor == 8 * 64 * 4

@@ -162,3 +162,25 @@ def test_onnx_runtime_types_what_onnx_leaves_untyped(small, tmp_path):
     typed = {vi.name: vi.type.tensor_type.elem_type for vi in proto.graph.value_info}
     produced = [o for node in proto.graph.node for o in node.output if o not in {g.name for g in proto.graph.output}]
     assert all(typed.get(o) for o in produced), [o for o in produced if not typed.get(o)]
+
+
+@pytest.mark.parametrize("name", ["dynamic", "nbits 4 symmetric"])
+def test_undoing_only_the_activations_leaves_weight_only_ops_as_they_are(small, name, tmp_path):
+    """The loss split's "activations alone": an op that quantizes no activation (a quantized Gather, MatMulNBits
+    at its default accuracy) has nothing to undo, so it stays as the model has it: its codes are not
+    dequantized into a float table (MiniLM's embedding: 47 MB written for each split), and it computes as before."""
+    from accudiff.transforms.keep_float import PARTS
+
+    make = CANDIDATES[name][0]
+    candidate = onnx.load(str(make(small, tmp_path / "candidate.onnx")))
+    reference = onnx.load(str(small))
+    ops = find_quantized_ops(candidate.graph, reference.graph)
+    split = keep_in_float(candidate, reference, [op.node for op in ops], PARTS["activations"])
+    weight_only = [op for op in ops if not op.quantizes_activation]
+    assert weight_only
+    assert all(m in {n.name for n in split.graph.node} for op in weight_only for m in op.members)
+    assert not any("dequantized" in init.name for init in split.graph.initializer if any(init.name.startswith(op.weights[0].codes) for op in weight_only))
+    unchanged = [OUTPUTS.index(op.outputs[0]) for op in weight_only if op.outputs[0] in OUTPUTS]
+    for index, (got, want) in enumerate(zip(_run(split), _run(candidate))):
+        if index in unchanged:
+            np.testing.assert_array_equal(got, want)

@@ -98,7 +98,8 @@ def plan(info: ModelInfo, first: Feed, max_memory: int | str | None, one_segment
     names = [node.name for node in info.proto.graph.node]
     shapes = {spec.name: first[spec.name].shape for spec in info.inputs}
     sizes = tensor_sizes(info, shapes)
-    largest = max(sizes.values(), default=0)
+    weights = {init.name for init in info.proto.graph.initializer}  # loaded once by a session, not made by each run
+    largest = max((size for name, size in sizes.items() if name not in weights), default=0)
     if one_segment:
         return Plan([names], largest)
     budget = memory_budget(max_memory) // SEGMENTS_PER_BUDGET

@@ -58,7 +58,9 @@ def keep_in_float(model: onnx.ModelProto, reference: onnx.ModelProto | None, nod
     rebuilt: list[onnx.NodeProto] = []
     for node in graph.node:
         op = members.get(node.name)
-        if op is not None and op.node in ops:
+        if op is not None and op.node in ops and not undoes_anything(op, undo):
+            rebuilt.append(node)  # (an embedding's quantized Gather when only activations are undone: as it is)
+        elif op is not None and op.node in ops:
             if op.outputs[0] in node.output:  # its last node: the float op takes its place
                 rebuilt += edit.keep_op(op)
         elif node.name in ops:  # a node of a kept op that others read too (a quantized Gather's codes): it stays, renamed
@@ -73,6 +75,12 @@ def keep_in_float(model: onnx.ModelProto, reference: onnx.ModelProto | None, nod
     graph.initializer.extend(edit.imported)
     drop_unread_storage(graph)
     return result
+
+
+def undoes_anything(op: QuantizedOp, undo: frozenset[str]) -> bool:
+    """Whether keeping `op` changes what it computes: a weight-only op (a quantized Gather, MatMulNBits at
+    its default accuracy) kept with only its activations' quantization undone computes as before."""
+    return bool(undo & {"weights", "casts"}) or (op.quantizes_activation and "activations" in undo)
 
 
 class FloatInputs:
