@@ -10,7 +10,7 @@ import accudiff
 from accudiff.errors import AccudiffError
 from accudiff.model.inputs import generate_feeds, parse_input_shapes, parse_val_ranges, resolve_shapes, save_feeds
 from accudiff.model.samples import samples_from_path
-from accudiff.model.loading import load_model, read_again, remember_types
+from accudiff.model.loading import load_model, read_again, remember_model
 from conftest import fixture
 
 
@@ -275,21 +275,34 @@ def test_a_folder_of_npz_files_is_a_dataset_read_one_sample_at_a_time(tmp_path):
 
 
 def test_a_model_read_again_has_the_same_model_and_inventory(tmp_path):
-    """Verification reads the FP32 model again after the transform let go of it (`read_again`), with the
-    types inference found kept rather than inferred again: model and inventory must be the ones the first
-    reading gave, weights in data files included, and a model with an If body (whose types are inferred
-    again) too."""
+    """Verification takes the FP32 model again after the transform let go of it (`read_again`): the model as
+    it was remembered, its weights referenced where the file holds them rather than read, checked and
+    inferred again. Graph, types, weights' values and inventory must be the ones the first reading gave,
+    for weights in data files, inside the model file (large ones referenced at their offsets) and an If body."""
     import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from accudiff.model.graph import copy_without_initializers
+    from accudiff.model.weights import is_external, weight_values
 
     external = tmp_path / "external.onnx"
     onnx.save(onnx.load(str(fixture("layernorm_overflow"))), str(external), save_as_external_data=True, location="w.bin", size_threshold=0)
-    for path in (fixture("layernorm_overflow"), fixture("two_faults_one_path"), fixture("if_model"), external):
+    large = tmp_path / "large.onnx"
+    weights = [numpy_helper.from_array(np.random.default_rng(k).standard_normal((64, 64)).astype(np.float32), f"w{k}") for k in range(2)]
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w0"], ["h"], name="m0"), helper.make_node("MatMul", ["h", "w1"], ["y"], name="m1")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])], weights)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(large))
+    for path in (fixture("layernorm_overflow"), fixture("two_faults_one_path"), fixture("if_model"), external, large):
         first, let_go = load_model(path), load_model(path)
-        remember_types(let_go)
+        remember_model(let_go)
         let_go.proto = onnx.ModelProto()
         again = read_again(let_go)
-        assert again.proto == first.proto
+        assert copy_without_initializers(again.proto) == copy_without_initializers(first.proto)
+        for got, want in zip(again.proto.graph.initializer, first.proto.graph.initializer, strict=True):
+            assert (got.name, got.data_type, list(got.dims)) == (want.name, want.data_type, list(want.dims))
+            np.testing.assert_array_equal(weight_values(got), weight_values(want))
         assert (again.tensors, again.upstream, again.nodes, again.inputs) == (first.tensors, first.upstream, first.nodes, first.inputs)
+    assert all(is_external(init) for init in again.proto.graph.initializer)  # the large ones: referenced in the file, not copied
 
 
 def test_weights_held_in_constant_nodes_are_typed_as_inference_types_them():

@@ -242,3 +242,49 @@ def test_a_model_saved_again_over_its_own_path_keeps_the_weights_it_refers_to(tm
     values = {init.name: weight_values(init) for init in saved.graph.initializer}
     np.testing.assert_array_equal(values["extra"], extra)
     np.testing.assert_array_equal(values["w0"], numpy_helper.to_array(_mlp().graph.initializer[0]))
+
+
+def test_weights_inside_a_model_file_are_referenced_where_they_lie(tmp_path):
+    """A model holding its weights is read for a worker with its large weights referenced at their offsets in
+    the file (no copy in the proto): a session from the graph alone computes what one from the file does,
+    and the small weights stay in the proto."""
+    from accudiff.model.weights import spans_in_file
+
+    path = tmp_path / "mlp.onnx"
+    onnx.save(_mlp(), str(path))
+    data = path.read_bytes()
+    whole = onnx.load(str(path))
+    spans = spans_in_file(data)
+    assert {name: data[offset : offset + length] for name, (offset, length) in spans.items()} == {i.name: i.raw_data for i in whole.graph.initializer}
+    proto = load_graph(path)
+    assert [is_external(init) for init in proto.graph.initializer] == [True, True, False]  # the 256-byte bias stays
+    [name] = [o.name for o in whole.graph.output]
+    feed = {"x": np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)}
+    with OnnxrtRunner(path, [name]) as runner:
+        np.testing.assert_array_equal(runner.infer(feed)[name], _plain_run(whole, feed)[0])
+
+
+def _plain_run(model: onnx.ModelProto, feed: dict) -> list[np.ndarray]:
+    import onnxruntime as ort
+
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)
+
+
+def test_a_scratch_model_links_the_data_file_it_refers_to_instead_of_copying_it(tmp_path):
+    """Verification saves the reference's and the candidate's weights beside its variants once: with `link`,
+    a data file elsewhere (here the model file itself, its weights referenced in place) is hard-linked in,
+    not copied; the model saved there runs as the original does."""
+    path = tmp_path / "source" / "mlp.onnx"
+    path.parent.mkdir()
+    onnx.save(_mlp(), str(path))
+    proto = load_graph(path)
+    (tmp_path / "trials").mkdir()
+    target = tmp_path / "trials" / "reference-weights.onnx"
+    save_model(proto, target, move_weights=True, side_file=True, link=True)
+    links = [p for p in target.parent.iterdir() if p.name.startswith(target.name + ".link")]
+    assert len(links) == 1 and links[0].stat().st_ino == path.stat().st_ino
+    assert {e.value for init in proto.graph.initializer for e in init.external_data if e.key == "location"} == {links[0].name}
+    name = _mlp().graph.output[0].name
+    feed = {"x": np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)}
+    with OnnxrtRunner(target, [name]) as runner:
+        np.testing.assert_array_equal(runner.infer(feed)[name], _plain_run(_mlp(), feed)[0])

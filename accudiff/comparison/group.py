@@ -22,7 +22,7 @@ from accudiff.comparison.trial import MAX_TRIAL_SAMPLES
 from accudiff.comparison.worker import Job
 from accudiff.memory import return_freed_memory
 from accudiff.model.inventory import ModelInfo, describe
-from accudiff.model.loading import remember_types
+from accudiff.model.loading import remember_model
 from accudiff.model.saving import link_model, needs_data_file, save_model
 from accudiff.model.inputs import Feed
 from accudiff.model.run_results import Captured, write_run_results
@@ -120,7 +120,7 @@ def make_candidate(
     isolated twin beside it, sharing its data file. The weights are let go of as they are written, before
     any backend loads a model, so at most one copy of them is in memory at a time (from here on the
     workers read files). A candidate captured elsewhere is replayed from its store instead of run."""
-    remember_types(info)  # verification reads the model again
+    remember_model(info)  # verification reads it again
     kinds = kinds_of(info, settings.output_kinds)
     transformed = transform_model(info, CandidateRecipe.of(settings, group.calibration), samples.subset(group.samples), scratch)
     working = scratch / "models" / path.name

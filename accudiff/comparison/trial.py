@@ -98,9 +98,9 @@ class Trials:
             self.reference.finish()
         self.boundaries = Boundaries(setup.info.proto.graph, unfit_for_format(table, setup.variants.recipe.precision), setup.variants.base.converted, regions)
         # Every model the trials save is saved in their folder: with the reference's and the candidate's weights
-        # moved into data files there once, a variant or switchboard writes its graph, and refers to them.
+        # linked (or else copied) into data files there once, a variant or switchboard writes its graph, and refers to them.
         for name, model in (("reference", setup.info.proto), ("candidate", setup.variants.base.model)):
-            save_model(model, setup.scratch / f"{name}-weights.onnx", move_weights=True, side_file=True)
+            save_model(model, setup.scratch / f"{name}-weights.onnx", move_weights=True, side_file=True, link=True)
         self._workers: list[Worker] = []
         self.timings: dict[str, float] = {}  # the trial workers' seconds per phase, added up
         self._board: tuple[Switchboard, Path] | None = None

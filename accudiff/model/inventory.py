@@ -62,7 +62,8 @@ class ModelInfo:
     not_observable: dict[str, str] = field(default_factory=dict)
     nodes: dict[str, NodeSummary] = field(default_factory=dict)
     weights: dict[str, str] = field(default_factory=dict)  # weight -> "float32[64x3x3x3]"
-    types: onnx.GraphProto | None = None  # the inferred value_info, kept by remember_types for read_again
+    weights_in_file: dict[str, tuple[int, int]] = field(default_factory=dict)  # a weight held in the model file -> (offset, length) of its bytes
+    remembered: onnx.ModelProto | None = None  # the model as loaded, its weights referenced in their files (loading.remember_model)
 
     @property
     def stem(self) -> str:

@@ -13,6 +13,7 @@ from onnx import numpy_helper
 from accudiff.model.graph import copy_without_initializers, tensor_bytes
 from accudiff.model.weights import (
     copy_bytes,
+    data_file,
     external_entries,
     is_external,
     refer_to,
@@ -32,14 +33,16 @@ EXTERNAL_DATA_THRESHOLD = 256 << 20
 EXTERNAL_DATA_MIN_TENSOR = 1024  # ... each weight of at least this many bytes
 
 
-def save_model(proto: onnx.ModelProto, path: Path, move_weights: bool = False, side_file: bool = False) -> None:
+def save_model(proto: onnx.ModelProto, path: Path, move_weights: bool = False, side_file: bool = False, link: bool = False) -> None:
     """Save a model, its weights in a side file (`<name>.data`) when it has weights in data files or
     protobuf's 2 GiB limit would be hit (see EXTERNAL_DATA_THRESHOLD). A weight already in a data file in
     `path`'s folder stays there; one elsewhere is copied in, block by block. `move_weights`: the weights
     written to the side file become, in `proto`, references to it (their memory let go of), so the model
     saved again in the same folder writes only its graph (an isolated model shares its candidate's data).
     `side_file`: every weight of EXTERNAL_DATA_MIN_TENSOR or more in the side file, whatever the total
-    (ONNX Runtime maps weights in a file, and copies those inside a model)."""
+    (ONNX Runtime maps weights in a file, and copies those inside a model). `link`: a data file elsewhere
+    (or a model file holding its weights) is hard-linked into `path`'s folder instead of copied, where both
+    are on one file system: for models that live no longer than the run (a link sees any later change)."""
     path = Path(path)
     if not side_file and not needs_data_file(proto):
         _write_whole(proto, path)
@@ -48,11 +51,22 @@ def save_model(proto: onnx.ModelProto, path: Path, move_weights: bool = False, s
     kept = {external_entries(init).get("location") for init in proto.graph.initializer if is_external(init) and same_folder(weight_folder(init), path.parent)}
     location = next(name for k in range(len(kept) + 1) if (name := path.name + (f".{k}" if k else "") + ".data") not in kept)  # never over a file it keeps
     written = []
+    links: dict[Path, str | None] = {}  # a data file elsewhere -> its link in path's folder (None: it cannot be linked)
     with _LazyFile(path.parent / location) as data:
         for init in proto.graph.initializer:
             if is_external(init) and same_folder(weight_folder(init), path.parent):
                 light.graph.initializer.append(without_folder(init))
                 continue
+            if is_external(init) and link:
+                source, offset, length = data_file(init)
+                if source not in links:
+                    links[source] = _link(source, path, len(links))
+                if links[source] is not None:
+                    reference = onnx.TensorProto(name=init.name, data_type=init.data_type, dims=init.dims)
+                    refer_to(reference, links[source], offset, length, path.parent)
+                    light.graph.initializer.append(without_folder(reference))
+                    written.append((init, links[source], offset, length))
+                    continue
             if not is_external(init) and tensor_bytes(init) < EXTERNAL_DATA_MIN_TENSOR:
                 light.graph.initializer.append(init)
                 continue
@@ -64,10 +78,22 @@ def save_model(proto: onnx.ModelProto, path: Path, move_weights: bool = False, s
             reference = onnx.TensorProto(name=init.name, data_type=init.data_type, dims=init.dims)
             refer_to(reference, location, offset, length, path.parent)
             light.graph.initializer.append(without_folder(reference))
-            written.append((init, offset, length))
+            written.append((init, location, offset, length))
     _write_whole(light, path)
-    for init, offset, length in written if move_weights else ():
-        refer_to(init, location, offset, length, path.parent)
+    for init, file, offset, length in written if move_weights else ():
+        refer_to(init, file, offset, length, path.parent)
+
+
+def _link(source: Path, path: Path, count: int) -> str | None:
+    """A hard link to `source` beside the model saved at `path`, under a name of its own; None where the
+    file system refuses (another device, no links)."""
+    name = f"{path.name}.link{count}"
+    try:
+        (path.parent / name).unlink(missing_ok=True)
+        os.link(source, path.parent / name)
+    except OSError:
+        return None
+    return name
 
 
 def _write_whole(proto: onnx.ModelProto, path: Path) -> None:

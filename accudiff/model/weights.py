@@ -6,6 +6,11 @@ external data, a key onnx reserves for this; it is never written to a saved mode
 another one (a candidate, a segment, an extracted subgraph) knows where each of its weights is, wherever
 it is saved (`saving.save_model`): a weight whose data file is in the target's folder stays there, any
 other is copied block by block into the target's own data file.
+
+A weight stored inside the model file itself is such a weight too, once read: its bytes lie at a known
+offset of that file (`spans_in_file` walks protobuf's wire format to find it), so a model read for a
+worker refers to them there (`refer_in_place`) instead of holding a copy, and ONNX Runtime reads them
+where they are, as from any data file.
 """
 
 from __future__ import annotations
@@ -131,6 +136,67 @@ def copy_bytes(tensor: onnx.TensorProto, target) -> int:
             target.write(block)
             written += len(block)
     return written
+
+
+# protobuf's field numbers on the way to a weight's bytes: ModelProto.graph, GraphProto.initializer,
+# TensorProto.name and TensorProto.raw_data (onnx.proto).
+_GRAPH, _INITIALIZER, _NAME, _RAW_DATA = 7, 5, 8, 9
+_LENGTH_DELIMITED = 2
+
+
+def spans_in_file(data: bytes) -> dict[str, tuple[int, int]]:
+    """Where the bytes of each main-graph weight held as raw data lie in a serialized model: name ->
+    (offset, length). Only the messages on the way are walked; nothing is copied."""
+    view = memoryview(data)
+    spans = {}
+    for graph_start, graph_end in _fields(view, 0, len(view), _GRAPH):
+        for start, end in _fields(view, graph_start, graph_end, _INITIALIZER):
+            name = next((bytes(view[a:b]).decode("utf-8", "replace") for a, b in _fields(view, start, end, _NAME)), None)
+            raw = next(iter(_fields(view, start, end, _RAW_DATA)), None)
+            if name is not None and raw is not None:
+                spans[name] = (raw[0], raw[1] - raw[0])
+    return spans
+
+
+def _fields(view: memoryview, start: int, end: int, wanted: int) -> Iterator[tuple[int, int]]:
+    """The (start, end) of each length-delimited field numbered `wanted` in the message at view[start:end]."""
+    position = start
+    while position < end:
+        key, position = _varint(view, position)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            _, position = _varint(view, position)
+        elif wire == 1:
+            position += 8
+        elif wire == 5:
+            position += 4
+        elif wire == _LENGTH_DELIMITED:
+            length, position = _varint(view, position)
+            if number == wanted:
+                yield position, position + length
+            position += length
+        else:
+            raise ValueError(f"unexpected protobuf wire type {wire}")
+
+
+def _varint(view: memoryview, position: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = view[position]
+        position += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, position
+        shift += 7
+
+
+def refer_in_place(tensors: Iterable[onnx.TensorProto], spans: dict[str, tuple[int, int]], path: Path, smallest: int) -> None:
+    """Each of `tensors` held as raw data of more than `smallest` bytes whose span in the model file `path`
+    is known becomes a reference to its bytes there (the small ones stay: shape arithmetic reads them)."""
+    for tensor in tensors:
+        span = spans.get(tensor.name)
+        if span is not None and tensor.HasField("raw_data") and span[1] == len(tensor.raw_data) > smallest:
+            refer_to(tensor, Path(path).name, span[0], span[1], Path(path).parent)
 
 
 def refer_to(tensor: onnx.TensorProto, location: str, offset: int, length: int, folder: Path) -> None:
