@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import pandas as pd
 
@@ -293,7 +294,7 @@ def _quantized_inputs(table: pd.DataFrame, context: DiagnosisContext, inputs: li
     return findings
 
 
-def new_non_finite(row: pd.Series) -> bool:
+def new_non_finite(row: pd.Series | Mapping[str, float]) -> bool:
     """The candidate has NaN/Inf where the reference has none."""
     return bool(row["cand_nan"] > row["ref_nan"] or row["cand_inf"] > row["ref_inf"])
 
