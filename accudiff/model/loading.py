@@ -30,23 +30,23 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
         spans = spans_in_file(data)
     except (DecodeError, ValueError, RuntimeError, IndexError) as exc:
         raise AccudiffError(f"'{path}' is not a readable ONNX model ({first_line(exc)})") from exc
-    del data
     if len(proto.graph.node) == 0:
         raise AccudiffError(f"'{path}' is not a valid ONNX model: its graph has no nodes")
     undecodable = _undecodable_text(proto)
     if undecodable is not None:
         raise AccudiffError(f"'{path}' is not a valid ONNX model: a {undecodable} is not UTF-8 text")
-    misshapen = _misshapen_weight(proto.graph)
+    misshapen = _misshapen_weight(proto.graph, spans)
     if misshapen is not None:
         raise AccudiffError(f"'{path}' is not a valid ONNX model: {misshapen}")
     external = has_external_data(proto)
     missing = next((name for name in data_files(proto) if not (path.parent / name).is_file()), None) if external else None
     if missing is not None:
         raise AccudiffError(f"'{path}' refers to external data that is missing: {path.parent / missing}")
-    try:  # checked from its file (the checker reads its data files too): serializing the model again cost more
-        onnx.checker.check_model(str(path))
+    try:  # from the bytes read (its file, whose data files the checker reads too, where it has them)
+        onnx.checker.check_model(str(path) if external else data)
     except onnx.checker.ValidationError as exc:
         raise AccudiffError(f"'{path}' fails the ONNX checker: {first_line(exc)}") from exc
+    del data
     if external:
         try:
             _keep_weights_in_their_files(proto, path.parent)
@@ -120,12 +120,13 @@ def _keep_weights_in_their_files(proto: onnx.ModelProto, folder: Path) -> None:
             del tensor.external_data[:]
 
 
-def _misshapen_weight(graph: onnx.GraphProto) -> str | None:
+def _misshapen_weight(graph: onnx.GraphProto, spans: dict[str, tuple[int, int]]) -> str | None:
     """The first weight (initializer or Constant) whose data does not hold as many values as its shape
     says (the checker lets that through; every later read of it fails). Types packed below a byte,
-    strings and complex numbers are not checked."""
-    tensors = [*graph.initializer, *(a.t for n in all_nodes(graph) if n.op_type == "Constant" for a in n.attribute if a.name == "value")]
-    for tensor in tensors:
+    strings and complex numbers are not checked. `spans`: the raw data's place in the file, by weight
+    (its length known, protobuf need not copy the bytes out to tell it)."""
+    constants = [a.t for n in all_nodes(graph) if n.op_type == "Constant" for a in n.attribute if a.name == "value"]
+    for tensor, span in [*((init, spans.get(init.name)) for init in graph.initializer), *((t, None) for t in constants)]:
         if tensor.data_type in UNCHECKED_TYPES:
             continue
         expected = math.prod(tensor.dims)
@@ -133,7 +134,8 @@ def _misshapen_weight(graph: onnx.GraphProto) -> str | None:
             length = next((int(e.value) for e in tensor.external_data if e.key == "length" and e.value.isdigit()), None)
             held = expected if length is None else length / onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
         elif tensor.HasField("raw_data"):
-            held = len(tensor.raw_data) / onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+            size = span[1] if span is not None else len(tensor.raw_data)
+            held = size / onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
         else:
             held = len(getattr(tensor, onnx.helper.tensor_dtype_to_field(tensor.data_type)))
         if held != expected:
@@ -141,14 +143,19 @@ def _misshapen_weight(graph: onnx.GraphProto) -> str | None:
     return None
 
 
+TENSOR_TEXT_FIELDS = ("name", "doc_string", "external_data", "metadata_props")  # a TensorProto's text: the rest is data
 
 
 def _undecodable_text(message) -> str | None:
     """The first string field of `message` (names, op types, domains, anywhere in the model) that is not
     valid UTF-8, as "NodeProto.input (b'c\\xe5ntered')"; protobuf hands such fields over as bytes, which
     every later step would trip on. Only the fields set are read, and of them only strings and messages:
-    weights are never copied."""
-    for spec, value in message.ListFields():
+    weights are never copied (of a tensor, its name, its text and its entries alone are read)."""
+    if isinstance(message, onnx.TensorProto):
+        fields = [(message.DESCRIPTOR.fields_by_name[name], getattr(message, name)) for name in TENSOR_TEXT_FIELDS]
+    else:
+        fields = message.ListFields()
+    for spec, value in fields:
         if spec.type not in (spec.TYPE_STRING, spec.TYPE_MESSAGE):
             continue
         repeated = spec.is_repeated if hasattr(spec, "is_repeated") else spec.label == spec.LABEL_REPEATED
