@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -135,21 +136,31 @@ class Trials:
         size = min(VARIANTS_PER_WORKER, math.ceil(len(apart) / max(cores - bool(on_board), 1)))
         groups = [on_board] * bool(on_board) + [apart[start : start + size] for start in range(0, len(apart), size or 1)]
         chunks = [[(closed[i], parts[i]) for i in group] for group in groups]
+        # Workers: one per chunk, but beside a switchboard's (whose runs take every core) only as many as
+        # leave a core to the caller building the variants; the switchboard's worker takes the rest after
+        # its own job. On two cores a second worker's start (~0.35 s of a core) cost more than it saved.
+        wanted = 1 + min(len(chunks) - 1, max(cores - 2, 0)) if on_board else len(chunks)
+        count = min(len(chunks), max(wanted, len(self._workers)))
         # Threads per worker stay as they were for the workers already up: their sessions were made with them.
-        threads = max(1, cores // min(cores, max(len(chunks), len(self._workers), 1)))
-        prestart(len(chunks) - len(self._workers))  # their start overlaps the building of the models
+        threads = max(1, cores // min(cores, max(count, len(self._workers), 1)))
+        prestart(count - len(self._workers))  # their start overlaps the building of the models
         outcomes: list[TrialOutcome] = []
         recording = not self.reference.complete
+        turns = [threading.Lock() for _ in range(count)]  # a worker runs one job at a time
+
+        def run_on(index: int, job: Job) -> dict:
+            with turns[index % count]:
+                return merge_results([self._workers[index % count].run(replace(job, threads=threads))])
+
         with ThreadPoolExecutor(max_workers=min(cores, len(chunks) or 1)) as pool:
             sent = []
             try:
                 for index, chunk in enumerate(chunks):  # each job leaves as soon as its models are saved
                     batch = self._job(chunk, self.reference.folder if not recording or index == 0 else None, board)
                     self.timings["models (caller)"] = round(self.timings.get("models (caller)", 0.0) + time.perf_counter() - started, 4)
-                    if index == len(self._workers):
+                    if index == len(self._workers) and index < count:
                         self._workers.append(take_worker())
-                    worker = self._workers[index]
-                    sent.append((batch, pool.submit(lambda job, worker: merge_results([worker.run(replace(job, threads=threads))]), batch.job, worker)))
+                    sent.append((batch, pool.submit(run_on, index, batch.job)))
                     started = time.perf_counter()
                 found: dict[int, TrialOutcome] = {}
                 for group, (batch, future) in zip(groups, sent):

@@ -65,7 +65,7 @@ def remember_model(info: ModelInfo) -> None:
     for tensor in info.proto.graph.initializer:
         copy = light.graph.initializer.add()
         span = info.weights_in_file.get(tensor.name)
-        if span is not None and tensor.HasField("raw_data") and span[1] == len(tensor.raw_data) > SMALL_INITIALIZER_BYTES:
+        if span is not None and tensor.HasField("raw_data") and span[1] > SMALL_INITIALIZER_BYTES:
             copy.name, copy.data_type = tensor.name, tensor.data_type
             copy.dims.extend(tensor.dims)
             refer_to(copy, info.path.name, span[0], span[1], info.path.parent)

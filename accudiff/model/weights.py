@@ -195,7 +195,7 @@ def refer_in_place(tensors: Iterable[onnx.TensorProto], spans: dict[str, tuple[i
     is known becomes a reference to its bytes there (the small ones stay: shape arithmetic reads them)."""
     for tensor in tensors:
         span = spans.get(tensor.name)
-        if span is not None and tensor.HasField("raw_data") and span[1] == len(tensor.raw_data) > smallest:
+        if span is not None and tensor.HasField("raw_data") and span[1] > smallest:  # (its length read off the file: the bytes are not copied out)
             refer_to(tensor, Path(path).name, span[0], span[1], Path(path).parent)
 
 
