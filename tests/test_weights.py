@@ -288,3 +288,18 @@ def test_a_scratch_model_links_the_data_file_it_refers_to_instead_of_copying_it(
     feed = {"x": np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)}
     with OnnxrtRunner(target, [name]) as runner:
         np.testing.assert_array_equal(runner.infer(feed)[name], _plain_run(_mlp(), feed)[0])
+
+
+def test_a_model_written_whole_shares_its_weights_with_one_saved_beside_it(tmp_path):
+    """The candidate is written whole (no side file below 256 MB); its isolated twin beside it must refer to
+    the candidate file's weights, not write them again (MiniLM's MatMulNBits candidate: 51 MB written twice,
+    0.25 s of its transform)."""
+    proto = _mlp()
+    save_model(proto, tmp_path / "candidate.onnx", move_weights=True)
+    assert [is_external(init) for init in proto.graph.initializer] == [True, True, False]
+    save_model(proto, tmp_path / "isolated.onnx")
+    assert (tmp_path / "isolated.onnx").stat().st_size < 2048 and sorted(p.name for p in tmp_path.iterdir()) == ["candidate.onnx", "isolated.onnx"]
+    name = proto.graph.output[0].name
+    feed = {"x": np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)}
+    with OnnxrtRunner(tmp_path / "isolated.onnx", [name]) as runner:
+        np.testing.assert_array_equal(runner.infer(feed)[name], _plain_run(_mlp(), feed)[0])

@@ -11,13 +11,16 @@ import onnx
 from onnx import numpy_helper
 
 from accudiff.model.graph import copy_without_initializers, tensor_bytes
+from accudiff.model.shapes import SMALL_INITIALIZER_BYTES
 from accudiff.model.weights import (
     copy_bytes,
     data_file,
     external_entries,
     is_external,
+    refer_in_place,
     refer_to,
     same_folder,
+    spans_in_file,
     stored_dtype,
     weight_folder,
     without_folder,
@@ -37,15 +40,18 @@ def save_model(proto: onnx.ModelProto, path: Path, move_weights: bool = False, s
     """Save a model, its weights in a side file (`<name>.data`) when it has weights in data files or
     protobuf's 2 GiB limit would be hit (see EXTERNAL_DATA_THRESHOLD). A weight already in a data file in
     `path`'s folder stays there; one elsewhere is copied in, block by block. `move_weights`: the weights
-    written to the side file become, in `proto`, references to it (their memory let go of), so the model
-    saved again in the same folder writes only its graph (an isolated model shares its candidate's data).
+    written become, in `proto`, references to them in the side file or in the model file itself (their
+    memory let go of), so a model saved again in the same folder writes only its graph (an isolated model
+    shares its candidate's data).
     `side_file`: every weight of EXTERNAL_DATA_MIN_TENSOR or more in the side file, whatever the total
     (ONNX Runtime maps weights in a file, and copies those inside a model). `link`: a data file elsewhere
     (or a model file holding its weights) is hard-linked into `path`'s folder instead of copied, where both
     are on one file system: for models that live no longer than the run (a link sees any later change)."""
     path = Path(path)
     if not side_file and not needs_data_file(proto):
-        _write_whole(proto, path)
+        data = _write_whole(proto, path)
+        if move_weights:  # the weights written become references to their bytes in the file (weights.py)
+            refer_in_place(proto.graph.initializer, spans_in_file(data), path, SMALL_INITIALIZER_BYTES)
         return
     light = copy_without_initializers(proto)
     kept = {external_entries(init).get("location") for init in proto.graph.initializer if is_external(init) and same_folder(weight_folder(init), path.parent)}
@@ -96,11 +102,13 @@ def _link(source: Path, path: Path, count: int) -> str | None:
     return name
 
 
-def _write_whole(proto: onnx.ModelProto, path: Path) -> None:
+def _write_whole(proto: onnx.ModelProto, path: Path) -> bytes:
     """The model's bytes written as they are: every weight the model refers to is already in its data file
     (onnx.save would walk every tensor, Constants' included, looking for data to write: 0.01 s a save on
     the PP-OCRv4 recognizer's 420 Constants, of four saves on the critical path)."""
-    path.write_bytes(proto.SerializeToString())
+    data = proto.SerializeToString()
+    path.write_bytes(data)
+    return data
 
 
 def link_model(source: Path, target: Path) -> None:
