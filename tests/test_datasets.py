@@ -53,6 +53,31 @@ def test_one_worker_two_workers_and_ray_give_the_same_table(tmp_path):
     assert [r.layout for r in (one, two, on_ray)] == [{"workers": 1, "threads": [1]}, {"workers": 2, "threads": [1]}, {"workers": 2, "threads": [1]}]
 
 
+def test_ray_ships_the_files_a_models_weights_are_in(tmp_path):
+    """A model's large weights are referenced in the file that holds them (the model's own, or the
+    candidate's for its isolated twin): a Ray task must get those files under the names the models record."""
+    ray = pytest.importorskip("ray", reason="Ray is an optional extra (pip install 'accudiff[ray]')")
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(2)
+    weights = [numpy_helper.from_array((rng.standard_normal((16, 16)) * 40).astype(np.float32), f"w{k}") for k in range(2)]  # 1 KB each: one file holds them
+    weights += [numpy_helper.from_array(rng.standard_normal((16, 256)).astype(np.float32), "wide")]  # 16 KB: referenced where it lies
+    nodes = [helper.make_node("MatMul", ["x", "w0"], ["h"], name="m0"), helper.make_node("MatMul", ["h", "w1"], ["g"], name="m1"),
+             helper.make_node("MatMul", ["g", "wide"], ["y"], name="m2")]
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 256])], weights)
+    model = tmp_path / "mlp.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(model))
+    options = {"candidate": "onnxrt", "inputs": _dataset(tmp_path / "data", 4)}
+    local = accudiff.compare(model, "fp16", workers=1, **options)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=40)
+    try:
+        on_ray = accudiff.compare(model, "fp16", ray="local", **options)
+    finally:
+        ray.shutdown()
+    _assert_same(local, on_ray)
+
+
 def test_a_dataset_gets_a_worker_per_core_and_a_single_sample_every_core(tmp_path):
     """Without --workers, a dataset of SAMPLES_PER_WORKER samples per core runs one worker per core, each on
     one thread (its sessions and its statistics): a single sample runs in one worker on every core."""

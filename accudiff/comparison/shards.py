@@ -21,11 +21,13 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
+import onnx
 
 from accudiff.comparison.engine import POINTS_PER_OUTPUT
 from accudiff.comparison.metrics import StatsSet, merge_run_time_ranges
 from accudiff.comparison.worker import Job, decode_result, result_files, run_job
 from accudiff.errors import AccudiffError, first_line
+from accudiff.model.graph import data_files
 
 Progress = Callable[[str, int, int], None]
 RAY_LOG_LEVEL = 40  # logging.ERROR: Ray's own log lines stay off the console
@@ -190,10 +192,11 @@ def _run_on_ray(jobs: list[Job], progress: Progress | None) -> Iterator[dict]:
     yielded in shard order as they finish (a shard that finishes early waits, decoded, for its elders)."""
     import ray
 
-    files = sorted({path for job in jobs for path in _files_of(job)})
-    payloads = {path: ray.put(Path(path).read_bytes()) for path in files}
+    shipped = [_files_of(job) for job in jobs]
+    payloads = {path: ray.put(Path(path).read_bytes()) for path in sorted({path for files in shipped for path in files})}
     task = ray.remote(max_retries=0)(_ray_task)
-    pending = {task.remote(asdict(job), {path: payloads[path] for path in _files_of(job)}): k for k, job in enumerate(jobs)}
+    pending = {task.remote(asdict(job), {path: (payloads[path], as_data) for path, as_data in files.items()}): k
+               for k, (job, files) in enumerate(zip(jobs, shipped))}
     early: dict[int, dict] = {}
     next_shard, finished = 0, 0
     while pending:
@@ -211,11 +214,13 @@ def _run_on_ray(jobs: list[Job], progress: Progress | None) -> Iterator[dict]:
             next_shard += 1
 
 
-def _files_of(job: Job) -> list[str]:
-    """The files a worker reads: the models (with their external data) and the sample files."""
+def _files_of(job: Job) -> dict[str, bool]:
+    """The files a worker reads: the models, the files their weights are in (by the names the models
+    record; a candidate's isolated twin refers to the candidate's own file) and the sample files; each
+    with whether it is read as weights."""
     models = [job.reference, *(p["model"] for p in job.passes)]
-    data = [f"{m}.data" for m in models if Path(f"{m}.data").exists()]
-    return list(dict.fromkeys([*models, *data, *(entry[0] for entry in job.samples)]))
+    weights = {str(Path(model).parent / name) for model in models for name in data_files(onnx.load(model, load_external_data=False))}
+    return {path: path in weights for path in dict.fromkeys([*models, *sorted(weights), *(entry[0] for entry in job.samples)])}
 
 
 def _ray_task(job: dict, payloads: dict) -> tuple[str, bytes]:
@@ -225,10 +230,11 @@ def _ray_task(job: dict, payloads: dict) -> tuple[str, bytes]:
     folder = Path(tempfile.mkdtemp(prefix="accudiff-ray-"))
     try:
         local = {}
-        for index, (path, ref) in enumerate(payloads.items()):
+        for index, (path, (ref, as_data)) in enumerate(payloads.items()):
             name = Path(path).name
-            # external data keeps the name its model records; models and sample files get a unique one
-            target = folder / (name if name.endswith(".data") else f"{index}-{name}")
+            # weights keep the name their models record (a model can be one: a twin refers to its file);
+            # models and sample files get a unique one
+            target = folder / (name if as_data else f"{index}-{name}")
             target.write_bytes(ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref)
             local[path] = str(target)
         moved = Job(**job)
