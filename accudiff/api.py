@@ -92,7 +92,7 @@ def run(
         diagnosis_import = threading.Thread(target=_import_diagnosis, daemon=True)
         for k, group in enumerate(groups):
             group_info = group_model(info, group, where.scratch)
-            planned = plan(group_info, samples[group.samples[0]], settings.max_memory, settings.uses_trt, where.scratch)
+            planned = plan(group_info, samples[group.samples[0]], settings.max_memory, settings.uses_trt)
             laps.lap("plan")
             name = CANDIDATE_MODEL_FILE.format(precision=settings.precision, group="" if len(groups) == 1 else f"-group{k}")
             candidate = make_candidate(group_info, group, samples, settings, where.folder.path / name, where.scratch, captured)

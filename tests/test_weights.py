@@ -303,3 +303,25 @@ def test_a_model_written_whole_shares_its_weights_with_one_saved_beside_it(tmp_p
     feed = {"x": np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)}
     with OnnxrtRunner(tmp_path / "isolated.onnx", [name]) as runner:
         np.testing.assert_array_equal(runner.infer(feed)[name], _plain_run(_mlp(), feed)[0])
+
+
+def test_the_worker_reads_the_reference_as_a_graph_beside_a_link_to_its_file(tmp_path):
+    """The FP32 model a worker reads is its graph as loaded (types inferred) beside a hard link to the model
+    file, whose weights it refers to at their offsets: the worker parses a graph, not the weights again."""
+    from accudiff.comparison.group import worker_reference
+    from accudiff.model.loading import remember_model
+
+    path = tmp_path / "mlp.onnx"
+    onnx.save(_mlp(), str(path))
+    info = load_model(path)
+    remember_model(info)
+    (tmp_path / "scratch").mkdir()
+    reference = worker_reference(info, [[n.name for n in info.proto.graph.node]], tmp_path / "scratch")
+    assert reference.name == path.name and reference.stat().st_size < 2048
+    [link] = [p for p in reference.parent.iterdir() if p != reference]
+    assert link.stat().st_ino == path.stat().st_ino
+    assert len(load_graph(reference).graph.value_info) == len(info.proto.graph.value_info) > 0
+    name = info.output_names[0]
+    feed = {"x": np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)}
+    with OnnxrtRunner(reference, [name]) as runner:
+        np.testing.assert_array_equal(runner.infer(feed)[name], _plain_run(_mlp(), feed)[0])
