@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import math
 import os
+import queue
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -133,38 +133,53 @@ class Trials:
         # Positions of the keep-lists per worker: those the switchboard serves in one, the others shared.
         on_board = [i for i, undone in enumerate(parts) if board is not None and undone == "all"]
         apart = [i for i in range(len(closed)) if i not in set(on_board)]
-        size = min(VARIANTS_PER_WORKER, math.ceil(len(apart) / max(cores - bool(on_board), 1)))
+        size = min(VARIANTS_PER_WORKER, math.ceil(len(apart) / cores))
         groups = [on_board] * bool(on_board) + [apart[start : start + size] for start in range(0, len(apart), size or 1)]
         chunks = [[(closed[i], parts[i]) for i in group] for group in groups]
-        # Workers: one per chunk, but beside a switchboard's (whose runs take every core) only as many as
-        # leave a core to the caller building the variants; the switchboard's worker takes the rest after
-        # its own job. On two cores a second worker's start (~0.35 s of a core) cost more than it saved.
-        wanted = 1 + min(len(chunks) - 1, max(cores - 2, 0)) if on_board else len(chunks)
-        count = min(len(chunks), max(wanted, len(self._workers)))
+        count = min(len(chunks), max(cores, len(self._workers))) if chunks else 0
         # Threads per worker stay as they were for the workers already up: their sessions were made with them.
         threads = max(1, cores // min(cores, max(count, len(self._workers), 1)))
         prestart(count - len(self._workers))  # their start overlaps the building of the models
+        self._workers += [take_worker() for _ in range(count - len(self._workers))]
         outcomes: list[TrialOutcome] = []
         recording = not self.reference.complete
-        turns = [threading.Lock() for _ in range(count)]  # a worker runs one job at a time
+        # Each worker takes the next job built, once it is up: a worker still starting (~0.35 s of a core)
+        # leaves the jobs to one already free (the switchboard's, after its own job: on two cores, MiniLM's
+        # two loss-split variants ran there 0.17 s sooner than in a second worker).
+        # The switchboard's job goes to the first worker, whose session of it later calls reuse.
+        built: queue.Queue = queue.Queue()
+        batches: list[_Batch] = []
 
-        def run_on(index: int, job: Job) -> dict:
-            with turns[index % count]:
-                return merge_results([self._workers[index % count].run(replace(job, threads=threads))])
+        def build(index: int) -> Job:
+            nonlocal started
+            batches.append(self._job(chunks[index], self.reference.folder if not recording or index == 0 else None, board))
+            self.timings["models (caller)"] = round(self.timings.get("models (caller)", 0.0) + time.perf_counter() - started, 4)
+            started = time.perf_counter()
+            return batches[-1].job
 
-        with ThreadPoolExecutor(max_workers=min(cores, len(chunks) or 1)) as pool:
-            sent = []
+        def serve(worker: Worker, first: Job | None) -> list[tuple[int, dict]]:
+            worker.wait_ready()
+            done, item = [], (0, first) if first is not None else built.get()
+            while item is not None:
+                index, job = item
+                done.append((index, merge_results([worker.run(replace(job, threads=threads))])))
+                item = built.get()
+            return done
+
+        with ThreadPoolExecutor(max_workers=count or 1) as pool:
             try:
-                for index, chunk in enumerate(chunks):  # each job leaves as soon as its models are saved
-                    batch = self._job(chunk, self.reference.folder if not recording or index == 0 else None, board)
-                    self.timings["models (caller)"] = round(self.timings.get("models (caller)", 0.0) + time.perf_counter() - started, 4)
-                    if index == len(self._workers) and index < count:
-                        self._workers.append(take_worker())
-                    sent.append((batch, pool.submit(run_on, index, batch.job)))
-                    started = time.perf_counter()
+                pinned = build(0) if on_board else None
+                serving = [pool.submit(serve, worker, pinned if k == 0 else None) for k, worker in enumerate(self._workers[:count])]
+                try:
+                    for index in range(len(batches), len(chunks)):  # each job leaves as soon as its models are saved
+                        built.put((index, build(index)))
+                finally:
+                    for _ in serving:
+                        built.put(None)
+                merged_by_job = dict(item for future in serving for item in future.result())
                 found: dict[int, TrialOutcome] = {}
-                for group, (batch, future) in zip(groups, sent):
-                    merged = future.result()
+                for index, (group, batch) in enumerate(zip(groups, batches)):
+                    merged = merged_by_job[index]
                     self.timings = added_timings([self.timings, merged["timings"]])
                     passes = merged["passes"]
                     found.update((i, _outcome(keep, passes[p["name"]]["outcomes"])) for i, keep, p in zip(group, batch.keep_lists, batch.job.passes))
@@ -175,7 +190,7 @@ class Trials:
                     worker.close(kill=True)
                 self._workers = []
                 raise
-        if recording and sent:
+        if recording and batches:
             self.reference.finish()
         return outcomes
 

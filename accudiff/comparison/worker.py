@@ -5,9 +5,9 @@ models) ends the worker, and the caller reports which step it died in. A worker 
 arrays: several workers (or Ray tasks) on different samples give results that merge into one table.
 
 Protocol: the job (a JSON object, see `Job`) on stdin; events on stdout, one JSON object per line:
-{"event": "step", "text": ...}, {"event": "sample", "done": k, "total": n}, and last {"event": "done"} or
-{"event": "error", "message": ...}. The result is written next to the job's `result` path: statistics as
-.npz (no pickle) and the rest as JSON.
+{"event": "ready"} once, when it has started; then per job {"event": "step", "text": ...}, {"event":
+"sample", "done": k, "total": n}, and last {"event": "done"} or {"event": "error", "message": ...}. The
+result is written next to the job's `result` path: statistics as .npz (no pickle) and the rest as JSON.
 """
 
 from __future__ import annotations
@@ -98,6 +98,16 @@ class Worker:
             [sys.executable, "-m", "accudiff.comparison.worker"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env,
         )
+        self._ready = False  # its first event says it is up (see `wait_ready`)
+
+    def wait_ready(self) -> None:
+        """Wait until the worker has started and imported what every job uses (its first event); at once
+        for one that ran a job. A worker that died meanwhile is left for `run` to report."""
+        if not self._ready:
+            line = self._process.stdout.readline()
+            self._ready = True
+            if line and json.loads(line)["event"] != "ready":
+                raise WorkerBug("the comparison worker spoke before it was ready", line)
 
     def run(self, job: Job, progress: Callable[[str, int, int], None] | None = None) -> dict:
         """Run `job` here and return its result (see `load_result`). After a failure the worker is closed."""
@@ -107,7 +117,9 @@ class Worker:
             self._process.stdin.flush()
             for line in self._process.stdout:
                 event = json.loads(line)
-                if event["event"] == "step":
+                if event["event"] == "ready":
+                    self._ready = True
+                elif event["event"] == "step":
                     step = event["text"]
                 elif event["event"] == "sample":
                     if progress is not None:
@@ -178,7 +190,7 @@ def take_worker(huge_pages: bool = False) -> Worker:
     if huge_pages:
         discard_spares()
         return Worker(huge_pages=True)
-    return _SPARES.pop() if _SPARES else Worker()
+    return _SPARES.pop(0) if _SPARES else Worker()  # the one started first: the likeliest to be up (or warm)
 
 
 def discard_spares() -> None:
@@ -425,6 +437,7 @@ def main() -> None:
         out.flush()
 
     _load_what_every_job_uses()
+    emit({"event": "ready"})
     try:
         for line in sys.stdin:
             try:
