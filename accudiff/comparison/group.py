@@ -29,6 +29,7 @@ from accudiff.model.saving import link_model, save_model
 from accudiff.model.inputs import Feed
 from accudiff.model.run_results import Captured, write_run_results
 from accudiff.model.samples import Samples
+from accudiff.model.source import own_weight_bytes
 from accudiff.model.segments import SEGMENTS_PER_BUDGET, memory_budget, plan_segments, tensor_sizes
 from accudiff.runners.outputs import ReferenceCache, ReferenceStore
 from accudiff.transforms import TransformResult
@@ -123,6 +124,11 @@ def worker_reference(info: ModelInfo, segments: Sequence[Sequence[str]], scratch
     return info.path
 
 
+# Weights let go of are given back to the system past this (a collection and a trim: 0.03 s); less than
+# this, malloc serves them again to what the caller does next.
+RETURN_FREED_FROM_BYTES = 256 << 20
+
+
 def make_candidate(
     info: ModelInfo, group: BranchGroup, samples: Samples, settings: RunSettings, path: Path, scratch: Path, captured: Captured
 ) -> Candidate:
@@ -156,8 +162,10 @@ def make_candidate(
         up_to = group.samples[ISOLATED_SAMPLES] if len(group.samples) > ISOLATED_SAMPLES else None  # the group's first ones
         runs = min(len(group.samples), ISOLATED_SAMPLES)  # how its sessions are made (worker.Job)
         passes.append({"name": "isolated", "model": str(isolated), "backend": kind, "fed_from_reference": fed, "samples": up_to, "runs": runs})
+    freed = own_weight_bytes(info.proto)
     transformed.model = info.proto = onnx.ModelProto()
-    return_freed_memory()
+    if freed > RETURN_FREED_FROM_BYTES:
+        return_freed_memory()
     return Candidate(info, transformed, working, passes, record, kinds)
 
 

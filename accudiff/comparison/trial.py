@@ -50,6 +50,7 @@ MAX_TRIAL_SAMPLES = 8  # trials run on the worst failing samples, at most this m
 VARIANTS_PER_WORKER = 8  # every variant's session is open at once in a worker: bound that
 UNDERFLOW_SHARE = 0.01  # as diagnosis/rules.py: a smaller share of tiny values is noise
 PRUNE_RUNS = 16  # runs pruning a repair may take: its nodes tried for dropping, the last added first
+WORKER_START_SECONDS = 0.35  # a worker's Python start and imports, on one core
 
 
 @dataclass(frozen=True)
@@ -84,11 +85,16 @@ class Trials:
     """Counted trials over one setup; `boundaries` closes every keep-list before it is tried. Use it as a
     context manager: its workers stay up until it closes."""
 
-    def __init__(self, setup: TrialSetup, table: pd.DataFrame, recorded: tuple[ReferenceStore, Sequence[int]] | None = None, regions: bool = False):
+    def __init__(self, setup: TrialSetup, table: pd.DataFrame, recorded: tuple[ReferenceStore, Sequence[int]] | None = None, regions: bool = False,
+                 variant_seconds: float | None = None):
         """`table`: the comparison's statistics (ranges of the reference tensors), indexed by tensor.
         `recorded`: the reference's graph outputs as the comparison recorded them, and which of its
-        samples are the setup's (else the first trial records them). `regions`: see Boundaries."""
+        samples are the setup's (else the first trial records them). `regions`: see Boundaries.
+        `variant_seconds`: what a variant is expected to cost a worker (a session and its runs, as the
+        comparison measured them), when known: beside a switchboard, more workers start only for
+        variants that would keep the first one busier than a worker takes to start."""
         self.setup = setup
+        self.variant_seconds = variant_seconds
         self.runs = 0
         setup.scratch.mkdir(parents=True, exist_ok=True)
         self.reference = ReferenceStore(Path(tempfile.mkdtemp(prefix="reference-", dir=setup.scratch)), list(setup.info.output_names))
@@ -136,16 +142,16 @@ class Trials:
         size = min(VARIANTS_PER_WORKER, math.ceil(len(apart) / cores))
         groups = [on_board] * bool(on_board) + [apart[start : start + size] for start in range(0, len(apart), size or 1)]
         chunks = [[(closed[i], parts[i]) for i in group] for group in groups]
-        count = min(len(chunks), max(cores, len(self._workers))) if chunks else 0
+        light = on_board and self.variant_seconds is not None and len(apart) * self.variant_seconds < WORKER_START_SECONDS
+        count = min(len(chunks), max(1 if light else cores, len(self._workers))) if chunks else 0
         # Threads per worker stay as they were for the workers already up: their sessions were made with them.
         threads = max(1, cores // min(cores, max(count, len(self._workers), 1)))
         prestart(count - len(self._workers))  # their start overlaps the building of the models
         self._workers += [take_worker() for _ in range(count - len(self._workers))]
         outcomes: list[TrialOutcome] = []
         recording = not self.reference.complete
-        # Each worker takes the next job built, once it is up: a worker still starting (~0.35 s of a core)
-        # leaves the jobs to one already free (the switchboard's, after its own job: on two cores, MiniLM's
-        # two loss-split variants ran there 0.17 s sooner than in a second worker).
+        # Each worker takes the next job built, once it is up: a worker still starting leaves the jobs to one
+        # already free (the switchboard's, after its own job).
         # The switchboard's job goes to the first worker, whose session of it later calls reuse.
         built: queue.Queue = queue.Queue()
         batches: list[_Batch] = []

@@ -118,7 +118,7 @@ def verify_outputs(
         {name: first[name].reshape(-1).tolist() for name in first if could_be_a_shape(first[name])},
     )
     recorded = (runs[0].outputs, chosen) if runs[0].outputs is not None else None
-    with Trials(setup, indexed, recorded) as trials:
+    with Trials(setup, indexed, recorded, variant_seconds=_variant_seconds(result.worker_timings.get("comparison", {}), candidate.passes, len(chosen) / len(samples))) as trials:
         split = loss_split_keeps(setup.variants, context.formats, settings.given_alone)
         verdicts, control, parts = verify_causes(outputs, indexed, context, trials, settings.verify_budget, settings.tolerances.default.rtol, split,
                                                  settings.judged)
@@ -141,6 +141,15 @@ def verify_outputs(
             f"{stand_in or 'the candidate'} run again with nothing kept: a keep cannot be verified where the failure does not show, "
             "so the cause stays the rules' hypothesis")
     return notices
+
+
+def _variant_seconds(timings: dict[str, float], passes: Sequence[dict], share: float) -> float | None:
+    """What one variant of the candidate costs a worker, as the comparison measured it: a session (its
+    sessions' time shared among the reference and its passes) and the candidate's runs of the `share` of
+    the samples that trials run on."""
+    if "sessions" not in timings:
+        return None
+    return timings["sessions"] / (1 + len(passes)) + timings.get("runs: candidate", 0.0) * share
 
 
 def _trial_samples(failing: pd.DataFrame, outputs: Sequence[str]) -> list[int]:

@@ -18,7 +18,7 @@ import onnx
 
 from accudiff.model.inputs import Feed, generate_feeds
 from accudiff.model.inventory import ModelInfo
-from accudiff.model.loading import load_model
+from accudiff.model.loading import load_model, remember_model
 from accudiff.model.samples import Samples, samples_from_feeds, samples_from_path
 from accudiff.transforms.autokeep import close_autokeep
 from accudiff.transforms.base import KeptNode, TransformResult
@@ -61,7 +61,9 @@ def transform_model(info: ModelInfo, recipe: CandidateRecipe, samples: Sequence[
     if recipe.engine is not None:
         return TransformResult(model=info.proto, precision=recipe.precision)
     if recipe.candidate_model is not None:
-        return adopt(load_model(recipe.candidate_model), info, recipe.keep_fp32)
+        given = load_model(recipe.candidate_model)
+        remember_model(given)  # before adopt renames it: the repaired model is the user's own
+        return replace(adopt(given, info, recipe.keep_fp32), given=given.remembered)
     if recipe.precision in HALVES:
         result = to_fp16(info.proto, recipe.keep_fp32, recipe.autokeep, HALVES[recipe.precision])
         return close_autokeep(info, result, samples, recipe.keep_fp32, HALVES[recipe.precision]) if recipe.autokeep else result
@@ -120,7 +122,8 @@ def repaired(variants: CandidateVariants, nodes: Iterable[str]) -> onnx.ModelPro
     do not change what it computes) with the same nodes kept, the user's --keep-fp32 ones included."""
     if variants.recipe.candidate_model is None:
         return variants.with_kept(nodes).model
-    given = load_model(variants.recipe.candidate_model).proto
+    given = onnx.ModelProto()
+    given.CopyFrom(variants.base.given)
     theirs = {ours: name for name, ours in reference_node_names(given.graph, variants.info.proto.graph).items()}  # a node the tool renamed
     return keep_in_float(given, variants.info.proto, [theirs.get(n, n) for n in [*(k.node for k in variants.base.kept), *nodes]])
 
