@@ -30,7 +30,7 @@ import numpy as np
 
 from accudiff.errors import AccudiffError
 from accudiff.memory import HUGE_PAGES_FROM_TENSOR_BYTES, SEPARATE_MAPPINGS_FROM_TENSOR_BYTES, map_large_blocks_separately, with_huge_pages
-from accudiff.runners.base import Runner
+from accudiff.runners.reused import ReusedRunners
 
 BACKEND_NAMES = {"onnxrt": "ONNX Runtime", "trt": "TensorRT"}
 
@@ -330,55 +330,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
     _write_result(engine, Path(job.result), cpu.threads)
 
 
-class _ReusedRunners:
-    """Runners kept open across the jobs of one worker (passes marked `reuse`: the same model file, run
-    with different `fixed_inputs`). Each is activated once and closed when the worker ends."""
-
-    def __init__(self) -> None:
-        self._runners: dict[tuple, Runner] = {}
-
-    def get(self, key: tuple, make: Callable[[], Runner]) -> Runner:
-        if key not in self._runners:
-            self._runners[key] = _Reused(make())
-        return self._runners[key]
-
-    def close(self) -> None:
-        for runner in self._runners.values():
-            runner.runner.deactivate()
-        self._runners = {}
-
-
-class _Reused(Runner):
-    """A runner its engines share: activated on first use, never deactivated by them."""
-
-    def __init__(self, runner: Runner) -> None:
-        self.runner, self._active = runner, False
-
-    def activate(self) -> None:
-        if not self._active:
-            self.runner.activate()
-            self._active = True
-
-    def infer(self, feed):
-        return self.runner.infer(feed)
-
-    def deactivate(self) -> None:
-        pass
-
-    @property
-    def label(self) -> str:
-        return self.runner.label
-
-    @property
-    def not_observable(self) -> dict[str, str]:
-        return self.runner.not_observable
-
-    @property
-    def notices(self) -> list[str]:
-        return self.runner.notices
-
-
-_REUSED = _ReusedRunners()
+_REUSED = ReusedRunners()
 
 
 def _write_result(engine, path: Path, threads: int) -> None:
