@@ -325,3 +325,19 @@ def test_the_worker_reads_the_reference_as_a_graph_beside_a_link_to_its_file(tmp
     feed = {"x": np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)}
     with OnnxrtRunner(reference, [name]) as runner:
         np.testing.assert_array_equal(runner.infer(feed)[name], _plain_run(_mlp(), feed)[0])
+
+
+def test_a_model_a_user_takes_away_is_one_file(tmp_path):
+    """A repaired model refers to weights in scratch data files and in the user's files: saved for the user,
+    it holds them itself (the report said 'repaired model: repaired-candidate.onnx', and that file alone
+    was missing its 20 MB side file)."""
+    path = tmp_path / "source" / "mlp.onnx"
+    path.parent.mkdir()
+    onnx.save(_mlp(), str(path))
+    proto = load_graph(path)  # its weights referenced in the file
+    assert any(is_external(init) for init in proto.graph.initializer)
+    (tmp_path / "report").mkdir()
+    save_model(proto, tmp_path / "report" / "repaired.onnx", one_file=True)
+    assert [p.name for p in (tmp_path / "report").iterdir()] == ["repaired.onnx"]
+    again = onnx.load(str(tmp_path / "report" / "repaired.onnx"))
+    assert again == _mlp() or [i.raw_data for i in again.graph.initializer] == [i.raw_data for i in _mlp().graph.initializer]

@@ -89,7 +89,7 @@ def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
     ranking.to_csv(out_dir / RANKING_FILE, index=False)
     (out_dir / KEEP_LIST_FILE).write_text("".join(f"{keep_pattern(name)}\n" for name in result.keep))
     result.repaired_model = repaired_file(trials.setup.variants.recipe)
-    save_model(repaired(trials.setup.variants, result.keep), out_dir / result.repaired_model)
+    save_model(repaired(trials.setup.variants, result.keep), out_dir / result.repaired_model, one_file=True)
     return result
 
 

@@ -126,7 +126,7 @@ def verify_outputs(
     result.worker_timings["verification"] = trials.timings
     keep = list(dict.fromkeys(n for _, repair in verdicts.values() if repair.verified for n in repair.keep))
     if report is not None and keep and settings.candidate_model is not None:
-        save_model(repaired(setup.variants, keep), report / repaired_file(setup.variants.recipe))
+        save_model(repaired(setup.variants, keep), report / repaired_file(setup.variants.recipe), one_file=True)
         result.repaired_candidate = repaired_file(setup.variants.recipe)
     result.output_failures = [
         replace(f, cause=replace(verdicts[f.tensor][0], stand_in=stand_in), repair=replace(verdicts[f.tensor][1], samples=chosen))

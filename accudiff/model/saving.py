@@ -3,6 +3,7 @@ protobuf's 2 GiB limit (or a side-file threshold) go to a data file beside the m
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import onnx
 from onnx import numpy_helper
 
-from accudiff.model.graph import copy_without_initializers, tensor_bytes
+from accudiff.model.graph import all_initializers, copy_without_initializers, tensor_bytes
 from accudiff.model.shapes import SMALL_INITIALIZER_BYTES
 from accudiff.model.weights import (
     copy_bytes,
@@ -36,7 +37,8 @@ EXTERNAL_DATA_THRESHOLD = 256 << 20
 EXTERNAL_DATA_MIN_TENSOR = 1024  # ... each weight of at least this many bytes
 
 
-def save_model(proto: onnx.ModelProto, path: Path, move_weights: bool = False, side_file: bool = False, link: bool = False) -> None:
+def save_model(proto: onnx.ModelProto, path: Path, move_weights: bool = False, side_file: bool = False, link: bool = False,
+               one_file: bool = False) -> None:
     """Save a model, its weights in a side file (`<name>.data`) when it has weights in data files or
     protobuf's 2 GiB limit would be hit (see EXTERNAL_DATA_THRESHOLD). A weight already in a data file in
     `path`'s folder stays there; one elsewhere is copied in, block by block. `move_weights`: the weights
@@ -46,8 +48,22 @@ def save_model(proto: onnx.ModelProto, path: Path, move_weights: bool = False, s
     `side_file`: every weight of EXTERNAL_DATA_MIN_TENSOR or more in the side file, whatever the total
     (ONNX Runtime maps weights in a file, and copies those inside a model). `link`: a data file elsewhere
     (or a model file holding its weights) is hard-linked into `path`'s folder instead of copied, where both
-    are on one file system: for models that live no longer than the run (a link sees any later change)."""
+    are on one file system: for models that live no longer than the run (a link sees any later change).
+    `one_file`: a model a user takes away (a repaired model) holds its weights itself, read in from their
+    data files, unless they pass EXTERNAL_DATA_THRESHOLD."""
     path = Path(path)
+    if one_file and sum(tensor_bytes(init) for init in all_initializers(proto)) <= EXTERNAL_DATA_THRESHOLD:
+        whole = onnx.ModelProto()
+        whole.CopyFrom(proto)  # its weights in data files are references: the copy is small
+        for init in all_initializers(whole):
+            if is_external(init):
+                stored = io.BytesIO()
+                copy_bytes(init, stored)  # its bytes as stored (4-bit codes stay packed)
+                del init.external_data[:]
+                init.data_location = onnx.TensorProto.DEFAULT
+                init.raw_data = stored.getvalue()
+        _write_whole(whole, path)
+        return
     if not side_file and not needs_data_file(proto):
         data = _write_whole(proto, path)
         if move_weights:  # the weights written become references to their bytes in the file (weights.py)
