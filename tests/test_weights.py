@@ -341,3 +341,24 @@ def test_a_model_a_user_takes_away_is_one_file(tmp_path):
     assert [p.name for p in (tmp_path / "report").iterdir()] == ["repaired.onnx"]
     again = onnx.load(str(tmp_path / "report" / "repaired.onnx"))
     assert again == _mlp() or [i.raw_data for i in again.graph.initializer] == [i.raw_data for i in _mlp().graph.initializer]
+
+
+def test_a_field_written_twice_is_found_where_protobuf_reads_it():
+    """protobuf keeps the last value of a field written twice (messages concatenated are merged): the
+    offset found for a weight's bytes must be that one, or a model would refer to bytes it does not hold."""
+    from accudiff.model.weights import spans_in_file
+
+    def length_delimited(number: int, payload: bytes) -> bytes:
+        size, varint = len(payload), b""
+        while True:
+            varint += bytes([(size & 0x7F) | (0x80 if size > 0x7F else 0)])
+            size >>= 7
+            if not size:
+                return bytes([number << 3 | 2]) + varint + payload
+
+    first = onnx.TensorProto(name="w", data_type=onnx.TensorProto.FLOAT, dims=[2], raw_data=np.zeros(2, np.float32).tobytes())
+    second = onnx.TensorProto(raw_data=np.ones(2, np.float32).tobytes())
+    data = length_delimited(7, length_delimited(5, first.SerializeToString() + second.SerializeToString()))
+    [weight] = onnx.ModelProto.FromString(data).graph.initializer
+    offset, length = spans_in_file(data)["w"]
+    assert data[offset : offset + length] == weight.raw_data == second.raw_data

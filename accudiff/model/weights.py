@@ -151,8 +151,9 @@ def spans_in_file(data: bytes) -> dict[str, tuple[int, int]]:
     spans = {}
     for graph_start, graph_end in _fields(view, 0, len(view), _GRAPH):
         for start, end in _fields(view, graph_start, graph_end, _INITIALIZER):
-            name = next((bytes(view[a:b]).decode("utf-8", "replace") for a, b in _fields(view, start, end, _NAME)), None)
-            raw = next(iter(_fields(view, start, end, _RAW_DATA)), None)
+            # A field written twice is its last value to protobuf too.
+            name = next(reversed([bytes(view[a:b]).decode("utf-8", "replace") for a, b in _fields(view, start, end, _NAME)]), None)
+            raw = next(reversed(list(_fields(view, start, end, _RAW_DATA))), None)
             if name is not None and raw is not None:
                 spans[name] = (raw[0], raw[1] - raw[0])
     return spans
