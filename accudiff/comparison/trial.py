@@ -5,12 +5,11 @@ This is the one mechanism behind verified causes (diagnosis/verify.py) and `accu
 a keep-list is judged by what it does at the graph outputs, not by what a rule says about one node.
 Nothing is marked (these runs are cheap), and every keep-list is closed over precision boundaries first.
 An FP16 candidate on ONNX Runtime is tried as one switchboard (transforms/switches.py): built, saved and
-loaded once, each keep-list a run with its switches set, in one worker that stays up from one call to the
-next and keeps its session open (a second worker would pay its own start and session to save runs that
-already use every core). Other candidates (INT8, TensorRT) get a variant per keep-list, shared among one
-worker per core. The reference's graph outputs are the ones
-the comparison recorded, or else recorded by the first worker of the first call; every later one
-replays them.
+loaded once, each keep-list a run with its switches set, in the first worker, which stays up from one
+call to the next and keeps its session open. Other candidates (INT8, TensorRT), and the loss split's
+variants, get a variant per keep-list; their jobs go to whichever worker (up to one per core) asks first
+once it is up. The reference's graph outputs are the ones the comparison recorded, or else recorded by
+the first worker of the first call; every later one replays them.
 """
 
 from __future__ import annotations
@@ -126,9 +125,11 @@ class Trials:
 
     def run(self, keep_lists: Sequence[Sequence[str]], parts: Sequence[str] | None = None, regions: bool | None = None) -> list[TrialOutcome]:
         """Each keep-list (closed over boundaries) tried on the setup's samples; outcomes in the same order.
-        On a switchboard, one worker tries them all, its runs on every core. Variants are shared among as
-        many workers as there are cores, at once: what a variant costs is mostly single-threaded
-        (preparing its model and creating its session). `parts`, one per keep-list: of a candidate made by
+        A switchboard's keep-lists go to the first worker, in one job (its runs on every core when it works
+        alone). Variants are shared among as many workers as there are cores, each taking the next one
+        built: what a variant costs is mostly single-threaded (preparing its model and creating its
+        session); beside a switchboard, only when they are worth a worker's start (`variant_seconds`).
+        `parts`, one per keep-list: of a candidate made by
         another tool, what keeping undoes (CandidateVariants.with_kept): "all" (the default), or only its
         "quantization" or its "casts". `regions`: see Boundaries.close."""
         closed = [self.boundaries.close(keep, regions) for keep in keep_lists]
