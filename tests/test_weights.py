@@ -362,3 +362,26 @@ def test_a_field_written_twice_is_found_where_protobuf_reads_it():
     [weight] = onnx.ModelProto.FromString(data).graph.initializer
     offset, length = spans_in_file(data)["w"]
     assert data[offset : offset + length] == weight.raw_data == second.raw_data
+
+
+def test_where_a_link_is_refused_the_weights_are_copied(tmp_path, monkeypatch):
+    """Another file system (or a file the user may not link) refuses a hard link: the scratch model gets
+    the weights copied into its own data file instead, and runs the same."""
+    import os
+
+    def refuse(*args, **kwargs):
+        raise OSError(18, "Invalid cross-device link")
+
+    path = tmp_path / "source" / "mlp.onnx"
+    path.parent.mkdir()
+    onnx.save(_mlp(), str(path))
+    proto = load_graph(path)
+    monkeypatch.setattr(os, "link", refuse)
+    (tmp_path / "trials").mkdir()
+    target = tmp_path / "trials" / "reference-weights.onnx"
+    save_model(proto, target, move_weights=True, side_file=True, link=True)
+    assert sorted(p.name for p in target.parent.iterdir()) == ["reference-weights.onnx", "reference-weights.onnx.data"]
+    name = _mlp().graph.output[0].name
+    feed = {"x": np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)}
+    with OnnxrtRunner(target, [name]) as runner:
+        np.testing.assert_array_equal(runner.infer(feed)[name], _plain_run(_mlp(), feed)[0])
