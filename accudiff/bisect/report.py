@@ -56,7 +56,7 @@ def run_bisector(name: str, settings: RunSettings, out_dir: Path) -> tuple[str, 
 
 
 def _subgraph_text(result, folder: Path) -> str:
-    lines = [f"accudiff bisect subgraph: {result.candidate_runs} candidate runs (bound {result.bound})"]
+    lines = [f"accudiff bisect subgraph: {result.candidate_runs} candidate runs (at most {result.bound} on any path the search could take)"]
     if result.output is None:
         lines.append("  every graph output is within tolerance: nothing to isolate")
         return "\n".join(lines)
@@ -87,7 +87,7 @@ def _where_it_stands(result) -> list[str]:
 
 
 def _precision_text(result, folder: Path, settings: RunSettings) -> str:
-    lines = [f"accudiff bisect precision: {result.candidate_runs} candidate runs (bound {result.bound})"]
+    lines = [f"accudiff bisect precision: {result.candidate_runs} candidate runs (at most {result.bound} on any path the search could take)"]
     if result.passed_without_changes:
         lines.append("  the model already meets tolerance: nothing to keep in higher precision")
     elif result.trivial:

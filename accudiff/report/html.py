@@ -96,7 +96,7 @@ def compare_page(result) -> str:
 def bisect_page(bisector: str, model: str, precision: str, result, steps: Sequence[str], folder_files: dict[str, str | None]) -> str:
     """A bisector's report: what it found, the steps it took, the reproducer or the keep-list, the ranking."""
     title = f"accudiff bisect {bisector} {model} [{precision}]"
-    facts = {"candidate runs": f"{result.candidate_runs} (bound {result.bound})", "interrupted": "yes" if result.interrupted else "no"}
+    facts = {"candidate runs": f"{result.candidate_runs} (at most {result.bound} on any path the search could take)", "interrupted": "yes" if result.interrupted else "no"}
     sections = []
     if bisector == "subgraph":
         verdict, label = ("fail", "FAILING SUBGRAPH FOUND") if result.output is not None else ("pass", "NOTHING FAILS")
