@@ -16,7 +16,7 @@ from accudiff.errors import AccudiffError, first_line
 from accudiff.model.inventory import ModelInfo, describe, name_unnamed_nodes
 from accudiff.model.shapes import SMALL_INITIALIZER_BYTES, clear_unknown_dims, infer_shapes_in_place
 from accudiff.model.graph import UNCHECKED_TYPES, all_initializers, all_nodes, copy_without_initializers, data_files, has_external_data, tensor_bytes
-from accudiff.model.weights import data_file, is_external, mark_weights_folder, refer_in_place, refer_to, spans_in_file, weight_values
+from accudiff.model.weights import data_file, is_external, mark_weights_folder, reference_in_file, refer_in_place, spans_in_file, weight_values
 
 
 def load_model(path: str | os.PathLike) -> ModelInfo:
@@ -63,14 +63,7 @@ def remember_model(info: ModelInfo) -> None:
     checking or inferring it again (a 69 MB MiniLM: 0.07 s)."""
     light = copy_without_initializers(info.proto)
     for tensor in info.proto.graph.initializer:
-        copy = light.graph.initializer.add()
-        span = info.weights_in_file.get(tensor.name)
-        if span is not None and tensor.HasField("raw_data") and span[1] > SMALL_INITIALIZER_BYTES:
-            copy.name, copy.data_type = tensor.name, tensor.data_type
-            copy.dims.extend(tensor.dims)
-            refer_to(copy, info.path.name, span[0], span[1], info.path.parent)
-        else:
-            copy.CopyFrom(tensor)
+        light.graph.initializer.add().CopyFrom(reference_in_file(tensor, info.weights_in_file, info.path, SMALL_INITIALIZER_BYTES) or tensor)
     info.remembered = light
 
 

@@ -4,6 +4,7 @@ protobuf's 2 GiB limit (or a side-file threshold) go to a data file beside the m
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import shutil
 from pathlib import Path
@@ -79,43 +80,39 @@ def save_model(proto: onnx.ModelProto, path: Path, move_weights: bool = False, s
             if is_external(init) and same_folder(weight_folder(init), path.parent):
                 light.graph.initializer.append(without_folder(init))
                 continue
-            if is_external(init) and link:
-                source, offset, length = data_file(init)
-                if source not in links:
-                    links[source] = _link(source, path, len(links))
-                if links[source] is not None:
-                    reference = onnx.TensorProto(name=init.name, data_type=init.data_type, dims=init.dims)
-                    refer_to(reference, links[source], offset, length, path.parent)
-                    light.graph.initializer.append(without_folder(reference))
-                    written.append((init, links[source], offset, length))
-                    continue
             if not is_external(init) and tensor_bytes(init) < EXTERNAL_DATA_MIN_TENSOR:
                 light.graph.initializer.append(init)
                 continue
-            offset = data.tell()
-            if is_external(init):
-                length = copy_bytes(init, data)
-            else:
-                length = data.write(init.raw_data if init.HasField("raw_data") else numpy_helper.to_array(init).astype(stored_dtype(init)).tobytes())
+            where = _linked(init, path, links) if link and is_external(init) else None
+            if where is None:  # written into the side file
+                offset = data.tell()
+                if is_external(init):
+                    length = copy_bytes(init, data)
+                else:
+                    length = data.write(init.raw_data if init.HasField("raw_data") else numpy_helper.to_array(init).astype(stored_dtype(init)).tobytes())
+                where = location, offset, length
             reference = onnx.TensorProto(name=init.name, data_type=init.data_type, dims=init.dims)
-            refer_to(reference, location, offset, length, path.parent)
+            refer_to(reference, *where, path.parent)
             light.graph.initializer.append(without_folder(reference))
-            written.append((init, location, offset, length))
+            written.append((init, *where))
     _write_whole(light, path)
     for init, file, offset, length in written if move_weights else ():
         refer_to(init, file, offset, length, path.parent)
 
 
-def _link(source: Path, path: Path, count: int) -> str | None:
-    """A hard link to `source` beside the model saved at `path`, under a name of its own; None where the
-    file system refuses (another device, no links)."""
-    name = f"{path.name}.link{count}"
-    try:
-        (path.parent / name).unlink(missing_ok=True)
-        os.link(source, path.parent / name)
-    except OSError:
-        return None
-    return name
+def _linked(init: onnx.TensorProto, path: Path, links: dict[Path, str | None]) -> tuple[str, int, int] | None:
+    """Where a weight in a data file elsewhere lies once that file is hard-linked beside the model saved at
+    `path` (each file linked once, under a name no file there has: `links`); None where the file system
+    refuses (another device, no links)."""
+    source, offset, length = data_file(init)
+    if source not in links:
+        name = next(name for k in itertools.count() if not (path.parent / (name := f"{path.name}.link{k}")).exists())
+        try:
+            os.link(source, path.parent / name)
+            links[source] = name
+        except OSError:
+            links[source] = None
+    return (links[source], offset, length) if links[source] is not None else None
 
 
 def _write_whole(proto: onnx.ModelProto, path: Path) -> bytes:

@@ -191,13 +191,25 @@ def _varint(view: memoryview, position: int) -> tuple[int, int]:
         shift += 7
 
 
+def reference_in_file(tensor: onnx.TensorProto, spans: dict[str, tuple[int, int]], path: Path, smallest: int) -> onnx.TensorProto | None:
+    """A reference to the bytes of `tensor` (held as raw data) in the model file `path`, where `spans`
+    (spans_in_file) says where they lie; None for one of at most `smallest` bytes (shape arithmetic reads
+    the small ones) or one whose place is unknown. Its length is read off the file: protobuf does not copy
+    the bytes out."""
+    span = spans.get(tensor.name)
+    if span is None or not tensor.HasField("raw_data") or span[1] <= smallest:
+        return None
+    reference = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
+    refer_to(reference, Path(path).name, span[0], span[1], Path(path).parent)
+    return reference
+
+
 def refer_in_place(tensors: Iterable[onnx.TensorProto], spans: dict[str, tuple[int, int]], path: Path, smallest: int) -> None:
-    """Each of `tensors` held as raw data of more than `smallest` bytes whose span in the model file `path`
-    is known becomes a reference to its bytes there (the small ones stay: shape arithmetic reads them)."""
+    """Each of `tensors` that `reference_in_file` can refer to becomes that reference (its memory let go of)."""
     for tensor in tensors:
-        span = spans.get(tensor.name)
-        if span is not None and tensor.HasField("raw_data") and span[1] > smallest:  # (its length read off the file: the bytes are not copied out)
-            refer_to(tensor, Path(path).name, span[0], span[1], Path(path).parent)
+        reference = reference_in_file(tensor, spans, path, smallest)
+        if reference is not None:
+            tensor.CopyFrom(reference)
 
 
 def refer_to(tensor: onnx.TensorProto, location: str, offset: int, length: int, folder: Path) -> None:
