@@ -31,8 +31,9 @@ from accudiff.comparison.worker import prestart
 from accudiff.comparison.shards import default_workers
 from accudiff.model.loading import load_model
 from accudiff.model.run_results import read_captured
+from accudiff.model.prompts import prepare_generation
 from accudiff.model.samples import Samples, prepare_samples
-from accudiff.report.content import CANDIDATE_MODEL_FILE, INPUTS_FILE
+from accudiff.report.content import CANDIDATE_MODEL_FILE, INPUTS_FILE, PROMPTS_FILE
 from accudiff.runners import TrtOptions
 from accudiff.runners.outputs import ReferenceCache
 from accudiff.transforms.float_form import float_reference
@@ -78,7 +79,12 @@ def run(
             info, reference_notices = float_reference(info, where.scratch)
         info, upgraded = at_forms_opset(info, settings.precision, where.scratch)  # an old opset has no BF16 Conv
         reference_notices += upgraded
-        samples = prepare_samples(info, settings, where.folder.path / INPUTS_FILE)
+        generation = None
+        if settings.prompts is not None:  # a decoder generating from prompts: a sample is a prompt's prefill
+            generation = prepare_generation(info, settings.prompts, settings.decode_steps, where.folder.path / PROMPTS_FILE, where.scratch)
+            samples = generation.prefills
+        else:
+            samples = prepare_samples(info, settings, where.folder.path / INPUTS_FILE)
         if settings.ray is None:
             prestart(min(settings.workers or default_workers(len(samples)), len(samples)))  # a dataset's other workers start now too
         groups = plan_groups(info, samples, settings, where.scratch)
@@ -99,15 +105,14 @@ def run(
             laps.lap("transform")
             if k == 0:
                 diagnosis_import.start()
-            runs.append(run_group(candidate, planned, group, samples, settings, where, captured))
+            runs.append(run_group(candidate, planned, group, samples, settings, where, captured, generation))
             laps.lap("run")
         save_tensors(settings, runs, len(samples))
         from accudiff.diagnosis.judge import attach_sketches, judge
         from accudiff.diagnosis.verify import verify_outputs
 
         info, transformed, outcome = combine(info.path, runs)
-        result, context = judge(info, transformed, outcome, settings, samples)
-        result.output_kinds = runs[0].candidate.kinds
+        result, context = judge(info, transformed, outcome, settings, samples, runs[0].candidate.kinds)
         result.worker_timings["comparison"], result.layout = outcome["timings"], outcome["layout"]
         laps.lap("diagnose")
         unverified = []

@@ -18,7 +18,7 @@ from accudiff.settings import RunSettings
 
 def add_run_options(cmd: argparse.ArgumentParser) -> None:
     """The options that say what to compare and how: shared by compare and the bisectors."""
-    cmd.add_argument("model", help="ONNX model file")
+    cmd.add_argument("model", help="ONNX model file, or a folder the ONNX Runtime GenAI model builder wrote")
     precision = cmd.add_mutually_exclusive_group()
     precision.add_argument("--fp16", dest="precision", action="store_const", const="fp16", help="FP16 mixed-precision candidate")
     precision.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="BF16 mixed-precision candidate")
@@ -32,6 +32,8 @@ def add_run_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--iterations", type=int, default=1, help="number of random input samples (default 1)")
     cmd.add_argument("--load-inputs", metavar="FILE", help="inputs from .npz or polygraphy's --save-inputs JSON instead of random data")
     cmd.add_argument("--calib-data", metavar="FILE", help="INT8 calibration samples (.npz or polygraphy JSON)")
+    cmd.add_argument("--prompts", metavar="FILE", help="a decoder's prompts: text (.txt, one a line; .jsonl) tokenized with the model's tokenizer.json, or token ids (.npz)")
+    cmd.add_argument("--new-tokens", type=int, metavar="N", help="decode steps after each prompt's prefill, each side carrying its own KV cache (default 16)")
     cmd.add_argument("--keep-fp32", action="append", default=[], metavar="NODE|OP|REGEX", help="keep matching nodes in FP32 / unquantized (repeatable)")
     cmd.add_argument("--no-autokeep", dest="autokeep", action="store_false", help="also convert nodes whose constants exceed the FP16 range")
     cmd.add_argument("--atol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="absolute tolerance, default and per tensor")
@@ -85,5 +87,7 @@ def run_settings(args: argparse.Namespace, **only_compare) -> RunSettings:
         objective=args.objective,
         require=args.require,
         output_kind=args.output_kind,
+        prompts=args.prompts,
+        new_tokens=args.new_tokens,
         **only_compare,
     )

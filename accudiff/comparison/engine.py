@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Collection, Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -220,19 +220,27 @@ class Engine:
             segment.active = False
         return out
 
-    def run_sample(self, sample: int, feed: Feed) -> None:
-        """Reduce one sample into the statistics, one segment at a time."""
+    def run_sample(self, sample: int, feed: Feed, own_inputs: Mapping[str, Feed] | None = None, targets: Mapping[str, np.ndarray] | None = None,
+                   keep: Collection[str] = ()) -> dict[str, dict[str, np.ndarray]]:
+        """Reduce one sample into the statistics, one segment at a time. `own_inputs`: the graph inputs a pass
+        is fed its own values of (a decoder's KV cache, which each side carries); `targets`: per graph output
+        of token scores, the token each of its positions is scored on (decisions.decide). Returns the graph
+        outputs named in `keep`, by side: "reference" and each pass that ran."""
         self._ranges = {}
         for row, name in enumerate(self.inputs):  # a graph input is its own candidate: only its range counts
             self.input_stats.add(row, *reduce_tensor(feed[name], feed[name], _RANGE_ONLY, self.quant_ranges.get(name), sample))
+        own_inputs = own_inputs or {}
         reference_values: dict[str, np.ndarray] = dict(feed)
-        pass_values = {p.name: dict(feed) for p in self.passes}
         passes = [p for p in self.passes if p.samples is None or sample < p.samples]
+        pass_values = {p.name: {**feed, **own_inputs.get(p.name, {})} for p in passes}
+        kept: dict[str, dict[str, np.ndarray]] = {side: {} for side in ["reference", *(p.name for p in passes)]}
         order = [s for k, reference in enumerate(self.reference) for s in [reference, *(self.pass_segments[p.name][k] for p in passes)]]
         order = [s for s in order if s.make is not None]
         self._following = {id(a): b for a, b in zip(order, order[1:])}  # the next session to make ahead
         for k, reference in enumerate(self.reference):
-            reference_values.update(self._reference_outputs(sample, reference, reference_values))
+            out = self._reference_outputs(sample, reference, reference_values)
+            kept["reference"].update((name, out[name]) for name in keep if name in out)
+            reference_values.update(out)
             for plan in passes:
                 segment = self.pass_segments[plan.name][k]
                 values = pass_values[plan.name]
@@ -240,15 +248,29 @@ class Engine:
                     values[name] = reference_values[plan.fed_from_reference[name]]
                 self.progress(f"running the {plan.name} pass on sample {sample}")
                 out = self._run(segment, {**values, **plan.fixed_inputs} if plan.fixed_inputs else values, f"runs: {plan.name}")
+                kept[plan.name].update((name, out[name]) for name in keep if name in out)
                 if plan.record is not None:
                     plan.record.write(sample, out)
                 with self.clock("statistics"):
-                    self._reduce(plan.name, sample, reference_values, out, reference.compared)
+                    self._reduce(plan.name, sample, reference_values, out, reference.compared, targets or {})
                 later = self.pass_segments[plan.name][k + 1 :]
                 needed = {n for s in later for n in s.inputs}
                 pass_values[plan.name] = {name: value for name, value in {**values, **out}.items() if name in needed or name in feed}
                 del out, values
             reference_values = {n: v for n, v in reference_values.items() if n in self._later_reference_reads[k] or n in feed}
+        return kept
+
+    def run_alone(self, name: str, feed: Feed, keep: Collection[str]) -> dict[str, np.ndarray]:
+        """The pass `name`'s model run on `feed`, segment by segment, nothing compared (a decoder's candidate
+        generating on its own): its graph outputs named in `keep`."""
+        values, kept = dict(feed), {}
+        segments = self.pass_segments[name]
+        for k, segment in enumerate(segments):
+            out = self._run(segment, values, f"runs: {name}")
+            kept.update((n, out[n]) for n in keep if n in out)
+            needed = {n for s in segments[k + 1 :] for n in s.inputs}
+            values = {n: v for n, v in {**values, **out}.items() if n in needed}
+        return kept
 
     def _reference_outputs(self, sample: int, segment: _Segment, values: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
         if segment.make is None:
@@ -262,7 +284,8 @@ class Engine:
             self.outputs_store.write(sample, out)  # only the graph outputs are kept
         return out
 
-    def _reduce(self, name: str, sample: int, reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray], tensors: Sequence[str]) -> None:
+    def _reduce(self, name: str, sample: int, reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray], tensors: Sequence[str],
+                targets: Mapping[str, np.ndarray]) -> None:
         result = self.results[name]
         pairs = []
         for tensor in tensors:
@@ -317,7 +340,8 @@ class Engine:
                 low, high = self._ranges[tensor]
                 absmax = max(abs(low), abs(high)) if low <= high else 0.0
                 kind = self.kinds.get(tensor, UNKNOWN)
-                decision = decide(reference[tensor], candidate[tensor], kind, self.tolerances.for_tensor(tensor), threshold, absmax, sketches)
+                decision = decide(reference[tensor], candidate[tensor], kind, self.tolerances.for_tensor(tensor), threshold, absmax, sketches,
+                                  targets.get(tensor))
                 result.outcomes.append(
                     SampleOutcome(sample=sample, tensor=tensor, max_abs_err=one["max_abs_err"], tol_ratio=one["tol_ratio"], outside_share=one["outside_share"],
                                   sqnr_db=one["sqnr_db"], **asdict(decision))

@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 
 from accudiff.comparison.branches import BranchGroup, merge_group_results
+from accudiff.comparison.generation import samples_per_prompt
 from accudiff.comparison.output_kinds import OutputKind, kinds_of
 from accudiff.comparison.shards import added_timings, run_shards
 from accudiff.comparison.tolerances import Tolerances
@@ -27,6 +28,7 @@ from accudiff.model.inventory import ModelInfo, describe
 from accudiff.model.loading import remember_model
 from accudiff.model.saving import link_model, save_model
 from accudiff.model.inputs import Feed
+from accudiff.model.prompts import GenerationPlan
 from accudiff.model.run_results import Captured, write_run_results
 from accudiff.model.samples import Samples
 from accudiff.model.source import own_weight_bytes
@@ -170,11 +172,13 @@ def make_candidate(
 
 
 def run_group(
-    candidate: Candidate, plan: Plan, group: BranchGroup, samples: Samples, settings: RunSettings, where: Workspace, captured: Captured
+    candidate: Candidate, plan: Plan, group: BranchGroup, samples: Samples, settings: RunSettings, where: Workspace, captured: Captured,
+    generation: GenerationPlan | None = None,
 ) -> GroupRun:
     """The run stage: the group's samples through the reference and the candidate's passes, in worker
     processes or Ray tasks, their statistics merged. The reference is replayed from a captured file or
-    the reference cache, or recorded there (or kept to be saved) as it runs."""
+    the reference cache, or recorded there (or kept to be saved) as it runs. With a decoder's `generation`,
+    each sample is a prompt generated from (comparison/generation.py)."""
     info, first = candidate.info, samples[group.samples[0]]
     specialized = info.path.parent == where.scratch  # a model specialized for these samples' branches lives only for this call
     cache, tensors = where.reference_cache, [t.name for t in info.tensors]
@@ -198,12 +202,17 @@ def run_group(
         thresholds=settings.thresholds,
         output_kinds={name: kind.as_json() for name, kind in candidate.kinds.items()},
     )
+    if generation is not None:  # the workers read the prompts; each step of a prompt is a sample of the engine, the isolated run takes the first
+        steps = len(group.samples) * samples_per_prompt(generation.new_tokens)
+        passes = [{**p, "samples": ISOLATED_SAMPLES if steps > ISOLATED_SAMPLES else None, "runs": min(steps, ISOLATED_SAMPLES)} if p["name"] == "isolated" else p
+                  for p in job.passes]
+        job = replace(job, passes=passes, generation=generation.as_json())
     outputs = None
-    if settings.verify and len(group.samples) <= MAX_TRIAL_SAMPLES:  # few enough to keep: verification replays them
+    if settings.verify and len(group.samples) <= MAX_TRIAL_SAMPLES and generation is None:  # few enough to keep: verification replays them
         outputs = ReferenceStore(where.scratch / f"outputs-{candidate.path.stem}", info.output_names)
         job = replace(job, outputs_store=str(outputs.folder))
     progress = where.progress_from(group.before, len(samples))
-    entries = [samples.as_json()[i] for i in group.samples]
+    entries = [(generation.prompts if generation is not None else samples).as_json()[i] for i in group.samples]
     # Verification's trials (one group only, no pre-built engine: see verify.py) would run in these workers, already warm.
     warm = settings.verify and settings.trt.engine is None and group.samples == list(range(len(samples)))
     outcome = run_shards(job, entries, settings.workers, settings.ray, progress, group.samples, warm)

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
+from accudiff.comparison.intervals import Interval, needed_units, resolve
 from accudiff.errors import AccudiffError
 from accudiff.text import percent, times_tolerance
 
@@ -50,6 +51,24 @@ def parse_requirements(texts: Iterable[str]) -> dict[str, float]:
 
 
 @dataclass(frozen=True)
+class Resolution:
+    """A required figure against its target: "met", "missed" or "unresolved" (its 95% interval straddles the
+    target: the data cannot tell), with the interval and, when unresolved, about how many more units
+    (sequences, samples) of the same size would tell (None: none would, the figure equals the target)."""
+
+    name: str
+    target: float
+    value: float
+    outcome: str
+    interval: Interval | None = None
+    needed: float | None = None
+
+    @property
+    def direction(self) -> str:
+        return REQUIREMENTS[self.name][0]
+
+
+@dataclass(frozen=True)
 class Objective:
     """`kind` "tolerance" or "decision", and the required figures (name -> target). An output with a required
     figure is met when its figures reach their targets, else when it is within tolerance."""
@@ -66,6 +85,18 @@ class Objective:
         reached), or None when it has none of them."""
         misses = [_miss(figures[name], target, REQUIREMENTS[name][0]) for name, target in self.require.items() if name in figures]
         return max(misses) if misses else None
+
+    def resolve(self, figures: Mapping[str, float], spans: Mapping[str, Interval]) -> list[Resolution]:
+        """Each required figure the output has, judged against its target with its interval (intervals.py)."""
+        found = []
+        for name, target in self.require.items():
+            if name not in figures:
+                continue
+            span = spans.get(name)
+            outcome = resolve(REQUIREMENTS[name][0], target, figures[name], span)
+            needed = needed_units(figures[name], target, span) if outcome == "unresolved" else None
+            found.append(Resolution(name, target, figures[name], outcome, span, needed))
+        return found
 
     def score(self, tol_ratio: float, figures: Mapping[str, float]) -> float:
         """What a keep is ranked and judged helpful by (lower is better): the miss of a required figure,

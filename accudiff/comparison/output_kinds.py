@@ -9,6 +9,7 @@ output's kind is said with the reason, so a wrong guess shows.
 | probabilities | a Softmax (over its axis), a softmax written out (Exp divided by its sum), a name with "prob" | the same, on the distributions themselves |
 | embedding     | a LayerNormalization (hidden states), a mean pooling, a name with "embed", "hidden", "pool" | cosine per vector, nearest neighbour kept within the batch |
 | map           | a Sigmoid                                                                   | the share of elements crossing the threshold, IoU |
+| state         | a decoder's KV cache out (a present output its next step reads as past: model/decoder.py) | error percentiles; judged through the logits of later steps, never diagnosed as a failing output |
 | values        | anything else (integers are compared exactly)                               | error percentiles (a map where every value lies in [0, 1]) |
 """
 
@@ -22,9 +23,11 @@ import onnx
 
 from accudiff.errors import AccudiffError
 from accudiff.model.graph import writers_of
+from accudiff.model.decoder import find_decoder
 from accudiff.model.inventory import ModelInfo
 
-KINDS = ("logits", "probabilities", "embedding", "map", "values")
+KINDS = ("logits", "probabilities", "embedding", "map", "state", "values")
+DECIDING = frozenset(KINDS) - {"state"}  # the kinds whose outputs a failure is diagnosed at
 MOVE_VALUES = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Cast", "Dropout"})
 HEADS = frozenset({"MatMul", "Gemm", "MatMulNBits", "MatMulInteger", "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "FusedMatMul"})
 NORMALIZATIONS = frozenset({"LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization",
@@ -61,10 +64,15 @@ def parse_output_kinds(texts: Iterable[str]) -> dict[str, str]:
 
 
 def kinds_of(info: ModelInfo, overrides: Mapping[str, str]) -> dict[str, OutputKind]:
-    """Each graph output's kind in the model `info` describes (its proto loaded), `overrides` first."""
+    """Each graph output's kind in the model `info` describes (its proto loaded), `overrides` first; a
+    decoder's KV-cache outputs are its state."""
     floating = {t.name: t.dtype is None or np.issubdtype(t.dtype, np.floating) for t in info.tensors if t.is_output}
     floating.update((spec.name, np.issubdtype(spec.dtype, np.floating)) for spec in info.inputs)
-    return output_kinds(info.proto.graph, info.output_names, floating, overrides)
+    decoder = find_decoder(info.path, info.inputs, info.output_names)
+    state = {present: OutputKind("state", f"the next step reads it as '{past}' ({decoder.source}): the model's KV cache, judged through the logits of later steps")
+             for present, past in (decoder.state.items() if decoder is not None else ())}
+    found = output_kinds(info.proto.graph, info.output_names, floating, overrides)
+    return {name: state[name] if name in state and not (overrides and name in overrides) else kind for name, kind in found.items()}
 
 
 def output_kinds(graph: onnx.GraphProto, outputs: Iterable[str], floating: Mapping[str, bool], overrides: Mapping[str, str] | None = None) -> dict[str, OutputKind]:

@@ -120,8 +120,11 @@ def _split(job: Job, entries: Sequence[Sequence[str]], indices: list[int], worke
 def merge_results(results: Iterable[dict]) -> dict:
     """One result from several workers' results (same job, other samples), added up in their order, each
     as it comes: only the running total is held, whatever the number of shards."""
-    merged = {"passes": {}, "reference_not_observable": {}, "inputs": None, "timings": {}, "layout": {"workers": 0, "threads": []}, "run_time_ranges": {}}
+    merged = {"passes": {}, "reference_not_observable": {}, "inputs": None, "timings": {}, "layout": {"workers": 0, "threads": []}, "run_time_ranges": {},
+              "steps": [], "generations": []}
     for result in results:
+        merged["steps"] += result.get("steps", [])
+        merged["generations"] += result.get("generations", [])
         for tensor, record in result.get("run_time_ranges", {}).items():
             merged["run_time_ranges"][tensor] = merge_run_time_ranges(merged["run_time_ranges"].get(tensor), record)
         layout = merged["layout"]  # how many workers ran side by side, and the threads each used

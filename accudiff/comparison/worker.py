@@ -76,6 +76,9 @@ class Job:
     largest_tensor: int = 0  # bytes: how the worker gets memory (memory.py; group.Plan)
     thresholds: dict[str, float] = field(default_factory=dict)  # a probability map's threshold by output ("": the default)
     output_kinds: dict[str, list] = field(default_factory=dict)  # graph output -> [its kind, the axis its entries run along]
+    # A decoder's generation (comparison/generation.py): {"decoder": Decoder.as_json(), "new_tokens": N, "cache_types": {past: dtype}};
+    # its samples are then prompts, each run as a prefill and N decode steps, each step a sample of the engine.
+    generation: dict | None = None
 
     @property
     def large_tensors(self) -> bool:
@@ -269,6 +272,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
     from accudiff.runners.recorded import recorded_runner
     from accudiff.model.formats import QuantRange
     from accudiff.comparison.output_kinds import OutputKind
+    from accudiff.comparison.generation import samples_per_prompt
 
     if len(job.segments) > 1 and job.largest_tensor >= SEPARATE_MAPPINGS_FROM_TENSOR_BYTES:
         # Segments drop their tensors as they go; the memory must leave the process (memory.py). A model run
@@ -300,7 +304,8 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
         fixed = {name: np.asarray(value) for name, value in spec.get("fixed_inputs", {}).items()}
         return PassPlan(spec["name"], Path(spec["model"]), factory(spec), spec["fed_from_reference"], record, fixed, spec.get("samples"))
 
-    first = min(job.sample_indices, default=0)
+    per_sample = samples_per_prompt(job.generation["new_tokens"]) if job.generation else 1  # a prompt is a prefill and its decode steps
+    first = min(job.sample_indices, default=0) * per_sample
     passes = [plan(p) for p in job.passes if p.get("samples") is None or first < p["samples"]]  # a pass none of its samples need has no session
     store = ReferenceStore(Path(job.store), job.tensors) if job.store else None
     with tempfile.TemporaryDirectory(prefix="engine-") as scratch:
@@ -316,27 +321,51 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
         )
         outputs_store = ReferenceStore(Path(job.outputs_store), job.outputs) if job.outputs_store else None
         reference = ReferencePlan(Path(job.reference), lambda model, outputs: reference_runner(model, outputs, cpu), store, outputs_store)
-        options = EngineOptions(threads, keep_sessions=len(job.sample_indices) > 1, progress=lambda text: emit({"event": "step", "text": text}))
+        options = EngineOptions(threads, keep_sessions=len(job.sample_indices) * per_sample > 1, progress=lambda text: emit({"event": "step", "text": text}))
         engine = Engine(reference, passes, measured, Path(scratch), options)
-        specs = [InputSpec(name, np.dtype(dtype), tuple(shape)) for name, dtype, shape in job.input_specs]
-        samples = Samples.from_json(job.samples, "the inputs", specs)
+        generated: dict[str, list] = {"steps": [], "generations": []}
         try:
-            for done, (sample, index) in enumerate(zip(samples, job.sample_indices), 1):
-                engine.run_sample(index, sample)
-                emit({"event": "sample", "done": done, "total": len(samples)})
+            if job.generation:
+                generated = _generate(engine, job, passes, emit)
+            else:
+                specs = [InputSpec(name, np.dtype(dtype), tuple(shape)) for name, dtype, shape in job.input_specs]
+                samples = Samples.from_json(job.samples, "the inputs", specs)
+                for done, (sample, index) in enumerate(zip(samples, job.sample_indices), 1):
+                    engine.run_sample(index, sample)
+                    emit({"event": "sample", "done": done, "total": len(samples)})
         finally:
             engine.close()
             release_shared_arena()  # sessions kept for a later job (`reuse`) keep what they hold
-    _write_result(engine, Path(job.result), cpu.threads)
+    _write_result(engine, Path(job.result), cpu.threads, generated)
+
+
+def _generate(engine, job: Job, passes: list, emit: Callable[[dict], None]) -> dict[str, list]:
+    """Each of the job's prompts generated through the engine (comparison/generation.py): its steps and generations."""
+    from accudiff.comparison.generation import generate
+    from accudiff.model.decoder import Decoder
+    from accudiff.model.samples import Samples
+
+    decoder = Decoder.from_json(job.generation["decoder"])
+    cache_types = {name: np.dtype(kind) for name, kind in job.generation["cache_types"].items()}
+    carrying = [p.name for p in passes if not p.fed_from_reference]
+    prompts = Samples.from_json(job.samples, "the prompts")
+    found: dict[str, list] = {"steps": [], "generations": []}
+    for done, (prompt, index) in enumerate(zip(prompts, job.sample_indices), 1):
+        steps, generation = generate(engine, decoder, prompt["input_ids"], prompt.get("continuation"), index, job.generation["new_tokens"],
+                                     cache_types, carrying)
+        found["steps"] += [asdict(step) for step in steps]
+        found["generations"].append(generation.as_json())
+        emit({"event": "sample", "done": done, "total": len(prompts)})
+    return found
 
 
 _REUSED = ReusedRunners()
 
 
-def _write_result(engine, path: Path, threads: int) -> None:
+def _write_result(engine, path: Path, threads: int, generated: dict[str, list]) -> None:
     arrays = {"inputs/values": engine.input_stats.values, **_sparse("inputs/sketch", engine.input_stats.sketch)}
     document = {"passes": {}, "reference_not_observable": engine.reference_not_observable, "timings": engine.timings,
-                "layout": {"workers": 1, "threads": [threads]}, "run_time_ranges": engine.run_time_ranges}
+                "layout": {"workers": 1, "threads": [threads]}, "run_time_ranges": engine.run_time_ranges, **generated}
     for name, result in engine.results.items():
         arrays.update({f"{name}/values": result.stats.values, **_sparse(f"{name}/sketch", result.stats.sketch)})
         keys = [(output, figure) for output, found in result.sketches.items() for figure in found]

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 import pandas as pd
 
 from accudiff.comparison.decisions import DEFAULT_THRESHOLD, Decision, summarize, tolerance_met
 from accudiff.comparison.metrics import StatsSet
-from accudiff.comparison.objective import Objective
+from accudiff.comparison.intervals import intervals
+from accudiff.comparison.objective import Resolution
+from accudiff.comparison.output_kinds import DECIDING, UNKNOWN, OutputKind
 from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, STATUS_PASS, build_table, graph_input_table, with_side_run
 from accudiff.diagnosis.cause import ancestor_tensors, find_cause
 from accudiff.diagnosis.rules import DiagnosisContext, diagnose
@@ -25,12 +27,15 @@ from accudiff.transforms import TransformResult
 if TYPE_CHECKING:
     from accudiff.settings import RunSettings
 
+STEP_COLUMNS = ["sample", "sequence", "step", "phase", "position", "tokens", "reference_next", "candidate_next"]  # generation.Step
 SAMPLE_COLUMNS = ["sample", "tensor", "status", "max_abs_err", "tol_ratio", "outside_share", "sqnr_db", *(f.name for f in fields(Decision))]
 
 
-def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings: RunSettings, samples: Samples) -> tuple[CompareResult, DiagnosisContext]:
+def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings: RunSettings, samples: Samples,
+          kinds: Mapping[str, OutputKind]) -> tuple[CompareResult, DiagnosisContext]:
     """The result of a comparison (tables, verdict, the first failing tensor, the failing outputs with
-    their causes) and what the rules knew when they named them."""
+    their causes) and what the rules knew when they named them. Outputs of `kinds` "state" (a decoder's KV
+    cache) are compared, never diagnosed: the logits of later steps judge them."""
     tolerances = settings.tolerances
     row_of = {t.name: k for k, t in enumerate(info.tensors)}
 
@@ -72,13 +77,19 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings
         row = indexed.loc[failing[0]]
         first_failure = TensorFailure(failing[0], row["node"], row["op_type"], diagnose(failing[0], indexed, context))
     candidate_pass = outcome["passes"]["candidate"]
-    sample_table = _sample_table(candidate_pass["outcomes"])
+    steps = pd.DataFrame(outcome.get("steps", []), columns=STEP_COLUMNS)
+    sample_table = _sample_table(candidate_pass["outcomes"], steps)
     decisions, met = _decisions(sample_table, candidate_pass, settings, row_of)
     objective = settings.judged
     objective.applies(decisions, info.output_names)
+    spans = {output: intervals(rows, _units(rows), decisions[output]) for output, rows in sample_table.groupby("tensor", sort=False)}
     observed_outputs = table.loc[(table["status"] != STATUS_MISSING) & table["is_output"], "tensor"].tolist()
-    # An output with a required decision figure fails by it (--require); any other by its tolerance.
-    failing_outputs = [name for name in observed_outputs if _fails(indexed.loc[name], decisions.get(name, {}), objective)]
+    deciding = [name for name in observed_outputs if kinds.get(name, UNKNOWN).kind in DECIDING]
+    # An output with a required decision figure fails by it (--require), when its interval lies below the
+    # target (a requirement its interval straddles is unresolved: neither a pass nor a failure); any other
+    # output fails by its tolerance.
+    resolved = {name: objective.resolve(decisions.get(name, {}), spans.get(name, {})) for name in deciding}
+    failing_outputs = [name for name in deciding if _fails(indexed.loc[name], resolved[name])]
     result = CompareResult(
         model=Path(settings.model),
         precision=settings.precision,
@@ -104,9 +115,15 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings
     if len(result.outputs) and not result.outputs["elements"].any():
         raise AccudiffError(f"every graph output of '{info.path.name}' is empty on these inputs: the comparison would cover no element")
     compared, computed = result.coverage
-    result.passed = bool(observed_outputs) and not failing_outputs and compared + len(result.inside) >= MIN_COVERAGE * computed
+    result.unresolved = {name: [r for r in found if r.outcome == "unresolved"] for name, found in resolved.items() if any(r.outcome == "unresolved" for r in found)}
+    result.passed = bool(deciding) and not failing_outputs and not result.unresolved and compared + len(result.inside) >= MIN_COVERAGE * computed
     result.points = {name: [point[1:] for point in points] for name, points in candidate_pass.get("points", {}).items()}  # [reference, candidate]
     result.decisions, result.tolerance_met, result.require = decisions, met, dict(objective.require)
+    result.intervals, result.output_kinds = spans, dict(kinds)
+    if len(steps):
+        result.steps, result.generations = steps, sorted(outcome["generations"], key=lambda g: g["sequence"])
+        result.phases = {output: _phases(rows, candidate_pass["sketches"].get(output, {}), settings) for output, rows in sample_table.groupby("tensor", sort=False)
+                         if kinds.get(output, UNKNOWN).kind in ("logits", "probabilities")}
     result.nodes, result.weights = info.nodes, info.weights
     return result, context
 
@@ -123,10 +140,26 @@ def _decisions(samples: pd.DataFrame, candidate: dict, settings: RunSettings, ro
     return decisions, met
 
 
-def _fails(row: pd.Series, figures: dict, objective: Objective) -> bool:
-    """Whether a graph output fails: by its required decision figures where it has them, else by its tolerance."""
-    miss = objective.miss(figures)
-    return miss > 1.0 if miss is not None else row["status"] == STATUS_FAIL
+def _fails(row: pd.Series, resolved: list[Resolution]) -> bool:
+    """Whether a graph output fails: by its required decision figures where it has them (one that misses its
+    target), else by its tolerance."""
+    if resolved:
+        return any(r.outcome == "missed" for r in resolved)
+    return row["status"] == STATUS_FAIL
+
+
+def _units(rows: pd.DataFrame) -> pd.Series:
+    """What each sample row belongs to for resampling: its prompt (a decoder's generation), else itself."""
+    return rows["sequence"] if "sequence" in rows.columns else rows["sample"]
+
+
+def _phases(rows: pd.DataFrame, sketches: dict, settings: RunSettings) -> dict[str, dict]:
+    """A decoder's figures per phase (its prompts' prefills, their decode steps), each with its intervals."""
+    found = {}
+    for phase, part in rows.groupby("phase", sort=False):
+        figures = summarize(part, {}, None, DEFAULT_THRESHOLD)
+        found[phase] = {"figures": figures, "intervals": intervals(part, _units(part), figures), "steps": int(part["sample"].nunique())}
+    return found
 
 
 def attach_sketches(result: CompareResult, info: ModelInfo, outcome: dict) -> None:
@@ -137,8 +170,11 @@ def attach_sketches(result: CompareResult, info: ModelInfo, outcome: dict) -> No
     result.error_sketches = {name: sketch[row_of[name]] for name in shown if name in row_of}
 
 
-def _sample_table(outcomes: list[dict]) -> pd.DataFrame:
-    """One row per sample and graph output, in sample order."""
+def _sample_table(outcomes: list[dict], steps: pd.DataFrame) -> pd.DataFrame:
+    """One row per sample and graph output, in sample order; a decoder's generation adds what each sample
+    is (its prompt, step, phase and first position)."""
     table = pd.DataFrame(outcomes, columns=[c for c in SAMPLE_COLUMNS if c != "status"])
     table.insert(2, "status", np.where(table["outside_share"] > 0, STATUS_FAIL, STATUS_PASS))
+    if len(steps):
+        table = table.merge(steps[["sample", "sequence", "step", "phase", "position"]], on="sample", how="left")
     return table.sort_values("sample", kind="stable").reset_index(drop=True)

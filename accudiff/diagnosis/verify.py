@@ -46,7 +46,9 @@ from accudiff.diagnosis.cause import Absorbed, Cause, Contributor, Repair, Repai
 from accudiff.diagnosis.mechanisms import absorber, amplifiers, cancellations
 from accudiff.diagnosis.rules import RANGE_KINDS, DiagnosisContext, Finding, grid_fault_strength, isolated_figures, isolation_ran, range_findings
 from accudiff.model.formats import QUANTIZED_FORMATS, formats_of
+from accudiff.model.decoder import cache_types, find_decoder
 from accudiff.model.loading import load_graph, read_again
+from accudiff.model.prompts import whole_sequences
 from accudiff.model.saving import save_model
 from accudiff.model.ops import VALUE_PRESERVING_OPS
 from accudiff.model.samples import Samples
@@ -109,12 +111,19 @@ def verify_outputs(
     prestart(trial_workers(settings))  # the trial workers start while their models are prepared (or are warm)
     candidate = runs[0].candidate
     outputs = [f.tensor for f in failures]
-    chosen = _trial_samples(result.failing_samples, outputs)
     info = read_again(candidate.info)
+    if result.generations:  # a decoder: each chosen prompt's whole sequence, run as one prefill (model/prompts.py)
+        chosen = _trial_prompts(result, outputs)
+        decoder = find_decoder(info.path, info.inputs, info.output_names)
+        picked = [g for g in result.generations if g["sequence"] in chosen]
+        tried = whole_sequences(picked, decoder, cache_types(info.inputs, decoder), scratch / "whole-sequences.npz", info.inputs)
+    else:
+        chosen = _trial_samples(result.failing_samples, outputs)
+        tried = samples.subset(chosen)
     base = replace(candidate.transformed, model=load_graph(candidate.path))
-    first = samples[chosen[0]]
+    first = tried[0]
     setup = TrialSetup(
-        info, CandidateVariants(info, CandidateRecipe.of(settings), base=base), samples.subset(chosen), settings, scratch / "verify",
+        info, CandidateVariants(info, CandidateRecipe.of(settings), base=base), tried, settings, scratch / "verify",
         {name: first[name].reshape(-1).tolist() for name in first if could_be_a_shape(first[name])},
     )
     recorded = (runs[0].outputs, chosen) if runs[0].outputs is not None else None
@@ -150,6 +159,14 @@ def _variant_seconds(timings: dict[str, float], passes: Sequence[dict], share: f
     if "sessions" not in timings:
         return None
     return timings["sessions"] / (1 + len(passes)) + timings.get("runs: candidate", 0.0) * share
+
+
+def _trial_prompts(result: CompareResult, outputs: Sequence[str]) -> list[int]:
+    """A decoder's prompts verification tries (at most MAX_TRIAL_SAMPLES): those whose steps leave the
+    failing outputs furthest from the reference (most top-1 flips, then the largest tolerance ratio)."""
+    rows = result.samples[result.samples["tensor"].isin(outputs)]
+    per_prompt = rows.assign(flips=rows["rows"] - rows["top1"]).groupby("sequence").agg(flips=("flips", "sum"), ratio=("tol_ratio", "max"))
+    return [int(p) for p in per_prompt.sort_values(["flips", "ratio"], ascending=False).index[:MAX_TRIAL_SAMPLES]]
 
 
 def _trial_samples(failing: pd.DataFrame, outputs: Sequence[str]) -> list[int]:

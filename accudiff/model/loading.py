@@ -13,8 +13,9 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from accudiff.errors import AccudiffError, first_line
+from accudiff.model.contrib_ops import CHECKED_AS_DOMAIN, onnxruntime_default_domain_ops
 from accudiff.model.inventory import ModelInfo, describe, name_unnamed_nodes
-from accudiff.model.shapes import SMALL_INITIALIZER_BYTES, clear_unknown_dims, infer_shapes_in_place
+from accudiff.model.shapes import SMALL_INITIALIZER_BYTES, clear_unknown_dims, infer_shapes_in_place, shape_inference_copy
 from accudiff.model.graph import UNCHECKED_TYPES, all_initializers, all_nodes, copy_without_initializers, data_files, has_external_data, tensor_bytes
 from accudiff.model.weights import data_file, is_external, mark_weights_folder, reference_in_file, refer_in_place, spans_in_file, weight_values
 
@@ -42,19 +43,42 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
     missing = next((name for name in data_files(proto) if not (path.parent / name).is_file()), None) if external else None
     if missing is not None:
         raise AccudiffError(f"'{path}' refers to external data that is missing: {path.parent / missing}")
-    try:  # from the bytes read (its file, whose data files the checker reads too, where it has them)
-        onnx.checker.check_model(str(path) if external else data)
-    except onnx.checker.ValidationError as exc:
-        raise AccudiffError(f"'{path}' fails the ONNX checker: {first_line(exc)}") from exc
+    ours = onnxruntime_default_domain_ops(proto.graph.node)
+    if not ours:  # from the bytes read (its file, whose data files the checker reads too, where it has them)
+        _check(path, str(path) if external else data)
     del data
     if external:
         try:
             _keep_weights_in_their_files(proto, path.parent)
         except (ValueError, RuntimeError, OSError) as exc:
             raise AccudiffError(f"'{path}' refers to external data that cannot be read: {first_line(exc)}") from exc
+    if ours:  # its small weights read in from their data files
+        _check(path, _checked_as_onnxruntime_loads(proto, ours))
     info = _inventory(path, proto)
     info.weights_in_file = spans
     return info
+
+
+def _check(path: Path, model: str | bytes | onnx.ModelProto) -> None:
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as exc:
+        raise AccudiffError(f"'{path}' fails the ONNX checker: {first_line(exc)}") from exc
+
+
+def _checked_as_onnxruntime_loads(proto: onnx.ModelProto, ours: list[onnx.NodeProto]) -> onnx.ModelProto:
+    """What ONNX's checker reads of a model holding ONNX Runtime's own ops in the default domain (the GenAI
+    builder's SimplifiedLayerNormalization): ONNX has no schema for them and would refuse a model ONNX
+    Runtime loads and runs, so they are shown to it in a domain of their own (which it skips); the graph is
+    checked without the bytes of its large weights (declared as inputs of their types and shapes: their
+    data files were checked above, and no weight is copied)."""
+    light = shape_inference_copy(proto)
+    moved = {tuple(node.output) for node in ours}
+    for node in light.graph.node:
+        if tuple(node.output) in moved:
+            node.domain = CHECKED_AS_DOMAIN
+    light.opset_import.append(onnx.helper.make_opsetid(CHECKED_AS_DOMAIN, 1))
+    return light
 
 
 def remember_model(info: ModelInfo) -> None:

@@ -7,6 +7,7 @@ from typing import Iterable, Mapping
 
 import onnx
 
+from accudiff.model.contrib_ops import is_onnxruntime_op
 from accudiff.model.graph import attribute_graphs, copy_without_initializers, tensor_bytes
 
 
@@ -81,7 +82,7 @@ def _typed_by_onnxruntime(inferred: onnx.ModelProto, found: Mapping[str, onnx.Va
     graph = inferred.graph
     typed = {*found, *(vi.name for vi in [*graph.input, *graph.output])}
     untyped = [o for node in graph.node for o in node.output if o and o not in typed]
-    if not untyped or all(node.domain in ("", "ai.onnx") for node in graph.node):
+    if not untyped or not any(is_onnxruntime_op(node) for node in graph.node):
         return {}
     import onnxruntime
 

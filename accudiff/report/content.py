@@ -13,8 +13,8 @@ from pathlib import Path
 
 from accudiff.version import __version__
 from accudiff.comparison.objective import REQUIREMENTS, describe, figure_text
-from accudiff.comparison.output_kinds import OutputKind
 from accudiff.model.formats import QUANTIZED_FORMATS
+from accudiff.report.decision_text import decision_lines, generation_lines, output_kind, phase_lines, sample_name, state_lines
 from accudiff.model.quantized_ops import TOOL_OPTIONS
 from accudiff.text import percent, times_tolerance
 
@@ -26,6 +26,7 @@ SAMPLES_FILE = "samples.csv"
 MARKDOWN_FILE = "summary.md"
 WORST_SAMPLES_FILE = "worst_samples.npz"
 INPUTS_FILE = "inputs.npz"
+PROMPTS_FILE = "prompts.npz"  # a decoder's prompts as token ids (model/prompts.py)
 WORST_SAMPLE_COUNT = 5
 WORST_COUNT = 5
 OUTPUT_COLUMNS = ["tensor", "status", "max_abs_err", "max_rel_err", "tol_ratio", "outside_share", "cosine", "sqnr_db"]
@@ -120,37 +121,6 @@ def worst_tensors(table, count: int = WORST_COUNT):
     return order.head(count)[["tensor", "op_type", "status", "max_abs_err", "sqnr_db", "outside_share"]]
 
 
-def decision_lines(output: str, found: dict, kind: OutputKind | None = None) -> list[str]:
-    """What an output's error does to the decision taken from it (comparison/decisions.py), in one line, by
-    its kind (and why it was given): scores' top-1 agreement, KL divergence and Δp; an embedding's cosines
-    and neighbours; a probability map's flipped elements; or else its error percentiles."""
-    what = f" ({kind.why})" if kind is not None and kind.why else ""
-    if "top1" in found:
-        vectors, sequences = found["score_vectors"], found["sequences"]
-        where = f"over {vectors} positions of {sequences} sequence(s)" if sequences < vectors else f"over {vectors} score vector(s)"
-        top5 = f", top-5 {percent(found['top5'], 2)}" if "top5" in found else ""
-        spread = ", ".join(f"{name} {_figure(found[key])}" for name, key in (("median", "kl_median"), ("p99", "kl_p99"), ("max", "kl_max")) if key in found)
-        return [f"  {kind.kind if kind is not None else 'scores'} '{output}'{what}: top-1 agreement {percent(found['top1'], 2)}{top5} {where}; "
-                f"KL divergence mean {_figure(found['kl'])} ({spread}); the probability of the reference's top entry drops by {found['delta_p']:.3g} "
-                f"on average, {found['delta_p_max']:.3g} at worst (Δp)"]
-    if "cosine" in found:
-        neighbours = (f"; each row's nearest other row in the batch is the same for {percent(found['neighbors'], 2)} of {found['neighbor_rows']} rows"
-                      if "neighbors" in found else "")
-        poisoned = f" ({found['nan_vectors']} of them hold NaN/Inf in the candidate, each counted as cosine -1)" if found.get("nan_vectors") else ""
-        return [f"  embedding '{output}'{what}: cosine mean {found['cosine']:.6f}, lowest {found['cosine_min']:.6f} over {found['vectors']} vector(s){poisoned}{neighbours}"]
-    if "flipped_share" in found:
-        return [f"  probability map '{output}'{what}: {percent(found['flipped_share'], 3)} of its elements fall on the other side of {found['threshold']:g} "
-                f"(--threshold), IoU of the binarized maps {found['iou']:.4f}"]
-    if "p999_tol_ratio" in found:
-        return [f"  error percentiles '{output}'{what}: p99 |err| {found['p99_abs_err']:.3g}, p99.9 {found['p999_abs_err']:.3g}; in tolerances p99 "
-                f"{times_tolerance(found['p99_tol_ratio'], '')}, p99.9 {times_tolerance(found['p999_tol_ratio'], '')}"]
-    return []
-
-
-def _figure(value: float) -> str:
-    return "Inf" if math.isinf(value) else f"{value:.3g}"
-
-
 def failure_headline(output: str, result, verb: str = "FAILS") -> str:
     """A failing output in one line (the console's and the report's): its requirement where it is judged by
     one, how many elements leave the tolerance, and the worst of them, if any."""
@@ -201,19 +171,27 @@ def tolerance_met_line(output: str, result) -> list[str]:
 
 
 def sample_lines(result) -> list[str]:
-    """Per-sample outcome (with several samples) and what the error does to the decision, per graph output."""
+    """Per-sample outcome (with several samples) and what the error does to the decision, per graph output;
+    a decoder's KV-cache outputs in one line, its figures per phase and its greedy generation."""
     lines = []
     samples = result.samples
+    prompts = len(result.generations)
+    state = [o for o in samples["tensor"].unique() if output_kind(result, o) == "state"]
     for output, rows in samples.groupby("tensor", sort=False):
+        if output in state:
+            continue
         failing = rows[rows["status"] == "fail"]
-        if result.iterations > 1:
-            text = f"  samples: output '{output}' fails on {len(failing)} of {len(rows)}"
+        if result.iterations > 1 or prompts:
+            text = f"  {'steps' if prompts else 'samples'}: output '{output}' fails on {len(failing)} of {len(rows)}"
             if len(failing):
                 worst = failing.loc[failing["tol_ratio"].idxmax()]
-                text += f" (worst: sample {int(worst['sample'])}, {percent(worst['outside_share'])} of elements outside, {times_tolerance(worst['tol_ratio'])})"
+                text += f" (worst: {sample_name(result, int(worst['sample']))}, {percent(worst['outside_share'])} of elements outside, {times_tolerance(worst['tol_ratio'])})"
             lines.append(text)
-        lines += decision_lines(output, result.decisions.get(output, {}), result.output_kinds.get(output))
-    if result.report_dir is not None and result.iterations > 1 and len(result.failing_samples):
+        lines += decision_lines(output, result.decisions.get(output, {}), result.output_kinds.get(output), result.intervals.get(output), prompts)
+        lines += [f"    {line}" for line in phase_lines(result.phases.get(output, {}))]
+    lines += state_lines(result, state)
+    lines += generation_lines(result)
+    if result.report_dir is not None and result.iterations > 1 and len(result.failing_samples) and not prompts:
         lines.append(f"  the worst failing samples are saved for replay: --load-inputs {result.report_dir / 'worst_samples.npz'}")
     return lines
 
@@ -305,7 +283,8 @@ def repair_lines(failure, result) -> list[str]:
     repair = failure.repair
     if repair is None or len(repair.steps) < 2:
         return [f"  to find the nodes to keep in higher precision: accudiff bisect precision {shlex.join(result.target)}"]
-    samples = (f"on sample {repair.samples[0]}" if len(repair.samples) == 1 else f"on samples {', '.join(map(str, repair.samples))}") if repair.samples else ""
+    unit = "prompt" if result.generations else "sample"  # a decoder's trials run each prompt's whole sequence
+    samples = (f"on {unit} {repair.samples[0]}" if len(repair.samples) == 1 else f"on {unit}s {', '.join(map(str, repair.samples))}") if repair.samples else ""
     if failure.cause is not None and failure.cause.stand_in:
         samples += f" of {failure.cause.stand_in}"
     # Unverified, the worst of the samples tried is what still fails, not each of them.

@@ -16,8 +16,9 @@ import numpy as np
 import pandas as pd
 
 from accudiff.report import plots
-from accudiff.report.content import (HTML_FILE, cause_lines, decision_lines, failing_outputs_label, failure_headline, requirements_met,
-                                     sample_lines, tolerance_met_line, worst_tensors)
+from accudiff.report.content import (HTML_FILE, cause_lines, failing_outputs_label, failure_headline, requirements_met, sample_lines,
+                                     tolerance_met_line, worst_tensors)
+from accudiff.report.decision_text import decision_lines
 from accudiff.text import percent
 from accudiff.diagnosis.cause import CAUSE_KINDS
 

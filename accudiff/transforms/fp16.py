@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from accudiff.model.contrib_ops import contrib_schema, has_cpu_kernel
+from accudiff.model.contrib_ops import contrib_schema, has_cpu_kernel, is_onnxruntime_op
 from accudiff.model.formats import FP16_MAX
 from accudiff.errors import AccudiffError
 from accudiff.model.constant_rounding import ConstantRounding, denominator_reader, overflow_text, underflow_text
@@ -184,7 +184,7 @@ class _GraphConversion:
         params = {_formal_type(schema.inputs, i) for i in float_inputs if _allows(schema, _formal_type(schema.inputs, i), half)}
         if not params:
             return keep(f"its op has no {half.label} form for these inputs") if float_inputs else None
-        if node.domain not in ("", "ai.onnx") and not _cpu_kernel(node, schema, params, types, self.opset, half):
+        if is_onnxruntime_op(node) and not _cpu_kernel(node, schema, params, types, self.opset, half):
             return keep(f"ONNX Runtime's CPU provider has no {half.label} kernel for {node.op_type}")
         if self.autokeep:
             if node.name in self.autokept:
@@ -334,10 +334,12 @@ def _read_weights(graph: onnx.GraphProto, initializers: Iterable[onnx.TensorProt
 
 
 def _schema(node: onnx.NodeProto, opset: int):
-    """The op's schema: ONNX's, or ONNX Runtime's for its own ops (contrib_ops.py); None for an op neither knows."""
+    """The op's schema: ONNX Runtime's for its own ops (contrib_ops.py), else ONNX's; None for an op neither knows."""
+    if is_onnxruntime_op(node):
+        return contrib_schema(node)
     if node.domain in ("", "ai.onnx"):
         return onnx.defs.get_schema(node.op_type, opset, node.domain)
-    return contrib_schema(node)
+    return None
 
 
 def _cpu_kernel(node: onnx.NodeProto, schema, params: set[str], types: dict[str, int], opset: int, half: Half) -> bool:

@@ -1,0 +1,154 @@
+"""What an output's error does to the decision taken from it, in words, with the figures' intervals: the
+lines the console, report.html and the bisectors share; a decoder's figures per phase, its KV cache and its
+greedy generation."""
+
+from __future__ import annotations
+
+import math
+
+from accudiff.comparison.decisions import NEAR_TIE
+from accudiff.comparison.intervals import FIGURES, MIN_UNITS, Interval
+from accudiff.comparison.output_kinds import OutputKind
+from accudiff.model.prompts import decode_tokens
+from accudiff.text import percent, times_tolerance
+
+GENERATIONS_SHOWN = 3  # prompts whose two continuations the console prints
+
+
+def interval_text(name: str, span: Interval | None) -> str:
+    """A figure's 95% interval, as said beside it: " [97.0%, 99.8%]"; nothing where it has none."""
+    if span is None:
+        return ""
+    low, high = (percent(v, 1) if FIGURES[name][3] == "share" else f"{v:.3g}" for v in (span.low, span.high))
+    return f" [{low}, {high}]"
+
+
+def interval_note(spans: dict[str, Interval], prompts: bool = False, independent: bool = False) -> str:
+    """How the intervals of an output's figures were made, in words; `independent`: its positions are rows
+    of their own (a batch of class scores), not positions of a few sequences, which are not independent."""
+    span = next(iter(spans.values()), None)
+    if span is None:
+        return ""
+    units = "prompts" if prompts else "samples"
+    what = FIGURES[next(iter(spans))][4]
+    if span.clustered:
+        return f"[95% intervals, resampling the {span.units} {units}]"
+    if independent:
+        return f"[95% intervals over the {span.positions} {what}, each its own sequence]"
+    return (f"[95% intervals over {span.positions} {what} taken as independent: with fewer than {MIN_UNITS} {units} the spread between them "
+            "is not measured, and the intervals are likely too narrow]")
+
+
+def decision_lines(output: str, found: dict, kind: OutputKind | None = None, spans: dict[str, Interval] | None = None, prompts: int = 0) -> list[str]:
+    """What an output's error does to the decision taken from it (comparison/decisions.py), in one line, by
+    its kind (and why it was given), with 95% intervals (`spans`): scores' top-1 agreement, KL divergence,
+    Δp (and ΔNLL where the next tokens are known); an embedding's cosines and neighbours; a probability
+    map's flipped elements; or else its error percentiles. `prompts`: a decoder's, generated from."""
+    what = f" ({kind.why})" if kind is not None and kind.why else ""
+    spans = spans or {}
+    if "top1" in found:
+        vectors, sequences = found["score_vectors"], found["sequences"]
+        where = (f"over {vectors} positions of {prompts} prompt(s)" if prompts else f"over {vectors} positions of {sequences} sequence(s)"
+                 if sequences < vectors else f"over {vectors} score vector(s)")
+        top5 = f", top-5 {percent(found['top5'], 2)}{interval_text('top5', spans.get('top5'))}" if "top5" in found else ""
+        spread = ", ".join(f"{name} {_figure(found[key])}" for name, key in (("median", "kl_median"), ("p99", "kl_p99"), ("max", "kl_max")) if key in found)
+        ties = (f" ({found['near_tie_flips']} of the {found['flips']} flip(s) are near-ties: the reference's own top two within {NEAR_TIE:g} nats)"
+                if found.get("near_tie_flips") else "")
+        nll = (f"; the reference's next token costs the candidate {found['delta_nll']:+.3g} nats more on average{interval_text('delta_nll', spans.get('delta_nll'))} (ΔNLL)"
+               if "delta_nll" in found else "")
+        note = interval_note(spans, bool(prompts), sequences == vectors)
+        return [f"  {kind.kind if kind is not None else 'scores'} '{output}'{what}: top-1 agreement {percent(found['top1'], 2)}"
+                f"{interval_text('top1', spans.get('top1'))}{ties}{top5} {where}; KL divergence mean {_figure(found['kl'])}{interval_text('kl', spans.get('kl'))} "
+                f"({spread}); the probability of the reference's top entry drops by {found['delta_p']:.3g}{interval_text('delta_p', spans.get('delta_p'))} "
+                f"on average, {found['delta_p_max']:.3g} at worst (Δp){nll}" + (f" {note}" if note else "")]
+    if "cosine" in found:
+        neighbours = (f"; each row's nearest other row in the batch is the same for {percent(found['neighbors'], 2)} of {found['neighbor_rows']} rows"
+                      if "neighbors" in found else "")
+        poisoned = f" ({found['nan_vectors']} of them hold NaN/Inf in the candidate, each counted as cosine -1)" if found.get("nan_vectors") else ""
+        note = interval_note(spans)
+        return [f"  embedding '{output}'{what}: cosine mean {found['cosine']:.6f}{interval_text('cosine', spans.get('cosine'))}, lowest {found['cosine_min']:.6f} "
+                f"over {found['vectors']} vector(s){poisoned}{neighbours}" + (f" {note}" if note else "")]
+    if "flipped_share" in found:
+        note = interval_note(spans)
+        return [f"  probability map '{output}'{what}: {percent(found['flipped_share'], 3)}{interval_text('flipped_share', spans.get('flipped_share'))} of its "
+                f"elements fall on the other side of {found['threshold']:g} (--threshold), IoU of the binarized maps {found['iou']:.4f}" + (f" {note}" if note else "")]
+    if "p999_tol_ratio" in found:
+        return [f"  error percentiles '{output}'{what}: p99 |err| {found['p99_abs_err']:.3g}, p99.9 {found['p999_abs_err']:.3g}; in tolerances p99 "
+                f"{times_tolerance(found['p99_tol_ratio'], '')}, p99.9 {times_tolerance(found['p999_tol_ratio'], '')}"]
+    return []
+
+
+def _figure(value: float) -> str:
+    return "Inf" if math.isinf(value) else f"{value:.3g}"
+
+
+def output_kind(result, output: str) -> str:
+    kind = result.output_kinds.get(output)
+    return kind.kind if kind is not None else "values"
+
+
+def sample_name(result, sample: int) -> str:
+    """A sample as a reader knows it: a decoder's step of a prompt, else its number."""
+    if result.steps is None:
+        return f"sample {sample}"
+    step = result.steps.set_index("sample").loc[sample]
+    return f"prompt {int(step['sequence'])}'s {'prefill' if step['phase'] == 'prefill' else f'decode step {int(step.step)}'}"
+
+
+def phase_lines(phases: dict[str, dict]) -> list[str]:
+    """A decoder's scores per phase: its prefills' positions, and its decode steps (each side carrying its own KV cache)."""
+    lines = []
+    for phase, found in phases.items():
+        figures, spans = found["figures"], found["intervals"]
+        what = "prefill" if phase == "prefill" else "decode, each side carrying its own KV cache"
+        nll = f", ΔNLL {figures['delta_nll']:+.3g}{interval_text('delta_nll', spans.get('delta_nll'))}" if "delta_nll" in figures else ""
+        lines.append(f"{what} ({figures['score_vectors']} positions): top-1 {percent(figures['top1'], 2)}{interval_text('top1', spans.get('top1'))}, "
+                     f"KL mean {_figure(figures['kl'])}{interval_text('kl', spans.get('kl'))}, max {_figure(figures['kl_max'])}{nll}")
+    if {"prefill", "decode"} <= phases.keys():
+        lines.append(entry_text(phases))
+    return lines
+
+
+def entry_text(phases: dict[str, dict]) -> str:
+    """Whether a decoder's error enters in the prefill or grows through the cache: the decode steps' KL against the prefill's."""
+    prefill, decode = phases["prefill"]["figures"]["kl"], phases["decode"]["figures"]["kl"]
+    span = phases["decode"]["intervals"].get("kl")
+    if span is not None and span.low > prefill:
+        return f"the error grows through the KV cache: the decode steps' KL ({_figure(decode)}) is above the prefill's ({_figure(prefill)}) beyond its interval"
+    return f"the error enters in the prefill and does not grow through the KV cache: the decode steps' KL ({_figure(decode)}) is not above the prefill's ({_figure(prefill)}) beyond its interval"
+
+
+def state_lines(result, state: list[str]) -> list[str]:
+    """A decoder's KV-cache outputs in one line: compared, and judged through the logits of later steps."""
+    if not state:
+        return []
+    found = {o: result.decisions.get(o, {}) for o in state}
+    failing = result.samples[result.samples["tensor"].isin(state) & (result.samples["status"] == "fail")]
+    worst = max(state, key=lambda o: found[o].get("p999_tol_ratio", 0.0))
+    figure = found[worst].get("p999_tol_ratio")
+    return [f"  KV cache: {len(state)} present output(s), the model's state (each fed back as its past at the next step), compared and judged through "
+            f"the logits of later steps: {len(failing)} of {len(result.samples[result.samples['tensor'].isin(state)])} step outputs outside tolerance"
+            + (f"; the worst, '{worst}', at {times_tolerance(figure, '')} its tolerance at p99.9 of its elements" if figure is not None else "")]
+
+
+def generation_lines(result) -> list[str]:
+    """A decoder's greedy generation: where the candidate, choosing on its own, first parts from the reference, and both continuations."""
+    if not result.generations:
+        return []
+    parted = [g for g in result.generations if g["diverged_at"] is not None]
+    given = any(g["given"] for g in result.generations)
+    whose = "the continuation given" if given else "the reference's greedy choices"
+    lines = [f"  generation: both sides fed {whose}; the candidate choosing greedily on its own "
+             + (f"parts from them in {len(parted)} of {len(result.generations)} prompt(s)" if parted else f"chooses the same in all {len(result.generations)} prompt(s)")]
+    folder = result.model.parent
+    for g in parted[:GENERATIONS_SHOWN]:
+        at = g["diverged_at"]
+        lines.append(f"    prompt {g['sequence']}: first different token at {'the prefill' if at == 0 else f'decode step {at}'} "
+                     f"(token {at + 1} after the prompt)")
+        for side in ("reference", "candidate"):
+            tokens = g[side]
+            text = decode_tokens(folder, tokens)
+            lines.append(f"      {side + ':':<10} {repr(text) if text is not None else tokens}")
+    if len(parted) > GENERATIONS_SHOWN:
+        lines.append(f"    and {len(parted) - GENERATIONS_SHOWN} more prompt(s) (report.html, summary.json)")
+    return lines

@@ -1,0 +1,175 @@
+"""Decoder language models as they are deployed: a small Llama-architecture model trained here (benchmarks/
+decoders.py), built by the ONNX Runtime GenAI model builder in FP32, INT4 and FP16, fed lines of Python
+source it never saw. The generation (prefill, then decode steps with each side carrying its own KV cache)
+is held to an oracle written apart from accudiff (oracle.generation: two plain ONNX Runtime sessions and
+numpy), the model folder and the builder's ops load as ONNX Runtime loads them, and the figures carry
+intervals whose coverage is checked on a seeded simulation. They skip without torch, transformers and
+onnxruntime-genai (.ci/run installs them)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+import accudiff
+import oracle
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT))
+from benchmarks import decoders  # noqa: E402
+
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="session")
+def llama(tmp_path_factory):
+    """The trained checkpoint and its GenAI builds, made once for every test worker (a shared folder, locked),
+    and eight prompts of source text as .jsonl."""
+    shared = tmp_path_factory.getbasetemp().parent / "decoders"
+    checkpoint = decoders.trained_llama(shared)
+    builds = {precision: decoders.genai_model(checkpoint, shared, precision) for precision in ("fp32", "int4")}
+    prompts = decoders.write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", decoders.source_prompts(8))
+    return SimpleNamespace(checkpoint=checkpoint, shared=shared, prompts=prompts, **builds)
+
+
+def _prompt_ids(llama) -> list[np.ndarray]:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(llama.fp32 / "tokenizer.json"))
+    return [np.asarray(tokenizer.encode(json.loads(line)).ids, np.int64) for line in llama.prompts.read_text().splitlines()]
+
+
+def test_a_genai_folder_compares_with_generation_and_matches_two_plain_sessions(llama, tmp_path):
+    """The folders load (SimplifiedLayerNormalization in the default domain, GroupQueryAttention, MatMulNBits),
+    the candidate is named in its formats and what it computes, and every figure of both phases matches the
+    oracle's generation loop to 1e-6: each side carries its own cache."""
+    result = accudiff.compare(llama.fp32, candidate_model=llama.int4, prompts=llama.prompts, new_tokens=NEW_TOKENS, report_dir=tmp_path / "r")
+    assert result.precision == "int8-dynamic+int4-weight"
+    assert "integer arithmetic" in result.candidate
+    expected = oracle.generation(llama.fp32 / "model.onnx", llama.int4 / "model.onnx", _prompt_ids(llama), NEW_TOKENS)
+    for phase, figures in expected["phases"].items():
+        ours = result.phases["logits"][phase]["figures"]
+        assert ours["score_vectors"] == figures["positions"]
+        for name in ("top1", "kl", "kl_max", "delta_p", "delta_nll"):
+            assert ours[name] == pytest.approx(figures[name], rel=1e-6, abs=1e-9), (phase, name)
+    assert [g["diverged_at"] for g in result.generations] == expected["first_different"]
+    assert result.output_kinds["present.0.key"].kind == "state"
+    assert all(f.tensor == "logits" for f in result.output_failures)
+    assert len(result.steps) == sum(1 for _ in result.steps["sample"].unique())
+
+
+def test_a_decoders_kv_cache_outputs_are_its_state_not_failing_outputs(llama, tmp_path):
+    """At a tolerance every output leaves, only the logits are diagnosed: the present outputs are compared,
+    shown as the model's state, and judged through the logits of later steps."""
+    result = accudiff.compare(llama.fp32, candidate_model=llama.int4, prompts=llama.prompts, new_tokens=2, atol=1e-6, rtol=1e-6, stol=0, verify=False)
+    failing = {f.tensor for f in result.output_failures}
+    assert failing == {"logits"}
+    state = result.table[result.table["tensor"].str.startswith("present.")]
+    assert len(state) == 8 and (state["status"] == "fail").all()
+
+
+def test_a_requirement_the_prompts_cannot_resolve_is_inconclusive_not_repaired(llama, tmp_path):
+    """One prompt's positions cannot tell the candidate's top-1 agreement from a target just above it: the
+    verdict is inconclusive, nothing is diagnosed, and the run says how many prompts would tell."""
+    one = tmp_path / "one.jsonl"
+    one.write_text(llama.prompts.read_text().splitlines()[0] + "\n")
+    result = accudiff.compare(llama.fp32, candidate_model=llama.int4, prompts=one, new_tokens=NEW_TOKENS)
+    top1 = result.decisions["logits"]["top1"]
+    target = min(0.999, round(top1 + 0.01, 3))
+    judged = accudiff.compare(llama.fp32, candidate_model=llama.int4, prompts=one, new_tokens=NEW_TOKENS, require=[f"top1={target}"])
+    assert judged.verdict == "inconclusive" and judged.output_failures == []
+    [unresolved] = judged.unresolved["logits"]
+    assert unresolved.outcome == "unresolved" and unresolved.interval.low < target <= unresolved.interval.high
+    assert unresolved.needed is not None and unresolved.needed > 1
+
+
+def test_a_folder_that_is_not_a_genai_model_is_refused_in_one_sentence(tmp_path, run_cli):
+    code, out, err = run_cli("compare", tmp_path, "--fp16")
+    assert code == 2 and err.count("\n") == 1
+    assert "is a folder, not a model file" in err and "genai_config.json" in err
+
+
+def test_prompts_for_a_model_without_a_kv_cache_are_refused(tmp_path, run_cli):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f(x):\n")
+    code, _, err = run_cli("compare", ROOT / "fixtures" / "clean.onnx", "--fp16", "--prompts", prompts)
+    assert code == 2 and "carries no KV cache" in err
+
+
+def test_new_tokens_without_prompts_is_refused(run_cli):
+    code, _, err = run_cli("compare", ROOT / "fixtures" / "clean.onnx", "--new-tokens", "4")
+    assert code == 2 and "--new-tokens" in err and "--prompts" in err
+
+
+def _simplified_layernorm_model(path: Path) -> Path:
+    """A model ONNX Runtime runs and ONNX's checker refuses: SimplifiedLayerNormalization (ONNX Runtime's op,
+    registered in the default domain, as the GenAI builder writes it), its weights in a data file."""
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.normal(1, 0.1, 64).astype(np.float32), "gamma"),
+               numpy_helper.from_array(rng.normal(0, 0.3, (64, 32)).astype(np.float32), "W")]
+    nodes = [helper.make_node("SimplifiedLayerNormalization", ["x", "gamma"], ["normed"], name="norm", epsilon=1e-6, axis=-1, stash_type=1),
+             helper.make_node("MatMul", ["normed", "W"], ["y"], name="proj")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", 1, [2, 64])], [helper.make_tensor_value_info("y", 1, [2, 32])], weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)], ir_version=10)
+    onnx.save(model, str(path), save_as_external_data=True, size_threshold=0)
+    return path
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_a_model_holding_onnxruntimes_default_domain_ops_loads_and_converts(precision, tmp_path):
+    """ONNX's checker says "No Op registered for SimplifiedLayerNormalization": ONNX Runtime loads and runs it,
+    so accudiff does, converting it where ONNX Runtime has the kernel in that format."""
+    model = _simplified_layernorm_model(tmp_path / "m.onnx")
+    with pytest.raises(onnx.checker.ValidationError):
+        onnx.checker.check_model(str(model))
+    result = accudiff.compare(model, precision)
+    assert result.verdict == "pass" and result.coverage == (2, 2)
+    if precision != "fp32":
+        assert "norm" in result.converted
+
+
+def test_an_op_neither_onnx_nor_onnxruntime_knows_is_still_refused(tmp_path, run_cli):
+    model = _simplified_layernorm_model(tmp_path / "m.onnx")
+    proto = onnx.load(str(model))
+    proto.graph.node[0].op_type = "NoSuchNormalization"
+    onnx.save(proto, str(tmp_path / "bad.onnx"))
+    code, _, err = run_cli("compare", tmp_path / "bad.onnx")
+    assert code == 2 and "fails the ONNX checker" in err and "NoSuchNormalization" in err
+
+
+@pytest.mark.parametrize("units, positions, share, concentration", [(1, 64, 0.97, None), (8, 64, 0.95, 20.0), (20, 64, 0.95, 20.0), (50, 32, 0.97, 10.0)])
+def test_intervals_cover_the_true_share_on_a_seeded_simulation(units, positions, share, concentration):
+    """Shares measured on positions of sequences whose own shares vary (a Beta around the truth): the 95%
+    intervals hold the true share in at least 92% of 400 simulated runs."""
+    from accudiff.comparison.intervals import interval_of
+
+    rng = np.random.default_rng(7)
+    held = 0
+    for trial in range(400):
+        per_unit = np.full(units, share) if concentration is None else rng.beta(share * concentration, (1 - share) * concentration, units)
+        agreed = rng.binomial(positions, per_unit).astype(np.float64)
+        span = interval_of(agreed, np.full(units, float(positions)), None, "share", seed=trial)
+        held += span.low <= share <= span.high
+    assert held / 400 >= 0.92
+
+
+@pytest.mark.parametrize("units, concentration", [(1, None), (8, None), (20, 5.0)])
+def test_intervals_cover_the_true_mean_on_a_seeded_simulation(units, concentration):
+    """Means of skewed per-position values (exponential, as KL divergences are) whose scale varies by sequence."""
+    from accudiff.comparison.intervals import interval_of
+
+    rng = np.random.default_rng(11)
+    held = 0
+    for trial in range(400):
+        scales = rng.gamma(concentration, 1e-3 / concentration, units) if concentration else np.full(units, 1e-3)
+        values = [rng.exponential(scale, 64) for scale in scales]
+        span = interval_of(np.array([v.sum() for v in values]), np.full(units, 64.0), np.array([(v * v).sum() for v in values]), "mean", seed=trial)
+        held += span.low <= 1e-3 <= span.high
+    assert held / 400 >= 0.92
