@@ -81,7 +81,8 @@ def run(
         reference_notices += upgraded
         generation = None
         if settings.prompts is not None:  # a decoder generating from prompts: a sample is a prompt's prefill
-            generation = prepare_generation(info, settings.prompts, settings.decode_steps, where.folder.path / PROMPTS_FILE, where.scratch)
+            generation = prepare_generation(info, settings.prompts, settings.decode_steps, where.folder.path / PROMPTS_FILE, where.scratch,
+                                            Path(settings.candidate_model) if settings.candidate_model is not None else None)
             samples = generation.prefills
         else:
             samples = prepare_samples(info, settings, where.folder.path / INPUTS_FILE)
@@ -137,7 +138,8 @@ def _report(result: CompareResult, settings: RunSettings, where: Workspace, samp
     result.timings = laps.laps  # the same dict: the report sees every phase before its own
     if folder.final is not None:
         saved = folder.final / INPUTS_FILE if (folder.path / INPUTS_FILE).exists() else settings.inputs  # a dataset stays where it is
-        result.replay = ["accudiff", "compare", *replace(settings, inputs=saved).arguments()]
+        prompts = folder.final / PROMPTS_FILE if (folder.path / PROMPTS_FILE).exists() else settings.prompts  # as token ids: the same whatever the tokenizer
+        result.replay = ["accudiff", "compare", *replace(settings, inputs=saved, prompts=prompts).arguments()]
         from accudiff.report.writer import write_report
 
         write_report(result, folder, samples)

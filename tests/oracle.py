@@ -515,7 +515,7 @@ def generation(reference: Path, candidate: Path, prompts: list[np.ndarray], new_
     parted = []
     for prompt in prompts:
         caches = [{i.name: np.zeros((1, i.shape[1], 0, _head_size(reference)), _ORT_NUMPY[i.type]) for i in past} for past in pasts]
-        tokens, first_different = list(prompt), None
+        first_different = None
         fed = list(prompt)
         for step in range(new_tokens + 1):
             logits = []

@@ -27,6 +27,7 @@ from accudiff.bisect.session import BisectSession
 from accudiff.diagnosis.cause import rank_contributors
 from accudiff.comparison.trial import Trials, prune
 from accudiff.model.saving import save_model
+from accudiff.report.decision_text import unresolved_text
 from accudiff.transforms.candidate import keep_pattern, repaired, repaired_file
 
 KEEP_LIST_FILE, RANKING_FILE = "keep_fp32.txt", "ranking.csv"
@@ -44,6 +45,8 @@ class PrecisionResult:
     bound: int = 0
     interrupted: bool = False
     trivial: bool = False  # only keeping every converted node meets the target: the format is too coarse for it
+    unresolved: list[str] = field(default_factory=list)  # requirements the data cannot resolve, said: no keep-list is searched for them
+    converted: int = 0  # nodes the candidate computes in reduced precision (what a keep-list may take from)
     decisions: dict = field(default_factory=dict)  # the candidate's decision figures and tolerance met, per failing output
     tolerance_met: dict = field(default_factory=dict)
     quantized_by: dict[str, str] = field(default_factory=dict)  # a node another tool quantized with ops of its own -> the tool
@@ -52,8 +55,9 @@ class PrecisionResult:
 def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
     session.progress("step 1: compare the whole model (with isolated errors), name and verify the causes")
     full = session.compare(isolate=True, verify=True)
-    result = PrecisionResult(passed_without_changes=full.passed, quantized_by=full.quantized_by)
-    if full.passed:
+    result = PrecisionResult(passed_without_changes=full.passed, quantized_by=full.quantized_by, converted=len(full.converted))
+    result.unresolved = [unresolved_text(output, r, bool(full.generations)) for output, found in full.unresolved.items() for r in found]
+    if full.passed or result.unresolved:  # a requirement the data cannot resolve is never answered with a repair
         result.candidate_runs = session.candidate_runs
         return result
     ranking = rank(full)

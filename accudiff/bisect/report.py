@@ -88,8 +88,13 @@ def _where_it_stands(result) -> list[str]:
 
 
 def _precision_text(result, folder: Path, settings: RunSettings) -> str:
-    lines = [f"accudiff bisect precision: {result.candidate_runs} candidate runs (at most {result.bound} on any path the search could take)"]
-    if result.passed_without_changes:
+    searched = (f"at most {result.bound} on any path the search could take" if result.bound else
+                "the comparison and its isolated run: no keep-list was searched")
+    lines = [f"accudiff bisect precision: {result.candidate_runs} candidate runs ({searched})"]
+    if result.unresolved:
+        lines += [f"  {line}" for line in result.unresolved]
+        lines.append("  no keep-list is searched for a requirement the data cannot resolve: compare on more data, or judge by another figure")
+    elif result.passed_without_changes:
         lines.append("  the model already meets tolerance: nothing to keep in higher precision")
     elif result.trivial:
         lines.append(f"  only keeping every converted node ({len(result.keep)}) in higher precision makes the outputs meet {_target(settings)}: "

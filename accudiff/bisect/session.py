@@ -14,7 +14,9 @@ from accudiff.comparison.group import record_reference
 from accudiff.comparison.trial import TrialSetup, Trials
 from accudiff.comparison.branches import branch_groups, calibration_per_group
 from accudiff.errors import AccudiffError
+from accudiff.model.decoder import cache_types, find_decoder
 from accudiff.model.inventory import ModelInfo
+from accudiff.model.prompts import whole_sequences
 from accudiff.model.loading import load_model
 from accudiff.model.saving import save_model
 from accudiff.model.samples import Samples, prepare_samples
@@ -42,7 +44,8 @@ class BisectSession:
         if self.settings.given_alone:  # the model is its own candidate: the reference is its float form
             self.info, _ = float_reference(self.info, self.cache.folder)
         self.info, _ = at_forms_opset(self.info, self.settings.precision, self.cache.folder)
-        self.feeds = prepare_samples(self.info, self.settings, self.cache.folder / "inputs.npz")
+        # A decoder generating from prompts: the feeds are its prompts' whole sequences, known after the first comparison.
+        self.feeds: Samples | None = prepare_samples(self.info, self.settings, self.cache.folder / "inputs.npz") if self.settings.prompts is None else None
 
     @property
     def model(self) -> Path:
@@ -55,9 +58,13 @@ class BisectSession:
     def compare(self, isolate: bool = False, **changes) -> CompareResult:
         """A comparison with the session's inputs and settings (without the isolated run unless asked: the
         bisection steps only need a verdict) under `changes`; counts the candidate runs it makes."""
-        settings = replace(self.settings, **{"inputs": self.feeds, "report_dir": None, "isolate": isolate, **changes})
+        fed = {"inputs": self.feeds} if self.settings.prompts is None else {"prompts": None, "new_tokens": None} if "inputs" in changes else {}
+        settings = replace(self.settings, **{**fed, "report_dir": None, "isolate": isolate, **changes})
         result = run(settings, reference_cache=self.cache)
         self.candidate_runs += 2 if isolate else 1
+        if self.feeds is None and result.generations:  # every step after runs each prompt's whole sequence as one prefill (as verification does)
+            decoder = find_decoder(self.info.path, self.info.inputs, self.info.output_names)
+            self.feeds = whole_sequences(result.generations, decoder, cache_types(self.info.inputs, decoder), self.cache.folder / "inputs.npz", self.info.inputs)
         return result
 
     def specialize(self) -> None:

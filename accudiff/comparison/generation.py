@@ -19,6 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from accudiff.comparison.engine import Engine
+from accudiff.errors import AccudiffError
 from accudiff.model.decoder import Decoder
 
 PREFILL, DECODE = "prefill", "decode"
@@ -77,7 +78,10 @@ def generate(engine: Engine, decoder: Decoder, prompt: np.ndarray, continuation:
     for step in range(samples_per_prompt(new_tokens)):
         given = int(continuation[step]) if continuation is not None and step < len(continuation) else -1
         targets = {decoder.logits: np.asarray([*fed[1:], given], np.int64)}  # each position scored on the token after it
-        kept = engine.run_sample(first + step, feed, {name: own[name] for name in carrying if name in own}, targets, keep)
+        try:
+            kept = engine.run_sample(first + step, feed, {name: own[name] for name in carrying if name in own}, targets, keep)
+        except AccudiffError as exc:  # which step of which prompt: a decode step can fail where the prefill ran
+            raise AccudiffError(f"{exc} (prompt {sequence}, {'its prefill' if step == 0 else f'decode step {step}'})") from None
         reference_next = given if given >= 0 else _greedy(kept["reference"][decoder.logits])
         candidate_next = _greedy(kept[carrying[0]][decoder.logits]) if carrying else reference_next
         steps.append(Step(first + step, sequence, step, PREFILL if step == 0 else DECODE, position, len(fed), reference_next, candidate_next))

@@ -157,7 +157,8 @@ def make_candidate(
     if settings.also is not None and settings.also != kind:  # the model's own error next to what a build adds
         passes.append({"name": settings.also, "model": str(working), "backend": settings.also, "fed_from_reference": {}})
     if settings.isolate:
-        types = {t.name: onnx.helper.np_dtype_to_tensor_dtype(t.dtype) for t in info.tensors if t.dtype is not None}
+        # every compared tensor the candidate has a partner for (a value of the same name that is another value is not fed)
+        types = {t.name: onnx.helper.np_dtype_to_tensor_dtype(t.dtype) for t in info.tensors if t.dtype is not None and t.name not in transformed.unmatched}
         fed = isolate_in_place(transformed.model, types, transformed.storage_copies)
         isolated = working.with_name(f"isolated-{path.stem}.onnx")
         save_model(transformed.model, isolated)  # its graph: the weights are the candidate's, in the same folder
@@ -182,7 +183,9 @@ def run_group(
     info, first = candidate.info, samples[group.samples[0]]
     specialized = info.path.parent == where.scratch  # a model specialized for these samples' branches lives only for this call
     cache, tensors = where.reference_cache, [t.name for t in info.tensors]
-    if captured.reference is not None:
+    if generation is not None:  # each step's feed depends on the last: nothing to replay
+        store = None
+    elif captured.reference is not None:
         store = ReferenceStore(captured.reference.store.folder, tensors)
     elif cache is not None and not specialized:
         store = cache.store(info.path, samples, tensors)

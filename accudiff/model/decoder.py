@@ -20,6 +20,7 @@ from accudiff.errors import AccudiffError
 from accudiff.model.inventory import InputSpec
 
 GENAI_CONFIG = "genai_config.json"
+POSITION_IDS = "position_ids"  # a decoder's positions input, as Hugging Face exporters and the GenAI builder name it
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _PRESENT = "present.{layer}.{part}"
 
@@ -131,7 +132,7 @@ def find_decoder(model: Path, inputs: Sequence[InputSpec], outputs: Sequence[str
     kv_heads, head_size = (first[1], first[3]) if len(first) == 4 else (None, None)
     names = {spec.name for spec in inputs}
     return Decoder("input_ids", "logits", tuple(cache), kv_heads if isinstance(kv_heads, int) else None, head_size if isinstance(head_size, int) else None, "attention_mask" if "attention_mask" in names else None,
-                   "position_ids" if "position_ids" in names else None)
+                   POSITION_IDS if POSITION_IDS in names else None)
 
 
 def _decoder_section(config: Path) -> dict:

@@ -13,14 +13,14 @@ prompt instead of the reference's greedy choice). Read one prompt at a time, lik
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from accudiff.errors import AccudiffError
-from accudiff.model.decoder import GENAI_CONFIG, Decoder, cache_types, find_decoder
+from accudiff.model.decoder import GENAI_CONFIG, POSITION_IDS, Decoder, cache_types, find_decoder
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.samples import NPZ_READ_ERRORS, Samples, samples_from_feeds
 
@@ -154,8 +154,9 @@ class GenerationPlan:
         return {"decoder": self.decoder.as_json(), "new_tokens": self.new_tokens, "cache_types": {name: str(kind) for name, kind in self.cache_types.items()}}
 
 
-def prepare_generation(info: ModelInfo, prompts: str | Path, new_tokens: int, target: Path, scratch: Path) -> GenerationPlan:
-    """The generation plan of a decoder (`info`) on the prompts in `prompts` (saved as token ids at `target`)."""
+def prepare_generation(info: ModelInfo, prompts: str | Path, new_tokens: int, target: Path, scratch: Path, candidate: Path | None = None) -> GenerationPlan:
+    """The generation plan of a decoder (`info`) on the prompts in `prompts` (saved as token ids at `target`);
+    a `candidate` model file that reads its positions as an input is fed them."""
     decoder = find_decoder(info.path, info.inputs, info.output_names)
     if decoder is None:
         raise AccudiffError(f"--prompts is for a decoder language model, and '{info.path.name}' carries no KV cache (no past_key_values.N.key/value "
@@ -166,7 +167,12 @@ def prepare_generation(info: ModelInfo, prompts: str | Path, new_tokens: int, ta
     vocabulary = dims[-1].dim_value if dims and dims[-1].HasField("dim_value") and dims[-1].dim_value > 0 else None
     ids = read_prompts(prompts, info.path.parent, vocabulary, target)
     types = cache_types(info.inputs, decoder)
-    prefills = samples_from_feeds([decoder.first_feed(prompt["input_ids"], types) for prompt in ids], scratch / "prefills.npz", info.inputs)
+    if candidate is not None and decoder.position_ids is None:
+        import onnx
+
+        theirs = {i.name for i in onnx.load(str(candidate), load_external_data=False).graph.input}
+        decoder = replace(decoder, position_ids=POSITION_IDS if POSITION_IDS in theirs else None)
+    prefills = samples_from_feeds([decoder.first_feed(prompt["input_ids"], types) for prompt in ids], scratch / "prefills.npz")
     prefills.source = ids.source
     return GenerationPlan(decoder, ids, prefills, new_tokens, types)
 

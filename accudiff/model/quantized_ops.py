@@ -289,8 +289,14 @@ RECOGNISERS: dict[str, Callable[[onnx.NodeProto, _View], QuantizedOp | None]] = 
     "GatherBlockQuantized": _gather_block_quantized,
     "Gather": _gathered_codes,
 }
-TOOL_OPTIONS = {"quantize_dynamic": "ONNX Runtime quantize_dynamic(..., nodes_to_exclude=[{names}])",
-                "MatMulNBitsQuantizer": "ONNX Runtime MatMulNBitsQuantizer(..., nodes_to_exclude=[{names}])"}
+GENAI_BUILDER = "the ONNX Runtime GenAI model builder"
+# How each tool is told to leave nodes unquantized, in its own words: the node names -> the option.
+TOOL_OPTIONS: dict[str, Callable[[list[str]], str]] = {
+    "quantize_dynamic": lambda names: f"ONNX Runtime quantize_dynamic(..., nodes_to_exclude=[{', '.join(map(repr, names))}])",
+    "MatMulNBitsQuantizer": lambda names: f"ONNX Runtime MatMulNBitsQuantizer(..., nodes_to_exclude=[{', '.join(map(repr, names))}])",
+    GENAI_BUILDER: lambda names: ("python -m onnxruntime_genai.models.builder -i <the Hugging Face folder> -o <a new folder> -p int4 -e cpu "
+                                  f"--extra_options nodes_to_exclude={','.join(names)}"),
+}
 
 
 def find_quantized_ops(graph: onnx.GraphProto, reference: onnx.GraphProto | None = None) -> list[QuantizedOp]:

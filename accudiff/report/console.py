@@ -6,6 +6,7 @@ import sys
 from typing import TextIO
 
 from accudiff.report.content import cause_lines, failure_headline, fused_nodes_text, requirements_met, sample_lines, tolerance_met_line, worst_tensors
+from accudiff.report.decision_text import unresolved_text
 from accudiff.text import percent
 
 
@@ -38,6 +39,7 @@ def format_summary(result) -> str:
             f"{percent(row['outside_share'])} of elements{isolated.get(row.get('isolated_status'), '')}"
         )
     lines += [f"  {line}" for line in requirements_met(result)]
+    lines += [f"  {unresolved_text(output, r, bool(result.generations))}" for output, found in result.unresolved.items() for r in found]
     for out in result.output_failures:
         row = indexed.loc[out.tensor]
         lines.append(f"  {failure_headline(out.tensor, result)}")
@@ -55,7 +57,9 @@ def format_summary(result) -> str:
                 f"    {worst['tensor']:<{names}} {worst['op_type']:<{ops}} {worst['status']:<5} max abs err {worst['max_abs_err']:<10.3g} SQNR {worst['sqnr_db']:6.1f} dB"
             )
     outputs = result.outputs
-    if result.verdict == "inconclusive":
+    if result.verdict == "inconclusive" and result.unresolved:
+        lines.append(f"  verdict: INCONCLUSIVE ({len(result.unresolved)} output(s) whose requirement the data cannot resolve; no output fails)")
+    elif result.verdict == "inconclusive":
         lines.append(
             f"  verdict: INCONCLUSIVE (no graph output out of tolerance, but only {compared} of the {computed} tensors the model computes "
             f"({percent(compared / max(computed, 1), 0)}) were compared: see 'not observable')"

@@ -19,7 +19,7 @@ from accudiff.model.quantized_ops import TOOL_OPTIONS
 from accudiff.text import percent, times_tolerance
 
 SUMMARY_SCHEMA = "accudiff.compare.summary"
-SUMMARY_SCHEMA_VERSION = 4
+SUMMARY_SCHEMA_VERSION = 5
 SUMMARY_FILE = "summary.json"
 TENSORS_FILE = "tensors.csv"
 SAMPLES_FILE = "samples.csv"
@@ -50,6 +50,8 @@ def summary(result) -> dict:
             entry["loss_split"] = result.loss_split.get(row["tensor"])
             entry["tolerance_met"] = result.tolerance_met.get(row["tensor"])
         entry["decision"] = result.decisions.get(row["tensor"])
+        entry["intervals"] = {name: span.as_json() for name, span in result.intervals.get(row["tensor"], {}).items()}  # 95%, comparison/intervals.py
+        entry["unresolved"] = [asdict(r) for r in result.unresolved.get(row["tensor"], [])]
         kind = result.output_kinds.get(row["tensor"])
         entry["kind"] = {"kind": kind.kind, "why": kind.why} if kind is not None else None
         outputs.append(entry)
@@ -84,11 +86,23 @@ def summary(result) -> dict:
         "inputs": result.inputs,
         "samples": _samples_summary(result),
         "alignment": _alignment(result),
+        "generation": _generation_summary(result),
         "files": {"tensors": TENSORS_FILE, "samples": SAMPLES_FILE, "inputs": INPUTS_FILE, "candidate_models": result.candidate_models,
                   "repaired_candidate": result.repaired_candidate, "html": HTML_FILE, "markdown": MARKDOWN_FILE},
         "replay": shlex.join(result.replay) if result.replay else None,
     }
     return finite(document)
+
+
+def _generation_summary(result) -> dict | None:
+    """A decoder's generation: its prompts and decode steps, the scores' figures per phase with their
+    intervals, and each prompt's tokens on both sides (where the candidate, choosing alone, parts)."""
+    if not result.generations:
+        return None
+    phases = {output: {phase: {"figures": found["figures"], "intervals": {n: s.as_json() for n, s in found["intervals"].items()}, "steps": found["steps"]}
+                       for phase, found in by_phase.items()} for output, by_phase in result.phases.items()}
+    return {"prompts": len(result.generations), "decode_steps": int(result.steps["step"].max()), "files": {"prompts": PROMPTS_FILE},
+            "phases": phases, "generations": result.generations}
 
 
 def _alignment(result) -> dict | None:
@@ -316,7 +330,7 @@ def remake_lines(nodes: list[str], precision: str, quantized_by: dict[str, str],
         by_tool.setdefault(quantized_by.get(node, "Q/DQ"), []).append(node)
     lines = []
     if formats & QUANTIZED_FORMATS:
-        options = [TOOL_OPTIONS[tool].format(names=", ".join(repr(n) for n in names)) for tool, names in by_tool.items() if tool in TOOL_OPTIONS]
+        options = [TOOL_OPTIONS[tool](names) for tool, names in by_tool.items() if tool in TOOL_OPTIONS]
         if "Q/DQ" in by_tool:
             qdq = by_tool["Q/DQ"]
             options.append(f"ModelOpt --nodes_to_exclude {' '.join(shlex.quote(re.escape(n)) for n in qdq)}; "
@@ -358,7 +372,7 @@ def element_index(row) -> str:
 def worst_samples(result, count: int = WORST_SAMPLE_COUNT) -> list[int]:
     """The failing samples reaching the most tolerances on some graph output, worst first (none to pick
     out of a single sample: inputs.npz replays it)."""
-    if result.iterations < 2:
+    if result.iterations < 2 or result.generations:  # a decoder's samples are steps of its prompts: prompts.npz replays them
         return []
     failing = result.failing_samples
     return list(dict.fromkeys(int(s) for s in failing["sample"]))[:count]

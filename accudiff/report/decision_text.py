@@ -8,6 +8,7 @@ import math
 
 from accudiff.comparison.decisions import NEAR_TIE
 from accudiff.comparison.intervals import FIGURES, MIN_UNITS, Interval
+from accudiff.comparison.objective import REQUIREMENTS, figure_text
 from accudiff.comparison.output_kinds import OutputKind
 from accudiff.model.prompts import decode_tokens
 from accudiff.text import percent, times_tolerance
@@ -152,3 +153,14 @@ def generation_lines(result) -> list[str]:
     if len(parted) > GENERATIONS_SHOWN:
         lines.append(f"    and {len(parted) - GENERATIONS_SHOWN} more prompt(s) (report.html, summary.json)")
     return lines
+
+
+def unresolved_text(output: str, resolution, prompts: bool) -> str:
+    """A requirement the data cannot resolve, said so, with about how much more data would."""
+    name, direction = resolution.name, "reaches" if resolution.direction == "min" else "stays at most at"
+    span, units = resolution.interval, "prompts" if prompts else "samples"
+    what = REQUIREMENTS[name][1]
+    measured = f"{figure_text(name, resolution.value)}{interval_text(name, span)} over {span.positions} {FIGURES[name][4]} of {span.units} {units[:-1] if span.units == 1 else units}"
+    needed = ("no amount of data would tell: the figure equals the target" if resolution.needed is None else
+              f"about {resolution.needed:,.0f} {units} like these would" if math.isfinite(resolution.needed) else "far more data than this would")
+    return f"output '{output}': the data cannot tell whether its {what} {direction} {resolution.target:g}: {measured}; {needed}"

@@ -18,7 +18,8 @@ import pandas as pd
 from accudiff.report import plots
 from accudiff.report.content import (HTML_FILE, cause_lines, failing_outputs_label, failure_headline, requirements_met, sample_lines,
                                      tolerance_met_line, worst_tensors)
-from accudiff.report.decision_text import decision_lines
+from accudiff.model.prompts import decode_tokens
+from accudiff.report.decision_text import decision_lines, generation_lines, interval_text
 from accudiff.text import percent
 from accudiff.diagnosis.cause import CAUSE_KINDS
 
@@ -88,7 +89,7 @@ def escape(value: object) -> str:
 def compare_page(result) -> str:
     """The compare report: verdict, causes, the error's path, failing outputs, the cause's neighbourhood,
     kept nodes and notices, samples, the full table, the replay command."""
-    sections = [_heading(result), _causes(result), _error_path(result), _failing_outputs(result), _neighbourhoods(result),
+    sections = [_heading(result), _causes(result), _generation(result), _error_path(result), _failing_outputs(result), _neighbourhoods(result),
                 _kept_and_notices(result), _samples(result), _full_table(result), _replay(result)]
     title = f"accudiff compare {result.model.name} [{result.precision}]"
     return _page(title, [], sections)
@@ -196,6 +197,41 @@ def _causes(result) -> str:
         blocks.append(f'<div class="cause" id="cause-{escape(failure.tensor)}"><strong>{escape(head)}</strong>'
                       f"<pre>{escape(chr(10).join(said))}</pre></div>")
     return _section("Cause", met + "".join(blocks))
+
+
+def _generation(result) -> str:
+    """A decoder's generation: its scores per phase with their intervals, the KL divergence by decode step,
+    and each prompt's two greedy continuations where the candidate parts from the reference."""
+    if not result.generations:
+        return ""
+    rows = []
+    for output, phases in result.phases.items():
+        for phase, found in phases.items():
+            figures, spans = found["figures"], found["intervals"]
+            cells = [output, phase, str(figures["score_vectors"]), f"{percent(figures['top1'], 2)}{interval_text('top1', spans.get('top1'))}",
+                     f"{figures['kl']:.3g}{interval_text('kl', spans.get('kl'))}", f"{figures['kl_max']:.3g}",
+                     f"{figures['delta_nll']:+.3g}{interval_text('delta_nll', spans.get('delta_nll'))}" if "delta_nll" in figures else "-",
+                     f"{figures.get('near_tie_flips', 0)} of {figures.get('flips', 0)}"]
+            rows.append("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in cells) + "</tr>")
+    head = "".join(f"<th>{h}</th>" for h in ("output", "phase", "positions", "top-1 agreement [95%]", "KL mean [95%]", "KL max", "ΔNLL [95%]", "near-tie flips"))
+    table = f'<table class="data" id="phases"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
+    chart = plots.by_step(result.samples, result.phases)
+    parted = [g for g in result.generations if g["diverged_at"] is not None]
+    folder = result.model.parent
+    turns = []
+    for g in parted:
+        at = "the prefill" if g["diverged_at"] == 0 else f"decode step {g['diverged_at']}"
+        said = "\n".join(f"{side + ':':<10} {_text_of(folder, g[side])}" for side in ("prompt", "reference", "candidate"))
+        turns.append(f"<h3>prompt {g['sequence']}: first different token at {escape(at)}</h3><pre>{escape(said)}</pre>")
+    lines = "".join(f"<p>{escape(line.strip())}</p>" for line in generation_lines(result)[:1])
+    intro = (f"<p>{len(result.generations)} prompt(s), each a prefill then its decode steps, each side carrying its own KV cache; both sides fed "
+             "the same tokens. Intervals resample whole prompts (positions of one prompt are not independent).</p>")
+    return _section("Generation", intro + table + (f'<div class="plots" id="by-step">{chart}</div>' if chart else "") + lines + "".join(turns))
+
+
+def _text_of(folder, tokens) -> str:
+    text = decode_tokens(folder, tokens)
+    return repr(text) if text is not None else str(tokens)
 
 
 def _error_path(result) -> str:

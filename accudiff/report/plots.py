@@ -93,3 +93,25 @@ def candidate_vs_reference(points: Sequence[Sequence[float]], name: str) -> str 
     chart.markers(ref[finite], cand[finite], LINE_COLOUR, size=1.6)
     chart.markers(ref[broken], np.full(int(broken.sum()), edge_high), FAIL_COLOUR, "candidate NaN/Inf", shape="cross")
     return chart.render()
+
+
+def by_step(samples: pd.DataFrame, phases: dict) -> str | None:
+    """A decoder's KL divergence (mean over prompts) at its prefill and at each decode step, per output of
+    token scores: whether the candidate's error grows as its own KV cache carries it."""
+    chart, drawn = None, False
+    for output in phases:
+        rows = samples[(samples["tensor"] == output) & (samples["rows"] > 0)]
+        if rows.empty or "step" not in rows:
+            continue
+        per_step = rows.groupby("step").agg(kl=("kl_sum", "sum"), positions=("rows", "sum"))
+        mean = (per_step["kl"] / per_step["positions"]).to_numpy(np.float64)
+        steps = per_step.index.to_numpy(np.float64)
+        if not np.isfinite(mean).any():
+            continue
+        if chart is None:
+            chart = Chart(900, 260, (0, max(float(steps.max()), 1.0)), (0.0, float(np.nanmax(mean[np.isfinite(mean)])) or 1.0))
+            chart.x_label, chart.y_label = "step (0: the prefill, then each decode step)", "KL divergence, mean over prompts"
+        chart.line(steps, mean, LINE_COLOUR, f"'{short(output)}'")
+        chart.markers(steps, mean, LINE_COLOUR, "", size=3)
+        drawn = True
+    return chart.render() if drawn else None

@@ -12,6 +12,7 @@ left without a partner is listed with the reason.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable
 
 import numpy as np
@@ -22,8 +23,9 @@ from accudiff.errors import AccudiffError
 from accudiff.model.formats import GRIDS, REDUCED_FLOATS, QuantRange, grid_type, model_formats, precision_label, quant_ranges
 from accudiff.model.constant_rounding import ConstantRounding, overflow_text, underflow_text
 from accudiff.model.graph import cast_target, constant_values, value_types, writers_of
+from accudiff.model.decoder import GENAI_CONFIG, find_decoder, genai_config
 from accudiff.model.inventory import ModelInfo
-from accudiff.model.quantized_ops import find_quantized_ops, quantized_members
+from accudiff.model.quantized_ops import GENAI_BUILDER, find_quantized_ops, quantized_members
 from accudiff.model.quantized_weights import lost_channels, quantized_weight_findings
 from accudiff.model.weights import weight_blocks, weight_values
 from accudiff.transforms.base import KeptNode, NodeSelector, TransformResult
@@ -53,6 +55,7 @@ def adopt(candidate: ModelInfo, reference: ModelInfo, keep_fp32: Iterable[str] =
             for node in keepable_nodes(graph, reference.proto.graph) if (pattern := selector.matches(node)) is not None]
     model = keep_in_float(candidate.proto, reference.proto, [k.node for k in kept]) if kept else candidate.proto
     ops = find_quantized_ops(model.graph, reference.proto.graph)
+    built_by_genai = genai_config(candidate.path) is not None  # its quantizer ran inside the builder: exclusions go through the builder
     warnings = []
     if alignment.unmatched:
         warnings.append(f"{len(alignment.unmatched)} of the model's {len(reference.tensors)} tensors have no partner in the candidate "
@@ -69,7 +72,7 @@ def adopt(candidate: ModelInfo, reference: ModelInfo, keep_fp32: Iterable[str] =
         inside=alignment.inside,
         weight_findings={**per_tensor_weights(model.graph, reference.proto.graph), **quantized_weight_findings(ops, model.graph, reference.proto.graph)},
         constant_findings=half_constant_findings(model.graph, reference.proto.graph),
-        quantized_by={name: op.tool for op in ops for name in op.names},
+        quantized_by={name: GENAI_BUILDER if built_by_genai else op.tool for op in ops for name in op.names},
     )
 
 
@@ -107,9 +110,9 @@ def _rename_nodes(graph: onnx.GraphProto, renamed: dict[str, str]) -> None:
 def require_derived(candidate: ModelInfo, reference: ModelInfo) -> None:
     """A candidate is a version of the model: the same graph inputs and outputs, each float where the
     model's is float (any float type) and of the same type otherwise; one sentence if not."""
-    theirs, ours = candidate.path.name, reference.path.name
+    theirs, ours = _named(candidate.path), _named(reference.path)
     for what, mine, other in (
-        ("inputs", {spec.name for spec in reference.inputs}, {spec.name for spec in candidate.inputs}),
+        ("inputs", {spec.name for spec in reference.inputs}, {spec.name for spec in candidate.inputs} - decoder_position_input(candidate, reference)),
         ("outputs", set(reference.output_names), set(candidate.output_names)),
     ):
         if mine != other:
@@ -121,6 +124,21 @@ def require_derived(candidate: ModelInfo, reference: ModelInfo) -> None:
     for name, dtype in [*((t.name, t.dtype) for t in reference.tensors if t.is_output), *((s.name, s.dtype) for s in reference.inputs)]:
         if name in kinds and not _same_kind(dtype, kinds[name]):
             raise AccudiffError(f"'{theirs}' is not a version of '{ours}': its '{name}' holds {kinds[name]} values where the model's holds {dtype}")
+
+
+def decoder_position_input(candidate: ModelInfo, reference: ModelInfo) -> set[str]:
+    """The positions input a decoder's candidate reads where its reference computes them inside (the GenAI
+    builder's fp16 graph reads position_ids, its fp32 one does not): the generation feeds it, so it is no
+    difference between the two."""
+    theirs, ours = (find_decoder(info.path, info.inputs, info.output_names) for info in (candidate, reference))
+    if theirs is None or ours is None or theirs.position_ids is None or ours.position_ids is not None:
+        return set()
+    return {theirs.position_ids}
+
+
+def _named(path: Path) -> str:
+    """A model as its user named it: a GenAI folder's model by its folder (every such model is 'model.onnx')."""
+    return f"{path.parent.name}/{path.name}" if (path.parent / GENAI_CONFIG).is_file() else path.name
 
 
 def align(graph: onnx.GraphProto, reference: ModelInfo) -> Alignment:
@@ -139,7 +157,9 @@ def align(graph: onnx.GraphProto, reference: ModelInfo) -> Alignment:
         node = producer[tensor.name]
         return node.name == tensor.node or node.op_type in STORAGE_OPS | {"Identity"} or node.name not in reference.nodes
 
-    exact = {t.name for t in reference.tensors if t.name in producer and same_value(t) and _same_kind(t.dtype, _np(types.get(t.name)))}
+    ranks, reference_ranks = _ranks(graph), _ranks(reference.proto.graph)
+    exact = {t.name for t in reference.tensors if t.name in producer and same_value(t) and _same_kind(t.dtype, _np(types.get(t.name)))
+             and ranks.get(t.name, reference_ranks.get(t.name)) == reference_ranks.get(t.name, ranks.get(t.name))}
     taken = (set(producer) - (set(ours) - exact)) | {vi.name for vi in graph.input} | set(constant_values(graph))
     renamed: dict[str, str] = {}
     unmatched: dict[str, str] = {}
@@ -157,8 +177,12 @@ def align(graph: onnx.GraphProto, reference: ModelInfo) -> Alignment:
             taken.add(tensor.name)
         else:
             kind = _np(types.get(tensor.name)) if tensor.name in producer else None
+            rank, theirs_rank = reference_ranks.get(tensor.name), ranks.get(tensor.name)
             unmatched[tensor.name] = (f"the candidate's value of that name holds {kind} values, the reference's {tensor.dtype}" if kind is not None
-                                      and not _same_kind(tensor.dtype, kind) else f"its node '{tensor.node}' in the candidate has no output that can answer for it")
+                                      and not _same_kind(tensor.dtype, kind) else
+                                      f"the candidate's value of that name has {theirs_rank} dimensions, the reference's {rank}: another value"
+                                      if None not in (rank, theirs_rank) and rank != theirs_rank and tensor.name in producer else
+                                      f"its node '{tensor.node}' in the candidate has no output that can answer for it")
     inside = held_inside(graph, reference, set(unmatched), {*exact, *renamed.values()})
     for name, node in inside.items():
         unmatched[name] = f"computed inside the candidate's fused {node}, whose output is compared"
@@ -301,6 +325,12 @@ def _computed_from_weights(graph: onnx.GraphProto) -> set[str]:
             known.update(node.output)
             found.update(node.output)
     return found
+
+
+def _ranks(graph: onnx.GraphProto) -> dict[str, int]:
+    """The number of dimensions of each value whose shape the graph declares."""
+    return {vi.name: len(vi.type.tensor_type.shape.dim) for vi in [*graph.input, *graph.value_info, *graph.output]
+            if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape")}
 
 
 def _rename(graph: onnx.GraphProto, renamed: dict[str, str]) -> None:
