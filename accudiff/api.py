@@ -109,7 +109,7 @@ def run(
             runs.append(run_group(candidate, planned, group, samples, settings, where, captured, generation))
             laps.lap("run")
         save_tensors(settings, runs, len(samples))
-        from accudiff.diagnosis.judge import attach_sketches, judge
+        from accudiff.diagnosis.judge import attach_sketches, judge, side_run_notices
         from accudiff.diagnosis.verify import verify_outputs
 
         info, transformed, outcome = combine(info.path, runs)
@@ -123,7 +123,8 @@ def run(
             laps.lap("verify")
         attach_sketches(result, info, outcome)
         inlined_engine = BRANCHES_INLINED_FOR_TRT if any(g.taken for g in groups) and settings.uses_trt else None
-        notices = [*reference_notices, *captured.notices, *describe_groups(groups, len(samples)), inlined_engine, isolation_notice(settings, groups),
+        notices = [*reference_notices, *captured.notices, *describe_groups(groups, len(samples)), inlined_engine, isolation_notice(settings, groups, generation),
+                   *side_run_notices(result.table),
                    *transformed.warnings, *outcome["passes"]["candidate"]["notices"]]
         result.notices = [n for n in [chosen_backend, *notices, *unverified] if n]
         result.candidate_models = [r.candidate.path.name for r in runs]

@@ -119,6 +119,7 @@ class Engine:
         self._ahead: ThreadPoolExecutor | None = None  # where the next session is made while one runs
         self._weight_bytes = 0  # the largest weights of a model run (reference or pass)
         self._whole: dict[Path, tuple[set[str], list[str], list[str]]] = {}  # a model run whole: its inputs, compared and returned tensors
+        self._produced_in: dict[str, int] = {}  # a value -> the segment the reference makes it in
         node_segment = {name: k for k, names in enumerate(segments) for name in names}
         self._later_reference_reads: list[set[str]] = []
         try:
@@ -159,7 +160,9 @@ class Engine:
             if count > 1:
                 infer_shapes_unless_typed(model)  # the cut models' inputs and outputs need their types
         nodes = list(model.graph.node)
-        placed = _place_nodes(nodes, node_segment, count)
+        placed = _place_nodes(nodes, node_segment, count, self._produced_in)
+        for index, node in enumerate(nodes):  # the reference's (the first model cut): where each value is made
+            self._produced_in.update((out, placed[index]) for out in node.output if out and out not in self._produced_in)
         # One sample: a segment is cut when its runner is made, and the model stays in memory until the last
         # is. A model holding large weights itself is cut now instead (a segment holding large ones is saved).
         cut_later = not self.keep_sessions and make is not None and own_weight_bytes(model) < IN_MEMORY_WEIGHTS_UP_TO
@@ -174,6 +177,9 @@ class Engine:
             if count == 1:
                 source, inputs = ModelSource.read(path, model), {i.name for i in model.graph.input}
                 self._whole[path] = inputs, own, wanted
+            elif not indices:  # none of this model's nodes falls in the segment (a tool fused or dropped them): nothing to run
+                segments.append(_Segment(None, set(), [], []))
+                continue
             elif cut_later:  # cut when its runner is made: for all but the first, while the segment before it runs
                 with self.clock("segments"):
                     inputs = cut_inputs(model, indices)
@@ -247,7 +253,7 @@ class Engine:
                 for name in segment.inputs & plan.fed_from_reference.keys():
                     values[name] = reference_values[plan.fed_from_reference[name]]
                 self.progress(f"running the {plan.name} pass on sample {sample}")
-                out = self._run(segment, {**values, **plan.fixed_inputs} if plan.fixed_inputs else values, f"runs: {plan.name}")
+                out = self._run(segment, {**values, **plan.fixed_inputs} if plan.fixed_inputs else values, f"runs: {plan.name}") if segment.wanted else {}
                 kept[plan.name].update((name, out[name]) for name in keep if name in out)
                 if plan.record is not None:
                     plan.record.write(sample, out)
@@ -266,13 +272,15 @@ class Engine:
         values, kept = dict(feed), {}
         segments = self.pass_segments[name]
         for k, segment in enumerate(segments):
-            out = self._run(segment, values, f"runs: {name}")
+            out = self._run(segment, values, f"runs: {name}") if segment.wanted else {}
             kept.update((n, out[n]) for n in keep if n in out)
             needed = {n for s in segments[k + 1 :] for n in s.inputs}
             values = {n: v for n, v in {**values, **out}.items() if n in needed}
         return kept
 
     def _reference_outputs(self, sample: int, segment: _Segment, values: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        if not segment.wanted:
+            return {}
         if segment.make is None:
             out = self.store.read(sample, segment.wanted)
         else:
@@ -404,11 +412,12 @@ def sample_points(sample: int, ref: np.ndarray, cand: np.ndarray, worst: int, ro
     return np.stack([np.full(picked.size, float(sample)), r[picked].astype(np.float64), c[picked].astype(np.float64)], axis=1).tolist()
 
 
-def _place_nodes(nodes: Sequence[onnx.NodeProto], node_segment: Mapping[str, int], count: int) -> list[int]:
-    """The segment of each node: its own for nodes of the original model, its first reader's for nodes a
-    transform added (casts, Q/DQ), the last one for nodes only graph outputs read; never one before the
-    segment of a node it reads."""
-    placed = [node_segment.get(node.name, -1) for node in nodes]
+def _place_nodes(nodes: Sequence[onnx.NodeProto], node_segment: Mapping[str, int], count: int, produced_in: Mapping[str, int]) -> list[int]:
+    """The segment of each node: its own for nodes of the original model; for a node of another name that
+    writes a value the original model makes (a quantizer's `X_Q4` writing X's output), that value's; its
+    first reader's for nodes a transform added (casts, Q/DQ), the last one for nodes only graph outputs
+    read; never one before the segment of a node it reads."""
+    placed = [node_segment.get(node.name, next((produced_in[o] for o in node.output if o in produced_in), -1)) for node in nodes]
     readers: dict[str, list[int]] = {}
     for index, node in enumerate(nodes):
         for name in node.input:

@@ -241,8 +241,11 @@ def save_tensors(settings: RunSettings, runs: Sequence[GroupRun], samples: int) 
         write_run_results(Path(path), runner, iterations)
 
 
-def isolation_notice(settings: RunSettings, groups: Sequence[BranchGroup]) -> str | None:
+def isolation_notice(settings: RunSettings, groups: Sequence[BranchGroup], generation: GenerationPlan | None = None) -> str | None:
     """What a reader must know when the isolated run skipped samples (see ISOLATED_SAMPLES)."""
+    if settings.isolate and generation is not None and sum(len(g.samples) for g in groups) * samples_per_prompt(generation.new_tokens) > ISOLATED_SAMPLES:
+        return (f"the isolated run (each node's error when fed the reference's values) ran on the first {ISOLATED_SAMPLES} steps of the first "
+                "prompt's generation (its prefill first); every other figure covers every step of every prompt")
     if not settings.isolate or all(len(g.samples) <= ISOLATED_SAMPLES for g in groups):
         return None
     where = "of each branch group's samples" if len(groups) > 1 else f"of the {len(groups[0].samples)} samples"

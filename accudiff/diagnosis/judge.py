@@ -148,6 +148,21 @@ def _fails(row: pd.Series, resolved: list[Resolution]) -> bool:
     return row["status"] == STATUS_FAIL
 
 
+def side_run_notices(table: pd.DataFrame) -> list[str]:
+    """The tensors the candidate run compared that a run beside it (the isolated run, a second backend) did
+    not observe: counted and said, as a figure that covers fewer tensors than it seems to."""
+    compared = table["status"] != STATUS_MISSING
+    notices = []
+    for column in [c for c in table.columns if c.endswith("_status") and c != "status"]:
+        missing = table.loc[compared & (table[column].isna() | (table[column] == STATUS_MISSING)), "tensor"]
+        if len(missing):
+            run = column.removesuffix("_status")
+            what = "the isolated run (each node fed the reference's values)" if run == "isolated" else f"the run on {run}"
+            notices.append(f"{what} did not observe {len(missing)} of the {int(compared.sum())} tensors the candidate run compared "
+                           f"(e.g. '{missing.iloc[0]}'): its figures are missing for them")
+    return notices
+
+
 def _units(rows: pd.DataFrame) -> pd.Series:
     """What each sample row belongs to for resampling: its prompt (a decoder's generation), else itself."""
     return rows["sequence"] if "sequence" in rows.columns else rows["sample"]
