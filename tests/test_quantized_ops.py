@@ -184,3 +184,52 @@ def test_undoing_only_the_activations_leaves_weight_only_ops_as_they_are(small, 
     for index, (got, want) in enumerate(zip(_run(split), _run(candidate))):
         if index in unchanged:
             np.testing.assert_array_equal(got, want)
+
+
+def test_undoing_only_the_activations_of_matmulnbits_at_accuracy_level_4_keeps_its_own_weights(small, tmp_path):
+    """MatMulNBits at accuracy_level 4 quantizes its activation to INT8: undoing that alone is the same node at
+    accuracy_level 0 (its INT4 weights as they are, no copy of them), which computes what the float MatMul of
+    its dequantized weights does."""
+    from accudiff.transforms.keep_float import PARTS
+
+    candidate = onnx.load(str(CANDIDATES["nbits 4 accuracy level 4"][0](small, tmp_path / "candidate.onnx")))
+    reference = onnx.load(str(small))
+    ops = [op for op in find_quantized_ops(candidate.graph, reference.graph) if op.quantizes_activation]
+    assert ops
+    split = keep_in_float(candidate, reference, [op.node for op in ops], PARTS["activations"])
+    nodes = {n.name: n for n in split.graph.node}
+    for op in ops:
+        node = nodes[op.node]
+        assert node.op_type == "MatMulNBits" and next(a.i for a in node.attribute if a.name == "accuracy_level") == 0
+    assert not any("dequantized" in init.name for init in split.graph.initializer)
+    from accudiff.model.graph import constant_values
+    from accudiff.model.quantized_weights import float_weight
+
+    [x_w] = [op for op in ops if op.outputs[0] == "y"]  # x @ W
+    expected = FEED["x"] @ float_weight(x_w.weights[0], constant_values(candidate.graph))
+    np.testing.assert_allclose(_run(split)[OUTPUTS.index("y")], expected, rtol=1e-5, atol=1e-4)
+
+
+def test_blocks_a_large_value_flattens_are_found_on_the_packed_codes(tmp_path):
+    """A weight with one large value in most blocks of 32, quantized to 4 bits by MatMulNBitsQuantizer: the
+    block_scale finding names the node; counted on the packed codes (no weight dequantized: a 1.1B decoder's
+    took 22 s), each block's share of zeros is the dequantized weight's."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    from accudiff.model.graph import constant_values
+    from accudiff.model.quantized_weights import _nbits_zero_shares, float_weight, quantized_weight_findings, weight_values
+
+    weight = RNG.normal(0, 0.01, (64, 32)).astype(np.float32)
+    weight[::32][:, ::2] = 50.0  # the first row of each block of K, in half the columns: their step is set by it
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"], name="spiky")], "g", [helper.make_tensor_value_info("x", 1, [2, 64])],
+                              [helper.make_tensor_value_info("y", 1, [2, 32])], [numpy_helper.from_array(weight, "W")])
+    quantizer = MatMulNBitsQuantizer(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), bits=4, block_size=32, is_symmetric=True)
+    quantizer.process()
+    quantized = quantizer.model.model
+    [op] = find_quantized_ops(quantized.graph, graph)
+    constants = constant_values(quantized.graph)
+    fast = _nbits_zero_shares(op.weights[0], weight_values(constants[op.weights[0].codes]))
+    values = float_weight(op.weights[0], constants)
+    assert np.array_equal(fast, (values.T.reshape(32, -1, 32) == 0).mean(axis=-1))
+    kind, said = quantized_weight_findings([op], quantized.graph, graph)["spiky"]
+    assert kind == "block_scale" and "32 of its 64 blocks" in said

@@ -31,6 +31,7 @@ from accudiff.comparison.objective import Objective
 from accudiff.comparison.output_kinds import kinds_of
 from accudiff.comparison.shards import added_timings, merge_results
 from accudiff.comparison.worker import Job, Worker, discard_spares, prestart, take_worker
+from accudiff.model.graph import tensor_bytes
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.saving import save_model
 from accudiff.model.ops import VALUE_PRESERVING_OPS
@@ -50,6 +51,7 @@ VARIANTS_PER_WORKER = 8  # every variant's session is open at once in a worker: 
 UNDERFLOW_SHARE = 0.01  # as diagnosis/rules.py: a smaller share of tiny values is noise
 PRUNE_RUNS = 16  # runs pruning a repair may take: its nodes tried for dropping, the last added first
 WORKER_START_SECONDS = 0.35  # a worker's Python start and imports, on one core
+LARGE_MODEL_BYTES = 1 << 30  # weights from which a model's trials run one variant at a time (see Trials)
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,11 @@ class Trials:
         self._workers: list[Worker] = []
         self.timings: dict[str, float] = {}  # the trial workers' seconds per phase, added up
         self._board: tuple[Switchboard, Path] | None = None
-        self._switchable = switchable(setup.settings)
+        # A model whose weights are large is tried one variant at a time, in one worker, each session made just before
+        # its run: a switchboard holds both sides' weights, and two sessions (or two workers) map them twice. Its variants
+        # also run faster than a switchboard, which computes every switchable node both ways.
+        self.large = sum(tensor_bytes(init) for init in setup.info.proto.graph.initializer) >= LARGE_MODEL_BYTES
+        self._switchable = switchable(setup.settings) and not self.large
         self.kinds = kinds_of(setup.info, setup.settings.output_kinds)  # what each output decides: the figures a keep is judged by
 
     def __enter__(self) -> Trials:
@@ -140,16 +146,18 @@ class Trials:
         # Positions of the keep-lists per worker: those the switchboard serves in one, the others shared.
         on_board = [i for i, undone in enumerate(parts) if board is not None and undone == "all"]
         apart = [i for i in range(len(closed)) if i not in set(on_board)]
-        size = min(VARIANTS_PER_WORKER, math.ceil(len(apart) / cores))
+        size = 1 if self.large else min(VARIANTS_PER_WORKER, math.ceil(len(apart) / cores))  # large: a variant a job, one job at a time
         groups = [on_board] * bool(on_board) + [apart[start : start + size] for start in range(0, len(apart), size or 1)]
         chunks = [[(closed[i], parts[i]) for i in group] for group in groups]
         light = on_board and self.variant_seconds is not None and len(apart) * self.variant_seconds < WORKER_START_SECONDS
-        count = min(len(chunks), max(1 if light else cores, len(self._workers))) if chunks else 0
+        count = min(len(chunks), max(1 if light or self.large else cores, len(self._workers))) if chunks else 0
         # Threads per worker stay as they were for the workers already up: their sessions were made with them.
         threads = max(1, cores // min(cores, max(count, len(self._workers), 1)))
         prestart(count - len(self._workers))  # their start overlaps the building of the models
         self._workers += [take_worker() for _ in range(count - len(self._workers))]
         outcomes: list[TrialOutcome] = []
+        if self.large and not self.reference.complete and chunks:  # recorded first, then replayed: one session of its weights at a time
+            self._record_reference(threads)
         recording = not self.reference.complete
         # Each worker takes the next job built, once it is up: a worker still starting leaves the jobs to one
         # already free (the switchboard's, after its own job).
@@ -200,6 +208,14 @@ class Trials:
         if recording and batches:
             self.reference.finish()
         return outcomes
+
+    def _record_reference(self, threads: int) -> None:
+        """The reference's graph outputs on the setup's samples, recorded by the first worker in a job of their own."""
+        job = replace(self._job([], self.reference.folder, None).job, threads=threads)
+        self._workers[0].wait_ready()
+        merged = merge_results([self._workers[0].run(job)])
+        self.timings = added_timings([self.timings, merged["timings"]])
+        self.reference.finish()
 
     def _switchboard(self, keep_lists: list[list[str]]) -> tuple[Switchboard, Path] | None:
         """The switchboard every keep-list of this call (and of the calls before) can be set on, built and
@@ -262,6 +278,7 @@ class Trials:
             shape_values=dict(setup.shape_values),
             input_specs=[[spec.name, str(spec.dtype), list(spec.shape)] for spec in info.inputs],
             store=str(reference) if reference is not None else None,
+            one_session_at_a_time=self.large,
         )
         return _Batch(keep_lists, job)
 

@@ -79,6 +79,9 @@ class Job:
     # A decoder's generation (comparison/generation.py): {"decoder": Decoder.as_json(), "new_tokens": N, "cache_types": {past: dtype}};
     # its samples are then prompts, each run as a prefill and N decode steps, each step a sample of the engine.
     generation: dict | None = None
+    # Sessions made one at a time, each just before its run (else all at once, kept for every sample): weights
+    # of a model too large to hold twice (trial.LARGE_MODEL_BYTES).
+    one_session_at_a_time: bool = False
 
     @property
     def large_tensors(self) -> bool:
@@ -284,7 +287,9 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
     layer_report = Path(job.layer_report) if job.layer_report else None
 
     threads = job.threads or os.cpu_count() or 1
-    cpu = CpuOptions(threads, samples=job.run_samples or len(job.sample_indices), shared_arena=job.large_tensors)
+    # How many runs a session makes: a decoder's prompt runs its prefill and each decode step (prepacking pays for many).
+    steps = samples_per_prompt(job.generation["new_tokens"]) if job.generation else 1
+    cpu = CpuOptions(threads, samples=(job.run_samples or len(job.sample_indices)) * steps, shared_arena=job.large_tensors)
 
     def factory(spec: dict):
         if spec["backend"] == "recorded":
@@ -321,7 +326,8 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
         )
         outputs_store = ReferenceStore(Path(job.outputs_store), job.outputs) if job.outputs_store else None
         reference = ReferencePlan(Path(job.reference), lambda model, outputs: reference_runner(model, outputs, cpu), store, outputs_store)
-        options = EngineOptions(threads, keep_sessions=len(job.sample_indices) * per_sample > 1, progress=lambda text: emit({"event": "step", "text": text}))
+        options = EngineOptions(threads, keep_sessions=len(job.sample_indices) * per_sample > 1 and not job.one_session_at_a_time,
+                                progress=lambda text: emit({"event": "step", "text": text}))
         engine = Engine(reference, passes, measured, Path(scratch), options)
         generated: dict[str, list] = {"steps": [], "generations": []}
         try:

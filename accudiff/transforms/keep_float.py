@@ -28,7 +28,7 @@ from onnx import TensorProto, numpy_helper
 
 from accudiff.model.formats import REDUCED_FLOATS
 from accudiff.model.graph import constant_values, declare_like, fresh_name, readers_of, value_types, writers_of
-from accudiff.model.quantized_ops import QuantizedOp, by_name, find_quantized_ops, float_nodes, quantized_members
+from accudiff.model.quantized_ops import QuantizedOp, by_name, find_quantized_ops, float_nodes, quantized_members, with_float_activation
 from accudiff.model.quantized_weights import float_weight
 from accudiff.model.shapes import infer_shapes_unless_typed
 
@@ -62,7 +62,8 @@ def keep_in_float(model: onnx.ModelProto, reference: onnx.ModelProto | None, nod
             rebuilt.append(node)  # (an embedding's quantized Gather when only activations are undone: as it is)
         elif op is not None and op.node in ops:
             if op.outputs[0] in node.output:  # its last node: the float op takes its place
-                rebuilt += edit.keep_op(op)
+                own = with_float_activation(op, node) if "weights" not in undo else None
+                rebuilt += [own] if own is not None else edit.keep_op(op)
         elif node.name in ops:  # a node of a kept op that others read too (a quantized Gather's codes): it stays, renamed
             node.name = edit.fresh(f"{node.name}__codes")
             rebuilt.append(node)
