@@ -30,11 +30,15 @@ def _outputs(model, path: Path, names, feed) -> dict[str, np.ndarray]:
         return dict(runner.infer(feed))
 
 
-def _assert_switchboard_matches_variants(model_path: Path, feed, keep_lists, tmp_path: Path, candidate: Path | None = None, precision: str = "fp16") -> None:
+def _assert_switchboard_matches_variants(model_path: Path, feed, keep_lists, tmp_path: Path, candidate: Path | None = None, precision: str = "fp16",
+                                         gated: bool = False) -> None:
     info = load_model(model_path)
     recipe = CandidateRecipe(precision) if candidate is None else CandidateRecipe(precision_label(file_formats(candidate)), candidate_model=candidate)
     variants = CandidateVariants(info, recipe, transform_model(info, recipe, [feed]))
-    board = variants.switchboard({n for keep in keep_lists for n in keep})
+    board = variants.switchboard({n for keep in keep_lists for n in keep}, gated=gated)
+    if gated:  # every kept copy moved into its switch's If
+        assert {n.op_type for n in board.model.graph.node if n.name.endswith("__gate")} == {"If"}
+        assert not any(n.name.endswith("__kept") for n in board.model.graph.node)
     assert board is not None
     outputs = info.output_names
     save_model(board.model, tmp_path / "board.onnx")
@@ -107,3 +111,27 @@ def test_a_candidate_modelopt_made_of_the_trained_recognizer(tmp_path):
     nodes = [n.name for n in load_model(candidate).proto.graph.node if n.op_type in ("Conv", "MatMul", "Mul", "Add")]
     keep_lists = [[], nodes[:3], nodes[40:46], nodes[-4:], nodes[:3] + nodes[-4:]]
     _assert_switchboard_matches_variants(models.ppocr_rec_v4(), realistic_inputs.ppocr_rec(0), keep_lists, tmp_path, candidate)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["two_faults_one_path", "multi_io", "cancelling_layernorm"])
+def test_a_gated_switchboard_computes_what_its_variants_do(name, precision, tmp_path):
+    """The gated board (each kept copy in an If on its switch: computed only when on) gives every variant's
+    outputs, bit for bit, as the board that computes both sides and chooses with Where does."""
+    info = load_model(fixture(name))
+    [feed] = generate_feeds(info.inputs, {spec.name: spec.shape for spec in info.inputs}, seed=0)
+    converted = sorted(transform_model(info, CandidateRecipe(precision), [feed]).converted)
+    nodes = [n.name for n in info.proto.graph.node if n.name in converted]
+    keep_lists = [[], nodes, *([n] for n in nodes), *(list(pair) for pair in zip(nodes, nodes[1:]))]
+    _assert_switchboard_matches_variants(fixture(name), feed, keep_lists, tmp_path, precision=precision, gated=True)
+
+
+def test_a_gated_switchboard_of_a_decoder_quantized_to_int4_computes_its_variants(tmp_path):
+    """A MatMulNBits decoder candidate (the GenAI builder's form, kept by its float op on the reference's
+    weights): the gated board's keep-lists give the variants' outputs."""
+    from test_decoders import _simplified_layernorm_model
+
+    model = _simplified_layernorm_model(tmp_path / "m.onnx")
+    candidate = models.onnxruntime_nbits(model, tmp_path / "int4.onnx", accuracy_level=4)
+    feed = {"x": np.random.default_rng(0).normal(size=(2, 64)).astype(np.float32)}
+    _assert_switchboard_matches_variants(model, feed, [[], ["proj"]], tmp_path, candidate=candidate, gated=True)

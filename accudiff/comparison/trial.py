@@ -112,11 +112,11 @@ class Trials:
         self._workers: list[Worker] = []
         self.timings: dict[str, float] = {}  # the trial workers' seconds per phase, added up
         self._board: tuple[Switchboard, Path] | None = None
-        # A model whose weights are large is tried one variant at a time, in one worker, each session made just before
-        # its run: a switchboard holds both sides' weights, and two sessions (or two workers) map them twice. Its variants
-        # also run faster than a switchboard, which computes every switchable node both ways.
+        # A model whose weights are large is tried in one worker, each session made just before its run (two sessions,
+        # or two workers, would map its weights twice), on a gated switchboard (switches.gate_switches: a kept node
+        # computed only when its switch is on, its FP32 weights read only then), its other variants one at a time.
         self.large = sum(tensor_bytes(init) for init in setup.info.proto.graph.initializer) >= LARGE_MODEL_BYTES
-        self._switchable = switchable(setup.settings) and not self.large
+        self._switchable = switchable(setup.settings)
         self.kinds = kinds_of(setup.info, setup.settings.output_kinds)  # what each output decides: the figures a keep is judged by
 
     def __enter__(self) -> Trials:
@@ -227,7 +227,7 @@ class Trials:
         if self._board is not None and set(wanted) <= self._board[0].switches.keys():
             return self._board
         nodes = [*(self._board[0].switches if self._board else []), *wanted]
-        board = self.setup.variants.switchboard(nodes)
+        board = self.setup.variants.switchboard(nodes, gated=self.large)
         if board is None:
             self._switchable = False
             return None

@@ -57,8 +57,9 @@ class CpuOptions:
     (768x768 GEMMs of 128 rows). A session of a run of fewer than PREPACK_FROM_SAMPLES skips it when its
     weights reach PREPACK_UP_TO_BYTES (below that it costs little, and a graph's results then do not depend
     on how its weights were laid out: a switchboard matches its variants bit for bit). Only float weights
-    count: quantized ones are prepacked whatever the run (a 1.1B decoder's MatMulNBits prepack in 0.75 s, and
-    its prefill then runs in 0.3 s, 2.4 s without).
+    count, and a model holding MatMulNBits is prepacked whatever its float weights: a 1.1B decoder's
+    MatMulNBits prepack in 0.75 s and its prefill then runs in 0.3 s, 2.4 s without (the FP32 weights of the
+    nodes a trial keeps sit in If branches of a gated switchboard, which ONNX Runtime does not prepack).
 
     A lowered FP16 model (fp16_emulation.py) of a run of fewer than OPTIMIZED_FROM_SAMPLES is not
     optimized: its Cast pairs leave ONNX Runtime's fusions little to fuse, and what remains (convolutions
@@ -162,7 +163,9 @@ class OnnxrtRunner(Runner):
         except Exception as exc:
             raise AccudiffError(f"'{self.model_path.name}' could not be read: {first_line(exc)}") from exc
         clear_unknown_dims(model)  # a size written as 0 means "unknown", not an empty tensor
-        weight_bytes = sum(tensor_bytes(init) for init in model.graph.initializer if init.data_type in FLOAT_WEIGHTS)
+        # What prepacking would cost: float weights; none where the model holds ops whose runs need it (see CpuOptions).
+        weight_bytes = 0 if any(node.op_type in PREPACKED_OPS for node in model.graph.node) else sum(
+            tensor_bytes(init) for init in model.graph.initializer if init.data_type in FLOAT_WEIGHTS)
         carried = carry_in_numpy(model, self.outputs)  # while the model is typed: lowering drops the types
         self._fed_as = carried.inputs
         fp16_copies = lower_fp16(model) if self.emulate_fp16 else {}
@@ -223,5 +226,6 @@ def release_shared_arena() -> None:
     session.run(None, {"x": np.zeros(1, np.float32)}, run_options)
 
 
+PREPACKED_OPS = frozenset({"MatMulNBits"})  # ops whose kernels run several times slower on weights not prepacked
 FLOAT_WEIGHTS = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE})
 _NUMPY_TYPES = {"tensor(float)": np.dtype(np.float32), "tensor(float16)": np.dtype(np.float16), "tensor(double)": np.dtype(np.float64)}

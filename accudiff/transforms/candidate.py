@@ -26,7 +26,7 @@ from accudiff.transforms.fp16 import HALVES, to_fp16
 from accudiff.transforms.given import adopt, keepable_nodes, reference_node_names
 from accudiff.transforms.int8 import leave_unquantized, to_int8
 from accudiff.transforms.keep_float import PARTS, keep_in_float
-from accudiff.transforms.switches import Switchboard, build_candidate_switchboard, build_switchboard
+from accudiff.transforms.switches import Switchboard, build_candidate_switchboard, build_switchboard, gate_switches
 
 if TYPE_CHECKING:
     from accudiff.settings import RunSettings
@@ -99,7 +99,7 @@ class CandidateVariants:
         autokept = {k.node: k.reason for k in self.base.kept if k.autokept}  # as measured for the candidate (autokeep.py)
         return to_fp16(self.info.proto, [*self.recipe.keep_fp32, *map(keep_pattern, nodes)], self.recipe.autokeep, HALVES[self.recipe.precision], autokept)
 
-    def switchboard(self, nodes: Iterable[str]) -> Switchboard | None:
+    def switchboard(self, nodes: Iterable[str], gated: bool = False) -> Switchboard | None:
         """The FP16 candidate, or a candidate made by another tool, with `nodes` switchable back to FP32
         (transforms/switches.py): one model for every keep-list among them. Nodes it already keeps (or that
         hold no float value) need no switch. None where keep-lists need variants of their own: accudiff's
@@ -113,7 +113,10 @@ class CandidateVariants:
         if not set(nodes) <= main:
             return None
         build = build_candidate_switchboard if given else build_switchboard
-        return build(self.base.model, self.info.proto, nodes)
+        board = build(self.base.model, self.info.proto, nodes)
+        if gated:  # each kept copy computed only when its switch is on (switches.gate_switches)
+            gate_switches(board)
+        return board
 
 
 def repaired(variants: CandidateVariants, nodes: Iterable[str]) -> onnx.ModelProto:

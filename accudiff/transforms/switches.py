@@ -22,7 +22,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from accudiff.model.formats import REDUCED_FLOATS
-from accudiff.model.graph import cast_target, declare_like
+from accudiff.model.graph import cast_target, declare_like, toposort
 from accudiff.model.shapes import infer_shapes_unless_typed
 from accudiff.transforms.fp16 import HALVES, elem_types
 from accudiff.model.quantized_ops import QuantizedOp, quantized_members
@@ -239,3 +239,68 @@ def _switched_values(produced: str, value: str, fp32_type: int | None, candidate
     (None: unknown), so the switchboard stays typed."""
     added = [(value + "__kept", fp32_type), (produced + "__candidate", candidate_type), (value + "__switched", fp32_type)]
     return added + ([(produced + "__candidate_fp32", TensorProto.FLOAT)] if in_fp16 else [])
+
+
+def gate_switches(board: Switchboard) -> None:
+    """Compute each switchable node's FP32 copy only when its switch is on: the nodes that serve one switch
+    alone move into the `then` branch of an If on that switch, whose `else` branch hands on the candidate's
+    values (in place of the Where nodes that chose between the two). A run then costs the candidate's run
+    and the kept nodes', not both models' (the Where board computes every switchable node twice); and a
+    kept copy's FP32 weights, read from their data files only when it runs, are neither prepacked nor paged
+    in for keep-lists that do not take them. For models whose weights are large (trial.LARGE_MODEL_BYTES):
+    below that, the Where board's weights are prepacked like its variants', so it matches them bit for bit."""
+    graph = board.model.graph
+    nodes = list(graph.node)
+    readers: dict[str, list[int]] = {}
+    for index, node in enumerate(nodes):
+        for name in node.input:
+            readers.setdefault(name, []).append(index)
+    producer = {out: index for index, node in enumerate(nodes) for out in node.output if out}
+    outputs = {o.name for o in graph.output}
+    declared = {vi.name: vi for vi in [*graph.value_info, *graph.input, *graph.output]}
+    switches = set(board.switches.values())
+    choices: dict[str, list[int]] = {}  # a switch -> its Where nodes choosing between a kept value and the candidate's
+    for index, node in enumerate(nodes):
+        if node.op_type == "Where" and node.input[0] in switches and node.input[1] in producer:
+            choices.setdefault(node.input[0], []).append(index)
+    moved: set[int] = set()
+    gates: dict[int, onnx.NodeProto] = {}  # the first Where of a switch -> the If that replaces its Wheres
+    for switch, wheres in choices.items():
+        private: set[int] = set()
+        queue = [producer[nodes[w].input[1]] for w in wheres]
+        while queue:  # a node serves this switch alone when every reader of its outputs does (or is one of its Wheres)
+            index = queue.pop()
+            if index in private or index in moved:
+                continue
+            node = nodes[index]
+            if any(out in outputs or any(r not in private and r not in wheres for r in readers.get(out, [])) for out in node.output if out):
+                continue
+            private.add(index)
+            queue += [producer[name] for name in node.input if name in producer]
+        then = [nodes[i] for i in sorted(private)]
+        values = [nodes[w].output[0] for w in wheres]
+        kept, candidate = [nodes[w].input[1] for w in wheres], [nodes[w].input[2] for w in wheres]
+        branch = lambda name, body, results: helper.make_graph(body, name, [], [_typed(result, declared) for result in results])  # noqa: E731
+        on = branch(f"{switch}_on", then + [helper.make_node("Identity", [k], [f"{v}__on"]) for k, v in zip(kept, values)], [f"{v}__on" for v in values])
+        off = branch(f"{switch}_off", [helper.make_node("Identity", [c], [f"{v}__off"]) for c, v in zip(candidate, values)], [f"{v}__off" for v in values])
+        for body_output, value in zip([*on.output, *off.output], values * 2):
+            body_output.type.CopyFrom(_typed(value, declared).type)
+        gates[min(wheres)] = helper.make_node("If", [switch], values, name=f"{switch}__gate", then_branch=on, else_branch=off)
+        moved |= private | set(wheres)
+    placed = []
+    for index, node in enumerate(nodes):
+        if index in gates:
+            placed.append(gates[index])
+        elif index not in moved:
+            placed.append(node)
+    del graph.node[:]
+    graph.node.extend(placed)
+    toposort(graph)  # an If reads every candidate value its Wheres read: the later ones' casts come after its place
+
+
+def _typed(name: str, declared: dict[str, onnx.ValueInfoProto]) -> onnx.ValueInfoProto:
+    found = onnx.ValueInfoProto()
+    if name in declared:
+        found.CopyFrom(declared[name])
+    found.name = name
+    return found
