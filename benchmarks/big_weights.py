@@ -23,7 +23,7 @@ from onnx import TensorProto, helper
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.measure import accudiff_command, measure  # noqa: E402
+from benchmarks.measure import accudiff_command, measure, polygraphy_command  # noqa: E402
 
 LAYERS = 3
 ROWS_PER_BLOCK = 1024
@@ -91,8 +91,7 @@ def main() -> None:
             print(f"    stages: {summary.get('timings_s', {})}")
             print(f"    workers: {summary.get('worker_timings_s', {})}")
         if args.polygraphy:
-            polygraphy = str(Path(sys.executable).with_name("polygraphy"))
-            run = measure([polygraphy, "run", str(model), "--onnxrt", "--onnx-outputs", "mark", "all", "--save-outputs", str(work / "ref.json")])
+            run = measure([*polygraphy_command(), "run", str(model), "--onnxrt", "--onnx-outputs", "mark", "all", "--save-outputs", str(work / "ref.json")])
             print(f"  polygraphy run --onnxrt --onnx-outputs mark all: {run['seconds']:.1f} s, peak {run['peak_mb']:.0f} MB, exit {run['exit']} {run['stderr_tail']}")
 
 

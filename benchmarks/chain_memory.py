@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import models  # noqa: E402
-from benchmarks.measure import accudiff_command, measure  # noqa: E402
+from benchmarks.measure import accudiff_command, measure, polygraphy_command  # noqa: E402
 
 ELEMENTS = 25_000_000  # 100 MB of float32 per tensor
 PER_GB = 10
@@ -48,7 +48,7 @@ def accudiff_run(model: Path, work: Path, *extra: str) -> dict:
 
 
 def polygraphy_run(model: Path, work: Path) -> dict:
-    polygraphy = [str(Path(sys.executable).with_name("polygraphy"))]
+    polygraphy = polygraphy_command()
     steps = [
         polygraphy + ["run", str(model), "--onnxrt", "--onnx-outputs", "mark", "all", "--save-outputs", str(work / "ref.json")],
         polygraphy + ["convert", str(model), "--fp-to-fp16", "-o", str(work / "model16.onnx")],

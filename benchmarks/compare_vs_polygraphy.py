@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import models, realistic_inputs
-from benchmarks.measure import accudiff_command, measure
+from benchmarks.measure import accudiff_command, measure, polygraphy_command
 
 SHAPES = {"resnet18": "input:1x3x224x224", "ppocr_rec_v4": "x:1x3x48x320", "nudenet_320n": "images:1x3x320x320"}
 FEEDS = {"minilm_l3": realistic_inputs.sentences}  # models fed a realistic sample instead
@@ -69,7 +69,7 @@ def input_files(base: str, work: Path) -> tuple[list[str], list[str], dict | Non
 
 def polygraphy_flow(model: Path, inputs: list[str], work: Path, candidate: Path | None = None) -> dict:
     shape_arg = inputs
-    polygraphy = [str(Path(sys.executable).with_name("polygraphy"))]
+    polygraphy = polygraphy_command()
     steps = [polygraphy + ["run", str(model), "--onnxrt", "--onnx-outputs", "mark", "all", "--save-outputs", str(work / "ref.json"), *shape_arg]]
     if candidate is None:
         candidate = work / "model16.onnx"

@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import decoders
-from benchmarks.measure import accudiff_command, measure
+from benchmarks.measure import accudiff_command, measure, polygraphy_command
 
 PROMPT_TOKENS, PROMPTS, DECODE_STEPS = 64, 4, 32
 
@@ -85,10 +85,10 @@ def _polygraphy(reference: Path, candidate: Path, prompt_file: Path, work: Path)
     feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), **{f"past_key_values.{layer}.{part}": np.zeros((1, config["num_key_value_heads"], 0, config["head_size"]), np.float32)
                                                                         for layer in range(config["num_hidden_layers"]) for part in ("key", "value")}}
     save_json([feed], str(work / "inputs.json"))
-    polygraphy = str(Path(sys.executable).with_name("polygraphy"))
-    steps = [[polygraphy, "run", str(reference / "model.onnx"), "--onnxrt", "--onnx-outputs", "mark", "all", "--load-inputs", str(work / "inputs.json"),
+    polygraphy = polygraphy_command()
+    steps = [[*polygraphy, "run", str(reference / "model.onnx"), "--onnxrt", "--onnx-outputs", "mark", "all", "--load-inputs", str(work / "inputs.json"),
               "--save-outputs", str(work / "ref.json")],
-             [polygraphy, "run", str(candidate / "model.onnx"), "--onnxrt", "--onnx-outputs", "mark", "all", "--load-inputs", str(work / "inputs.json"),
+             [*polygraphy, "run", str(candidate / "model.onnx"), "--onnxrt", "--onnx-outputs", "mark", "all", "--load-inputs", str(work / "inputs.json"),
               "--load-outputs", str(work / "ref.json")]]
     results = []
     for step in steps:
