@@ -179,6 +179,6 @@ def test_the_trained_detector_in_fp16_hardly_changes_its_binarized_map(detector,
     assert code == 1, err
     result = json.loads((tmp_path / "b" / "result.json").read_text())
     assert result["trivial"] and "too coarse" in out and "as it is meets atol" in out
-    code, out, err = run_cli("bisect", "precision", path, "--fp16", "--load-inputs", pages, "--threshold", "0.3", "--require", "flipped_share=2e-4", "-o", "d")
+    code, out, err = run_cli("bisect", "precision", path, "--fp16", "--load-inputs", pages, "--threshold", "0.3", "--require", "flipped_share=1e-4", "-o", "d")
     aimed = json.loads((tmp_path / "d" / "result.json").read_text())
     assert code == 1 and aimed["repaired"] and len(aimed["keep"]) < len(result["keep"]), out + err

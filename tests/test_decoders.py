@@ -192,3 +192,30 @@ def test_a_model_cut_into_segments_gives_the_table_of_the_whole_model(llama, mon
     pd.testing.assert_frame_equal(cut.table, whole.table)
     assert cut.phases["logits"]["decode"]["figures"] == whole.phases["logits"]["decode"]["figures"]
     assert not [n for n in cut.notices if "did not observe" in n]
+
+
+def test_a_decoders_repair_is_the_builders_own_exclusion_and_holds(llama, tmp_path, run_cli):
+    """bisect precision on the INT4 decoder, judged by its next-token KL, prints the GenAI builder's own
+    option; the builder run with it makes the model accudiff repaired (the same logits), and that model,
+    compared generating as deployed, meets the requirement or cannot be told from it, never fails it."""
+    import re
+    import shlex
+
+    import onnxruntime as ort
+
+    kl = accudiff.compare(llama.fp32, candidate_model=llama.int4, prompts=llama.prompts, new_tokens=NEW_TOKENS, verify=False).decisions["logits"]["kl"]
+    target = f"kl={0.6 * kl:.3g}"
+    code, out, err = run_cli("bisect", "precision", llama.fp32, "--candidate-model", llama.int4, "--prompts", llama.prompts, "--new-tokens", NEW_TOKENS,
+                             "--require", target, "-o", tmp_path / "fix")
+    assert code == 1, out + err
+    [line] = [line for line in out.splitlines() if "onnxruntime_genai.models.builder" in line]
+    excluded = re.search(r"--extra_options (nodes_to_exclude=\S+)", line).group(1)
+    assert all(name in excluded for name in (tmp_path / "fix" / "keep_fp32.txt").read_text().replace("\\", "").split())
+    rebuilt = decoders.genai_model(llama.checkpoint, tmp_path, "int4", (excluded,))
+    feed = {"input_ids": np.asarray([_prompt_ids(llama)[0]]), "attention_mask": np.ones((1, len(_prompt_ids(llama)[0])), np.int64)}
+    feed.update({f"past_key_values.{layer}.{part}": np.zeros((1, 2, 0, 16), np.float32) for layer in range(4) for part in ("key", "value")})
+    logits = [ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(["logits"], feed)[0]
+              for path in (rebuilt / "model.onnx", tmp_path / "fix" / "repaired-candidate.onnx")]
+    np.testing.assert_allclose(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+    after = accudiff.compare(llama.fp32, candidate_model=rebuilt, prompts=llama.prompts, new_tokens=NEW_TOKENS, require=[target], verify=False)
+    assert after.verdict in ("pass", "inconclusive"), shlex.join(map(str, after.replay))

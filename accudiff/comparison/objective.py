@@ -108,7 +108,11 @@ class Objective:
             return decision_error(figures)
         return tol_ratio
 
-    def met(self, tol_ratio: float, figures: Mapping[str, float]) -> bool:
+    def met(self, tol_ratio: float, figures: Mapping[str, float], spans: Mapping[str, Interval] | None = None) -> bool:
+        """Whether an output meets what is asked of it: its required figures each shown reached (with
+        `spans`, their 95% intervals: one that straddles its target is not met), else its tolerance."""
+        if spans is not None and any(name in figures for name in self.require):
+            return all(r.outcome == "met" for r in self.resolve(figures, spans))
         miss = self.miss(figures)
         return miss <= 1.0 if miss is not None else tol_ratio <= 1.0
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Callable, Collection, Mapping, Sequence
 import onnx
 
 from accudiff.comparison.decisions import decision_figures, merge_counts
+from accudiff.comparison.intervals import Interval, intervals
 from accudiff.comparison.objective import Objective
 from accudiff.comparison.output_kinds import kinds_of
 from accudiff.comparison.shards import added_timings, merge_results
@@ -63,10 +64,12 @@ class TrialOutcome:
     keep: list[str]
     tol_ratio: dict[str, float]
     figures: dict[str, dict] = field(default_factory=dict)
+    spans: dict[str, dict[str, Interval]] = field(default_factory=dict)  # each output's figures' 95% intervals over the trial's samples
 
     def passes(self, outputs: Sequence[str], objective: Objective) -> bool:
-        """Every output meets what `objective` asks of it (its tolerance, or a required decision figure)."""
-        return all(objective.met(self.tol_ratio.get(name, math.inf), self.figures.get(name, {})) for name in outputs)
+        """Every output meets what `objective` asks of it (its tolerance, or a required decision figure that
+        its interval shows reached: a target the trial's samples cannot tell from the figure is not met)."""
+        return all(objective.met(self.tol_ratio.get(name, math.inf), self.figures.get(name, {}), self.spans.get(name)) for name in outputs)
 
 
 @dataclass
@@ -296,7 +299,14 @@ def _outcome(keep: list[str], samples: list[dict]) -> TrialOutcome:
         name = one["tensor"]
         ratio[name] = max(ratio.get(name, 0.0), float(one["tol_ratio"]))
         merge_counts(counts.setdefault(name, {}), one)
-    return TrialOutcome(keep, ratio, {name: decision_figures(added) for name, added in counts.items()})
+    figures = {name: decision_figures(added) for name, added in counts.items()}
+    spans = {}
+    if samples:
+        import pandas as pd
+
+        rows = pd.DataFrame(samples)
+        spans = {name: intervals(part, part["sample"], figures[name]) for name, part in rows.groupby("tensor", sort=False)}
+    return TrialOutcome(keep, ratio, figures, spans)
 
 
 def switchable(settings: RunSettings) -> bool:

@@ -25,7 +25,8 @@ class Reading:
     @classmethod
     def of(cls, outcome: TrialOutcome, output: str, objective: Objective) -> Reading:
         ratio, figures = outcome.tol_ratio.get(output, math.inf), outcome.figures.get(output, {})
-        return cls(ratio, figures, objective.score(ratio, figures), objective.met(ratio, figures), objective.score(ratio, figures) != ratio)
+        met = objective.met(ratio, figures, outcome.spans.get(output, {}))
+        return cls(ratio, figures, objective.score(ratio, figures), met, objective.score(ratio, figures) != ratio)
 
     def step(self, keep: list[str]) -> RepairStep:
         return RepairStep(keep, self.tol_ratio, self.figures)

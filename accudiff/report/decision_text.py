@@ -20,7 +20,9 @@ def interval_text(name: str, span: Interval | None) -> str:
     """A figure's 95% interval, as said beside it: " [97.0%, 99.8%]"; nothing where it has none."""
     if span is None:
         return ""
-    low, high = (percent(v, 1) if FIGURES[name][3] == "share" else f"{v:.3g}" for v in (span.low, span.high))
+    share = FIGURES[name][3] == "share"
+    decimals = max(1, 2 - math.floor(math.log10(max(span.high * 100, 1e-9)))) if share else 0  # three significant digits of the larger bound
+    low, high = (percent(v, min(decimals, 6)) if share else f"{v:.3g}" for v in (span.low, span.high))
     return f" [{low}, {high}]"
 
 
