@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from polygraphy.json import save_json
 
@@ -334,3 +335,30 @@ def test_weights_held_in_constant_nodes_are_typed_as_inference_types_them():
     infer_shapes_in_place(model)
     assert [vi.SerializeToString() for vi in model.graph.value_info] == [vi.SerializeToString() for vi in whole.graph.value_info]
     assert {vi.name for vi in model.graph.value_info} >= {"weight", "product", "flat", "half"}
+
+
+def test_a_data_file_with_several_hard_links_loads_and_one_outside_the_folder_is_refused(tmp_path, run_cli):
+    """ONNX's checker refuses a data file with several hard links ('a potential hardlink attack'), which
+    ONNX Runtime loads: a package manager's store links files, and so does a run of accudiff in its scratch
+    folder (a run killed meanwhile leaves one behind). A location outside the model's folder stays refused."""
+    import os
+
+    model = onnx.helper.make_model(onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")], "g", [onnx.helper.make_tensor_value_info("x", 1, [2, 64])],
+        [onnx.helper.make_tensor_value_info("y", 1, [2, 64])], [onnx.numpy_helper.from_array(np.eye(64, dtype=np.float32), "W")]),
+        opset_imports=[onnx.helper.make_opsetid("", 17)])
+    folder = tmp_path / "m"
+    folder.mkdir()
+    onnx.save(model, str(folder / "m.onnx"), save_as_external_data=True, location="m.data", size_threshold=0)
+    os.link(folder / "m.data", tmp_path / "elsewhere.data")
+    with pytest.raises(onnx.checker.ValidationError, match="hard links"):
+        onnx.checker.check_model(str(folder / "m.onnx"))
+    code, out, err = run_cli("compare", folder / "m.onnx", "--fp16")
+    assert code == 0, err
+    proto = onnx.load(str(folder / "m.onnx"), load_external_data=False)
+    for entry in proto.graph.initializer[0].external_data:
+        if entry.key == "location":
+            entry.value = "../elsewhere.data"
+    onnx.save(proto, str(folder / "outside.onnx"))
+    code, _, err = run_cli("compare", folder / "outside.onnx")
+    assert code == 2 and "outside its folder" in err

@@ -40,19 +40,18 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
     if misshapen is not None:
         raise AccudiffError(f"'{path}' is not a valid ONNX model: {misshapen}")
     external = has_external_data(proto)
-    missing = next((name for name in data_files(proto) if not (path.parent / name).is_file()), None) if external else None
-    if missing is not None:
-        raise AccudiffError(f"'{path}' refers to external data that is missing: {path.parent / missing}")
+    if external:
+        _require_data_files(path, data_files(proto))
     ours = onnxruntime_default_domain_ops(proto.graph.node)
-    if not ours:  # from the bytes read (its file, whose data files the checker reads too, where it has them)
-        _check(path, str(path) if external else data)
+    if not ours and not external:  # from the bytes read
+        _check(path, data)
     del data
     if external:
         try:
             _keep_weights_in_their_files(proto, path.parent)
         except (ValueError, RuntimeError, OSError) as exc:
             raise AccudiffError(f"'{path}' refers to external data that cannot be read: {first_line(exc)}") from exc
-    if ours:  # its small weights read in from their data files
+    if ours or external:  # its small weights read in from their data files
         _check(path, _checked_as_onnxruntime_loads(proto, ours))
     info = _inventory(path, proto)
     info.weights_in_file = spans
@@ -66,18 +65,33 @@ def _check(path: Path, model: str | bytes | onnx.ModelProto) -> None:
         raise AccudiffError(f"'{path}' fails the ONNX checker: {first_line(exc)}") from exc
 
 
+def _require_data_files(path: Path, names: list[str]) -> None:
+    """Every data file a model names lies in its folder (or below) and exists: what ONNX's checker would
+    say of them, without its refusal of a data file with several hard links, which ONNX Runtime loads (a
+    package manager's store links files; so does a run of accudiff, in its scratch folder)."""
+    folder = path.parent.resolve()
+    for name in names:
+        target = (path.parent / name).resolve()
+        if Path(name).is_absolute() or folder not in target.parents:
+            raise AccudiffError(f"'{path}' refers to external data outside its folder ('{name}'): ONNX Runtime and ONNX refuse such a location")
+        if not target.is_file():
+            raise AccudiffError(f"'{path}' refers to external data that is missing: {path.parent / name}")
+
+
 def _checked_as_onnxruntime_loads(proto: onnx.ModelProto, ours: list[onnx.NodeProto]) -> onnx.ModelProto:
-    """What ONNX's checker reads of a model holding ONNX Runtime's own ops in the default domain (the GenAI
-    builder's SimplifiedLayerNormalization): ONNX has no schema for them and would refuse a model ONNX
-    Runtime loads and runs, so they are shown to it in a domain of their own (which it skips); the graph is
-    checked without the bytes of its large weights (declared as inputs of their types and shapes: their
-    data files were checked above, and no weight is copied)."""
+    """What ONNX's checker reads of a model whose weights are in data files (checked above, by
+    `_require_data_files` and as each weight is referenced), or that holds ONNX Runtime's own ops in the
+    default domain (the GenAI builder's SimplifiedLayerNormalization): ONNX has no schema for those and
+    would refuse a model ONNX Runtime loads and runs, so they are shown to it in a domain of their own
+    (which it skips). The graph is checked without the bytes of its large weights (declared as inputs of
+    their types and shapes: no weight is copied)."""
     light = shape_inference_copy(proto)
     moved = {tuple(node.output) for node in ours}
     for node in light.graph.node:
         if tuple(node.output) in moved:
             node.domain = CHECKED_AS_DOMAIN
-    light.opset_import.append(onnx.helper.make_opsetid(CHECKED_AS_DOMAIN, 1))
+    if moved:
+        light.opset_import.append(onnx.helper.make_opsetid(CHECKED_AS_DOMAIN, 1))
     return light
 
 
