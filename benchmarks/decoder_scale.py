@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -127,7 +128,8 @@ def main() -> None:
     rows: dict[str, dict] = {"prefill": {"accudiff": [], "floor": [], "polygraphy": []}, "generation": {"accudiff": [], "floor": []}}
     for repeat in range(args.repeat):
         work = args.folder / "runs" / str(repeat)
-        work.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(work, ignore_errors=True)  # report folders are never overwritten: each run writes afresh
+        work.mkdir(parents=True)
         rows["prefill"]["floor"].append(_floor(reference, candidate, one, 0))
         rows["prefill"]["accudiff"].append(_accudiff(reference, candidate, one, 0, work / "prefill", verify=True))
         if args.polygraphy and repeat == 0:  # it fails the same way each time (below): once is enough
