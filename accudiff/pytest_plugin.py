@@ -293,9 +293,10 @@ def _tolerance_problem(row) -> str:
 
 
 def _message(result, problems: list[str]) -> str:
+    from accudiff.model.decoder import model_name
     from accudiff.report.content import HTML_FILE, cause_lines, sample_lines
 
-    lines = [f"accudiff: {result.model.name} [{result.precision}] is out of bounds ({result.candidate})"]
+    lines = [f"accudiff: {model_name(result.model)} [{result.precision}] is out of bounds ({result.candidate})"]
     lines += [f"  {problem}" for problem in problems]
     lines += sample_lines(result)
     for failure in result.output_failures:

@@ -219,3 +219,21 @@ def test_a_decoders_repair_is_the_builders_own_exclusion_and_holds(llama, tmp_pa
     np.testing.assert_allclose(logits[0], logits[1], rtol=1e-5, atol=1e-5)
     after = accudiff.compare(llama.fp32, candidate_model=rebuilt, prompts=llama.prompts, new_tokens=NEW_TOKENS, require=[target], verify=False)
     assert after.verdict in ("pass", "inconclusive"), shlex.join(map(str, after.replay))
+
+
+def test_every_cpu_build_of_the_genai_builder_loads_and_compares(llama, tmp_path):
+    """int4 at accuracy_level 0 (FP32 arithmetic on dequantized blocks, said so), exclude_embeds (embeddings
+    in) and exclude_lm_head (hidden states out): each compares on its inputs; --prompts, which needs token ids in
+    and logits out, is refused for the last two in one sentence naming the folder."""
+    level0 = decoders.genai_model(llama.checkpoint, llama.shared, "int4", ("accuracy_level=0",))
+    result = accudiff.compare(llama.fp32, candidate_model=level0, prompts=llama.prompts, new_tokens=2, verify=False)
+    assert result.precision == "int4-weight" and "its arithmetic is FP32" in result.candidate
+    rng = np.random.default_rng(0)
+    empty = {f"past_key_values.{layer}.{part}": np.zeros((1, 2, 0, 16), np.float32) for layer in range(4) for part in ("key", "value")}
+    for option, feed in (("exclude_embeds=true", {"inputs_embeds": rng.normal(size=(1, 12, 128)).astype(np.float32)}),
+                         ("exclude_lm_head=true", {"input_ids": np.arange(100, 112)[None]})):
+        folder = decoders.genai_model(llama.checkpoint, llama.shared, "fp32", (option,))
+        np.savez(tmp_path / "inputs.npz", **feed, attention_mask=np.ones((1, 12), np.int64), **empty)
+        assert accudiff.compare(folder, "fp16", inputs=tmp_path / "inputs.npz", verify=False).verdict == "pass"
+        with pytest.raises(accudiff.AccudiffError, match=rf"^'{folder.name}/model.onnx' (reads embeddings|returns hidden states)"):
+            accudiff.compare(folder, "fp16", prompts=llama.prompts)

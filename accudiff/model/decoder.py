@@ -31,8 +31,8 @@ class Decoder:
     output that carries its next value (in layer order, key before value); a cache is
     [batch, kv_heads, positions, head_size], of `cache_type`."""
 
-    input_ids: str
-    logits: str
+    input_ids: str | None  # None: it reads embeddings instead (the GenAI builder's exclude_embeds)
+    logits: str | None  # None: it returns hidden states instead (exclude_lm_head)
     cache: tuple[tuple[str, str], ...]
     kv_heads: int | None  # None: neither the graph nor a config fixes it
     head_size: int | None
@@ -41,8 +41,14 @@ class Decoder:
     source: str = "graph names"  # where the roles were read: "genai_config.json" or the graph's names
     eos_token_id: tuple[int, ...] = ()
 
-    def require_cache_shape(self, model: str) -> None:
-        """A cache can be made only when its heads and head size are known."""
+    def require_generation(self, model: str) -> None:
+        """Generating from prompts needs token ids in, logits out, and a cache whose heads and head size are known."""
+        if self.input_ids is None:
+            raise AccudiffError(f"'{model}' reads embeddings, not token ids (a GenAI build with exclude_embeds): prompts cannot be fed to it; "
+                                "give its inputs with --load-inputs")
+        if self.logits is None:
+            raise AccudiffError(f"'{model}' returns hidden states, not logits (a GenAI build with exclude_lm_head): it chooses no next token to "
+                                "generate with; give its inputs with --load-inputs")
         if self.kv_heads is None or self.head_size is None:
             raise AccudiffError(f"'{model}' carries a KV cache whose heads or head size its graph does not fix, and no {GENAI_CONFIG} beside it "
                                 "says them: an empty cache for the prefill cannot be made")
@@ -83,6 +89,11 @@ class Decoder:
     def next_past(self, outputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The cache the next step reads: each present output as its past input."""
         return {past: outputs[present] for past, present in self.cache}
+
+
+def model_name(path: Path) -> str:
+    """A model as its user named it: a GenAI folder's model by its folder (every such model is 'model.onnx')."""
+    return f"{path.parent.name}/{path.name}" if (path.parent / GENAI_CONFIG).is_file() else path.name
 
 
 def model_file(path: Path) -> Path:
@@ -154,11 +165,11 @@ def _from_config(section: dict, config: Path, inputs: Sequence[InputSpec], outpu
         given_inputs, given_outputs = section["inputs"], section["outputs"]
         layers, kv_heads, head_size = int(section["num_hidden_layers"]), int(section["num_key_value_heads"]), int(section["head_size"])
         cache = [(given_inputs[f"past_{part}_names"] % layer, given_outputs[f"present_{part}_names"] % layer) for layer in range(layers) for part in ("key", "value")]
-        input_ids, logits = given_inputs["input_ids"], given_outputs["logits"]
+        input_ids, logits = given_inputs.get("input_ids"), given_outputs.get("logits")
     except (KeyError, TypeError, ValueError) as exc:
-        raise AccudiffError(f"'{config}' does not say the decoder's inputs, outputs and KV cache ({exc.__class__.__name__}: {exc})") from None
+        raise AccudiffError(f"'{config}' does not say the decoder's KV cache ({exc.__class__.__name__}: {exc})") from None
     for role, name, known in [("input", input_ids, names), ("output", logits, outputs), *(("input", p, names) for p, _ in cache), *(("output", q, outputs) for _, q in cache)]:
-        if name not in known:
+        if name is not None and name not in known:
             raise AccudiffError(f"'{config}' names the {role} '{name}', which the model's graph does not have")
     optional = {role: given_inputs.get(role) for role in ("attention_mask", "position_ids")}
     return Decoder(input_ids, logits, tuple(cache), kv_heads, head_size, *(name if name in names else None for name in optional.values()),

@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 
 from accudiff.errors import AccudiffError
-from accudiff.model.decoder import GENAI_CONFIG, POSITION_IDS, Decoder, cache_types, find_decoder
+from accudiff.model.decoder import GENAI_CONFIG, POSITION_IDS, Decoder, cache_types, find_decoder, model_name
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.samples import NPZ_READ_ERRORS, Samples, samples_from_feeds
 
@@ -161,7 +161,7 @@ def prepare_generation(info: ModelInfo, prompts: str | Path, new_tokens: int, ta
     if decoder is None:
         raise AccudiffError(f"--prompts is for a decoder language model, and '{info.path.name}' carries no KV cache (no past_key_values.N.key/value "
                             f"inputs with present.N.key/value outputs, and no {GENAI_CONFIG} beside it)")
-    decoder.require_cache_shape(info.path.name)
+    decoder.require_generation(model_name(info.path))
     logits = next((o for o in info.proto.graph.output if o.name == decoder.logits), None)
     dims = logits.type.tensor_type.shape.dim if logits is not None else []
     vocabulary = dims[-1].dim_value if dims and dims[-1].HasField("dim_value") and dims[-1].dim_value > 0 else None

@@ -7,6 +7,7 @@ from typing import TextIO
 
 from accudiff.report.content import cause_lines, failure_headline, fused_nodes_text, requirements_met, sample_lines, tolerance_met_line, worst_tensors
 from accudiff.report.decision_text import unresolved_text
+from accudiff.model.decoder import model_name
 from accudiff.text import percent
 
 
@@ -15,7 +16,7 @@ def format_summary(result) -> str:
     indexed = table.set_index("tensor")
     compared, computed = result.coverage
     lines = [
-        f"accudiff compare {result.model.name} [{result.precision}]",
+        f"accudiff compare {model_name(result.model)} [{result.precision}]",
         f"  candidate: {result.candidate}",
         f"  tensors compared: {compared} of {computed} ({percent(compared / max(computed, 1), 0)}), samples: {result.iterations}, "
         f"tolerance: atol={result.tolerances.default.atol:g} rtol={result.tolerances.default.rtol:g} stol={result.tolerances.default.stol:g}",

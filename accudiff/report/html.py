@@ -19,6 +19,7 @@ from accudiff.report import plots
 from accudiff.report.content import (HTML_FILE, cause_lines, failing_outputs_label, failure_headline, requirements_met, sample_lines,
                                      tolerance_met_line, worst_tensors)
 from accudiff.model.prompts import decode_tokens
+from accudiff.model.decoder import model_name
 from accudiff.report.decision_text import decision_lines, generation_lines, interval_text
 from accudiff.text import percent
 from accudiff.diagnosis.cause import CAUSE_KINDS
@@ -91,7 +92,7 @@ def compare_page(result) -> str:
     kept nodes and notices, samples, the full table, the replay command."""
     sections = [_heading(result), _causes(result), _generation(result), _error_path(result), _failing_outputs(result), _neighbourhoods(result),
                 _kept_and_notices(result), _samples(result), _full_table(result), _replay(result)]
-    title = f"accudiff compare {result.model.name} [{result.precision}]"
+    title = f"accudiff compare {model_name(result.model)} [{result.precision}]"
     return _page(title, [], sections)
 
 
@@ -134,7 +135,7 @@ def summary_markdown(result, html_name: str = HTML_FILE) -> str:
     """A short Markdown summary a CI job can post to a pull request: verdict, causes, worst tensors."""
     compared, computed = result.coverage
     lines = [
-        f"### accudiff: `{_md(result.model.name)}` [{result.precision}] — **{result.verdict.upper()}**",
+        f"### accudiff: `{_md(model_name(result.model))}` [{result.precision}] — **{result.verdict.upper()}**",
         "",
         f"{_md(result.candidate)}; {compared} of {computed} tensors compared over {result.iterations} sample(s).",
         "",
@@ -179,7 +180,7 @@ def _heading(result) -> str:
     if result.first_failure is not None:
         facts["first tensor out of tolerance"] = f"'{result.first_failure.tensor}' ({result.first_failure.op_type}; a fact, not the cause)"
     return (
-        f"<h1>accudiff compare {escape(result.model.name)} [{escape(result.precision)}]</h1>"
+        f"<h1>accudiff compare {escape(model_name(result.model))} [{escape(result.precision)}]</h1>"
         f'<p><span class="verdict {escape(result.verdict)}" id="verdict">{escape(result.verdict.upper())}</span></p>{_facts(facts)}'
     )
 

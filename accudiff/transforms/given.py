@@ -12,7 +12,6 @@ left without a partner is listed with the reason.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable
 
 import numpy as np
@@ -23,7 +22,7 @@ from accudiff.errors import AccudiffError
 from accudiff.model.formats import GRIDS, REDUCED_FLOATS, QuantRange, grid_type, model_formats, precision_label, quant_ranges
 from accudiff.model.constant_rounding import ConstantRounding, overflow_text, underflow_text
 from accudiff.model.graph import cast_target, constant_values, value_types, writers_of
-from accudiff.model.decoder import GENAI_CONFIG, find_decoder, genai_config
+from accudiff.model.decoder import find_decoder, genai_config, model_name
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.quantized_ops import GENAI_BUILDER, find_quantized_ops, quantized_members
 from accudiff.model.quantized_weights import lost_channels, quantized_weight_findings
@@ -110,7 +109,7 @@ def _rename_nodes(graph: onnx.GraphProto, renamed: dict[str, str]) -> None:
 def require_derived(candidate: ModelInfo, reference: ModelInfo) -> None:
     """A candidate is a version of the model: the same graph inputs and outputs, each float where the
     model's is float (any float type) and of the same type otherwise; one sentence if not."""
-    theirs, ours = _named(candidate.path), _named(reference.path)
+    theirs, ours = model_name(candidate.path), model_name(reference.path)
     for what, mine, other in (
         ("inputs", {spec.name for spec in reference.inputs}, {spec.name for spec in candidate.inputs} - decoder_position_input(candidate, reference)),
         ("outputs", set(reference.output_names), set(candidate.output_names)),
@@ -134,11 +133,6 @@ def decoder_position_input(candidate: ModelInfo, reference: ModelInfo) -> set[st
     if theirs is None or ours is None or theirs.position_ids is None or ours.position_ids is not None:
         return set()
     return {theirs.position_ids}
-
-
-def _named(path: Path) -> str:
-    """A model as its user named it: a GenAI folder's model by its folder (every such model is 'model.onnx')."""
-    return f"{path.parent.name}/{path.name}" if (path.parent / GENAI_CONFIG).is_file() else path.name
 
 
 def align(graph: onnx.GraphProto, reference: ModelInfo) -> Alignment:
