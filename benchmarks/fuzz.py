@@ -1,6 +1,6 @@
 """Mutation fuzzing of every file accudiff reads: seeded byte flips, truncation and spliced junk in a
-model, a model's external-data file, an .npz of inputs, a polygraphy JSON of inputs, INT8 calibration data and a pytest-plugin
-baseline, each fed to the command that reads it; and random, often adversarial command lines. Every case must end with exit 0 or 1, or exit 2 with one
+model, a model's external-data file, an .npz of inputs, a polygraphy JSON of inputs, INT8 calibration data, a pytest-plugin
+baseline, a decoder's prompts and its GenAI folder's genai_config.json, each fed to the command that reads it; and random, often adversarial command lines. Every case must end with exit 0 or 1, or exit 2 with one
 sentence on stderr (never "internal error", never a traceback), and leave no half-written report.
 
     python benchmarks/fuzz.py --cases 2000            # counts per format and outcome; defects listed
@@ -95,6 +95,9 @@ def _seed_files(work: Path) -> dict[str, tuple[Path, Path]]:
     from accudiff.model.run_results import write_run_results
 
     write_run_results(work / "candidate.json", "trt-runner-N0", [{"squared": np.full((1, 8, 64), 2.0, np.float32), "y": np.ones((1, 8, 16), np.float32)}] * 2)
+    decoder = work / "decoder"
+    shutil.copytree(FIXTURES / "tiny_decoder", decoder)
+    (work / "prompts.jsonl").write_text('"def main(argv=None):"\n{"prompt": "return x", "continuation": [40, 41]}\n[100, 101, 102]\n')
     external = work / "external"
     external.mkdir()
     proto = onnx.load(str(FIXTURES / "layernorm_overflow.onnx"))
@@ -109,6 +112,8 @@ def _seed_files(work: Path) -> dict[str, tuple[Path, Path]]:
         "calibration": (work / "inputs.npz", model),
         "baseline": (work / "baseline.json", model),
         "run-results": (work / "candidate.json", FIXTURES / "layernorm_overflow.onnx"),
+        "prompts": (work / "prompts.jsonl", decoder),
+        "genai-config": (decoder / "genai_config.json", decoder),
     }
 
 
@@ -134,6 +139,13 @@ def _command(fmt: str, mutated: Path, model: Path, out: Path) -> list[str]:
     if fmt == "run-results":  # a candidate captured elsewhere, on the inputs it was made from
         inputs = mutated.parent.parent / "layernorm-inputs.npz"
         return ["compare", str(model), "--fp16", "--no-verify", "--load-inputs", str(inputs), "--load-candidate", str(mutated), "-o", str(out)]
+    if fmt == "prompts":  # a decoder's prompts, generated from as deployed
+        return ["compare", str(model), "--fp16", *FAST, "--prompts", str(mutated), "--new-tokens", "2", "-o", str(out)]
+    if fmt == "genai-config":  # the damaged config sits in a copy of its folder
+        folder = mutated.parent / "folder"
+        shutil.copytree(model, folder)
+        shutil.copy(mutated, folder / "genai_config.json")
+        return ["compare", str(folder), "--fp16", *FAST, "--prompts", str(model / "prompts.txt"), "--new-tokens", "2", "-o", str(out)]
     if fmt in ("npz", "npz-member", "json"):
         return ["compare", str(model), "--fp16", *FAST, "--load-inputs", str(mutated), "-o", str(out)]
     return ["compare", str(model), "--int8", *FAST, "--calib-data", str(mutated), "-o", str(out)]
@@ -213,7 +225,7 @@ def run_case(fmt: str, case: int, seeds: dict[str, tuple[Path, Path]], work: Pat
     if fmt != "arguments":
         source, model = seeds[fmt if fmt != "onnx" else f"onnx:{SEED_MODELS[case % len(SEED_MODELS)]}"]
         rng = random.Random(f"{fmt}-{case}")
-        mutated = folder / (source.name if fmt == "external" else f"mutated{source.suffix}")
+        mutated = folder / (source.name if fmt in ("external", "genai-config") else f"mutated{source.suffix}")
         mutated.write_bytes((mutate_npz_member if fmt == "npz-member" else mutate)(source.read_bytes(), rng))
         if fmt == "npz-folder":
             for k in range(2):
@@ -260,7 +272,7 @@ def _read_baseline(path: Path) -> int:
     return 0
 
 
-FORMATS = ("onnx", "external", "npz", "npz-member", "npz-folder", "json", "calibration", "baseline", "run-results", "arguments")
+FORMATS = ("onnx", "external", "npz", "npz-member", "npz-folder", "json", "calibration", "baseline", "run-results", "prompts", "genai-config", "arguments")
 
 
 def main() -> int:

@@ -9,6 +9,8 @@ onnxruntime-genai (.ci/run installs them)."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -198,9 +200,6 @@ def test_a_decoders_repair_is_the_builders_own_exclusion_and_holds(llama, tmp_pa
     """bisect precision on the INT4 decoder, judged by its next-token KL, prints the GenAI builder's own
     option; the builder run with it makes the model accudiff repaired (the same logits), and that model,
     compared generating as deployed, meets the requirement or cannot be told from it, never fails it."""
-    import re
-    import shlex
-
     import onnxruntime as ort
 
     kl = accudiff.compare(llama.fp32, candidate_model=llama.int4, prompts=llama.prompts, new_tokens=NEW_TOKENS, verify=False).decisions["logits"]["kl"]
@@ -237,3 +236,47 @@ def test_every_cpu_build_of_the_genai_builder_loads_and_compares(llama, tmp_path
         assert accudiff.compare(folder, "fp16", inputs=tmp_path / "inputs.npz", verify=False).verdict == "pass"
         with pytest.raises(accudiff.AccudiffError, match=rf"^'{folder.name}/model.onnx' (reads embeddings|returns hidden states)"):
             accudiff.compare(folder, "fp16", prompts=llama.prompts)
+
+
+TINY = ROOT / "fixtures" / "tiny_decoder"  # a GenAI folder of a one-layer decoder (fixtures/make_fixtures.py): no package beyond accudiff's own
+
+
+def test_the_bundled_decoder_generates_from_text_prompts_on_workers_and_on_ray(tmp_path):
+    """The fixture folder's text prompts, tokenized with its tokenizer.json, generated on two workers and as
+    Ray tasks: the same steps and figures as on one worker."""
+    pytest.importorskip("tokenizers", reason="text prompts are tokenized with the tokenizers package")
+    runs = [accudiff.compare(TINY, "fp16", prompts=TINY / "prompts.txt", new_tokens=3, verify=False, **options)
+            for options in ({}, {"workers": 2}, {"ray": "local", "workers": 2})]
+    first = runs[0]
+    assert len(first.steps) == 2 * 4 and set(first.steps["phase"]) == {"prefill", "decode"}
+    for other in runs[1:]:
+        assert other.phases["logits"]["decode"]["figures"] == pytest.approx(first.phases["logits"]["decode"]["figures"])
+        assert [g["reference"] for g in other.generations] == [g["reference"] for g in first.generations]
+
+
+@pytest.mark.parametrize("content, said", [
+    ('[1, 2, 999]\n', "holds token id 999, outside the model's vocabulary of 258"),
+    ('{"prompt": 5}\n', "prompt 0 of '.*' is neither text nor a list of token ids"),
+    ('\n\n', "holds no prompt"),
+    ('{"prompt": [1], "continuation": [300]}\n', "holds token id 300"),
+    ('not json\n', "line 1 of '.*' is not JSON"),
+])
+def test_a_bad_prompts_file_is_one_sentence(content, said, tmp_path, run_cli):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(content)
+    code, _, err = run_cli("compare", TINY, "--fp16", "--prompts", prompts)
+    assert code == 2 and err.count("\n") == 1 and re.search(said, err), err
+
+
+def test_prompts_as_token_ids_need_no_tokenizer_and_replay(tmp_path, run_cli):
+    """Token ids in an .npz (`k/input_ids`, with a continuation fed instead of the reference's choice); the
+    replay line reads the prompts the report saved."""
+    np.savez(tmp_path / "ids.npz", **{"0/input_ids": np.arange(60, 70), "0/continuation": np.array([70, 71, 72]), "1/input_ids": np.arange(80, 90)})
+    code, out, err = run_cli("compare", TINY, "--fp16", "--prompts", tmp_path / "ids.npz", "--new-tokens", "3", "-o", tmp_path / "r")
+    assert code == 0, err
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["generation"]["generations"][0]["reference"][:3] == [70, 71, 72] and summary["generation"]["generations"][0]["given"]
+    assert "--prompts" in summary["replay"] and "prompts.npz" in summary["replay"]
+    code, replayed, err = run_cli(*shlex.split(summary["replay"])[1:], "-o", tmp_path / "again")
+    assert code == 0, err
+    assert json.loads((tmp_path / "again" / "summary.json").read_text())["generation"]["phases"] == summary["generation"]["phases"]

@@ -122,7 +122,7 @@ def wilson(share: float, n: float, critical: float = Z) -> tuple[float, float]:
     z2 = critical * critical
     centre = (share + z2 / (2 * n)) / (1 + z2 / n)
     half = critical * math.sqrt(share * (1 - share) / n + z2 / (4 * n * n)) / (1 + z2 / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    return (0.0 if share <= 0 else max(0.0, centre - half)), (1.0 if share >= 1 else min(1.0, centre + half))  # an edge the share sits on is exact
 
 
 def t_quantile(freedom: int) -> float:

@@ -46,7 +46,8 @@ def read_prompts(path: str | Path, model_folder: Path, vocabulary: int | None, t
             raise AccudiffError(f"prompts file '{path}' could not be read as UTF-8 text ({exc.__class__.__name__})") from None
         given = [(line, None) for line in lines if line.strip()] if suffix == ".txt" else _jsonl(lines, path)
         encode = _tokenizer(model_folder, path) if any(isinstance(p, str) or isinstance(c, str) for p, c in given) else None
-        prompts = [(_ids(prompt, encode), None if continuation is None else _ids(continuation, encode)) for prompt, continuation in given]
+        prompts = [(_ids(prompt, encode, f"prompt {k} of '{path}'"), None if continuation is None else _ids(continuation, encode, f"the continuation of prompt {k} of '{path}'"))
+                   for k, (prompt, continuation) in enumerate(given)]
     if not prompts:
         raise AccudiffError(f"prompts file '{path}' holds no prompt")
     for k, (prompt, continuation) in enumerate(prompts):
@@ -80,12 +81,12 @@ def _jsonl(lines: Sequence[str], path: Path) -> list[tuple[object, object]]:
     return found
 
 
-def _ids(value, encode) -> np.ndarray:
+def _ids(value, encode, what: str) -> np.ndarray:
     if isinstance(value, str):
         return np.asarray(encode(value), np.int64)
-    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63 for v in value):
         return np.asarray(value, np.int64)
-    raise AccudiffError(f"a prompt is text or a list of token ids, not {type(value).__name__}")
+    raise AccudiffError(f"{what} is neither text nor a list of token ids (it is {type(value).__name__})")
 
 
 def _ids_from_npz(path: Path) -> list[tuple[np.ndarray, np.ndarray | None]]:
