@@ -280,3 +280,14 @@ def test_one_tensors_sqnr_is_what_the_arrays_get():
         warnings.simplefilter("error")
         one_by_one = np.array([sqnr_db(s, n) for s, n in zip(signal, noise)])
     assert np.array_equal(one_by_one, arrays, equal_nan=True)
+
+
+def test_an_isolated_figure_nothing_defines_is_said_in_words():
+    """A 1.1B decoder's cause printed 'max abs err nan, nan% of elements outside, SQNR nan dB'."""
+    import pandas as pd
+
+    from accudiff.diagnosis.rules import isolated_figures
+
+    undefined = isolated_figures(pd.Series({"isolated_max_abs_err": float("nan"), "isolated_outside_share": float("nan"), "isolated_sqnr_db": float("nan")}))
+    assert "nan" not in undefined.lower() and "could be compared" in undefined
+    assert "nan" not in isolated_figures(pd.Series({"isolated_max_abs_err": 0.0, "isolated_outside_share": 0.0, "isolated_sqnr_db": float("nan")})).lower()

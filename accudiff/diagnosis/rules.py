@@ -330,8 +330,10 @@ def _isolation(row: pd.Series) -> Finding:
 
 
 def isolated_figures(row: pd.Series) -> str:
-    """The isolated run's figures for one tensor."""
-    return (
-        f"max abs err {row['isolated_max_abs_err']:.3g}, {percent(row['isolated_outside_share'])} of elements outside, "
-        f"SQNR {row['isolated_sqnr_db']:.1f} dB"
-    )
+    """The isolated run's figures for one tensor; where one is undefined (no element compared: an empty
+    tensor, or NaN/Inf on both sides), said in words, never 'nan'."""
+    error, share, sqnr = (float(row[f"isolated_{name}"]) for name in ("max_abs_err", "outside_share", "sqnr_db"))
+    if math.isnan(error) or math.isnan(share):
+        return "no element of it could be compared (it is empty, or NaN/Inf on both sides)"
+    said = f"max abs err {error:.3g}, {percent(share)} of elements outside"
+    return said + (f", SQNR {sqnr:.1f} dB" if not math.isnan(sqnr) else ", no SQNR (the reference is all 0)")
