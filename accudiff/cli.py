@@ -17,11 +17,11 @@ from accudiff.errors import AccudiffError
 from accudiff.options import add_report_dir_option, add_run_options, run_settings
 from accudiff.report.folder import default_report_dir
 from accudiff.runners.trt_env import MODULES
-from accudiff.settings import DEFAULT_VERIFY_BUDGET, SIDE_BACKENDS
+from accudiff.settings import DEFAULT_CAUSE_BUDGET, DEFAULT_VERIFY_BUDGET, SIDE_BACKENDS
 
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 # Settings only `compare` takes (the bisectors rerun the candidate, so they neither skip nor replay runs).
-COMPARE_ONLY = ("isolate", "verify", "verify_budget", "also", "load_candidate", "load_reference", "candidate_runner", "save_reference", "save_candidate")
+COMPARE_ONLY = ("isolate", "verify", "verify_budget", "cause_budget", "also", "load_candidate", "load_reference", "candidate_runner", "save_reference", "save_candidate")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.set_defaults(parser=cmp)
     cmp.add_argument("--no-isolate", dest="isolate", action="store_false", help="skip the run that measures each node's own error (faster; the cause is then named only from range evidence)")
     cmp.add_argument("--no-verify", dest="verify", action="store_false", help="skip testing each suspect at the failing outputs (the cause is then the rules' hypothesis, not verified)")
-    cmp.add_argument("--verify-budget", type=int, default=DEFAULT_VERIFY_BUDGET, metavar="N", help=f"candidate runs per failing output to verify its cause and repair (default {DEFAULT_VERIFY_BUDGET})")
+    cmp.add_argument("--verify-budget", type=int, default=DEFAULT_VERIFY_BUDGET, metavar="N", help=f"candidate runs per failing output to try the rules' suspects alone and confirm the repair (default {DEFAULT_VERIFY_BUDGET})")
+    cmp.add_argument("--cause-budget", type=int, default=DEFAULT_CAUSE_BUDGET, metavar="N",
+                     help=f"candidate runs per failing output to search every other node the candidate changes, in groups, for one that repairs it alone (default {DEFAULT_CAUSE_BUDGET})")
     cmp.add_argument("--timings", action="store_true", help="print where the time went: each stage, and the workers' phases (also in summary.json)")
     cmp.add_argument("--also", choices=SIDE_BACKENDS, help="run the same transformed model on a second backend too (three-way table)")
     captured = cmp.add_argument_group("tensors captured elsewhere (polygraphy's RunResults JSON)")

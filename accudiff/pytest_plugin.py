@@ -10,14 +10,18 @@ Registered through the `pytest11` entry point. Two forms:
         pass
 
 Reference runs are cached for the session (per worker under pytest-xdist). Baselines are small JSON files
-in `accudiff_baselines/` beside the test file: created by the first passing run, rewritten with
-`--accudiff-update-baseline`, and compared on every later run.
+in `accudiff_baselines/` beside the test file, one per test and precision, holding the options they were
+recorded with. A missing baseline fails its test: it is written, and the failure says to commit it (a
+regression check that writes its baseline and passes never fires on a fresh checkout); where the
+environment variable CI is set, it is not written at all. `--accudiff-update-baseline` rewrites them from
+passing runs. A baseline recorded with other options is never compared with: its test fails saying so.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,21 +204,36 @@ class AccuracyCheck:
                 for _, row in rows.iterrows()
                 if row["sqnr_db"] < min_sqnr_db
             ]
-        baseline_path = _baseline_path(self.node)
+        baseline_path = _baseline_path(self.node, self.precision)
         written = None
+        recorded_with = self._recorded_with(atol, rtol, stol, decision)
         if baseline and not problems:
-            if self.settings.update_baseline or not baseline_path.exists():
-                _write_baseline(baseline_path, result, rows)
+            if self.settings.update_baseline:
+                _write_baseline(baseline_path, result, rows, recorded_with)
                 written = str(baseline_path)
+            elif not baseline_path.exists():
+                if _in_ci():
+                    problems.append(f"no baseline at {baseline_path}: record it where CI is not set (the test writes it), and commit it")
+                else:
+                    _write_baseline(baseline_path, result, rows, recorded_with)
+                    written = str(baseline_path)
+                    problems.append(f"baseline created: {baseline_path}: commit it (a check against a baseline written by this run would prove nothing)")
             else:
                 try:
-                    problems += _regressions(baseline_path, rows, self.settings)
+                    problems += _regressions(baseline_path, rows, self.settings, recorded_with)
                 except AccudiffError as exc:
                     pytest.fail(str(exc), pytrace=False)
         self._record(result, problems, written)
         if problems:
             pytest.fail(_message(result, problems), pytrace=False)
         return result
+
+    def _recorded_with(self, atol, rtol, stol, decision: dict) -> dict:
+        """What a baseline's figures depend on: the model, the precision and every option of the comparison
+        (in the order that keeps it comparable)."""
+        options = {**self.options, "atol": atol, "rtol": rtol, "stol": stol, **decision}
+        return {"model": self.model.name, "precision": self.precision,
+                "options": {key: str(value) for key, value in sorted(options.items()) if value is not None and key not in ("report_dir", "workers")}}
 
     def _run(self, atol, rtol, stol, require: list[str]):
         __tracebackhide__ = True
@@ -309,16 +328,20 @@ def _message(result, problems: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _baseline_path(node: pytest.Item) -> Path:
-    return Path(node.path).parent / "accudiff_baselines" / f"{Path(node.path).stem}.{_safe(node.name)}.json"
+def _baseline_path(node: pytest.Item, precision: str) -> Path:
+    return Path(node.path).parent / "accudiff_baselines" / f"{Path(node.path).stem}.{_safe(node.name)}.{_safe(precision)}.json"
 
 
-def _write_baseline(path: Path, result, rows) -> None:
+def _in_ci() -> bool:
+    """Whether CI systems' variable says this is a CI run (GitHub Actions, GitLab, CircleCI, Travis... set CI)."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _write_baseline(path: Path, result, rows, recorded_with: dict) -> None:
     document = {
         "schema": BASELINE_SCHEMA,
-        "schema_version": 1,
-        "model": result.model.name,
-        "precision": result.precision,
+        "schema_version": 2,
+        **recorded_with,
         "tensors": {row["tensor"]: {m: _rounded(row[m]) for m in BASELINE_METRICS} for _, row in rows.iterrows()},
     }
     from accudiff.report.folder import write_atomically
@@ -327,10 +350,13 @@ def _write_baseline(path: Path, result, rows) -> None:
     write_atomically(path, (json.dumps(document, indent=2, sort_keys=True) + "\n").encode())
 
 
-def read_baseline(path: Path) -> dict[str, dict]:
-    """The per-tensor figures of a baseline file; a damaged one is one sentence, not a traceback."""
+def read_baseline(path: Path) -> tuple[dict[str, dict], dict]:
+    """The per-tensor figures of a baseline file and what it was recorded with; a damaged one is one
+    sentence, not a traceback."""
     try:
-        tensors = json.loads(path.read_bytes())["tensors"]
+        document = json.loads(path.read_bytes())
+        tensors = document["tensors"]
+        recorded_with = {key: document.get(key) for key in ("model", "precision", "options")}
         for figures in tensors.values():
             for metric in ("sqnr_db", "max_abs_err"):  # what a regression is judged on
                 if figures[metric] is not None and not isinstance(figures[metric], (int, float)):
@@ -340,11 +366,17 @@ def read_baseline(path: Path) -> dict[str, dict]:
         raise AccudiffError(
             f"baseline '{path}' cannot be read ({reason}): delete it, or run with --accudiff-update-baseline to write it again"
         ) from None
-    return tensors
+    return tensors, recorded_with
 
 
-def _regressions(path: Path, rows, settings: Settings) -> list[str]:
-    baseline = read_baseline(path)
+def _regressions(path: Path, rows, settings: Settings, recorded_with: dict) -> list[str]:
+    baseline, theirs = read_baseline(path)
+    if theirs != recorded_with:
+        changed = sorted(key for key in {*recorded_with["options"], *(theirs.get("options") or {})}
+                         if recorded_with["options"].get(key) != (theirs.get("options") or {}).get(key))
+        changed += [key for key in ("model", "precision") if theirs.get(key) != recorded_with[key]]
+        return [f"baseline {path} was recorded with other settings ({', '.join(changed) or 'its format'} differ): its figures say nothing of "
+                "this run; rerun with --accudiff-update-baseline to record this one"]
     problems = []
     for _, row in rows.iterrows():
         before = baseline.get(row["tensor"])

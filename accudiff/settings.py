@@ -27,6 +27,7 @@ PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 PRECISION_FLAGS = {"fp16": "--fp16", "bf16": "--bf16", "int8": "--int8"}
 SIDE_BACKENDS = ("onnxrt", "trt")
 DEFAULT_VERIFY_BUDGET = 8  # candidate runs that may test suspects, per failing output (diagnosis/verify.py)
+DEFAULT_CAUSE_BUDGET = 48  # runs a failing output's search of every changed node may take (diagnosis/search.py): thousands of nodes that hold no single cause need a few
 DEFAULT_NEW_TOKENS = 16  # a decoder's decode steps after each prompt's prefill (comparison/generation.py)
 
 
@@ -80,6 +81,7 @@ class RunSettings:
     isolate: bool = True
     verify: bool = True
     verify_budget: int = DEFAULT_VERIFY_BUDGET
+    cause_budget: int = DEFAULT_CAUSE_BUDGET
     also: str | None = None
     max_memory: int | str | None = None
     workers: int | None = None
@@ -119,6 +121,8 @@ class RunSettings:
             memory_budget(self.max_memory)  # a malformed size is an error now, not after the model is loaded
         if self.verify and self.verify_budget < 1:
             raise AccudiffError("--verify-budget must be at least 1 (or pass --no-verify)")
+        if self.verify and self.cause_budget < 0:
+            raise AccudiffError("--cause-budget must be 0 or more (0: only the rules' suspects are tried)")
         if self.also is not None and self.also not in SIDE_BACKENDS:
             raise AccudiffError(f"--also takes {' or '.join(SIDE_BACKENDS)}, not '{self.also}'")
         self.tolerances  # noqa: B018 - a malformed tolerance is an error now, not after the runs
@@ -308,4 +312,6 @@ class RunSettings:
         args += ["--no-isolate"] * (not self.isolate) + ["--no-verify"] * (not self.verify)
         if self.verify and self.verify_budget != DEFAULT_VERIFY_BUDGET:
             args += ["--verify-budget", str(self.verify_budget)]
+        if self.verify and self.cause_budget != DEFAULT_CAUSE_BUDGET:
+            args += ["--cause-budget", str(self.cause_budget)]
         return args + self.trt.arguments()

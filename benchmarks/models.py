@@ -75,6 +75,37 @@ def bert_small(folder: Path) -> Path:
     return target
 
 
+def vit_with_outlier_channel(folder: Path, factor: float = 25.0) -> Path:
+    """A ViT (transformers' ViTConfig: 112x112 images in 14x14 patches, 6 blocks of width 96, random weights)
+    whose patch-embedding Conv has one output channel's weights `factor` times larger: a per-tensor INT8
+    weight scale (quantize_dynamic's default) set by that channel rounds the others coarsely. Input:
+    realistic_inputs.detector_scene(seed, 112, "pixel_values"); output last_hidden_state [1, 65, 96]."""
+    target = folder / f"vit_outlier{factor:g}.onnx"
+    if target.exists():
+        return target
+    import torch
+
+    _register_torchvision_ops(torch)
+    from transformers import ViTConfig, ViTModel
+
+    torch.manual_seed(0)
+    config = ViTConfig(image_size=112, patch_size=14, hidden_size=96, num_hidden_layers=6, num_attention_heads=3, intermediate_size=192)
+    vit = ViTModel(config, add_pooling_layer=False).eval()
+    with torch.no_grad():
+        vit.embeddings.patch_embeddings.projection.weight[7] *= factor
+
+    class Hidden(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.vit = vit
+
+        def forward(self, pixel_values):
+            return self.vit(pixel_values=pixel_values).last_hidden_state
+
+    _export(torch, Hidden(), (torch.randn(1, 3, 112, 112),), target, ["pixel_values"], ["last_hidden_state"])
+    return target
+
+
 def nudenet_320n(folder: Path | None = None) -> Path:
     return _packaged("nudenet", "320n.onnx")
 

@@ -51,6 +51,7 @@ def detector_scene(seed: int = 0, size: int = 320, name: str = "images") -> dict
     from PIL import Image, ImageDraw, ImageFilter
 
     rng = np.random.default_rng(seed)
+    wanted, size = size, max(size, 320)  # a smaller scene is drawn at 320 pixels and scaled down (a ViT's 112, say)
     sky = np.linspace(rng.uniform(150, 200), rng.uniform(200, 250), size)[:, None, None] * np.array([0.6, 0.8, 1.0])
     pixels = np.broadcast_to(sky, (size, size, 3)).copy()
     horizon = int(size * rng.uniform(0.55, 0.7))
@@ -73,7 +74,10 @@ def detector_scene(seed: int = 0, size: int = 320, name: str = "images") -> dict
         draw.line([cx + side - 14, cy - 26, cx + side + 14, cy - 28], fill=hair, width=4)
     draw.polygon([(cx, cy), (cx - 8, cy + 25), (cx + 8, cy + 25)], fill=(200, 150, 125))
     draw.chord([cx - 22, cy + 35, cx + 22, cy + 55], 0, 180, fill=(170, 60, 70))
-    array = np.asarray(image.filter(ImageFilter.GaussianBlur(1.2)), dtype=np.float32) / 255.0
+    image = image.filter(ImageFilter.GaussianBlur(1.2))
+    if wanted != size:
+        image = image.resize((wanted, wanted), Image.LANCZOS)
+    array = np.asarray(image, dtype=np.float32) / 255.0
     return {name: np.ascontiguousarray(array.transpose(2, 0, 1)[None])}
 
 

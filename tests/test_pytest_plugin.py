@@ -76,33 +76,62 @@ def test_named(accudiff):
     assert "tensor 'c1': SQNR" in result.stdout.str()
 
 
-def test_baseline_is_created_then_catches_a_regression(pytester):
+def _matmul_model(path, scale: float) -> str:
+    """y = x @ W with W scaled by `scale`: at 1e-6 its FP16 values and products are subnormal, and lose bits."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    weight = numpy_helper.from_array((np.random.default_rng(0).normal(size=(16, 8)) * scale).astype(np.float32), "W")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["logits"], name="mm")], "g", [helper.make_tensor_value_info("x", 1, [2, 16])],
+                              [helper.make_tensor_value_info("logits", 1, [2, 8])], [weight])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+    return str(path)
+
+
+def test_a_missing_baseline_fails_once_then_catches_a_regression(pytester, monkeypatch):
+    """A missing baseline is written and fails its test ('commit it'): a baseline a run writes and passes
+    with never fires on a fresh checkout. Under CI it is not written. Then the same check passes, a worse
+    model fails (SQNR fell), --accudiff-update-baseline accepts it, and a baseline recorded with another
+    precision or other options is never compared with."""
+    monkeypatch.delenv("CI", raising=False)
+    model = _matmul_model(pytester.path / "m.onnx", 1.0)
     source = """
-import numpy as np
 import pytest
 
 @pytest.mark.accudiff(model=r"{model}", precision="{precision}", atol=1, rtol=1, baseline=True)
 def test_model():
     pass
 """
-    first = _run(pytester, source.format(model=CLEAN, precision="fp16"))
-    first.assert_outcomes(passed=1)
-    baseline = pytester.path / "accudiff_baselines" / "test_model.test_model.json"
+    baseline = pytester.path / "accudiff_baselines" / "test_model.test_model.fp16.json"
+    monkeypatch.setenv("CI", "true")
+    in_ci = _run(pytester, source.format(model=model, precision="fp16"))
+    in_ci.assert_outcomes(failed=1)
+    assert "no baseline at" in in_ci.stdout.str() and not baseline.exists()
+    monkeypatch.delenv("CI")
+
+    first = _run(pytester, source.format(model=model, precision="fp16"))
+    first.assert_outcomes(failed=1)
+    assert "baseline created:" in first.stdout.str() and "commit it" in first.stdout.str() and "baseline written" in first.stdout.str()
     stored = json.loads(baseline.read_text())
-    assert stored["schema"] == "accudiff.baseline" and set(stored["tensors"]) == {"logits"}
-    assert "baseline written" in first.stdout.str()
+    assert stored["schema"] == "accudiff.baseline" and set(stored["tensors"]) == {"logits"} and stored["precision"] == "fp16"
 
-    same = _run(pytester, source.format(model=CLEAN, precision="fp16"))
-    same.assert_outcomes(passed=1)
+    _run(pytester, source.format(model=model, precision="fp16")).assert_outcomes(passed=1)
 
-    # INT8 still meets the (loose) tolerance, but its SQNR is far below the FP16 baseline: a regression.
-    worse = _run(pytester, source.format(model=CLEAN, precision="int8"))
+    _matmul_model(pytester.path / "m.onnx", 1e-6)  # the same check of a model whose FP16 values are subnormal
+    worse = _run(pytester, source.format(model=model, precision="fp16"))
     worse.assert_outcomes(failed=1)
     assert "SQNR fell from" in worse.stdout.str() and "more than the allowed 3 dB" in worse.stdout.str()
 
-    accepted = _run(pytester, source.format(model=CLEAN, precision="int8"), "--accudiff-update-baseline")
-    accepted.assert_outcomes(passed=1)
-    assert json.loads(baseline.read_text())["precision"] == "int8"
+    _run(pytester, source.format(model=model, precision="fp16"), "--accudiff-update-baseline").assert_outcomes(passed=1)
+    _run(pytester, source.format(model=model, precision="fp16")).assert_outcomes(passed=1)
+
+    other_precision = _run(pytester, source.format(model=model, precision="bf16"))  # a baseline of its own, missing
+    other_precision.assert_outcomes(failed=1)
+    assert "test_model.test_model.bf16.json: commit it" in other_precision.stdout.str()
+
+    other_options = _run(pytester, source.replace("atol=1,", "atol=0.5,").format(model=model, precision="fp16"))
+    other_options.assert_outcomes(failed=1)
+    assert "was recorded with other settings (atol differ)" in other_options.stdout.str()
 
 
 @pytest.mark.skipif(unavailable_reason("trt") is None, reason="TensorRT inference works on this machine")

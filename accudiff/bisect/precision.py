@@ -124,21 +124,23 @@ def rank(full: CompareResult) -> pd.DataFrame:
     return ranked
 
 
-def _passes(session: BisectSession, trials: Trials, chosen: list[str], full: CompareResult, what: str, total: int, regions: bool | None = None) -> bool:
-    keep = trials.boundaries.close(chosen, regions)
-    session.progress(f"step {session.candidate_runs + 1} of at most {total}: keep {len(keep)} node(s) in higher precision ({what} and what they need)")
-    [outcome] = trials.run([keep], regions=regions)
+def _passes(session: BisectSession, trials: Trials, chosen: list[str], full: CompareResult, what: str, total: int, regions: bool | None = None,
+            exact: bool = False) -> bool:
+    keep = list(chosen) if exact else trials.boundaries.close(chosen, regions)
+    session.progress(f"step {session.candidate_runs + 1} of at most {total}: keep {len(keep)} node(s) in higher precision ({what}{'' if exact else ' and what they need'})")
+    [outcome] = trials.run([keep], regions=regions, exact=exact)
     session.candidate_runs += 1
     return outcome.passes(list(full.outputs["tensor"]), session.settings.judged)
 
 
 def _pruned(session: BisectSession, trials: Trials, chosen: list[str], full: CompareResult, total: int, limit: int) -> list[str]:
-    """A passing keep-list (closed over its regions) with each node dropped while the rest still passes,
-    the value-moving readers kept for company too (trial.prune), in at most `limit` runs."""
+    """A passing keep-list (closed over its regions) with each node dropped while the rest, run as it is,
+    still passes: the value-moving readers kept for company and what a closure added too (trial.prune), in
+    at most `limit` runs."""
     def holds(rest: list[str]) -> bool:
-        return _passes(session, trials, rest, full, "pruning: one node fewer", total, regions=False)
+        return _passes(session, trials, rest, full, "pruning: one node fewer", total, exact=True)
 
-    return prune(trials.boundaries.close(chosen), holds, lambda keep: trials.boundaries.close(keep, regions=False), limit=limit)[0]
+    return prune(trials.boundaries.close(chosen), holds, limit=limit)[0]
 
 
 def _from_repair(session: BisectSession, trials: Trials, start: list[str], full: CompareResult) -> list[str] | None:

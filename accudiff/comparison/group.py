@@ -204,6 +204,7 @@ def run_group(
         layer_report=str(where.folder.path / ENGINE_LAYERS_FILE) if where.folder.final is not None else None,
         thresholds=settings.thresholds,
         output_kinds={name: kind.as_json() for name, kind in candidate.kinds.items()},
+        validate=[str(settings.candidate_model)] if settings.candidate_model is not None else [],
     )
     if generation is not None:  # the workers read the prompts; each step of a prompt is a sample of the engine, the isolated run takes the first
         steps = len(group.samples) * samples_per_prompt(generation.new_tokens)

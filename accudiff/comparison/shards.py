@@ -221,7 +221,7 @@ def _files_of(job: Job) -> dict[str, bool]:
     """The files a worker reads: the models, the files their weights are in (by the names the models
     record; a candidate's isolated twin refers to the candidate's own file) and the sample files; each
     with whether it is read as weights."""
-    models = [job.reference, *(p["model"] for p in job.passes)]
+    models = [job.reference, *(p["model"] for p in job.passes), *job.validate]
     weights = {str(Path(model).parent / name) for model in models for name in data_files(onnx.load(model, load_external_data=False))}
     return {path: path in weights for path in dict.fromkeys([*models, *sorted(weights), *(entry[0] for entry in job.samples)])}
 
@@ -245,6 +245,7 @@ def _ray_task(job: dict, payloads: dict) -> tuple[str, bytes]:
             moved,
             reference=local[moved.reference],
             passes=[{**p, "model": local[p["model"]]} for p in moved.passes],
+            validate=[local[path] for path in moved.validate],
             samples=[[local[file], prefix] for file, prefix in moved.samples],
             result=str(folder / "result"),
             store=None,

@@ -132,7 +132,8 @@ class Trials:
         while self._workers:
             self._workers.pop().let_go()  # their teardown overlaps what the caller does next
 
-    def run(self, keep_lists: Sequence[Sequence[str]], parts: Sequence[str] | None = None, regions: bool | None = None) -> list[TrialOutcome]:
+    def run(self, keep_lists: Sequence[Sequence[str]], parts: Sequence[str] | None = None, regions: bool | None = None,
+            exact: bool = False) -> list[TrialOutcome]:
         """Each keep-list (closed over boundaries) tried on the setup's samples; outcomes in the same order.
         A switchboard's keep-lists go to the first worker, in one job (its runs on every core when it works
         alone). Variants are shared among as many workers as there are cores, each taking the next one
@@ -140,8 +141,9 @@ class Trials:
         session); beside a switchboard, only when they are worth a worker's start (`variant_seconds`).
         `parts`, one per keep-list: of a candidate made by
         another tool, what keeping undoes (CandidateVariants.with_kept): "all" (the default), or only its
-        "quantization" or its "casts". `regions`: see Boundaries.close."""
-        closed = [self.boundaries.close(keep, regions) for keep in keep_lists]
+        "quantization" or its "casts". `regions`: see Boundaries.close. `exact`: the keep-lists as they are,
+        not closed (pruning tries what a closure added)."""
+        closed = [list(dict.fromkeys(keep)) if exact else self.boundaries.close(keep, regions) for keep in keep_lists]
         parts = list(parts) if parts is not None else ["all"] * len(closed)
         cores = os.cpu_count() or 1
         started = time.perf_counter()
@@ -323,23 +325,23 @@ def trial_workers(settings: RunSettings) -> int:
     return 1 if switchable(settings) else os.cpu_count() or 1
 
 
-def prune(keep: Sequence[str], holds: Callable[[list[str]], bool], close: Callable[[list[str]], list[str]], protected: Collection[str] = (),
-          limit: int = PRUNE_RUNS) -> tuple[list[str], int]:
-    """`keep`, each node dropped (the last added first) while the rest still `holds` (a run), and how many
-    runs that took. A repair grown by adding what helps, or kept as a unit (a cancellation with what
-    computes its operands), carries nodes it needs no more once the others are in. A node the rest's
-    boundaries would take back (`close`) is not tried; `protected` ones (the cause) neither."""
+def prune(keep: Sequence[str], holds: Callable[[list[str]], bool], protected: Collection[str] = (), limit: int = PRUNE_RUNS) -> tuple[list[str], int]:
+    """`keep`, each node dropped (the last added first) while the rest still `holds` (a run of the rest as
+    it is, not closed over boundaries), and how many runs that took. A repair grown by adding what helps, or
+    kept as a unit (a cancellation with what computes its operands), carries nodes it needs no more once the
+    others are in; so may its closure: a reader kept because its input would overflow it, where the overflow
+    does no harm (-Inf into a Softmax is exactly right). `protected` nodes (the cause) are not tried."""
     chosen, runs = list(keep), 0
     for node in reversed(list(keep)):
         if runs >= limit:
             break
         rest = [n for n in chosen if n != node]
-        if not rest or node in protected or node in close(rest):
+        if not rest or node in protected:
             continue
         runs += 1
         if holds(rest):
             chosen = rest
-    return close(chosen), runs
+    return chosen, runs
 
 
 def unfit_for_format(table: pd.DataFrame, precision: str) -> set[str]:

@@ -82,6 +82,9 @@ class Job:
     # Sessions made one at a time, each just before its run (else all at once, kept for every sample): weights
     # of a model too large to hold twice (trial.LARGE_MODEL_BYTES).
     one_session_at_a_time: bool = False
+    # Model files made by another tool, checked first to load in ONNX Runtime as they are (a candidate accudiff
+    # then aligns and runs in its own form must never stand in for a file ONNX Runtime refuses).
+    validate: list[str] = field(default_factory=list)
 
     @property
     def large_tensors(self) -> bool:
@@ -270,13 +273,15 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
     from accudiff.model.source import ModelSource
     from accudiff.model.samples import Samples
     from accudiff.runners import CpuOptions, EngineShapes, TrtOptions, candidate_runner, reference_runner
-    from accudiff.runners.onnxrt import release_shared_arena
+    from accudiff.runners.onnxrt import release_shared_arena, require_loadable
     from accudiff.runners.outputs import ReferenceStore
     from accudiff.runners.recorded import recorded_runner
     from accudiff.model.formats import QuantRange
     from accudiff.comparison.output_kinds import OutputKind
     from accudiff.comparison.generation import samples_per_prompt
 
+    for path in job.validate:
+        require_loadable(Path(path))
     if len(job.segments) > 1 and job.largest_tensor >= SEPARATE_MAPPINGS_FROM_TENSOR_BYTES:
         # Segments drop their tensors as they go; the memory must leave the process (memory.py). A model run
         # whole holds its tensors at once anyway, and malloc's reuse of freed blocks spares the page faults

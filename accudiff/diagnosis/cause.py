@@ -84,6 +84,39 @@ CAUSE_KINDS = {
 
 
 @dataclass(frozen=True)
+class Search:
+    """What the search covered at one output: how many nodes the candidate changes upstream of it, how many
+    were tried alone, how many are covered by groups whose keep does not halve the error (in how many
+    groups), how many were left when the budget ran out, and how many groups broke the assumption that
+    keeping more never hurts (their nodes then count as not covered unless tried alone)."""
+
+    candidates: int
+    alone: int
+    grouped: int = 0
+    groups: int = 0
+    left: int = 0
+    broken: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.left == 0
+
+    def said(self, what: str, undone: str, short: str, best: str) -> str:
+        """The search's finding in words: of the `what` nodes ("quantized", "converted"), each `undone`
+        ("left unquantized") alone leaves the output `short` ("out of tolerance"); `best`: the best single
+        keep, said ("(best: ...)")."""
+        if self.grouped == 0 and self.complete:
+            return f"each of the {self.candidates} {what} nodes upstream, {undone} alone, leaves it {short} {best}"
+        text = f"of the {self.candidates} {what} nodes upstream, the {self.alone} {undone} alone each leave it {short} {best}"
+        if self.grouped:
+            text += (f", and the other {self.grouped}, {undone} in {self.groups} group(s), do not even halve its error: none of them could alone, "
+                     "so long as keeping more never hurts")
+        if not self.complete:
+            text += f"; {self.left} were not searched (the budget, --cause-budget, ran out)"
+        return text
+
+
+@dataclass(frozen=True)
 class Cause:
     kind: str  # a key of CAUSE_KINDS
     node: str | None = None
@@ -96,6 +129,7 @@ class Cause:
     alternatives: list[Contributor] = field(default_factory=list)  # kind "local": other single keeps that meet the target too
     absorbed: list[Absorbed] = field(default_factory=list)
     stand_in: str | None = None  # verified on this candidate instead (the compared one was captured elsewhere)
+    searched: Search | None = None  # verified: what the cause search covered (diagnosis/search.py)
 
 
 def find_cause(output: str, table: pd.DataFrame, context: DiagnosisContext) -> Cause:

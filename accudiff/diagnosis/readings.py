@@ -44,8 +44,8 @@ class Tries:
     output: str
     objective: Objective
 
-    def run(self, keep_lists: list[list[str]]) -> list[tuple[list[str], Reading]]:
-        return [(o.keep, Reading.of(o, self.output, self.objective)) for o in self.trials.run(keep_lists)]
+    def run(self, keep_lists: list[list[str]], exact: bool = False) -> list[tuple[list[str], Reading]]:
+        return [(o.keep, Reading.of(o, self.output, self.objective)) for o in self.trials.run(keep_lists, exact=exact)]
 
 
 def pruned(repair: Repair, tries: Tries, protected: set[str]) -> Repair:
@@ -54,12 +54,12 @@ def pruned(repair: Repair, tries: Tries, protected: set[str]) -> Repair:
     held: list[tuple[list[str], Reading]] = []
 
     def holds(rest: list[str]) -> bool:
-        [(kept, reading)] = tries.run([rest])
+        [(kept, reading)] = tries.run([rest], exact=True)
         if reading.met:
             held.append((kept, reading))
         return reading.met
 
-    keep, runs = prune(repair.keep, holds, tries.trials.boundaries.close, protected)
+    keep, runs = prune(repair.keep, holds, protected)
     if len(keep) == len(repair.keep):
         return replace(repair, pruning_runs=runs)
     kept, reading = held[-1]

@@ -42,10 +42,12 @@ from accudiff.comparison.trial import MAX_TRIAL_SAMPLES, TrialOutcome, TrialSetu
 from accudiff.comparison.worker import prestart
 from accudiff.diagnosis.loss_split import loss_split, loss_split_keeps
 from accudiff.diagnosis.readings import Reading, Tries, improvement, pruned
-from accudiff.diagnosis.cause import Absorbed, Cause, Contributor, Repair, RepairStep, ancestor_tensors, flagged_nodes, rank_contributors
+from accudiff.diagnosis.search import candidates_upstream, search_groups, weights_dominate
+from accudiff.diagnosis.cause import Absorbed, Cause, Contributor, Repair, RepairStep, Search, ancestor_tensors, flagged_nodes, rank_contributors
 from accudiff.diagnosis.mechanisms import absorber, amplifiers, cancellations
 from accudiff.diagnosis.rules import RANGE_KINDS, DiagnosisContext, Finding, grid_fault_strength, isolated_figures, isolation_ran, range_findings
 from accudiff.model.formats import QUANTIZED_FORMATS, formats_of
+from accudiff.settings import DEFAULT_CAUSE_BUDGET
 from accudiff.model.decoder import cache_types, find_decoder
 from accudiff.model.loading import load_graph, read_again
 from accudiff.model.prompts import whole_sequences
@@ -130,7 +132,7 @@ def verify_outputs(
     with Trials(setup, indexed, recorded, variant_seconds=_variant_seconds(result.worker_timings.get("comparison", {}), candidate.passes, len(chosen) / len(samples))) as trials:
         split = loss_split_keeps(setup.variants, context.formats, settings.given_alone)
         verdicts, control, parts = verify_causes(outputs, indexed, context, trials, settings.verify_budget, settings.tolerances.default.rtol, split,
-                                                 settings.judged)
+                                                 settings.judged, settings.cause_budget)
         result.loss_split = loss_split(outputs, control, parts, split)
     result.worker_timings["verification"] = trials.timings
     keep = list(dict.fromkeys(n for _, repair in verdicts.values() if repair.verified for n in repair.keep))
@@ -198,17 +200,19 @@ def _stand_in(failures: list, table: pd.DataFrame, settings: RunSettings) -> tup
 
 def verify_causes(
     outputs: Sequence[str], table: pd.DataFrame, context: DiagnosisContext, trials: Trials, budget: int, rtol: float,
-    extra: Sequence[tuple[list[str], str]] = (), objective: Objective = Objective(),
+    extra: Sequence[tuple[list[str], str]] = (), objective: Objective = Objective(), cause_budget: int = DEFAULT_CAUSE_BUDGET,
 ) -> tuple[dict[str, tuple[Cause, Repair]], TrialOutcome, list[TrialOutcome]]:
     """For each failing output that fails again in the control (nothing kept), the verified cause and
     repair (`table` indexed by tensor, topological order), keeps judged by `objective`; the control; and
     the outcomes of the `extra` keep-lists (each with what it undoes, see Trials.run). The screens of all
-    outputs, the control and the extra keep-lists run as one batch."""
+    outputs, the control and the extra keep-lists run as one batch; then every other node the candidate
+    changes upstream of each output is searched in groups (search.py), within `cause_budget` runs an output."""
     suspects = {output: _suspects(output, table, context, rtol)[: max(budget - GREEDY_RESERVE, 1)] for output in outputs}
     keep_lists = list(dict.fromkeys([(), *(tuple(s.keep) for group in suspects.values() for s in group)]))
     outcomes = trials.run([*(list(k) for k in keep_lists), *(keep for keep, _ in extra)], ["all"] * len(keep_lists) + [parts for _, parts in extra])
     screened = dict(zip(keep_lists, outcomes))
     control = screened[()]
+    weights_first = weights_dominate(dict(zip((parts for _, parts in extra), outcomes[len(keep_lists):])), control)
     verdicts = {}
     for output, group in suspects.items():
         before = Reading.of(control, output, objective)
@@ -217,7 +221,15 @@ def verify_causes(
         for suspect in group:
             outcome = screened[tuple(suspect.keep)]
             suspect.tried, suspect.reading = outcome.keep, Reading.of(outcome, output, objective)
-        verdicts[output] = _conclude(output, before, group, table, context, Tries(trials, output, objective), budget - len(group))
+        tries = Tries(trials, output, objective)
+        candidates = candidates_upstream(output, table, context, weights_first.get(output, False))
+        alone = {s.node: s.reading for s in group if len(s.keep) == 1}
+        found, reach = search_groups(before, candidates, alone, tries.run, cause_budget)
+        runs_left = budget - len(group)  # the search's runs are its own budget's
+        rows = table.reset_index(drop=True).drop_duplicates("node").set_index("node")
+        group += [_Suspect(node, rows.loc[node, "tensor"], rows.loc[node, "op_type"], [node], _own_error(table.loc[rows.loc[node, "tensor"]]),
+                           tried=kept, reading=reading) for node, (kept, reading) in found.items() if node not in {s.node for s in group}]
+        verdicts[output] = _conclude(output, before, group, table, context, tries, runs_left, reach)
     return verdicts, control, outcomes[len(keep_lists):]
 
 
@@ -280,13 +292,15 @@ def _own_error(row: pd.Series) -> list[Finding]:
 
 
 def _conclude(
-    output: str, before: Reading, suspects: list[_Suspect], table: pd.DataFrame, context: DiagnosisContext, tries: Tries, runs_left: int
+    output: str, before: Reading, suspects: list[_Suspect], table: pd.DataFrame, context: DiagnosisContext, tries: Tries, runs_left: int,
+    reach: Search | None = None,
 ) -> tuple[Cause, Repair]:
     # A keep helps when it improves the output enough to matter, or when it meets the target outright (an
     # output barely out of tolerance may be repaired by several keeps, each by a little).
     helpful = sorted((s for s in suspects if improvement(before.score, s.score) > 1 / HELPS or (s.reading is not None and s.reading.met)),
                      key=lambda s: s.score)
-    contributors = [_contributor(s, table) for s in sorted(suspects, key=lambda s: s.score)]
+    # A keep that leaves the output worse than nothing kept contributes nothing: it is no contributor.
+    contributors = [_contributor(s, table) for s in sorted(suspects, key=lambda s: s.score) if s.score < before.score]
     steps, readings = [before.step([])], [before]
     now = before
     used: list[_Suspect] = []
@@ -325,7 +339,7 @@ def _conclude(
     # While NaN/Inf reach the output, a keep leaving them rules nothing out, unless the repair recovers it without it.
     ruled_out = [_absorbed(s, output, table, context) for s in suspects
                  if s.flagged and s not in helpful and s not in used and s.node not in repair.keep] if math.isfinite(before.tol_ratio) or repair.verified else []
-    common = dict(contributors=contributors, verified=True, absorbed=ruled_out)
+    common = dict(contributors=contributors, verified=True, absorbed=ruled_out, searched=reach)
     phrase = keep_phrase(context.precision)
     # Faults with range evidence that each alone leave the output broken (five Muls each overflowing to Inf)
     # are several causes however many they are; more than SEVERAL_LIMIT unflagged ones are accumulation.
@@ -363,9 +377,11 @@ def _conclude(
                                       "the rest of the error accumulates over the network")
         return Cause("dominant", best.node, best.tensor, best.op_type, [*best.findings, verdict], **common), repair
     best = min(suspects, key=lambda s: s.score) if suspects else None
-    summary = f"{phrase.replace(' it ', ' any one node ')}, among the {len(suspects)} tried, leaves the output out of tolerance" + (
-        f" (best: {best.op_type} '{best.node}', {best.reading.said('')} of {before.said('')})" if best is not None and best.reading else ""
-    )
+    what, undone = ("quantized", "left unquantized") if phrase == keep_phrase("int8") else ("converted", "kept in FP32")
+    short = "short of its requirement" if before.decisive else "out of tolerance"
+    said_best = f"(best: {best.op_type} '{best.node}', {best.reading.said('')} of {before.said('')})" if best is not None and best.reading else ""
+    reach = reach or Search(len(suspects), len(suspects))
+    summary = f"no single node repairs the output: {reach.said(what, undone, short, said_best)}"
     kind = "accumulated" if math.isfinite(now.tol_ratio) else "not_found"  # NaN/Inf are not small errors growing
     return Cause(kind, findings=[Finding("verified", summary)], **common), repair
 

@@ -11,6 +11,9 @@ from accudiff.model.decoder import model_name
 from accudiff.text import percent
 
 
+KEPT_SHOWN = 5  # nodes kept in FP32 the console lists
+
+
 def format_summary(result) -> str:
     table = result.table
     indexed = table.set_index("tensor")
@@ -26,7 +29,9 @@ def format_summary(result) -> str:
     lines += [f"  notice: {notice}" for notice in result.notices]
     if result.kept:
         lines.append(f"  kept in FP32: {len(result.kept)} node(s)")
-        lines += [f"    {k.node} ({k.op_type}): {k.reason}" for k in result.kept[:5]]
+        lines += [f"    {k.node} ({k.op_type}): {k.reason}" for k in result.kept[:KEPT_SHOWN]]
+        if len(result.kept) > KEPT_SHOWN:
+            lines.append(f"    and {len(result.kept) - KEPT_SHOWN} more (summary.json: kept_fp32)")
     if result.not_observable:
         lines.append(f"  not observable: {len(result.not_observable)} tensor(s), e.g. {next(iter(result.not_observable.items()))[0]}")
     failure = result.first_failure

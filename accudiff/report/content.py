@@ -28,6 +28,7 @@ WORST_SAMPLES_FILE = "worst_samples.npz"
 INPUTS_FILE = "inputs.npz"
 PROMPTS_FILE = "prompts.npz"  # a decoder's prompts as token ids (model/prompts.py)
 WORST_SAMPLE_COUNT = 5
+JUST_PAST = 2.0  # an output at most this many times its tolerance (or target) is "just past" it
 WORST_COUNT = 5
 OUTPUT_COLUMNS = ["tensor", "status", "max_abs_err", "max_rel_err", "tol_ratio", "outside_share", "cosine", "sqnr_db"]
 HTML_FILE = "report.html"
@@ -237,7 +238,8 @@ def cause_lines(failure, result) -> list[str]:
     if cause.kind in ("local", "several", "dominant"):
         what = {"local": "introduces the error", "several": "is one of several causes", "dominant": "carries most of the error, the rest accumulates"}[cause.kind]
         lines = [f"cause: {cause.op_type} '{cause.node}' {what} (its output '{cause.tensor}'; {status})"]
-        if cause.alternatives:  # several single keeps each repair it: no one node introduces the error
+        before = failure.repair.steps[0].tol_ratio if failure.repair is not None and failure.repair.steps else math.inf
+        if cause.alternatives and before <= JUST_PAST:  # several single keeps each repair a barely failing output: no one node introduces the error
             lines = [f"cause: the error accumulates just past {target}: keeping {cause.op_type} '{cause.node}' repairs the output, the best of "
                      f"{len(cause.alternatives) + 1} of the {len(cause.contributors)} single keeps tried that each do (its output '{cause.tensor}'; {status})"]
         lines += [f"  {f.kind}: {f.message}" for f in cause.findings]

@@ -191,6 +191,22 @@ class OnnxrtRunner(Runner):
         return target, None, weight_bytes, bool(fp16_copies)
 
 
+def require_loadable(path: Path) -> None:
+    """ONNX Runtime loads the model file at `path` as it is (a session made, not run: no optimization, no
+    prepacking; weights in data files mapped, not copied); else one sentence quoting why it refuses."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    try:
+        ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # ONNX Runtime raises its own exception types
+        raise AccudiffError(f"ONNX Runtime refuses to load the candidate model '{path}' as it is ({first_line(exc)}): "
+                            "accudiff compares a candidate as it would run, and this one would not") from exc
+
+
 _shared_arena_registered = False
 _GROW_AS_REQUESTED = 1  # OrtArenaCfg's arena_extend_strategy: kSameAsRequested
 

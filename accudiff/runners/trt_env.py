@@ -42,8 +42,28 @@ def is_rtx(trt: ModuleType) -> bool:
     return trt.__name__.startswith("tensorrt_rtx")
 
 
+def missing_gpu() -> str | None:
+    """What this machine lacks for running on an NVIDIA GPU, the first missing piece first: a GPU (its
+    device files), a driver (libcuda), the CUDA runtime's Python bindings; None when all are here."""
+    import ctypes
+    import os
+    import sys
+
+    if sys.platform.startswith("linux") and not any(name.startswith("nvidia") for name in os.listdir("/dev")):
+        return "no NVIDIA GPU is visible on this machine (no /dev/nvidia* device)"
+    try:
+        ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+    except OSError:
+        return "no NVIDIA driver is installed (libcuda cannot be loaded)"
+    return None
+
+
 def gpu_compute_capability(device: int = 0) -> tuple[int, int]:
-    """Compute capability of the GPU TensorRT would run on; AccudiffError saying why there is none."""
+    """Compute capability of the GPU TensorRT would run on; AccudiffError saying why there is none (what the
+    machine lacks, in order: a GPU, a driver, the CUDA runtime)."""
+    missing = missing_gpu()
+    if missing is not None:
+        raise AccudiffError(f"no usable GPU for TensorRT inference: {missing}")
     try:
         from cuda.bindings import runtime as cudart
     except ImportError:

@@ -1,0 +1,98 @@
+"""The cause search cannot miss a node that repairs a failing output alone: every node the candidate changes
+upstream is searched (the rules' suspects alone, the rest in groups), and an answer that no single node
+repairs it says what it searched. Held to the exclude-one oracle (oracle.exclusion_ranking: ONNX Runtime's
+quantize_dynamic run again with `nodes_to_exclude=[node]`, for every node), on a ViT whose patch embedding
+holds one outlier channel (a per-tensor INT8 weight scale set by it rounds the others coarsely), fed drawn
+scenes. They skip without torch and transformers (.ci/run installs them)."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import numpy as np
+import onnx
+import pytest
+
+import accudiff
+import oracle
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT))
+from benchmarks import models, realistic_inputs  # noqa: E402
+
+INT8 = (1e-2, 1e-1, 2e-2)  # quantize_dynamic's candidate is judged at INT8's default atol, rtol, stol
+OUTPUT = "last_hidden_state"
+
+
+def _vit(tmp_path_factory, factor: float):
+    folder = tmp_path_factory.mktemp(f"vit{factor:g}")
+    model = models.vit_with_outlier_channel(folder, factor)
+    candidate = models.onnxruntime_dynamic(model, folder / "vit.int8.onnx")
+    feeds = [realistic_inputs.detector_scene(seed, 112, "pixel_values") for seed in range(2)]
+    np.savez(folder / "scenes.npz", **{f"{k}/pixel_values": feed["pixel_values"] for k, feed in enumerate(feeds)})
+    graph = onnx.load(str(model)).graph
+    weights = {init.name for init in graph.initializer}
+    quantized = [n.name for n in graph.node if n.op_type in ("MatMul", "Conv") and n.input[1] in weights]
+    exclude = lambda nodes: models.onnxruntime_dynamic(model, folder / "excluded.onnx", tuple(nodes))  # noqa: E731
+    return model, candidate, feeds, folder / "scenes.npz", quantized, exclude
+
+
+def test_the_one_node_that_repairs_a_vit_is_found_where_its_rules_name_none(tmp_path_factory):
+    """The patch embedding's outlier does not zero whole channels (no rule flags the Conv): the five rule
+    suspects were MatMuls, and the answer was 'accumulated ... among the 5 tried'. Searching every quantized
+    node, the Conv is the cause, as the oracle says, with its one-node repair at the oracle's figure."""
+    model, candidate, feeds, scenes, quantized, exclude = _vit(tmp_path_factory, 25.0)
+    result = accudiff.compare(model, candidate_model=candidate, inputs=scenes)
+    [failure] = result.output_failures
+    ranking = oracle.exclusion_ranking(model, exclude, quantized, feeds, INT8, OUTPUT)
+    (best_ratio, best), (second, _) = ranking[0], ranking[1]
+    assert best_ratio <= 1 < second, ranking[:3]  # one node repairs it alone, no other does
+    assert failure.cause.kind == "local" and failure.cause.node == best, failure.cause
+    assert not any(f.kind == "per_tensor_scale" for f in failure.cause.findings)  # found by the search, not by a rule
+    assert failure.repair.verified and failure.repair.keep == [best]
+    assert failure.repair.steps[1].tol_ratio == pytest.approx(best_ratio, rel=0.1)
+
+
+def test_no_single_node_is_said_only_after_every_node_was_searched(tmp_path_factory):
+    """The same ViT without the outlier, held to a third of INT8's tolerance: no single exclusion repairs it
+    (the oracle), and the answer says so for each of its 37 quantized nodes, counting those tried alone and
+    those covered by groups."""
+    model, candidate, feeds, scenes, quantized, exclude = _vit(tmp_path_factory, 1.0)
+    tolerance = tuple(t / 3 for t in INT8)
+    result = accudiff.compare(model, candidate_model=candidate, inputs=scenes, atol=tolerance[0], rtol=tolerance[1], stol=tolerance[2])
+    [failure] = result.output_failures
+    ranking = oracle.exclusion_ranking(model, exclude, quantized, feeds, tolerance, OUTPUT)
+    assert ranking[0][0] > 1, ranking[:3]
+    cause = failure.cause
+    assert cause.kind == "accumulated" and cause.searched is not None and cause.searched.complete
+    assert cause.searched.candidates == len(quantized) and cause.searched.alone + cause.searched.grouped == len(quantized)
+    [said] = [f.message for f in cause.findings if f.kind == "verified"]
+    assert re.search(rf"of the {len(quantized)} quantized nodes upstream, the {cause.searched.alone} left unquantized alone", said), said
+
+
+def test_a_budget_too_small_to_search_every_node_says_so(tmp_path_factory):
+    model, candidate, _, scenes, quantized, _ = _vit(tmp_path_factory, 1.0)
+    result = accudiff.compare(model, candidate_model=candidate, inputs=scenes, atol=INT8[0] / 3, rtol=INT8[1] / 3, stol=INT8[2] / 3, cause_budget=0)
+    searched = result.output_failures[0].cause.searched
+    assert not searched.complete and searched.left == len(quantized) - searched.alone
+    assert "were not searched (the budget, --cause-budget, ran out)" in result.output_failures[0].cause.findings[-1].message
+
+
+def test_a_group_that_does_worse_than_a_node_of_it_proves_nothing():
+    """Keeping more is assumed never to hurt: where a group kept does worse than one of its nodes kept alone,
+    its nodes are tried one by one instead of being covered by it."""
+    from accudiff.diagnosis.readings import Reading
+    from accudiff.diagnosis.search import search_groups
+
+    reading = lambda score: Reading(score, {}, score, score <= 1.0, False)  # noqa: E731
+    before, alone = reading(4.0), {"a": reading(3.0)}  # 'a' alone helps a little
+    scores = {frozenset("ab"): 3.9, frozenset("cd"): 3.9, frozenset("b"): 3.9}  # the group holding 'a' does worse than 'a' alone
+
+    def run(keep_lists):
+        return [(keep, reading(scores[frozenset(keep)])) for keep in keep_lists]
+
+    found, reach = search_groups(before, ["a", "b", "c", "d"], alone, run, budget=10)
+    assert reach.broken == 1 and reach.groups == 1 and reach.grouped == 2  # {c, d} covers its two; {a, b} does not
+    assert reach.alone == 2 and reach.left == 0  # 'b' is then tried alone (it neither halves the error nor meets the target)
+    assert found == {}
