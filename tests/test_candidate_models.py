@@ -294,36 +294,37 @@ def test_a_candidate_compared_in_segments_gives_the_table_of_one_run(tmp_path):
 
 
 def test_a_given_candidates_constants_that_became_inf_or_zero_are_findings(tmp_path):
-    """A converter that keeps names stored the mask's fill, FP32's lowest, in BF16 (where it is -Inf) and
-    the model casts its epsilon 1e-12 to FP16 as it runs (where it is 0): the first is the verified cause's
+    """A converter that keeps names stored the mask's fill, FP32's lowest, in BF16 (where it is -Inf) and casts
+    it to FP32 as the model runs (as ONNX Runtime's FP16 converter leaves the nodes it blocks), and another
+    casts the model's epsilon 1e-12 to FP16 as it runs (where it is 0): the first is the verified cause's
     finding, with the NaN that follows, the second a finding of the Add that reads it."""
     from accudiff.model.inventory import describe
     from accudiff.transforms.fp16 import BF16, FP16, to_fp16
     from accudiff.transforms.given import adopt
 
-    nodes = [
-        helper.make_node("Sub", ["one", "mask"], ["hidden"], name="invert"),
-        helper.make_node("Mul", ["hidden", "lowest"], ["bias"], name="fill"),
-        helper.make_node("Add", ["x", "bias"], ["scores"], name="apply_mask"),
-        helper.make_node("Softmax", ["scores"], ["weights"], name="softmax"),
-        helper.make_node("Constant", [], ["eps"], name="epsilon", value=numpy_helper.from_array(np.float32(1e-12))),
-        helper.make_node("Add", ["weights", "eps"], ["y"], name="add_eps"),
-    ]
-    graph = helper.make_graph(
-        nodes, "mask", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]), helper.make_tensor_value_info("mask", TensorProto.FLOAT, [2, 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
-        [numpy_helper.from_array(np.float32(1), "one"), numpy_helper.from_array(np.float32(np.finfo(np.float32).min), "lowest")],
-    )
+    lowest = np.float32(np.finfo(np.float32).min)
+
+    def mask_model(fill: onnx.TensorProto, widen: bool) -> onnx.ModelProto:
+        nodes = [
+            helper.make_node("Sub", ["one", "mask"], ["hidden"], name="invert"),
+            *([helper.make_node("Cast", ["lowest"], ["lowest_fp32"], name="widen_lowest", to=TensorProto.FLOAT)] if widen else []),
+            helper.make_node("Mul", ["hidden", "lowest_fp32" if widen else "lowest"], ["bias"], name="fill"),
+            helper.make_node("Add", ["x", "bias"], ["scores"], name="apply_mask"),
+            helper.make_node("Softmax", ["scores"], ["weights"], name="softmax"),
+            helper.make_node("Constant", [], ["eps"], name="epsilon", value=numpy_helper.from_array(np.float32(1e-12))),
+            helper.make_node("Add", ["weights", "eps"], ["y"], name="add_eps"),
+        ]
+        graph = helper.make_graph(
+            nodes, "mask", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]), helper.make_tensor_value_info("mask", TensorProto.FLOAT, [2, 4])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])], [numpy_helper.from_array(np.float32(1), "one"), fill],
+        )
+        return onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)]))
+
     reference = tmp_path / "mask.onnx"
-    onnx.save(onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)])), str(reference))
-    for half, name in ((BF16, "bf16"), (FP16, "fp16")):
-        converted = to_fp16(onnx.load(str(reference)), half=half, autokeep=False).model
-        for weight in converted.graph.initializer:
-            old = weight.name
-            weight.name = old.removesuffix(half.suffix)
-            for node in converted.graph.node:
-                node.input[:] = [weight.name if i == old else i for i in node.input]
-        onnx.save(converted, str(tmp_path / f"mask-{name}.onnx"))
+    onnx.save(mask_model(numpy_helper.from_array(lowest, "lowest"), widen=False), str(reference))
+    stored = helper.make_tensor("lowest", TensorProto.BFLOAT16, [], BF16.values(np.array(lowest)).tobytes(), raw=True)
+    onnx.save(mask_model(stored, widen=True), str(tmp_path / "mask-bf16.onnx"))
+    onnx.save(to_fp16(onnx.load(str(reference)), half=FP16, autokeep=False).model, str(tmp_path / "mask-fp16.onnx"))
     save_feeds([{"x": np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4), "mask": np.array([[1, 1, 1, 0], [1, 1, 0, 0]], np.float32)}], tmp_path / "in.npz")
     result = accudiff.compare(reference, candidate_model=tmp_path / "mask-bf16.onnx", inputs=tmp_path / "in.npz")
     cause = result.output_failures[0].cause

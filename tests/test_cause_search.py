@@ -96,3 +96,12 @@ def test_a_group_that_does_worse_than_a_node_of_it_proves_nothing():
     assert reach.broken == 1 and reach.groups == 1 and reach.grouped == 2  # {c, d} covers its two; {a, b} does not
     assert reach.alone == 2 and reach.left == 0  # 'b' is then tried alone (it neither halves the error nor meets the target)
     assert found == {}
+
+
+def test_a_search_with_no_changed_node_upstream_says_so():
+    """A candidate whose change accudiff cannot place on a node (none it knows as converted upstream) was
+    said as 'each of the 0 converted nodes upstream ... leaves it out of tolerance'."""
+    from accudiff.diagnosis.cause import Search
+
+    said = Search(candidates=0, alone=0).said("converted", "kept in FP32", "out of tolerance", "(best: Mul 'fill', 3x)")
+    assert said == "accudiff finds no converted node upstream of it, and the suspects, kept in FP32 alone, each leave it out of tolerance (best: Mul 'fill', 3x)"

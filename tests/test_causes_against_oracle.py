@@ -242,7 +242,7 @@ def test_verified_repairs_hold_when_compare_applies_them(name, precision, option
         cause, repair = failure.cause, failure.repair
         assert cause.verified
         if cause.kind == "accumulated":
-            assert all(c.tol_ratio_kept > 1 for c in cause.contributors)
+            assert all(c.tol_ratio_kept is None or c.tol_ratio_kept > 1 for c in cause.contributors)  # None: by own error, no keep measured changed it
         if repair.verified:
             patterns = [re.escape(n) for n in repair.keep]
             again = accudiff.compare(path, precision, candidate="onnxrt", inputs=feeds, calib_data=calibration, keep_fp32=patterns, isolate=False, verify=False, **options)

@@ -49,7 +49,11 @@ def test_native_crash_becomes_a_clear_error(tmp_path, monkeypatch, temporary_fil
     """Backends run in the comparison worker: a native crash there ends the worker, not accudiff, and is
     reported with the step it happened in. The worker (the only process this compare starts) loads a
     sitecustomize that makes its first ONNX Runtime run die of SIGSEGV: no race to find its pid. The
-    crashed worker's temporary files do not outlive it."""
+    crashed worker's temporary files do not outlive it. A spare worker an earlier test of this process
+    started (without the sitecustomize) is discarded first."""
+    from accudiff.comparison.worker import discard_spares
+
+    discard_spares()
     (tmp_path / "sitecustomize.py").write_text(CRASH_IN_FIRST_RUN)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     with pytest.raises(AccudiffError) as error:

@@ -14,13 +14,14 @@ continues alone on its own choices, its tokens returned beside the reference's.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from accudiff.comparison.engine import Engine
 from accudiff.errors import AccudiffError
 from accudiff.model.decoder import Decoder
+from accudiff.model.samples import Samples
 
 PREFILL, DECODE = "prefill", "decode"
 
@@ -60,6 +61,21 @@ class Generation:
 def samples_per_prompt(new_tokens: int) -> int:
     """The engine samples a prompt's generation takes: its prefill and `new_tokens` decode steps."""
     return new_tokens + 1
+
+
+def generate_prompts(engine: Engine, spec: dict, prompts: Samples, indices: Sequence[int], carrying: Sequence[str],
+                     on_prompt: Callable[[int, int], None]) -> dict[str, list]:
+    """Each prompt generated through the engine, as a worker's job (`Job.generation`, `spec`) asks: every
+    step and generation, as JSON. `on_prompt(done, total)` follows."""
+    decoder = Decoder.from_json(spec["decoder"])
+    cache_types = {name: np.dtype(kind) for name, kind in spec["cache_types"].items()}
+    found: dict[str, list] = {"steps": [], "generations": []}
+    for done, (prompt, index) in enumerate(zip(prompts, indices), 1):
+        steps, generation = generate(engine, decoder, prompt["input_ids"], prompt.get("continuation"), index, spec["new_tokens"], cache_types, carrying)
+        found["steps"] += [asdict(step) for step in steps]
+        found["generations"].append(generation.as_json())
+        on_prompt(done, len(prompts))
+    return found
 
 
 def generate(engine: Engine, decoder: Decoder, prompt: np.ndarray, continuation: np.ndarray | None, sequence: int, new_tokens: int,

@@ -339,7 +339,11 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
         generated: dict[str, list] = {"steps": [], "generations": []}
         try:
             if job.generation:
-                generated = _generate(engine, job, passes, emit)
+                from accudiff.comparison.generation import generate_prompts
+
+                carrying = [p.name for p in passes if not p.fed_from_reference]
+                generated = generate_prompts(engine, job.generation, Samples.from_json(job.samples, "the prompts"), job.sample_indices, carrying,
+                                             lambda done, total: emit({"event": "sample", "done": done, "total": total}))
             else:
                 specs = [InputSpec(name, np.dtype(dtype), tuple(shape)) for name, dtype, shape in job.input_specs]
                 samples = Samples.from_json(job.samples, "the inputs", specs)
@@ -350,26 +354,6 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
             engine.close()
             release_shared_arena()  # sessions kept for a later job (`reuse`) keep what they hold
     _write_result(engine, Path(job.result), cpu.threads, generated)
-
-
-def _generate(engine, job: Job, passes: list, emit: Callable[[dict], None]) -> dict[str, list]:
-    """Each of the job's prompts generated through the engine (comparison/generation.py): its steps and generations."""
-    from accudiff.comparison.generation import generate
-    from accudiff.model.decoder import Decoder
-    from accudiff.model.samples import Samples
-
-    decoder = Decoder.from_json(job.generation["decoder"])
-    cache_types = {name: np.dtype(kind) for name, kind in job.generation["cache_types"].items()}
-    carrying = [p.name for p in passes if not p.fed_from_reference]
-    prompts = Samples.from_json(job.samples, "the prompts")
-    found: dict[str, list] = {"steps": [], "generations": []}
-    for done, (prompt, index) in enumerate(zip(prompts, job.sample_indices), 1):
-        steps, generation = generate(engine, decoder, prompt["input_ids"], prompt.get("continuation"), index, job.generation["new_tokens"],
-                                     cache_types, carrying)
-        found["steps"] += [asdict(step) for step in steps]
-        found["generations"].append(generation.as_json())
-        emit({"event": "sample", "done": done, "total": len(prompts)})
-    return found
 
 
 _REUSED = ReusedRunners()

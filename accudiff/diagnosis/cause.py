@@ -105,6 +105,8 @@ class Search:
         """The search's finding in words: of the `what` nodes ("quantized", "converted"), each `undone`
         ("left unquantized") alone leaves the output `short` ("out of tolerance"); `best`: the best single
         keep, said ("(best: ...)")."""
+        if self.candidates == 0:
+            return f"accudiff finds no {what} node upstream of it, and the suspects, {undone} alone, each leave it {short} {best}"
         if self.grouped == 0 and self.complete:
             return f"each of the {self.candidates} {what} nodes upstream, {undone} alone, leaves it {short} {best}"
         text = f"of the {self.candidates} {what} nodes upstream, the {self.alone} {undone} alone each leave it {short} {best}"

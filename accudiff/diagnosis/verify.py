@@ -43,7 +43,8 @@ from accudiff.comparison.worker import prestart
 from accudiff.diagnosis.loss_split import loss_split, loss_split_keeps
 from accudiff.diagnosis.readings import Reading, Tries, improvement, pruned
 from accudiff.diagnosis.search import candidates_upstream, search_groups, weights_dominate
-from accudiff.diagnosis.cause import Absorbed, Cause, Contributor, Repair, RepairStep, Search, ancestor_tensors, flagged_nodes, rank_contributors
+from accudiff.diagnosis.cause import (Absorbed, Cause, Contributor, Repair, RepairStep, Search, ancestor_tensors, find_cause, flagged_nodes,
+                                      rank_contributors)
 from accudiff.diagnosis.mechanisms import absorber, amplifiers, cancellations
 from accudiff.diagnosis.rules import RANGE_KINDS, DiagnosisContext, Finding, grid_fault_strength, isolated_figures, isolation_ran, range_findings
 from accudiff.model.formats import QUANTIZED_FORMATS, formats_of
@@ -299,8 +300,10 @@ def _conclude(
     # output barely out of tolerance may be repaired by several keeps, each by a little).
     helpful = sorted((s for s in suspects if improvement(before.score, s.score) > 1 / HELPS or (s.reading is not None and s.reading.met)),
                      key=lambda s: s.score)
-    # A keep that leaves the output worse than nothing kept contributes nothing: it is no contributor.
-    contributors = [_contributor(s, table) for s in sorted(suspects, key=lambda s: s.score) if s.score < before.score]
+    # A keep that leaves the output no better than nothing kept contributes nothing measurable: when none
+    # does (a chain stuck on FP16's grid, whichever one node is exact), the largest own errors stand in.
+    contributors = ([_contributor(s, table) for s in sorted(suspects, key=lambda s: s.score) if s.score < before.score]
+                    or find_cause(output, table, context).contributors)
     steps, readings = [before.step([])], [before]
     now = before
     used: list[_Suspect] = []

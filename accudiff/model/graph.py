@@ -179,6 +179,15 @@ def constant_values(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
     return found
 
 
+def widened_constants(graph: onnx.GraphProto, narrow: Iterable[int]) -> dict[str, str]:
+    """Values a Cast widens from a constant stored in a `narrow` type (weights kept FP16 and cast to FP32 as
+    the model runs, as ONNX Runtime's FP16 converter leaves the nodes it blocks) -> that constant's name."""
+    constants, narrow = constant_values(graph), set(narrow)
+    return {node.output[0]: node.input[0] for node in graph.node
+            if node.op_type == "Cast" and node.input and node.input[0] in constants and constants[node.input[0]].data_type in narrow
+            and cast_target(node) not in narrow}
+
+
 def value_types(graph: onnx.GraphProto) -> dict[str, int]:
     """The element type of every value the graph declares (inputs, outputs, value_info, constants)."""
     types = {vi.name: vi.type.tensor_type.elem_type for vi in [*graph.input, *graph.value_info, *graph.output] if vi.type.HasField("tensor_type")}

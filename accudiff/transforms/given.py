@@ -21,7 +21,7 @@ from onnx import numpy_helper
 from accudiff.errors import AccudiffError
 from accudiff.model.formats import GRIDS, REDUCED_FLOATS, QuantRange, grid_type, model_formats, precision_label, quant_ranges
 from accudiff.model.constant_rounding import ConstantRounding, overflow_text, underflow_text
-from accudiff.model.graph import cast_target, constant_values, value_types, writers_of
+from accudiff.model.graph import cast_target, constant_values, value_types, widened_constants, writers_of
 from accudiff.model.decoder import find_decoder, genai_config, model_name
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.quantized_ops import GENAI_BUILDER, find_quantized_ops, quantized_members
@@ -257,16 +257,19 @@ def per_tensor_weights(graph: onnx.GraphProto, reference: onnx.GraphProto) -> di
 def half_constant_findings(graph: onnx.GraphProto, reference: onnx.GraphProto) -> dict[str, list[tuple[str, str]]]:
     """What the candidate's FP16/BF16 constants hold where the float ones are finite and nonzero (as
     to_fp16 reports its own: constant_rounding.py), by the node reading them: a constant stored in the
-    format (its float values: the reference's constant of the same name), or cast to it as the model runs."""
+    format (its float values: the reference's constant of the same name; read as it is or cast to FP32),
+    or cast to it as the model runs."""
     halves = {half.elem_type: half for half in HALVES.values()}
     constants, theirs = constant_values(graph), constant_values(reference)
     producer = writers_of(graph.node)
+    widened = widened_constants(graph, halves)
     found: dict[str, list[tuple[str, str]]] = {}
     for node in graph.node:
         if node.op_type in STORAGE_OPS:
             continue
         for name in dict.fromkeys(node.input):
             cast = producer.get(name)
+            name = widened.get(name, name)
             if name in constants and name in theirs and constants[name].data_type in halves and theirs[name].data_type == onnx.TensorProto.FLOAT:
                 half, rounding = halves[constants[name].data_type], ConstantRounding()
                 for wide, narrow in zip(weight_blocks(theirs[name], ROUNDING_BLOCK * 4), weight_blocks(constants[name], ROUNDING_BLOCK * 2)):
@@ -289,9 +292,10 @@ ROUNDING_BLOCK = 1 << 20  # values read at a time from each side of a constant
 
 def reduced_nodes(graph: onnx.GraphProto) -> set[str]:
     """The candidate's nodes that compute in reduced precision: those reading a dequantized value (TensorRT
-    runs them quantized) or an FP16/BF16 one, or writing FP16/BF16 (Casts, Q/DQ and Constants only store)."""
+    runs them quantized) or an FP16/BF16 one (a weight stored so, even cast to FP32 as the model runs), or
+    writing FP16/BF16 (Casts, Q/DQ and Constants only store)."""
     types = value_types(graph)
-    dequantized = {out for node in graph.node if node.op_type == "DequantizeLinear" for out in node.output}
+    dequantized = {out for node in graph.node if node.op_type == "DequantizeLinear" for out in node.output} | set(widened_constants(graph, REDUCED_FLOATS))
     return {
         node.name for node in graph.node
         if node.op_type not in STORAGE_OPS and any(types.get(out) in FLOAT_TYPES for out in node.output)

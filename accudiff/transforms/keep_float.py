@@ -27,7 +27,7 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from accudiff.model.formats import REDUCED_FLOATS
-from accudiff.model.graph import constant_values, declare_like, fresh_name, readers_of, value_types, writers_of
+from accudiff.model.graph import constant_values, declare_like, fresh_name, readers_of, value_types, widened_constants, writers_of
 from accudiff.model.quantized_ops import QuantizedOp, by_name, find_quantized_ops, float_nodes, quantized_members, with_float_activation
 from accudiff.model.quantized_weights import float_weight
 from accudiff.model.shapes import infer_shapes_unless_typed
@@ -94,6 +94,7 @@ class FloatInputs:
         self.widen = "casts" in undo
         self.types = value_types(graph)
         self.constants = constant_values(graph)
+        self.widened = widened_constants(graph, REDUCED_FLOATS)
         self.producer = writers_of(graph.node)
         self.declared = {vi.name: vi for vi in [*graph.value_info, *graph.input, *graph.output]}
         self.reference_nodes = {node.name: node for node in reference.graph.node} if reference is not None else {}
@@ -230,11 +231,12 @@ class FloatInputs:
         return ("weights" if quantize.input[0] in self.constants else "activations") in self.undo
 
     def _narrow_weight(self, name: str) -> bool:
-        """A weight stored narrow: a dequantized constant ("weights"), or an FP16/BF16 constant ("casts")."""
+        """A weight stored narrow: a dequantized constant ("weights"), or an FP16/BF16 constant, as it is or
+        cast to FP32 ("casts")."""
         node = self.producer.get(name)
         if "weights" in self.undo and node is not None and node.op_type == "DequantizeLinear" and node.input[0] in self.constants:
             return True
-        return self.widen and name in self.constants and self.constants[name].data_type in REDUCED_FLOATS
+        return self.widen and (name in self.widened or (name in self.constants and self.constants[name].data_type in REDUCED_FLOATS))
 
     def _reference_weight(self, node: str, index: int) -> str | None:
         """The reference's float weight at this input of its node named `node`, added to the model (under its
