@@ -19,8 +19,10 @@ call this; each stage is a function in the module that owns it:
 from __future__ import annotations
 
 import importlib
+import shutil
 import threading
 import time
+import weakref
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,12 +30,14 @@ from typing import TYPE_CHECKING
 from accudiff.comparison.branches import describe_groups, plan_groups
 from accudiff.comparison.group import combine, group_model, isolation_notice, make_candidate, plan, run_group, save_tensors
 from accudiff.comparison.worker import prestart
+from accudiff.errors import AccudiffError
 from accudiff.comparison.shards import default_workers
 from accudiff.model.loading import load_model
 from accudiff.model.run_results import read_captured
 from accudiff.model.prompts import prepare_generation
 from accudiff.model.samples import Samples, prepare_samples
 from accudiff.report.content import CANDIDATE_MODEL_FILE, INPUTS_FILE, PROMPTS_FILE
+from accudiff.report.folder import ReportFolder
 from accudiff.runners import TrtOptions
 from accudiff.runners.outputs import ReferenceCache
 from accudiff.transforms.float_form import float_reference
@@ -57,9 +61,14 @@ def compare(model: str | Path, precision: str = "fp32", *, progress: Progress | 
     `options` are the fields of `RunSettings` (inputs, tolerances, keep-list, report folder, budgets...).
     `progress(phase, samples done, samples in all)` is told how far the runs got; a `reference_cache`
     shared between calls runs each model's reference only once per set of inputs.
-    Raises AccudiffError (one sentence) for any problem with the inputs.
+    Raises AccudiffError (one sentence, naming these keyword arguments) for any problem with the inputs.
     """
-    return run(RunSettings(model, precision, **options), progress, reference_cache)
+    try:
+        return run(RunSettings(model, precision, **options), progress, reference_cache)
+    except AccudiffError as exc:  # said in the caller's words, and once: what led to it is no news to a caller
+        from accudiff.options import python_words
+
+        raise AccudiffError(python_words(str(exc))) from None
 
 
 def run(
@@ -134,18 +143,46 @@ def run(
 
 
 def _report(result: CompareResult, settings: RunSettings, where: Workspace, samples: Samples, laps: _Stopwatch) -> None:
-    """The report stage: the replay command, the timings, and the report folder written and put in place."""
+    """The report stage: the timings, and the report folder written and put in place; without one asked
+    for, what it needs is kept until the result writes it (`CompareResult.write_report`) or is dropped."""
     folder = where.folder
     result.timings = laps.laps  # the same dict: the report sees every phase before its own
-    if folder.final is not None:
-        saved = folder.final / INPUTS_FILE if (folder.path / INPUTS_FILE).exists() else settings.inputs  # a dataset stays where it is
-        prompts = folder.final / PROMPTS_FILE if (folder.path / PROMPTS_FILE).exists() else settings.prompts  # as token ids: the same whatever the tokenizer
-        result.replay = ["accudiff", "compare", *replace(settings, inputs=saved, prompts=prompts).arguments()]
-        from accudiff.report.writer import write_report
-
-        write_report(result, folder, samples)
-    result.report_dir = folder.commit()
+    if folder.final is None:
+        weakref.finalize(result, folder.discard)
+        result.report_writer = lambda path: _write_later(result, settings, folder, samples, path)
+    else:
+        _write(result, settings, folder, samples, folder.final)
+        result.report_dir = folder.commit()
     laps.lap("report")
+
+
+def _write(result: CompareResult, settings: RunSettings, folder: ReportFolder, samples: Samples, final: Path) -> None:
+    """The report's files, written in `folder`'s staging folder, which becomes `final`: the settings as saved
+    there (the inputs and prompts it holds: the commands it prints run them again)."""
+    from accudiff.report.writer import write_report
+
+    saved = final / INPUTS_FILE if (folder.path / INPUTS_FILE).exists() else settings.inputs  # a dataset stays where it is
+    prompts = final / PROMPTS_FILE if (folder.path / PROMPTS_FILE).exists() else settings.prompts  # as token ids: the same whatever the tokenizer
+    changes = {"prompts": prompts, "report_dir": None}
+    result.settings = settings.fed(saved, **changes) if saved is not None else replace(settings, **changes)
+    write_report(result, folder, samples)
+
+
+def _write_later(result: CompareResult, settings: RunSettings, kept: ReportFolder, samples: Samples, path: Path) -> Path:
+    """`CompareResult.write_report`: the kept staging folder's files (inputs, candidate models) and the
+    report's, moved into a report folder at `path`, which appears whole or not at all."""
+    folder = ReportFolder(path)
+    try:
+        _write(result, settings, kept, samples, folder.final)
+        for item in kept.path.iterdir():
+            shutil.move(str(item), folder.path / item.name)
+    except BaseException:
+        folder.discard()
+        raise
+    kept.discard()
+    result.report_writer = None
+    result.report_dir = folder.commit()
+    return result.report_dir
 
 
 def _import_diagnosis() -> None:

@@ -1,10 +1,12 @@
-"""Command line: a thin layer over the Python API. Exit codes: 0 within tolerance, 1 not, 2 usage/input error."""
+"""Command line: a thin layer over the Python API. Exit codes: 0 within tolerance, 1 not, 2 usage/input error,
+130 interrupted (Ctrl-C)."""
 
 from __future__ import annotations
 
 import argparse
 import atexit
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -14,14 +16,13 @@ from typing import Sequence
 
 from accudiff.version import __version__
 from accudiff.errors import AccudiffError
-from accudiff.options import add_report_dir_option, add_run_options, run_settings
+from accudiff.options import add_compare_options, add_report_dir_option, add_run_options, run_settings
 from accudiff.report.folder import default_report_dir
 from accudiff.runners.trt_env import MODULES
-from accudiff.settings import DEFAULT_CAUSE_BUDGET, DEFAULT_VERIFY_BUDGET, SIDE_BACKENDS
+from accudiff.settings import COMPARE_ONLY
 
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
-# Settings only `compare` takes (the bisectors rerun the candidate, so they neither skip nor replay runs).
-COMPARE_ONLY = ("isolate", "verify", "verify_budget", "cause_budget", "also", "load_candidate", "load_reference", "candidate_runner", "save_reference", "save_candidate")
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells expect of a command Ctrl-C stopped
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,19 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_options(cmp)
     add_report_dir_option(cmp, "reports/<model>-<precision>-<time>/")
     cmp.set_defaults(parser=cmp)
-    cmp.add_argument("--no-isolate", dest="isolate", action="store_false", help="skip the run that measures each node's own error (faster; the cause is then named only from range evidence)")
-    cmp.add_argument("--no-verify", dest="verify", action="store_false", help="skip testing each suspect at the failing outputs (the cause is then the rules' hypothesis, not verified)")
-    cmp.add_argument("--verify-budget", type=int, default=DEFAULT_VERIFY_BUDGET, metavar="N", help=f"candidate runs per failing output to try the rules' suspects alone and confirm the repair (default {DEFAULT_VERIFY_BUDGET})")
-    cmp.add_argument("--cause-budget", type=int, default=DEFAULT_CAUSE_BUDGET, metavar="N",
-                     help=f"candidate runs per failing output to search every other node the candidate changes, in groups, for one that repairs it alone (default {DEFAULT_CAUSE_BUDGET})")
-    cmp.add_argument("--timings", action="store_true", help="print where the time went: each stage, and the workers' phases (also in summary.json)")
-    cmp.add_argument("--also", choices=SIDE_BACKENDS, help="run the same transformed model on a second backend too (three-way table)")
-    captured = cmp.add_argument_group("tensors captured elsewhere (polygraphy's RunResults JSON)")
-    captured.add_argument("--load-candidate", type=Path, metavar="FILE", help="the candidate's tensors from polygraphy run ... --save-outputs FILE (give --load-inputs too)")
-    captured.add_argument("--load-reference", type=Path, metavar="FILE", help="the reference's tensors from such a file, instead of running it")
-    captured.add_argument("--candidate-runner", metavar="NAME", help="the runner to read when the file holds several")
-    captured.add_argument("--save-reference", type=Path, metavar="FILE", help="write the reference's tensors as RunResults JSON (polygraphy --load-outputs reads it)")
-    captured.add_argument("--save-candidate", type=Path, metavar="FILE", help="write the candidate's tensors as RunResults JSON")
+    add_compare_options(cmp)
 
     bisect = commands.add_parser("bisect", help="isolate what fails").add_subparsers(dest="bisector", parser_class=_Parser, required=True)
     for name, text in BISECTORS.items():
@@ -101,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("accudiff: interrupted; no report was written", file=sys.stderr)
-        return EXIT_ERROR
+        return EXIT_INTERRUPTED
     except Exception as exc:  # a bug of ours: one sentence by default, the traceback on request
         if args.debug:
             traceback.print_exc()
@@ -119,7 +108,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     settings = run_settings(args, **{name: getattr(args, name) for name in COMPARE_ONLY})
     settings = replace(settings, report_dir=args.report_dir or default_report_dir(Path(args.model).stem, settings.precision))  # a candidate model's precision is read from it
     result = run(settings, progress=ProgressBar(), import_seconds=time.perf_counter() - started)
-    print(format_summary(result))
+    print(format_summary(result, shutil.get_terminal_size().columns if sys.stdout.isatty() else None))
     if args.timings:
         print(format_timings(result))
     return EXIT_PASS if result.passed else EXIT_FAIL
@@ -129,9 +118,9 @@ def _run_bisect(args: argparse.Namespace) -> int:
     from accudiff.bisect.report import run_bisector
 
     out_dir = args.report_dir or default_report_dir(Path(args.model).stem, f"bisect-{args.bisector}")
-    summary, found = run_bisector(args.bisector, run_settings(args), out_dir)
+    summary, found, interrupted = run_bisector(args.bisector, run_settings(args), out_dir)
     print(summary)
-    return EXIT_FAIL if found else EXIT_PASS
+    return EXIT_INTERRUPTED if interrupted else EXIT_FAIL if found else EXIT_PASS
 
 
 def _run_partition(args: argparse.Namespace) -> int:

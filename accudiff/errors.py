@@ -13,8 +13,22 @@ class AccudiffError(Exception):
     """A problem with the user's input or environment (exit code 2 on the command line)."""
 
 
+class RunFailed(AccudiffError):
+    """A backend failed to run a model on a sample: `reason`, its own words (the caller names the sample and
+    its inputs, which a backend running one segment of a model does not know)."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+# "Non-zero status code returned while running Concat node. Name:'/x/Concat' Status Message: concatbase.h:135
+# PrepareForComputeImpl Non concat axis ..." says: "Concat '/x/Concat': Non concat axis ...".
+_ONNXRUNTIME_NODE = re.compile(r"Non-zero status code returned while running (\w+) node\. Name:'([^']*)' Status Message: (?:\S+\.(?:h|cc|cpp):\d+ \w+ )?")
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of a foreign library's exception, without ONNX Runtime's source locations: the part
     of its message worth quoting in our one sentence."""
-    text = _ONNXRUNTIME_NOISE.sub("", str(exc)).strip().splitlines()
+    text = _ONNXRUNTIME_NODE.sub(r"\1 '\2': ", _ONNXRUNTIME_NOISE.sub("", str(exc))).strip().splitlines()
     return text[0].strip() if text else type(exc).__name__

@@ -7,13 +7,15 @@ settings (`RunSettings.arguments` does the reverse, so a saved command says exac
 from __future__ import annotations
 
 import argparse
+import functools
+import re
 from pathlib import Path
 
 from accudiff.comparison.objective import OBJECTIVES
 from accudiff.runners import CANDIDATES, TrtOptions
 from accudiff.runners.trt_build import LEGACY_PRECISIONS, MARK_MODES
 from accudiff.runners.trt_env import MODULES
-from accudiff.settings import RunSettings
+from accudiff.settings import DEFAULT_CAUSE_BUDGET, DEFAULT_VERIFY_BUDGET, SIDE_BACKENDS, RunSettings
 
 
 def add_run_options(cmd: argparse.ArgumentParser) -> None:
@@ -56,6 +58,24 @@ def add_run_options(cmd: argparse.ArgumentParser) -> None:
     trt.add_argument("--engine", type=Path, metavar="PLAN", help="compare this pre-built TensorRT engine (graph outputs only)")
 
 
+def add_compare_options(cmd: argparse.ArgumentParser) -> None:
+    """What only `compare` takes (settings.COMPARE_ONLY, and --timings): the bisectors rerun the candidate,
+    so they neither skip nor replay runs."""
+    cmd.add_argument("--no-isolate", dest="isolate", action="store_false", help="skip the run that measures each node's own error (faster; the cause is then named only from range evidence)")
+    cmd.add_argument("--no-verify", dest="verify", action="store_false", help="skip testing each suspect at the failing outputs (the cause is then the rules' hypothesis, not verified)")
+    cmd.add_argument("--verify-budget", type=int, default=DEFAULT_VERIFY_BUDGET, metavar="N", help=f"candidate runs per failing output to try the rules' suspects alone and confirm the repair (default {DEFAULT_VERIFY_BUDGET})")
+    cmd.add_argument("--cause-budget", type=int, default=DEFAULT_CAUSE_BUDGET, metavar="N",
+                     help=f"candidate runs per failing output to search every other node the candidate changes, in groups, for one that repairs it alone (default {DEFAULT_CAUSE_BUDGET})")
+    cmd.add_argument("--timings", action="store_true", help="print where the time went: each stage, and the workers' phases (also in summary.json)")
+    cmd.add_argument("--also", choices=SIDE_BACKENDS, help="run the same transformed model on a second backend too (three-way table)")
+    captured = cmd.add_argument_group("tensors captured elsewhere (polygraphy's RunResults JSON)")
+    captured.add_argument("--load-candidate", type=Path, metavar="FILE", help="the candidate's tensors from polygraphy run ... --save-outputs FILE (give --load-inputs too)")
+    captured.add_argument("--load-reference", type=Path, metavar="FILE", help="the reference's tensors from such a file, instead of running it")
+    captured.add_argument("--candidate-runner", metavar="NAME", help="the runner to read when the file holds several")
+    captured.add_argument("--save-reference", type=Path, metavar="FILE", help="write the reference's tensors as RunResults JSON (polygraphy --load-outputs reads it)")
+    captured.add_argument("--save-candidate", type=Path, metavar="FILE", help="write the candidate's tensors as RunResults JSON")
+
+
 def add_report_dir_option(cmd: argparse.ArgumentParser, default: str) -> None:
     """Every command that writes a folder names it the same way."""
     cmd.add_argument("-o", "--report-dir", type=Path, metavar="DIR", help=f"folder to write (default {default}); never overwritten")
@@ -91,3 +111,50 @@ def run_settings(args: argparse.Namespace, **only_compare) -> RunSettings:
         new_tokens=args.new_tokens,
         **only_compare,
     )
+
+
+# Where a run option's keyword differs from its flag's destination, or takes an object: `accudiff.compare`'s word for it.
+_KEYWORDS = {"load_inputs": "inputs", "trt_module": "trt", "trt_mark": "trt", "trt_workspace": "trt", "trt_legacy_precision": "trt", "engine": "trt"}
+_FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)(?: '([^']*)'| ([\w.<>?-]*\d[\w.:=<>?-]*|[\w.<>?-]+[:=][\w.:=<>?-]+))?")
+
+
+@functools.cache
+def _keywords() -> dict[str, tuple[str, bool]]:
+    """Each run option's flag -> (its keyword argument as written, e.g. "keep_fp32=" or "precision='fp16'",
+    whether it takes a list)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_run_options(parser)
+    add_compare_options(parser)
+    found = {}
+    for action in parser._actions:
+        for flag in action.option_strings:
+            keyword = _KEYWORDS.get(action.dest, action.dest)
+            if isinstance(action, argparse._StoreConstAction) and action.dest == "precision":
+                found[flag] = (f"precision={action.const!r}", False)
+            elif isinstance(action, argparse._StoreFalseAction):
+                found[flag] = (f"{keyword}=False", False)
+            else:
+                found[flag] = (f"{keyword}=", isinstance(action, (argparse._AppendAction, argparse._ExtendAction)))
+    return found
+
+
+def python_words(message: str) -> str:
+    """A message in the words of `accudiff.compare`'s keyword arguments instead of the command line's flags,
+    for a Python caller: "--require 'top1=2' is not ..." -> "require=['top1=2'] is not ...", "--iterations"
+    -> "iterations=". Flags of other tools (polygraphy's --save-inputs) stay as they are."""
+    keywords = _keywords()
+
+    def said(match: re.Match) -> str:
+        flag, quoted, bare = match.groups()
+        if flag not in keywords:
+            return match.group(0)
+        keyword, listed = keywords[flag]
+        value = quoted if quoted is not None else bare
+        if value is None or not keyword.endswith("="):
+            return keyword + match.group(0)[len(flag):]
+        written = value if quoted is None and re.fullmatch(r"-?\d+(\.\d*)?", value) else repr(value)
+        return keyword + (f"[{written}]" if listed else written)
+
+    # A command quoted in the message ("accudiff compare float.onnx --candidate-model x.onnx") stays a command.
+    parts = re.split(r"(accudiff (?:compare|bisect)[^()]*)", message)
+    return "".join(part if k % 2 else _FLAG.sub(said, part) for k, part in enumerate(parts))

@@ -278,7 +278,7 @@ class AccuracyCheck:
                     "model": str(self.model),
                     "precision": self.precision,
                     "failed": bool(problems),
-                    "causes": [f"output '{f.tensor}': {cause_lines(f, result)[0]}" for f in result.output_failures if f.cause is not None],
+                    "causes": [f"output '{f.tensor}': {cause_lines(f, result, python=True)[0]}" for f in result.output_failures if f.cause is not None],
                     "worst": [f"{r['tensor']}: SQNR {r['sqnr_db']:.1f} dB, max abs err {r['max_abs_err']:.3g}" for _, r in worst.iterrows()],
                     "report": str(result.report_dir) if result.report_dir else None,
                     "baseline_written": written,
@@ -320,7 +320,7 @@ def _message(result, problems: list[str]) -> str:
     lines += sample_lines(result)
     for failure in result.output_failures:
         lines.append(f"  output '{failure.tensor}':")
-        lines += [f"    {line}" for line in cause_lines(failure, result)]
+        lines += [f"    {line}" for line in cause_lines(failure, result, python=True)]
     if result.first_failure is not None:
         lines.append(f"  first tensor out of tolerance (topological order): '{result.first_failure.tensor}' ({result.first_failure.op_type})")
     if result.report_dir is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import pandas as pd
@@ -17,8 +18,12 @@ from accudiff.comparison.tolerances import Tolerances
 from accudiff.diagnosis.cause import Cause
 from accudiff.diagnosis.rules import Finding
 from accudiff.diagnosis.cause import Repair
+from accudiff.errors import AccudiffError
 from accudiff.model.inventory import NodeSummary
 from accudiff.transforms import KeptNode
+
+if TYPE_CHECKING:
+    from accudiff.settings import RunSettings
 
 MIN_COVERAGE = 0.5  # below this share of the model's tensors compared, a clean result is not a pass
 
@@ -68,8 +73,7 @@ class CompareResult:
     inputs: str = ""  # where the samples came from
     candidate_models: list[str] = field(default_factory=list)  # the candidate model files in the report (one per branch group)
     branches: list[dict] = field(default_factory=list)  # per group of samples: {"samples": [...], "taken": {If node: branch}}
-    replay: list[str] = field(default_factory=list)  # the command that runs this comparison again on the same inputs
-    target: list[str] = field(default_factory=list)  # what was compared, as command-line arguments (the model, a precision flag or the candidate model)
+    settings: RunSettings | None = None  # what was asked, its inputs as the report saved them: the commands a report prints run it again (report/next_steps.py)
     candidate_model: Path | None = None  # a candidate made by another tool (ModelOpt, ONNX Runtime's quantizer...), compared as it is
     unmatched: dict[str, str] = field(default_factory=dict)  # for such a candidate: a reference tensor it has no partner for -> why
     inside: dict[str, str] = field(default_factory=dict)
@@ -99,6 +103,29 @@ class CompareResult:
     weights: dict[str, str] = field(default_factory=dict)
     error_sketches: dict[str, np.ndarray] = field(default_factory=dict)
     points: dict[str, list[list[float]]] = field(default_factory=dict)
+
+    # Writes the report folder afterwards, where none was asked for (api.py keeps what it needs until then).
+    report_writer: Callable[[Path], Path] | None = field(default=None, repr=False, compare=False)
+
+    def write_report(self, path: str | Path) -> Path:
+        """Write this comparison's report folder at `path`, as `report_dir=` would have (with the inputs, so
+        its replay line runs it again); once. Returns the folder."""
+        if self.report_dir is not None:
+            raise AccudiffError(f"this comparison's report is already written, at '{self.report_dir}'")
+        if self.report_writer is None:
+            raise AccudiffError("this result holds no comparison to report (it was read back, not run)")
+        return self.report_writer(Path(path))
+
+    @property
+    def replay(self) -> list[str]:
+        """The command that runs this comparison again on the same inputs (none while its given inputs are
+        saved nowhere: `write_report` saves them)."""
+        return ["accudiff", "compare", *self.settings.arguments()] if self.replayable else []
+
+    @property
+    def replayable(self) -> bool:
+        """Its inputs are files or generated from the seed (not feeds given in memory), so a command can run it again."""
+        return self.settings is not None and (self.settings.inputs is None or isinstance(self.settings.inputs, (str, Path)))
 
     @property
     def outputs(self) -> pd.DataFrame:

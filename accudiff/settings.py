@@ -4,7 +4,7 @@ one `RunSettings`; `arguments()` writes it back as the command line that runs it
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Sequence
@@ -28,6 +28,8 @@ PRECISION_FLAGS = {"fp16": "--fp16", "bf16": "--bf16", "int8": "--int8"}
 SIDE_BACKENDS = ("onnxrt", "trt")
 DEFAULT_VERIFY_BUDGET = 8  # candidate runs that may test suspects, per failing output (diagnosis/verify.py)
 DEFAULT_CAUSE_BUDGET = 48  # runs a failing output's search of every changed node may take (diagnosis/search.py): thousands of nodes that hold no single cause need a few
+# Settings only `compare` takes (the bisectors rerun the candidate, so they neither skip nor replay runs).
+COMPARE_ONLY = ("isolate", "verify", "verify_budget", "cause_budget", "also", "load_candidate", "load_reference", "candidate_runner", "save_reference", "save_candidate")
 DEFAULT_NEW_TOKENS = 16  # a decoder's decode steps after each prompt's prefill (comparison/generation.py)
 
 
@@ -131,6 +133,11 @@ class RunSettings:
         self.output_kinds  # noqa: B018 - and an output's kind
         self._check_captured()
         self._check_generation()
+        if self.inputs is not None:
+            ignored = [flag for flag, given in (("--input-shapes", self.input_shapes), ("--val-range", self.val_range), ("--iterations", self.iterations != 1)) if given]
+            if ignored:
+                raise AccudiffError(f"{' and '.join(ignored)} shape random inputs, and the inputs --load-inputs gives have their own shapes and values: "
+                                    f"{'it' if len(ignored) == 1 else 'they'} would be ignored")
 
     def _check_generation(self) -> None:
         """Prompts go with nothing that gives the model other inputs, or the candidate's tensors from elsewhere."""
@@ -146,6 +153,10 @@ class RunSettings:
                 raise AccudiffError(f"--prompts generates from each prompt, each side carrying its own KV cache: {flag} cannot go with it")
         if self.iterations != 1 or self.val_range or self.input_shapes:
             raise AccudiffError("--prompts gives the decoder its inputs: --iterations, --val-range and --input-shapes would be ignored")
+
+    def fed(self, inputs: str | Path | Sequence[Feed], **changes) -> RunSettings:
+        """These settings (with `changes`) given `inputs`: the options that shape random inputs go with them."""
+        return replace(self, inputs=inputs, input_shapes=(), val_range=(), iterations=1, **changes)
 
     @property
     def decode_steps(self) -> int:
@@ -273,10 +284,13 @@ class RunSettings:
             return [str(self.model), *([PRECISION_FLAGS[self.precision]] if self.precision in PRECISION_FLAGS else [])]
         return [str(self.model)] + ([] if self.given_alone else ["--candidate-model", str(self.candidate_model)])
 
-    def arguments(self) -> list[str]:
-        """The command-line arguments after `accudiff compare` that run this again; options left at their
-        defaults are not written. Input data must be files (`inputs`, `calib_data`); the report folder is
-        left to the default, so the command never collides with the folder it came from."""
+    def arguments(self, command: str = "compare") -> list[str]:
+        """The command-line arguments after `accudiff compare` (`command` "bisect": after `accudiff bisect
+        precision`, without what only compare takes) that run this again; options left at their defaults
+        are not written. Input data must be files (`inputs`, `calib_data`); the report folder is left to the
+        default, so the command never collides with the folder it came from."""
+        if command == "bisect":
+            return replace(self, **{name: RunSettings.__dataclass_fields__[name].default for name in COMPARE_ONLY}).arguments()
         args = self.target_arguments()
         if self.candidate != "auto":
             args += ["--candidate", self.candidate]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +21,17 @@ def user_shell_environment() -> dict:
     """The environment a user's shell has: the `accudiff` script of this Python on PATH (printed commands
     are run through it, verbatim)."""
     return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+def printed_commands(out: str) -> list[str]:
+    """The commands a run printed for the user to paste (each on an indented line of its own; the summary's
+    first line, 'accudiff compare model.onnx [fp16]', is a heading)."""
+    return [line.strip() for line in out.splitlines() if line.startswith(" ") and line.strip().startswith("accudiff ")]
+
+
+def run_printed(command: str, cwd: Path) -> subprocess.CompletedProcess:
+    """A printed command pasted into a POSIX shell, in the folder it was printed in."""
+    return subprocess.run(["bash", "-c", command], cwd=cwd, capture_output=True, text=True, env=user_shell_environment())
 
 
 # Packages the tests use where they are installed, and skip without: the model wheels, the libraries that

@@ -158,7 +158,7 @@ def test_loop_bodies_are_converted_and_listed_and_a_mostly_hidden_model_is_incon
 
 def test_a_keep_pattern_naming_only_the_if_is_refused():
     """The If is replaced by its branch, so a pattern that selected only the If would keep nothing."""
-    with pytest.raises(accudiff.AccudiffError, match="--keep-fp32 'choose_path' matches no node"):
+    with pytest.raises(accudiff.AccudiffError, match=r"keep_fp32=\['choose_path'\] matches no node"):
         accudiff.compare(BRANCHY, "fp16", candidate="onnxrt", inputs=[_feed(True)], keep_fp32=["choose_path"])
     kept = accudiff.compare(BRANCHY, "fp16", candidate="onnxrt", inputs=[_feed(True)], keep_fp32=["full_amplify"])
     assert [k.node for k in kept.kept] == ["full_amplify"]  # a node inside the branch can be kept

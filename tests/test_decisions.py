@@ -63,7 +63,7 @@ def test_a_decision_target_judges_the_outputs_that_have_the_figure(run_cli, tmp_
 @pytest.mark.parametrize(
     "option, message",
     [
-        (["--require", "top1=0.9"], "--require top1 applies to logits or probabilities, and no graph output of the model is one"),
+        (["--require", "top1=0.9"], "a requirement on top1 (--require) applies to logits or probabilities, and no graph output of the model is one"),
         (["--require", "top9=0.9"], "--require 'top9=0.9' names no decision figure"),
         (["--require", "iou=2"], "between 0 and 1"),
         (["--threshold", "1.5"], "--threshold 1.5 is not between 0 and 1"),
@@ -89,7 +89,7 @@ def test_top5_is_neither_shown_nor_required_over_five_classes_or_fewer(run_cli, 
     assert decision["score_vectors"] == 1 and "top1" in decision and "top5" not in decision
     assert "top-1 agreement" in out and "top-5" not in out
     code, out, err = run_cli("compare", path, "--fp16", "--load-inputs", tmp_path / "line.npz", "--require", "top5=0.9")
-    assert code == 2 and err.count("\n") == 1 and "--require top5 applies to logits or probabilities of more than five entries" in err, err
+    assert code == 2 and err.count("\n") == 1 and "a requirement on top5 (--require) applies to logits or probabilities of more than five entries" in err, err
 
 
 def test_a_fault_that_carries_most_of_the_error_is_named_dominant(tmp_path):

@@ -136,7 +136,7 @@ def test_input_shape_errors_name_the_problem():
     info = load_model(fixture("dynamic_batch"))
     with pytest.raises(AccudiffError, match="does not have; its inputs are: x"):
         resolve_shapes(info.inputs, {"batch": (1,)})
-    with pytest.raises(AccudiffError, match="expects batchx3x8x8"):
+    with pytest.raises(AccudiffError, match="expects batch x 3 x 8 x 8"):
         resolve_shapes(info.inputs, {"x": (2, 4, 8, 8)})
     with pytest.raises(AccudiffError, match="not of the form"):
         parse_input_shapes(["x=1x2"])
@@ -229,18 +229,18 @@ def test_unknown_dimensions_written_any_way_are_dynamic(written, tmp_path):
     assert given.passed and given.table.set_index("tensor").loc["y", "shape"] == "2x4"
     np.savez(tmp_path / "x.npz", x=np.ones((3, 3, 8, 8), np.float32))
     assert accudiff.compare(path, "fp16", candidate="onnxrt", inputs=tmp_path / "x.npz").passed
-    with pytest.raises(AccudiffError, match=r"dynamic dimension '\?'; give its shape with --input-shapes x:<\?>x3x8x8"):
+    with pytest.raises(AccudiffError, match=r"dynamic dimension '\?'; give its shape with input_shapes=\['x:<\?>x3x8x8'\]"):
         accudiff.compare(path, "fp16", candidate="onnxrt")
 
 
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"keep_fp32": ["conv3"]}, r"--keep-fp32 'conv3' matches no node of the model; did you mean 'conv2', 'conv1', 'Conv'\?"),
-        ({"keep_fp32": ["BatchNorm"]}, r"--keep-fp32 'BatchNorm' matches no node of the model"),
-        ({"atol": ["inf"]}, r"--atol value 'inf' is not finite"),
-        ({"rtol": ["logits:nan"]}, r"--rtol value 'logits:nan' is not finite"),
-        ({"stol": ["nonexistent:0.1"]}, r"--stol names a tensor 'nonexistent' that the model does not compute"),
+        ({"keep_fp32": ["conv3"]}, r"keep_fp32=\['conv3'\] matches no node of the model; did you mean 'conv2', 'conv1', 'Conv'\?"),
+        ({"keep_fp32": ["BatchNorm"]}, r"keep_fp32=\['BatchNorm'\] matches no node of the model"),
+        ({"atol": ["inf"]}, r"atol=\['inf'\] is not finite"),
+        ({"rtol": ["logits:nan"]}, r"rtol=\['logits:nan'\] is not finite"),
+        ({"stol": ["nonexistent:0.1"]}, r"stol= names a tensor 'nonexistent' that the model does not compute"),
         ({"input_shapes": ["x:0x3x16x16"]}, r"has a dimension of size 0 or less: the comparison would cover no element"),
     ],
 )

@@ -176,7 +176,7 @@ def test_subgraph_bisect_on_a_model_whose_network_sits_in_if_bodies(run_cli, tmp
     code, out, err = run_cli("bisect", "subgraph", path, *options, "-o", "b")
     assert code == 1, err
     result = json.loads((tmp_path / "b" / "result.json").read_text())
-    assert result["confirmed"] and 1 <= len(result["nodes"]) <= 3 and result["nodes"][0].startswith("If_0_then_branch")
+    assert result["confirmed"] and 1 <= len(result["nodes"]) <= 3 and any(node.startswith("If_0_then_branch") for node in result["nodes"])
     reproducer = onnx.load(str(tmp_path / "b" / "subgraph.onnx"))
     saved = {name.partition("/")[2] for name in np.load(tmp_path / "b" / "subgraph_inputs.npz").files}  # "<sample>/<input>"
     assert {i.name for i in reproducer.graph.input} <= saved

@@ -65,7 +65,7 @@ def test_a_captured_candidate_is_compared_with_the_onnxrt_candidate_beside_it(ca
 
 
 def test_runners_are_chosen_by_name_when_a_file_holds_several(captured):
-    with pytest.raises(AccudiffError, match=r"holds the results of 2 runners; choose one with --candidate-runner: onnxrt-runner-N0.*, onnxrt-runner-N1"):
+    with pytest.raises(AccudiffError, match=r"holds the results of 2 runners; choose one with candidate_runner=: onnxrt-runner-N0.*, onnxrt-runner-N1"):
         _compare(captured, load_candidate=captured / "two_runners.json")
     runners = [name for name, _ in json.loads((captured / "two_runners.json").read_text())["lst"]]
     result = _compare(captured, load_candidate=captured / "two_runners.json", candidate_runner=runners[1])
@@ -162,5 +162,5 @@ def test_scalar_tensors_keep_their_shape_through_saved_runs_and_the_reference_ca
 
 
 def test_a_captured_candidate_needs_the_inputs_it_was_made_from(captured):
-    with pytest.raises(AccudiffError, match="--load-candidate needs the inputs its file was made from"):
+    with pytest.raises(AccudiffError, match="load_candidate= needs the inputs its file was made from"):
         accudiff.compare(MODEL, "fp16", load_candidate=captured / "fp16.json")

@@ -197,8 +197,8 @@ def test_a_decoders_tokens_are_judged_per_position_as_plain_numpy_judges_them(tm
         assert found[name] == pytest.approx(expected[name], rel=0.02), name
     code, out, _ = run_cli("compare", model, "--load-inputs", tmp_path / "prefixes.npz", "--no-verify", "-o", "report")
     interval = r" \[[\d.]+%, [\d.]+%\]"
-    assert re.search(rf"logits 'logits' \(a \w+ head computes it: scores over its last axis\): top-1 agreement [\d.]+%{interval}, top-5 [\d.]+%{interval} over "
-                     rf"{found['score_vectors']} positions of 3 sequence\(s\); KL divergence mean", out), out
+    assert re.search(rf"logits 'logits' \(a \w+ head computes it: scores over its last axis\): top-1 agreement [\d.]+%{interval} over "
+                     rf"{found['score_vectors']} positions of 3 sequence\(s\)\n\s+top-5 agreement [\d.]+%{interval}; KL divergence mean", out), out
 
 
 def test_an_embeddings_decision_is_its_cosine_never_a_top1(minilm, tmp_path, run_cli):
@@ -227,7 +227,7 @@ def test_an_embeddings_decision_is_its_cosine_never_a_top1(minilm, tmp_path, run
     assert code == 0 and "verdict: PASS" in out and f"error percentiles '{HIDDEN}' (given by --output-kind)" in out, out
     code, out, err = run_cli("compare", minilm.model, "--candidate-model", candidate, "--load-inputs", tmp_path / "four.npz", "--require", "kl=0.01",
                              "--output-kind", f"{POOLED}=embedding", "--output-kind", f"{HIDDEN}=embedding")
-    assert code == 2 and "--require kl applies to logits or probabilities, and no graph output of the model is one" in err, err
+    assert code == 2 and "a requirement on kl (--require) applies to logits or probabilities, and no graph output of the model is one" in err, err
     code, out, err = run_cli("compare", minilm.model, "--output-kind", "nope=logits")
     assert code == 2 and "--output-kind names 'nope', which is not a graph output" in err, err
 

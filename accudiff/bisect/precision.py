@@ -25,6 +25,7 @@ import pandas as pd
 from accudiff.result import CompareResult
 from accudiff.bisect.session import BisectSession
 from accudiff.diagnosis.cause import rank_contributors
+from accudiff.comparison.objective import Resolution, strictest_met
 from accudiff.comparison.trial import Trials, prune
 from accudiff.model.saving import save_model
 from accudiff.report.decision_text import unresolved_text
@@ -49,6 +50,7 @@ class PrecisionResult:
     converted: int = 0  # nodes the candidate computes in reduced precision (what a keep-list may take from)
     decisions: dict = field(default_factory=dict)  # the candidate's decision figures and tolerance met, per failing output
     tolerance_met: dict = field(default_factory=dict)
+    decision_met: dict[str, Resolution] = field(default_factory=dict)  # per failing output: the strictest requirement on its decision it meets
     quantized_by: dict[str, str] = field(default_factory=dict)  # a node another tool quantized with ops of its own -> the tool
 
 
@@ -65,6 +67,8 @@ def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
     failing = [f.tensor for f in full.output_failures]
     result.decisions = {name: full.decisions.get(name, {}) for name in failing}
     result.tolerance_met = {name: full.tolerance_met.get(name, {}) for name in failing}
+    if not full.require:
+        result.decision_met = {name: met for name in failing if (met := strictest_met(full.decisions.get(name, {}), full.intervals.get(name, {}))) is not None}
     units = {c.node: c.keep for f in full.output_failures for c in f.cause.contributors if c.keep}  # a cancellation with what computes its operands
     repairs = [f.repair for f in full.output_failures]
     verified = all(r is not None and r.verified for r in repairs)
@@ -127,7 +131,8 @@ def rank(full: CompareResult) -> pd.DataFrame:
 def _passes(session: BisectSession, trials: Trials, chosen: list[str], full: CompareResult, what: str, total: int, regions: bool | None = None,
             exact: bool = False) -> bool:
     keep = list(chosen) if exact else trials.boundaries.close(chosen, regions)
-    session.progress(f"step {session.candidate_runs + 1} of at most {total}: keep {len(keep)} node(s) in higher precision ({what}{'' if exact else ' and what they need'})")
+    # Steps count as runs do, but for the first: the comparison, with its isolated run, is one step of two runs.
+    session.progress(f"step {session.candidate_runs} of at most {total - 1}: keep {len(keep)} node(s) in higher precision ({what}{'' if exact else ' and what they need'})")
     [outcome] = trials.run([keep], regions=regions, exact=exact)
     session.candidate_runs += 1
     return outcome.passes(list(full.outputs["tensor"]), session.settings.judged)

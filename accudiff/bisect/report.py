@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -15,17 +16,22 @@ from accudiff.bisect.subgraph import bisect_subgraph
 from accudiff.diagnosis.cause import CAUSE_KINDS
 from accudiff.report.folder import ReportFolder
 from accudiff.report.content import HTML_FILE, finite, remake_lines
-from accudiff.report.decision_text import decision_lines
+from accudiff.comparison.objective import REQUIREMENTS, figure_text
+from accudiff.report.decision_text import decision_lines, interval_text
 from accudiff.report.html import bisect_page
 from accudiff.settings import RunSettings
+from accudiff.text import times_tolerance
 
 RESULT_FILE = "result.json"
+MOST = 0.5  # a keep-list holding more than this share of the converted nodes is no small repair,
+SMALL_REPAIR = 5  # ... unless it holds this many nodes or fewer
 RESULT_SCHEMA = "accudiff.bisect.result"
 
 
-def run_bisector(name: str, settings: RunSettings, out_dir: Path) -> tuple[str, bool]:
-    """Run bisector `name`; returns the console summary and whether a failure was found."""
-    folder = ReportFolder(Path(out_dir))
+def run_bisector(name: str, settings: RunSettings, out_dir: Path) -> tuple[str, bool, bool]:
+    """Run bisector `name`; returns the console summary, whether a failure was found, and whether Ctrl-C
+    stopped it (what it found until then is reported). A bad option or
+    model is said before any folder is made; an error or Ctrl-C leaves none behind."""
     steps: list[str] = []
     show = stderr_progress()
 
@@ -36,24 +42,26 @@ def run_bisector(name: str, settings: RunSettings, out_dir: Path) -> tuple[str, 
     session = BisectSession(settings, progress)
     model, precision = settings.model, settings.precision
     try:
-        if name == "subgraph":
-            result = bisect_subgraph(session, folder.path)
-            text, found = _subgraph_text(result, folder.final), result.output is not None
-        else:
-            result = bisect_precision(session, folder.path)
-            text, found = _precision_text(result, folder.final, settings), not result.passed_without_changes
-        fields = {key: value for key, value in vars(result).items() if not isinstance(value, pd.DataFrame)}
-        document = {"schema": RESULT_SCHEMA, "schema_version": 2, "bisector": name, "model": str(model), "precision": precision, **fields}
-        folder.write_text(RESULT_FILE, json.dumps(finite(document), indent=2) + "\n")
-        files = {"keep_list": KEEP_LIST_FILE if name == "precision" and getattr(result, "keep", None) else None}
-        folder.write_text(HTML_FILE, bisect_page(name, Path(model).name, precision, result, steps, files))
-        folder.commit()
-    except BaseException:
-        folder.discard()
-        raise
+        folder = ReportFolder(Path(out_dir))
+        try:
+            if name == "subgraph":
+                result = bisect_subgraph(session, folder.path)
+                text, found = _subgraph_text(result, folder.final), result.output is not None
+            else:
+                result = bisect_precision(session, folder.path)
+                text, found = _precision_text(result, folder.final, settings), not result.passed_without_changes
+            fields = {key: _plain(value) for key, value in vars(result).items() if not isinstance(value, pd.DataFrame)}
+            document = {"schema": RESULT_SCHEMA, "schema_version": 2, "bisector": name, "model": str(model), "precision": precision, **fields}
+            folder.write_text(RESULT_FILE, json.dumps(finite(document), indent=2) + "\n")
+            files = {"keep_list": KEEP_LIST_FILE if name == "precision" and getattr(result, "keep", None) else None}
+            folder.write_text(HTML_FILE, bisect_page(name, Path(model).name, precision, result, steps, files))
+            folder.commit()
+        except BaseException:
+            folder.discard()
+            raise
     finally:
         session.close()
-    return text, found
+    return text, found, result.interrupted
 
 
 def _subgraph_text(result, folder: Path) -> str:
@@ -67,7 +75,8 @@ def _subgraph_text(result, folder: Path) -> str:
     if result.nodes:
         shown = ", ".join(result.nodes[:6]) + (f", ... ({len(result.nodes)} nodes)" if len(result.nodes) > 6 else "")
         lines.append(f"  smallest failing subgraph ({len(result.nodes)} node(s), checked at '{result.tensor}'): {shown}")
-        lines.append(f"  reproducer {'confirmed to fail' if result.confirmed else 'did NOT fail when run again (the failure needs more context)'}:")
+        figures = f"'{result.tensor}' at {times_tolerance(result.tol_ratio)}, {times_tolerance(result.whole_tol_ratio, '')} in the whole model"
+        lines.append(f"  reproducer {f'confirmed to fail ({figures})' if result.confirmed else f'did NOT reproduce the failure when run again ({figures}): it needs more context'}:")
         lines.append(f"    cd {shlex.quote(str(folder))} && {result.command}")
     return "\n".join(lines)
 
@@ -77,14 +86,30 @@ def _target(settings: RunSettings) -> str:
     return " and ".join(f"{name}={value:g}" for name, value in required.items()) + " (--require)" if required else "tolerance"
 
 
-def _where_it_stands(result) -> list[str]:
-    """Per failing output, what the candidate's error does to the decision and the tolerance it meets."""
+def _where_it_stands(result, settings: RunSettings) -> list[str]:
+    """Per failing output, what the candidate's error does to the decision, the tolerance it meets and the
+    requirement on its decision it is shown to meet; then the comparison judged by those, as a command."""
     lines = []
     for output, met in result.tolerance_met.items():
-        decided = decision_lines(output, result.decisions.get(output, {}))
-        lines += [line.strip() for line in decided]
+        lines += [line[2:] for line in decision_lines(output, result.decisions.get(output, {}))]
         lines.append(f"output '{output}' as it is meets atol {met.get('atol', float('nan')):.3g}, or rtol {met.get('rtol', float('nan')):.3g}")
+        held = result.decision_met.get(output)
+        if held is not None:
+            lines.append(f"judged by its decision, it passes: --require {held.name}={held.target:g} is met "
+                         f"({REQUIREMENTS[held.name][1]} {figure_text(held.name, held.value)}{interval_text(held.name, held.interval)})")
+    if result.decision_met and len(result.decision_met) == len(result.tolerance_met):
+        required = [item for held in result.decision_met.values() for item in ("--require", f"{held.name}={held.target:g}")]
+        lines += ["if the decision is what you judge the model by:", f"  {shlex.join(['accudiff', 'compare', *settings.arguments(), *required])}"]
     return lines
+
+
+def _plain(value):
+    """A result's field as JSON takes it: dataclasses (a Resolution, its Interval) as dicts."""
+    if is_dataclass(value):
+        return asdict(value)
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    return value
 
 
 def _precision_text(result, folder: Path, settings: RunSettings) -> str:
@@ -99,17 +124,21 @@ def _precision_text(result, folder: Path, settings: RunSettings) -> str:
     elif result.trivial:
         lines.append(f"  only keeping every converted node ({len(result.keep)}) in higher precision makes the outputs meet {_target(settings)}: "
                      "no smaller keep-list does, so this format is too coarse for it on this model")
-        lines += [f"  {line}" for line in _where_it_stands(result)]
+        lines += [f"  {line}" for line in _where_it_stands(result, settings)]
     elif result.repaired:
-        lines.append(f"  keeping {len(result.keep)} node(s) in higher precision makes the outputs meet {_target(settings)}: {', '.join(result.keep[:8])}{' ...' if len(result.keep) > 8 else ''}")
+        lines.append(f"  keeping {len(result.keep)} of the {result.converted} converted node(s) in higher precision makes the outputs meet {_target(settings)}: "
+                     f"{', '.join(result.keep[:8])}{' ...' if len(result.keep) > 8 else ''}")
         lines.append(f"  keep-list: {folder / KEEP_LIST_FILE} (one --keep-fp32 pattern per line); repaired model: {folder / result.repaired_model}")
         if settings.candidate_model is not None:
             lines += [f"  {line}" for line in remake_lines(result.keep, settings.precision, result.quantized_by)]
+        if len(result.keep) > max(MOST * result.converted, SMALL_REPAIR):
+            lines.append(f"  that is most of the model: no small repair exists, and the question is the {_target(settings)} asked of it:")
+            lines += [f"  {line}" for line in _where_it_stands(result, settings)]
     elif result.interrupted:
         lines.append("  interrupted before a passing keep-list was found")
     else:
         lines.append(f"  even keeping every converted node in higher precision does not meet {_target(settings)}")
-        lines += [f"  {line}" for line in _where_it_stands(result)]
+        lines += [f"  {line}" for line in _where_it_stands(result, settings)]
     if result.ranking is not None:
         lines.append(f"  ranking of the nodes (causes first, then by own error): {folder / RANKING_FILE}")
     return "\n".join(lines)

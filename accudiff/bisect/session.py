@@ -38,6 +38,9 @@ class BisectSession:
     candidate_runs: int = 0
 
     def __post_init__(self) -> None:
+        if self.settings.precision == "fp32" and self.settings.candidate_model is None and self.settings.backend[0] == "onnxrt":
+            raise AccudiffError("bisect looks for what fails in a reduced-precision candidate, and no option chose one: give --fp16, --bf16 or --int8, "
+                                "or --candidate-model FILE (in FP32, ONNX Runtime would compare the model with itself)")
         self.info: ModelInfo = load_model(self.settings.model)
         self.settings.check_against(self.info)  # a bad option is one sentence before any step is shown
         self.cache = ReferenceCache()
@@ -58,8 +61,11 @@ class BisectSession:
     def compare(self, isolate: bool = False, **changes) -> CompareResult:
         """A comparison with the session's inputs and settings (without the isolated run unless asked: the
         bisection steps only need a verdict) under `changes`; counts the candidate runs it makes."""
-        fed = {"inputs": self.feeds} if self.settings.prompts is None else {"prompts": None, "new_tokens": None} if "inputs" in changes else {}
-        settings = replace(self.settings, **{**fed, "report_dir": None, "isolate": isolate, **changes})
+        changes = {"report_dir": None, "isolate": isolate, **changes}
+        if self.settings.prompts is None or "inputs" in changes:  # a decoder's cut is fed its values, not prompts
+            settings = self.settings.fed(changes.pop("inputs", self.feeds), **changes, **({} if self.settings.prompts is None else {"prompts": None, "new_tokens": None}))
+        else:
+            settings = replace(self.settings, **changes)
         result = run(settings, reference_cache=self.cache)
         self.candidate_runs += 2 if isolate else 1
         if self.feeds is None and result.generations:  # every step after runs each prompt's whole sequence as one prefill (as verification does)

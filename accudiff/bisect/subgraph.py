@@ -5,9 +5,12 @@
    (the failure needs what feeds it), the node with the producers of its inputs. A one-node fault so
    yields a reproducer of one to three nodes.
 3. Accumulated error (or a local reproducer that does not fail) is bisected: the subgraph ends at the
-   first tensor out of tolerance on the way to the output, `T`, and starts among its ancestors A (in
-   topological order). "A[k:] fed the reference's values fails" holds for k = 0 (the full run) and not for
-   the last node alone; bisection finds the largest failing k in ceil(log2(len(A))) candidate runs.
+   failing output itself, or below a verified single-node cause at the first tensor out of tolerance
+   computed from it (never at a first tensor out of tolerance elsewhere, which is a fact, never the cause:
+   a cut failing there, on a few elements, may have nothing to do with the output's failure), and starts
+   among its ancestors A (in topological order). "A[k:] fed the reference's values fails at the
+   output" holds for k = 0 (the full run) and not for the last node alone; bisection finds the largest
+   failing k in ceil(log2(len(A))) candidate runs.
 4. The subgraph is saved with its reference inputs (.npz, and for INT8 the reference values of its inputs
    on the calibration samples, so it is quantized exactly as in the full model) and the `accudiff compare`
    command that reproduces it. That command is parsed and run once more to confirm it fails before
@@ -20,7 +23,7 @@ from __future__ import annotations
 import math
 import os
 import shlex
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +42,7 @@ from accudiff.transforms.keep_float import STORAGE_OPS
 MODEL_FILE, INPUTS_FILE, CALIBRATION_FILE = "subgraph.onnx", "subgraph_inputs.npz", "subgraph_calibration.npz"
 CANDIDATE_FILE = "subgraph_candidate.onnx"  # the cut of a candidate made by another tool
 GROWN_REPRODUCER_NODES = 3
+REPRODUCED = 0.5  # the share of the whole model's error at the checked tensor a reproducer must show
 
 
 @dataclass
@@ -53,6 +57,8 @@ class SubgraphResult:
     candidate_path: str | None = None
     command: str = ""  # runs verbatim from the result folder
     confirmed: bool = False
+    tol_ratio: float | None = None  # the reproducer's checked tensor, in its tolerances, when run again
+    whole_tol_ratio: float | None = None  # the same tensor's in the whole model
     candidate_runs: int = 0
     bound: int = 0  # the run count promised: ceil(log2(N)) + 4
     interrupted: bool = False
@@ -74,18 +80,21 @@ def bisect_subgraph(session: BisectSession, out_dir: Path) -> SubgraphResult:
     failure = _most_local(full.output_failures, nodes)
     cause = failure.cause
     result.output, result.cause_kind = failure.tensor, cause.kind
+    whole = full.table.set_index("tensor")["tol_ratio"]
     result.findings = [vars(f) for f in cause.findings]
     index = {node.name: i for i, node in enumerate(nodes)}
     try:
         if cause.kind in SINGLE_NODE_CAUSES:
             result.tensor = cause.tensor
+            result.whole_tol_ratio = float(whole[result.tensor])
             own = index[cause.node]
             for chosen in dict.fromkeys(tuple(_with_producers(nodes, own, limit)) for limit in (1, GROWN_REPRODUCER_NODES)):
                 _write_reproducer(session, list(chosen), out_dir, result)
                 if result.confirmed:
                     break
         if not result.confirmed:
-            result.tensor = failure.first_failing_upstream
+            result.tensor = _bisection_end(failure, nodes)
+            result.whole_tol_ratio = float(whole[result.tensor])
             ancestors = _ancestors(nodes, next(i for i, node in enumerate(nodes) if result.tensor in node.output))
             start = _bisect(session, ancestors, result)
             _write_reproducer(session, ancestors[start:], out_dir, result)
@@ -102,6 +111,20 @@ def _most_local(failures: list[TensorFailure], nodes) -> TensorFailure:
     return min(local, key=lambda f: order[f.cause.node]) if local else failures[0]
 
 
+def _bisection_end(failure: TensorFailure, nodes) -> str:
+    """Where a bisected reproducer is checked: the failing output; or, below a verified single-node cause, the
+    first tensor out of tolerance where it is the cause's own or computed from it (the failure verification
+    tied to the output, cut short). The first tensor out of tolerance elsewhere is a fact, never the cause."""
+    cause, first = failure.cause, failure.first_failing_upstream
+    if cause.kind not in SINGLE_NODE_CAUSES or not cause.verified or first is None:
+        return failure.tensor
+    reached = {cause.tensor}
+    for node in nodes:
+        if reached & set(node.input):
+            reached.update(o for o in node.output if o)
+    return first if first in reached else failure.tensor
+
+
 def _with_producers(nodes, own: int, limit: int) -> list[int]:
     """Node `own` and, up to `limit` nodes in all, the producers of its inputs (nearest first)."""
     producer = {o: i for i, node in enumerate(nodes) for o in node.output if o}
@@ -115,7 +138,8 @@ def _with_producers(nodes, own: int, limit: int) -> list[int]:
 
 
 def _bisect(session, ancestors, result) -> int:
-    """Largest k such that ancestors[k:] fails on its own; ancestors[0:] (the full run) is known to fail."""
+    """Largest k such that ancestors[k:] reproduces the failure on its own (`_reproduces`); ancestors[0:] (the
+    full run) is known to."""
     failing, passing = 0, len(ancestors) - 1
     total = math.ceil(math.log2(max(len(ancestors) - 1, 1))) + 2
     step = 1
@@ -123,7 +147,7 @@ def _bisect(session, ancestors, result) -> int:
         middle = (failing + passing) // 2
         step += 1
         session.progress(f"step {step} of about {total}: nodes {ancestors[middle]}..{ancestors[-1]} fed the reference's values")
-        if _fails(session, ancestors[middle:], result.tensor):
+        if _fails(session, ancestors[middle:], result):
             failing = middle
         else:
             passing = middle
@@ -131,12 +155,18 @@ def _bisect(session, ancestors, result) -> int:
     return failing
 
 
-def _fails(session, chosen, target) -> bool:
+def _fails(session, chosen, result: SubgraphResult) -> bool:
     scratch = Path(session.cache.folder) / f"cut-{chosen[0]}-{chosen[-1]}"  # one folder per cut: cached runs never mix
     scratch.mkdir(exist_ok=True)
     cut = _save_cut(session, chosen, scratch)
-    table = _run_cut(session, cut).table.set_index("tensor")
-    return table.loc[target, "status"] == STATUS_FAIL
+    return _reproduces(_run_cut(session, cut).table.set_index("tensor").loc[result.tensor], result)
+
+
+def _reproduces(checked, result: SubgraphResult) -> bool:
+    """A cut reproduces the failure when its checked tensor fails with at least REPRODUCED of the error it has
+    in the whole model: the last two nodes of a drifting chain, fed exact values, may fail at 1.8x where the
+    output is at 83x, a failure of their own, not the one asked about."""
+    return checked["status"] == STATUS_FAIL and float(checked["tol_ratio"]) >= REPRODUCED * result.whole_tol_ratio
 
 
 def _write_reproducer(session, chosen: list[int], out_dir: Path, result: SubgraphResult) -> None:
@@ -149,8 +179,8 @@ def _write_reproducer(session, chosen: list[int], out_dir: Path, result: Subgrap
     relative = [os.path.relpath(arg, folder) if arg.startswith(folder + os.sep) else arg for arg in cut.arguments()]
     result.command = shlex.join(["accudiff", "compare", *relative])
     session.progress(f"confirming that the reproducer ({len(chosen)} node(s)) fails on its own")
-    confirm = _run_cut(session, cut)
-    result.confirmed = confirm.table.set_index("tensor").loc[result.tensor, "status"] == STATUS_FAIL
+    checked = _run_cut(session, cut).table.set_index("tensor").loc[result.tensor]
+    result.confirmed, result.tol_ratio = bool(_reproduces(checked, result)), float(checked["tol_ratio"])
 
 
 def _save_cut(session, chosen: list[int], folder: Path) -> RunSettings:
@@ -189,7 +219,7 @@ def _save_cut(session, chosen: list[int], folder: Path) -> RunSettings:
             items = [value] if isinstance(value, (int, float)) else list(value)
             tolerances[key] = [v for v in map(str, items) if ":" not in v or v.rpartition(":")[0] in tensors]
     precision = settings.precision if candidate is None else "fp32"  # a cut of a candidate holds the formats it holds: read from it again
-    return replace(settings, model=folder / MODEL_FILE, inputs=folder / INPUTS_FILE, calib_data=calibration, keep_fp32=keep, report_dir=None,
+    return settings.fed(folder / INPUTS_FILE, model=folder / MODEL_FILE, calib_data=calibration, keep_fp32=keep, report_dir=None,
                    candidate_model=candidate, precision=precision, **tolerances)
 
 

@@ -120,7 +120,27 @@ class Objective:
         """A required figure no graph output has would make the requirement vacuous: one sentence."""
         for name in self.require:
             if not any(name in decisions.get(output, {}) for output in outputs):
-                raise AccudiffError(f"--require {name} applies to {REQUIREMENTS[name][2]}, and no graph output of the model is one (--output-kind says what one is)")
+                raise AccudiffError(f"a requirement on {name} (--require) applies to {REQUIREMENTS[name][2]}, and no graph output of the model is one "
+                                    "(--output-kind says what one is)")
+
+
+# The targets a requirement is suggested from, strictest first (`strictest_met`).
+LADDERS = {
+    "top1": (0.999, 0.995, 0.99, 0.98, 0.95, 0.9),
+    "cosine_min": (0.9999, 0.999, 0.995, 0.99, 0.98, 0.95, 0.9),
+    "flipped_share": (1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2),
+}
+
+
+def strictest_met(figures: Mapping[str, float], spans: Mapping[str, Interval]) -> Resolution | None:
+    """The strictest requirement on an output's decision (its top-1 agreement, its lowest cosine, its flipped
+    share) that its figures, with their 95% intervals, are shown to meet: what a user who decides by it may
+    judge the output by instead of its elementwise tolerance. None where no target of LADDERS is met."""
+    for name, targets in LADDERS.items():
+        if name in figures:
+            met = [r for target in targets for r in Objective("tolerance", {name: target}).resolve(figures, spans) if r.outcome == "met"]
+            return met[0] if met else None
+    return None
 
 
 NAN_AS_WORST = ": a vector holding NaN/Inf counts as -1"

@@ -114,9 +114,9 @@ def parse_named_values(option: str, values: Iterable[str] | float | None) -> tup
         try:
             value = float(number)
         except ValueError:
-            raise AccudiffError(f"--{option} value '{item}' is not a number or name:number") from None
+            raise AccudiffError(f"--{option} '{item}' is not a number or name:number") from None
         if not math.isfinite(value):
-            raise AccudiffError(f"--{option} value '{item}' is not finite: every element would pass")
+            raise AccudiffError(f"--{option} '{item}' is not finite: every element would pass")
         if value < 0:
             raise AccudiffError(f"--{option} value '{item}' is negative")
         if name:

@@ -28,7 +28,7 @@ from typing import Callable
 
 import numpy as np
 
-from accudiff.errors import AccudiffError
+from accudiff.errors import AccudiffError, RunFailed
 from accudiff.memory import HUGE_PAGES_FROM_TENSOR_BYTES, SEPARATE_MAPPINGS_FROM_TENSOR_BYTES, map_large_blocks_separately, with_huge_pages
 from accudiff.runners.reused import ReusedRunners
 
@@ -269,6 +269,8 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
     from accudiff.comparison.engine import Engine
     from accudiff.comparison.plans import EngineOptions, Measured, PassPlan, ReferencePlan
     from accudiff.comparison.tolerances import Tolerances
+    from accudiff.model.decoder import model_name
+    from accudiff.model.inputs import fed_shapes
     from accudiff.model.inventory import InputSpec
     from accudiff.model.source import ModelSource
     from accudiff.model.samples import Samples
@@ -348,7 +350,11 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
                 specs = [InputSpec(name, np.dtype(dtype), tuple(shape)) for name, dtype, shape in job.input_specs]
                 samples = Samples.from_json(job.samples, "the inputs", specs)
                 for done, (sample, index) in enumerate(zip(samples, job.sample_indices), 1):
-                    engine.run_sample(index, sample)
+                    try:
+                        engine.run_sample(index, sample)
+                    except RunFailed as exc:  # said of the model and the sample's inputs, not of a segment the user never made
+                        raise AccudiffError(f"'{model_name(Path(job.reference))}' does not run on sample {index} ({fed_shapes(sample, specs)}): "
+                                            f"{exc.reason}") from None
                     emit({"event": "sample", "done": done, "total": len(samples)})
         finally:
             engine.close()

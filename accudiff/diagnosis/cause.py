@@ -109,10 +109,11 @@ class Search:
             return f"accudiff finds no {what} node upstream of it, and the suspects, {undone} alone, each leave it {short} {best}"
         if self.grouped == 0 and self.complete:
             return f"each of the {self.candidates} {what} nodes upstream, {undone} alone, leaves it {short} {best}"
-        text = f"of the {self.candidates} {what} nodes upstream, the {self.alone} {undone} alone each leave it {short} {best}"
+        parts = [f"the {self.alone} {undone} alone each leave it {short} {best}"] if self.alone else []
         if self.grouped:
-            text += (f", and the other {self.grouped}, {undone} in {self.groups} group(s), do not even halve its error: none of them could alone, "
-                     "so long as keeping more never hurts")
+            parts.append(f"the {'other ' if self.alone else ''}{self.grouped}, {undone} in {self.groups} group(s), do not even halve its error: none of "
+                         f"them could alone, so long as keeping more never hurts{'' if self.alone else f' {best}'}")
+        text = f"of the {self.candidates} {what} nodes upstream, " + ", and ".join(parts)
         if not self.complete:
             text += f"; {self.left} were not searched (the budget, --cause-budget, ran out)"
         return text

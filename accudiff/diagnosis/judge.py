@@ -106,7 +106,7 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings
         seed=settings.seed if settings.inputs is None else None,
         samples=sample_table,
         inputs=samples.source,
-        target=settings.target_arguments(),
+        settings=settings,
         candidate_model=Path(settings.candidate_model) if settings.candidate_model is not None else None,
         unmatched=dict(transformed.unmatched),
         inside=dict(transformed.inside),

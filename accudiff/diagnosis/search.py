@@ -28,15 +28,21 @@ HELPS = 0.8  # verify.HELPS: what a group must at least do beside a node of it t
 
 
 def search_groups(before: Reading, candidates: Sequence[str], alone: dict[str, Reading], run: Callable[[list[list[str]]], list[tuple[list[str], Reading]]],
-                  budget: int) -> tuple[dict[str, tuple[list[str], Reading]], Search]:
+                  budget: int, units: Sequence[tuple[Sequence[str], Reading]] = ()) -> tuple[dict[str, tuple[list[str], Reading]], Search]:
     """Search the `candidates` (ranked) in groups (see the module's docstring) within `budget` runs: the
     nodes found worth a look alone (each with its keep-list as tried and its reading), and the search's
     reach. `alone`: the nodes already tried alone, and their readings (a group split down to one of them
-    needs no run; the monotonicity check reads them); `run` tries keep-lists, a batch at a time."""
+    needs no run; the monotonicity check reads them); `units`: keep-lists of several nodes already tried
+    as one (a cancellation with what computes its operands), and their readings: one that does not halve
+    the error covers its nodes as a group does. `run` tries keep-lists, a batch at a time."""
     found: dict[str, tuple[list[str], Reading]] = {}
     covered, singles = set(), set()  # nodes covered by a group; nodes the search tried alone
     groups, broken, runs = 0, 0, 0
-    level = _halves(list(candidates))
+    for unit, reading in units:
+        if not _worth_splitting(before, reading):
+            covered |= set(unit) - set(alone)
+            groups += 1
+    level = _halves([node for node in candidates if node not in covered])
     while level and runs < budget:
         pending = [group for group in level if not (len(group) == 1 and group[0] in alone)]  # a node tried alone is known
         batch, level = pending[: budget - runs], pending[budget - runs :]

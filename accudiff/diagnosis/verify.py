@@ -225,7 +225,8 @@ def verify_causes(
         tries = Tries(trials, output, objective)
         candidates = candidates_upstream(output, table, context, weights_first.get(output, False))
         alone = {s.node: s.reading for s in group if len(s.keep) == 1}
-        found, reach = search_groups(before, candidates, alone, tries.run, cause_budget)
+        units = [(s.keep, s.reading) for s in group if len(s.keep) > 1]
+        found, reach = search_groups(before, candidates, alone, tries.run, cause_budget, units)
         runs_left = budget - len(group)  # the search's runs are its own budget's
         rows = table.reset_index(drop=True).drop_duplicates("node").set_index("node")
         group += [_Suspect(node, rows.loc[node, "tensor"], rows.loc[node, "op_type"], [node], _own_error(table.loc[rows.loc[node, "tensor"]]),

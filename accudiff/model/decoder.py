@@ -102,7 +102,10 @@ def model_file(path: Path) -> Path:
         return path
     config = path / GENAI_CONFIG
     if not config.is_file():
-        raise AccudiffError(f"'{path}' is a folder, not a model file; a folder is read as a model only when it holds the {GENAI_CONFIG} "
+        models = sorted(p.name for p in path.glob("*.onnx"))
+        held = (f": give the model file in it ({', '.join(models[:3])}{', ...' if len(models) > 3 else ''})" if models else
+                ", and it holds no .onnx file")
+        raise AccudiffError(f"'{path}' is a folder, not a model file{held}; a folder is read as a model only when it holds the {GENAI_CONFIG} "
                             "the ONNX Runtime GenAI model builder writes")
     name = _decoder_section(config).get("filename", "model.onnx")
     target = path / str(name)

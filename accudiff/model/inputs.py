@@ -180,5 +180,17 @@ def _check_shape(spec: InputSpec, shape: tuple[int, ...], source: str) -> None:
         isinstance(want, int) and want != got for want, got in zip(spec.shape, shape)
     )
     if mismatch:
-        wanted = "x".join(str(d) if isinstance(d, int) else str(d or "?") for d in spec.shape)
-        raise AccudiffError(f"{source} gives input '{spec.name}' the shape {'x'.join(map(str, shape))}, but the model expects {wanted}")
+        raise AccudiffError(f"{source} gives input '{spec.name}' the shape {'x'.join(map(str, shape))}, but the model expects {declared_shape(spec)}")
+
+
+def declared_shape(spec: InputSpec) -> str:
+    """An input's shape as the model declares it: 1x3x224x224, or batch x 3 x height x width."""
+    return (" x " if not spec.is_static else "x").join(str(d) if isinstance(d, int) else str(d or "?") for d in spec.shape)
+
+
+def fed_shapes(feed: Feed, specs: list[InputSpec]) -> str:
+    """The shapes a sample gives the model's inputs whose dimensions the model leaves free, beside what
+    it declares: where a model that will not run on a sample is told what it was given ("input 'images'
+    1x3x300x300, declared batchx3xheightxwidth"); every input where none is free."""
+    free = [spec for spec in specs if not spec.is_static and spec.name in feed] or [spec for spec in specs if spec.name in feed]
+    return "; ".join(f"input '{spec.name}' {'x'.join(map(str, np.shape(feed[spec.name])))}, declared {declared_shape(spec)}" for spec in free)

@@ -135,7 +135,7 @@ def samples_from_path(path: str | Path, specs: Sequence[InputSpec], role: str = 
             files = [_json_as_npz(path, source, scratch)]
     else:
         raise AccudiffError(f"{source} does not exist")
-    refs = [ref for file in files for ref in _entries(file, source)]
+    refs = [ref for file in files for ref in _entries(file.resolve(), source)]  # a worker started elsewhere reads them too
     if not refs:
         raise AccudiffError(f"{source} holds no arrays")
     samples = Samples(refs, source, specs)

@@ -1,27 +1,36 @@
-"""The short console summary: first failure, worst tensors, diagnosis, verdict."""
+"""The short console summary: the verdict and the next thing to do, then what was compared and found."""
 
 from __future__ import annotations
 
 import sys
+import textwrap
 from typing import TextIO
 
-from accudiff.report.content import cause_lines, failure_headline, fused_nodes_text, requirements_met, sample_lines, tolerance_met_line, worst_tensors
+from accudiff.report.content import (cause_lines, decision_first_lines, failure_headline, fused_nodes_text, requirements_met, sample_lines,
+                                     tolerance_met_line, worst_tensors)
+from accudiff.report.next_steps import next_step_lines
 from accudiff.report.decision_text import unresolved_text
 from accudiff.model.decoder import model_name
 from accudiff.text import percent
 
 
 KEPT_SHOWN = 5  # nodes kept in FP32 the console lists
+UNBROKEN = ("accudiff ", "keep_fp32=", "require=")  # lines pasted whole: never wrapped
 
 
-def format_summary(result) -> str:
+def format_summary(result, width: int | None = None) -> str:
+    """The console's summary: the verdict and the one next thing to do first, then what was compared, each
+    failing output (what its error does to the decision, the tolerance it meets, its cause and repair), and
+    the worst tensors where something fails. `width`: lines are wrapped at it (commands never are)."""
     table = result.table
     indexed = table.set_index("tensor")
     compared, computed = result.coverage
-    lines = [
-        f"accudiff compare {model_name(result.model)} [{result.precision}]",
+    lines = [f"accudiff compare {model_name(result.model)} [{result.precision}]", f"  {_verdict(result)}"]
+    lines += [f"  {line}" for line in next_step_lines(result)]
+    lines += [
         f"  candidate: {result.candidate}",
-        f"  tensors compared: {compared} of {computed} ({percent(compared / max(computed, 1), 0)}), samples: {result.iterations}, "
+        f"  tensors compared: {compared} of {computed} ({percent(compared / max(computed, 1), 0)}), {'prompts' if result.generations else 'samples'}: "
+        f"{len(result.generations) or result.iterations}, "
         f"tolerance: atol={result.tolerances.default.atol:g} rtol={result.tolerances.default.rtol:g} stol={result.tolerances.default.stol:g}",
     ]
     if result.inside:
@@ -47,37 +56,51 @@ def format_summary(result) -> str:
     lines += [f"  {line}" for line in requirements_met(result)]
     lines += [f"  {unresolved_text(output, r, bool(result.generations))}" for output, found in result.unresolved.items() for r in found]
     for out in result.output_failures:
-        row = indexed.loc[out.tensor]
         lines.append(f"  {failure_headline(out.tensor, result)}")
-        lines += ["    " + line for line in [*tolerance_met_line(out.tensor, result), *cause_lines(out, result)]]
+        lines += ["    " + line for line in [*decision_first_lines(out.tensor, result), *tolerance_met_line(out.tensor, result), *cause_lines(out, result)]]
         if out.first_failing_upstream not in (None, out.tensor, out.cause.tensor):
             lines.append(f"    (the first tensor out of tolerance on its way is '{out.first_failing_upstream}')")
         lines += _backend_lines(indexed.loc[out.cause.tensor if out.cause.tensor else out.tensor])
-    lines += sample_lines(result)
-    if failure is not None:
+    lines += sample_lines(result, frozenset(f.tensor for f in result.output_failures))
+    rows = []  # a table: its rows are never wrapped
+    if result.verdict == "fail":
         lines.append("  worst tensors (failing first, then lowest SQNR):")
         shown = worst_tensors(table)
         names, ops = max([32, *shown["tensor"].str.len()]), max([14, *shown["op_type"].str.len()])  # columns stay aligned
         for _, worst in shown.iterrows():
-            lines.append(
+            rows.append(
                 f"    {worst['tensor']:<{names}} {worst['op_type']:<{ops}} {worst['status']:<5} max abs err {worst['max_abs_err']:<10.3g} SQNR {worst['sqnr_db']:6.1f} dB"
             )
-    outputs = result.outputs
+    elif failure is not None:
+        outside = int((table["status"] == "fail").sum())
+        lines.append(f"  {outside} tensor(s) are outside their elementwise tolerance, which the verdict does not judge them by (tensors.csv lists them)")
+    tail = [f"  report: {result.report_dir}"] if result.report_dir is not None else []
+    return "\n".join([*(wrapped(lines, width) if width else lines), *rows, *tail])
+
+
+def _verdict(result) -> str:
+    compared, computed = result.coverage
     if result.verdict == "inconclusive" and result.unresolved:
-        lines.append(f"  verdict: INCONCLUSIVE ({len(result.unresolved)} output(s) whose requirement the data cannot resolve; no output fails)")
-    elif result.verdict == "inconclusive":
-        lines.append(
-            f"  verdict: INCONCLUSIVE (no graph output out of tolerance, but only {compared} of the {computed} tensors the model computes "
-            f"({percent(compared / max(computed, 1), 0)}) were compared: see 'not observable')"
-        )
-    else:
-        lines.append(
-            f"  verdict: {result.verdict.upper()} ({len(result.output_failures)} of {len(outputs)} graph output(s) "
-            f"{'fail their requirement or tolerance' if result.require else 'out of tolerance'})"
-        )
-    if result.report_dir is not None:
-        lines.append(f"  report: {result.report_dir}")
-    return "\n".join(lines)
+        return f"verdict: INCONCLUSIVE ({len(result.unresolved)} output(s) whose requirement the data cannot resolve; no output fails)"
+    if result.verdict == "inconclusive":
+        return (f"verdict: INCONCLUSIVE (no graph output out of tolerance, but only {compared} of the {computed} tensors the model computes "
+                f"({percent(compared / max(computed, 1), 0)}) were compared: see 'not observable')")
+    return (f"verdict: {result.verdict.upper()} ({len(result.output_failures)} of {len(result.outputs)} graph output(s) "
+            f"{'fail their requirement or tolerance' if result.require else 'out of tolerance'})")
+
+
+def wrapped(lines: list[str], width: int) -> list[str]:
+    """Each line wrapped at `width`, its continuation indented under it; a command (or a keyword argument,
+    or a table row) is never broken: it is pasted whole."""
+    out = []
+    for line in lines:
+        text = line.lstrip(" ")
+        indent = " " * (len(line) - len(text))
+        if len(line) <= width or text.startswith(UNBROKEN):
+            out.append(line)
+        else:
+            out += textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=indent + "    ", break_long_words=False, break_on_hyphens=False)
+    return out
 
 
 def _backend_lines(row) -> list[str]:

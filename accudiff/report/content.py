@@ -14,8 +14,9 @@ from pathlib import Path
 from accudiff.version import __version__
 from accudiff.comparison.objective import REQUIREMENTS, describe, figure_text
 from accudiff.model.formats import QUANTIZED_FORMATS
-from accudiff.report.decision_text import decision_lines, generation_lines, output_kind, phase_lines, sample_name, state_lines
+from accudiff.report.decision_text import decision_lines, generation_lines, interval_text, output_kind, phase_lines, sample_name, state_lines
 from accudiff.model.quantized_ops import TOOL_OPTIONS
+from accudiff.report.next_steps import bisect_command, decision_requirement, keep_option, requirement_option, unsaved_inputs_text
 from accudiff.text import percent, times_tolerance
 
 SUMMARY_SCHEMA = "accudiff.compare.summary"
@@ -185,9 +186,23 @@ def tolerance_met_line(output: str, result) -> list[str]:
     return [f"tolerance met: {atol} (at rtol {tolerance.rtol:g}, stol {tolerance.stol:g}), or {rtol} (at atol {tolerance.atol:g}, stol {tolerance.stol:g})"]
 
 
-def sample_lines(result) -> list[str]:
-    """Per-sample outcome (with several samples) and what the error does to the decision, per graph output;
-    a decoder's KV-cache outputs in one line, its figures per phase and its greedy generation."""
+def decision_first_lines(output: str, result, python: bool = False) -> list[str]:
+    """What a failing output's error does to the decision taken from it, with its intervals, and the
+    requirement on that decision it is shown to meet (what to judge it by, if that is what the user decides by)."""
+    prompts = len(result.generations)
+    lines = [line[2:] for line in decision_lines(output, result.decisions.get(output, {}), result.output_kinds.get(output), result.intervals.get(output), prompts)]
+    lines += [f"  {line}" for line in phase_lines(result.phases.get(output, {}))]
+    met = decision_requirement(output, result)
+    if met is not None:
+        lines.append(f"judged by its decision, it passes: {requirement_option(met, python)} is met ({REQUIREMENTS[met.name][1]} "
+                     f"{figure_text(met.name, met.value)}{interval_text(met.name, met.interval)})")
+    return lines
+
+
+def sample_lines(result, shown: frozenset[str] = frozenset()) -> list[str]:
+    """Per-sample outcome (with several samples) and what the error does to the decision, per graph output
+    (but those `shown` already, by decision_first_lines); a decoder's KV-cache outputs in one line, its
+    figures per phase and its greedy generation."""
     lines = []
     samples = result.samples
     prompts = len(result.generations)
@@ -202,8 +217,9 @@ def sample_lines(result) -> list[str]:
                 worst = failing.loc[failing["tol_ratio"].idxmax()]
                 text += f" (worst: {sample_name(result, int(worst['sample']))}, {percent(worst['outside_share'])} of elements outside, {times_tolerance(worst['tol_ratio'])})"
             lines.append(text)
-        lines += decision_lines(output, result.decisions.get(output, {}), result.output_kinds.get(output), result.intervals.get(output), prompts)
-        lines += [f"    {line}" for line in phase_lines(result.phases.get(output, {}))]
+        if output not in shown:
+            lines += decision_lines(output, result.decisions.get(output, {}), result.output_kinds.get(output), result.intervals.get(output), prompts)
+            lines += [f"    {line}" for line in phase_lines(result.phases.get(output, {}))]
     lines += state_lines(result, state)
     lines += generation_lines(result)
     if result.report_dir is not None and result.iterations > 1 and len(result.failing_samples) and not prompts:
@@ -228,8 +244,9 @@ def fused_nodes_text(inside: dict[str, str]) -> str:
     return "; ".join(parts)
 
 
-def cause_lines(failure, result) -> list[str]:
-    """The cause of one failing output and its repair, as the console, report and pytest plugin show it."""
+def cause_lines(failure, result, python: bool = False) -> list[str]:
+    """The cause of one failing output and its repair, as the console, report and pytest plugin show it
+    (`python`: its options as `accudiff.compare`'s keyword arguments, for the plugin)."""
     cause = failure.cause
     status = "not verified: the rules' hypothesis"
     target = "its requirement" if requirement_text(failure.tensor, result) else "the tolerance"
@@ -267,7 +284,7 @@ def cause_lines(failure, result) -> list[str]:
             lines.append(f"    {c.op_type} '{c.node}': {_kept_effect(c) if measured else _own_error(c)}")
             if not measured:
                 lines += [f"      {f.kind}: {f.message}" for f in c.findings]
-    lines += repair_lines(failure, result)
+    lines += repair_lines(failure, result, python)
     return lines
 
 
@@ -294,11 +311,11 @@ def split_lines(output: str, result) -> list[str]:
     return lines
 
 
-def repair_lines(failure, result) -> list[str]:
+def repair_lines(failure, result, python: bool = False) -> list[str]:
     """The verified repair, one line per step; without one, how to look for it."""
     repair = failure.repair
     if repair is None or len(repair.steps) < 2:
-        return [f"  to find the nodes to keep in higher precision: accudiff bisect precision {shlex.join(result.target)}"]
+        return ["  to find the nodes to keep in higher precision:", f"    {bisect_command(result) or f'accudiff bisect precision ({unsaved_inputs_text()})'}"]
     unit = "prompt" if result.generations else "sample"  # a decoder's trials run each prompt's whole sequence
     samples = (f"on {unit} {repair.samples[0]}" if len(repair.samples) == 1 else f"on {unit}s {', '.join(map(str, repair.samples))}") if repair.samples else ""
     if failure.cause is not None and failure.cause.stand_in:
@@ -315,7 +332,7 @@ def repair_lines(failure, result) -> list[str]:
         lines.append(f"    pruned in {repair.pruning_runs} run(s): each node tried for dropping while the output still met its target; "
                      + (f"{dropped} of {grown} dropped (the last step)" if dropped else "none could be"))
     if repair.verified:
-        lines.append("    apply it: " + " ".join(f"--keep-fp32 '{re.escape(n)}'" for n in repair.keep))
+        lines += ["    apply it:", f"      {keep_option(result, repair.keep, python)}"]
         if result.candidate_model is not None:
             repaired = result.report_dir / result.repaired_candidate if result.repaired_candidate and result.report_dir is not None else None
             lines += [f"    {line}" for line in remake_lines(repair.keep, result.precision, result.quantized_by, repaired)]

@@ -53,28 +53,31 @@ def decision_lines(output: str, found: dict, kind: OutputKind | None = None, spa
         vectors, sequences = found["score_vectors"], found["sequences"]
         where = (f"over {vectors} positions of {prompts} prompt(s)" if prompts else f"over {vectors} positions of {sequences} sequence(s)"
                  if sequences < vectors else f"over {vectors} score vector(s)")
-        top5 = f", top-5 {percent(found['top5'], 2)}{interval_text('top5', spans.get('top5'))}" if "top5" in found else ""
+        lines = [f"  {kind.kind if kind is not None else 'scores'} '{output}'{what}: top-1 agreement {percent(found['top1'], 2)}"
+                 f"{interval_text('top1', spans.get('top1'))} {where}"]
+        if found.get("near_tie_flips"):
+            lines.append(f"    {found['near_tie_flips']} of the {found['flips']} flip(s) are near-ties: the reference's own top two within {NEAR_TIE:g} nats")
+        top5 = f"top-5 agreement {percent(found['top5'], 2)}{interval_text('top5', spans.get('top5'))}; " if "top5" in found else ""
         spread = ", ".join(f"{name} {_figure(found[key])}" for name, key in (("median", "kl_median"), ("p99", "kl_p99"), ("max", "kl_max")) if key in found)
-        ties = (f" ({found['near_tie_flips']} of the {found['flips']} flip(s) are near-ties: the reference's own top two within {NEAR_TIE:g} nats)"
-                if found.get("near_tie_flips") else "")
-        nll = (f"; the reference's next token costs the candidate {found['delta_nll']:+.3g} nats more on average{interval_text('delta_nll', spans.get('delta_nll'))} (ΔNLL)"
-               if "delta_nll" in found else "")
+        lines.append(f"    {top5}KL divergence mean {_figure(found['kl'])}{interval_text('kl', spans.get('kl'))} ({spread})")
+        lines.append(f"    Δp, what the candidate takes from the probability of the reference's top entry (negative: it gives more): "
+                     f"mean {found['delta_p']:.3g}{interval_text('delta_p', spans.get('delta_p'))}, at worst {found['delta_p_max']:.3g}")
+        if "delta_nll" in found:
+            lines.append(f"    ΔNLL: the reference's next token costs the candidate {found['delta_nll']:+.3g} nats more on average"
+                         f"{interval_text('delta_nll', spans.get('delta_nll'))}")
         note = interval_note(spans, bool(prompts), sequences == vectors)
-        return [f"  {kind.kind if kind is not None else 'scores'} '{output}'{what}: top-1 agreement {percent(found['top1'], 2)}"
-                f"{interval_text('top1', spans.get('top1'))}{ties}{top5} {where}; KL divergence mean {_figure(found['kl'])}{interval_text('kl', spans.get('kl'))} "
-                f"({spread}); the probability of the reference's top entry drops by {found['delta_p']:.3g}{interval_text('delta_p', spans.get('delta_p'))} "
-                f"on average, {found['delta_p_max']:.3g} at worst (Δp){nll}" + (f" {note}" if note else "")]
+        return lines + ([f"    {note}"] if note else [])
     if "cosine" in found:
         neighbours = (f"; each row's nearest other row in the batch is the same for {percent(found['neighbors'], 2)} of {found['neighbor_rows']} rows"
                       if "neighbors" in found else "")
         poisoned = f" ({found['nan_vectors']} of them hold NaN/Inf in the candidate, each counted as cosine -1)" if found.get("nan_vectors") else ""
         note = interval_note(spans)
         return [f"  embedding '{output}'{what}: cosine mean {found['cosine']:.6f}{interval_text('cosine', spans.get('cosine'))}, lowest {found['cosine_min']:.6f} "
-                f"over {found['vectors']} vector(s){poisoned}{neighbours}" + (f" {note}" if note else "")]
+                f"over {found['vectors']} vector(s){poisoned}{neighbours}"] + ([f"    {note}"] if note else [])
     if "flipped_share" in found:
         note = interval_note(spans)
         return [f"  probability map '{output}'{what}: {percent(found['flipped_share'], 3)}{interval_text('flipped_share', spans.get('flipped_share'))} of its "
-                f"elements fall on the other side of {found['threshold']:g} (--threshold), IoU of the binarized maps {found['iou']:.4f}" + (f" {note}" if note else "")]
+                f"elements fall on the other side of {found['threshold']:g} (--threshold), IoU of the binarized maps {found['iou']:.4f}"] + ([f"    {note}"] if note else [])
     if "p999_tol_ratio" in found:
         return [f"  error percentiles '{output}'{what}: p99 |err| {found['p99_abs_err']:.3g}, p99.9 {found['p999_abs_err']:.3g}; in tolerances p99 "
                 f"{times_tolerance(found['p99_tol_ratio'], '')}, p99.9 {times_tolerance(found['p999_tol_ratio'], '')}"]

@@ -33,14 +33,16 @@ def write_atomically(path: Path, data: bytes) -> None:
 class ReportFolder:
     """Files are written into a hidden staging folder beside the target; `commit` renames it into place.
 
-    Without a target (`final=None`) the staging folder is a temporary one that `discard` removes.
+    Without a target (`final=None`) the staging folder is a temporary one that `commit` or `discard` removes.
     """
 
     def __init__(self, final: Path | None):
         self.final = Path(final) if final is not None else None
+        self._made: list[Path] = []  # the folders above the target made for it, deepest first: removed with a discarded report
         if self.final is not None:
             if self.final.exists():
                 raise AccudiffError(f"report folder '{self.final}' already exists; choose another with --report-dir")
+            self._made = [p for p in [self.final.parent, *self.final.parent.parents] if not p.exists()]
             self.final.parent.mkdir(parents=True, exist_ok=True)
             self.path = Path(tempfile.mkdtemp(prefix=f".{self.final.name}.partial-", dir=self.final.parent))
         else:
@@ -68,3 +70,8 @@ class ReportFolder:
 
     def discard(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+        for folder in self._made:  # a first run's reports/ goes with its report, if nothing else is in it
+            try:
+                folder.rmdir()
+            except OSError:
+                break

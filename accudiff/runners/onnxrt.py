@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import onnx
 
-from accudiff.errors import AccudiffError, first_line
+from accudiff.errors import AccudiffError, RunFailed, first_line
 from accudiff.model.graph import tensor_bytes
 from accudiff.model.saving import save_model
 from accudiff.model.shapes import clear_unknown_dims
@@ -136,7 +136,7 @@ class OnnxrtRunner(Runner):
         try:
             results = self._session.run(list(self._answers), inputs)
         except Exception as exc:
-            raise AccudiffError(f"ONNX Runtime failed while running '{self.model_path.name}': {first_line(exc)}") from exc
+            raise RunFailed(f"ONNX Runtime failed while running '{self.model_path.name}': {first_line(exc)}", first_line(exc)) from exc
         return {self._answers[name]: value for name, value in zip(self._answers, results) if isinstance(value, np.ndarray)}
 
     def deactivate(self) -> None:

@@ -1,0 +1,72 @@
+"""What to do next, in commands that run as printed (the console, report.html, the pytest plugin's message):
+the comparison again with a repair's nodes kept, judged by a requirement its decision is shown to meet,
+or `accudiff bisect precision` on it. Every option the run was given goes with them, its inputs as the
+report saved them. Python callers (the API, the pytest plugin) get `accudiff.compare`'s keyword arguments
+instead of flags.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from accudiff.comparison.objective import Resolution, strictest_met
+
+def decision_requirement(output: str, result) -> Resolution | None:
+    """The strictest requirement on the decision taken from `output` its figures are shown to meet
+    (objective.strictest_met); None where the run already judges the output by a requirement."""
+    figures = result.decisions.get(output, {})
+    if any(name in figures for name in result.require):
+        return None
+    return strictest_met(figures, result.intervals.get(output, {}))
+
+
+def requirement_option(resolution: Resolution, python: bool) -> str:
+    """A requirement as an option: `--require top1=0.99`, or `require=['top1=0.99']`."""
+    text = f"{resolution.name}={resolution.target:g}"
+    return f"require=[{text!r}]" if python else f"--require {text}"
+
+
+def compare_command(result, extra: list[str]) -> str | None:
+    """The comparison again with `extra` arguments, as a shell command; None where its inputs are saved nowhere."""
+    return shlex.join([*result.replay, *extra]) if result.replayable else None
+
+
+def bisect_command(result) -> str | None:
+    """`accudiff bisect precision` on what was compared, with every option it takes; None as above."""
+    return shlex.join(["accudiff", "bisect", "precision", *result.settings.arguments("bisect")]) if result.replayable else None
+
+
+def keep_option(result, nodes: list[str], python: bool) -> str:
+    """Keeping `nodes` in higher precision beside what the run kept already: a keyword argument, or the command."""
+    patterns = [re.escape(n) for n in nodes]
+    if python:
+        given = list(result.settings.keep_fp32) if result.settings is not None else []
+        return f"keep_fp32=[{', '.join(repr(p) for p in [*given, *patterns])}]"
+    return compare_command(result, [item for p in patterns for item in ("--keep-fp32", p)]) or " ".join(f"--keep-fp32 {shlex.quote(p)}" for p in patterns)
+
+
+def unsaved_inputs_text() -> str:
+    return "its inputs are saved nowhere yet: result.write_report(folder) saves them, and its report holds the command"
+
+
+def next_step_lines(result, python: bool = False) -> list[str]:
+    """The one next thing to do, first among what a run prints: apply the verified repairs; where the error
+    accumulates and the decision holds, judge by the decision (or find the nodes to keep); else find them."""
+    if result.verdict != "fail":
+        return []
+    failures = [f for f in result.output_failures if f.tensor]
+    repairs = [f.repair for f in failures if f.repair is not None and f.repair.verified]
+    if len(repairs) == len(failures):
+        keep = list(dict.fromkeys(n for r in repairs for n in r.keep))
+        return [f"next: keep {len(keep)} node(s) in higher precision (verified at the output{'s' if len(failures) > 1 else ''}):", f"  {keep_option(result, keep, python)}"]
+    held = [r for f in failures if (r := decision_requirement(f.tensor, result)) is not None]
+    bisect = bisect_command(result) or f"accudiff bisect precision ({unsaved_inputs_text()})"
+    if held and len(held) == len(failures):
+        strictest = list({r.name: r for r in sorted(held, key=lambda r: r.target if r.direction == "max" else -r.target)}.values())
+        texts = [f"{r.name}={r.target:g}" for r in strictest]
+        said = (f"require={texts!r}" if python else
+                compare_command(result, [item for text in texts for item in ("--require", text)]) or " ".join(f"--require {t}" for t in texts))
+        return ["next: out of tolerance, but the decision holds; if the decision is what you judge the model by:", f"  {said}",
+                "or, for the tolerance, find the nodes to keep in higher precision:", f"  {bisect}"]
+    return ["next: find the nodes to keep in higher precision:", f"  {bisect}"]
