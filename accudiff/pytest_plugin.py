@@ -87,7 +87,6 @@ def pytest_runtest_call(item: pytest.Item):
         model = options.pop("model", marker.args[0] if marker.args else None)
         if model is None:
             raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.accudiff needs model=...")
-        model = Path(model) if Path(model).is_absolute() else Path(item.path).parent / model
         checks = {k: options.pop(k) for k in ("atol", "rtol", "stol", "min_sqnr_db", "tensors", "baseline") if k in options}
         precision = options.pop("precision", "fp32")
         AccuracyChecker(item.config.stash[_SETTINGS], item).compare(model, precision, **options).assert_within(**checks)
@@ -130,7 +129,7 @@ class Settings:
     def from_config(cls, config: pytest.Config) -> "Settings":
         return cls(
             candidate=config.getoption("accudiff_candidate") or config.getini("accudiff_candidate"),
-            report_root=Path(config.getoption("accudiff_report_dir") or config.getini("accudiff_report_dir")),
+            report_root=config.rootpath / (config.getoption("accudiff_report_dir") or config.getini("accudiff_report_dir")),
             update_baseline=bool(config.getoption("accudiff_update_baseline")),
             tolerances=_parse_tolerances(config.getini("accudiff_tolerances")),
             sqnr_margin_db=float(config.getini("accudiff_sqnr_margin_db")),
@@ -148,6 +147,8 @@ class Settings:
 
 
 _SETTINGS = pytest.StashKey[Settings]()
+PATH_OPTIONS = frozenset({"inputs", "calib_data", "candidate_model", "prompts", "load_candidate", "load_reference", "save_candidate", "save_reference",
+                          "report_dir"})
 
 
 class AccuracyChecker:
@@ -157,7 +158,11 @@ class AccuracyChecker:
         self._settings, self._node = settings, node
 
     def compare(self, model: str | Path, precision: str = "fp32", **options) -> "AccuracyCheck":
-        return AccuracyCheck(self._settings, self._node, Path(model), precision, options)
+        """A relative path (the model, inputs, calibration data...) is read from pytest's rootdir, the folder
+        of pyproject.toml or pytest.ini: a suite checks the same files from whichever folder it is run."""
+        root = self._node.config.rootpath
+        paths = {k: root / v for k, v in options.items() if k in PATH_OPTIONS and isinstance(v, (str, Path))}
+        return AccuracyCheck(self._settings, self._node, root / model, precision, {**options, **paths})
 
 
 @dataclass
@@ -221,8 +226,8 @@ class AccuracyCheck:
             else:
                 try:
                     problems += _regressions(baseline_path, rows, self.settings, recorded_with)
-                except AccudiffError as exc:
-                    pytest.fail(str(exc), pytrace=False)
+                except AccudiffError as exc:  # an unreadable baseline: said as the test's one problem
+                    problems.append(str(exc))
         self._record(result, problems, written)
         if problems:
             pytest.fail(_message(result, problems), pytrace=False)
@@ -263,7 +268,8 @@ class AccuracyCheck:
                 **options,
             )
         except AccudiffError as exc:
-            pytest.fail(f"accudiff could not compare {self.model}: {exc}", pytrace=False)
+            refused = f"accudiff: {exc}"
+        pytest.fail(refused, pytrace=False)  # outside the except: the failure is the one sentence, not a chain
 
     def _record(self, result, problems, written) -> None:
         from accudiff.report.content import cause_lines

@@ -3,6 +3,7 @@ compare and both bisectors; and rendered by a real browser (headless Chromium) w
 
 from __future__ import annotations
 
+import html
 import re
 import sys
 
@@ -14,7 +15,7 @@ from accudiff.bisect.report import run_bisector
 from accudiff.report import plots
 from accudiff.report.svg import MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP
 from accudiff.settings import RunSettings
-from conftest import ROOT, fixture
+from conftest import ROOT, fixture, run_printed
 
 sys.path.insert(0, str(ROOT))
 from benchmarks.report_screenshot import browser, render, screenshot  # noqa: E402
@@ -86,11 +87,36 @@ def test_a_tensor_without_finite_error_gets_a_sentence_not_empty_axes(tmp_path):
     page = (tmp_path / "r" / "report.html").read_text()
     assert "absolute error (" not in page
     assert page.count("no finite error above 0 to draw") == 2
+    output_part, cause_part = page.split("Failing outputs</h2>")[1].split("</section>")[0].split("<h4>its cause, ")
+    assert output_part.count("no finite error above 0 to draw") == 1 and cause_part.count("no finite error above 0 to draw") == 1
     for references in ([1.5, 2.5], [1.5, 1.5]):  # a range of one value is widened: the top is not 1.5
         scatter = plots.candidate_vs_reference([[r, c] for r, c in zip(references, [float("nan"), float("inf")])], "y")
         crosses = [(float(x) + 3, float(y) + 3) for x, y in re.findall(r'<path d="M([0-9.-]+),([0-9.-]+)L', scatter)]
         inside = [(x, y) for x, y in crosses if MARGIN_LEFT <= x <= 400 - MARGIN_RIGHT]  # the legend's is not
         assert len(inside) == 2 and all(y == MARGIN_TOP for _, y in inside)
+
+
+def test_the_report_reads_like_a_report(tmp_path):
+    """The next step and the repair as commands with a copy button (each runs as printed), the cause as
+    headed parts with each finding's kind, tensor names on the error's path (axis and hover), the table
+    narrowed to its main columns with the rest one click away."""
+    result = accudiff.compare(fixture("layernorm_overflow"), "fp16", candidate="onnxrt", report_dir=tmp_path / "r")
+    page = (result.report_dir / "report.html").read_text()
+    nexts = page.split('id="next"')[1].split("</div></div>")[0]
+    commands = [html.unescape(c) for c in re.findall(r'<div class="copyable"><pre><code>(.*?)</code></pre><button type="button" class="copy">', page)]
+    assert 'class="copy"' in nexts and len(commands) >= 3  # the next step, 'apply it', the replay
+    for command in dict.fromkeys(commands):
+        assert run_printed(command, tmp_path).returncode in (0, 1), command
+    assert run_printed(commands[0], tmp_path).returncode == 0  # the next step: the verified repair
+    cause = page.split('id="cause-y"')[1].split("</section>")[0]
+    assert [h for h in re.findall(r"<h4>(.*?)</h4>", cause)] == ["What it does to the decision", "Tolerance", "Cause and repair"]
+    assert "<b>overflow</b>: reference absmax" in cause and "<b>verified</b>: keeping it in FP32" in cause
+    path = page.split('id="error-path"')[1].split("</svg>")[0]
+    assert re.search(r'rotate\(-35\)" text-anchor="end">squared</text>', path)  # the axis names tensors
+    assert "<title>squared (Pow): SQNR -200.0 dB" in path  # and every point names its tensor on hover
+    table = page.split('id="tensors"')[1].split("</thead>")[0]
+    assert '<th>tensor</th>' in table and '<th>sqnr_db</th>' in table and '<th class="extra">ref_min</th>' in table
+    assert 'class="columns" data-table="tensors"' in page
 
 
 def test_plots_are_drawn_without_a_plotting_library(hostile_report):

@@ -159,6 +159,34 @@ def test_broken_but_tolerated(accudiff):
     assert any((pytester.path / "my_reports").iterdir())
 
 
+def test_paths_are_read_from_the_rootdir_and_a_refusal_is_one_sentence(pytester):
+    """Relative paths in the marker and the fixture both name files from pytest's rootdir (the marker read
+    them from the test file's folder, the fixture from the working folder); a check accudiff refuses fails
+    with its one sentence, no 'During handling of the above exception' chain."""
+    pytester.makeini("[pytest]\n")
+    (pytester.path / "models").mkdir()
+    (pytester.path / "models" / "clean.onnx").write_bytes(CLEAN.read_bytes())
+    (pytester.path / "tests").mkdir()
+    (pytester.path / "tests" / "test_paths.py").write_text("""
+import pytest
+
+@pytest.mark.accudiff(model="models/clean.onnx", precision="fp16", atol=1e-2)
+def test_marker():
+    pass
+
+def test_fixture(accudiff):
+    accudiff.compare("models/clean.onnx", precision="fp16").assert_within(atol=1e-2)
+
+def test_missing(accudiff):
+    accudiff.compare("models/gone.onnx", precision="fp16").assert_within()
+""")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--rootdir", str(pytester.path), "tests")
+    result.assert_outcomes(passed=2, failed=1)
+    out = result.stdout.str()
+    assert "accudiff: model file" in out and "models/gone.onnx' does not exist" in out
+    assert "During handling" not in out and "Traceback" not in out
+
+
 def test_works_under_xdist(pytester):
     result = _run(pytester, f"""
 import numpy as np

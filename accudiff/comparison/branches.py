@@ -100,7 +100,7 @@ def calibration_per_group(info: ModelInfo, groups: Sequence[BranchGroup], calib_
     samples are those that take its branches (a specialized model computes only those)."""
     if calib_data is None or not any(group.taken for group in groups):
         return {}
-    calibration = samples_from_path(calib_data, info.inputs, "calibration file", scratch)
+    calibration = samples_from_path(calib_data, info.inputs, "calibration", scratch)
     by_branches = {tuple(sorted(g.taken.items())): g.samples for g in branch_groups(info.proto, calibration)}
     chosen = {}
     for k, group in enumerate(groups):

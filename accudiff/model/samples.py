@@ -90,7 +90,7 @@ def prepare_samples(info: ModelInfo, settings: RunSettings, path: Path | None = 
     if isinstance(inputs, Samples):
         return inputs
     if isinstance(inputs, (str, Path)):
-        return samples_from_path(inputs, info.inputs, "input file", path.parent if path is not None else None)
+        return samples_from_path(inputs, info.inputs, "input", path.parent if path is not None else None)
     if inputs is not None:
         feeds = [dict(feed) for feed in inputs]
         validate_feeds(feeds, info.inputs, "the given inputs")
@@ -120,15 +120,16 @@ def _require_room(size: int, folder: Path, what: str) -> None:
         )
 
 
-def samples_from_path(path: str | Path, specs: Sequence[InputSpec], role: str = "input file", scratch: Path | None = None) -> Samples:
+def samples_from_path(path: str | Path, specs: Sequence[InputSpec], role: str = "input", scratch: Path | None = None) -> Samples:
     """The samples of an .npz file, a folder of .npz files, or a polygraphy JSON file (converted into
-    `scratch`). The first sample is validated now; each one is validated again as it is read."""
+    `scratch`); `role` names what they are for ("input", "calibration"), said with "file" or "folder".
+    The first sample is validated now; each one is validated again as it is read."""
     path = Path(path)
-    source = f"{role} '{path}'"
+    source = f"{role} {'folder' if path.is_dir() else 'file'} '{path}'"
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix.lower() == ".npz")
         if not files:
-            raise AccudiffError(f"{role} folder '{path}' holds no .npz file")
+            raise AccudiffError(f"{source} holds no .npz file")
     elif path.is_file():
         files = [path]
         if path.suffix.lower() == ".json":

@@ -10,81 +10,30 @@ from __future__ import annotations
 
 import html
 import shlex
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 import pandas as pd
 
 from accudiff.report import plots
-from accudiff.report.content import (HTML_FILE, cause_lines, failing_outputs_label, failure_headline, requirements_met, sample_lines,
-                                     tolerance_met_line, worst_tensors)
+from accudiff.report.html_blocks import bullet_list, copyable, data_table, escape, facts_table, page, section, structured
+from accudiff.report.content import (HTML_FILE, cause_lines, decision_first_lines, failing_outputs_label, failure_headline, requirements_met,
+                                     sample_lines, tolerance_met_line, worst_tensors)
+from accudiff.report.next_steps import next_step_lines
 from accudiff.model.prompts import decode_tokens
 from accudiff.model.decoder import model_name
-from accudiff.report.decision_text import decision_lines, generation_lines, interval_text
+from accudiff.report.decision_text import generation_lines, interval_text
 from accudiff.text import percent
 from accudiff.diagnosis.cause import CAUSE_KINDS
 
 MAX_TABLE_ROWS = 2000
+RANKING_COLUMNS = ["rank", "node", "op_type", "why", "kept"]
+MAIN_COLUMNS = ["tensor", "op_type", "status", "tol_ratio", "sqnr_db", "isolated_status", "max_abs_err"]  # the rest one click away
 TABLE_COLUMNS = [
     "tensor", "node", "op_type", "status", "max_abs_err", "tol_ratio", "sqnr_db", "isolated_sqnr_db", "isolated_status",
     "outside_share", "ref_min", "ref_max", "shape", "dtype", "cand_dtype", "samples", "note",
 ]
 
-_STYLE = """
-body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0;color:#212121;background:#fafafa}
-main{max-width:1200px;margin:0 auto;padding:16px 24px 48px}
-h1{font-size:22px;margin:8px 0}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #ddd;padding-bottom:4px}
-h3{font-size:15px;margin:16px 0 6px}
-.verdict{display:inline-block;padding:2px 10px;border-radius:4px;color:#fff;font-weight:600}
-.pass{background:#2e7d32}.fail{background:#c62828}.inconclusive{background:#ef6c00}
-.facts td{padding:1px 12px 1px 0;vertical-align:top}.facts td:first-child{color:#616161}
-pre,code{font:12.5px/1.4 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
-pre{background:#f1f3f4;padding:8px 10px;border-radius:4px;overflow-x:auto;white-space:pre-wrap}
-.cause{background:#fff;border-left:4px solid #ef6c00;padding:6px 12px;margin:8px 0}
-.plots{display:flex;flex-wrap:wrap;gap:12px}.plots svg{max-width:100%;height:auto;background:#fff}
-table.data{border-collapse:collapse;font-size:12.5px;background:#fff}
-table.data th,table.data td{border:1px solid #e0e0e0;padding:2px 6px;text-align:left;white-space:nowrap}
-table.data th{background:#eceff1;cursor:pointer;position:sticky;top:0}
-tr.fail td{background:#ffebee}tr.kept td{background:#f3e5f5}
-.scroll{max-height:600px;overflow:auto;border:1px solid #e0e0e0}
-.notice{color:#5d4037}
-input.filter{margin:6px 0;padding:4px 8px;width:320px}
-"""
-
-# Sorting (click a header; numbers as numbers) and filtering (every cell's text). No library, no network.
-_SCRIPT = """
-document.querySelectorAll("table.sortable").forEach(function (table) {
-  var body = table.tBodies[0];
-  table.querySelectorAll("th").forEach(function (th, column) {
-    th.addEventListener("click", function () {
-      var up = th.dataset.order !== "asc";
-      th.dataset.order = up ? "asc" : "desc";
-      var rows = Array.prototype.slice.call(body.rows);
-      rows.sort(function (a, b) {
-        var x = a.cells[column].dataset.v !== undefined ? a.cells[column].dataset.v : a.cells[column].textContent;
-        var y = b.cells[column].dataset.v !== undefined ? b.cells[column].dataset.v : b.cells[column].textContent;
-        var nx = parseFloat(x), ny = parseFloat(y);
-        var order = (!isNaN(nx) && !isNaN(ny)) ? nx - ny : String(x).localeCompare(String(y));
-        return up ? order : -order;
-      });
-      rows.forEach(function (row) { body.appendChild(row); });
-    });
-  });
-});
-document.querySelectorAll("input.filter").forEach(function (input) {
-  var table = document.getElementById(input.dataset.table);
-  input.addEventListener("input", function () {
-    var wanted = input.value.toLowerCase();
-    Array.prototype.forEach.call(table.tBodies[0].rows, function (row) {
-      row.style.display = row.textContent.toLowerCase().indexOf(wanted) >= 0 ? "" : "none";
-    });
-  });
-});
-"""
-
-
-def escape(value: object) -> str:
-    return html.escape(str(value), quote=True)
 
 
 def compare_page(result) -> str:
@@ -93,7 +42,7 @@ def compare_page(result) -> str:
     sections = [_heading(result), _causes(result), _generation(result), _error_path(result), _failing_outputs(result), _neighbourhoods(result),
                 _kept_and_notices(result), _samples(result), _full_table(result), _replay(result)]
     title = f"accudiff compare {model_name(result.model)} [{result.precision}]"
-    return _page(title, [], sections)
+    return page(title, [], sections)
 
 
 def bisect_page(bisector: str, model: str, precision: str, result, steps: Sequence[str], folder_files: dict[str, str | None]) -> str:
@@ -104,31 +53,32 @@ def bisect_page(bisector: str, model: str, precision: str, result, steps: Sequen
     if bisector == "subgraph":
         verdict, label = ("fail", "FAILING SUBGRAPH FOUND") if result.output is not None else ("pass", "NOTHING FAILS")
         facts.update({"failing output": result.output or "none", "cause": CAUSE_KINDS.get(result.cause_kind, "-"), "checked at": result.tensor or "-"})
-        body = [_facts(facts)]
+        body = [facts_table(facts)]
         if result.nodes:
             body.append(f"<h3>Smallest failing subgraph ({len(result.nodes)} node(s)), "
                         f"{'confirmed to fail on its own' if result.confirmed else 'NOT confirmed when run again'}</h3>")
-            body.append(_list(result.nodes))
-            body.append("<h3>Run the reproducer (from this folder)</h3>" + _code(result.command))
+            body.append(bullet_list(result.nodes))
+            body.append("<h3>Run the reproducer (from this folder)</h3>" + copyable(result.command))
         for finding in result.findings:
             body.append(f"<p>{escape(finding.get('kind', ''))}: {escape(finding.get('message', ''))}</p>")
-        sections.append(_section("Result", "".join(body)))
+        sections.append(section("Result", "".join(body)))
     else:
         verdict, label = (
             ("pass", "ALREADY WITHIN TOLERANCE") if result.passed_without_changes else ("pass", "REPAIRED") if result.repaired else ("fail", "NOT REPAIRED")
         )
         facts.update({"already within tolerance": "yes" if result.passed_without_changes else "no", "repaired": "yes" if result.repaired else "no"})
-        body = [_facts(facts)]
+        body = [facts_table(facts)]
         if result.keep:
-            body.append(f"<h3>Keep in higher precision ({len(result.keep)} node(s))</h3>" + _list(result.keep))
+            body.append(f"<h3>Keep in higher precision ({len(result.keep)} node(s))</h3>" + bullet_list(result.keep))
             body.append(f"<p>Keep-list file: <code>{escape(folder_files.get('keep_list') or '')}</code>; repaired model: "
                         f"<code>{escape(result.repaired_model or '-')}</code></p>")
-        sections.append(_section("Result", "".join(body)))
+        sections.append(section("Result", "".join(body)))
         if result.ranking is not None:
-            sections.append(_section("Ranking (causes first, then by own error)", _data_table(result.ranking, list(result.ranking.columns), "ranking")))
-    sections.append(_section("Steps taken", _list(steps, ordered=True)))
+            ranking = data_table(result.ranking, list(result.ranking.columns), "ranking", main=RANKING_COLUMNS)
+            sections.append(section("Ranking (causes first, then by own error)", ranking))
+    sections.append(section("Steps taken", bullet_list(steps, ordered=True)))
     heading = f'<h1>{escape(title)}</h1><p><span class="verdict {verdict}" id="verdict">{label}</span></p>'
-    return _page(title, [], [heading, *sections])
+    return page(title, [], [heading, *sections])
 
 
 def summary_markdown(result, html_name: str = HTML_FILE) -> str:
@@ -157,17 +107,6 @@ def _md(text: object) -> str:
     return html.escape(str(text), quote=False).replace("|", "\\|").replace("`", "'")
 
 
-def _page(title: str, notices: Iterable[str], sections: Iterable[str]) -> str:
-    notice_html = "".join(f'<p class="notice">{escape(n)}</p>' for n in notices)
-    return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; "
-        "script-src 'unsafe-inline'; img-src data:\">"
-        f"<title>{escape(title)}</title><style>{_STYLE}</style></head><body><main>"
-        f"{notice_html}{''.join(sections)}</main><script>{_SCRIPT}</script></body></html>\n"
-    )
-
-
 def _heading(result) -> str:
     compared, computed = result.coverage
     tol = result.tolerances.default
@@ -179,25 +118,26 @@ def _heading(result) -> str:
     }
     if result.first_failure is not None:
         facts["first tensor out of tolerance"] = f"'{result.first_failure.tensor}' ({result.first_failure.op_type}; a fact, not the cause)"
+    steps = next_step_lines(result)
+    nexts = f'<div class="next" id="next">{structured(steps)}</div>' if steps else ""
     return (
         f"<h1>accudiff compare {escape(model_name(result.model))} [{escape(result.precision)}]</h1>"
-        f'<p><span class="verdict {escape(result.verdict)}" id="verdict">{escape(result.verdict.upper())}</span></p>{_facts(facts)}'
+        f'<p><span class="verdict {escape(result.verdict)}" id="verdict">{escape(result.verdict.upper())}</span></p>{nexts}{facts_table(facts)}'
     )
 
 
 def _causes(result) -> str:
     met = "".join(f"<p>{escape(line)}</p>" for line in requirements_met(result))
     if not result.output_failures:
-        return _section("Cause", met or "<p>Every graph output is within tolerance.</p>")
+        return section("Cause", met or "<p>Every graph output is within tolerance.</p>")
     blocks = []
     for failure in result.output_failures:
         head = failure_headline(failure.tensor, result, "fails")
-        said = [*tolerance_met_line(failure.tensor, result),
-                *(line.strip() for line in decision_lines(failure.tensor, result.decisions.get(failure.tensor, {}), result.output_kinds.get(failure.tensor))),
-                *cause_lines(failure, result)]
-        blocks.append(f'<div class="cause" id="cause-{escape(failure.tensor)}"><strong>{escape(head)}</strong>'
-                      f"<pre>{escape(chr(10).join(said))}</pre></div>")
-    return _section("Cause", met + "".join(blocks))
+        blocks.append(f'<div class="cause" id="cause-{escape(failure.tensor)}"><h3>{escape(head)}</h3>'
+                      f'<h4>What it does to the decision</h4>{structured(decision_first_lines(failure.tensor, result) or ["no decision is taken from it"])}'
+                      f"<h4>Tolerance</h4>{structured(tolerance_met_line(failure.tensor, result))}"
+                      f"<h4>Cause and repair</h4>{structured(cause_lines(failure, result))}</div>")
+    return section("Cause", met + "".join(blocks))
 
 
 def _generation(result) -> str:
@@ -227,7 +167,7 @@ def _generation(result) -> str:
     lines = "".join(f"<p>{escape(line.strip())}</p>" for line in generation_lines(result)[:1])
     intro = (f"<p>{len(result.generations)} prompt(s), each a prefill then its decode steps, each side carrying its own KV cache; both sides fed "
              "the same tokens. Intervals resample whole prompts (positions of one prompt are not independent).</p>")
-    return _section("Generation", intro + table + (f'<div class="plots" id="by-step">{chart}</div>' if chart else "") + lines + "".join(turns))
+    return section("Generation", intro + table + (f'<div class="plots" id="by-step">{chart}</div>' if chart else "") + lines + "".join(turns))
 
 
 def _text_of(folder, tokens) -> str:
@@ -255,30 +195,42 @@ def _error_path(result) -> str:
              f"{isolated} A drop marked absorbed was tested: keeping that node in higher precision left the output as it was.</p>")
     if svg is None:
         return ""
-    return _section("The error's path", intro + f'<div class="plots" id="error-path">{svg}</div>')
+    return section("The error's path", intro + f'<div class="plots" id="error-path">{svg}</div>')
 
 
 def _failing_outputs(result) -> str:
+    """Per failing output: its error histogram and scatter, then its cause's histogram under the cause's own
+    heading, so each figure and each note sits under the tensor it is about."""
     blocks = []
     indexed = result.table.set_index("tensor")
     for failure in result.output_failures:
-        figures, undrawn = [], []
-        for name in dict.fromkeys([failure.tensor, failure.cause.tensor] if failure.cause and failure.cause.tensor else [failure.tensor]):
-            if name in result.error_sketches:
-                row = indexed.loc[name]
-                non_finite = int(row["ref_nan"] + row["ref_inf"] + row["cand_nan"] + row["cand_inf"])
-                histogram = plots.error_distribution(result.error_sketches[name], name, non_finite)
-                figures.append(histogram)
-                if histogram is None:
-                    undrawn.append(f"<p>'{escape(name)}': no finite error above 0 to draw (NaN/Inf values: {non_finite}).</p>")
-        figures.append(plots.candidate_vs_reference(result.points.get(failure.tensor, []), failure.tensor))
-        shown = [f for f in figures if f is not None]
-        if shown or undrawn:
-            blocks.append(f"<h3>{escape(failure.tensor)}</h3>{''.join(undrawn)}<div class=\"plots\">{''.join(shown)}</div>")
+        parts = []
+        cause = failure.cause.tensor if failure.cause and failure.cause.tensor and failure.cause.tensor != failure.tensor else None
+        for name in [failure.tensor, *([cause] if cause else [])]:
+            figures = [_histogram(name, result, indexed)]
+            if name == failure.tensor:
+                figures.append(plots.candidate_vs_reference(result.points.get(name, []), name))
+            drawn = [f for f in figures if f and f.startswith("<svg")]
+            said = "".join(f for f in figures if f and not f.startswith("<svg"))
+            if drawn or said:
+                heading = f"<h4>its cause, '{escape(name)}'</h4>" if name == cause else ""
+                parts.append(heading + said + (f'<div class="plots">{"".join(drawn)}</div>' if drawn else ""))
+        if parts:
+            blocks.append(f"<h3>{escape(failure.tensor)}</h3>{''.join(parts)}")
     if not blocks:
         return ""
     note = "<p>Error histograms count every element (from the comparison's sketch); the scatter shows sampled elements, the worst first.</p>"
-    return _section("Failing outputs", note + "".join(blocks))
+    return section("Failing outputs", note + "".join(blocks))
+
+
+def _histogram(name: str, result, indexed: pd.DataFrame) -> str | None:
+    """A tensor's error histogram, or the sentence saying why there is none to draw."""
+    if name not in result.error_sketches:
+        return None
+    row = indexed.loc[name]
+    non_finite = int(row["ref_nan"] + row["ref_inf"] + row["cand_nan"] + row["cand_inf"])
+    drawn = plots.error_distribution(result.error_sketches[name], name, non_finite)
+    return drawn if drawn is not None else f"<p>'{escape(name)}': no finite error above 0 to draw (NaN/Inf values: {non_finite}).</p>"
 
 
 def _neighbourhoods(result) -> str:
@@ -304,7 +256,7 @@ def _neighbourhoods(result) -> str:
             f"<tr><th colspan=2>inputs</th></tr>{inputs}<tr><th colspan=2>outputs</th></tr>{outputs}"
             f"<tr><th colspan=2>consumers</th></tr>{reader_rows}</table>"
         )
-    return _section("Around the cause", "".join(blocks)) if blocks else ""
+    return section("Around the cause", "".join(blocks)) if blocks else ""
 
 
 def _describe_value(name: str, indexed: pd.DataFrame, weights: dict[str, str]) -> str:
@@ -328,22 +280,22 @@ def _kept_and_notices(result) -> str:
     parts = []
     if result.kept:
         kept = pd.DataFrame([{"node": k.node, "op_type": k.op_type, "reason": k.reason} for k in result.kept])
-        parts.append(f"<h3>Kept in FP32 ({len(kept)})</h3>" + _data_table(kept, list(kept.columns), "kept"))
+        parts.append(f"<h3>Kept in FP32 ({len(kept)})</h3>" + data_table(kept, list(kept.columns), "kept"))
     if result.notices:
-        parts.append("<h3>Notices</h3>" + _list(result.notices))
+        parts.append("<h3>Notices</h3>" + bullet_list(result.notices))
     if result.not_observable:
         shown = list(result.not_observable.items())[:200]
         rows = pd.DataFrame(shown, columns=["tensor", "why it is not observable"])
         more = f"<p>... and {len(result.not_observable) - len(shown)} more (summary.json)</p>" if len(result.not_observable) > len(shown) else ""
-        parts.append(f"<h3>Not observable ({len(result.not_observable)})</h3>" + _data_table(rows, list(rows.columns), "not-observable") + more)
-    return _section("Kept nodes and notices", "".join(parts)) if parts else ""
+        parts.append(f"<h3>Not observable ({len(result.not_observable)})</h3>" + data_table(rows, list(rows.columns), "not-observable") + more)
+    return section("Kept nodes and notices", "".join(parts)) if parts else ""
 
 
 def _samples(result) -> str:
     lines = [line.strip() for line in sample_lines(result)]
     if result.iterations <= 1 and not lines:
         return ""
-    return _section("Samples", _list(lines) if lines else "<p>One sample.</p>")
+    return section("Samples", bullet_list(lines) if lines else "<p>One sample.</p>")
 
 
 def _full_table(result) -> str:
@@ -358,49 +310,11 @@ def _full_table(result) -> str:
         note = f"<p class=\"notice\">{len(shown)} of {len(table)} rows shown (every failing one, the rest sampled evenly); tensors.csv has them all.</p>"
     kept_nodes = {k.node for k in result.kept}
     filter_box = '<input class="filter" data-table="tensors" placeholder="filter rows (any text)">'
-    return _section(f"All tensors ({len(table)})", note + filter_box + _data_table(shown, columns, "tensors", kept_nodes))
+    return section(f"All tensors ({len(table)})", note + filter_box + data_table(shown, columns, "tensors", kept_nodes, MAIN_COLUMNS))
 
 
 def _replay(result) -> str:
     if not result.replay:
         return ""
-    return _section("Replay", "<p>The same comparison, on the same inputs:</p>" + _code(shlex.join(result.replay)))
+    return section("Replay", "<p>The same comparison, on the same inputs:</p>" + copyable(shlex.join(result.replay)))
 
-
-def _data_table(frame: pd.DataFrame, columns: Sequence[str], table_id: str, kept_nodes: set[str] = frozenset()) -> str:
-    head = "".join(f"<th>{escape(c)}</th>" for c in columns)
-    rows = []
-    for record in frame[list(columns)].to_dict("records"):
-        classes = "fail" if record.get("status") == "fail" else ("kept" if record.get("node") in kept_nodes else "")
-        cells = "".join(_cell(record[c]) for c in columns)
-        rows.append(f'<tr class="{classes}">{cells}</tr>' if classes else f"<tr>{cells}</tr>")
-    return f'<div class="scroll"><table class="data sortable" id="{escape(table_id)}"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table></div>'
-
-
-def _cell(value) -> str:
-    if isinstance(value, (float, np.floating)):
-        if np.isnan(value):
-            return '<td data-v="">-</td>'
-        sortable = repr(float(value)) if np.isfinite(value) else ("Infinity" if value > 0 else "-Infinity")
-        return f'<td data-v="{sortable}">{value:.4g}</td>'
-    if isinstance(value, (bool, np.bool_)):
-        return f"<td>{'yes' if value else 'no'}</td>"
-    return f"<td>{escape(value)}</td>"
-
-
-def _facts(facts: dict[str, str]) -> str:
-    rows = "".join(f"<tr><td>{escape(k)}</td><td>{escape(v)}</td></tr>" for k, v in facts.items())
-    return f'<table class="facts">{rows}</table>'
-
-
-def _list(items: Iterable[str], ordered: bool = False) -> str:
-    tag = "ol" if ordered else "ul"
-    return f"<{tag}>" + "".join(f"<li>{escape(item)}</li>" for item in items) + f"</{tag}>"
-
-
-def _code(text: str) -> str:
-    return f"<pre><code>{escape(text)}</code></pre>"
-
-
-def _section(title: str, body: str) -> str:
-    return f"<section><h2>{escape(title)}</h2>{body}</section>" if body else ""

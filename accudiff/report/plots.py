@@ -12,8 +12,9 @@ import numpy as np
 import pandas as pd
 
 from accudiff.comparison.metrics import SQNR_CAP_DB, error_histogram
-from accudiff.report.svg import Chart, short
+from accudiff.report.svg import NAME_MARGIN, Chart, short
 
+MAX_HOVER = 3000  # points of the error's path given a name on hover (failing ones always): the page stays small
 FAIL_COLOUR, KEPT_COLOUR, CAUSE_COLOUR, LINE_COLOUR, ISOLATED_COLOUR, ABSORBED_COLOUR = "#c62828", "#6a1b9a", "#ef6c00", "#1565c0", "#2e7d32", "#757575"
 
 
@@ -32,8 +33,9 @@ def error_path(
     isolated = rows["isolated_sqnr_db"].clip(-SQNR_CAP_DB, SQNR_CAP_DB).to_numpy(np.float64) if "isolated_sqnr_db" in rows else np.full(len(rows), np.nan)
     shown = np.concatenate([sqnr[measured], isolated[np.isfinite(isolated)]])
     position = np.arange(len(rows), dtype=np.float64)
-    chart = Chart(900, 300, (0, max(len(rows) - 1, 1)), (float(shown.min()), float(shown.max())))
-    chart.x_label, chart.y_label = "tensor, in topological order", "SQNR (dB)"
+    chart = Chart(900, 380, (0, max(len(rows) - 1, 1)), (float(shown.min()), float(shown.max())))
+    chart.x_label, chart.y_label = "tensor, in topological order (hover a point for its name)", "SQNR (dB)"
+    chart.x_names, chart.margin_bottom = rows["tensor"].astype(str).tolist(), NAME_MARGIN
     chart.line(position[measured], sqnr[measured], LINE_COLOUR, "accumulated (normal run)")
     finite_isolated = np.isfinite(isolated)
     chart.line(position[finite_isolated], isolated[finite_isolated], ISOLATED_COLOUR, "isolated (fed the reference)", width=1.0)
@@ -54,7 +56,23 @@ def error_path(
     for name, label in causes:
         if name in where:
             chart.vline(where[name], CAUSE_COLOUR, f"{label}: {short(name)}")
+    named = _hovered(measured, failing)
+    chart.hover(position[named], sqnr[named], [_point_title(rows.iloc[i]) for i in np.flatnonzero(named)])
     return chart.render()
+
+
+def _hovered(measured: np.ndarray, failing: np.ndarray) -> np.ndarray:
+    """The points that get a name on hover: all, or past MAX_HOVER the failing ones and an even spread."""
+    if measured.sum() <= MAX_HOVER:
+        return measured
+    spread = np.zeros_like(measured)
+    spread[np.flatnonzero(measured)[np.linspace(0, measured.sum() - 1, MAX_HOVER).astype(int)]] = True
+    return spread | failing
+
+
+def _point_title(row: pd.Series) -> str:
+    isolated = f", isolated {row['isolated_sqnr_db']:.1f} dB" if pd.notna(row.get("isolated_sqnr_db")) else ""
+    return f"{row['tensor']} ({row['op_type']}): SQNR {row['sqnr_db']:.1f} dB{isolated}, {row['status']}"
 
 
 def error_distribution(sketch: np.ndarray, name: str, non_finite: int = 0) -> str | None:

@@ -16,6 +16,7 @@ import numpy as np
 MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 58, 14, 34, 40
 AXIS_COLOUR, GRID_COLOUR, TEXT_COLOUR = "#616161", "#e0e0e0", "#212121"
 MAX_LABEL = 48
+NAME_LABEL, NAME_MARGIN, NAME_TICK_SPACING = 22, 120, 70  # x ticks labelled by name: chars, bottom margin, px between ticks
 
 
 class Chart:
@@ -28,6 +29,8 @@ class Chart:
         self.body: list[str] = []
         self.legend: list[tuple[str, str]] = []  # (label, the SVG of its swatch at the origin)
         self.title = self.x_label = self.y_label = ""
+        self.x_names: Sequence[str] = ()  # with names, x is an index into them: its ticks are labelled by name, slanted
+        self.margin_bottom = MARGIN_BOTTOM
 
     # data to pixels
     def px(self, x: np.ndarray | float) -> np.ndarray:
@@ -35,7 +38,7 @@ class Chart:
         return MARGIN_LEFT + (value - self.x_low) / (self.x_high - self.x_low) * (self.width - MARGIN_LEFT - MARGIN_RIGHT)
 
     def py(self, y: np.ndarray | float) -> np.ndarray:
-        bottom, top = self.height - MARGIN_BOTTOM, MARGIN_TOP
+        bottom, top = self.height - self.margin_bottom, MARGIN_TOP
         return bottom - (np.asarray(y, np.float64) - self.y_low) / (self.y_high - self.y_low) * (bottom - top)
 
     def line(self, xs: Sequence[float], ys: Sequence[float], colour: str, label: str = "", width: float = 1.2, dash: str = "") -> None:
@@ -63,10 +66,15 @@ class Chart:
     def vline(self, x: float, colour: str, text: str) -> None:
         """A dashed vertical line across the plot with `text` beside its top."""
         left = float(self.px(x))
-        self.body.append(f'<line x1="{left:.1f}" y1="{MARGIN_TOP}" x2="{left:.1f}" y2="{self.height - MARGIN_BOTTOM}" stroke="{colour}" stroke-width="1.5" stroke-dasharray="5,3"/>')
+        self.body.append(f'<line x1="{left:.1f}" y1="{MARGIN_TOP}" x2="{left:.1f}" y2="{self.height - self.margin_bottom}" stroke="{colour}" stroke-width="1.5" stroke-dasharray="5,3"/>')
         anchor = "end" if left > self.width * 0.7 else "start"
         offset = -4 if anchor == "end" else 4
         self.body.append(f'<text x="{left + offset:.1f}" y="{MARGIN_TOP + 11}" fill="{colour}" text-anchor="{anchor}">{_text(text)}</text>')
+
+    def hover(self, xs: Sequence[float], ys: Sequence[float], titles: Sequence[str]) -> None:
+        """Invisible targets over data points that show `titles` (a tensor's name and figures) on hover."""
+        for x, y, title in zip(self.px(np.asarray(xs)), self.py(np.asarray(ys)), titles):
+            self.body.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="5" fill="transparent"><title>{_text(title)}</title></circle>')
 
     def note(self, x: float, y: float, text: str, colour: str) -> None:
         """`text` just above the data point (x, y)."""
@@ -86,12 +94,15 @@ class Chart:
         return "".join(parts)
 
     def _axes(self) -> list[str]:
-        left, right, top, bottom = MARGIN_LEFT, self.width - MARGIN_RIGHT, MARGIN_TOP, self.height - MARGIN_BOTTOM
+        left, right, top, bottom = MARGIN_LEFT, self.width - MARGIN_RIGHT, MARGIN_TOP, self.height - self.margin_bottom
         parts = []
-        for value, label in _ticks(self.x_low, self.x_high, self.x_log, integer=not self.x_log):
+        for value, label in self._x_ticks():
             x = float(self.px(10**value if self.x_log else value))
             parts.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{bottom}" stroke="{GRID_COLOUR}"/>')
-            parts.append(f'<text x="{x:.1f}" y="{bottom + 14}" text-anchor="middle">{label}</text>')
+            if self.x_names:
+                parts.append(f'<text transform="translate({x + 3:.1f},{bottom + 10}) rotate(-35)" text-anchor="end">{_text(label)}</text>')
+            else:
+                parts.append(f'<text x="{x:.1f}" y="{bottom + 14}" text-anchor="middle">{label}</text>')
         for value, label in _ticks(self.y_low, self.y_high, log=False, integer=False):
             y = float(self.py(value))
             parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{right}" y2="{y:.1f}" stroke="{GRID_COLOUR}"/>')
@@ -104,6 +115,14 @@ class Chart:
         if self.title:
             parts.append(f'<text x="{(left + right) / 2:.1f}" y="14" text-anchor="middle">{_text(self.title)}</text>')
         return parts
+
+    def _x_ticks(self) -> list[tuple[float, str]]:
+        """Round values; with names, evenly spaced indices labelled by their (shortened) names."""
+        if not self.x_names:
+            return _ticks(self.x_low, self.x_high, self.x_log, integer=not self.x_log)
+        count = max(2, min(len(self.x_names), (self.width - MARGIN_LEFT - MARGIN_RIGHT) // NAME_TICK_SPACING))
+        indices = dict.fromkeys(np.linspace(0, len(self.x_names) - 1, count).round().astype(int).tolist())
+        return [(float(i), short(self.x_names[i], NAME_LABEL)) for i in indices]
 
     def _legend(self) -> list[str]:
         """One row above the plot (below the title, if any), entries side by side."""

@@ -150,7 +150,7 @@ def calibration_samples(info: ModelInfo, sample: Feed, calib_data=None, seed: in
     if isinstance(calib_data, Samples):
         return calib_data
     if calib_data is not None:
-        return samples_from_path(calib_data, info.inputs, "calibration file", scratch)
+        return samples_from_path(calib_data, info.inputs, "calibration", scratch)
     shapes = {spec.name: sample[spec.name].shape for spec in info.inputs}
     fixed = {name: value for name, value in sample.items() if not np.issubdtype(value.dtype, np.floating)}
     folder = scratch if scratch is not None else Path(tempfile.mkdtemp(prefix="accudiff-calibration-"))
