@@ -36,12 +36,17 @@ def workspace(report_dir: str | Path | None, progress: Progress | None, referenc
     """A workspace for one run; on any error its report folder is discarded (nothing half-written is left),
     and in any case its scratch folder and spare worker processes go."""
     folder = ReportFolder(Path(report_dir) if report_dir is not None else None)
-    scratch = Path(tempfile.mkdtemp(prefix="accudiff-compare-"))
+    scratch, failed = None, False
     try:
+        scratch = Path(tempfile.mkdtemp(prefix="accudiff-compare-"))
         yield Workspace(folder, scratch, reference_cache, progress)
     except BaseException:
+        failed = True
         folder.discard()
         raise
     finally:
         discard_spares()
-        shutil.rmtree(scratch, ignore_errors=True)
+        if failed:  # again once the workers let go of have ended: one still writing (Ctrl-C reaches them too) is done now
+            folder.discard()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)

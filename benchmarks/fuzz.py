@@ -16,6 +16,7 @@ import base64
 import contextlib
 import io
 import json
+import os
 import random
 import shutil
 import signal
@@ -206,11 +207,13 @@ def _run_arguments(case: int, folder: Path) -> tuple[int, str]:
     def hang(*_):
         raise TimeoutError("no result in 120 s")
 
-    previous = signal.signal(signal.SIGALRM, hang)
+    previous, working = signal.signal(signal.SIGALRM, hang), os.getcwd()
     signal.alarm(120)
+    os.chdir(folder)  # a command without -o writes reports/ here, where the leftover check looks
     try:
         return main(_arguments(random.Random(f"arguments-{case}"), folder)), ""
     finally:
+        os.chdir(working)
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
 
@@ -231,6 +234,7 @@ def run_case(fmt: str, case: int, seeds: dict[str, tuple[Path, Path]], work: Pat
             for k in range(2):
                 shutil.copy(source, folder / f"intact{k}.npz")
     stderr = io.StringIO()
+    around = set(Path.cwd().iterdir())
     with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
         try:
             if fmt == "arguments":
@@ -251,10 +255,12 @@ def run_case(fmt: str, case: int, seeds: dict[str, tuple[Path, Path]], work: Pat
         pass  # --help
     elif code == 2 and (len(lines) != 1 or not message.startswith("accudiff: error: ")):
         defect = "not one sentence" if "internal error" not in message else "internal error"
-    elif code == 2 and out.exists():
+    elif code == 2 and (out.exists() or any(p.name == "reports" or p.name.startswith("out") for p in folder.iterdir())):
         defect = "report left behind after an error"
-    elif any(".partial" in p.name for p in folder.iterdir()):
+    elif any(".partial" in p.name for p in folder.rglob("*")):
         defect = "half-written report left behind"
+    elif {p.name for p in set(Path.cwd().iterdir()) - around} - {".pytest_cache"}:
+        defect = f"left in the working folder: {sorted(p.name for p in set(Path.cwd().iterdir()) - around)}"
     shutil.rmtree(folder, ignore_errors=True)
     return Outcome(fmt, case, code, message, defect)
 

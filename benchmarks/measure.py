@@ -1,4 +1,5 @@
-"""Wall time and peak resident memory of a command's whole process tree (accudiff's workers count)."""
+"""Wall time and peak resident memory of a command's whole process tree (accudiff's workers count), sampled; and
+the largest single process's peak, as the kernel counts it (for tests: no sampling)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,19 @@ def measure(command: list[str]) -> dict:
     done.set()
     sampler.join()
     return {"seconds": time.perf_counter() - start, "peak_mb": peak[0] / 2**20, "exit": process.returncode, "stderr_tail": stderr.strip().splitlines()[-1:] }
+
+
+_LARGEST = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]).returncode; "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, code)")
+
+
+def largest_process_peak(command: list[str]) -> tuple[float, int]:
+    """The peak resident MB of the largest single process `command` starts (itself or a worker), and its exit
+    code: the kernel's own high-water mark (ru_maxrss of the waited-for descendants, through a fresh
+    wrapper so nothing else this process ran counts), so no sampling and nothing that depends on timing."""
+    done = subprocess.run([sys.executable, "-c", _LARGEST, *command], capture_output=True, text=True)
+    kilobytes, code = done.stdout.split()[-2:]
+    return int(kilobytes) / 1024, int(code)
 
 
 def tree_rss(root: int) -> int:

@@ -11,9 +11,9 @@ reduced precision, and judge its output against the reference:
   dequantises them.
 
 The cause of a failing output is then the first node, in topological order, among that output's ancestors
-whose output leaves tolerance when it alone runs in reduced precision. Nothing here imports accudiff's
-isolation, comparison or diagnosis modules: only the facts of the candidate (which nodes stay in FP32, the
-INT8 scales) come from accudiff's report.
+whose output leaves tolerance when it alone runs in reduced precision. Nothing here imports accudiff: the
+tolerance is the README's, the failing outputs are the oracle's own; only the facts of the candidate
+(which nodes FP16 converts, the INT8 Q/DQ model) come from accudiff's report.
 """
 
 from __future__ import annotations
@@ -27,6 +27,21 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 FLOAT = onnx.TensorProto.FLOAT
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def documented_tolerance(precision: str) -> tuple[float, float, float]:
+    """(atol, rtol, stol) of `precision`, read from the README's table of default tolerances: what a user is
+    told, not what accudiff's result says it used."""
+    for line in README.read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 4 and precision in [p.strip() for p in cells[0].split(",")]:
+            return tuple(float(c) for c in cells[1:])
+    raise LookupError(f"the README has no default tolerance for {precision}")
+
+
+def graph_outputs(model: Path | onnx.ModelProto) -> list[str]:
+    return [o.name for o in _loaded(model).graph.output]
 
 
 @dataclass

@@ -9,7 +9,8 @@ oracle applies it. Fixtures plant each pattern (an absorbed overflow upstream of
 variance, two causes on one path); the trained file-type classifier (magika) is fed the bytes of real
 files and the trained text recognizer (PP-OCRv4) a drawn line of text.
 
-INT8: the oracle takes the Q/DQ model compare built (a fact, like its scales) and lets one quantized node
+The tolerance is the README's table's, and the oracle finds the failing outputs itself (an output accudiff
+wrongly passed would show). INT8: the oracle takes the Q/DQ model compare built (a fact, like its scales) and lets one quantized node
 at a time read its FP32 inputs again (activations unquantized, the FP32 weights), in ONNX Runtime; the
 same three checks, on a fixture, the trained recognizer and the trained YOLOv8n detector. The trained
 text detector (PP-OCRv4 det, 640x640, FP16 and INT8): the verified repair passes when compare applies it,
@@ -65,17 +66,24 @@ def _ids(value):
     return ",".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else str(value)
 
 
-def _hold_to_the_keep_one_oracle(path, feed, result, candidate=None):
+def _hold_to_the_keep_one_oracle(path, feed, result, candidate=None, tolerance=None):
     """FP16: the oracle's own Cast pairs; INT8 (`candidate`: the Q/DQ model compare built): one quantized
-    node at a time reading its FP32 inputs again."""
-    tol = result.tolerances.default
-    tolerance = (tol.atol, tol.rtol, tol.stol)
+    node at a time reading its FP32 inputs again. The tolerance is the README's (or the one the test gave),
+    and the oracle finds the failing outputs itself: every graph output it fails must be one accudiff fails,
+    and the other way round."""
+    tolerance = tolerance or oracle.documented_tolerance(result.precision)
     values = oracle.reference_values(path, feed)
     reduced = set(result.converted)
+    half = result.precision
+    if candidate is None:
+        as_converted = oracle.output_ratios(path, values, feed, reduced, set(), tolerance, oracle.graph_outputs(path), half)
+    else:
+        as_converted = {o: oracle.int8_output_ratio(path, candidate, values, feed, tolerance, o, set()) for o in oracle.graph_outputs(path)}
+    failing = {o for o, ratio in as_converted.items() if ratio > 1}
+    assert failing and failing == {f.tensor for f in result.output_failures}, as_converted
     for failure in result.output_failures:
         assert failure.cause.verified
         if candidate is None:
-            half = result.precision
             ranking = oracle.single_keep_ranking(path, values, feed, reduced, tolerance, failure.tensor, half)
             repaired = lambda keep: oracle.output_ratios(  # noqa: E731
                 path, values, feed, reduced, oracle.closed_keep(path, values, reduced, keep, half), tolerance, [failure.tensor], half)[failure.tensor]
@@ -153,7 +161,7 @@ def test_a_variance_that_cancels_in_bf16_and_not_in_fp16(tmp_path):
     assert any(f.kind == "cancellation" and "BF16's rounding" in f.message for f in failure.cause.findings)
     with np.load(tmp_path / "r" / "inputs.npz") as saved:
         feed = {"x": saved["0/x"]}
-    _hold_to_the_keep_one_oracle(path, feed, result)
+    _hold_to_the_keep_one_oracle(path, feed, result, tolerance=tuple(BF16_TOLERANCE.values()))
 
 
 def test_trained_classifier_in_bf16_fed_real_file_bytes(tmp_path):
@@ -169,7 +177,7 @@ def test_trained_classifier_in_bf16_fed_real_file_bytes(tmp_path):
     result = accudiff.compare(path, "bf16", candidate="onnxrt", inputs=[feeds[worst]], **BF16_TOLERANCE)
     [failure] = result.output_failures
     assert failure.cause.kind in ("dominant", "local") and failure.cause.node.endswith("LayerNorm_0/Sub")
-    _hold_to_the_keep_one_oracle(path, feeds[worst], result)
+    _hold_to_the_keep_one_oracle(path, feeds[worst], result, tolerance=tuple(BF16_TOLERANCE.values()))
     # The repair is minimal: the square of the mean and the subtraction (it kept the 7 nodes of the
     # cancellation's unit; bisect precision 6, its value-moving readers too). Dropping either breaks it,
     # as the oracle's own BF16 Cast pairs say.
@@ -238,6 +246,7 @@ def test_int8_causes_agree_with_the_keep_one_oracle(name, tmp_path):
 def test_verified_repairs_hold_when_compare_applies_them(name, precision, options, tmp_path):
     path, feeds, calibration = _case(name, precision, tmp_path)
     result = accudiff.compare(path, precision, candidate="onnxrt", inputs=feeds, calib_data=calibration, **options)
+    assert result.output_failures  # the detector fails in both: a loop over none would check nothing
     for failure in result.output_failures:
         cause, repair = failure.cause, failure.repair
         assert cause.verified

@@ -128,10 +128,11 @@ def test_adversarial_generation_options_are_one_sentence(option, value, said, tm
 ])
 def test_a_bisector_refuses_a_bad_option_before_its_first_step(option, value, said, tmp_path, capsys):
     """The bisectors printed "step 1: compare the whole model ..." before the sentence (found by fuzz.py)."""
-    code = main(["bisect", "precision", str(fixture("if_model")), "--fp16", option, value, "-o", str(tmp_path / "r")])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and said in err, err
-    assert not (tmp_path / "r").exists()
+    for bisector in ("precision", "subgraph"):
+        code = main(["bisect", bisector, str(fixture("if_model")), "--fp16", option, value, "-o", str(tmp_path / "r")])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and said in err, err
+        assert list(tmp_path.iterdir()) == []  # no report, and no hidden .r.partial-* staging folder either
 
 
 def test_a_captured_array_numpy_cannot_parse_is_one_sentence(tmp_path, capsys):

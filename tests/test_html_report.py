@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import re
+import shlex
 import sys
 
 import onnx
@@ -105,9 +106,10 @@ def test_the_report_reads_like_a_report(tmp_path):
     nexts = page.split('id="next"')[1].split("</div></div>")[0]
     commands = [html.unescape(c) for c in re.findall(r'<div class="copyable"><pre><code>(.*?)</code></pre><button type="button" class="copy">', page)]
     assert 'class="copy"' in nexts and len(commands) >= 3  # the next step, 'apply it', the replay
-    for command in dict.fromkeys(commands):
-        assert run_printed(command, tmp_path).returncode in (0, 1), command
-    assert run_printed(commands[0], tmp_path).returncode == 0  # the next step: the verified repair
+    replay = shlex.join(result.replay)
+    assert commands[-1] == replay and run_printed(replay, tmp_path).returncode == 1  # the same comparison fails again
+    for command in dict.fromkeys(commands[:-1]):  # the next step and 'apply it': the verified repair passes
+        assert "--keep-fp32" in command and run_printed(command, tmp_path).returncode == 0, command
     cause = page.split('id="cause-y"')[1].split("</section>")[0]
     assert [h for h in re.findall(r"<h4>(.*?)</h4>", cause)] == ["What it does to the decision", "Tolerance", "Cause and repair"]
     assert "<b>overflow</b>: reference absmax" in cause and "<b>verified</b>: keeping it in FP32" in cause

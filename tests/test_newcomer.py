@@ -6,6 +6,8 @@ seeded inputs; each printed command is pasted into a shell."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +17,7 @@ import pytest
 import accudiff
 from accudiff import AccudiffError
 from accudiff.report.console import format_summary
-from conftest import fixture, printed_commands, run_printed
+from conftest import fixture, printed_commands, run_printed, user_shell_environment
 
 TIGHT = ["--atol", "1e-4", "--rtol", "1e-4", "--stol", "0"]  # the classifier's logits fail by ~55x here; its top-1 holds
 
@@ -165,6 +167,37 @@ def test_ctrl_c_exits_130_and_leaves_no_folder(run_cli, tmp_path, monkeypatch):
     code, _, err = run_cli("compare", fixture("clean"), "--fp16")
     assert code == 130 and "interrupted; no report was written" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_real_ctrl_c_stops_the_workers_too(tmp_path):
+    """Ctrl-C in a terminal sends SIGINT to the whole foreground process group: the command and its worker
+    processes. Sent while two workers compare thousands of samples, the command exits 130, no process of
+    its group is left, and nothing is left in the folder it ran in."""
+    import signal
+    import time
+
+    def as_a_terminal_starts_it() -> None:  # pytest-xdist's workers ignore SIGINT, and what they start would inherit that
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    process = subprocess.Popen(["accudiff", "compare", str(fixture("clean")), "--fp16", "--iterations", "20000",
+                                "--workers", "2"], cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=user_shell_environment(), preexec_fn=as_a_terminal_starts_it)
+    deadline = time.monotonic() + 600  # not a measurement: how long a slow machine may take to start comparing
+    while not list((tmp_path / "reports").glob(".*partial*")) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert process.poll() is None, process.communicate()  # still comparing: 20000 samples take minutes
+    os.killpg(process.pid, signal.SIGINT)
+    out, err = process.communicate(timeout=600)
+    assert process.returncode == 130 and "interrupted; no report was written" in err, (out, err)
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(process.pid, 0)  # a process of the group is still there (workers end after their parent)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("worker processes outlived the interrupted command")
+    assert [str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")] == []
 
 
 def test_python_callers_get_python_words_raised_once():

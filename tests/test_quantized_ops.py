@@ -138,7 +138,7 @@ def test_the_switchboard_is_keep_in_float_bit_for_bit(small, name, tmp_path):
 
 
 def test_quantize_dynamics_lstm_is_undone(tmp_path):
-    torch = pytest.importorskip("torch", reason="the LSTM is exported from torch")
+    torch = pytest.importorskip("torch", reason="needs torch (the LSTM is exported from torch)")
     path = tmp_path / "lstm.onnx"
     torch.manual_seed(0)
     lstm = torch.nn.LSTM(16, 32, batch_first=True)

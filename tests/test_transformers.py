@@ -16,6 +16,8 @@ import re
 import sys
 from types import SimpleNamespace
 
+import numpy as np
+import onnxruntime as ort
 import pytest
 
 import accudiff
@@ -189,7 +191,14 @@ def test_a_decoders_tokens_are_judged_per_position_as_plain_numpy_judges_them(tm
                               save_candidate=tmp_path / "candidate.json")
     assert result.output_kinds["logits"].kind == "logits"
     found = result.decisions["logits"]
-    expected = oracle.token_figures(*(oracle.run_results_outputs(tmp_path / f"{side}.json", "logits") for side in ("reference", "candidate")))
+    reference = oracle.run_results_outputs(tmp_path / "reference.json", "logits")  # the float form's run (accudiff derives that form)
+    with np.load(tmp_path / "prefixes.npz") as saved:  # the candidate is the shipped model itself: the oracle runs it in a session of its own
+        feeds = [{key.split("/", 1)[1]: saved[key] for key in saved.files if key.startswith(f"{i}/")} for i in range(3)]
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    candidate = [session.run(["logits"], feed)[0] for feed in feeds]
+    for own, saved_run in zip(candidate, oracle.run_results_outputs(tmp_path / "candidate.json", "logits"), strict=True):
+        np.testing.assert_allclose(own, saved_run, rtol=1e-4, atol=1e-4)  # accudiff's candidate run is the shipped model's (session options differ)
+    expected = oracle.token_figures(reference, candidate)
     assert found["sequences"] == 3 and found["score_vectors"] == expected["score_vectors"]
     for name in ("top1", "kl", "kl_max", "delta_p", "delta_p_max"):
         assert found[name] == pytest.approx(expected[name], abs=1e-6), name

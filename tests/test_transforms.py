@@ -70,8 +70,10 @@ def test_fp16_models_carry_the_types_shape_inference_would_give(name, kind):
         isolate_in_place(model, types, transformed.storage_copies)
     elif kind == "switchboard":
         board = CandidateVariants(info, CandidateRecipe("fp16"), transformed).switchboard(transformed.converted)
-        if board is None:
-            pytest.skip("no switchboard for this model")
+        if board is None:  # only a node converted inside an If/Loop/Scan body has no switch
+            top_level = {node.name for node in transformed.model.graph.node}
+            assert not set(transformed.converted) <= top_level, name
+            return
         model = board.model
     declared = {vi.name: vi.type.tensor_type.elem_type for vi in [*model.graph.value_info, *model.graph.output]}
     produced = [o for node in model.graph.node for o in node.output if o]
