@@ -5,14 +5,14 @@ call this; each stage is a function in the module that owns it:
               (transforms/float_form.py: a model that is its own candidate gets its float form as reference;
               transforms/opset.py: a model below the opset its formats need is compared at that opset)
     samples   model/samples.py       inputs loaded, given or generated
-    groups    comparison/branches.py samples grouped by the If branches they take
+    groups    stages/branches.py samples grouped by the If branches they take
     captured  model/run_results.py   tensors captured elsewhere (polygraphy's RunResults), read into stores
-    plan      comparison/group.py    segments whose tensors fit the memory budget
-    transform comparison/group.py    the candidate (and its isolated twin) made and saved
-    run       comparison/group.py    reference and candidate runs in workers, statistics merged
+    plan      stages/group.py    segments whose tensors fit the memory budget
+    transform stages/group.py    the candidate (and its isolated twin) made and saved
+    run       stages/group.py    reference and candidate runs in workers, statistics merged
               (save_tensors: the tensors kept, written as RunResults when asked)
-    judge     diagnosis/judge.py     table, verdict, the rules' cause of each failing output
-    verify    diagnosis/verify.py    each cause tested at the output: kept in higher precision, rerun
+    judge     stages/judge.py     table, verdict, the rules' cause of each failing output
+    verify    verification/verify.py    each cause tested at the output: kept in higher precision, rerun
     report    report/writer.py       the report folder, written whole or not at all
 """
 
@@ -27,8 +27,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from accudiff.comparison.branches import describe_groups, plan_groups
-from accudiff.comparison.group import combine, group_model, isolation_notice, make_candidate, plan, run_group, save_tensors
+from accudiff.stages.branches import describe_groups, plan_groups
+from accudiff.stages.group import combine, group_model, isolation_notice, make_candidate, plan, run_group, save_tensors
 from accudiff.comparison.worker import prestart
 from accudiff.errors import AccudiffError
 from accudiff.comparison.shards import default_workers
@@ -37,9 +37,9 @@ from accudiff.model.run_results import read_captured
 from accudiff.model.prompts import prepare_generation
 from accudiff.model.samples import Samples, prepare_samples
 from accudiff.report.content import CANDIDATE_MODEL_FILE, INPUTS_FILE, PROMPTS_FILE
-from accudiff.report.folder import ReportFolder
+from accudiff.atomic import ReportFolder, new_folder
 from accudiff.runners import TrtOptions
-from accudiff.runners.outputs import ReferenceCache
+from accudiff.model.stores import ReferenceCache
 from accudiff.transforms.float_form import float_reference
 from accudiff.transforms.opset import at_forms_opset
 from accudiff.settings import RunSettings
@@ -94,12 +94,13 @@ def run(
                                             Path(settings.candidate_model) if settings.candidate_model is not None else None)
             samples = generation.prefills
         else:
-            samples = prepare_samples(info, settings, where.folder.path / INPUTS_FILE)
+            samples = prepare_samples(info, settings.inputs, where.folder.path / INPUTS_FILE, input_shapes=settings.input_shapes, iterations=settings.iterations,
+                                      seed=settings.seed, val_range=settings.val_range)
         if settings.ray is None:
             prestart(min(settings.workers or default_workers(len(samples)), len(samples)))  # a dataset's other workers start now too
         groups = plan_groups(info, samples, settings, where.scratch)
         laps.lap("load")
-        captured = read_captured([t.name for t in info.tensors], settings, len(samples), where.scratch)
+        captured = read_captured([t.name for t in info.tensors], settings.load_candidate, settings.load_reference, settings.candidate_runner, len(samples), where.scratch)
         laps.lap("captured")
         runs = []
         # The diagnosis (and pandas, ~0.35 s to import) is imported while this thread waits for the first
@@ -118,8 +119,8 @@ def run(
             runs.append(run_group(candidate, planned, group, samples, settings, where, captured, generation))
             laps.lap("run")
         save_tensors(settings, runs, len(samples))
-        from accudiff.diagnosis.judge import attach_sketches, judge, side_run_notices
-        from accudiff.diagnosis.verify import verify_outputs
+        from accudiff.stages.judge import attach_sketches, judge, side_run_notices
+        from accudiff.verification.verify import verify_outputs
 
         info, transformed, outcome = combine(info.path, runs)
         result, context = judge(info, transformed, outcome, settings, samples, runs[0].candidate.kinds)
@@ -171,22 +172,18 @@ def _write(result: CompareResult, settings: RunSettings, folder: ReportFolder, s
 def _write_later(result: CompareResult, settings: RunSettings, kept: ReportFolder, samples: Samples, path: Path) -> Path:
     """`CompareResult.write_report`: the kept staging folder's files (inputs, candidate models) and the
     report's, moved into a report folder at `path`, which appears whole or not at all."""
-    folder = ReportFolder(path)
-    try:
+    with new_folder(path) as folder:
         _write(result, settings, kept, samples, folder.final)
         for item in kept.path.iterdir():
             shutil.move(str(item), folder.path / item.name)
-    except BaseException:
-        folder.discard()
-        raise
     kept.discard()
     result.report_writer = None
-    result.report_dir = folder.commit()
+    result.report_dir = folder.final
     return result.report_dir
 
 
 def _import_diagnosis() -> None:
-    for module in ("accudiff.diagnosis.judge", "accudiff.diagnosis.verify"):
+    for module in ("accudiff.stages.judge", "accudiff.verification.verify"):
         importlib.import_module(module)
 
 

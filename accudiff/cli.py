@@ -17,7 +17,7 @@ from typing import Sequence
 from accudiff.version import __version__
 from accudiff.errors import AccudiffError
 from accudiff.options import add_compare_options, add_report_dir_option, add_run_options, run_settings
-from accudiff.report.folder import default_report_dir
+from accudiff.atomic import default_report_dir
 from accudiff.runners.trt_env import MODULES
 from accudiff.settings import COMPARE_ONLY
 

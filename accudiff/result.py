@@ -69,7 +69,7 @@ class CompareResult:
     # intra-op threads and its statistics).
     layout: dict = field(default_factory=dict)
     report_dir: Path | None = None
-    samples: pd.DataFrame | None = None  # one row per sample and graph output (see diagnosis/judge.py SAMPLE_COLUMNS)
+    samples: pd.DataFrame | None = None  # one row per sample and graph output (see stages/judge.py SAMPLE_COLUMNS)
     inputs: str = ""  # where the samples came from
     candidate_models: list[str] = field(default_factory=list)  # the candidate model files in the report (one per branch group)
     branches: list[dict] = field(default_factory=list)  # per group of samples: {"samples": [...], "taken": {If node: branch}}

@@ -18,16 +18,18 @@ from accudiff.model.formats import QUANTIZED_FORMATS, file_formats, formats_of, 
 from accudiff.model.segments import memory_budget
 from accudiff.runners import TrtOptions, resolve_candidate
 from accudiff.transforms import NodeSelector
+from accudiff.transforms.candidate import CandidateRecipe
 
 if TYPE_CHECKING:
     from accudiff.model.inputs import Feed
+    from accudiff.model.samples import Samples
     from accudiff.model.inventory import ModelInfo
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 PRECISION_FLAGS = {"fp16": "--fp16", "bf16": "--bf16", "int8": "--int8"}
 SIDE_BACKENDS = ("onnxrt", "trt")
-DEFAULT_VERIFY_BUDGET = 8  # candidate runs that may test suspects, per failing output (diagnosis/verify.py)
-DEFAULT_CAUSE_BUDGET = 48  # runs a failing output's search of every changed node may take (diagnosis/search.py): thousands of nodes that hold no single cause need a few
+DEFAULT_VERIFY_BUDGET = 8  # candidate runs that may test suspects, per failing output (verification/verify.py)
+DEFAULT_CAUSE_BUDGET = 48  # runs a failing output's search of every changed node may take (verification/search.py): thousands of nodes that hold no single cause need a few
 # Settings only `compare` takes (the bisectors rerun the candidate, so they neither skip nor replay runs).
 COMPARE_ONLY = ("isolate", "verify", "verify_budget", "cause_budget", "also", "load_candidate", "load_reference", "candidate_runner", "save_reference", "save_candidate")
 DEFAULT_NEW_TOKENS = 16  # a decoder's decode steps after each prompt's prefill (comparison/generation.py)
@@ -153,6 +155,12 @@ class RunSettings:
                 raise AccudiffError(f"--prompts generates from each prompt, each side carrying its own KV cache: {flag} cannot go with it")
         if self.iterations != 1 or self.val_range or self.input_shapes:
             raise AccudiffError("--prompts gives the decoder its inputs: --iterations, --val-range and --input-shapes would be ignored")
+
+    def recipe(self, calibration: Samples | str | Path | None = None) -> CandidateRecipe:
+        """How this run's candidate is made; `calibration` replaces `calib_data` (a branch group's own samples)."""
+        chosen = calibration if calibration is not None else self.calib_data
+        given = Path(self.candidate_model) if self.candidate_model is not None else None
+        return CandidateRecipe(self.precision, tuple(self.keep_fp32), self.autokeep, chosen, self.seed, self.trt.engine, given)
 
     def fed(self, inputs: str | Path | Sequence[Feed], **changes) -> RunSettings:
         """These settings (with `changes`) given `inputs`: the options that shape random inputs go with them."""

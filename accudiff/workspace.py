@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from accudiff.comparison.worker import discard_spares
-from accudiff.report.folder import ReportFolder
-from accudiff.runners.outputs import ReferenceCache
+from accudiff.atomic import ReportFolder
+from accudiff.model.stores import ReferenceCache
 
 Progress = Callable[[str, int, int], None]  # (phase, samples done, samples in all)
 

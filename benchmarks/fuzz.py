@@ -268,7 +268,7 @@ def run_case(fmt: str, case: int, seeds: dict[str, tuple[Path, Path]], work: Pat
 def _read_baseline(path: Path) -> int:
     """The pytest plugin's baseline reader, as the plugin calls it: 0 when read, 2 and one sentence when not."""
     from accudiff.errors import AccudiffError
-    from accudiff.pytest_plugin import read_baseline
+    from accudiff.checks.baselines import read_baseline
 
     try:
         read_baseline(path)

@@ -1,6 +1,7 @@
-"""The shape of the code and its documentation: no two modules know each other (directly or around a circle,
-type-only and function-level imports included), no module grows past what a reader takes in, and every
-relative link in the README and docs/ leads somewhere."""
+"""The shape of the code and its documentation: no module imports a higher layer and no two modules know each
+other (directly or around a circle; type-only and function-level imports included), nothing below the stages
+takes a run's whole settings, no module grows past what a reader takes in, and every relative link in the
+README and docs/ leads somewhere."""
 
 from __future__ import annotations
 
@@ -11,6 +12,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "accudiff"
 MAX_MODULE_LINES = 450
+# The layers, lowest first (docs/architecture.md draws them): a module may import its own layer and those below.
+LAYERS = [
+    ["accudiff.errors", "accudiff.text", "accudiff.version", "accudiff.memory", "accudiff.atomic"],
+    ["accudiff.model"],
+    ["accudiff.runners"],
+    ["accudiff.transforms"],
+    ["accudiff.comparison"],  # the vocabulary of judging, and the worker processes that compare
+    ["accudiff.diagnosis"],  # the rules: findings, suspects and causes from a table
+    ["accudiff.report"],
+    ["accudiff.settings", "accudiff.result"],
+    ["accudiff.stages", "accudiff.verification", "accudiff.workspace", "accudiff.options", "accudiff.api", "accudiff.bisect", "accudiff.doctor"],
+    ["accudiff", "accudiff.cli", "accudiff.pytest_plugin", "accudiff.checks"],
+]
 
 
 def _modules() -> dict[str, Path]:
@@ -79,6 +93,27 @@ def test_no_import_circle_in_the_package():
     assert _cycles(graph) == []
 
 
+def _layer(module: str) -> int:
+    """The layer of the longest prefix that names `module`'s package or the module itself."""
+    matches = [(len(prefix), index) for index, prefixes in enumerate(LAYERS) for prefix in prefixes
+               if module == prefix or module.startswith(prefix + ".")]
+    assert matches, f"{module} is in no layer: add it to LAYERS (and docs/architecture.md)"
+    return max(matches)[1]
+
+
+def test_no_module_imports_a_higher_layer():
+    modules = _modules()
+    upward = sorted((name, dep) for name, path in modules.items() for dep in _imports(name, path, modules) if _layer(dep) > _layer(name))
+    assert upward == []
+
+
+def test_nothing_below_the_stages_takes_a_runs_whole_settings():
+    """Stages hand each function below them the values it reads, never the RunSettings object."""
+    below = _layer("accudiff.settings")
+    holders = sorted(name for name, path in _modules().items() if _layer(name) < below and "RunSettings" in path.read_text())
+    assert holders == []
+
+
 def test_the_circle_finder_finds_a_type_only_circle():
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
 
@@ -99,3 +134,14 @@ def test_every_relative_link_in_the_readme_and_docs_resolves():
             if not (page.parent / target.split("#")[0]).exists():
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
     assert broken == []
+
+
+if __name__ == "__main__":  # `python tests/test_architecture.py`: the layers as the imports draw them
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    for index in reversed(range(len(LAYERS))):
+        members = sorted(name for name in modules if _layer(name) == index)
+        reaches = sorted({_layer(dep) for name in members for dep in graph[name]} - {index})
+        print(f"{index}: {', '.join(LAYERS[index])}  ({len(members)} modules; imports layers {reaches or 'none'})")
+    upward = [(name, dep) for name, deps in graph.items() for dep in deps if _layer(dep) > _layer(name)]
+    print(f"imports into a higher layer: {len(upward)}; import circles: {len(_cycles(graph))}")

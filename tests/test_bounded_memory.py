@@ -187,7 +187,7 @@ def test_a_large_weight_does_not_make_its_tensors_large(tmp_path):
     """A worker gets huge pages (and the worker started ahead is ended for a new one) when the tensors a run
     makes are large. MiniLM's 47 MB embedding table counted as its largest tensor: every compare threw its
     warm worker away and started another (0.4 s of a 2 s compare)."""
-    from accudiff.comparison.group import plan
+    from accudiff.stages.group import plan
     from accudiff.memory import HUGE_PAGES_FROM_TENSOR_BYTES
     from accudiff.model.loading import load_model
 

@@ -82,8 +82,8 @@ def test_a_budget_too_small_to_search_every_node_says_so(tmp_path_factory):
 def test_a_group_that_does_worse_than_a_node_of_it_proves_nothing():
     """Keeping more is assumed never to hurt: where a group kept does worse than one of its nodes kept alone,
     its nodes are tried one by one instead of being covered by it."""
-    from accudiff.diagnosis.readings import Reading
-    from accudiff.diagnosis.search import search_groups
+    from accudiff.verification.readings import Reading
+    from accudiff.verification.search import search_groups
 
     reading = lambda score: Reading(score, {}, score, score <= 1.0, False)  # noqa: E731
     before, alone = reading(4.0), {"a": reading(3.0)}  # 'a' alone helps a little

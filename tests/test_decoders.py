@@ -183,7 +183,7 @@ def test_a_model_cut_into_segments_gives_the_table_of_the_whole_model(llama, mon
     the isolated run missed them silently. Placed by the values they make, a run cut into many segments gives
     the one-shot table, value for value, and the same generation figures."""
     import pandas as pd
-    import accudiff.comparison.group as group
+    import accudiff.stages.group as group
 
     options = dict(candidate_model=llama.int4, prompts=llama.prompts, new_tokens=4, verify=False)
     whole = accudiff.compare(llama.fp32, max_memory="4G", **options)

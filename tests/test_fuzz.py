@@ -16,7 +16,7 @@ import pytest
 from accudiff.cli import main
 from accudiff.errors import AccudiffError
 from accudiff.model.inputs import save_feeds
-from accudiff.pytest_plugin import read_baseline
+from accudiff.checks.baselines import read_baseline
 from conftest import ROOT, fixture
 
 sys.path.insert(0, str(ROOT))

@@ -43,7 +43,7 @@ def test_broken(accudiff):
     assert "cause: Pow 'ln_square' introduces the error (its output 'squared'; verified at the output)" in text and "repair (verified" in text
     assert "overflow: reference absmax" in text
     assert "full report: " in text
-    assert "pytest_plugin.py" not in text and "api.py" not in text  # no internal traceback noise
+    assert "pytest_plugin.py" not in text and "checker.py" not in text and "api.py" not in text  # no internal traceback noise
     summary = text.split(" accudiff ")[-1]  # the plugin's terminal summary section
     assert f"FAILED {BROKEN} [fp16] (test_model.py::test_broken)" in summary
     # The verified cause first; the lowest-SQNR tensors after it, said to be where the error is largest,

@@ -117,7 +117,7 @@ def test_the_table_of_a_trained_model_does_not_depend_on_the_worker_count(tmp_pa
     sessions; the isolated run's eight stay below), never by its share of the samples or of the cores.
     Counts and maxima identical, float64 sums up to the order of addition; the isolated figures are those
     of a run of the first eight samples alone."""
-    from accudiff.comparison.group import ISOLATED_SAMPLES
+    from accudiff.stages.group import ISOLATED_SAMPLES
     from accudiff.runners.onnxrt import OPTIMIZED_FROM_SAMPLES
 
     path = _model("ppocr_rec_v4", tmp_path)

@@ -19,7 +19,7 @@ import pytest
 
 import accudiff
 from accudiff.errors import AccudiffError
-from accudiff.runners.outputs import ReferenceCache
+from accudiff.model.stores import ReferenceCache
 from conftest import fixture
 
 MODEL = fixture("layernorm_overflow")

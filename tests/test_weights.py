@@ -308,7 +308,7 @@ def test_a_model_written_whole_shares_its_weights_with_one_saved_beside_it(tmp_p
 def test_the_worker_reads_the_reference_as_a_graph_beside_a_link_to_its_file(tmp_path):
     """The FP32 model a worker reads is its graph as loaded (types inferred) beside a hard link to the model
     file, whose weights it refers to at their offsets: the worker parses a graph, not the weights again."""
-    from accudiff.comparison.group import worker_reference
+    from accudiff.stages.group import worker_reference
     from accudiff.model.loading import remember_model
 
     path = tmp_path / "mlp.onnx"

@@ -23,7 +23,7 @@ from accudiff.model.loading import load_model
 from accudiff.model.saving import save_model
 from accudiff.model.subgraph import extract
 from accudiff.errors import AccudiffError
-from accudiff.report.folder import ReportFolder
+from accudiff.atomic import ReportFolder, new_folder
 from accudiff.runners.trt_build import create_network, error_log
 from accudiff.runners.trt_env import import_tensorrt
 
@@ -47,13 +47,8 @@ def partition(model: str | Path, out_dir: str | Path, module: str | None = None)
     info = load_model(model)
     nodes = list(info.proto.graph.node)
     failing = _capability_errors(trt, info.path)
-    folder = ReportFolder(Path(out_dir))
-    try:
+    with new_folder(Path(out_dir)) as folder:
         partitions = _save_partitions(trt, info, nodes, failing, folder)
-        folder.commit()
-    except BaseException:
-        folder.discard()
-        raise
     return [replace(p, path=folder.final / p.path.name) for p in partitions]
 
 

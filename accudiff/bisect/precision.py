@@ -26,7 +26,7 @@ from accudiff.result import CompareResult
 from accudiff.bisect.session import BisectSession
 from accudiff.diagnosis.cause import rank_contributors
 from accudiff.comparison.objective import Resolution, strictest_met
-from accudiff.comparison.trial import Trials, prune
+from accudiff.verification.trial import Trials, prune
 from accudiff.model.saving import save_model
 from accudiff.report.decision_text import unresolved_text
 from accudiff.transforms.candidate import keep_pattern, repaired, repaired_file

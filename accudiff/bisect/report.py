@@ -14,7 +14,7 @@ from accudiff.bisect.precision import KEEP_LIST_FILE, RANKING_FILE, bisect_preci
 from accudiff.bisect.session import BisectSession, stderr_progress
 from accudiff.bisect.subgraph import bisect_subgraph
 from accudiff.diagnosis.cause import CAUSE_KINDS
-from accudiff.report.folder import ReportFolder
+from accudiff.atomic import new_folder
 from accudiff.report.content import HTML_FILE, finite, remake_lines
 from accudiff.comparison.objective import REQUIREMENTS, figure_text
 from accudiff.report.decision_text import decision_lines, interval_text
@@ -42,8 +42,7 @@ def run_bisector(name: str, settings: RunSettings, out_dir: Path) -> tuple[str, 
     session = BisectSession(settings, progress)
     model, precision = settings.model, settings.precision
     try:
-        folder = ReportFolder(Path(out_dir))
-        try:
+        with new_folder(Path(out_dir)) as folder:
             if name == "subgraph":
                 result = bisect_subgraph(session, folder.path)
                 text, found = _subgraph_text(result, folder.final), result.output is not None
@@ -55,10 +54,6 @@ def run_bisector(name: str, settings: RunSettings, out_dir: Path) -> tuple[str, 
             folder.write_text(RESULT_FILE, json.dumps(finite(document), indent=2) + "\n")
             files = {"keep_list": KEEP_LIST_FILE if name == "precision" and getattr(result, "keep", None) else None}
             folder.write_text(HTML_FILE, bisect_page(name, Path(model).name, precision, result, steps, files))
-            folder.commit()
-        except BaseException:
-            folder.discard()
-            raise
     finally:
         session.close()
     return text, found, result.interrupted

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from accudiff.api import run
-from accudiff.comparison.group import record_reference
-from accudiff.comparison.trial import TrialSetup, Trials
-from accudiff.comparison.branches import branch_groups, calibration_per_group
+from accudiff.stages.group import record_reference
+from accudiff.verification.trial import TrialSetup, Trials
+from accudiff.stages.branches import branch_groups, calibration_per_group
 from accudiff.errors import AccudiffError
 from accudiff.model.decoder import cache_types, find_decoder
 from accudiff.model.inventory import ModelInfo
@@ -21,10 +21,10 @@ from accudiff.model.loading import load_model
 from accudiff.model.saving import save_model
 from accudiff.model.samples import Samples, prepare_samples
 from accudiff.result import CompareResult
-from accudiff.runners.outputs import ReferenceCache, ReferenceStore
+from accudiff.model.stores import ReferenceCache, ReferenceStore
 from accudiff.settings import RunSettings
 from accudiff.transforms.base import TransformResult
-from accudiff.transforms.candidate import CandidateRecipe, CandidateVariants, calibration_samples, transform_model
+from accudiff.transforms.candidate import CandidateVariants, calibration_samples, transform_model
 from accudiff.transforms.float_form import float_reference
 from accudiff.transforms.opset import at_forms_opset
 
@@ -48,7 +48,8 @@ class BisectSession:
             self.info, _ = float_reference(self.info, self.cache.folder)
         self.info, _ = at_forms_opset(self.info, self.settings.precision, self.cache.folder)
         # A decoder generating from prompts: the feeds are its prompts' whole sequences, known after the first comparison.
-        self.feeds: Samples | None = prepare_samples(self.info, self.settings, self.cache.folder / "inputs.npz") if self.settings.prompts is None else None
+        self.feeds: Samples | None = prepare_samples(self.info, self.settings.inputs, self.cache.folder / "inputs.npz", input_shapes=self.settings.input_shapes,
+                                                         iterations=self.settings.iterations, seed=self.settings.seed, val_range=self.settings.val_range) if self.settings.prompts is None else None
 
     @property
     def model(self) -> Path:
@@ -107,13 +108,13 @@ class BisectSession:
     @cached_property
     def candidate(self) -> TransformResult:
         """The candidate exactly as `compare` builds it (a candidate made by another tool: aligned)."""
-        return transform_model(self.info, CandidateRecipe.of(self.settings), self.feeds, self.cache.folder)
+        return transform_model(self.info, self.settings.recipe(), self.feeds, self.cache.folder)
 
     def trials(self, full: CompareResult) -> Trials:
         """Trials of the candidate with nodes kept in higher precision, on every sample of the session,
         built from the same recipe as `compare`'s candidate (so the repaired model is the one verified); a
         kept node's readers that only move its values are kept with it (Boundaries, regions)."""
-        setup = TrialSetup(self.info, CandidateVariants(self.info, CandidateRecipe.of(self.settings), self.candidate), self.feeds, self.settings, self.cache.folder / "trials")
+        setup = TrialSetup(self.info, CandidateVariants(self.info, self.settings.recipe(), self.candidate), self.feeds, self.settings, self.cache.folder / "trials")
         return Trials(setup, full.table.set_index("tensor"), regions=True)
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ from accudiff.comparison.tolerances import Tolerances
 from accudiff.model.formats import QuantRange
 from accudiff.model.source import ModelSource
 from accudiff.runners.base import Runner
-from accudiff.runners.outputs import ReferenceStore
+from accudiff.model.stores import ReferenceStore
 
 Progress = Callable[[str], None]
 RunnerFactory = Callable[[ModelSource, list[str]], Runner]  # (model, tensors to return) -> runner

@@ -31,8 +31,8 @@ import numpy as np
 from accudiff.errors import AccudiffError, RunFailed
 from accudiff.memory import HUGE_PAGES_FROM_TENSOR_BYTES, SEPARATE_MAPPINGS_FROM_TENSOR_BYTES, map_large_blocks_separately, with_huge_pages
 from accudiff.runners.reused import ReusedRunners
+from accudiff.runners.base import BACKEND_NAMES
 
-BACKEND_NAMES = {"onnxrt": "ONNX Runtime", "trt": "TensorRT"}
 
 
 class WorkerBug(RuntimeError):
@@ -276,7 +276,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
     from accudiff.model.samples import Samples
     from accudiff.runners import CpuOptions, EngineShapes, TrtOptions, candidate_runner, reference_runner
     from accudiff.runners.onnxrt import release_shared_arena, require_loadable
-    from accudiff.runners.outputs import ReferenceStore
+    from accudiff.model.stores import ReferenceStore
     from accudiff.runners.recorded import recorded_runner
     from accudiff.model.formats import QuantRange
     from accudiff.comparison.output_kinds import OutputKind

@@ -15,7 +15,7 @@ that breaks the output. So the cause is sought among the output's ancestors, in 
   be told apart; the report says so instead of guessing.
 
 What these rules name is a hypothesis: an overflow that a later Tanh absorbs changes nothing at the
-output. diagnosis/verify.py tests each suspect at the output and may name another node, several
+output. verification/verify.py tests each suspect at the output and may name another node, several
 (`several`), or confirm the error accumulates; `Cause.verified` says whether that was done.
 """
 
@@ -127,12 +127,12 @@ class Cause:
     op_type: str | None = None
     findings: list[Finding] = field(default_factory=list)
     contributors: list[Contributor] = field(default_factory=list)
-    verified: bool = False  # tested at the output by keeping suspects in higher precision (diagnosis/verify.py)
+    verified: bool = False  # tested at the output by keeping suspects in higher precision (verification/verify.py)
     co_causes: list[Contributor] = field(default_factory=list)  # kind "several": the other nodes the repair needs
     alternatives: list[Contributor] = field(default_factory=list)  # kind "local": other single keeps that meet the target too
     absorbed: list[Absorbed] = field(default_factory=list)
     stand_in: str | None = None  # verified on this candidate instead (the compared one was captured elsewhere)
-    searched: Search | None = None  # verified: what the cause search covered (diagnosis/search.py)
+    searched: Search | None = None  # verified: what the cause search covered (verification/search.py)
 
 
 def find_cause(output: str, table: pd.DataFrame, context: DiagnosisContext) -> Cause:

@@ -15,17 +15,14 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from accudiff.errors import AccudiffError
 from accudiff.model.inputs import NPY_READ_ERRORS
 from accudiff.model.json_stream import leaves
-from accudiff.runners.outputs import ReferenceStore
-
-if TYPE_CHECKING:
-    from accudiff.settings import RunSettings
+from accudiff.model.stores import ReferenceStore
 
 
 @dataclass
@@ -109,14 +106,16 @@ class Captured:
     notices: list[str] = field(default_factory=list)
 
 
-def read_captured(tensors: Sequence[str], settings: RunSettings, samples: int, scratch: Path) -> Captured:
-    """The captured stage: the --load-candidate and --load-reference files read into stores, one iteration
-    per sample (as polygraphy matches them), and what a reader must know about them."""
+def read_captured(tensors: Sequence[str], load_candidate: str | Path | None, load_reference: str | Path | None, candidate_runner: str | None,
+                  samples: int, scratch: Path) -> Captured:
+    """The captured stage: the --load-candidate and --load-reference files read into stores (the candidate's
+    runs of `candidate_runner`, if the file holds several), one iteration per sample (as polygraphy matches
+    them), and what a reader must know about them."""
     captured = Captured()
-    for side, path in (("candidate", settings.load_candidate), ("reference", settings.load_reference)):
+    for side, path in (("candidate", load_candidate), ("reference", load_reference)):
         if path is None:
             continue
-        recorded = read_run_results(Path(path), tensors, scratch / f"captured-{side}", settings.candidate_runner)
+        recorded = read_run_results(Path(path), tensors, scratch / f"captured-{side}", candidate_runner)
         if recorded.iterations != samples:
             raise AccudiffError(
                 f"'{path}' holds {recorded.iterations} iteration(s) of runner '{recorded.runner}', but {samples} sample(s) were given: "

@@ -17,7 +17,7 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -28,8 +28,6 @@ from accudiff.model.inputs import (
 )
 from accudiff.model.inventory import InputSpec, ModelInfo
 
-if TYPE_CHECKING:
-    from accudiff.settings import RunSettings
 
 _INDEXED = re.compile(r"^(\d+)/(.+)$")
 
@@ -82,11 +80,11 @@ class Samples(Sequence):
         return cls([SampleRef(file, prefix) for file, prefix in entries], source, specs)
 
 
-def prepare_samples(info: ModelInfo, settings: RunSettings, path: Path | None = None) -> Samples:
+def prepare_samples(info: ModelInfo, inputs: str | Path | Sequence[Feed] | Samples | None, path: Path | None = None, *,
+                    input_shapes: Sequence[str] | dict | None = None, iterations: int = 1, seed: int = 0, val_range: Sequence[str] | None = None) -> Samples:
     """The samples a run compares: loaded (a file or a folder of files, read one at a time), given (a list
-    of feeds), or generated from the settings' seed and ranges; given and generated feeds are written to
-    `path` (default: a new temporary folder)."""
-    inputs = settings.inputs
+    of feeds), or, without `inputs`, `iterations` generated from `seed` and the ranges; given and generated
+    feeds are written to `path` (default: a new temporary folder)."""
     if isinstance(inputs, Samples):
         return inputs
     if isinstance(inputs, (str, Path)):
@@ -95,13 +93,12 @@ def prepare_samples(info: ModelInfo, settings: RunSettings, path: Path | None = 
         feeds = [dict(feed) for feed in inputs]
         validate_feeds(feeds, info.inputs, "the given inputs")
     else:
-        shapes = settings.input_shapes
-        resolved = resolve_shapes(info.inputs, shapes if isinstance(shapes, dict) else parse_input_shapes(shapes))
+        resolved = resolve_shapes(info.inputs, input_shapes if isinstance(input_shapes, dict) else parse_input_shapes(input_shapes))
         if path is None:
             path = Path(tempfile.mkdtemp(prefix="accudiff-inputs-")) / "inputs.npz"
         per_sample = sum(math.prod(resolved[spec.name]) * spec.dtype.itemsize for spec in info.inputs)
-        _require_room(per_sample * settings.iterations, path.parent, f"--iterations {settings.iterations} of these input shapes")
-        feeds = generate_feeds(info.inputs, resolved, settings.seed, parse_val_ranges(settings.val_range), settings.iterations)
+        _require_room(per_sample * iterations, path.parent, f"--iterations {iterations} of these input shapes")
+        feeds = generate_feeds(info.inputs, resolved, seed, parse_val_ranges(val_range), iterations)
     if path is None:
         path = Path(tempfile.mkdtemp(prefix="accudiff-inputs-")) / "inputs.npz"
     return samples_from_feeds(feeds, path, info.inputs)

@@ -13,7 +13,7 @@ from accudiff.model.inputs import save_feeds
 from accudiff.report.content import (
     HTML_FILE, INPUTS_FILE, MARKDOWN_FILE, SAMPLES_FILE, SUMMARY_FILE, TENSORS_FILE, WORST_SAMPLES_FILE, finite, summary, worst_samples,
 )
-from accudiff.report.folder import ReportFolder
+from accudiff.atomic import ReportFolder
 from accudiff.report.html import compare_page, summary_markdown
 
 def write_report(result, folder: ReportFolder, samples) -> None:

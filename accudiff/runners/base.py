@@ -7,6 +7,8 @@ from typing import Mapping
 
 import numpy as np
 
+BACKEND_NAMES = {"onnxrt": "ONNX Runtime", "trt": "TensorRT"}  # a backend as messages name it
+
 
 class Runner(ABC):
     """Lifecycle: `activate()` -> `infer(feed)` any number of times -> `deactivate()`; or use `with`.

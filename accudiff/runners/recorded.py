@@ -9,7 +9,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from accudiff.runners.base import Runner
-from accudiff.runners.outputs import ReferenceStore
+from accudiff.model.stores import ReferenceStore
 
 
 class RecordedRunner(Runner):

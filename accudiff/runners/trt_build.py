@@ -23,7 +23,7 @@ from types import ModuleType
 from typing import Mapping, Sequence
 
 from accudiff.errors import AccudiffError
-from accudiff.report.folder import write_atomically
+from accudiff.atomic import write_atomically
 from accudiff.runners.trt_env import is_rtx
 
 MARK_MODES = ("auto", "all", "unfused", "outputs")

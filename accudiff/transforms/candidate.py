@@ -11,7 +11,7 @@ import re
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import onnx
@@ -28,9 +28,6 @@ from accudiff.transforms.int8 import leave_unquantized, to_int8
 from accudiff.transforms.keep_float import PARTS, keep_in_float
 from accudiff.transforms.switches import Switchboard, build_candidate_switchboard, build_switchboard, gate_switches
 
-if TYPE_CHECKING:
-    from accudiff.settings import RunSettings
-
 KEPT_TO_VERIFY = "kept in higher precision to verify a cause"
 REPAIRED_CANDIDATE_FILE = "repaired-candidate.onnx"
 
@@ -46,13 +43,6 @@ class CandidateRecipe:
     seed: int = 0
     engine: Path | None = None  # a pre-built TensorRT engine: nothing to transform
     candidate_model: Path | None = None  # a candidate made by another tool, taken as it is (transforms/given.py)
-
-    @classmethod
-    def of(cls, settings: RunSettings, calibration: Samples | str | Path | None = None) -> CandidateRecipe:
-        """How a run's candidate is made; `calibration` replaces `calib_data` (a branch group's own samples)."""
-        chosen = calibration if calibration is not None else settings.calib_data
-        given = Path(settings.candidate_model) if settings.candidate_model is not None else None
-        return cls(settings.precision, tuple(settings.keep_fp32), settings.autokeep, chosen, settings.seed, settings.trt.engine, given)
 
 
 def transform_model(info: ModelInfo, recipe: CandidateRecipe, samples: Sequence[Feed], scratch: Path | None = None) -> TransformResult:

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, replace
 
 from accudiff.comparison.objective import Objective, describe
-from accudiff.comparison.trial import TrialOutcome, Trials, prune
+from accudiff.verification.trial import TrialOutcome, Trials, prune
 from accudiff.diagnosis.cause import Repair, RepairStep
 
 

@@ -1,4 +1,5 @@
-"""Report folders that appear whole or not at all, and never replace an existing one."""
+"""Files and folders that appear whole or not at all (reports, bisect folders, partitions, baselines, engine
+caches), and never replace an existing folder."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import os
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from accudiff.errors import AccudiffError
 
@@ -75,3 +78,16 @@ class ReportFolder:
                 folder.rmdir()
             except OSError:
                 break
+
+
+@contextmanager
+def new_folder(final: Path) -> Iterator[ReportFolder]:
+    """A folder filled inside the `with` block: moved into place at `final` when the block ends, discarded
+    (with the parent folders made for it) when it raises or is interrupted."""
+    folder = ReportFolder(final)
+    try:
+        yield folder
+    except BaseException:
+        folder.discard()
+        raise
+    folder.commit()

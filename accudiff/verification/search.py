@@ -18,10 +18,10 @@ from typing import Callable, Sequence
 
 import pandas as pd
 
-from accudiff.comparison.trial import TrialOutcome
+from accudiff.verification.trial import TrialOutcome
 from accudiff.diagnosis.cause import Search, ancestor_tensors
 from accudiff.diagnosis.rules import DiagnosisContext
-from accudiff.diagnosis.readings import Reading, improvement
+from accudiff.verification.readings import Reading, improvement
 
 GROUP_FACTOR = 2.0  # a group kept must halve the output's error (or meet its target) to hold a node worth finding: verify.SEVERAL_FACTOR
 HELPS = 0.8  # verify.HELPS: what a group must at least do beside a node of it tried alone

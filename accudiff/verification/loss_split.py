@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from accudiff.comparison.trial import TrialOutcome
+from accudiff.verification.trial import TrialOutcome
 from accudiff.model.formats import QUANTIZED_FORMATS
 from accudiff.transforms.candidate import CandidateVariants
 

@@ -1,7 +1,7 @@
 """Trials: run the candidate again with some nodes kept in higher precision, graph outputs only, and say
 how far each output is from the reference (its tolerance ratio).
 
-This is the one mechanism behind verified causes (diagnosis/verify.py) and `accudiff bisect precision`:
+This is the one mechanism behind verified causes (verification/verify.py) and `accudiff bisect precision`:
 a keep-list is judged by what it does at the graph outputs, not by what a rule says about one node.
 Nothing is marked (these runs are cheap), and every keep-list is closed over precision boundaries first.
 An FP16 candidate on ONNX Runtime is tried as one switchboard (transforms/switches.py): built, saved and
@@ -37,7 +37,7 @@ from accudiff.model.inventory import ModelInfo
 from accudiff.model.saving import save_model
 from accudiff.model.ops import VALUE_PRESERVING_OPS
 from accudiff.model.samples import Samples
-from accudiff.runners.outputs import ReferenceStore
+from accudiff.model.stores import ReferenceStore
 from accudiff.settings import RunSettings
 from accudiff.transforms.candidate import CandidateVariants
 from accudiff.transforms.fp16 import BF16

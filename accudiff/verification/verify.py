@@ -7,7 +7,7 @@ The rules (cause.py) and mechanisms (mechanisms.py) only nominate suspects. For 
    operands), and the top contributors by their own error and by how far the accumulated SQNR falls
    across them (where error enters: early layers, whose rounding depth amplifies, show up here).
 2. Screen: each suspect kept in higher precision on its own (closed over precision boundaries), the
-   candidate run again on the failing samples, graph outputs only (comparison/trial.py). A flagged node
+   candidate run again on the failing samples, graph outputs only (verification/trial.py). A flagged node
    whose keep leaves the output as it was is `absorbed`: its error never reaches the output. Beside
    them, in the same batch, the candidate with nothing kept: the control every keep is measured against.
    The comparison's own figure is not one: it covers every sample, where the trials run the worst
@@ -36,13 +36,13 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import pandas as pd
 
-from accudiff.comparison.group import GroupRun, could_be_a_shape
+from accudiff.stages.group import GroupRun, could_be_a_shape
 from accudiff.comparison.objective import Objective
-from accudiff.comparison.trial import MAX_TRIAL_SAMPLES, TrialOutcome, TrialSetup, Trials, trial_workers
+from accudiff.verification.trial import MAX_TRIAL_SAMPLES, TrialOutcome, TrialSetup, Trials, trial_workers
 from accudiff.comparison.worker import prestart
-from accudiff.diagnosis.loss_split import loss_split, loss_split_keeps
-from accudiff.diagnosis.readings import Reading, Tries, improvement, pruned
-from accudiff.diagnosis.search import candidates_upstream, search_groups, weights_dominate
+from accudiff.verification.loss_split import loss_split, loss_split_keeps
+from accudiff.verification.readings import Reading, Tries, improvement, pruned
+from accudiff.verification.search import candidates_upstream, search_groups, weights_dominate
 from accudiff.diagnosis.cause import (Absorbed, Cause, Contributor, Repair, RepairStep, Search, ancestor_tensors, find_cause, flagged_nodes,
                                       rank_contributors)
 from accudiff.diagnosis.mechanisms import absorber, amplifiers, cancellations
@@ -52,10 +52,11 @@ from accudiff.settings import DEFAULT_CAUSE_BUDGET
 from accudiff.model.decoder import cache_types, find_decoder
 from accudiff.model.loading import load_graph, read_again
 from accudiff.model.prompts import whole_sequences
+from accudiff.runners.base import BACKEND_NAMES
 from accudiff.model.saving import save_model
 from accudiff.model.ops import VALUE_PRESERVING_OPS
 from accudiff.model.samples import Samples
-from accudiff.transforms.candidate import CandidateRecipe, CandidateVariants, repaired, repaired_file
+from accudiff.transforms.candidate import CandidateVariants, repaired, repaired_file
 
 if TYPE_CHECKING:
     from accudiff.result import CompareResult
@@ -68,7 +69,6 @@ SEVERAL_LIMIT = 3
 SEVERAL_FACTOR = 2.0  # each of several causes must improve the output at least this much on its own
 CONTRIBUTORS_PER_RANKING = 3
 SQNR_CAP = 200.0
-BACKEND_NAMES = {"onnxrt": "ONNX Runtime", "trt": "TensorRT"}
 
 
 @dataclass
@@ -126,7 +126,7 @@ def verify_outputs(
     base = replace(candidate.transformed, model=load_graph(candidate.path))
     first = tried[0]
     setup = TrialSetup(
-        info, CandidateVariants(info, CandidateRecipe.of(settings), base=base), tried, settings, scratch / "verify",
+        info, CandidateVariants(info, settings.recipe(), base=base), tried, settings, scratch / "verify",
         {name: first[name].reshape(-1).tolist() for name in first if could_be_a_shape(first[name])},
     )
     recorded = (runs[0].outputs, chosen) if runs[0].outputs is not None else None

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import onnx
 
-from accudiff.comparison.branches import BranchGroup, merge_group_results
+from accudiff.stages.branches import BranchGroup, merge_group_results
 from accudiff.comparison.generation import samples_per_prompt
 from accudiff.comparison.output_kinds import OutputKind, kinds_of
 from accudiff.comparison.shards import added_timings, run_shards
 from accudiff.comparison.tolerances import Tolerances
-from accudiff.comparison.trial import MAX_TRIAL_SAMPLES
+from accudiff.verification.trial import MAX_TRIAL_SAMPLES
 from accudiff.comparison.worker import Job
 from accudiff.memory import return_freed_memory
 from accudiff.model.graph import data_files
@@ -33,9 +33,9 @@ from accudiff.model.run_results import Captured, write_run_results
 from accudiff.model.samples import Samples
 from accudiff.model.source import own_weight_bytes
 from accudiff.model.segments import SEGMENTS_PER_BUDGET, memory_budget, plan_segments, tensor_sizes
-from accudiff.runners.outputs import ReferenceCache, ReferenceStore
+from accudiff.model.stores import ReferenceCache, ReferenceStore
 from accudiff.transforms import TransformResult
-from accudiff.transforms.candidate import CandidateRecipe, transform_model
+from accudiff.transforms.candidate import transform_model
 from accudiff.transforms.isolate import isolate_in_place
 
 if TYPE_CHECKING:
@@ -141,7 +141,7 @@ def make_candidate(
     workers read files). A candidate captured elsewhere is replayed from its store instead of run."""
     remember_model(info)  # verification reads it again
     kinds = kinds_of(info, settings.output_kinds)
-    transformed = transform_model(info, CandidateRecipe.of(settings, group.calibration), samples.subset(group.samples), scratch)
+    transformed = transform_model(info, settings.recipe(group.calibration), samples.subset(group.samples), scratch)
     working = scratch / "models" / path.name
     working.parent.mkdir(exist_ok=True)
     save_model(transformed.model, working, move_weights=True)

@@ -1,0 +1,104 @@
+"""Baseline files of accuracy checks: per-tensor figures a test is held to from one commit to the next.
+
+One small JSON file per test and precision, in `accudiff_baselines/` beside the test file, with the model,
+the precision and the options it was recorded with. A check against a baseline recorded with other
+options says so rather than comparing; a damaged file is one sentence.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+from accudiff.errors import AccudiffError
+from accudiff.atomic import write_atomically
+
+BASELINE_SCHEMA = "accudiff.baseline"
+BASELINE_METRICS = ("sqnr_db", "max_abs_err", "cosine", "outside_share")
+DEFAULT_SQNR_MARGIN_DB = 3.0
+DEFAULT_ERROR_GROWTH = 2.0
+
+
+def baseline_path(test_file: Path, test_name: str, precision: str) -> Path:
+    return test_file.parent / "accudiff_baselines" / f"{test_file.stem}.{safe_name(test_name)}.{safe_name(precision)}.json"
+
+
+def safe_name(name: str) -> str:
+    """A test's or a precision's name as a file name."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")[:120]
+
+
+def in_ci() -> bool:
+    """Whether CI systems' variable says this is a CI run (GitHub Actions, GitLab, CircleCI, Travis... set CI)."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def write_baseline(path: Path, rows, recorded_with: dict) -> None:
+    """The figures of the checked tensors (`rows` of a comparison's table), with what they were recorded with."""
+    document = {
+        "schema": BASELINE_SCHEMA,
+        "schema_version": 2,
+        **recorded_with,
+        "tensors": {row["tensor"]: {m: _rounded(row[m]) for m in BASELINE_METRICS} for _, row in rows.iterrows()},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, (json.dumps(document, indent=2, sort_keys=True) + "\n").encode())
+
+
+def read_baseline(path: Path) -> tuple[dict[str, dict], dict]:
+    """The per-tensor figures of a baseline file and what it was recorded with; a damaged one is one
+    sentence, not a traceback."""
+    try:
+        document = json.loads(path.read_bytes())
+        tensors = document["tensors"]
+        recorded_with = {key: document.get(key) for key in ("model", "precision", "options")}
+        for figures in tensors.values():
+            for metric in ("sqnr_db", "max_abs_err"):  # what a regression is judged on
+                if figures[metric] is not None and not isinstance(figures[metric], (int, float)):
+                    raise ValueError(f"{metric} is not a number")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        reason = f"{type(exc).__name__}: {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise AccudiffError(
+            f"baseline '{path}' cannot be read ({reason}): delete it, or run with --accudiff-update-baseline to write it again"
+        ) from None
+    return tensors, recorded_with
+
+
+def regressions(path: Path, rows, recorded_with: dict, sqnr_margin_db: float, error_growth: float) -> list[str]:
+    """What got worse against the baseline at `path`: SQNR down by more than the margin, max abs error up by
+    more than the growth; or, recorded with other settings, that it cannot be compared."""
+    baseline, theirs = read_baseline(path)
+    if theirs != recorded_with:
+        changed = sorted(key for key in {*recorded_with["options"], *(theirs.get("options") or {})}
+                         if recorded_with["options"].get(key) != (theirs.get("options") or {}).get(key))
+        changed += [key for key in ("model", "precision") if theirs.get(key) != recorded_with[key]]
+        return [f"baseline {path} was recorded with other settings ({', '.join(changed) or 'its format'} differ): its figures say nothing of "
+                "this run; rerun with --accudiff-update-baseline to record this one"]
+    problems = []
+    for _, row in rows.iterrows():
+        before = baseline.get(row["tensor"])
+        if before is None:
+            continue
+        if before["sqnr_db"] is not None and row["sqnr_db"] < before["sqnr_db"] - sqnr_margin_db:
+            problems.append(
+                f"tensor '{row['tensor']}': SQNR fell from {before['sqnr_db']:.1f} dB (baseline) to {row['sqnr_db']:.1f} dB, "
+                f"more than the allowed {sqnr_margin_db:g} dB"
+            )
+        if before["max_abs_err"] and row["max_abs_err"] > before["max_abs_err"] * error_growth:
+            problems.append(
+                f"tensor '{row['tensor']}': max abs error grew from {before['max_abs_err']:.3g} (baseline) to "
+                f"{row['max_abs_err']:.3g}, more than {error_growth:g}x"
+            )
+    if problems:
+        problems.append(f"baseline: {path} (rerun with --accudiff-update-baseline to accept the new figures)")
+    return problems
+
+
+def _rounded(value) -> float | None:
+    value = float(value)
+    if not math.isfinite(value):
+        return None
+    return float(f"{value:.4g}")
