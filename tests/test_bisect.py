@@ -154,3 +154,14 @@ def test_repaired_int8_model_is_the_one_compare_verified(tmp_path):
     verified = onnx.load(str(tmp_path / "compare" / "candidate-int8.onnx"))
     scales = lambda model: {i.name: onnx.numpy_helper.to_array(i).tolist() for i in model.graph.initializer if i.name.endswith("_scale")}  # noqa: E731
     assert scales(verified) and scales(repaired) == scales(verified)
+
+
+def test_a_requirement_the_data_cannot_resolve_even_with_everything_kept_is_said_so(run_cli, tmp_path):
+    """layernorm_overflow has 8 positions: keeping every converted node brings top-1 back to 100%, whose
+    interval [67.6%, 100%] cannot tell 0.99. bisect precision said 'even keeping every converted node in
+    higher precision does not meet top1=0.99': the recognizer's FP8 candidate on 4 lines read so too."""
+    code, out, _ = run_cli("bisect", "precision", fixture("layernorm_overflow"), "--fp16", "--require", "top1=0.99", "-o", "b")
+    assert code == 1 and "does not meet" not in out
+    assert "even with every converted node kept in higher precision, the data cannot tell whether the outputs meet top1=0.99" in out
+    assert "100.000% [67.6%, 100.0%] over 8 positions of 1 sample; about 49 samples like these would" in out
+    assert not (tmp_path / "b" / "keep_fp32.txt").exists()

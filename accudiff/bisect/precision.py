@@ -1,6 +1,6 @@
 """A small set of nodes to keep in FP32 (for INT8: to leave unquantized) so the graph outputs meet tolerance.
 
-1. One comparison with the isolated run and verification (diagnosis/verify.py) names the cause of each
+1. One comparison with the isolated run and verification (verification/verify.py) names the cause of each
    failing output and its verified repair, and ranks the converted nodes: the repairs' nodes first, then
    the contributors by their measured effect at the output, then every other node by its own error.
 2. Where every failing output has a verified repair, their union is tried on all the samples and pruned
@@ -10,7 +10,7 @@
    runs): first the whole ranking (if even that fails, no keep-list of these nodes repairs the model),
    then halving towards the smallest k that passes; a short list (up to PRUNE_LIMIT nodes) is pruned.
 4. Every keep-list is closed over precision boundaries and judged at the graph outputs by the same trial
-   mechanism verification uses (comparison/trial.py); the keep-list, the repaired model (exactly the
+   mechanism verification uses (verification/trial.py); the keep-list, the repaired model (exactly the
    variant that passed) and the ranking are written out. The reference runs once for all of it.
 """
 
@@ -26,7 +26,7 @@ from accudiff.result import CompareResult
 from accudiff.bisect.session import BisectSession
 from accudiff.diagnosis.cause import rank_contributors
 from accudiff.comparison.objective import Resolution, strictest_met
-from accudiff.verification.trial import Trials, prune
+from accudiff.verification.trial import TrialOutcome, Trials, prune
 from accudiff.model.saving import save_model
 from accudiff.report.decision_text import unresolved_text
 from accudiff.transforms.candidate import keep_pattern, repaired, repaired_file
@@ -47,6 +47,7 @@ class PrecisionResult:
     interrupted: bool = False
     trivial: bool = False  # only keeping every converted node meets the target: the format is too coarse for it
     unresolved: list[str] = field(default_factory=list)  # requirements the data cannot resolve, said: no keep-list is searched for them
+    unresolved_kept_all: list[str] = field(default_factory=list)  # those the data cannot resolve even with every converted node kept
     converted: int = 0  # nodes the candidate computes in reduced precision (what a keep-list may take from)
     decisions: dict = field(default_factory=dict)  # the candidate's decision figures and tolerance met, per failing output
     tolerance_met: dict = field(default_factory=dict)
@@ -82,8 +83,13 @@ def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
             best = _smallest_passing_prefix(session, trials, list(ranking["node"]), units, full)
         if best is None and not result.interrupted:
             every = sorted(full.converted)
-            if _passes(session, trials, every, full, f"every one of the {len(every)} converted nodes", result.bound):
+            outcome = _tried(session, trials, every, full, f"every one of the {len(every)} converted nodes", result.bound)
+            if outcome.passes(list(full.outputs["tensor"]), session.settings.judged):
                 best, result.trivial = trials.boundaries.close(every), True
+            else:  # with nothing reduced, a target the trial's samples cannot tell from the figure is no proof it is out of reach
+                result.unresolved_kept_all = [
+                    unresolved_text(output, r, bool(full.generations)) for output in full.outputs["tensor"]
+                    for r in session.settings.judged.resolve(outcome.figures.get(output, {}), outcome.spans.get(output, {})) if r.outcome == "unresolved"]
     except KeyboardInterrupt:
         result.interrupted = True
         best = None
@@ -130,12 +136,18 @@ def rank(full: CompareResult) -> pd.DataFrame:
 
 def _passes(session: BisectSession, trials: Trials, chosen: list[str], full: CompareResult, what: str, total: int, regions: bool | None = None,
             exact: bool = False) -> bool:
+    return _tried(session, trials, chosen, full, what, total, regions, exact).passes(list(full.outputs["tensor"]), session.settings.judged)
+
+
+def _tried(session: BisectSession, trials: Trials, chosen: list[str], full: CompareResult, what: str, total: int, regions: bool | None = None,
+           exact: bool = False) -> TrialOutcome:
+    """One step: the candidate run with `chosen` kept (closed over what their boundaries need, unless `exact`)."""
     keep = list(chosen) if exact else trials.boundaries.close(chosen, regions)
     # Steps count as runs do, but for the first: the comparison, with its isolated run, is one step of two runs.
     session.progress(f"step {session.candidate_runs} of at most {total - 1}: keep {len(keep)} node(s) in higher precision ({what}{'' if exact else ' and what they need'})")
     [outcome] = trials.run([keep], regions=regions, exact=exact)
     session.candidate_runs += 1
-    return outcome.passes(list(full.outputs["tensor"]), session.settings.judged)
+    return outcome
 
 
 def _pruned(session: BisectSession, trials: Trials, chosen: list[str], full: CompareResult, total: int, limit: int) -> list[str]:

@@ -131,6 +131,10 @@ def _precision_text(result, folder: Path, settings: RunSettings) -> str:
             lines += [f"  {line}" for line in _where_it_stands(result, settings)]
     elif result.interrupted:
         lines.append("  interrupted before a passing keep-list was found")
+    elif result.unresolved_kept_all:
+        lines.append(f"  even with every converted node kept in higher precision, the data cannot tell whether the outputs meet {_target(settings)}:")
+        lines += [f"    {line}" for line in result.unresolved_kept_all]
+        lines.append("  no keep-list is given for a requirement the data cannot resolve: compare on more data, or judge by another figure")
     else:
         lines.append(f"  even keeping every converted node in higher precision does not meet {_target(settings)}")
         lines += [f"  {line}" for line in _where_it_stands(result, settings)]
