@@ -108,9 +108,9 @@ def _run_compare(args: argparse.Namespace) -> int:
     settings = run_settings(args, **{name: getattr(args, name) for name in COMPARE_ONLY})
     settings = replace(settings, report_dir=args.report_dir or default_report_dir(Path(args.model).stem, settings.precision))  # a candidate model's precision is read from it
     result = run(settings, progress=ProgressBar(), import_seconds=time.perf_counter() - started)
-    print(format_summary(result, shutil.get_terminal_size().columns if sys.stdout.isatty() else None))
+    _out(format_summary(result, shutil.get_terminal_size().columns if sys.stdout.isatty() else None))
     if args.timings:
-        print(format_timings(result))
+        _out(format_timings(result))
     return EXIT_PASS if result.passed else EXIT_FAIL
 
 
@@ -119,7 +119,7 @@ def _run_bisect(args: argparse.Namespace) -> int:
 
     out_dir = args.report_dir or default_report_dir(Path(args.model).stem, f"bisect-{args.bisector}")
     summary, found, interrupted = run_bisector(args.bisector, run_settings(args), out_dir)
-    print(summary)
+    _out(summary)
     return EXIT_INTERRUPTED if interrupted else EXIT_FAIL if found else EXIT_PASS
 
 
@@ -128,13 +128,13 @@ def _run_partition(args: argparse.Namespace) -> int:
 
     out_dir = args.report_dir or default_report_dir(Path(args.model).stem, "partitions")
     parts = partition(args.model, out_dir, args.trt_module)
-    print(f"accudiff partition {Path(args.model).name}: {sum(p.supported for p in parts)} convertible and "
+    _out(f"accudiff partition {Path(args.model).name}: {sum(p.supported for p in parts)} convertible and "
           f"{sum(not p.supported for p in parts)} non-convertible part(s)")
     for part in parts:
         status = "convertible" if part.supported else "NOT convertible"
         reason = f" — {part.reason}" if part.reason else ""
-        print(f"  nodes {part.start}-{part.end}: {status}: {part.op_types}{reason}")
-    print(f"  saved in {out_dir} (partitions.csv lists them)")
+        _out(f"  nodes {part.start}-{part.end}: {status}: {part.op_types}{reason}")
+    _out(f"  saved in {out_dir} (partitions.csv lists them)")
     return EXIT_PASS
 
 
@@ -142,7 +142,7 @@ def _run_doctor(args: argparse.Namespace) -> int:
     from accudiff.doctor import run_doctor
 
     report = run_doctor()
-    print(report.text())
+    _out(report.text())
     return EXIT_PASS if report.verified else EXIT_FAIL
 
 
@@ -152,9 +152,22 @@ def run_and_exit() -> None:
     without Python freeing every object and module one by one, which took 0.2 s after a comparison."""
     code = main()
     atexit._run_exitfuncs()  # what the interpreter's own exit runs first
-    sys.stdout.flush()
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader has gone: what was left to say goes nowhere (`_out`)
+        pass
     sys.stderr.flush()
     os._exit(code)
+
+
+def _out(text: str) -> None:
+    """A line of the answer on stdout. When its reader has gone (`accudiff compare ... | head`), the rest goes
+    nowhere, as with Unix tools, and the command still ends with its own exit code (never an internal error)."""
+    try:
+        print(text)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import pytest
 
 import accudiff
 from accudiff.runners import unavailable_reason
-from conftest import ROOT, fixture, run_printed
+from conftest import ROOT, fixture, run_printed, user_shell_environment
 
 
 def test_passing_model_exits_0_and_writes_a_complete_report(run_cli, tmp_path):
@@ -370,3 +370,13 @@ def test_percentages_round_neither_to_nothing_nor_to_everything(share, decimals,
     from accudiff.text import percent
 
     assert percent(share, decimals) == shown
+
+
+def test_output_into_a_pipe_whose_reader_has_gone_is_no_error(tmp_path):
+    """`accudiff compare ... | head -30` on the recognizer said 'internal error: BrokenPipeError' after the 30
+    lines: a reader that stops reading ends the answer, not the command, which exits with its own code."""
+    for reader in ("head -1", "true"):
+        done = subprocess.run(["bash", "-c", f"set -o pipefail; accudiff compare {fixture('layernorm_overflow')} --fp16 --timings -o r-{reader[0]} 2>err.txt | {reader}"],
+                              cwd=tmp_path, capture_output=True, text=True, env=user_shell_environment())
+        err = (tmp_path / "err.txt").read_text()
+        assert done.returncode == 1 and "error" not in err and "Traceback" not in err, (reader, err)
