@@ -220,3 +220,19 @@ def test_an_output_that_passes_in_the_control_keeps_the_rules_hypothesis(tmp_pat
     notice = next(n for n in result.notices if "cannot be verified where the failure does not show" in n)
     assert f"'{unverified[0].tensor}'" in notice and "on the 8 sample(s) verification runs" in notice
     assert all(f.repair.verified and f.repair.steps[0].tol_ratio > 1 for f in result.output_failures if f is not unverified[0])
+
+
+def test_the_command_lines_ray_option_starts_a_local_cluster_and_says_nothing_of_it(run_cli, tmp_path):
+    """`--ray` without an address, as the README shows it: a local cluster for the run, the same table as
+    local workers, and none of Ray's own lines on the console."""
+    pytest.importorskip("ray", reason="Ray is an optional extra (pip install 'accudiff[ray]')")
+    data = _dataset(tmp_path / "data", 4, lambda i: 0.5 if i % 3 else 8.0)
+    code, out, err = run_cli("compare", fixture("overflow_activation"), "--fp16", "--load-inputs", data, "--ray", "-o", "on-ray")
+    assert code == 1 and [line for line in err.splitlines() if line.strip()] == [], err
+    assert all(line.startswith(("accudiff compare", "  ")) for line in out.splitlines() if line.strip()), out
+    local = accudiff.compare(fixture("overflow_activation"), "fp16", candidate="onnxrt", inputs=data, workers=2)
+    on_ray = json.loads((tmp_path / "on-ray" / "summary.json").read_text())
+    assert on_ray["verdict"] == local.verdict and on_ray["layout"]["workers"] >= 1
+    assert on_ray["counts"]["failing"] == int((local.table["status"] == "fail").sum()) > 0
+    failing = {output: rows.loc[rows["status"] == "fail", "sample"].tolist() for output, rows in local.samples.groupby("tensor")}
+    assert on_ray["samples"]["compared"] == 4 and {o: v["failing_samples"] for o, v in on_ray["samples"]["per_output"].items()} == failing
