@@ -25,7 +25,8 @@ import onnx
 
 from accudiff.comparison.engine import POINTS_PER_OUTPUT
 from accudiff.comparison.metrics import StatsSet, merge_run_time_ranges
-from accudiff.comparison.worker import Job, decode_result, result_files, run_job
+from accudiff.comparison.messages import Job
+from accudiff.comparison.worker import decode_result, result_files, run_job
 from accudiff.errors import AccudiffError, first_line
 from accudiff.model.graph import data_files
 
@@ -221,7 +222,7 @@ def _files_of(job: Job) -> dict[str, bool]:
     """The files a worker reads: the models, the files their weights are in (by the names the models
     record; a candidate's isolated twin refers to the candidate's own file) and the sample files; each
     with whether it is read as weights."""
-    models = [job.reference, *(p["model"] for p in job.passes), *job.validate]
+    models = [job.reference, *(p.model for p in job.passes), *job.validate]
     weights = {str(Path(model).parent / name) for model in models for name in data_files(onnx.load(model, load_external_data=False))}
     return {path: path in weights for path in dict.fromkeys([*models, *sorted(weights), *(entry[0] for entry in job.samples)])}
 
@@ -244,7 +245,7 @@ def _ray_task(job: dict, payloads: dict) -> tuple[str, bytes]:
         moved = replace(
             moved,
             reference=local[moved.reference],
-            passes=[{**p, "model": local[p["model"]]} for p in moved.passes],
+            passes=[replace(p, model=local[p.model]) for p in moved.passes],
             validate=[local[path] for path in moved.validate],
             samples=[[local[file], prefix] for file, prefix in moved.samples],
             result=str(folder / "result"),

@@ -22,14 +22,15 @@ import subprocess
 import sys
 import tempfile
 import traceback
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from accudiff.errors import AccudiffError, RunFailed
-from accudiff.memory import HUGE_PAGES_FROM_TENSOR_BYTES, SEPARATE_MAPPINGS_FROM_TENSOR_BYTES, map_large_blocks_separately, with_huge_pages
+from accudiff.memory import SEPARATE_MAPPINGS_FROM_TENSOR_BYTES, map_large_blocks_separately, with_huge_pages
+from accudiff.comparison.messages import Job, PassSpec
 from accudiff.runners.reused import ReusedRunners
 from accudiff.runners.base import BACKEND_NAMES
 
@@ -41,55 +42,6 @@ class WorkerBug(RuntimeError):
     def __init__(self, message: str, detail: str):
         super().__init__(message)
         self.detail = detail
-
-
-@dataclass
-class Job:
-    """Everything a worker needs, as plain data (it crosses a process or machine boundary as JSON)."""
-
-    reference: str
-    # {"name", "model", "backend", "fed_from_reference": {input: tensor}, "layer_report": bool, "samples": it runs on the
-    # samples numbered below this, "runs": how many of the run's samples it compares (absent: all)}
-    passes: list[dict]
-    precision: str
-    tensors: list[str]
-    outputs: list[str]
-    segments: list[list[str]]
-    tolerances: dict
-    quant_ranges: dict[str, dict]  # tensor -> its QuantRange's fields
-    samples: list[list[str]]  # this worker's samples: [file, key prefix] (model/samples.py)
-    sample_indices: list[int]  # their positions among all samples
-    result: str  # where the worker writes its result (<result>.npz and <result>.json)
-    trt: dict = field(default_factory=dict)
-    input_shapes: dict[str, list[int]] = field(default_factory=dict)
-    shape_values: dict[str, list[int]] = field(default_factory=dict)  # small integer inputs: TensorRT's shape-tensor inputs
-    store: str | None = None  # a reference store folder to replay (when complete) or record
-    layer_report: str | None = None
-    inputs: list[str] = field(default_factory=list)  # graph inputs whose ranges the diagnosis needs
-    input_specs: list[list] = field(default_factory=list)  # [name, dtype, shape]: each sample is checked as it is read
-    threads: int = 0  # cores this worker may use (0: all); several workers on one machine share them
-    # How its ONNX Runtime sessions are made is the same in every worker of a run, whatever the split: an
-    # unoptimized session's convolutions and matrix products round by thread count, and an optimized one
-    # otherwise than an unoptimized one, so the table would depend on --workers.
-    run_samples: int = 0  # samples the whole run compares, over every worker (0: this job's)
-    outputs_store: str | None = None  # a store folder where the reference's graph outputs are recorded
-    largest_tensor: int = 0  # bytes: how the worker gets memory (memory.py; group.Plan)
-    thresholds: dict[str, float] = field(default_factory=dict)  # a probability map's threshold by output ("": the default)
-    output_kinds: dict[str, list] = field(default_factory=dict)  # graph output -> [its kind, the axis its entries run along]
-    # A decoder's generation (comparison/generation.py): {"decoder": Decoder.as_json(), "new_tokens": N, "cache_types": {past: dtype}};
-    # its samples are then prompts, each run as a prefill and N decode steps, each step a sample of the engine.
-    generation: dict | None = None
-    # Sessions made one at a time, each just before its run (else all at once, kept for every sample): weights
-    # of a model too large to hold twice (trial.LARGE_MODEL_BYTES).
-    one_session_at_a_time: bool = False
-    # Model files made by another tool, checked first to load in ONNX Runtime as they are (a candidate accudiff
-    # then aligns and runs in its own form must never stand in for a file ONNX Runtime refuses).
-    validate: list[str] = field(default_factory=list)
-
-    @property
-    def large_tensors(self) -> bool:
-        """Fresh memory is then what a run costs: huge pages, and one arena for all sessions."""
-        return self.largest_tensor >= HUGE_PAGES_FROM_TENSOR_BYTES
 
 
 class Worker:
@@ -122,7 +74,7 @@ class Worker:
         """Run `job` here and return its result (see `load_result`). After a failure the worker is closed."""
         step, outcome = "starting", None
         try:
-            self._process.stdin.write(json.dumps(asdict(job)) + "\n")
+            self._process.stdin.write(job.to_json() + "\n")
             self._process.stdin.flush()
             for line in self._process.stdout:
                 event = json.loads(line)
@@ -145,7 +97,7 @@ class Worker:
             return load_result(Path(job.result))
         code = self.close()
         if outcome is None:
-            backend = BACKEND_NAMES.get(job.passes[0]["backend"] if job.passes else "onnxrt", "the backend")
+            backend = BACKEND_NAMES.get(job.passes[0].backend if job.passes else "onnxrt", "the backend")
             last = next((line.strip() for line in reversed(self._stderr_text.splitlines()) if line.strip()), "")
             raise AccudiffError(
                 f"{backend} {_how_it_died(code)} while {step} of '{Path(job.reference).name}'" + (f" (last message: {last})" if last else "")
@@ -298,29 +250,29 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
     steps = samples_per_prompt(job.generation["new_tokens"]) if job.generation else 1
     cpu = CpuOptions(threads, samples=(job.run_samples or len(job.sample_indices)) * steps, shared_arena=job.large_tensors)
 
-    def factory(spec: dict):
-        if spec["backend"] == "recorded":
-            return lambda model, outputs: recorded_runner(Path(spec["recorded"]), job.tensors, outputs, job.sample_indices, spec["label"])
-        layers = layer_report if spec.get("layer_report") else None
-        pass_cpu = replace(cpu, samples=min(cpu.samples, spec.get("runs", cpu.samples)))  # the isolated run compares 8 at most
+    def factory(spec: PassSpec):
+        if spec.backend == "recorded":
+            return lambda model, outputs: recorded_runner(Path(spec.recorded), job.tensors, outputs, job.sample_indices, spec.label)
+        layers = layer_report if spec.layer_report else None
+        pass_cpu = replace(cpu, samples=min(cpu.samples, spec.runs if spec.runs is not None else cpu.samples))  # the isolated run compares 8 at most
 
         def make(model: ModelSource, outputs: list[str]):
-            return candidate_runner(spec["backend"], model, outputs, job.precision, trt, shapes, layers, pass_cpu)
+            return candidate_runner(spec.backend, model, outputs, job.precision, trt, shapes, layers, pass_cpu)
 
-        if spec.get("reuse"):
-            return lambda model, outputs: _REUSED.get((spec["backend"], str(model.path), tuple(outputs), job.precision, pass_cpu), lambda: make(model, outputs))
+        if spec.reuse:
+            return lambda model, outputs: _REUSED.get((spec.backend, str(model.path), tuple(outputs), job.precision, pass_cpu), lambda: make(model, outputs))
         return make
 
-    def plan(spec: dict) -> PassPlan:
-        record = ReferenceStore(Path(spec["record"]), job.tensors) if spec.get("record") else None
-        fixed = {name: np.asarray(value) for name, value in spec.get("fixed_inputs", {}).items()}
-        return PassPlan(spec["name"], Path(spec["model"]), factory(spec), spec["fed_from_reference"], record, fixed, spec.get("samples"))
+    def plan(spec: PassSpec) -> PassPlan:
+        record = ReferenceStore(Path(spec.record), job.tensors) if spec.record else None
+        fixed = {name: np.asarray(value) for name, value in spec.fixed_inputs.items()}
+        return PassPlan(spec.name, Path(spec.model), factory(spec), spec.fed_from_reference, record, fixed, spec.samples)
 
     per_sample = samples_per_prompt(job.generation["new_tokens"]) if job.generation else 1  # a prompt is a prefill and its decode steps
-    if job.one_session_at_a_time and not any(p.get("reuse") for p in job.passes):
+    if job.one_session_at_a_time and not any(p.reuse for p in job.passes):
         _REUSED.close()  # a switchboard kept from an earlier job would hold its weights beside this job's sessions
     first = min(job.sample_indices, default=0) * per_sample
-    passes = [plan(p) for p in job.passes if p.get("samples") is None or first < p["samples"]]  # a pass none of its samples need has no session
+    passes = [plan(p) for p in job.passes if p.samples is None or first < p.samples]  # a pass none of its samples need has no session
     store = ReferenceStore(Path(job.store), job.tensors) if job.store else None
     with tempfile.TemporaryDirectory(prefix="engine-") as scratch:
         measured = Measured(
@@ -425,7 +377,7 @@ def main() -> None:
     try:
         for line in sys.stdin:
             try:
-                _work(Job(**json.loads(line)), emit)
+                _work(Job.from_json(line), emit)
             except AccudiffError as exc:
                 emit({"event": "error", "message": str(exc)})
                 return

@@ -21,7 +21,7 @@ from accudiff.comparison.output_kinds import OutputKind, kinds_of
 from accudiff.comparison.shards import added_timings, run_shards
 from accudiff.comparison.tolerances import Tolerances
 from accudiff.verification.trial import MAX_TRIAL_SAMPLES
-from accudiff.comparison.worker import Job
+from accudiff.comparison.messages import Job, PassSpec
 from accudiff.memory import return_freed_memory
 from accudiff.model.graph import data_files
 from accudiff.model.inventory import ModelInfo, describe
@@ -153,9 +153,9 @@ def make_candidate(
     else:
         candidate = {"model": str(working), "layer_report": True}
     record = ReferenceStore(scratch / f"record-{path.stem}", [t.name for t in info.tensors]) if settings.save_candidate else None
-    passes = [{"name": "candidate", "backend": kind, "fed_from_reference": {}, "record": str(record.folder) if record else None, **candidate}]
+    passes = [PassSpec("candidate", backend=kind, record=str(record.folder) if record else None, **candidate)]
     if settings.also is not None and settings.also != kind:  # the model's own error next to what a build adds
-        passes.append({"name": settings.also, "model": str(working), "backend": settings.also, "fed_from_reference": {}})
+        passes.append(PassSpec(settings.also, str(working), settings.also))
     if settings.isolate:
         # every compared tensor the candidate has a partner for (a value of the same name that is another value is not fed)
         types = {t.name: onnx.helper.np_dtype_to_tensor_dtype(t.dtype) for t in info.tensors if t.dtype is not None and t.name not in transformed.unmatched}
@@ -164,7 +164,7 @@ def make_candidate(
         save_model(transformed.model, isolated)  # its graph: the weights are the candidate's, in the same folder
         up_to = group.samples[ISOLATED_SAMPLES] if len(group.samples) > ISOLATED_SAMPLES else None  # the group's first ones
         runs = min(len(group.samples), ISOLATED_SAMPLES)  # how its sessions are made (worker.Job)
-        passes.append({"name": "isolated", "model": str(isolated), "backend": kind, "fed_from_reference": fed, "samples": up_to, "runs": runs})
+        passes.append(PassSpec("isolated", str(isolated), kind, fed_from_reference=fed, samples=up_to, runs=runs))
     freed = own_weight_bytes(info.proto)
     transformed.model = info.proto = onnx.ModelProto()
     if freed > RETURN_FREED_FROM_BYTES:
@@ -208,7 +208,7 @@ def run_group(
     )
     if generation is not None:  # the workers read the prompts; each step of a prompt is a sample of the engine, the isolated run takes the first
         steps = len(group.samples) * samples_per_prompt(generation.new_tokens)
-        passes = [{**p, "samples": ISOLATED_SAMPLES if steps > ISOLATED_SAMPLES else None, "runs": min(steps, ISOLATED_SAMPLES)} if p["name"] == "isolated" else p
+        passes = [replace(p, samples=ISOLATED_SAMPLES if steps > ISOLATED_SAMPLES else None, runs=min(steps, ISOLATED_SAMPLES)) if p.name == "isolated" else p
                   for p in job.passes]
         job = replace(job, passes=passes, generation=generation.as_json())
     outputs = None

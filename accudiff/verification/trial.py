@@ -31,7 +31,8 @@ from accudiff.comparison.intervals import Interval, intervals
 from accudiff.comparison.objective import Objective
 from accudiff.comparison.output_kinds import kinds_of
 from accudiff.comparison.shards import added_timings, merge_results
-from accudiff.comparison.worker import Job, Worker, discard_spares, prestart, take_worker
+from accudiff.comparison.messages import Job, PassSpec
+from accudiff.comparison.worker import Worker, discard_spares, prestart, take_worker
 from accudiff.model.graph import tensor_bytes
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.saving import save_model
@@ -202,7 +203,7 @@ class Trials:
                     merged = merged_by_job[index]
                     self.timings = added_timings([self.timings, merged["timings"]])
                     passes = merged["passes"]
-                    found.update((i, _outcome(keep, passes[p["name"]]["outcomes"])) for i, keep, p in zip(group, batch.keep_lists, batch.job.passes))
+                    found.update((i, _outcome(keep, passes[p.name]["outcomes"])) for i, keep, p in zip(group, batch.keep_lists, batch.job.passes))
                 outcomes = [found[i] for i in range(len(closed))]
             except BaseException:
                 discard_spares()
@@ -252,15 +253,14 @@ class Trials:
         passes = []
         keep_lists = [keep for keep, _ in chosen]
         for k, (keep, parts) in enumerate(chosen):
-            pass_ = {"name": f"variant{k}", "backend": setup.settings.backend[0], "fed_from_reference": {}}
+            backend = setup.settings.backend[0]
             if board is not None and parts == "all":
                 switchboard, path = board
-                pass_.update(model=str(path), fixed_inputs=switchboard.settings(keep), reuse=True)
+                passes.append(PassSpec(f"variant{k}", str(path), backend, fixed_inputs=switchboard.settings(keep), reuse=True))
             else:
                 path = setup.scratch / f"trials-{self.runs}-variant{k}.onnx"
                 save_model(setup.variants.with_kept(keep, parts).model, path)
-                pass_.update(model=str(path))
-            passes.append(pass_)
+                passes.append(PassSpec(f"variant{k}", str(path), backend))
         self.runs += len(keep_lists)
         info = setup.info
         first = setup.samples[0]
