@@ -62,10 +62,20 @@ def pytest_runtest_makereport(item, call):
     missing = call.excinfo.value if call.excinfo is not None and isinstance(call.excinfo.value, ModuleNotFoundError) else None
     if missing is not None and (missing.name is None or missing.name.split(".")[0] in OPTIONAL_PACKAGES):
         report.outcome = "skipped"
-        report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: needs {missing.name or 'a package'} ({missing})")
+        report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {needs(missing)}")
     if report.skipped and os.environ.get("ACCUDIFF_CI") == "1" and not any(r in skip_reason(report) for r in CI_SKIP_REASONS):
         report.outcome = "failed"
         report.longrepr = f"skipped under CI, where only these skips are allowed: {CI_SKIP_REASONS}; the reason: {skip_reason(report)}"
+
+
+def needs(missing: ModuleNotFoundError) -> str:
+    """The one wording of a skip for a missing package: 'needs torch (...)'."""
+    return f"needs {missing.name or 'a package'} ({missing})"
+
+
+def skip_without(missing: ModuleNotFoundError) -> None:
+    """Skip a test whose model or package is missing, as the hook above says it."""
+    pytest.skip(needs(missing))
 
 
 def skip_reason(report) -> str:

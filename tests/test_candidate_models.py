@@ -21,7 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import accudiff
 import oracle
-from conftest import ROOT, fixture, run_printed, user_shell_environment
+from conftest import ROOT, fixture, run_printed, skip_without, user_shell_environment
 
 sys.path.insert(0, str(ROOT))
 from benchmarks import models, realistic_inputs  # noqa: E402
@@ -252,7 +252,7 @@ def modelopt_candidates(tmp_path_factory):
     try:
         made = {mode: models.modelopt_quantized(models.ppocr_rec_v4(), calibration, folder / f"rec-{mode}.onnx", mode) for mode in ("int8", "fp8")}
     except ModuleNotFoundError as missing:
-        pytest.skip(str(missing))
+        skip_without(missing)
     save_feeds(realistic_inputs.dataset("ppocr_rec_v4", 4), folder / "lines.npz")
     return made, folder / "lines.npz"
 
@@ -285,7 +285,7 @@ def test_a_candidate_compared_in_segments_gives_the_table_of_one_run(tmp_path):
     try:
         classifier = models.ppocr_cls_v2()
     except ModuleNotFoundError as missing:
-        pytest.skip(f"{missing.name} is not installed")
+        skip_without(missing)
     candidate = models.onnxruntime_qdq(classifier, realistic_inputs.dataset("ppocr_cls_v2", 4, 100), tmp_path / "cls-int8.onnx")
     save_feeds(realistic_inputs.dataset("ppocr_cls_v2", 2), tmp_path / "lines.npz")
     options = {"candidate_model": candidate, "inputs": tmp_path / "lines.npz", "candidate": "onnxrt", "verify": False}

@@ -29,7 +29,7 @@ import accudiff
 from accudiff.model.loading import load_model
 from accudiff.transforms.opset import at_forms_opset
 import oracle
-from conftest import ROOT, fixture
+from conftest import ROOT, fixture, skip_without
 
 sys.path.insert(0, str(ROOT))
 from benchmarks import models, realistic_inputs  # noqa: E402
@@ -121,7 +121,7 @@ def _case(name, precision, tmp_path):
     try:
         path = models.MODELS[name](tmp_path)
     except ModuleNotFoundError as exc:
-        pytest.skip(str(exc))
+        skip_without(exc)
     calibration = None
     if precision == "int8":
         calibration = tmp_path / "calibration.npz"
@@ -171,7 +171,7 @@ def test_trained_classifier_in_bf16_fed_real_file_bytes(tmp_path):
     try:
         path = at_forms_opset(load_model(models.magika_v3()), "bf16", tmp_path)[0].path
     except ModuleNotFoundError as exc:
-        pytest.skip(str(exc))
+        skip_without(exc)
     feeds = realistic_inputs.dataset("magika_v3", 32)
     worst = accudiff.compare(path, "bf16", candidate="onnxrt", inputs=feeds, verify=False, isolate=False, **BF16_TOLERANCE).failing_samples["sample"].iloc[0]
     result = accudiff.compare(path, "bf16", candidate="onnxrt", inputs=[feeds[worst]], **BF16_TOLERANCE)
@@ -209,7 +209,7 @@ def test_trained_classifier_fed_real_file_bytes(tmp_path):
     try:
         path = models.magika_v3()
     except ModuleNotFoundError as exc:
-        pytest.skip(str(exc))
+        skip_without(exc)
     feeds = realistic_inputs.dataset("magika_v3", 2)
     result = accudiff.compare(path, "fp16", candidate="onnxrt", inputs=feeds)
     [failure] = result.output_failures
@@ -225,7 +225,7 @@ def test_trained_recognizer_fed_a_drawn_text_line(tmp_path):
     try:
         path = models.ppocr_rec_v4()
     except ModuleNotFoundError as exc:
-        pytest.skip(str(exc))
+        skip_without(exc)
     feed = realistic_inputs.FEEDS["ppocr_rec_v4"](0)
     result = accudiff.compare(path, "fp16", candidate="onnxrt", inputs=[feed])
     [failure] = result.output_failures

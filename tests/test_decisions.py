@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import accudiff
-from conftest import ROOT, fixture
+from conftest import ROOT, fixture, skip_without
 
 sys.path.insert(0, str(ROOT))
 from accudiff.model.inputs import save_feeds  # noqa: E402
@@ -81,7 +81,7 @@ def test_top5_is_neither_shown_nor_required_over_five_classes_or_fewer(run_cli, 
     try:
         path = models.ppocr_cls_v2()
     except ModuleNotFoundError as missing:
-        pytest.skip(f"{missing.name} is not installed")
+        skip_without(missing)
     save_feeds([realistic_inputs.ppocr_cls(0)], tmp_path / "line.npz")
     code, out, err = run_cli("compare", path, "--fp16", "--load-inputs", tmp_path / "line.npz", "-o", "r")
     assert code in (0, 1), err
@@ -159,7 +159,7 @@ def detector(tmp_path_factory):
     try:
         path = models.ppocr_det_v4()
     except ModuleNotFoundError as missing:
-        pytest.skip(f"{missing.name} is not installed")
+        skip_without(missing)
     folder = tmp_path_factory.mktemp("det")
     save_feeds(realistic_inputs.dataset("ppocr_det_v4", 2), folder / "pages.npz")
     return path, folder / "pages.npz"

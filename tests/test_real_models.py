@@ -15,7 +15,7 @@ import pytest
 
 import accudiff
 from accudiff.model.inputs import save_feeds
-from conftest import ROOT, user_shell_environment
+from conftest import ROOT, skip_without, user_shell_environment
 
 sys.path.insert(0, str(ROOT))
 from benchmarks import models, realistic_inputs  # noqa: E402
@@ -37,7 +37,7 @@ def _model(name, folder):
     try:
         return models.MODELS[name](folder)
     except ModuleNotFoundError as exc:
-        pytest.skip(str(exc))
+        skip_without(exc)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "int8"])

@@ -18,7 +18,7 @@ from accudiff.model.saving import save_model
 from accudiff.runners.onnxrt import OnnxrtRunner
 from accudiff.transforms.candidate import CandidateRecipe, CandidateVariants, transform_model
 from accudiff.transforms.opset import at_forms_opset
-from conftest import ROOT, fixture
+from conftest import ROOT, fixture, skip_without
 
 sys.path.insert(0, str(ROOT))
 from benchmarks import models, realistic_inputs  # noqa: E402
@@ -70,7 +70,7 @@ def test_the_trained_recognizer_on_a_drawn_text_line(precision, tmp_path):
         path = models.ppocr_rec_v4()
         feed = realistic_inputs.FEEDS["ppocr_rec_v4"](0)
     except ModuleNotFoundError as missing:
-        pytest.skip(f"{missing.name} is not installed")
+        skip_without(missing)
     info, notices = at_forms_opset(load_model(path), precision, tmp_path)
     assert bool(notices) == (precision == "bf16")
     path = info.path
@@ -94,7 +94,7 @@ def test_candidates_made_by_onnxruntimes_quantizer(tmp_path):
     try:
         classifier = models.ppocr_cls_v2()
     except ModuleNotFoundError as missing:
-        pytest.skip(f"{missing.name} is not installed")
+        skip_without(missing)
     candidate = models.onnxruntime_qdq(classifier, realistic_inputs.dataset("ppocr_cls_v2", 4, 100), tmp_path / "cls-int8.onnx")
     nodes = [n.name for n in load_model(classifier).proto.graph.node if n.op_type in ("Conv", "BatchNormalization", "HardSigmoid", "Mul", "Add")]
     _assert_switchboard_matches_variants(classifier, realistic_inputs.ppocr_cls(0), [[], nodes[:4], nodes[10:13], nodes[:4] + nodes[-3:]], tmp_path, candidate)
@@ -107,7 +107,7 @@ def test_a_candidate_modelopt_made_of_the_trained_recognizer(tmp_path):
         calibration = np.concatenate([realistic_inputs.ppocr_rec(seed)["x"] for seed in range(100, 108)])
         candidate = models.modelopt_quantized(models.ppocr_rec_v4(), calibration, tmp_path / "rec-fp8.onnx", "fp8")
     except ModuleNotFoundError as missing:
-        pytest.skip(str(missing))
+        skip_without(missing)
     nodes = [n.name for n in load_model(candidate).proto.graph.node if n.op_type in ("Conv", "MatMul", "Mul", "Add")]
     keep_lists = [[], nodes[:3], nodes[40:46], nodes[-4:], nodes[:3] + nodes[-4:]]
     _assert_switchboard_matches_variants(models.ppocr_rec_v4(), realistic_inputs.ppocr_rec(0), keep_lists, tmp_path, candidate)

@@ -23,7 +23,7 @@ import pytest
 import accudiff
 import oracle
 from accudiff.errors import AccudiffError
-from conftest import ROOT
+from conftest import ROOT, skip_without
 
 sys.path.insert(0, str(ROOT))
 from benchmarks import models, realistic_inputs  # noqa: E402
@@ -37,7 +37,7 @@ def _available(make):
     try:
         return make()
     except ModuleNotFoundError as exc:
-        pytest.skip(str(exc))
+        skip_without(exc)
 
 
 @pytest.fixture(scope="module")
