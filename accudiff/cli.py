@@ -129,7 +129,7 @@ def _run_partition(args: argparse.Namespace) -> int:
     out_dir = args.report_dir or default_report_dir(Path(args.model).stem, "partitions")
     parts = partition(args.model, out_dir, args.trt_module)
     _out(f"accudiff partition {Path(args.model).name}: {sum(p.supported for p in parts)} convertible and "
-          f"{sum(not p.supported for p in parts)} non-convertible part(s)")
+         f"{sum(not p.supported for p in parts)} non-convertible part(s)")
     for part in parts:
         status = "convertible" if part.supported else "NOT convertible"
         reason = f" — {part.reason}" if part.reason else ""

@@ -42,11 +42,10 @@ def workspace(report_dir: str | Path | None, progress: Progress | None, referenc
         yield Workspace(folder, scratch, reference_cache, progress)
     except BaseException:
         failed = True
-        folder.discard()
         raise
     finally:
         discard_spares()
-        if failed:  # again once the workers let go of have ended: one still writing (Ctrl-C reaches them too) is done now
+        if failed:  # once the workers let go of have ended: one still writing into it (Ctrl-C reaches them too) is done now
             folder.discard()
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -57,7 +57,7 @@ def error_path(
         if name in where:
             chart.vline(where[name], CAUSE_COLOUR, f"{label}: {short(name)}")
     named = _hovered(measured, failing)
-    chart.hover(position[named], sqnr[named], [_point_title(rows.iloc[i]) for i in np.flatnonzero(named)])
+    chart.hover(position[named], sqnr[named], [_point_title(row) for row in rows[named].to_dict("records")])
     return chart.render()
 
 
@@ -70,7 +70,7 @@ def _hovered(measured: np.ndarray, failing: np.ndarray) -> np.ndarray:
     return spread | failing
 
 
-def _point_title(row: pd.Series) -> str:
+def _point_title(row: dict) -> str:
     isolated = f", isolated {row['isolated_sqnr_db']:.1f} dB" if pd.notna(row.get("isolated_sqnr_db")) else ""
     return f"{row['tensor']} ({row['op_type']}): SQNR {row['sqnr_db']:.1f} dB{isolated}, {row['status']}"
 
