@@ -448,6 +448,45 @@ def _fp16_rounded(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+# --- Keep-one oracle, FP16 candidate made by another tool: one node at a time reads its FP32 weights again ---
+
+
+def fp16_candidate_keep_ranking(model_path: Path, candidate_path: Path, feed, tolerance, output: str) -> tuple[float, list[tuple[float, str]]]:
+    """The output's ratio as the FP16 candidate stands, and (ratio, node) for each of its nodes kept in FP32
+    alone, best first. FP16 storage is emulated (`_fp16_rounded`: every FP16 value rounded where it is
+    written, arithmetic in FP32, as ONNX Runtime's CPU provider computes FP16 nodes); a node kept in FP32
+    reads the FP32 model's weights at the inputs where the FP32 model's node of the same name reads a
+    weight, its other inputs as the candidate writes them, and writes its outputs in the candidate's types
+    (its FP16 readers read them in FP16). A node that reads no weight is then the candidate unchanged: its
+    ratio is the candidate's, without a run."""
+    model, candidate = _loaded(model_path), _fp16_rounded(_loaded(candidate_path))
+    reference = _session(model).run([output], feed)[0]
+    base = _ratio(reference, _session(candidate).run([output], feed)[0], tolerance)
+    weights = {init.name: init for init in model.graph.initializer}
+    weights.update({n.output[0]: a.t for n in model.graph.node if n.op_type == "Constant" for a in n.attribute if a.name == "value"})
+    original = {n.name: n for n in model.graph.node if n.name}
+    ranking = []
+    for node in candidate.graph.node:
+        twin = original.get(node.name)
+        if twin is None or twin.op_type != node.op_type:
+            continue  # a node the converter added (its Casts)
+        positions = [p for p, name in enumerate(twin.input) if name in weights]
+        if not positions:
+            ranking.append((base, node.name))
+            continue
+        variant = onnx.ModelProto()
+        variant.CopyFrom(candidate)
+        kept = next(n for n in variant.graph.node if n.name == node.name)
+        for position in positions:
+            weight = onnx.TensorProto()
+            weight.CopyFrom(weights[twin.input[position]])
+            weight.name = f"{node.name}__fp32_weight_{position}"
+            variant.graph.initializer.append(weight)
+            kept.input[position] = weight.name
+        ranking.append((_ratio(reference, _session(variant).run([output], feed)[0], tolerance), node.name))
+    return base, sorted(ranking)
+
+
 # --- Exclude-one oracle: the candidate made again by the tool that made it, one node excluded at a time ---
 
 

@@ -279,6 +279,40 @@ def test_modelopt_candidates_of_the_trained_recognizer(modelopt_candidates, mode
         assert failure.repair.verified
 
 
+def test_an_fp16_model_onnx_runtimes_converter_made_is_diagnosed_as_the_keep_one_oracle_finds(tmp_path):
+    """The trained text detector converted to FP16 by ONNX Runtime's own converter (onnxruntime.transformers
+    .float16, keep_io_types), fed a drawn page: nothing of the candidate comes from accudiff. Its graph is
+    unsorted (the converter appends its input Casts last; ONNX Runtime sorts it as it loads): it was refused
+    as "fails the ONNX checker: Nodes in a graph must be topologically sorted". The output accudiff fails
+    is the one the oracle fails at the README's tolerance, the named cause is the oracle's best single keep,
+    and the figures accudiff verified (the output before and with the cause kept) are the oracle's."""
+    from onnxruntime.transformers import float16
+
+    try:
+        detector = models.ppocr_det_v4()
+    except ModuleNotFoundError as missing:
+        skip_without(missing)
+    candidate = tmp_path / "det-fp16.onnx"
+    onnx.save(float16.convert_float_to_float16(onnx.load(str(detector)), keep_io_types=True), str(candidate))
+    feed = realistic_inputs.FEEDS["ppocr_det_v4"](0)
+    save_feeds([feed], tmp_path / "page.npz")
+    result = accudiff.compare(detector, candidate_model=candidate, inputs=tmp_path / "page.npz", candidate="onnxrt")
+    tolerance = oracle.documented_tolerance("fp16")
+    as_converted = {}
+    for output in oracle.graph_outputs(detector):
+        as_converted[output] = oracle.fp16_candidate_keep_ranking(detector, candidate, feed, tolerance, output)
+    assert {o for o, (base, _) in as_converted.items() if base > 1} == {f.tensor for f in result.output_failures} != set()
+    for failure in result.output_failures:
+        base, ranking = as_converted[failure.tensor]
+        assert failure.repair.steps[0].tol_ratio == pytest.approx(base, rel=1e-3)
+        if failure.cause.kind == "accumulated":
+            assert ranking[0][0] > 1, ranking[:TOP]
+            continue
+        assert failure.cause.verified and failure.cause.node == ranking[0][1], (failure.cause.node, ranking[:TOP])
+        named = next(c for c in failure.cause.contributors if c.node == failure.cause.node)
+        assert named.keep == [failure.cause.node] and named.tol_ratio_kept == pytest.approx(ranking[0][0], rel=1e-3)
+
+
 def test_a_candidate_compared_in_segments_gives_the_table_of_one_run(tmp_path):
     """Cut into segments by a small memory budget, the candidate's nodes (its Q/DQ pairs among them) run
     with the segment of the model's nodes they answer for, and the table is the one-shot table."""

@@ -110,6 +110,21 @@ def test_a_weight_whose_data_does_not_fill_its_shape_is_one_sentence(tmp_path, c
     assert f"weight '{weight.name}' holds" in err and "values for shape" in err
 
 
+def test_a_large_weight_holding_values_twice_is_one_sentence(tmp_path, capsys):
+    """The checker sees the graph without its large weights' bytes (it used to read a third copy of the
+    file): a weight with values in raw_data and float_data both, which it refused, is still refused."""
+    values = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    weight = onnx.numpy_helper.from_array(values, "w")
+    weight.float_data.extend([0.0])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                                   [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 64])],
+                                   [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 64])], [weight])
+    damaged = tmp_path / "twice.onnx"
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]), str(damaged))
+    code, err = _compare([str(damaged)], capsys)
+    assert code == 2 and err.count("\n") == 0 and "weight 'w' holds values in 2 fields" in err, err
+
+
 @pytest.mark.parametrize("option, value, said", [
     ("--val-range", "1e999,nan", "must have finite bounds"),  # was: internal error, OverflowError from NumPy's uniform
     ("--val-range", "0,1e39", "goes beyond what float32 holds"),  # was: infinite inputs, compared as if meant

@@ -34,7 +34,6 @@ from accudiff.comparison.output_kinds import UNKNOWN
 from accudiff.comparison.tolerances import Tolerance
 from accudiff.model.inputs import Feed
 from accudiff.model.graph import tensor_bytes
-from accudiff.model.inventory import name_unnamed_nodes
 from accudiff.model.loading import load_graph
 from accudiff.model.shapes import infer_shapes_unless_typed
 from accudiff.model.source import IN_MEMORY_WEIGHTS_UP_TO, ModelSource, own_weight_bytes
@@ -156,7 +155,6 @@ class Engine:
         with self.clock("segments"):
             model = load_graph(path)  # weights stay in their files, and a segment refers to them there
             self._weight_bytes = max(self._weight_bytes, sum(tensor_bytes(init) for init in model.graph.initializer))
-            name_unnamed_nodes(model)  # the names the plan uses (the reference file may leave nodes unnamed)
             if count > 1:
                 infer_shapes_unless_typed(model)  # the cut models' inputs and outputs need their types
         nodes = list(model.graph.node)

@@ -139,22 +139,29 @@ def subgraph_outer_references(nodes: Iterable[onnx.NodeProto]) -> set[str]:
 def toposort(graph: onnx.GraphProto) -> None:
     """Order nodes so each follows the producers of everything it reads, subgraph outer reads included.
 
-    Stable: nodes already in order keep it. Tools we call (the INT8 quantizer) may leave a graph unsorted.
+    Stable (each node placed right after whatever of its producers came later in the file): a sorted
+    graph is left as it is. Tools leave graphs unsorted (the INT8 quantizer; ONNX Runtime's float16
+    converter appends its input Casts last), ONNX Runtime sorts them as it loads, ONNX's checker refuses
+    them. A cycle is left for the checker to report.
     """
-    available = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
     nodes = list(graph.node)
-    reads = [set(node.input) | subgraph_outer_references([node]) for node in nodes]
-    pending, order = list(range(len(nodes))), []
-    while pending:
-        ready = [i for i in pending if reads[i] <= available]
-        if not ready:
-            order += pending  # reads of names nothing produces: leave them for the checker to report
-            break
-        for i in ready:
-            available.update(nodes[i].output)
-        order += ready
-        done = set(ready)
-        pending = [i for i in pending if i not in done]
+    producer = {name: i for i, node in enumerate(nodes) for name in node.output if name}
+    needs = [[producer[name] for name in [*node.input, *sorted(subgraph_outer_references([node]))] if name in producer] for node in nodes]
+    state, order = [0] * len(nodes), []  # 0 unseen, 1 on the path being placed, 2 placed
+    for root in range(len(nodes)):
+        if state[root]:
+            continue
+        state[root], path = 1, [(root, iter(needs[root]))]
+        while path:
+            index, pending = path[-1]
+            later = next((j for j in pending if state[j] == 0), None)
+            if later is None:
+                path.pop()
+                state[index] = 2
+                order.append(index)
+            else:
+                state[later] = 1
+                path.append((later, iter(needs[later])))
     if order != list(range(len(nodes))):
         copies = [onnx.NodeProto() for _ in order]
         for copy, i in zip(copies, order):

@@ -16,7 +16,7 @@ from accudiff.errors import AccudiffError, first_line
 from accudiff.model.contrib_ops import CHECKED_AS_DOMAIN, onnxruntime_default_domain_ops
 from accudiff.model.inventory import ModelInfo, describe, name_unnamed_nodes
 from accudiff.model.shapes import SMALL_INITIALIZER_BYTES, clear_unknown_dims, infer_shapes_in_place, shape_inference_copy
-from accudiff.model.graph import UNCHECKED_TYPES, all_initializers, all_nodes, copy_without_initializers, data_files, has_external_data, tensor_bytes
+from accudiff.model.graph import UNCHECKED_TYPES, all_initializers, all_nodes, copy_without_initializers, data_files, has_external_data, tensor_bytes, toposort
 from accudiff.model.weights import data_file, is_external, mark_weights_folder, reference_in_file, refer_in_place, spans_in_file, weight_values
 
 
@@ -42,17 +42,14 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
     external = has_external_data(proto)
     if external:
         _require_data_files(path, data_files(proto))
-    ours = onnxruntime_default_domain_ops(proto.graph.node)
-    if not ours and not external:  # from the bytes read
-        _check(path, data)
-    del data
+    del data  # before the check: the file's bytes, the model and a checker's copy of it were 3x the file at once
+    in_file_order(proto)
     if external:
         try:
             _keep_weights_in_their_files(proto, path.parent)
         except (ValueError, RuntimeError, OSError) as exc:
             raise AccudiffError(f"'{path}' refers to external data that cannot be read: {first_line(exc)}") from exc
-    if ours or external:  # its small weights read in from their data files
-        _check(path, _checked_as_onnxruntime_loads(proto, ours))
+    _check(path, _checked_as_onnxruntime_loads(proto, onnxruntime_default_domain_ops(proto.graph.node)))
     info = _inventory(path, proto)
     info.weights_in_file = spans
     return info
@@ -79,12 +76,12 @@ def _require_data_files(path: Path, names: list[str]) -> None:
 
 
 def _checked_as_onnxruntime_loads(proto: onnx.ModelProto, ours: list[onnx.NodeProto]) -> onnx.ModelProto:
-    """What ONNX's checker reads of a model whose weights are in data files (checked above, by
-    `_require_data_files` and as each weight is referenced), or that holds ONNX Runtime's own ops in the
-    default domain (the GenAI builder's SimplifiedLayerNormalization): ONNX has no schema for those and
-    would refuse a model ONNX Runtime loads and runs, so they are shown to it in a domain of their own
-    (which it skips). The graph is checked without the bytes of its large weights (declared as inputs of
-    their types and shapes: no weight is copied)."""
+    """What ONNX's checker reads of a model: the graph without the bytes of its large weights (declared as
+    inputs of their types and shapes: no weight is copied; `_misshapen_weight` checks their data, and
+    `_require_data_files` and the reading of each weight those in data files). ONNX Runtime's own ops in
+    the default domain (the GenAI builder's SimplifiedLayerNormalization) have no ONNX schema, and the
+    checker would refuse a model ONNX Runtime loads and runs: they are shown to it in a domain of their
+    own (which it skips)."""
     light = shape_inference_copy(proto)
     moved = {tuple(node.output) for node in ours}
     for node in light.graph.node:
@@ -117,10 +114,16 @@ def read_again(info: ModelInfo) -> ModelInfo:
 
 def _inventory(path: Path, proto: onnx.ModelProto) -> ModelInfo:
     """The inventory of a model read and checked: its nodes named, its types and shapes inferred."""
-    name_unnamed_nodes(proto)
     clear_unknown_dims(proto)
     infer_shapes_in_place(proto)
     return describe(path, proto)
+
+
+def in_file_order(proto: onnx.ModelProto) -> None:
+    """Every node named (by its place in the file) and the graph sorted as ONNX Runtime sorts it: the
+    names and order every reading of a model file gives, `load_model`'s and a worker's alike."""
+    name_unnamed_nodes(proto)
+    toposort(proto.graph)
 
 
 def load_graph(path: Path) -> onnx.ModelProto:
@@ -129,6 +132,7 @@ def load_graph(path: Path) -> onnx.ModelProto:
     and the model crosses to ONNX Runtime as a graph."""
     data = Path(path).read_bytes()
     proto = onnx.load_model_from_string(data)
+    in_file_order(proto)
     refer_in_place(proto.graph.initializer, spans_in_file(data), Path(path), SMALL_INITIALIZER_BYTES)
     mark_weights_folder(all_initializers(proto), Path(path).parent)
     return proto
@@ -151,13 +155,20 @@ def _keep_weights_in_their_files(proto: onnx.ModelProto, folder: Path) -> None:
             del tensor.external_data[:]
 
 
+VALUE_FIELDS = ("float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data")  # and raw_data
+
+
 def _misshapen_weight(graph: onnx.GraphProto, spans: dict[str, tuple[int, int]]) -> str | None:
     """The first weight (initializer or Constant) whose data does not hold as many values as its shape
-    says (the checker lets that through; every later read of it fails). Types packed below a byte,
+    says (the checker lets that through; every later read of it fails), or holds them in two fields (the
+    checker sees no large weight's data). Types packed below a byte,
     strings and complex numbers are not checked. `spans`: the raw data's place in the file, by weight
     (its length known, protobuf need not copy the bytes out to tell it)."""
     constants = [a.t for n in all_nodes(graph) if n.op_type == "Constant" for a in n.attribute if a.name == "value"]
     for tensor, span in [*((init, spans.get(init.name)) for init in graph.initializer), *((t, None) for t in constants)]:
+        fields = [name for name in VALUE_FIELDS if len(getattr(tensor, name))] + (["raw_data"] if tensor.HasField("raw_data") else [])
+        if len(fields) > 1:
+            return f"weight '{tensor.name}' holds values in {len(fields)} fields ({', '.join(fields)}); ONNX allows one"
         if tensor.data_type in UNCHECKED_TYPES:
             continue
         expected = math.prod(tensor.dims)
