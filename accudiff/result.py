@@ -79,6 +79,7 @@ class CompareResult:
     inside: dict[str, str] = field(default_factory=dict)
     output_kinds: dict[str, OutputKind] = field(default_factory=dict)  # what each graph output decides, and why (comparison/output_kinds.py)  # ... of those, one computed inside a node its tool fused (compared at its output) -> that node
     quantized_by: dict[str, str] = field(default_factory=dict)  # for such a candidate: a node a tool quantized with ops of its own -> the tool
+    reads_constant_weights: set[str] = field(default_factory=set)  # for such a candidate: nodes reading a float weight a Constant node holds
     repaired_candidate: str | None = None  # the file in the report: that candidate with its verified repairs kept
     # For such a candidate that quantizes and stores in FP16/BF16: per failing output, its tolerance ratio with
     # both, with its Q/DQ pairs undone, with its casts undone (and the top-1 agreement of each), on the trials' samples.

@@ -26,6 +26,7 @@ from conftest import ROOT, fixture, run_printed, skip_without, user_shell_enviro
 sys.path.insert(0, str(ROOT))
 from benchmarks import models, realistic_inputs  # noqa: E402
 from accudiff.model.inputs import save_feeds  # noqa: E402
+from accudiff.report.console import format_summary  # noqa: E402
 
 OUTLIER = fixture("int8_outlier_channel")
 TOP = 3
@@ -369,6 +370,43 @@ def test_a_given_candidates_constants_that_became_inf_or_zero_are_findings(tmp_p
     assert "its constant 'lowest' holds -3.4028e+38 (FP32's lowest" in found["constant_overflow"] and "in BF16 it became -Inf" in found["constant_overflow"]
     fp16 = adopt(describe(tmp_path / "mask-fp16.onnx", onnx.load(str(tmp_path / "mask-fp16.onnx"))), describe(reference, onnx.load(str(reference))))
     assert fp16.constant_findings["add_eps"] == [("constant_underflow", "its constant 'eps' holds 1e-12, below half FP16's smallest subnormal 5.96e-08: in FP16 it became 0")]
+
+
+def test_the_converters_a_repair_names_repair_it_when_run_again(tmp_path):
+    """A weight held in a Constant node (as paddle2onnx writes every weight) whose FP16 rounding breaks the
+    output: x @ W, W's columns 1000.1 and -1000 (FP16 steps by 0.5 there), x whole numbers. accudiff verifies
+    keeping the MatMul. It used to print onnxconverter-common's node_block_list as a way to convert again;
+    that converter rounds a Constant's weight to FP16 all the same (run again so, the output still fails),
+    so it is named as not repairing it; ModelOpt AutoCast's --nodes_to_exclude, printed, repairs it."""
+    from onnxconverter_common.float16 import convert_float_to_float16
+
+    weight = np.array([[1000.1, 3000.1, -500.1, 2000.1], [-1000.0, -3000.0, 500.0, -2000.0]], np.float32)
+    nodes = [helper.make_node("Constant", [], ["w"], name="weights", value=numpy_helper.from_array(weight)),
+             helper.make_node("MatMul", ["x", "w"], ["y"], name="project")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 4])])
+    model = tmp_path / "model.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(model))
+    feed = {"x": np.array([[1, 1], [2, 2], [3, 3]], np.float32)}
+    save_feeds([feed], tmp_path / "x.npz")
+    onnx.save(convert_float_to_float16(onnx.load(str(model)), keep_io_types=True), str(tmp_path / "fp16.onnx"))
+    result = accudiff.compare(model, candidate_model=tmp_path / "fp16.onnx", inputs=tmp_path / "x.npz", candidate="onnxrt")
+    (failure,) = result.output_failures
+    assert failure.cause.node == "project" and failure.repair.verified and failure.repair.keep == ["project"]
+    text = format_summary(result, width=10_000)
+    assert "not onnxconverter-common's node_block_list: it rounds the weights Constant nodes hold for 'project'" in text, text
+    assert "ModelOpt AutoCast --nodes_to_exclude project" in text, text
+    tolerance = oracle.documented_tolerance("fp16")
+    blocked = tmp_path / "blocked.onnx"
+    onnx.save(convert_float_to_float16(onnx.load(str(model)), keep_io_types=True, node_block_list=["project"]), str(blocked))
+    reference = oracle._session(onnx.load(str(model))).run(["y"], feed)[0]
+    assert oracle._ratio(reference, oracle._session(onnx.load(str(blocked))).run(["y"], feed)[0], tolerance) > 1  # so not printed as a repair
+    pytest.importorskip("modelopt", reason="needs modelopt (ModelOpt's AutoCast; .ci/run installs it)")
+    converted = tmp_path / "autocast.onnx"
+    done = subprocess.run([sys.executable, "-m", "modelopt.onnx.autocast", "--onnx_path", str(model), "--output_path", str(converted),
+                           "--keep_io_types", "--log_level", "ERROR", "--nodes_to_exclude", "project"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert oracle._ratio(reference, oracle._session(onnx.load(str(converted))).run(["y"], feed)[0], tolerance) <= 1
 
 
 def test_a_candidate_onnx_runtime_refuses_to_load_is_refused_in_one_sentence(run_cli, tmp_path):

@@ -125,7 +125,7 @@ def _precision_text(result, folder: Path, settings: RunSettings) -> str:
                      f"{', '.join(result.keep[:8])}{' ...' if len(result.keep) > 8 else ''}")
         lines.append(f"  keep-list: {folder / KEEP_LIST_FILE} (one --keep-fp32 pattern per line); repaired model: {folder / result.repaired_model}")
         if settings.candidate_model is not None:
-            lines += [f"  {line}" for line in remake_lines(result.keep, settings.precision, result.quantized_by)]
+            lines += [f"  {line}" for line in remake_lines(result.keep, settings.precision, result.quantized_by, result.reads_constant_weights)]
         if len(result.keep) > max(MOST * result.converted, SMALL_REPAIR):
             lines.append(f"  that is most of the model: no small repair exists, and the question is the {_target(settings)} asked of it:")
             lines += [f"  {line}" for line in _where_it_stands(result, settings)]

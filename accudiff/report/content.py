@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import re
 import shlex
+from collections.abc import Collection
 from dataclasses import asdict
 from pathlib import Path
 
@@ -335,14 +336,16 @@ def repair_lines(failure, result, python: bool = False) -> list[str]:
         lines += ["    apply it:", f"      {keep_option(result, repair.keep, python)}"]
         if result.candidate_model is not None:
             repaired = result.report_dir / result.repaired_candidate if result.repaired_candidate and result.report_dir is not None else None
-            lines += [f"    {line}" for line in remake_lines(repair.keep, result.precision, result.quantized_by, repaired)]
+            lines += [f"    {line}" for line in remake_lines(repair.keep, result.precision, result.quantized_by, result.reads_constant_weights, repaired)]
     return lines
 
 
-def remake_lines(nodes: list[str], precision: str, quantized_by: dict[str, str], repaired: Path | None = None) -> list[str]:
+def remake_lines(nodes: list[str], precision: str, quantized_by: dict[str, str], reads_constant_weights: Collection[str],
+                 repaired: Path | None = None) -> list[str]:
     """For a candidate made by another tool (of `precision`): the options that make it again without `nodes`
     quantized or converted, in the tools' own terms (the tool that wrote a quantized op, `quantized_by`,
-    else the Q/DQ quantizers'), and where the repaired candidate is."""
+    else the Q/DQ quantizers'; not onnxconverter-common's where a node reads a weight a Constant holds,
+    `reads_constant_weights`: it would round that weight all the same), and where the repaired candidate is."""
     formats = set(precision.split("+"))
     by_tool: dict[str, list[str]] = {}
     for node in nodes:
@@ -361,8 +364,11 @@ def remake_lines(nodes: list[str], precision: str, quantized_by: dict[str, str],
     elif formats & {"fp16", "bf16"}:
         regexes = " ".join(shlex.quote(re.escape(n)) for n in nodes)
         names = ", ".join(repr(n) for n in nodes)
-        lines.append(f"or convert again keeping them in FP32: ModelOpt AutoCast --nodes_to_exclude {regexes}; "
-                     f"onnxconverter-common convert_float_to_float16(..., node_block_list=[{names}])")
+        held = [n for n in nodes if n in reads_constant_weights]
+        lines.append(f"or convert again keeping them in FP32: ModelOpt AutoCast --nodes_to_exclude {regexes}"
+                     + (f"; onnxconverter-common convert_float_to_float16(..., node_block_list=[{names}])" if not held else
+                        f" (not onnxconverter-common's node_block_list: it rounds the weights Constant nodes hold for {', '.join(map(repr, held[:3]))}"
+                        f"{' ...' if len(held) > 3 else ''} to FP16 all the same)"))
     if repaired is not None:
         lines.append(f"the candidate with them kept: {repaired}")
     return lines

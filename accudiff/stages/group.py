@@ -294,6 +294,7 @@ def combine(model: Path, runs: Sequence[GroupRun]) -> tuple[ModelInfo, Transform
         inside={name: node for t in transforms for name, node in t.inside.items()},
         weight_findings={node: text for t in transforms for node, text in t.weight_findings.items()},
         quantized_by={node: tool for t in transforms for node, tool in t.quantized_by.items()},
+        reads_constant_weights=set().union(*(t.reads_constant_weights for t in transforms)),
     )
     return info, transformed, outcome
 

@@ -111,6 +111,7 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings
         unmatched=dict(transformed.unmatched),
         inside=dict(transformed.inside),
         quantized_by=dict(transformed.quantized_by),
+        reads_constant_weights=set(transformed.reads_constant_weights),
     )
     if len(result.outputs) and not result.outputs["elements"].any():
         raise AccudiffError(f"every graph output of '{info.path.name}' is empty on these inputs: the comparison would cover no element")

@@ -42,6 +42,7 @@ class TransformResult:
     inside: dict[str, str] = field(default_factory=dict)  # ... of those, one computed inside a node the user's tool fused -> that node, in words
     weight_findings: dict[str, tuple[str, str]] = field(default_factory=dict)  # node -> (kind, what its weight's quantization scale zeroes)
     quantized_by: dict[str, str] = field(default_factory=dict)  # a node another tool quantized with ops of its own -> that tool (quantized_ops.py)
+    reads_constant_weights: set[str] = field(default_factory=set)  # nodes reading a float weight a Constant node holds (a converter's block list rounds it all the same)
     given: onnx.ModelProto | None = None  # a candidate made by another tool as the user gave it, its weights referenced in its file
 
 

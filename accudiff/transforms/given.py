@@ -72,7 +72,18 @@ def adopt(candidate: ModelInfo, reference: ModelInfo, keep_fp32: Iterable[str] =
         weight_findings={**per_tensor_weights(model.graph, reference.proto.graph), **quantized_weight_findings(ops, model.graph, reference.proto.graph)},
         constant_findings=half_constant_findings(model.graph, reference.proto.graph),
         quantized_by={name: GENAI_BUILDER if built_by_genai else op.tool for op in ops for name in op.names},
+        reads_constant_weights=constant_weight_readers(reference.proto.graph),
     )
+
+
+def constant_weight_readers(graph: onnx.GraphProto) -> set[str]:
+    """The nodes that read a floating-point weight a Constant node holds (exporters such as paddle2onnx
+    write every weight so): onnxconverter-common's node_block_list keeps a blocked node's initializers in
+    FP32 but converts such a Constant to FP16 and casts it back, so blocking the node alone repairs
+    nothing its weight's rounding causes."""
+    held = {node.output[0] for node in graph.node if node.op_type == "Constant" and node.output
+            and any(a.name == "value" and a.t.data_type in FLOAT_TYPES for a in node.attribute)}
+    return {node.name for node in graph.node if held.intersection(node.input)}
 
 
 def keepable_nodes(graph: onnx.GraphProto, reference: onnx.GraphProto) -> list[onnx.NodeProto]:
