@@ -169,7 +169,12 @@ def _session(model: onnx.ModelProto) -> ort.InferenceSession:
 
 
 def _allows(node: onnx.NodeProto, position: int, opset: int, side: str, half_type: str = "tensor(float16)") -> bool:
-    schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+    """Whether `node`'s schema lets the value at `position` (of its inputs or outputs) take `half_type`; an op
+    ONNX has no schema for never does."""
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+    except onnx.defs.SchemaError:
+        return False
     formals = getattr(schema, side)
     type_str = formals[min(position, len(formals) - 1)].type_str
     allowed = next((c.allowed_type_strs for c in schema.type_constraints if c.type_param_str == type_str), [])
@@ -249,6 +254,48 @@ def output_ratios(model: Path | onnx.ModelProto, values: dict[str, np.ndarray], 
     names = list(outputs)
     produced = dict(zip(names, _session(model).run(names, feed)))
     return {name: _ratio(values[name], produced[name], tolerance) for name in names}
+
+
+def converted_nodes(model: Path | onnx.ModelProto, values: dict[str, np.ndarray], half: str = "fp16", keep_fp32: tuple[str, ...] = (),
+                    autokeep: bool = True) -> set[str]:
+    """The nodes `--fp16`/`--bf16` converts, as docs/compare.md states the rule (read there, not from
+    accudiff): every node (not a Constant, not an If/Loop/Scan: their bodies are) that reads an FP32 value
+    at an input its op's schema lets take the format, but those `keep_fp32` names, and with autokeep those that read a constant the format holds as ±Inf, then,
+    round after round, the readers of a kept node's output whose values (`values`: the FP32 model's on the
+    samples) the format holds as ±Inf."""
+    model = _loaded(model)
+    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    _, type_str = HALF[half]
+    nodes = {(n.name or f"{n.op_type}_{i}"): n for i, n in enumerate(model.graph.node)}
+    floats = {name for name, value in values.items() if value.dtype == np.float32}
+    has_form = {name for name, node in nodes.items() if node.op_type != "Constant" and not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+                and any(i in floats and _allows(node, p, opset, "inputs", type_str) for p, i in enumerate(node.input))}
+    reduced = has_form - set(keep_fp32)
+    if not autokeep:
+        return reduced
+    constants = {init.name for init in model.graph.initializer} | {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
+    beyond = {name for name, value in values.items() if np.issubdtype(value.dtype, np.floating) and _beyond(value, half)}
+    kept = {name for name in reduced if any(i in constants and i in beyond for i in nodes[name].input)}
+    while True:
+        readers = {name for name in reduced - kept
+                   if any(i in beyond and i not in constants and any(i in nodes[k].output for k in kept) for i in nodes[name].input)}
+        if not readers:
+            return reduced - kept
+        kept |= readers
+
+
+def _beyond(value: np.ndarray, half: str) -> bool:
+    """Whether a finite value of `value` becomes ±Inf in `half` (FP16: numpy's rounding; BF16: the upper 16
+    bits of FP32, rounded to nearest even)."""
+    finite = value[np.isfinite(value)].astype(np.float32)
+    if not finite.size:
+        return False
+    if half == "fp16":
+        with np.errstate(over="ignore"):
+            return bool(np.isinf(finite.astype(np.float16)).any())
+    bits = finite.view(np.uint32).astype(np.uint64)
+    rounded = (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+    return bool(np.isinf(rounded).any())
 
 
 def closed_keep(model: Path | onnx.ModelProto, values: dict[str, np.ndarray], reduced: set[str], keep: set[str], half: str = "fp16") -> set[str]:
@@ -335,6 +382,48 @@ def _ratio(ref: np.ndarray, cand: np.ndarray, tolerance: tuple[float, float, flo
 
 
 # --- Keep-one-node oracle, INT8: the candidate's Q/DQ model with one quantized node reading FP32 again ---
+
+
+def int8_candidate(model_path: Path, calibration: list[dict[str, np.ndarray]], target: Path) -> Path:
+    """The INT8 candidate `--int8` builds, as docs/compare.md states it, made here with ONNX Runtime's
+    quantize_static (not by accudiff): Q/DQ, symmetric INT8 activations and weights, per-channel weights,
+    the inputs of Conv/ConvTranspose/MatMul/Gemm quantized and not their outputs, no other op reading the
+    quantized copy, biases left in FP32, calibrated (min/max) on `calibration`; a model below opset 13
+    (per-channel Q/DQ) upgraded to it."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    class Feeds(CalibrationDataReader):
+        def __init__(self):
+            self.feeds = iter(calibration)
+
+        def get_next(self):
+            return next(self.feeds, None)
+
+    model = _loaded(model_path)
+    if next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) < 13:
+        model = onnx.version_converter.convert_version(model, 13)
+    source = target.with_suffix(".fp32.onnx")
+    onnx.save(model, str(source))
+    ops = ["Conv", "ConvTranspose", "MatMul", "Gemm"]
+    quantize_static(str(source), str(target), Feeds(), quant_format=QuantFormat.QDQ, op_types_to_quantize=ops, per_channel=True,
+                    activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+                    extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False, "OpTypesToExcludeOutputQuantization": ops})
+    quantized = onnx.load(str(target))
+    graph = quantized.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    float_of = {n.output[0]: producer[n.input[0]].input[0] for n in graph.node
+                if n.op_type == "DequantizeLinear" and n.input[0] in producer and producer[n.input[0]].op_type == "QuantizeLinear"}
+    for node in graph.node:  # the quantizer shares one pair among a tensor's readers: only the quantized ops read it
+        if node.op_type not in (*ops, "QuantizeLinear", "DequantizeLinear"):
+            node.input[:] = [float_of.get(name, name) for name in node.input]
+    for output in graph.output:  # a graph output is the node's own result, not its quantized copy
+        if output.name in float_of:
+            renamed = {output.name: output.name + "__quantized_copy", float_of[output.name]: output.name}
+            for node in graph.node:
+                node.input[:] = [renamed.get(name, name) for name in node.input]
+                node.output[:] = [renamed.get(name, name) for name in node.output]
+    onnx.save(quantized, str(target))
+    return target
 
 
 def int8_single_keep_ranking(model_path: Path, candidate_path: Path, values, feed, tolerance, output: str) -> list[tuple[float, str]]:

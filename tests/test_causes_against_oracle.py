@@ -23,6 +23,7 @@ import re
 import sys
 
 import numpy as np
+import onnx
 import pytest
 
 import accudiff
@@ -66,31 +67,40 @@ def _ids(value):
     return ",".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else str(value)
 
 
-def _hold_to_the_keep_one_oracle(path, feed, result, candidate=None, tolerance=None):
-    """FP16: the oracle's own Cast pairs; INT8 (`candidate`: the Q/DQ model compare built): one quantized
-    node at a time reading its FP32 inputs again. The tolerance is the README's (or the one the test gave),
-    and the oracle finds the failing outputs itself: every graph output it fails must be one accudiff fails,
-    and the other way round."""
-    tolerance = tolerance or oracle.documented_tolerance(result.precision)
+def _hold_to_the_keep_one_oracle(path, feed, result, precision, options=None, candidate=None, tolerance=None):
+    """The oracle judges first, from nothing of accudiff's: FP16/BF16, the nodes the documented rule
+    converts (`oracle.converted_nodes`, given the test's own options) through its own Cast pairs; INT8
+    (`candidate`: its own Q/DQ model, `oracle.int8_candidate`), one quantized node at a time reading its
+    FP32 inputs again. The tolerance is the README's (or the one the test gave), the failing outputs and
+    each one's ranking of single keeps the oracle's own. Only then is accudiff's result read: the same
+    outputs fail, causes and repairs agree (`_agree`), and FP16/BF16 converted the rule's nodes."""
+    options = options or {}
+    tolerance = tolerance or oracle.documented_tolerance(precision)
     values = oracle.reference_values(path, feed)
-    reduced = set(result.converted)
-    half = result.precision
+    outputs = oracle.graph_outputs(path)
     if candidate is None:
-        as_converted = oracle.output_ratios(path, values, feed, reduced, set(), tolerance, oracle.graph_outputs(path), half)
+        reduced = oracle.converted_nodes(path, values, precision, tuple(options.get("keep_fp32", ())), options.get("autokeep", True))
+        as_converted = oracle.output_ratios(path, values, feed, reduced, set(), tolerance, outputs, precision)
+        rankings = {o: oracle.single_keep_ranking(path, values, feed, reduced, tolerance, o, precision) for o, r in as_converted.items() if r > 1}
+
+        def repaired(output, keep):
+            closed = oracle.closed_keep(path, values, reduced, keep, precision)
+            return oracle.output_ratios(path, values, feed, reduced, closed, tolerance, [output], precision)[output]
     else:
-        as_converted = {o: oracle.int8_output_ratio(path, candidate, values, feed, tolerance, o, set()) for o in oracle.graph_outputs(path)}
-    failing = {o for o, ratio in as_converted.items() if ratio > 1}
-    assert failing and failing == {f.tensor for f in result.output_failures}, as_converted
+        as_converted = {o: oracle.int8_output_ratio(path, candidate, values, feed, tolerance, o, set()) for o in outputs}
+        rankings = {o: oracle.int8_single_keep_ranking(path, candidate, values, feed, tolerance, o) for o, r in as_converted.items() if r > 1}
+
+        def repaired(output, keep):
+            return oracle.int8_output_ratio(path, candidate, values, feed, tolerance, output, keep)
+    assert rankings and set(rankings) == {f.tensor for f in result.output_failures}, as_converted
+    if result.iterations == 1:  # the same figure for every output, failing or not: the candidates are the same
+        measured = result.outputs.set_index("tensor")["tol_ratio"]
+        assert {o: measured[o] for o in outputs} == pytest.approx(as_converted, rel=1e-3), (dict(measured), as_converted)
     for failure in result.output_failures:
         assert failure.cause.verified
-        if candidate is None:
-            ranking = oracle.single_keep_ranking(path, values, feed, reduced, tolerance, failure.tensor, half)
-            repaired = lambda keep: oracle.output_ratios(  # noqa: E731
-                path, values, feed, reduced, oracle.closed_keep(path, values, reduced, keep, half), tolerance, [failure.tensor], half)[failure.tensor]
-        else:
-            ranking = oracle.int8_single_keep_ranking(path, candidate, values, feed, tolerance, failure.tensor)
-            repaired = lambda keep: oracle.int8_output_ratio(path, candidate, values, feed, tolerance, failure.tensor, keep)  # noqa: E731
-        _agree(failure, ranking, repaired)
+        _agree(failure, rankings[failure.tensor], lambda keep: repaired(failure.tensor, keep))
+    if candidate is None:
+        assert reduced == set(result.converted), (sorted(reduced - set(result.converted)), sorted(set(result.converted) - reduced))
 
 
 def _agree(failure, ranking, repaired):
@@ -138,7 +148,7 @@ def _saved_feed(report_dir):
 def test_fp16_fixture_causes_agree_with_the_keep_one_oracle(name, options, tmp_path):
     result = accudiff.compare(fixture(name), "fp16", candidate="onnxrt", report_dir=tmp_path / "r", **options)
     assert result.output_failures
-    _hold_to_the_keep_one_oracle(fixture(name), _saved_feed(result.report_dir), result)
+    _hold_to_the_keep_one_oracle(fixture(name), _saved_feed(result.report_dir), result, "fp16", options)
     if name in EXPECTED:
         kind, node, co_causes = EXPECTED[name]
         [failure] = result.output_failures
@@ -161,7 +171,7 @@ def test_a_variance_that_cancels_in_bf16_and_not_in_fp16(tmp_path):
     assert any(f.kind == "cancellation" and "BF16's rounding" in f.message for f in failure.cause.findings)
     with np.load(tmp_path / "r" / "inputs.npz") as saved:
         feed = {"x": saved["0/x"]}
-    _hold_to_the_keep_one_oracle(path, feed, result, tolerance=tuple(BF16_TOLERANCE.values()))
+    _hold_to_the_keep_one_oracle(path, feed, result, "bf16", tolerance=tuple(BF16_TOLERANCE.values()))
 
 
 def test_trained_classifier_in_bf16_fed_real_file_bytes(tmp_path):
@@ -177,13 +187,14 @@ def test_trained_classifier_in_bf16_fed_real_file_bytes(tmp_path):
     result = accudiff.compare(path, "bf16", candidate="onnxrt", inputs=[feeds[worst]], **BF16_TOLERANCE)
     [failure] = result.output_failures
     assert failure.cause.kind in ("dominant", "local") and failure.cause.node.endswith("LayerNorm_0/Sub")
-    _hold_to_the_keep_one_oracle(path, feeds[worst], result, tolerance=tuple(BF16_TOLERANCE.values()))
+    _hold_to_the_keep_one_oracle(path, feeds[worst], result, "bf16", tolerance=tuple(BF16_TOLERANCE.values()))
     # The repair is minimal: the square of the mean and the subtraction (it kept the 7 nodes of the
     # cancellation's unit; bisect precision 6, its value-moving readers too). Dropping either breaks it,
     # as the oracle's own BF16 Cast pairs say.
     minimal = ["LayerNorm_0/Square_1", "LayerNorm_0/Sub"]
     assert [n.rsplit("/", 2)[-2] + "/" + n.rsplit("/", 1)[-1] for n in failure.repair.keep] == minimal and failure.repair.pruning_runs >= 5
-    values, reduced, tolerance = oracle.reference_values(path, feeds[worst]), set(result.converted), tuple(BF16_TOLERANCE.values())
+    values, tolerance = oracle.reference_values(path, feeds[worst]), tuple(BF16_TOLERANCE.values())
+    reduced = oracle.converted_nodes(path, values, "bf16")
     for kept in ([], failure.repair.keep[:1], failure.repair.keep[1:]):
         assert oracle.output_ratios(path, values, feeds[worst], reduced, set(kept), tolerance, [failure.tensor], "bf16")[failure.tensor] > 1, kept
     save_feeds([feeds[worst]], tmp_path / "worst.npz")
@@ -215,7 +226,7 @@ def test_trained_classifier_fed_real_file_bytes(tmp_path):
     [failure] = result.output_failures
     assert failure.cause.kind == "local" and failure.cause.op_type == "ReduceSum" and failure.repair.verified
     assert len(failure.repair.keep) <= 2  # one node plus what its boundary needs
-    _hold_to_the_keep_one_oracle(path, feeds[0], result)
+    _hold_to_the_keep_one_oracle(path, feeds[0], result, "fp16")
     assert accudiff.compare(path, "fp16", candidate="onnxrt", inputs=feeds, keep_fp32=[re.escape(n) for n in failure.repair.keep]).passed
 
 
@@ -230,16 +241,27 @@ def test_trained_recognizer_fed_a_drawn_text_line(tmp_path):
     result = accudiff.compare(path, "fp16", candidate="onnxrt", inputs=[feed])
     [failure] = result.output_failures
     assert failure.cause.kind == "accumulated" and not failure.repair.verified
-    _hold_to_the_keep_one_oracle(path, feed, result)
+    _hold_to_the_keep_one_oracle(path, feed, result, "fp16")
 
 
 @pytest.mark.parametrize("name", INT8_CASES)
 def test_int8_causes_agree_with_the_keep_one_oracle(name, tmp_path):
+    """The oracle quantizes the model itself (ONNX Runtime's quantize_static, as docs/compare.md says --int8
+    does), calibrated on the same samples accudiff is given, and judges that candidate."""
     path, feeds, calibration = _case(name, "int8", tmp_path)
-    result = accudiff.compare(path, "int8", candidate="onnxrt", inputs=feeds, calib_data=calibration, report_dir=tmp_path / "r")
-    assert result.output_failures
-    [candidate] = result.candidate_models
-    _hold_to_the_keep_one_oracle(path, _saved_feed(result.report_dir), result, candidate=result.report_dir / candidate)
+    if calibration is None:  # a fixture: seeded uniform samples of its input, given to both
+        (graph_input,) = onnx.load(str(path)).graph.input
+        shape = [d.dim_value for d in graph_input.type.tensor_type.shape.dim]
+        rng = np.random.default_rng(5)
+        feeds = [{graph_input.name: rng.uniform(0, 1, shape).astype(np.float32)}]
+        calibration = tmp_path / "calibration.npz"
+        np.savez(calibration, **{f"{i}/{graph_input.name}": rng.uniform(0, 1, shape).astype(np.float32) for i in range(4)})
+    with np.load(calibration) as saved:
+        samples = sorted({key.split("/")[0] for key in saved.files}, key=int)
+        calibration_feeds = [{key.split("/", 1)[1]: saved[key] for key in saved.files if key.split("/")[0] == i} for i in samples]
+    candidate = oracle.int8_candidate(path, calibration_feeds, tmp_path / "oracle-int8.onnx")
+    result = accudiff.compare(path, "int8", candidate="onnxrt", inputs=feeds, calib_data=calibration)
+    _hold_to_the_keep_one_oracle(path, feeds[0], result, "int8", candidate=candidate)
 
 
 @pytest.mark.parametrize("name, precision, options", OTHER_CASES, ids=_ids)
