@@ -280,6 +280,38 @@ def test_modelopt_candidates_of_the_trained_recognizer(modelopt_candidates, mode
         assert failure.repair.verified
 
 
+def test_modelopt_int4_of_the_trained_sentence_encoder_agrees_with_the_keep_one_oracle(tmp_path):
+    """ModelOpt's INT4 (AWQ, blocked INT4 weights in DequantizeLinear; calibrated on sentences other than the
+    compared ones) of paraphrase-MiniLM, held to a tolerance it misses: the oracle leaves each of the 18
+    quantized MatMuls unquantized alone, reading the FP32 model's weight. accudiff says 'accumulated' for
+    an output exactly where no single keep repairs it; it searched every one of the 18; and each keep it
+    measured alone is the oracle's figure (within 5%: the oracle runs without ONNX Runtime's graph
+    optimizations, which fuse DequantizeLinear and MatMul)."""
+    try:
+        encoder = models.minilm_l3()
+        candidate = models.modelopt_quantized(encoder, realistic_inputs.sentences(100), tmp_path / "int4.onnx", "int4")
+    except ModuleNotFoundError as missing:
+        skip_without(missing)
+    feed = realistic_inputs.sentences(0)
+    save_feeds([feed], tmp_path / "sentences.npz")
+    tolerance = (0.02, 0.1, 0.02)
+    result = accudiff.compare(encoder, candidate_model=candidate, inputs=tmp_path / "sentences.npz", candidate="onnxrt",
+                              atol=tolerance[0], rtol=tolerance[1], stol=tolerance[2])
+    assert result.precision == "int4-weight" and result.output_failures
+    for failure in result.output_failures:
+        ranking = oracle.candidate_single_keep_ranking(encoder, candidate, feed, tolerance, failure.tensor)
+        assert len(ranking) == 18 and failure.cause.searched is not None
+        oracle_ratio = {node: ratio for ratio, node in ranking}
+        if failure.cause.kind == "accumulated":
+            assert ranking[0][0] > 1, ranking[:TOP]
+            assert "of the 18 quantized nodes upstream" in format_summary(result, width=10_000)
+        else:
+            assert failure.cause.node in [node for _, node in ranking[:TOP]], (failure.cause.node, ranking[:TOP])
+        for contributor in failure.cause.contributors:
+            if contributor.keep == [contributor.node]:
+                assert contributor.tol_ratio_kept == pytest.approx(oracle_ratio[contributor.node], rel=0.05), contributor.node
+
+
 def test_an_fp16_model_onnx_runtimes_converter_made_is_diagnosed_as_the_keep_one_oracle_finds(tmp_path):
     """The trained text detector converted to FP16 by ONNX Runtime's own converter (onnxruntime.transformers
     .float16, keep_io_types), fed a drawn page: nothing of the candidate comes from accudiff. Its graph is
