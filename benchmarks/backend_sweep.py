@@ -7,7 +7,7 @@ wheel ships, tabulated by outcome.
 Models: `onnx/backend/test/data/<suite>/` of the installed onnx (with their input protobufs; the `light`
 models get seeded inputs), the node tests generated from `onnx.backend.test.case.node` (`node`), and the
 models in the onnxruntime wheel's `datasets` folder (`onnxruntime-datasets`, seeded inputs).
-Each case runs in its own process (a hang is a timeout, a crash is a crash), which first runs the original
+Each case runs in its own process (a hang is more CPU time than --timeout, or ten times that in wall time; a crash is a crash), which first runs the original
 model in ONNX Runtime twice (does it load, run, and run deterministically?), then `accudiff compare`
 (candidate onnxrt) for each precision, in-process through the command line's `main`.
 
@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -213,21 +216,29 @@ def _child(case_json: str) -> None:
         print("\n@@RESULT@@" + json.dumps(run_case(case, Path(workdir)), default=str), flush=True)
 
 
-def sweep(cases: list[dict], jobs: int, timeout: float, accudiff_path: str | None) -> list[dict]:
-    """Every case in its own process, `jobs` at a time."""
+def sweep(cases: list[dict], jobs: int, timeout: float, accudiff_path: str | None, wall_per_cpu_second: float = 10) -> list[dict]:
+    """Every case in its own process, `jobs` at a time. A hang is the case's process using more than
+    `timeout` seconds of CPU, which the machine's load does not change (the kernel stops it: RLIMIT_CPU;
+    a worker it starts has the same limit, and its end is then the case's crash), or a case not done after
+    `wall_per_cpu_second` times that in wall time (a process waiting on nothing)."""
     env = dict(os.environ)
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join(p for p in [accudiff_path or "", str(root), env.get("PYTHONPATH", "")] if p)
+
+    def limit_cpu() -> None:
+        resource.setrlimit(resource.RLIMIT_CPU, (math.ceil(timeout), math.ceil(timeout) + 5))
 
     def one(case: dict) -> dict:
         start = time.perf_counter()
         try:
             done = subprocess.run(
                 [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(case)],
-                capture_output=True, text=True, timeout=timeout, env=env,
+                capture_output=True, text=True, timeout=timeout * wall_per_cpu_second, env=env, preexec_fn=limit_cpu,
             )
         except subprocess.TimeoutExpired:
-            return {**case, "ort": "?", "runs": {}, "failure": "hang", "seconds": timeout}
+            return {**case, "ort": "?", "runs": {}, "failure": "hang", "seconds": time.perf_counter() - start}
+        if done.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+            return {**case, "ort": "?", "runs": {}, "failure": "hang", "seconds": time.perf_counter() - start}
         marker = done.stdout.rfind("@@RESULT@@")
         if marker < 0:
             return {**case, "ort": "?", "runs": {}, "failure": "crash", "seconds": time.perf_counter() - start, "stderr": done.stderr[-1500:]}
@@ -255,7 +266,7 @@ def main() -> None:
     parser.add_argument("--suites", nargs="+", default=list(SUITES), choices=SUITES)
     parser.add_argument("--limit", type=int, help="at most this many models per suite")
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per model (all three precisions)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="CPU seconds per model (all three precisions), whatever the machine's load; ten times that in wall time")
     parser.add_argument("--before", help="path of an older accudiff checkout, run on the same cases first")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     parser.add_argument("--child", help=argparse.SUPPRESS)

@@ -47,7 +47,27 @@ def test_empty_inputs_are_judged_by_what_the_comparison_covers(records, name, ou
 def records(tmp_path_factory):
     cases = backend_sweep.collect(backend_sweep.SUITES, None, tmp_path_factory.mktemp("sweep"), SAMPLE)
     assert {case["name"] for case in cases} == SAMPLE
-    return backend_sweep.sweep(cases, jobs=2, timeout=240, accudiff_path=None)
+    return backend_sweep.sweep(cases, jobs=2, timeout=240, accudiff_path=None)  # CPU seconds a case: the machine's load does not count
+
+
+def test_a_case_is_stopped_by_the_cpu_it_uses_not_by_the_wall_clock(tmp_path):
+    """A case spinning forever is a hang after `timeout` seconds of its own CPU (the kernel's limit), so a
+    loaded machine, where a case gets less of a core, makes no case a hang."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    body = helper.make_graph([helper.make_node("Add", ["carried", "one"], ["next"]), helper.make_node("Identity", ["cond_in"], ["cond_out"])], "body",
+                             [helper.make_tensor_value_info("i", TensorProto.INT64, []), helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+                              helper.make_tensor_value_info("carried", TensorProto.FLOAT, [1])],
+                             [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), helper.make_tensor_value_info("next", TensorProto.FLOAT, [1])],
+                             [helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])])
+    graph = helper.make_graph([helper.make_node("Loop", ["trips", "", "x"], ["y"], body=body)], "spin",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor("trips", TensorProto.INT64, [], [10**15])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "spin.onnx"))
+    case = {"name": "spin", "model": str(tmp_path / "spin.onnx"), "inputs": None}
+    [record] = backend_sweep.sweep([case], jobs=1, timeout=2, accudiff_path=None, wall_per_cpu_second=10**4)  # only the CPU limit can stop it
+    assert record["failure"] == "hang"
 
 
 @pytest.mark.parametrize("precision", backend_sweep.PRECISIONS)
