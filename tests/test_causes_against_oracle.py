@@ -63,6 +63,19 @@ INT8_CASES = ["int8_outlier_channel", "nudenet_320n", "ppocr_rec_v4"]  # held to
 TOP = 3
 
 
+def test_the_thresholds_the_oracle_shares_with_accudiff_are_the_documented_ones():
+    """The keep-one oracle closes a keep over precision boundaries with the thresholds docs/causes.md states
+    (65504; in FP16, >=1% of its values nonzero but below 6.1e-5): written once there, held equal here to the
+    constants accudiff uses, so neither can drift alone."""
+    from accudiff.comparison.metrics import FP16_SMALLEST_NORMAL
+    from accudiff.model.formats import FP16_MAX
+    from accudiff.verification.trial import UNDERFLOW_SHARE
+
+    causes = (ROOT / "docs" / "causes.md").read_text()
+    assert "≥1% of its values nonzero but below 6.1e-5" in causes and "65504 in FP16" in causes
+    assert (oracle.FP16_LARGEST, oracle.FP16_TINY, oracle.UNDERFLOW_SHARE) == (FP16_MAX, pytest.approx(FP16_SMALLEST_NORMAL, rel=0.01), UNDERFLOW_SHARE) == (65504, pytest.approx(6.1e-5, rel=0.01), 0.01)
+
+
 def _ids(value):
     return ",".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else str(value)
 
