@@ -119,13 +119,13 @@ def test_a_relu_the_quantizer_folded_is_not_compared_with_another_value(run_cli,
     quantized = models.ppocr_cls_v2_qdq_int8(tmp_path)
     save_feeds(realistic_inputs.dataset("ppocr_cls_v2", 4), tmp_path / "lines.npz")
     code, out, err = run_cli("compare", models.ppocr_cls_v2(), "--candidate-model", quantized, "--load-inputs", "lines.npz", "-o", "explicit")
-    assert code in (0, 1), err
+    assert code == 1, err  # int8 per tensor on four drawn lines: out of tolerance, as the cause below needs
     explicit = _summary(tmp_path / "explicit")
     unmatched = explicit["alignment"]["unmatched"]
     assert "relu_0.tmp_0" in unmatched and "writes its name" in unmatched["relu_0.tmp_0"]
     assert "batch_norm_1.tmp_2" not in unmatched
     code, out, err = run_cli("compare", quantized, "--load-inputs", "lines.npz", "-o", "alone")
-    assert code in (0, 1), err
+    assert code == 1, err  # int8 per tensor on four drawn lines: out of tolerance, as the cause below needs
     alone = _summary(tmp_path / "alone")
     assert "folded a Relu or a Clip" in out
     assert all(np.isfinite(float(o["max_abs_err"])) for o in alone["outputs"])
@@ -269,7 +269,13 @@ def test_modelopt_candidates_of_the_trained_recognizer(modelopt_candidates, mode
     assert compared >= 0.9 * computed
     assert result.precision == f"{mode}+fp16"
     agreement = result.class_agreement()["softmax_11.tmp_0"]
-    assert agreement is not None and 0 < agreement["top1"] <= 1
+    with np.load(lines) as saved:  # the top-1 agreement over every time step of the 4 lines, counted here, as
+        feeds = [{"x": saved[key]} for key in sorted(saved.files, key=lambda k: int(k.split("/")[0]))]
+    import onnxruntime  # ONNX Runtime runs the two files by default (its graph optimizations move one FP8 step's top-1)
+
+    reference, quantized = (onnxruntime.InferenceSession(str(m), providers=["CPUExecutionProvider"]) for m in (models.ppocr_rec_v4(), made[mode]))
+    same = [r.argmax(-1) == c.argmax(-1) for r, c in ((reference.run(None, f)[0], quantized.run(None, f)[0]) for f in feeds)]
+    assert agreement["top1"] == pytest.approx(np.concatenate([s.ravel() for s in same]).mean(), abs=1e-9)
     failure = result.output_failures[0]
     if failure.cause.kind == "accumulated":
         feed = {"x": np.load(lines)["0/x"]}

@@ -211,7 +211,7 @@ def test_no_onnxruntime_log_line_reaches_the_console(tmp_path):
             [sys.executable, "-m", "accudiff.cli", "compare", "weights_as_inputs.onnx", precision, "--report-dir", f"r{precision}"],
             capture_output=True, text=True, cwd=tmp_path,
         )
-        assert done.returncode in (0, 1), done.stderr
+        assert done.returncode == 0, done.stderr  # the clean fixture passes in both
         assert "onnxruntime" not in done.stdout + done.stderr and "\x1b[" not in done.stderr
 
 

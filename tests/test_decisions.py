@@ -84,7 +84,7 @@ def test_top5_is_neither_shown_nor_required_over_five_classes_or_fewer(run_cli, 
         skip_without(missing)
     save_feeds([realistic_inputs.ppocr_cls(0)], tmp_path / "line.npz")
     code, out, err = run_cli("compare", path, "--fp16", "--load-inputs", tmp_path / "line.npz", "-o", "r")
-    assert code in (0, 1), err
+    assert code == 0, err  # the 2-class classifier in FP16 on one line: within tolerance
     decision = _summary(tmp_path / "r")["outputs"][0]["decision"]
     assert decision["score_vectors"] == 1 and "top1" in decision and "top5" not in decision
     assert "top-1 agreement" in out and "top-5" not in out
