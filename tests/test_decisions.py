@@ -182,3 +182,55 @@ def test_the_trained_detector_in_fp16_hardly_changes_its_binarized_map(detector,
     code, out, err = run_cli("bisect", "precision", path, "--fp16", "--load-inputs", pages, "--threshold", "0.3", "--require", "flipped_share=1e-4", "-o", "d")
     aimed = json.loads((tmp_path / "d" / "result.json").read_text())
     assert code == 1 and aimed["repaired"] and len(aimed["keep"]) < len(result["keep"]), out + err
+
+
+HIGHER_IS_BETTER = {"top1", "top5", "cosine", "cosine_min", "neighbors", "iou"}  # the others (KL, Δp, flipped share): lower is better
+
+
+def _trained(name):
+    try:
+        return models.MODELS[name]()
+    except ModuleNotFoundError as missing:
+        skip_without(missing)
+
+
+@pytest.mark.parametrize("setup, figures", [
+    ("recognizer int8", ["top1", "top5", "kl", "kl_max", "delta_p"]),
+    ("encoder dynamic int8", ["cosine", "cosine_min", "neighbors"]),
+    ("detector fp16", ["iou", "flipped_share"]),
+], ids=lambda value: value if isinstance(value, str) else "")
+def test_every_decision_figure_a_requirement_names_is_what_judges_it(setup, figures, tmp_path):
+    """Each figure --require names, on the trained model whose outputs have it (the recognizer's per-step
+    class scores over 6625 classes, the sentence encoder's embeddings of two batches of 8 sentences, the
+    detector's text map): required just past what the candidate reaches it fails, required at it it passes, whatever the
+    elementwise tolerance says."""
+    name, precision = setup.split()[0], setup.split()[-1]
+    model = {"recognizer": "ppocr_rec_v4", "encoder": "minilm_l3", "detector": "ppocr_det_v4"}[name]
+    path = _trained(model)
+    feeds = [realistic_inputs.sentences(seed, batch=8) for seed in range(2)] if name == "encoder" else realistic_inputs.dataset(model, 2)
+    save_feeds(feeds, tmp_path / "inputs.npz")
+    options = {"inputs": tmp_path / "inputs.npz", "candidate": "onnxrt", "verify": False}
+    if precision == "int8" and name == "encoder":
+        options["candidate_model"] = models.onnxruntime_dynamic(path, tmp_path / "dynamic.onnx")
+    elif precision == "int8":
+        save_feeds(realistic_inputs.dataset(model, 4, 100), tmp_path / "calibration.npz")
+        options.update(precision="int8", calib_data=tmp_path / "calibration.npz")
+    else:
+        options.update(precision="fp16")
+    measured = accudiff.compare(path, **options)
+    for figure in figures:
+        lowest_is_worst = figure in HIGHER_IS_BETTER
+        having = {o: d[figure] for o, d in measured.decisions.items() if d and figure in d}
+        assert having, (figure, measured.decisions)
+        spans = [measured.intervals.get(o, {}).get(figure) for o in having]
+        step = max(abs(v) for v in having.values()) * 1e-3 + 1e-12
+        if all(span is not None for span in spans):  # judged by its interval (docs/compare.md)
+            sure, beyond = (min(s.low for s in spans) - step, max(s.high for s in spans) + step) if lowest_is_worst else (
+                max(s.high for s in spans) + step, min(s.low for s in spans) - step)
+        else:  # an extreme: a worst case is what it was
+            low, high = min(having.values()), max(having.values())
+            sure, beyond = (low, high + step) if lowest_is_worst else (high, low - step)
+        met = accudiff.compare(path, **options, require=[f"{figure}={sure:.17g}"])
+        missed = accudiff.compare(path, **options, require=[f"{figure}={beyond:.17g}"])
+        status = lambda result: {"fail" if o in {f.tensor for f in result.output_failures} else "pass" for o in having}  # noqa: E731
+        assert status(met) == {"pass"} and status(missed) == {"fail"} and not met.unresolved and not missed.unresolved, (figure, having, spans)
