@@ -49,10 +49,23 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
             _keep_weights_in_their_files(proto, path.parent)
         except (ValueError, RuntimeError, OSError) as exc:
             raise AccudiffError(f"'{path}' refers to external data that cannot be read: {first_line(exc)}") from exc
+    else:
+        proto = _weights_referenced_in_file(proto, spans, path)
     _check(path, _checked_as_onnxruntime_loads(proto, onnxruntime_default_domain_ops(proto.graph.node)))
     info = _inventory(path, proto)
     info.weights_in_file = spans
     return info
+
+
+def _weights_referenced_in_file(proto: onnx.ModelProto, spans: dict[str, tuple[int, int]], path: Path) -> onnx.ModelProto:
+    """`proto` with its large weights referenced where they lie in its file (weights.py reads them when
+    needed, ONNX Runtime maps them), in a fresh message: protobuf returns a message's memory only with the
+    message, so the one read (the whole file again) is let go of. MiniLM's caller held its 69 MB through
+    the run, beside the worker that reads them itself."""
+    refer_in_place(proto.graph.initializer, spans, path, SMALL_INITIALIZER_BYTES)
+    light = onnx.ModelProto()
+    light.CopyFrom(proto)
+    return light
 
 
 def _check(path: Path, model: str | bytes | onnx.ModelProto) -> None:
