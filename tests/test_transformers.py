@@ -61,8 +61,7 @@ def _held_to_the_oracle(minilm, result, make, tolerance, output: str) -> tuple[s
     most of its error is the oracle's best exclusion, and the repair's first step reproduces the oracle's
     figure within 10%; an accumulated error is one no single exclusion repairs or halves. Returns (the
     cause's kind, the oracle's best exclusion)."""
-    nodes = [n for n in minilm.quantizable if n in result.quantized_by]
-    ranking = oracle.exclusion_ranking(minilm.model, make, nodes, minilm.feeds, tolerance, output)
+    ranking = oracle.exclusion_ranking(minilm.model, make, minilm.quantizable, minilm.feeds, tolerance, output)  # a node the tool leaves alone: its ratio as made
     best_ratio, best = ranking[0]
     failure = next(f for f in result.output_failures if f.tensor == output)
     cause, before = failure.cause, failure.repair.steps[0].tol_ratio
