@@ -489,3 +489,26 @@ def test_the_readmes_modelopt_example_runs_as_written(tmp_path):
         verdict, figure = re.search(r"(PASS|FAIL), top-1 ([\d.]+)%", comment).groups()
         measured = float(re.search(r"top-1 agreement ([\d.]+)%", outputs[index]).group(1))
         assert f"verdict: {verdict}" in outputs[index] and abs(measured - float(figure)) <= 1.5, (comment, measured)
+
+
+def test_a_blocked_int4_candidate_with_large_scales_is_read_where_they_lie(tmp_path):
+    """INT4 weights in blocks of 32 with 16 KB of FP32 scales (as ModelOpt's INT4 writes them): a model's large
+    weights are referenced in its file once read, and reading a scale or zero point as numpy's to_array does
+    failed on such a reference ("should be stored in int4.onnx, but it is not regular file"); INT4 weights
+    counted 0 bytes, so the checker was shown their references too. And INT4 codes held in int32_data (as
+    onnx.helper.make_tensor writes them) were saved one a byte, where ONNX Runtime reads two ("external data
+    size mismatch")."""
+    rng = np.random.default_rng(8)
+    weight = rng.standard_normal((2048, 64)).astype(np.float32)
+    scale = np.abs(weight.reshape(64, 32, 64)).max(axis=1) / 7
+    codes = np.clip(np.rint(weight / np.repeat(scale, 32, axis=0)), -8, 7).astype(np.int8)
+    inputs, outputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 2048])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 64])]
+    reference = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="project")], "g", inputs, outputs, [numpy_helper.from_array(weight, "w")])
+    blocked = helper.make_graph([helper.make_node("DequantizeLinear", ["w_codes", "w_scale"], ["w"], name="dq", axis=0, block_size=32),
+                                 helper.make_node("MatMul", ["x", "w"], ["y"], name="project")], "g", inputs, outputs,
+                                [helper.make_tensor("w_codes", TensorProto.INT4, codes.shape, codes.ravel().tolist()), numpy_helper.from_array(scale, "w_scale")])
+    for graph, name in ((reference, "model.onnx"), (blocked, "int4.onnx")):
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), str(tmp_path / name))
+    save_feeds([{"x": rng.standard_normal((4, 2048)).astype(np.float32)}], tmp_path / "x.npz")
+    result = accudiff.compare(tmp_path / "model.onnx", candidate_model=tmp_path / "int4.onnx", inputs=tmp_path / "x.npz", candidate="onnxrt")
+    assert result.precision == "int4-weight" and result.coverage[0] == result.coverage[1]

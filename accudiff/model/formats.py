@@ -15,10 +15,11 @@ from typing import Iterable, Mapping
 
 import numpy as np
 import onnx
-from onnx import TensorProto, numpy_helper
+from onnx import TensorProto
 
 from accudiff.model.graph import constant_values, value_types, writers_of
 from accudiff.model.quantized_ops import find_quantized_ops, quantized_members
+from accudiff.model.weights import weight_values
 
 FP16_MAX = 65504.0
 REDUCED_FLOATS = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16"}
@@ -178,12 +179,12 @@ def quant_ranges(graph: onnx.GraphProto) -> dict[str, QuantRange]:
         kind = grid_type(node, types) if node.op_type == "QuantizeLinear" else None
         if kind not in GRIDS or node.input[1] not in constants:
             continue
-        scale = numpy_helper.to_array(constants[node.input[1]]).astype(np.float64)
+        scale = weight_values(constants[node.input[1]]).astype(np.float64)
         if scale.size != 1:
             continue
         grid, step = GRIDS[kind], float(scale.reshape(()))
         zero_point = constants.get(node.input[2]) if len(node.input) > 2 else None
-        offset = 0.0 if zero_point is None or grid.is_float else float(numpy_helper.to_array(zero_point).astype(np.float64).reshape(-1)[0])
+        offset = 0.0 if zero_point is None or grid.is_float else float(weight_values(zero_point).astype(np.float64).reshape(-1)[0])
         ranges[node.input[0]] = QuantRange(step, (grid.low - offset) * step, (grid.high - offset) * step, grid.smallest * step, grid.name)
     return ranges
 

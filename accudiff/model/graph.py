@@ -10,6 +10,8 @@ import onnx
 
 from accudiff.model.weights import is_external
 
+PACKED_BITS = {getattr(onnx.TensorProto, name): bits for name, bits in (("INT4", 4), ("UINT4", 4), ("FLOAT4E2M1", 4), ("INT2", 2), ("UINT2", 2))
+               if hasattr(onnx.TensorProto, name)}
 UNCHECKED_TYPES = {
     getattr(onnx.TensorProto, name)
     for name in ("UNDEFINED", "STRING", "COMPLEX64", "COMPLEX128", "INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
@@ -172,7 +174,9 @@ def toposort(graph: onnx.GraphProto) -> None:
 
 def tensor_bytes(tensor: onnx.TensorProto) -> int:
     """The bytes a weight's values take, from its shape and type: reading its data field would copy it."""
-    if tensor.data_type in UNCHECKED_TYPES:
+    if tensor.data_type in PACKED_BITS:  # two or four values a byte: a referenced INT4 weight has no bytes to count
+        return math.ceil(math.prod(tensor.dims) * PACKED_BITS[tensor.data_type] / 8)
+    if tensor.data_type in (onnx.TensorProto.UNDEFINED, onnx.TensorProto.STRING):
         return tensor.ByteSize()
     return math.prod(tensor.dims) * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
 

@@ -23,7 +23,6 @@ from accudiff.model.weights import (
     refer_to,
     same_folder,
     spans_in_file,
-    stored_dtype,
     weight_folder,
     without_folder,
 )
@@ -89,7 +88,8 @@ def save_model(proto: onnx.ModelProto, path: Path, move_weights: bool = False, s
                 if is_external(init):
                     length = copy_bytes(init, data)
                 else:
-                    length = data.write(init.raw_data if init.HasField("raw_data") else numpy_helper.to_array(init).astype(stored_dtype(init)).tobytes())
+                    # Values held in a typed field are written as raw data holds them (4-bit ones two a byte)
+                    length = data.write(init.raw_data if init.HasField("raw_data") else numpy_helper.from_array(numpy_helper.to_array(init)).raw_data)
                 where = location, offset, length
             reference = onnx.TensorProto(name=init.name, data_type=init.data_type, dims=init.dims)
             refer_to(reference, *where, path.parent)

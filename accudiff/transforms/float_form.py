@@ -29,7 +29,7 @@ from accudiff.model.loading import load_model
 from accudiff.model.quantized_ops import find_quantized_ops, float_nodes, quantized_members
 from accudiff.model.quantized_weights import float_weight
 from accudiff.model.saving import EXTERNAL_DATA_MIN_TENSOR, save_model
-from accudiff.model.weights import refer_to, weight_code_blocks
+from accudiff.model.weights import refer_to, weight_code_blocks, weight_values
 from accudiff.transforms.keep_float import drop_unread_storage
 
 INTEGER_ARITHMETIC = frozenset({
@@ -172,9 +172,9 @@ class _Weights:
     def dequantize(self, node: onnx.NodeProto, constants: dict[str, onnx.TensorProto]) -> None:
         """The DequantizeLinear of a constant replaced by its values (per tensor, per axis or blocked), in FP32."""
         weight = constants[node.input[0]]
-        scale = numpy_helper.to_array(constants[node.input[1]]).astype(np.float32) if node.input[1] in constants else None
+        scale = weight_values(constants[node.input[1]]).astype(np.float32) if node.input[1] in constants else None
         zero = node.input[2] if len(node.input) > 2 and node.input[2] else None
-        offset = numpy_helper.to_array(constants[zero]).astype(np.float32) if zero in constants else np.zeros(1, np.float32)
+        offset = weight_values(constants[zero]).astype(np.float32) if zero in constants else np.zeros(1, np.float32)
         if scale is None:
             raise AccudiffError(f"the DequantizeLinear '{node.name}' of weight '{weight.name}' reads a scale that is not a constant: its float form cannot be made")
         attributes = {a.name: a.i for a in node.attribute}

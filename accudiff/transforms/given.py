@@ -16,7 +16,6 @@ from typing import Iterable
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from accudiff.errors import AccudiffError
 from accudiff.model.formats import GRIDS, REDUCED_FLOATS, QuantRange, grid_type, model_formats, precision_label, quant_ranges
@@ -248,7 +247,7 @@ def per_tensor_weights(graph: onnx.GraphProto, reference: onnx.GraphProto) -> di
             dequantize = producer.get(name)
             if dequantize is None or dequantize.op_type != "DequantizeLinear" or dequantize.input[1] not in constants:
                 continue
-            scale = numpy_helper.to_array(constants[dequantize.input[1]]).astype(np.float64)
+            scale = weight_values(constants[dequantize.input[1]]).astype(np.float64)
             quantize = producer.get(dequantize.input[0])
             source = quantize.input[0] if quantize is not None and quantize.op_type == "QuantizeLinear" else None
             if scale.size != 1 or (source is None and dequantize.input[0] not in constants):
