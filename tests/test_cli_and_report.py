@@ -158,15 +158,20 @@ def test_report_inputs_replay_the_same_result(tmp_path):
     pd.testing.assert_frame_equal(first.table, replay.table)
 
 
-def test_iterations_aggregate_worst_case(tmp_path):
-    """Three samples' row is the worst of the three compared one by one (which differ), over all their elements."""
-    three = accudiff.compare(fixture("underflow"), "fp16", candidate="onnxrt", seed=1, iterations=3, report_dir=tmp_path / "r")
+@pytest.mark.parametrize("workers", [1, 3], ids=["one worker reduces all", "merged across workers"])
+def test_iterations_aggregate_worst_case(tmp_path, workers):
+    """Three samples' row is the worst of the three compared one by one (which differ), over all their
+    elements, reduced by one worker or merged from three; the samples are ordered mildest first, so a merge
+    that kept the first sample's figure would show."""
+    accudiff.compare(fixture("underflow"), "fp16", candidate="onnxrt", seed=1, iterations=3, verify=False, report_dir=tmp_path / "r")
     with np.load(tmp_path / "r" / "inputs.npz") as saved:
         feeds = [{key.split("/", 1)[1]: saved[key] for key in saved.files if key.startswith(f"{i}/")} for i in range(3)]
     singles = [accudiff.compare(fixture("underflow"), "fp16", candidate="onnxrt", inputs=[feed]).table.set_index("tensor").loc["restored"] for feed in feeds]
+    order = sorted(range(3), key=lambda k: singles[k]["max_abs_err"])
+    three = accudiff.compare(fixture("underflow"), "fp16", candidate="onnxrt", inputs=[feeds[k] for k in order], workers=workers)
     row_three = three.table.set_index("tensor").loc["restored"]
     assert row_three["elements"] == sum(row["elements"] for row in singles)
-    assert len({row["max_abs_err"] for row in singles}) == 3 and row_three["max_abs_err"] == max(row["max_abs_err"] for row in singles)
+    assert len({row["max_abs_err"] for row in singles}) == 3 and row_three["max_abs_err"] == singles[order[-1]]["max_abs_err"]
 
 
 @pytest.mark.parametrize("command", [["-m", "accudiff.cli"], ["console script"]], ids=["python -m", "console script"])
