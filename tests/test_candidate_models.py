@@ -352,6 +352,23 @@ def test_an_fp16_model_onnx_runtimes_converter_made_is_diagnosed_as_the_keep_one
         assert named.keep == [failure.cause.node] and named.tol_ratio_kept == pytest.approx(ranking[0][0], rel=1e-3)
 
 
+def test_bisect_says_the_tolerance_an_output_meets_in_compares_words(run_cli, tmp_path):
+    """The FP16 detector by ONNX Runtime's converter, whose map is 0 where the candidate says 1: no rtol can
+    pass it. compare says "no rtol (an element whose reference is 0 errs more than atol)"; bisect precision,
+    in its "most of the model" answer, said "rtol inf"."""
+    from onnxruntime.transformers import float16
+
+    try:
+        detector = models.ppocr_det_v4()
+    except ModuleNotFoundError as missing:
+        skip_without(missing)
+    onnx.save(float16.convert_float_to_float16(onnx.load(str(detector)), keep_io_types=True), str(tmp_path / "det-fp16.onnx"))
+    save_feeds([realistic_inputs.FEEDS["ppocr_det_v4"](0)], tmp_path / "page.npz")
+    code, out, err = run_cli("bisect", "precision", detector, "--candidate-model", "det-fp16.onnx", "--load-inputs", "page.npz", "-o", "fix")
+    assert code == 1, err
+    assert "as it is meets atol 0.998, or no rtol (an element whose reference is 0 errs more than atol)" in out and "rtol inf" not in out, out[-3000:]
+
+
 def test_a_candidate_compared_in_segments_gives_the_table_of_one_run(tmp_path):
     """Cut into segments by a small memory budget, the candidate's nodes (its Q/DQ pairs among them) run
     with the segment of the model's nodes they answer for, and the table is the one-shot table."""

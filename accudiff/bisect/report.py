@@ -15,7 +15,7 @@ from accudiff.bisect.session import BisectSession, stderr_progress
 from accudiff.bisect.subgraph import bisect_subgraph
 from accudiff.diagnosis.cause import CAUSE_KINDS
 from accudiff.atomic import new_folder
-from accudiff.report.content import HTML_FILE, finite, remake_lines
+from accudiff.report.content import HTML_FILE, finite, met_words, remake_lines
 from accudiff.comparison.objective import REQUIREMENTS, figure_text
 from accudiff.report.decision_text import decision_lines, interval_text
 from accudiff.report.html import bisect_page
@@ -87,7 +87,7 @@ def _where_it_stands(result, settings: RunSettings) -> list[str]:
     lines = []
     for output, met in result.tolerance_met.items():
         lines += [line[2:] for line in decision_lines(output, result.decisions.get(output, {}))]
-        lines.append(f"output '{output}' as it is meets atol {met.get('atol', float('nan')):.3g}, or rtol {met.get('rtol', float('nan')):.3g}")
+        lines.append(f"output '{output}' as it is meets " + ", or ".join(met_words(met)))
         held = result.decision_met.get(output)
         if held is not None:
             lines.append(f"judged by its decision, it passes: --require {held.name}={held.target:g} is met "

@@ -182,9 +182,15 @@ def tolerance_met_line(output: str, result) -> list[str]:
     if met is None:
         return []
     tolerance = result.tolerances.for_tensor(output)
-    rtol = f"rtol {met['rtol']:.3g}" if math.isfinite(met["rtol"]) else "no rtol (an element whose reference is 0 errs more than atol)"
-    atol = f"atol {met['atol']:.3g}" if math.isfinite(met["atol"]) else "no atol (NaN/Inf where the reference is finite)"
+    atol, rtol = met_words(met)
     return [f"tolerance met: {atol} (at rtol {tolerance.rtol:g}, stol {tolerance.stol:g}), or {rtol} (at atol {tolerance.atol:g}, stol {tolerance.stol:g})"]
+
+
+def met_words(met: dict) -> tuple[str, str]:
+    """The atol and the rtol an output meets, in words (where none would do, why)."""
+    atol = f"atol {met['atol']:.3g}" if math.isfinite(met.get("atol", math.nan)) else "no atol (NaN/Inf where the reference is finite)"
+    rtol = f"rtol {met['rtol']:.3g}" if math.isfinite(met.get("rtol", math.nan)) else "no rtol (an element whose reference is 0 errs more than atol)"
+    return atol, rtol
 
 
 def decision_first_lines(output: str, result, python: bool = False) -> list[str]:
