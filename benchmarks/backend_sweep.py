@@ -210,10 +210,8 @@ def classify(record: dict, precision: str) -> str:
     return "refused"
 
 
-def _child(case_json: str) -> None:
-    case = json.loads(case_json)
-    with tempfile.TemporaryDirectory(prefix="accudiff-sweep-") as workdir:
-        print("\n@@RESULT@@" + json.dumps(run_case(case, Path(workdir)), default=str), flush=True)
+def _child(case_json: str, workdir: str) -> None:
+    print("\n@@RESULT@@" + json.dumps(run_case(json.loads(case_json), Path(workdir)), default=str), flush=True)
 
 
 def sweep(cases: list[dict], jobs: int, timeout: float, accudiff_path: str | None, wall_per_cpu_second: float = 10) -> list[dict]:
@@ -231,10 +229,11 @@ def sweep(cases: list[dict], jobs: int, timeout: float, accudiff_path: str | Non
     def one(case: dict) -> dict:
         start = time.perf_counter()
         try:
-            done = subprocess.run(
-                [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(case)],
-                capture_output=True, text=True, timeout=timeout * wall_per_cpu_second, env=env, preexec_fn=limit_cpu,
-            )
+            with tempfile.TemporaryDirectory(prefix="accudiff-sweep-") as workdir:  # removed here: a stopped case cannot
+                done = subprocess.run(
+                    [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(case), "--workdir", workdir],
+                    capture_output=True, text=True, timeout=timeout * wall_per_cpu_second, env=env, preexec_fn=limit_cpu,
+                )
         except subprocess.TimeoutExpired:
             return {**case, "ort": "?", "runs": {}, "failure": "hang", "seconds": time.perf_counter() - start}
         if done.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
@@ -270,9 +269,10 @@ def main() -> None:
     parser.add_argument("--before", help="path of an older accudiff checkout, run on the same cases first")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _child(args.child)
+        _child(args.child, args.workdir)
         return
     args.out.mkdir(parents=True, exist_ok=True)
     cases = collect(args.suites, args.limit, args.out / "sweep_cases")

@@ -5,6 +5,8 @@ accudiff built, at any precision. The cases are ones the full sweep found defect
 from __future__ import annotations
 
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -66,8 +68,10 @@ def test_a_case_is_stopped_by_the_cpu_it_uses_not_by_the_wall_clock(tmp_path):
                               [helper.make_tensor("trips", TensorProto.INT64, [], [10**15])])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "spin.onnx"))
     case = {"name": "spin", "model": str(tmp_path / "spin.onnx"), "inputs": None}
+    before = set(Path(tempfile.gettempdir()).glob("accudiff-sweep-*"))
     [record] = backend_sweep.sweep([case], jobs=1, timeout=2, accudiff_path=None, wall_per_cpu_second=10**4)  # only the CPU limit can stop it
     assert record["failure"] == "hang"
+    assert set(Path(tempfile.gettempdir()).glob("accudiff-sweep-*")) == before  # the stopped case's folder was removed (it was left behind)
 
 
 @pytest.mark.parametrize("precision", backend_sweep.PRECISIONS)
