@@ -8,10 +8,8 @@ from typing import Callable, Iterable, Mapping
 
 import onnx
 
-from accudiff.model.weights import is_external
+from accudiff.model.weights import PACKED_BITS, is_external
 
-PACKED_BITS = {getattr(onnx.TensorProto, name): bits for name, bits in (("INT4", 4), ("UINT4", 4), ("FLOAT4E2M1", 4), ("INT2", 2), ("UINT2", 2))
-               if hasattr(onnx.TensorProto, name)}
 UNCHECKED_TYPES = {
     getattr(onnx.TensorProto, name)
     for name in ("UNDEFINED", "STRING", "COMPLEX64", "COMPLEX128", "INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")

@@ -94,6 +94,8 @@ def weight_values(tensor: onnx.TensorProto) -> np.ndarray:
 
 
 PACKED_4BIT = {onnx.TensorProto.INT4: True, onnx.TensorProto.UINT4: False}  # two values a byte, signed or not
+PACKED_BITS = {getattr(onnx.TensorProto, name): bits for name, bits in (("INT4", 4), ("UINT4", 4), ("FLOAT4E2M1", 4), ("INT2", 2), ("UINT2", 2))
+               if hasattr(onnx.TensorProto, name)}  # every type stored below a byte, by its width
 
 
 def weight_code_blocks(weight: onnx.TensorProto) -> Iterator[np.ndarray]:
