@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING
 
 from accudiff.stages.branches import describe_groups, plan_groups
 from accudiff.stages.group import combine, group_model, isolation_notice, make_candidate, plan, run_group, save_tensors
-from accudiff.comparison.worker import prestart
+from accudiff.execution.worker import prestart
 from accudiff.errors import AccudiffError
-from accudiff.comparison.shards import default_workers
+from accudiff.execution.shards import default_workers
 from accudiff.model.loading import load_model
 from accudiff.model.run_results import read_captured
 from accudiff.model.prompts import prepare_generation

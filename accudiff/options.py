@@ -11,7 +11,7 @@ import functools
 import re
 from pathlib import Path
 
-from accudiff.comparison.objective import OBJECTIVES
+from accudiff.judging.objective import OBJECTIVES
 from accudiff.runners import CANDIDATES, TrtOptions
 from accudiff.runners.trt_build import LEGACY_PRECISIONS, MARK_MODES
 from accudiff.runners.trt_env import MODULES

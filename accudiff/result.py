@@ -10,14 +10,12 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import pandas as pd
 
-from accudiff.comparison.intervals import Interval
-from accudiff.comparison.objective import Resolution
-from accudiff.comparison.output_kinds import OutputKind
-from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING
-from accudiff.comparison.tolerances import Tolerances
-from accudiff.diagnosis.cause import Cause
-from accudiff.diagnosis.rules import Finding
-from accudiff.diagnosis.cause import Repair
+from accudiff.judging.intervals import Interval
+from accudiff.judging.objective import Resolution
+from accudiff.judging.output_kinds import OutputKind
+from accudiff.judging.table import STATUS_FAIL, STATUS_MISSING
+from accudiff.judging.tolerances import Tolerances
+from accudiff.findings import Cause, Finding, Repair
 from accudiff.errors import AccudiffError
 from accudiff.model.inventory import NodeSummary
 from accudiff.transforms import KeptNode
@@ -77,23 +75,23 @@ class CompareResult:
     candidate_model: Path | None = None  # a candidate made by another tool (ModelOpt, ONNX Runtime's quantizer...), compared as it is
     unmatched: dict[str, str] = field(default_factory=dict)  # for such a candidate: a reference tensor it has no partner for -> why
     inside: dict[str, str] = field(default_factory=dict)
-    output_kinds: dict[str, OutputKind] = field(default_factory=dict)  # what each graph output decides, and why (comparison/output_kinds.py)  # ... of those, one computed inside a node its tool fused (compared at its output) -> that node
+    output_kinds: dict[str, OutputKind] = field(default_factory=dict)  # what each graph output decides, and why (judging/output_kinds.py)  # ... of those, one computed inside a node its tool fused (compared at its output) -> that node
     quantized_by: dict[str, str] = field(default_factory=dict)  # for such a candidate: a node a tool quantized with ops of its own -> the tool
     reads_constant_weights: set[str] = field(default_factory=set)  # for such a candidate: nodes reading a float weight a Constant node holds
     repaired_candidate: str | None = None  # the file in the report: that candidate with its verified repairs kept
     # For such a candidate that quantizes and stores in FP16/BF16: per failing output, its tolerance ratio with
     # both, with its Q/DQ pairs undone, with its casts undone (and the top-1 agreement of each), on the trials' samples.
     loss_split: dict[str, dict] = field(default_factory=dict)
-    # Per graph output, what its error does to the decision taken from it (comparison/decisions.py: top-1/top-5
+    # Per graph output, what its error does to the decision taken from it (judging/decisions.py: top-1/top-5
     # of class scores, a probability map's flipped share and IoU, error percentiles) and the tolerance it meets.
     decisions: dict[str, dict] = field(default_factory=dict)
     tolerance_met: dict[str, dict[str, float]] = field(default_factory=dict)
     require: dict[str, float] = field(default_factory=dict)  # decision targets outputs are judged by instead of their tolerance (--require)
-    # Per graph output: the 95% interval of each decision figure that has one (comparison/intervals.py), and the
+    # Per graph output: the 95% interval of each decision figure that has one (judging/intervals.py), and the
     # required figures whose intervals straddle their targets (the data cannot tell: the verdict is inconclusive).
     intervals: dict[str, dict[str, Interval]] = field(default_factory=dict)
     unresolved: dict[str, list[Resolution]] = field(default_factory=dict)
-    # A decoder's generation (comparison/generation.py): each step (a sample) with its prompt, phase and both sides'
+    # A decoder's generation (execution/generation.py): each step (a sample) with its prompt, phase and both sides'
     # greedy choices; each prompt's tokens on both sides; the scores' figures per phase ("prefill", "decode").
     steps: pd.DataFrame | None = None
     generations: list[dict] = field(default_factory=list)

@@ -9,9 +9,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Sequence
 
-from accudiff.comparison.objective import Objective, parse_requirements
-from accudiff.comparison.output_kinds import parse_output_kinds
-from accudiff.comparison.tolerances import Tolerances, parse_named_values
+from accudiff.judging.objective import Objective, parse_requirements
+from accudiff.judging.output_kinds import parse_output_kinds
+from accudiff.judging.tolerances import Tolerances, parse_named_values
 from accudiff.errors import AccudiffError
 from accudiff.model.decoder import model_file
 from accudiff.model.formats import QUANTIZED_FORMATS, file_formats, formats_of, is_precision_label, model_formats, onnxruntime_only_ops, precision_label
@@ -32,7 +32,7 @@ DEFAULT_VERIFY_BUDGET = 8  # candidate runs that may test suspects, per failing 
 DEFAULT_CAUSE_BUDGET = 48  # runs a failing output's search of every changed node may take (verification/search.py): thousands of nodes that hold no single cause need a few
 # Settings only `compare` takes (the bisectors rerun the candidate, so they neither skip nor replay runs).
 COMPARE_ONLY = ("isolate", "verify", "verify_budget", "cause_budget", "also", "load_candidate", "load_reference", "candidate_runner", "save_reference", "save_candidate")
-DEFAULT_NEW_TOKENS = 16  # a decoder's decode steps after each prompt's prefill (comparison/generation.py)
+DEFAULT_NEW_TOKENS = 16  # a decoder's decode steps after each prompt's prefill (execution/generation.py)
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class RunSettings:
     (model/decoder.py): each stands for the model its genai_config.json names.
     A decoder language model is compared on `prompts` (text, or token ids; model/prompts.py) as it is
     deployed: each prompt's prefill, then `new_tokens` decode steps (default DEFAULT_NEW_TOKENS), each side
-    carrying its own KV cache (comparison/generation.py).
+    carrying its own KV cache (execution/generation.py).
     """
 
     model: str | Path
@@ -231,12 +231,12 @@ class RunSettings:
 
     @cached_property
     def output_kinds(self) -> dict[str, str]:
-        """The kinds the user gave outputs (`--output-kind NAME=KIND`; comparison/output_kinds.py)."""
+        """The kinds the user gave outputs (`--output-kind NAME=KIND`; judging/output_kinds.py)."""
         return parse_output_kinds(self.output_kind)
 
     @cached_property
     def judged(self) -> Objective:
-        """How verification and `bisect precision` judge a keep at the outputs (comparison/objective.py)."""
+        """How verification and `bisect precision` judge a keep at the outputs (judging/objective.py)."""
         return Objective(self.objective, parse_requirements(self.require))
 
     @property

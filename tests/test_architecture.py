@@ -18,7 +18,9 @@ LAYERS = [
     ["accudiff.model"],
     ["accudiff.runners"],
     ["accudiff.transforms"],
-    ["accudiff.comparison"],  # the vocabulary of judging, and the worker processes that compare
+    ["accudiff.judging"],  # the vocabulary of judging: tolerances, statistics, decisions, the table
+    ["accudiff.findings"],  # what a diagnosis says (the result types)
+    ["accudiff.execution"],  # the process boundary: workers, what crosses it, the engine they run
     ["accudiff.diagnosis"],  # the rules: findings, suspects and causes from a table
     ["accudiff.report"],
     ["accudiff.settings", "accudiff.result"],

@@ -54,9 +54,9 @@ def test_segments_are_cut_in_memory_and_never_saved(tmp_path, keep_sessions):
     """A worker hands each pass's segments to ONNX Runtime as it cuts them: before, it saved every segment,
     and the runner read it back and saved it again (0.3-0.5 s of a compare of the PP-OCRv4 recognizer).
     With one sample, each segment is cut only when its runner is made."""
-    from accudiff.comparison.engine import Engine
-    from accudiff.comparison.plans import EngineOptions, Measured, PassPlan, ReferencePlan
-    from accudiff.comparison.tolerances import Tolerances
+    from accudiff.execution.engine import Engine
+    from accudiff.execution.plans import EngineOptions, Measured, PassPlan, ReferencePlan
+    from accudiff.judging.tolerances import Tolerances
     from accudiff.model.inputs import generate_feeds
     from accudiff.model.loading import load_model
     from accudiff.runners import candidate_runner, reference_runner

@@ -101,7 +101,7 @@ def test_a_group_that_does_worse_than_a_node_of_it_proves_nothing():
 def test_a_search_with_no_changed_node_upstream_says_so():
     """A candidate whose change accudiff cannot place on a node (none it knows as converted upstream) was
     said as 'each of the 0 converted nodes upstream ... leaves it out of tolerance'."""
-    from accudiff.diagnosis.cause import Search
+    from accudiff.findings import Search
 
     said = Search(candidates=0, alone=0).said("converted", "kept in FP32", "out of tolerance", "(best: Mul 'fill', 3x)")
     assert said == "accudiff finds no converted node upstream of it, and the suspects, kept in FP32 alone, each leave it out of tolerance (best: Mul 'fill', 3x)"

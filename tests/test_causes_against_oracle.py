@@ -67,7 +67,7 @@ def test_the_thresholds_the_oracle_shares_with_accudiff_are_the_documented_ones(
     """The keep-one oracle closes a keep over precision boundaries with the thresholds docs/causes.md states
     (65504; in FP16, >=1% of its values nonzero but below 6.1e-5): written once there, held equal here to the
     constants accudiff uses, so neither can drift alone."""
-    from accudiff.comparison.metrics import FP16_SMALLEST_NORMAL
+    from accudiff.judging.metrics import FP16_SMALLEST_NORMAL
     from accudiff.model.formats import FP16_MAX
     from accudiff.verification.trial import UNDERFLOW_SHARE
 

@@ -288,7 +288,7 @@ def test_settings_written_as_a_command_line_read_back_the_same():
 def test_no_worker_outlives_compare(tmp_path):
     """The comparison worker is kept warm for verification's trials: whether or not they run, no worker is
     left once compare returns (the pytest plugin runs many comparisons in one process)."""
-    from accudiff.comparison import worker
+    from accudiff.execution import worker
 
     failing = accudiff.compare(fixture("layernorm_overflow"), "fp16", candidate="onnxrt", report_dir=tmp_path / "failing")
     assert failing.output_failures[0].cause.verified and not worker._SPARES
@@ -300,7 +300,7 @@ def _worker_processes() -> list[str]:
     """This process's children that are comparison workers (Linux: from /proc)."""
     children = [pid for task in Path("/proc/self/task").glob("*") for pid in (task / "children").read_text().split()]
     commands = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in children if Path(f"/proc/{pid}/cmdline").exists()]
-    return [c.decode(errors="replace") for c in commands if b"accudiff.comparison.worker" in c]
+    return [c.decode(errors="replace") for c in commands if b"accudiff.execution.worker" in c]
 
 
 def test_a_single_overflow_is_said_as_measured(run_cli, tmp_path):

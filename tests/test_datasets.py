@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 import accudiff
-from accudiff.comparison.decisions import MAX_CLASSES
+from accudiff.judging.decisions import MAX_CLASSES
 from accudiff.model.inputs import save_feeds
 from conftest import fixture
 
@@ -83,7 +83,7 @@ def test_a_dataset_gets_a_worker_per_core_and_a_single_sample_every_core(tmp_pat
     one thread (its sessions and its statistics): a single sample runs in one worker on every core."""
     import os
 
-    from accudiff.comparison.shards import SAMPLES_PER_WORKER
+    from accudiff.execution.shards import SAMPLES_PER_WORKER
 
     cores = os.cpu_count() or 1
     data = _dataset(tmp_path / "data", 2 * max(cores * SAMPLES_PER_WORKER // 2, 1))

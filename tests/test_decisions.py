@@ -1,4 +1,4 @@
-"""What the error does to the decision (comparison/decisions.py), the tolerance each output meets, dominant
+"""What the error does to the decision (judging/decisions.py), the tolerance each output meets, dominant
 faults, decision targets (--require, --objective) and bisect precision's keep regions: on fixtures that
 plant each case, and on the trained text detector and recognizer fed drawn pages and lines."""
 

@@ -150,7 +150,7 @@ def test_an_op_neither_onnx_nor_onnxruntime_knows_is_still_refused(tmp_path, run
 def test_intervals_cover_the_true_share_on_a_seeded_simulation(units, positions, share, concentration):
     """Shares measured on positions of sequences whose own shares vary (a Beta around the truth): the 95%
     intervals hold the true share in at least 92% of 400 simulated runs."""
-    from accudiff.comparison.intervals import interval_of
+    from accudiff.judging.intervals import interval_of
 
     rng = np.random.default_rng(7)
     held = 0
@@ -165,7 +165,7 @@ def test_intervals_cover_the_true_share_on_a_seeded_simulation(units, positions,
 @pytest.mark.parametrize("units, concentration", [(1, None), (8, None), (20, 5.0)])
 def test_intervals_cover_the_true_mean_on_a_seeded_simulation(units, concentration):
     """Means of skewed per-position values (exponential, as KL divergences are) whose scale varies by sequence."""
-    from accudiff.comparison.intervals import interval_of
+    from accudiff.judging.intervals import interval_of
 
     rng = np.random.default_rng(11)
     held = 0

@@ -11,7 +11,7 @@ import pytest
 import accudiff
 import oracle
 from accudiff.cli import main
-from accudiff.comparison.tolerances import default_tolerance
+from accudiff.judging.tolerances import default_tolerance
 from accudiff.version import __version__
 from conftest import fixture
 

@@ -10,9 +10,9 @@ import warnings
 import numpy as np
 import pytest
 
-from accudiff.comparison import _reduce
-from accudiff.comparison.metrics import SQNR_CAP_DB, StatsSet, finish, reduce_tensor, sqnr_db
-from accudiff.comparison.tolerances import Tolerance, Tolerances
+from accudiff.judging import _reduce
+from accudiff.judging.metrics import SQNR_CAP_DB, StatsSet, finish, reduce_tensor, sqnr_db
+from accudiff.judging.tolerances import Tolerance, Tolerances
 from accudiff.errors import AccudiffError
 
 STRICT = Tolerance(atol=1e-6, rtol=0.0)
@@ -206,7 +206,7 @@ def test_a_tensor_reduced_in_parts_on_several_threads_gives_the_one_pass_row(mon
     worst element's index exactly, float64 sums up to their order), and the same whatever ran the parts."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from accudiff.comparison import metrics
+    from accudiff.judging import metrics
 
     rng = np.random.default_rng(7)
     size = int(2.5 * metrics.PART_ELEMENTS)
@@ -245,7 +245,7 @@ def test_the_table_holds_each_tensors_row_and_says_what_was_not_measured():
     """The table is built for every tensor at once: each measured row is that tensor's own statistics
     (identical, poisoned, exact integer, out of tolerance), a tensor never measured is 'not observed'
     with no statistics, and a shape mismatch fails even without statistics."""
-    from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, STATUS_PASS, build_table
+    from accudiff.judging.table import STATUS_FAIL, STATUS_MISSING, STATUS_PASS, build_table
     from accudiff.model.inventory import TensorInfo
 
     rng = np.random.default_rng(0)

@@ -12,9 +12,9 @@ import onnx
 import pytest
 
 import accudiff
-from accudiff.comparison.engine import Engine
-from accudiff.comparison.plans import EngineOptions, Measured, PassPlan, ReferencePlan
-from accudiff.comparison.tolerances import Tolerances
+from accudiff.execution.engine import Engine
+from accudiff.execution.plans import EngineOptions, Measured, PassPlan, ReferencePlan
+from accudiff.judging.tolerances import Tolerances
 from accudiff.errors import AccudiffError
 from accudiff.model import weights as weights_module
 from accudiff.model.inputs import generate_feeds
@@ -135,7 +135,7 @@ def test_one_samples_sessions_are_made_one_at_a_time(tmp_path, monkeypatch):
     """With one sample there is nothing to reuse: each pass's session is made for its run and let go of
     before the next is made, so the reference's and the candidates' weights are not in memory together
     (past AHEAD_UP_TO_BYTES; below it, the next session is made while one runs: the same statistics)."""
-    import accudiff.comparison.engine
+    import accudiff.execution.engine
     info = load_model(fixture("layernorm_overflow"))
     [feed] = generate_feeds(info.inputs, {spec.name: spec.shape for spec in info.inputs}, seed=0)
     candidate = tmp_path / "candidate.onnx"
@@ -162,7 +162,7 @@ def test_one_samples_sessions_are_made_one_at_a_time(tmp_path, monkeypatch):
         (True, 0, ["+reference", "+candidate"]),
         (False, 1 << 30, None),  # made ahead: when it starts against the reference's end is the threads' affair
     ):
-        monkeypatch.setattr(accudiff.comparison.engine, "AHEAD_UP_TO_BYTES", ahead_up_to)
+        monkeypatch.setattr(accudiff.execution.engine, "AHEAD_UP_TO_BYTES", ahead_up_to)
         events.clear()
         passes = [PassPlan("candidate", candidate, watched(lambda p, o: candidate_runner("onnxrt", p, o, "fp16"), "candidate"))]
         engine = Engine(ReferencePlan(fixture("layernorm_overflow"), watched(reference_runner, "reference")), passes, measured, tmp_path / f"{keep}{ahead_up_to}", EngineOptions(keep_sessions=keep))
@@ -177,7 +177,7 @@ def test_one_samples_sessions_are_made_one_at_a_time(tmp_path, monkeypatch):
 def test_passes_running_one_file_read_it_once(tmp_path, monkeypatch):
     """Verification runs one switchboard file as several passes (its switches set per pass): the engine
     reads the file once, not once per pass, and every pass measures what it would alone."""
-    import accudiff.comparison.engine
+    import accudiff.execution.engine
     from accudiff.transforms.fp16 import to_fp16
 
     info = load_model(fixture("layernorm_overflow"))
@@ -185,7 +185,7 @@ def test_passes_running_one_file_read_it_once(tmp_path, monkeypatch):
     candidate = tmp_path / "candidate.onnx"
     save_model(to_fp16(info.proto).model, candidate)
     reads = []
-    monkeypatch.setattr(accudiff.comparison.engine, "load_graph", lambda path: (reads.append(path), load_graph(path))[1])
+    monkeypatch.setattr(accudiff.execution.engine, "load_graph", lambda path: (reads.append(path), load_graph(path))[1])
     tensors = [t.name for t in info.tensors]
     measured = Measured(tensors, info.output_names, [[n.name for n in info.proto.graph.node]], Tolerances.build("fp16"), {})
     passes = [PassPlan(f"pass{k}", candidate, lambda p, o: candidate_runner("onnxrt", p, o, "fp16")) for k in range(3)]

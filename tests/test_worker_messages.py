@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from accudiff.comparison.messages import Job, PassSpec
+from accudiff.execution.messages import Job, PassSpec
 
 
 def _every_field_set() -> Job:

@@ -25,7 +25,7 @@ import pandas as pd
 from accudiff.result import CompareResult
 from accudiff.bisect.session import BisectSession
 from accudiff.diagnosis.cause import rank_contributors
-from accudiff.comparison.objective import Resolution, strictest_met
+from accudiff.judging.objective import Resolution, strictest_met
 from accudiff.verification.trial import TrialOutcome, Trials, prune
 from accudiff.model.saving import save_model
 from accudiff.report.decision_text import unresolved_text

@@ -13,10 +13,10 @@ import pandas as pd
 from accudiff.bisect.precision import KEEP_LIST_FILE, RANKING_FILE, bisect_precision
 from accudiff.bisect.session import BisectSession, stderr_progress
 from accudiff.bisect.subgraph import bisect_subgraph
-from accudiff.diagnosis.cause import CAUSE_KINDS
+from accudiff.findings import CAUSE_KINDS
 from accudiff.atomic import new_folder
 from accudiff.report.content import HTML_FILE, finite, met_words, remake_lines
-from accudiff.comparison.objective import REQUIREMENTS, figure_text
+from accudiff.judging.objective import REQUIREMENTS, figure_text
 from accudiff.report.decision_text import decision_lines, interval_text
 from accudiff.report.html import bisect_page
 from accudiff.settings import RunSettings

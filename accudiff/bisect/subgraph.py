@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 
 from accudiff.bisect.session import BisectSession
-from accudiff.comparison.table import STATUS_FAIL
+from accudiff.judging.table import STATUS_FAIL
 from accudiff.model.inputs import Feed, save_feeds
 from accudiff.model.saving import save_model
 from accudiff.model.subgraph import extract

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import pandas as pd
 
 from accudiff.diagnosis.cause import ancestor_tensors
-from accudiff.diagnosis.rules import DiagnosisContext, Finding, absorption, new_non_finite
+from accudiff.findings import Finding
+from accudiff.diagnosis.rules import DiagnosisContext, absorption, new_non_finite
 
 AMPLIFYING_OPS = frozenset({"Reciprocal", "Sqrt", "Div", "Exp", "Pow", "Log"})
 SATURATING_OPS = frozenset({"Tanh", "Sigmoid", "HardSigmoid", "Min", "Clip", "Softmax", "LogSoftmax", "Erf", "Relu"})

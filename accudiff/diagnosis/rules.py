@@ -15,9 +15,10 @@ from typing import Mapping
 
 import pandas as pd
 
-from accudiff.comparison.metrics import FP16_SMALLEST_NORMAL, widening
-from accudiff.comparison.table import STATUS_FAIL
+from accudiff.judging.metrics import FP16_SMALLEST_NORMAL, widening
+from accudiff.judging.table import STATUS_FAIL
 from accudiff.model.formats import FP16_MAX, QUANTIZED_FORMATS, QuantRange, formats_of
+from accudiff.findings import Finding
 from accudiff.text import percent
 
 # Shares of affected elements below these are noise, not the cause.
@@ -28,12 +29,6 @@ RESOLUTION_SHARE = 0.5
 UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8}
 REDUCTIONS = frozenset({"ReduceSum", "ReduceMean", "ReduceSumSquare", "ReduceL1", "MatMul"})
 RANGE_KINDS = frozenset({"overflow", "input_overflow", "constant_overflow", "constant_underflow", "underflow", "per_tensor_scale", "block_scale", "int8_dynamic_range", *(f"{f}_{fault}" for f in QUANTIZED_FORMATS for fault in ("clipping", "resolution"))})
-
-
-@dataclass(frozen=True)
-class Finding:
-    kind: str  # see the README's Findings table
-    message: str
 
 
 @dataclass(frozen=True)

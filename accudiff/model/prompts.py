@@ -140,7 +140,7 @@ def decode_tokens(folder: Path, ids: Sequence[int]) -> str | None:
 
 @dataclass(frozen=True)
 class GenerationPlan:
-    """A decoder's comparison on prompts (comparison/generation.py): its roles, the prompts (token ids), each
+    """A decoder's comparison on prompts (execution/generation.py): its roles, the prompts (token ids), each
     prompt's prefill feed (what the plan, calibration and TensorRT's shapes read of a sample) and the decode
     steps after each prefill."""
 

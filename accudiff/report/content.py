@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from accudiff.version import __version__
-from accudiff.comparison.objective import REQUIREMENTS, describe, figure_text
+from accudiff.judging.objective import REQUIREMENTS, describe, figure_text
 from accudiff.model.formats import QUANTIZED_FORMATS
 from accudiff.report.decision_text import decision_lines, generation_lines, interval_text, output_kind, phase_lines, sample_name, state_lines
 from accudiff.model.quantized_ops import TOOL_OPTIONS
@@ -53,7 +53,7 @@ def summary(result) -> dict:
             entry["loss_split"] = result.loss_split.get(row["tensor"])
             entry["tolerance_met"] = result.tolerance_met.get(row["tensor"])
         entry["decision"] = result.decisions.get(row["tensor"])
-        entry["intervals"] = {name: span.as_json() for name, span in result.intervals.get(row["tensor"], {}).items()}  # 95%, comparison/intervals.py
+        entry["intervals"] = {name: span.as_json() for name, span in result.intervals.get(row["tensor"], {}).items()}  # 95%, judging/intervals.py
         entry["unresolved"] = [asdict(r) for r in result.unresolved.get(row["tensor"], [])]
         kind = result.output_kinds.get(row["tensor"])
         entry["kind"] = {"kind": kind.kind, "why": kind.why} if kind is not None else None

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import math
 
-from accudiff.comparison.decisions import NEAR_TIE
-from accudiff.comparison.intervals import FIGURES, MIN_UNITS, Interval
-from accudiff.comparison.objective import REQUIREMENTS, figure_text
-from accudiff.comparison.output_kinds import OutputKind
+from accudiff.judging.decisions import NEAR_TIE
+from accudiff.judging.intervals import FIGURES, MIN_UNITS, Interval
+from accudiff.judging.objective import REQUIREMENTS, figure_text
+from accudiff.judging.output_kinds import OutputKind
 from accudiff.model.prompts import decode_tokens
 from accudiff.text import percent, times_tolerance
 
@@ -43,7 +43,7 @@ def interval_note(spans: dict[str, Interval], prompts: bool = False, independent
 
 
 def decision_lines(output: str, found: dict, kind: OutputKind | None = None, spans: dict[str, Interval] | None = None, prompts: int = 0) -> list[str]:
-    """What an output's error does to the decision taken from it (comparison/decisions.py), in one line, by
+    """What an output's error does to the decision taken from it (judging/decisions.py), in one line, by
     its kind (and why it was given), with 95% intervals (`spans`): scores' top-1 agreement, KL divergence,
     Δp (and ΔNLL where the next tokens are known); an embedding's cosines and neighbours; a probability
     map's flipped elements; or else its error percentiles. `prompts`: a decoder's, generated from."""

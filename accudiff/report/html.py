@@ -24,7 +24,7 @@ from accudiff.model.prompts import decode_tokens
 from accudiff.model.decoder import model_name
 from accudiff.report.decision_text import generation_lines, interval_text
 from accudiff.text import percent
-from accudiff.diagnosis.cause import CAUSE_KINDS
+from accudiff.findings import CAUSE_KINDS
 
 MAX_TABLE_ROWS = 2000
 RANKING_COLUMNS = ["rank", "node", "op_type", "why", "kept"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import shlex
 
-from accudiff.comparison.objective import Resolution, strictest_met
+from accudiff.judging.objective import Resolution, strictest_met
 
 def decision_requirement(output: str, result) -> Resolution | None:
     """The strictest requirement on the decision taken from `output` its figures are shown to meet

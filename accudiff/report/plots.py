@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from accudiff.comparison.metrics import SQNR_CAP_DB, error_histogram
+from accudiff.judging.metrics import SQNR_CAP_DB, error_histogram
 from accudiff.report.svg import NAME_MARGIN, Chart, short
 
 MAX_HOVER = 3000  # points of the error's path given a name on hover (failing ones always): the page stays small

@@ -1,6 +1,6 @@
 """ONNX Runtime on CPU, with chosen tensors marked as outputs.
 
-It runs inside the comparison worker process (comparison/worker.py), so a native crash (seen on converted
+It runs inside the comparison worker process (execution/worker.py), so a native crash (seen on converted
 models) ends that process, which the parent turns into a clear error naming the model and step.
 Memory: a session's own arena would keep the high-water mark of every session alive at once (a segmented
 comparison holds one per segment), so sessions either allocate from the system (memory goes back as soon

@@ -1,5 +1,5 @@
 """Runners kept open across the jobs of one worker process: verification's rounds run one switchboard with
-different switches, and each round's job finds its session made (comparison/worker.py)."""
+different switches, and each round's job finds its session made (execution/worker.py)."""
 
 from __future__ import annotations
 

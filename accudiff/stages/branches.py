@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import onnx
 
-from accudiff.comparison.metrics import EMPTY_ROW, SKETCH_BUCKETS
-from accudiff.comparison.shards import merge_results
+from accudiff.judging.metrics import EMPTY_ROW, SKETCH_BUCKETS
+from accudiff.execution.shards import merge_results
 from accudiff.errors import AccudiffError
 from accudiff.model.graph import all_nodes, subgraph_outer_references
 from accudiff.model.inventory import ModelInfo

@@ -16,12 +16,12 @@ import numpy as np
 import onnx
 
 from accudiff.stages.branches import BranchGroup, merge_group_results
-from accudiff.comparison.generation import samples_per_prompt
-from accudiff.comparison.output_kinds import OutputKind, kinds_of
-from accudiff.comparison.shards import added_timings, run_shards
-from accudiff.comparison.tolerances import Tolerances
+from accudiff.execution.generation import samples_per_prompt
+from accudiff.judging.output_kinds import OutputKind, kinds_of
+from accudiff.execution.shards import added_timings, run_shards
+from accudiff.judging.tolerances import Tolerances
 from accudiff.verification.trial import MAX_TRIAL_SAMPLES
-from accudiff.comparison.messages import Job, PassSpec
+from accudiff.execution.messages import Job, PassSpec
 from accudiff.memory import return_freed_memory
 from accudiff.model.graph import data_files
 from accudiff.model.inventory import ModelInfo, describe
@@ -179,7 +179,7 @@ def run_group(
     """The run stage: the group's samples through the reference and the candidate's passes, in worker
     processes or Ray tasks, their statistics merged. The reference is replayed from a captured file or
     the reference cache, or recorded there (or kept to be saved) as it runs. With a decoder's `generation`,
-    each sample is a prompt generated from (comparison/generation.py)."""
+    each sample is a prompt generated from (execution/generation.py)."""
     info, first = candidate.info, samples[group.samples[0]]
     specialized = info.path.parent == where.scratch  # a model specialized for these samples' branches lives only for this call
     cache, tensors = where.reference_cache, [t.name for t in info.tensors]

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Mapping
 import numpy as np
 import pandas as pd
 
-from accudiff.comparison.decisions import DEFAULT_THRESHOLD, Decision, summarize, tolerance_met
-from accudiff.comparison.metrics import StatsSet
-from accudiff.comparison.intervals import intervals
-from accudiff.comparison.objective import Resolution
-from accudiff.comparison.output_kinds import DECIDING, UNKNOWN, OutputKind
-from accudiff.comparison.table import STATUS_FAIL, STATUS_MISSING, STATUS_PASS, build_table, graph_input_table, with_side_run
+from accudiff.judging.decisions import DEFAULT_THRESHOLD, Decision, summarize, tolerance_met
+from accudiff.judging.metrics import StatsSet
+from accudiff.judging.intervals import intervals
+from accudiff.judging.objective import Resolution
+from accudiff.judging.output_kinds import DECIDING, UNKNOWN, OutputKind
+from accudiff.judging.table import STATUS_FAIL, STATUS_MISSING, STATUS_PASS, build_table, graph_input_table, with_side_run
 from accudiff.diagnosis.cause import ancestor_tensors, find_cause
 from accudiff.diagnosis.rules import DiagnosisContext, diagnose
 from accudiff.errors import AccudiffError

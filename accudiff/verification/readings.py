@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from accudiff.comparison.objective import Objective, describe
+from accudiff.judging.objective import Objective, describe
 from accudiff.verification.trial import TrialOutcome, Trials, prune
-from accudiff.diagnosis.cause import Repair, RepairStep
+from accudiff.findings import Repair, RepairStep
 
 
 @dataclass(frozen=True)

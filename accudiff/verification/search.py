@@ -19,7 +19,8 @@ from typing import Callable, Sequence
 import pandas as pd
 
 from accudiff.verification.trial import TrialOutcome
-from accudiff.diagnosis.cause import Search, ancestor_tensors
+from accudiff.diagnosis.cause import ancestor_tensors
+from accudiff.findings import Search
 from accudiff.diagnosis.rules import DiagnosisContext
 from accudiff.verification.readings import Reading, improvement
 

@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Callable, Collection, Mapping, Sequence
 
 import onnx
 
-from accudiff.comparison.decisions import decision_figures, merge_counts
-from accudiff.comparison.intervals import Interval, intervals
-from accudiff.comparison.objective import Objective
-from accudiff.comparison.output_kinds import kinds_of
-from accudiff.comparison.shards import added_timings, merge_results
-from accudiff.comparison.messages import Job, PassSpec
-from accudiff.comparison.worker import Worker, discard_spares, prestart, take_worker
+from accudiff.judging.decisions import decision_figures, merge_counts
+from accudiff.judging.intervals import Interval, intervals
+from accudiff.judging.objective import Objective
+from accudiff.judging.output_kinds import kinds_of
+from accudiff.execution.shards import added_timings, merge_results
+from accudiff.execution.messages import Job, PassSpec
+from accudiff.execution.worker import Worker, discard_spares, prestart, take_worker
 from accudiff.model.graph import tensor_bytes
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.saving import save_model
@@ -59,7 +59,7 @@ LARGE_MODEL_BYTES = 1 << 30  # weights from which a model's trials run one varia
 @dataclass(frozen=True)
 class TrialOutcome:
     """One keep-list tried: each graph output's tolerance ratio (worst over the samples; at most 1 means
-    within tolerance) and its decision figures (comparison/decisions.py: top-1/top-5 of class scores, a
+    within tolerance) and its decision figures (judging/decisions.py: top-1/top-5 of class scores, a
     probability map's flipped share and IoU) over the samples."""
 
     keep: list[str]

@@ -37,16 +37,17 @@ import numpy as np
 import pandas as pd
 
 from accudiff.stages.group import GroupRun, could_be_a_shape
-from accudiff.comparison.objective import Objective
+from accudiff.judging.objective import Objective
 from accudiff.verification.trial import MAX_TRIAL_SAMPLES, TrialOutcome, TrialSetup, Trials, trial_workers
-from accudiff.comparison.worker import prestart
+from accudiff.execution.worker import prestart
 from accudiff.verification.loss_split import loss_split, loss_split_keeps
 from accudiff.verification.readings import Reading, Tries, improvement, pruned
 from accudiff.verification.search import candidates_upstream, search_groups, weights_dominate
-from accudiff.diagnosis.cause import (Absorbed, Cause, Contributor, Repair, RepairStep, Search, ancestor_tensors, find_cause, flagged_nodes,
+from accudiff.findings import Absorbed, Cause, Contributor, Finding, Repair, RepairStep, Search
+from accudiff.diagnosis.cause import (ancestor_tensors, find_cause, flagged_nodes,
                                       rank_contributors)
 from accudiff.diagnosis.mechanisms import absorber, amplifiers, cancellations
-from accudiff.diagnosis.rules import RANGE_KINDS, DiagnosisContext, Finding, grid_fault_strength, isolated_figures, isolation_ran, range_findings
+from accudiff.diagnosis.rules import RANGE_KINDS, DiagnosisContext, grid_fault_strength, isolated_figures, isolation_ran, range_findings
 from accudiff.model.formats import QUANTIZED_FORMATS, formats_of
 from accudiff.settings import DEFAULT_CAUSE_BUDGET
 from accudiff.model.decoder import cache_types, find_decoder

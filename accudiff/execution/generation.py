@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from accudiff.comparison.engine import Engine
+from accudiff.execution.engine import Engine
 from accudiff.errors import AccudiffError
 from accudiff.model.decoder import Decoder
 from accudiff.model.samples import Samples

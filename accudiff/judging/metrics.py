@@ -34,8 +34,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from accudiff.comparison import _reduce
-from accudiff.comparison.tolerances import Tolerance
+from accudiff.judging import _reduce
+from accudiff.judging.tolerances import Tolerance
 from accudiff.model.formats import QuantRange
 
 REL_FLOOR = 1e-3

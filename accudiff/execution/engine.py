@@ -2,7 +2,7 @@
 
 For every sample, the graph runs one segment at a time (model/segments.py): the reference segment first,
 then each candidate pass of the same segment, whose tensors are reduced into mergeable statistics
-(comparison/metrics.py) as soon as they exist, and dropped unless a later segment reads them. A pass is
+(judging/metrics.py) as soon as they exist, and dropped unless a later segment reads them. A pass is
 fed its own earlier segments' values, so a candidate's error accumulates exactly as in a full run; the
 isolated pass also reads the reference's value of every compared tensor (`fed_from_reference`). What
 leaves the engine is statistics, never arrays: merged over samples, processes or machines they give the
@@ -26,12 +26,12 @@ from typing import Callable, Collection, Iterator, Mapping, Sequence
 import numpy as np
 import onnx
 
-from accudiff.comparison.decisions import DEFAULT_THRESHOLD, Decision, decide
-from accudiff.comparison.plans import EngineOptions, Measured, PassPlan, ReferencePlan, RunnerFactory
-from accudiff.comparison.metrics import (EMPTY_ROW, F, PART_ELEMENTS, SKETCH_BUCKETS, PartMap, StatsSet, finish, merge_run_time_ranges, reduce_tensor,
+from accudiff.judging.decisions import DEFAULT_THRESHOLD, Decision, decide
+from accudiff.execution.plans import EngineOptions, Measured, PassPlan, ReferencePlan, RunnerFactory
+from accudiff.judging.metrics import (EMPTY_ROW, F, PART_ELEMENTS, SKETCH_BUCKETS, PartMap, StatsSet, finish, merge_run_time_ranges, reduce_tensor,
                                          reference_range, run_time_range)
-from accudiff.comparison.output_kinds import UNKNOWN
-from accudiff.comparison.tolerances import Tolerance
+from accudiff.judging.output_kinds import UNKNOWN
+from accudiff.judging.tolerances import Tolerance
 from accudiff.model.inputs import Feed
 from accudiff.model.graph import tensor_bytes
 from accudiff.model.loading import load_graph

@@ -13,13 +13,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
-from accudiff.comparison.intervals import Interval, needed_units, resolve
+from accudiff.judging.intervals import Interval, needed_units, resolve
 from accudiff.errors import AccudiffError
 from accudiff.text import percent, times_tolerance
 
 OBJECTIVES = ("tolerance", "decision")
 # A required figure: whether it must reach its target from below ("min") or stay under it ("max"), its name, and
-# the kind of output it applies to (comparison/decisions.py, output_kinds.py).
+# the kind of output it applies to (judging/decisions.py, output_kinds.py).
 REQUIREMENTS = {
     "top1": ("min", "top-1 agreement", "logits or probabilities"), "top5": ("min", "top-5 agreement", "logits or probabilities of more than five entries"),
     "kl": ("max", "KL divergence (mean)", "logits or probabilities"), "kl_max": ("max", "largest KL divergence", "logits or probabilities"),

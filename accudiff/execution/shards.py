@@ -23,10 +23,10 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 import onnx
 
-from accudiff.comparison.engine import POINTS_PER_OUTPUT
-from accudiff.comparison.metrics import StatsSet, merge_run_time_ranges
-from accudiff.comparison.messages import Job
-from accudiff.comparison.worker import decode_result, result_files, run_job
+from accudiff.execution.engine import POINTS_PER_OUTPUT
+from accudiff.judging.metrics import StatsSet, merge_run_time_ranges
+from accudiff.execution.messages import Job
+from accudiff.execution.worker import decode_result, result_files, run_job
 from accudiff.errors import AccudiffError, first_line
 from accudiff.model.graph import data_files
 
@@ -252,7 +252,7 @@ def _ray_task(job: dict, payloads: dict) -> tuple[str, bytes]:
             store=None,
             layer_report=None,
         )
-        from accudiff.comparison.worker import _work
+        from accudiff.execution.worker import _work
 
         _work(moved, lambda event: None)
         return result_files(Path(moved.result))

@@ -30,9 +30,9 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from accudiff.comparison.metrics import CHUNK, SKETCH_BITS, SKETCH_BUCKETS, SKETCH_LOW_EXPONENT, quantiles
-from accudiff.comparison.output_kinds import OutputKind
-from accudiff.comparison.tolerances import Tolerance
+from accudiff.judging.metrics import CHUNK, SKETCH_BITS, SKETCH_BUCKETS, SKETCH_LOW_EXPONENT, quantiles
+from accudiff.judging.output_kinds import OutputKind
+from accudiff.judging.tolerances import Tolerance
 
 MAX_CLASSES = 1 << 20  # wider rows are not scores (a [1, N] signal, say), and ranking them costs seconds
 DEFAULT_THRESHOLD = 0.5

@@ -60,7 +60,7 @@ class Job:
     largest_tensor: int = 0  # bytes: how the worker gets memory (memory.py; group.Plan)
     thresholds: dict[str, float] = field(default_factory=dict)  # a probability map's threshold by output ("": the default)
     output_kinds: dict[str, list] = field(default_factory=dict)  # graph output -> [its kind, the axis its entries run along]
-    # A decoder's generation (comparison/generation.py): {"decoder": Decoder.as_json(), "new_tokens": N, "cache_types": {past: dtype}};
+    # A decoder's generation (execution/generation.py): {"decoder": Decoder.as_json(), "new_tokens": N, "cache_types": {past: dtype}};
     # its samples are then prompts, each run as a prefill and N decode steps, each step a sample of the engine.
     generation: dict | None = None
     # Sessions made one at a time, each just before its run (else all at once, kept for every sample): weights

@@ -9,8 +9,8 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from accudiff.comparison.output_kinds import OutputKind
-from accudiff.comparison.tolerances import Tolerances
+from accudiff.judging.output_kinds import OutputKind
+from accudiff.judging.tolerances import Tolerances
 from accudiff.model.formats import QuantRange
 from accudiff.model.source import ModelSource
 from accudiff.runners.base import Runner

@@ -11,8 +11,8 @@ from typing import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from accudiff.comparison.metrics import F, StatsSet, finish_rows
-from accudiff.comparison.tolerances import Tolerances
+from accudiff.judging.metrics import F, StatsSet, finish_rows
+from accudiff.judging.tolerances import Tolerances
 from accudiff.model.inventory import InputSpec, TensorInfo
 from accudiff.model.formats import QuantRange
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from accudiff.errors import AccudiffError, RunFailed
 from accudiff.memory import SEPARATE_MAPPINGS_FROM_TENSOR_BYTES, map_large_blocks_separately, with_huge_pages
-from accudiff.comparison.messages import Job, PassSpec
+from accudiff.execution.messages import Job, PassSpec
 from accudiff.runners.reused import ReusedRunners
 from accudiff.runners.base import BACKEND_NAMES
 
@@ -56,7 +56,7 @@ class Worker:
         self._tmp = tempfile.mkdtemp(prefix="accudiff-worker-")
         env = {**(with_huge_pages(os.environ) if huge_pages else os.environ), "TMPDIR": self._tmp}
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "accudiff.comparison.worker"],
+            [sys.executable, "-m", "accudiff.execution.worker"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env,
         )
         self._ready = False  # its first event says it is up (see `wait_ready`)
@@ -218,9 +218,9 @@ def _how_it_died(code: int) -> str:
 
 def _work(job: Job, emit: Callable[[dict], None]) -> None:
     """The worker's side: build the engine, reduce every sample, write the result."""
-    from accudiff.comparison.engine import Engine
-    from accudiff.comparison.plans import EngineOptions, Measured, PassPlan, ReferencePlan
-    from accudiff.comparison.tolerances import Tolerances
+    from accudiff.execution.engine import Engine
+    from accudiff.execution.plans import EngineOptions, Measured, PassPlan, ReferencePlan
+    from accudiff.judging.tolerances import Tolerances
     from accudiff.model.decoder import model_name
     from accudiff.model.inputs import fed_shapes
     from accudiff.model.inventory import InputSpec
@@ -231,8 +231,8 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
     from accudiff.model.stores import ReferenceStore
     from accudiff.runners.recorded import recorded_runner
     from accudiff.model.formats import QuantRange
-    from accudiff.comparison.output_kinds import OutputKind
-    from accudiff.comparison.generation import samples_per_prompt
+    from accudiff.judging.output_kinds import OutputKind
+    from accudiff.execution.generation import samples_per_prompt
 
     for path in job.validate:
         require_loadable(Path(path))
@@ -293,7 +293,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
         generated: dict[str, list] = {"steps": [], "generations": []}
         try:
             if job.generation:
-                from accudiff.comparison.generation import generate_prompts
+                from accudiff.execution.generation import generate_prompts
 
                 carrying = [p.name for p in passes if not p.fed_from_reference]
                 generated = generate_prompts(engine, job.generation, Samples.from_json(job.samples, "the prompts"), job.sample_indices, carrying,
@@ -359,7 +359,7 @@ def _load_what_every_job_uses() -> None:
     still prepares the job. The reference always runs in ONNX Runtime."""
     import onnxruntime  # noqa: F401
 
-    import accudiff.comparison.engine  # noqa: F401
+    import accudiff.execution.engine  # noqa: F401
     import accudiff.runners.onnxrt  # noqa: F401
 
 

@@ -1,1 +1,0 @@
-"""Per-tensor statistics and the comparison table."""
