@@ -124,7 +124,7 @@ def run(
 
         info, transformed, outcome = combine(info.path, runs)
         result, context = judge(info, transformed, outcome, settings, samples, runs[0].candidate.kinds)
-        result.worker_timings["comparison"], result.layout = outcome["timings"], outcome["layout"]
+        result.worker_timings["comparison"], result.layout = outcome.timings, {"workers": outcome.layout.workers, "threads": list(outcome.layout.threads)}
         laps.lap("diagnose")
         unverified = []
         if settings.verify and result.output_failures:
@@ -135,7 +135,7 @@ def run(
         inlined_engine = BRANCHES_INLINED_FOR_TRT if any(g.taken for g in groups) and settings.uses_trt else None
         notices = [*reference_notices, *captured.notices, *describe_groups(groups, len(samples)), inlined_engine, isolation_notice(settings, groups, generation),
                    *side_run_notices(result.table),
-                   *transformed.warnings, *outcome["passes"]["candidate"]["notices"]]
+                   *transformed.warnings, *outcome.passes["candidate"].notices]
         result.notices = [n for n in [chosen_backend, *notices, *unverified] if n]
         result.candidate_models = [r.candidate.path.name for r in runs]
         result.branches = [{"samples": g.samples, "taken": g.taken} for g in groups if g.taken]

@@ -1,13 +1,17 @@
-"""The messages between a run and its workers are typed and survive their JSON form whole: a job with every
-field set to something other than its default, each of its passes too, comes back equal."""
+"""The messages between a run and its workers are typed and survive their encoded form whole: a job with every
+field set to something other than its default, each of its passes too, and a worker's result likewise, come
+back equal; two results merge as one worker would have added them up."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
-from accudiff.execution.messages import Job, PassSpec
+from accudiff.execution.messages import Job, Layout, PassResult, PassSpec, WorkerResult
+from accudiff.judging.decisions import SampleOutcome
+from accudiff.judging.metrics import StatsSet
 
 
 def _every_field_set() -> Job:
@@ -40,3 +44,62 @@ def test_a_pass_with_a_field_nobody_declared_is_refused_where_it_is_read():
     text = _every_field_set().to_json().replace('"reuse": true', '"reused": true')
     with pytest.raises(TypeError, match="reused"):
         Job.from_json(text)
+
+
+def _a_result_with_every_field_set(seed: int) -> WorkerResult:
+    rng = np.random.default_rng(seed)
+
+    def stats(rows: int) -> StatsSet:
+        found = StatsSet(rows)
+        found.values[:] = rng.normal(size=found.values.shape)
+        found.sketch[:, :3] = rng.integers(1, 9, size=(rows, 3))
+        return found
+
+    outcome = SampleOutcome(sample=2, tensor="logits", max_abs_err=0.5, tol_ratio=3.0, outside_share=0.25, sqnr_db=18.0, rows=4, top1=3, kl_sum=0.2)
+    candidate = PassResult(
+        stats(3), seen={0: ("float32", "float16", "1x4")}, notes={2: "shape differs"}, not_observable={"t": "fused"}, label="ONNX Runtime (CPU)",
+        notices=["a notice"], outcomes=[outcome], points={"logits": [[2, 0.5, 0.75]]},
+        sketches={"logits": {"ratio": np.arange(4, dtype=np.int64), "kl": np.ones(4, np.int64)}},
+    )
+    return WorkerResult(
+        passes={"candidate": candidate, "isolated": PassResult(stats(3))}, inputs=stats(1), reference_not_observable={"r": "why"},
+        timings={"sessions": 0.5}, layout=Layout(1, (2,)), run_time_ranges={"t": [1.0, 8.0, 2.0, -1.0, 1.0, -0.5, 0.5]},
+        steps=[{"sample": 0, "phase": "prefill"}], generations=[{"sequence": 0, "reference": "abc"}],
+    )
+
+
+def _equal(a, b) -> bool:
+    """Dataclasses, containers and arrays compared field by field (arrays by value)."""
+    if isinstance(a, StatsSet):
+        return isinstance(b, StatsSet) and np.array_equal(a.values, b.values) and np.array_equal(a.sketch, b.sketch)
+    if dataclasses.is_dataclass(a):
+        return type(a) is type(b) and all(_equal(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_a_workers_result_survives_its_encoded_form_whole():
+    result = _a_result_with_every_field_set(0)
+    empty = WorkerResult({}, StatsSet(0))
+    assert all(not _equal(getattr(result, f.name), getattr(empty, f.name)) for f in dataclasses.fields(WorkerResult))  # every field is exercised
+    bare = PassResult(StatsSet(3))
+    assert all(not _equal(getattr(result.passes["candidate"], f.name), getattr(bare, f.name)) for f in dataclasses.fields(PassResult))
+    assert _equal(WorkerResult.decode(*result.encode()), result)
+    assert not _equal(WorkerResult.decode(*_a_result_with_every_field_set(1).encode()), result)  # the comparison can fail
+
+
+def test_two_workers_results_merge_as_one_worker_would_have_added_them():
+    first, second = _a_result_with_every_field_set(0), _a_result_with_every_field_set(1)
+    merged = first.merged(second)
+    expected = StatsSet.from_arrays(first.passes["candidate"].stats.arrays())
+    expected.merge(second.passes["candidate"].stats)
+    assert _equal(merged.passes["candidate"].stats, expected)
+    assert merged.layout == Layout(2, (2,)) and merged.timings == {"sessions": 1.0}
+    assert len(merged.passes["candidate"].outcomes) == 2 and merged.steps == first.steps + second.steps
+    assert np.array_equal(merged.passes["candidate"].sketches["logits"]["ratio"], 2 * np.arange(4))
+    assert _equal(first, _a_result_with_every_field_set(0))  # merging made new values: the parts are as they were

@@ -19,14 +19,15 @@ import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Collection, Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
 
-from accudiff.judging.decisions import DEFAULT_THRESHOLD, Decision, decide
+from accudiff.judging.decisions import DEFAULT_THRESHOLD, SampleOutcome, decide
+from accudiff.execution.messages import POINTS_PER_OUTPUT, PassResult
 from accudiff.execution.plans import EngineOptions, Measured, PassPlan, ReferencePlan, RunnerFactory
 from accudiff.judging.metrics import (EMPTY_ROW, F, PART_ELEMENTS, SKETCH_BUCKETS, PartMap, StatsSet, finish, merge_run_time_ranges, reduce_tensor,
                                          reference_range, run_time_range)
@@ -43,41 +44,11 @@ from accudiff.runners.base import Runner
 _RANGE_ONLY = Tolerance(atol=1.0, rtol=0.0)  # for a tensor compared with itself: no error, only its range
 PARALLEL_ELEMENTS = 1 << 18  # tensors this large are reduced on several cores at once
 POINTS_PER_SAMPLE = 512  # (reference, candidate) pairs of each graph output kept per sample, for plots
-POINTS_PER_OUTPUT = 2048  # ... and in all
 # With one sample, each session is made while the one before it runs when the models' weights are below
 # this; else one session at a time (see `keep_sessions`). A session made ahead holds its weights (and ONNX
 # Runtime's packed copies) beside the running one's: the recognizer's 10 MB save 0.4 s of its 9 sessions,
 # resnet18's 45 MB cost 60 MB more at the peak and saved no time.
 AHEAD_UP_TO_BYTES = 32 << 20
-
-
-@dataclass(frozen=True, kw_only=True)
-class SampleOutcome(Decision):
-    """One graph output on one sample (the per-sample view of a dataset): its error, and what the error does
-    to the decision taken from it (decisions.py)."""
-
-    sample: int
-    tensor: str
-    max_abs_err: float
-    tol_ratio: float
-    outside_share: float
-    sqnr_db: float
-
-
-@dataclass
-class PassResult:
-    """What one pass leaves: statistics, and what a reader of the table must know about them."""
-
-    stats: StatsSet
-    seen: dict[int, tuple[str, str, str]] = field(default_factory=dict)  # tensor row -> (dtype, cand dtype, shape)
-    notes: dict[int, str] = field(default_factory=dict)  # tensor row -> why it was not compared
-    not_observable: dict[str, str] = field(default_factory=dict)
-    label: str = ""
-    notices: list[str] = field(default_factory=list)
-    outcomes: list[SampleOutcome] = field(default_factory=list)
-    points: dict[str, list[list[float]]] = field(default_factory=dict)  # graph output -> sampled [sample, reference, candidate]
-    # graph output -> its sketches: of its elements' errors in tolerances ("ratio"), of its positions' KL divergences ("kl")
-    sketches: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
 
 
 @dataclass
@@ -370,8 +341,7 @@ class Engine:
             runners = [s.runner for s in getattr(self, "pass_segments", {}).get(plan.name, []) if s.runner is not None]
             result = self.results[plan.name]
             if runners:
-                result.label = runners[0].label
-                result.notices = list(dict.fromkeys(n for r in runners for n in r.notices))
+                result = self.results[plan.name] = replace(result, label=runners[0].label, notices=list(dict.fromkeys(n for r in runners for n in r.notices)))
             for runner in runners:
                 result.not_observable.update(runner.not_observable)
         for segment in getattr(self, "reference", []):

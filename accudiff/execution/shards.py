@@ -16,17 +16,14 @@ import shutil
 import tempfile
 import threading
 from contextlib import contextmanager
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
-import numpy as np
 import onnx
 
-from accudiff.execution.engine import POINTS_PER_OUTPUT
-from accudiff.judging.metrics import StatsSet, merge_run_time_ranges
-from accudiff.execution.messages import Job
-from accudiff.execution.worker import decode_result, result_files, run_job
+from accudiff.execution.messages import Job, WorkerResult, merge_results
+from accudiff.execution.worker import result_files, run_job
 from accudiff.errors import AccudiffError, first_line
 from accudiff.model.graph import data_files
 
@@ -61,7 +58,7 @@ def run_shards(
     progress: Progress | None = None,
     indices: Sequence[int] | None = None,
     keep_warm: bool = False,
-) -> dict:
+) -> WorkerResult:
     """Compare the samples `entries` (model/samples.py) in shards; their merged result.
 
     `workers`: how many shards (default: `default_workers` locally; with Ray, one per CPU of the cluster). `indices`: the
@@ -84,7 +81,7 @@ def run_shards(
 
     if len(jobs) == 1:
         return merge_results([run_job(jobs[0], report(0), keep_warm)])
-    results: list[dict | None] = [None] * len(jobs)
+    results: list[WorkerResult | None] = [None] * len(jobs)
     errors: list[BaseException] = []
 
     def run(k: int) -> None:
@@ -118,58 +115,6 @@ def _split(job: Job, entries: Sequence[Sequence[str]], indices: list[int], worke
     ]
 
 
-def merge_results(results: Iterable[dict]) -> dict:
-    """One result from several workers' results (same job, other samples), added up in their order, each
-    as it comes: only the running total is held, whatever the number of shards."""
-    merged = {"passes": {}, "reference_not_observable": {}, "inputs": None, "timings": {}, "layout": {"workers": 0, "threads": []}, "run_time_ranges": {},
-              "steps": [], "generations": []}
-    for result in results:
-        merged["steps"] += result.get("steps", [])
-        merged["generations"] += result.get("generations", [])
-        for tensor, record in result.get("run_time_ranges", {}).items():
-            merged["run_time_ranges"][tensor] = merge_run_time_ranges(merged["run_time_ranges"].get(tensor), record)
-        layout = merged["layout"]  # how many workers ran side by side, and the threads each used
-        merged["layout"] = {"workers": layout["workers"] + 1, "threads": sorted({*layout["threads"], *result["layout"]["threads"]})}
-        merged["reference_not_observable"].update(result["reference_not_observable"])
-        merged["timings"] = added_timings([merged["timings"], result.get("timings", {})])  # worker-seconds
-        inputs = StatsSet.from_arrays(result["inputs"])
-        if merged["inputs"] is None:
-            merged["inputs"] = inputs
-        else:
-            merged["inputs"].merge(inputs)
-        for name, part in result["passes"].items():
-            stats = StatsSet.from_arrays(part)
-            if name not in merged["passes"]:
-                merged["passes"][name] = {**part, "stats": stats, "seen": dict(part["seen"]), "notes": dict(part["notes"]),
-                                          "not_observable": dict(part["not_observable"]), "outcomes": list(part["outcomes"]),
-                                          "points": {k: list(v) for k, v in part["points"].items()},
-                                          "sketches": {k: {f: np.array(s) for f, s in v.items()} for k, v in part["sketches"].items()}}
-                continue
-            into = merged["passes"][name]
-            into["stats"].merge(stats)
-            for output, found in part["sketches"].items():
-                for figure, sketch in found.items():
-                    into["sketches"].setdefault(output, {})[figure] = into["sketches"].get(output, {}).get(figure, 0) + sketch
-            for key in ("seen", "notes", "not_observable"):
-                into[key] = {**part[key], **into[key]}
-            into["outcomes"] += part["outcomes"]
-            for output, points in part["points"].items():  # the first samples' points, however they were sharded
-                into["points"][output] = sorted([*into["points"].get(output, []), *points], key=lambda point: point[0])[:POINTS_PER_OUTPUT]
-    merged["inputs"] = merged["inputs"].arrays()
-    for part in merged["passes"].values():
-        part.update(part.pop("stats").arrays())
-    return merged
-
-
-def added_timings(parts: Iterable[dict[str, float]]) -> dict[str, float]:
-    """Seconds per phase, added over workers (or branch groups, or rounds)."""
-    total: dict[str, float] = {}
-    for part in parts:
-        for phase, seconds in part.items():
-            total[phase] = round(total.get(phase, 0.0) + seconds, 4)
-    return total
-
-
 @contextmanager
 def _ray_cluster(address: str) -> Iterator[int]:
     """Ray started or joined (`address`: "local" starts a local cluster), for the duration; yields its CPUs."""
@@ -191,7 +136,7 @@ def _ray_cluster(address: str) -> Iterator[int]:
             ray.shutdown()
 
 
-def _run_on_ray(jobs: list[Job], progress: Progress | None) -> Iterator[dict]:
+def _run_on_ray(jobs: list[Job], progress: Progress | None) -> Iterator[WorkerResult]:
     """Every shard as a Ray task; the files each reads go through the object store once. Results are
     yielded in shard order as they finish (a shard that finishes early waits, decoded, for its elders)."""
     import ray
@@ -199,15 +144,15 @@ def _run_on_ray(jobs: list[Job], progress: Progress | None) -> Iterator[dict]:
     shipped = [_files_of(job) for job in jobs]
     payloads = {path: ray.put(Path(path).read_bytes()) for path in sorted({path for files in shipped for path in files})}
     task = ray.remote(max_retries=0)(_ray_task)
-    pending = {task.remote(asdict(job), {path: (payloads[path], as_data) for path, as_data in files.items()}): k
+    pending = {task.remote(job.to_json(), {path: (payloads[path], as_data) for path, as_data in files.items()}): k
                for k, (job, files) in enumerate(zip(jobs, shipped))}
-    early: dict[int, dict] = {}
+    early: dict[int, WorkerResult] = {}
     next_shard, finished = 0, 0
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=1)
         k = pending.pop(ready[0])
         try:
-            early[k] = decode_result(*ray.get(ready[0]))
+            early[k] = WorkerResult.decode(*ray.get(ready[0]))
         except ray.exceptions.RayError as exc:
             raise AccudiffError(_ray_failure(exc, jobs[k])) from exc
         finished += len(jobs[k].sample_indices)
@@ -227,7 +172,7 @@ def _files_of(job: Job) -> dict[str, bool]:
     return {path: path in weights for path in dict.fromkeys([*models, *sorted(weights), *(entry[0] for entry in job.samples)])}
 
 
-def _ray_task(job: dict, payloads: dict) -> tuple[str, bytes]:
+def _ray_task(job: str, payloads: dict) -> tuple[str, bytes]:
     """A Ray task: the job's files written locally, the worker's code run here, its result files returned."""
     import ray
 
@@ -241,7 +186,7 @@ def _ray_task(job: dict, payloads: dict) -> tuple[str, bytes]:
             target = folder / (name if as_data else f"{index}-{name}")
             target.write_bytes(ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref)
             local[path] = str(target)
-        moved = Job(**job)
+        moved = Job.from_json(job)
         moved = replace(
             moved,
             reference=local[moved.reference],

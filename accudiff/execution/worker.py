@@ -13,7 +13,6 @@ result is written next to the job's `result` path: statistics as .npz (no pickle
 from __future__ import annotations
 
 import atexit
-import io
 import json
 import os
 import shutil
@@ -22,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -30,7 +29,7 @@ import numpy as np
 
 from accudiff.errors import AccudiffError, RunFailed
 from accudiff.memory import SEPARATE_MAPPINGS_FROM_TENSOR_BYTES, map_large_blocks_separately, with_huge_pages
-from accudiff.execution.messages import Job, PassSpec
+from accudiff.execution.messages import Job, Layout, PassSpec, WorkerResult
 from accudiff.runners.reused import ReusedRunners
 from accudiff.runners.base import BACKEND_NAMES
 
@@ -70,7 +69,7 @@ class Worker:
             if line and json.loads(line)["event"] != "ready":
                 raise WorkerBug("the comparison worker spoke before it was ready", line)
 
-    def run(self, job: Job, progress: Callable[[str, int, int], None] | None = None) -> dict:
+    def run(self, job: Job, progress: Callable[[str, int, int], None] | None = None) -> WorkerResult:
         """Run `job` here and return its result (see `load_result`). After a failure the worker is closed."""
         step, outcome = "starting", None
         try:
@@ -165,7 +164,7 @@ def discard_spares() -> None:
 atexit.register(discard_spares)
 
 
-def run_job(job: Job, progress: Callable[[str, int, int], None] | None = None, keep_warm: bool = False) -> dict:
+def run_job(job: Job, progress: Callable[[str, int, int], None] | None = None, keep_warm: bool = False) -> WorkerResult:
     """Run `job` in a worker process of its own (one started ahead by `prestart`, if any; one with huge pages
     for large tensors) and return its result. `keep_warm`: the worker stays up after the job, among those
     started ahead, for a job that may follow (verification's trials after a comparison: its Python start
@@ -183,28 +182,15 @@ def run_job(job: Job, progress: Callable[[str, int, int], None] | None = None, k
     return result
 
 
-def load_result(path: Path) -> dict:
-    """A worker's result: {"passes": {name: {...}}, ...}, with each pass's statistics as numpy arrays."""
-    return decode_result(path.with_suffix(".json").read_text(), path.with_suffix(".npz").read_bytes())
+def load_result(path: Path) -> WorkerResult:
+    """A worker's result, from the two files it wrote beside `path` (see `result_files`)."""
+    return WorkerResult.decode(*result_files(path))
 
 
 def result_files(path: Path) -> tuple[str, bytes]:
     """A worker's result as it was written (its JSON text and its arrays, sketches sparse): what a Ray task
     sends back, far smaller than the decoded arrays (the sketches are mostly empty buckets)."""
     return path.with_suffix(".json").read_text(), path.with_suffix(".npz").read_bytes()
-
-
-def decode_result(document_text: str, arrays_npz: bytes) -> dict:
-    """The result `load_result` returns, from the two files' contents."""
-    document = json.loads(document_text)
-    with np.load(io.BytesIO(arrays_npz), allow_pickle=False) as arrays:
-        for name, result in document["passes"].items():
-            result["values"], result["sketch"] = arrays[f"{name}/values"], _dense(arrays, f"{name}/sketch")
-            result["sketches"] = {}
-            for (output, figure), sketch in zip(result.pop("sketch_keys"), _dense(arrays, f"{name}/sketches")):
-                result["sketches"].setdefault(output, {})[figure] = sketch
-        document["inputs"] = {"values": arrays["inputs/values"], "sketch": _dense(arrays, "inputs/sketch")}
-    return document
 
 
 def _how_it_died(code: int) -> str:
@@ -318,40 +304,12 @@ _REUSED = ReusedRunners()
 
 
 def _write_result(engine, path: Path, threads: int, generated: dict[str, list]) -> None:
-    arrays = {"inputs/values": engine.input_stats.values, **_sparse("inputs/sketch", engine.input_stats.sketch)}
-    document = {"passes": {}, "reference_not_observable": engine.reference_not_observable, "timings": engine.timings,
-                "layout": {"workers": 1, "threads": [threads]}, "run_time_ranges": engine.run_time_ranges, **generated}
-    for name, result in engine.results.items():
-        arrays.update({f"{name}/values": result.stats.values, **_sparse(f"{name}/sketch", result.stats.sketch)})
-        keys = [(output, figure) for output, found in result.sketches.items() for figure in found]
-        arrays.update(_sparse(f"{name}/sketches", np.array([result.sketches[o][f] for o, f in keys], np.int64).reshape(len(keys), -1)))
-        document["passes"][name] = {
-            "sketch_keys": keys,
-            "seen": {str(k): v for k, v in result.seen.items()},
-            "notes": {str(k): v for k, v in result.notes.items()},
-            "not_observable": result.not_observable,
-            "label": result.label,
-            "notices": result.notices,
-            "outcomes": [asdict(o) for o in result.outcomes],
-            "points": result.points,
-        }
+    result = WorkerResult(engine.results, engine.input_stats, engine.reference_not_observable, engine.timings, Layout(1, (threads,)),
+                          engine.run_time_ranges, generated["steps"], generated["generations"])
+    document, arrays = result.encode()
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".npz"), "wb") as handle:
-        np.savez(handle, **arrays)  # sketches are written sparse: compressing would cost more than it saves
-    path.with_suffix(".json").write_text(json.dumps(document, default=float))
-
-
-def _sparse(key: str, sketch: np.ndarray) -> dict[str, np.ndarray]:
-    """A sketch as its nonzero buckets (most of its buckets are empty): flat positions, counts, shape."""
-    flat = sketch.reshape(-1)
-    at = np.flatnonzero(flat)
-    return {f"{key}/at": at, f"{key}/count": flat[at], f"{key}/shape": np.asarray(sketch.shape, np.int64)}
-
-
-def _dense(arrays, key: str) -> np.ndarray:
-    sketch = np.zeros(int(np.prod(arrays[f"{key}/shape"])), np.int64)
-    sketch[arrays[f"{key}/at"]] = arrays[f"{key}/count"]
-    return sketch.reshape(tuple(arrays[f"{key}/shape"]))
+    path.with_suffix(".npz").write_bytes(arrays)
+    path.with_suffix(".json").write_text(document)
 
 
 def _load_what_every_job_uses() -> None:

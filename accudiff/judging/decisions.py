@@ -78,6 +78,19 @@ class Decision:
     non_finite: int = 0  # elements NaN/Inf on one side and not the same on the other: their error is Inf
 
 
+@dataclass(frozen=True, kw_only=True)
+class SampleOutcome(Decision):
+    """One graph output on one sample (the per-sample view of a dataset): its error, and what the error does
+    to the decision taken from it (the figures of `Decision`)."""
+
+    sample: int
+    tensor: str
+    max_abs_err: float
+    tol_ratio: float
+    outside_share: float
+    sqnr_db: float
+
+
 COUNTS = tuple(f.name for f in fields(Decision) if f.name not in ("atol_needed", "rtol_needed"))  # what the decision figures are made of
 # How each count merges over samples and workers: its lowest or its highest kept, or (the others) added up.
 LOWEST, HIGHEST = ("cosine_min",), ("kl_max", "dp_max")

@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import onnx
 
-from accudiff.judging.metrics import EMPTY_ROW, SKETCH_BUCKETS
-from accudiff.execution.shards import merge_results
+from accudiff.execution.messages import WorkerResult, merge_results
 from accudiff.errors import AccudiffError
 from accudiff.model.graph import all_nodes, subgraph_outer_references
 from accudiff.model.inventory import ModelInfo
@@ -137,23 +136,12 @@ def describe_groups(groups: Sequence[BranchGroup], total: int, shown: int = 3) -
     return lines
 
 
-def merge_group_results(groups: Sequence[tuple[Sequence[str], dict]]) -> tuple[list[str], dict]:
+def merge_group_results(groups: Sequence[tuple[Sequence[str], WorkerResult]]) -> tuple[list[str], WorkerResult]:
     """One result over the union of the groups' tensors (in an order that respects every group's
-    topological order) from each group's (tensors, result)."""
+    topological order) from each group's (tensors, result); the groups ran one after another."""
     union = union_order([tensors for tensors, _ in groups])
     position = {name: k for k, name in enumerate(union)}
-    widened = []
-    for tensors, result in groups:
-        rows = np.array([position[name] for name in tensors], dtype=np.intp)
-        passes = {}
-        for name, part in result["passes"].items():
-            values = np.tile(EMPTY_ROW, (len(union), 1))
-            sketch = np.zeros((len(union), SKETCH_BUCKETS), np.int64)
-            values[rows], sketch[rows] = part["values"], part["sketch"]
-            remap = lambda mapping: {str(rows[int(k)]): v for k, v in mapping.items()}  # noqa: E731
-            passes[name] = {**part, "values": values, "sketch": sketch, "seen": remap(part["seen"]), "notes": remap(part["notes"])}
-        widened.append({**result, "passes": passes})
-    return union, merge_results(widened)
+    return union, merge_results((result.widened([position[name] for name in tensors], len(union)) for tensors, result in groups), side_by_side=False)
 
 
 def union_order(orders: Sequence[Sequence[str]]) -> list[str]:

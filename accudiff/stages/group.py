@@ -18,7 +18,8 @@ import onnx
 from accudiff.stages.branches import BranchGroup, merge_group_results
 from accudiff.execution.generation import samples_per_prompt
 from accudiff.judging.output_kinds import OutputKind, kinds_of
-from accudiff.execution.shards import added_timings, run_shards
+from accudiff.execution.messages import WorkerResult
+from accudiff.execution.shards import run_shards
 from accudiff.judging.tolerances import Tolerances
 from accudiff.verification.trial import MAX_TRIAL_SAMPLES
 from accudiff.execution.messages import Job, PassSpec
@@ -67,7 +68,7 @@ class GroupRun:
     tensors when they were kept (replayed from a cache or a captured file, or recorded to be saved)."""
 
     candidate: Candidate
-    outcome: dict
+    outcome: WorkerResult
     group_samples: list[int]
     reference: ReferenceStore | None = None
     outputs: ReferenceStore | None = None  # the reference's graph outputs, when recorded for verification
@@ -258,7 +259,7 @@ def could_be_a_shape(value: np.ndarray) -> bool:
     return np.issubdtype(value.dtype, np.integer) and value.ndim <= 1 and value.size <= 8
 
 
-def combine(model: Path, runs: Sequence[GroupRun]) -> tuple[ModelInfo, TransformResult, dict]:
+def combine(model: Path, runs: Sequence[GroupRun]) -> tuple[ModelInfo, TransformResult, WorkerResult]:
     """One inventory, one account of the transform and one result from the branch groups' runs (with a
     single group: that group's, under the model's own path)."""
     infos = [r.candidate.info for r in runs]
@@ -267,9 +268,6 @@ def combine(model: Path, runs: Sequence[GroupRun]) -> tuple[ModelInfo, Transform
         tensors = [t.name for t in infos[0].tensors]
     else:
         tensors, outcome = merge_group_results([([t.name for t in info.tensors], r.outcome) for info, r in zip(infos, runs)])
-        outcome["timings"] = added_timings(r.outcome["timings"] for r in runs)
-        layouts = [r.outcome["layout"] for r in runs]  # the groups ran one after another
-        outcome["layout"] = {"workers": max(x["workers"] for x in layouts), "threads": sorted({t for x in layouts for t in x["threads"]})}
     by_name = {t.name: t for info in reversed(infos) for t in info.tensors}
     upstream: dict[str, list[str]] = {}
     for each in infos:  # a node reading one value twice (x * x) keeps both reads: that makes it a square

@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Mapping
 import numpy as np
 import pandas as pd
 
-from accudiff.judging.decisions import DEFAULT_THRESHOLD, Decision, summarize, tolerance_met
-from accudiff.judging.metrics import StatsSet
+from accudiff.judging.decisions import DEFAULT_THRESHOLD, Decision, SampleOutcome, summarize, tolerance_met
 from accudiff.judging.intervals import intervals
 from accudiff.judging.objective import Resolution
 from accudiff.judging.output_kinds import DECIDING, UNKNOWN, OutputKind
 from accudiff.judging.table import STATUS_FAIL, STATUS_MISSING, STATUS_PASS, build_table, graph_input_table, with_side_run
 from accudiff.diagnosis.cause import ancestor_tensors, find_cause
+from accudiff.execution.messages import PassResult, WorkerResult
 from accudiff.diagnosis.rules import DiagnosisContext, diagnose
 from accudiff.errors import AccudiffError
 from accudiff.model.inventory import ModelInfo
@@ -31,7 +31,7 @@ STEP_COLUMNS = ["sample", "sequence", "step", "phase", "position", "tokens", "re
 SAMPLE_COLUMNS = ["sample", "tensor", "status", "max_abs_err", "tol_ratio", "outside_share", "sqnr_db", *(f.name for f in fields(Decision))]
 
 
-def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings: RunSettings, samples: Samples,
+def judge(info: ModelInfo, transformed: TransformResult, outcome: WorkerResult, settings: RunSettings, samples: Samples,
           kinds: Mapping[str, OutputKind]) -> tuple[CompareResult, DiagnosisContext]:
     """The result of a comparison (tables, verdict, the first failing tensor, the failing outputs with
     their causes) and what the rules knew when they named them. Outputs of `kinds` "state" (a decoder's KV
@@ -40,16 +40,14 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings
     row_of = {t.name: k for k, t in enumerate(info.tensors)}
 
     def table_of(name: str) -> pd.DataFrame:
-        result = outcome["passes"][name]
-        seen = {int(k): v for k, v in result["seen"].items()}
-        notes = {int(k): v for k, v in result["notes"].items()}
-        notes.update({row_of[name]: f"no partner in the candidate: {why}" for name, why in transformed.unmatched.items() if name in row_of})
-        return build_table(info.tensors, StatsSet.from_arrays(result), seen, notes, tolerances, transformed.quant_ranges)
+        result = outcome.passes[name]
+        notes = {**result.notes, **{row_of[name]: f"no partner in the candidate: {why}" for name, why in transformed.unmatched.items() if name in row_of}}
+        return build_table(info.tensors, result.stats, result.seen, notes, tolerances, transformed.quant_ranges)
 
     table = table_of("candidate")
     if settings.isolate:
         table = with_side_run(table, table_of("isolated"), "isolated")
-    if settings.also is not None and settings.also in outcome["passes"]:
+    if settings.also is not None and settings.also in outcome.passes:
         table = with_side_run(table, table_of(settings.also), settings.also)
     float_inputs = [spec for spec in info.inputs if np.issubdtype(spec.dtype, np.floating)]
     context = DiagnosisContext(
@@ -58,10 +56,10 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings
         frozenset(transformed.converted),
         {k.node: k.reason for k in transformed.kept},
         transformed.constant_findings,
-        graph_input_table(float_inputs, StatsSet.from_arrays(outcome["inputs"]), transformed.quant_ranges),
+        graph_input_table(float_inputs, outcome.inputs, transformed.quant_ranges),
         dict(transformed.quant_ranges),
         dict(transformed.weight_findings),
-        dict(outcome.get("run_time_ranges", {})),
+        dict(outcome.run_time_ranges),
     )
     indexed = table.set_index("tensor", drop=False)
     failing = table.loc[table["status"] == STATUS_FAIL, "tensor"].tolist()
@@ -76,9 +74,9 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings
     if failing:
         row = indexed.loc[failing[0]]
         first_failure = TensorFailure(failing[0], row["node"], row["op_type"], diagnose(failing[0], indexed, context))
-    candidate_pass = outcome["passes"]["candidate"]
-    steps = pd.DataFrame(outcome.get("steps", []), columns=STEP_COLUMNS)
-    sample_table = _sample_table(candidate_pass["outcomes"], steps)
+    candidate_pass = outcome.passes["candidate"]
+    steps = pd.DataFrame(outcome.steps, columns=STEP_COLUMNS)
+    sample_table = _sample_table(candidate_pass.outcomes, steps)
     decisions, met = _decisions(sample_table, candidate_pass, settings, row_of)
     objective = settings.judged
     objective.applies(decisions, info.output_names)
@@ -93,7 +91,7 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings
     result = CompareResult(
         model=Path(settings.model),
         precision=settings.precision,
-        candidate=candidate_pass["label"],
+        candidate=candidate_pass.label,
         table=table,
         passed=False,
         first_failure=first_failure,
@@ -101,7 +99,7 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings
         tolerances=tolerances,
         kept=transformed.kept,
         converted=frozenset(transformed.converted),
-        not_observable={**info.not_observable, **outcome["reference_not_observable"], **candidate_pass["not_observable"]},
+        not_observable={**info.not_observable, **outcome.reference_not_observable, **candidate_pass.not_observable},
         iterations=len(samples),
         seed=settings.seed if settings.inputs is None else None,
         samples=sample_table,
@@ -118,25 +116,25 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: dict, settings
     compared, computed = result.coverage
     result.unresolved = {name: [r for r in found if r.outcome == "unresolved"] for name, found in resolved.items() if any(r.outcome == "unresolved" for r in found)}
     result.passed = bool(deciding) and not failing_outputs and not result.unresolved and compared + len(result.inside) >= MIN_COVERAGE * computed
-    result.points = {name: [point[1:] for point in points] for name, points in candidate_pass.get("points", {}).items()}  # [reference, candidate]
+    result.points = {name: [point[1:] for point in points] for name, points in candidate_pass.points.items()}  # [reference, candidate]
     result.decisions, result.tolerance_met, result.require = decisions, met, dict(objective.require)
     result.intervals, result.output_kinds = spans, dict(kinds)
     if len(steps):
-        result.steps, result.generations = steps, sorted(outcome["generations"], key=lambda g: g["sequence"])
-        result.phases = {output: _phases(rows, candidate_pass["sketches"].get(output, {}), settings) for output, rows in sample_table.groupby("tensor", sort=False)
+        result.steps, result.generations = steps, sorted(outcome.generations, key=lambda g: g["sequence"])
+        result.phases = {output: _phases(rows, candidate_pass.sketches.get(output, {}), settings) for output, rows in sample_table.groupby("tensor", sort=False)
                          if kinds.get(output, UNKNOWN).kind in ("logits", "probabilities")}
     result.nodes, result.weights = info.nodes, info.weights
     return result, context
 
 
-def _decisions(samples: pd.DataFrame, candidate: dict, settings: RunSettings, row_of: dict[str, int]) -> tuple[dict[str, dict], dict[str, dict]]:
+def _decisions(samples: pd.DataFrame, candidate: PassResult, settings: RunSettings, row_of: dict[str, int]) -> tuple[dict[str, dict], dict[str, dict]]:
     """Per graph output, its decision figures over every sample and the tolerance it meets."""
-    sketches = np.asarray(candidate["sketch"])
+    sketches = candidate.stats.sketch
     decisions, met = {}, {}
     for output, rows in samples.groupby("tensor", sort=False):
         threshold = settings.thresholds.get(output, settings.thresholds.get("", DEFAULT_THRESHOLD))
         errors = sketches[row_of[output]] if output in row_of else None
-        decisions[output] = summarize(rows, candidate["sketches"].get(output, {}), errors, threshold)
+        decisions[output] = summarize(rows, candidate.sketches.get(output, {}), errors, threshold)
         met[output] = tolerance_met(rows)
     return decisions, met
 
@@ -178,15 +176,15 @@ def _phases(rows: pd.DataFrame, sketches: dict, settings: RunSettings) -> dict[s
     return found
 
 
-def attach_sketches(result: CompareResult, info: ModelInfo, outcome: dict) -> None:
+def attach_sketches(result: CompareResult, info: ModelInfo, outcome: WorkerResult) -> None:
     """The error sketches the report plots: every failing output's and its (verified) cause's."""
     row_of = {t.name: k for k, t in enumerate(info.tensors)}
     shown = {f.tensor for f in result.output_failures} | {f.cause.tensor for f in result.output_failures if f.cause.tensor}
-    sketch = np.asarray(outcome["passes"]["candidate"]["sketch"])
+    sketch = outcome.passes["candidate"].stats.sketch
     result.error_sketches = {name: sketch[row_of[name]] for name in shown if name in row_of}
 
 
-def _sample_table(outcomes: list[dict], steps: pd.DataFrame) -> pd.DataFrame:
+def _sample_table(outcomes: list[SampleOutcome], steps: pd.DataFrame) -> pd.DataFrame:
     """One row per sample and graph output, in sample order; a decoder's generation adds what each sample
     is (its prompt, step, phase and first position)."""
     table = pd.DataFrame(outcomes, columns=[c for c in SAMPLE_COLUMNS if c != "status"])

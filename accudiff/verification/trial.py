@@ -20,18 +20,17 @@ import queue
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Collection, Mapping, Sequence
 
 import onnx
 
-from accudiff.judging.decisions import decision_figures, merge_counts
+from accudiff.judging.decisions import SampleOutcome, decision_figures, merge_counts
 from accudiff.judging.intervals import Interval, intervals
 from accudiff.judging.objective import Objective
 from accudiff.judging.output_kinds import kinds_of
-from accudiff.execution.shards import added_timings, merge_results
-from accudiff.execution.messages import Job, PassSpec
+from accudiff.execution.messages import Job, PassSpec, added_timings, merge_results
 from accudiff.execution.worker import Worker, discard_spares, prestart, take_worker
 from accudiff.model.graph import tensor_bytes
 from accudiff.model.inventory import ModelInfo
@@ -201,9 +200,8 @@ class Trials:
                 found: dict[int, TrialOutcome] = {}
                 for index, (group, batch) in enumerate(zip(groups, batches)):
                     merged = merged_by_job[index]
-                    self.timings = added_timings([self.timings, merged["timings"]])
-                    passes = merged["passes"]
-                    found.update((i, _outcome(keep, passes[p.name]["outcomes"])) for i, keep, p in zip(group, batch.keep_lists, batch.job.passes))
+                    self.timings = added_timings([self.timings, merged.timings])
+                    found.update((i, _outcome(keep, merged.passes[p.name].outcomes)) for i, keep, p in zip(group, batch.keep_lists, batch.job.passes))
                 outcomes = [found[i] for i in range(len(closed))]
             except BaseException:
                 discard_spares()
@@ -220,7 +218,7 @@ class Trials:
         job = replace(self._job([], self.reference.folder, None).job, threads=threads)
         self._workers[0].wait_ready()
         merged = merge_results([self._workers[0].run(job)])
-        self.timings = added_timings([self.timings, merged["timings"]])
+        self.timings = added_timings([self.timings, merged.timings])
         self.reference.finish()
 
     def _switchboard(self, keep_lists: list[list[str]]) -> tuple[Switchboard, Path] | None:
@@ -294,9 +292,10 @@ class _Batch:
     job: Job
 
 
-def _outcome(keep: list[str], samples: list[dict]) -> TrialOutcome:
+def _outcome(keep: list[str], outcomes: list[SampleOutcome]) -> TrialOutcome:
     ratio: dict[str, float] = {}
     counts: dict[str, dict[str, float]] = {}
+    samples = [asdict(one) for one in outcomes]
     for one in samples:
         name = one["tensor"]
         ratio[name] = max(ratio.get(name, 0.0), float(one["tol_ratio"]))
