@@ -18,6 +18,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from accudiff.model.formats import model_formats, precision_label
+from accudiff.model.graph import GraphIndex
 from accudiff.model.quantized_ops import find_quantized_ops
 from accudiff.model.shapes import infer_shapes_in_place
 from accudiff.transforms.keep_float import UNDO_ALL, keep_in_float
@@ -107,7 +108,7 @@ def test_each_form_is_recognised_named_and_undone(small, name, tmp_path):
     make, formats, quantized, op_types = CANDIDATES[name]
     candidate = make(small, tmp_path / f"{name.replace(' ', '-')}.onnx")
     proto, reference = onnx.load(str(candidate)), onnx.load(str(small))
-    ops = find_quantized_ops(proto.graph, reference.graph)
+    ops = find_quantized_ops(GraphIndex.of(proto.graph), GraphIndex.of(reference.graph))
     written = {n.op_type for n in proto.graph.node if n.name in {m for op in ops for m in op.members}}
     assert {op.node for op in ops} == quantized and op_types <= written, written  # named as the float model names them
     assert model_formats(proto.graph) == formats and precision_label(formats) == "+".join(formats)
@@ -128,7 +129,7 @@ def test_the_switchboard_is_keep_in_float_bit_for_bit(small, name, tmp_path):
     make = CANDIDATES[name][0]
     candidate = onnx.load(str(make(small, tmp_path / "candidate.onnx")))
     reference = onnx.load(str(small))
-    nodes = [op.node for op in find_quantized_ops(candidate.graph, reference.graph)]
+    nodes = [op.node for op in find_quantized_ops(GraphIndex.of(candidate.graph), GraphIndex.of(reference.graph))]
     board = build_candidate_switchboard(candidate, reference, nodes)
     for keep in ([], nodes[:1], nodes):
         switched = {**FEED, **{k: np.asarray(v) for k, v in board.settings(keep).items()}}
@@ -146,7 +147,7 @@ def test_quantize_dynamics_lstm_is_undone(tmp_path):
         torch.onnx.export(lstm, (torch.randn(1, 7, 16),), str(path), input_names=["x"], output_names=["y", "h", "c"], dynamo=False, opset_version=17)
     candidate = models.onnxruntime_dynamic(path, tmp_path / "lstm-dynamic.onnx")
     proto, reference = onnx.load(str(candidate)), onnx.load(str(path))
-    [op] = find_quantized_ops(proto.graph, reference.graph)
+    [op] = find_quantized_ops(GraphIndex.of(proto.graph), GraphIndex.of(reference.graph))
     assert op.op_type == "LSTM" and model_formats(proto.graph) == ["int8-dynamic"]
     feed = {"x": RNG.normal(size=(1, 7, 16)).astype(np.float32)}
     back = keep_in_float(proto, reference, [op.node])
@@ -174,7 +175,7 @@ def test_undoing_only_the_activations_leaves_weight_only_ops_as_they_are(small, 
     make = CANDIDATES[name][0]
     candidate = onnx.load(str(make(small, tmp_path / "candidate.onnx")))
     reference = onnx.load(str(small))
-    ops = find_quantized_ops(candidate.graph, reference.graph)
+    ops = find_quantized_ops(GraphIndex.of(candidate.graph), GraphIndex.of(reference.graph))
     split = keep_in_float(candidate, reference, [op.node for op in ops], PARTS["activations"])
     weight_only = [op for op in ops if not op.quantizes_activation]
     assert weight_only
@@ -194,7 +195,7 @@ def test_undoing_only_the_activations_of_matmulnbits_at_accuracy_level_4_keeps_i
 
     candidate = onnx.load(str(CANDIDATES["nbits 4 accuracy level 4"][0](small, tmp_path / "candidate.onnx")))
     reference = onnx.load(str(small))
-    ops = [op for op in find_quantized_ops(candidate.graph, reference.graph) if op.quantizes_activation]
+    ops = [op for op in find_quantized_ops(GraphIndex.of(candidate.graph), GraphIndex.of(reference.graph)) if op.quantizes_activation]
     assert ops
     split = keep_in_float(candidate, reference, [op.node for op in ops], PARTS["activations"])
     nodes = {n.name: n for n in split.graph.node}
@@ -226,10 +227,10 @@ def test_blocks_a_large_value_flattens_are_found_on_the_packed_codes(tmp_path):
     quantizer = MatMulNBitsQuantizer(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), bits=4, block_size=32, is_symmetric=True)
     quantizer.process()
     quantized = quantizer.model.model
-    [op] = find_quantized_ops(quantized.graph, graph)
+    [op] = find_quantized_ops(GraphIndex.of(quantized.graph), GraphIndex.of(graph))
     constants = constant_values(quantized.graph)
     fast = _nbits_zero_shares(op.weights[0], weight_values(constants[op.weights[0].codes]))
     values = float_weight(op.weights[0], constants)
     assert np.array_equal(fast, (values.T.reshape(32, -1, 32) == 0).mean(axis=-1))
-    kind, said = quantized_weight_findings([op], quantized.graph, graph)["spiky"]
+    kind, said = quantized_weight_findings([op], GraphIndex.of(quantized.graph), GraphIndex.of(graph))["spiky"]
     assert kind == "block_scale" and "32 of its 64 blocks" in said

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from accudiff.model.graph import constant_values, value_types, writers_of
+from accudiff.model.graph import GraphIndex
 from accudiff.model.quantized_ops import find_quantized_ops, quantized_members
 from accudiff.model.weights import weight_values
 
@@ -130,11 +130,12 @@ def model_formats(graph: onnx.GraphProto) -> list[str]:
     """The formats a (shape-inferred) graph stores values in: its quantized ops' (quantized_ops.py), its Q/DQ
     grids (an integer grid only weights are read from, by nodes whose activations stay float, is that
     grid's `-weight` format), and FP16/BF16 wherever a weight, a value or a Cast has that type."""
-    types = value_types(graph)
-    ops = find_quantized_ops(graph)
+    index = GraphIndex.of(graph)
+    types = index.types
+    ops = find_quantized_ops(index)
     members = quantized_members(ops)
     found = {f for op in ops for f in op.formats}
-    weight_only = _weight_only_dequantizers(graph)
+    weight_only = _weight_only_dequantizers(index)
     for node in graph.node:
         kind = grid_type(node, types) if node.name not in members else None
         if kind in GRIDS:
@@ -145,11 +146,10 @@ def model_formats(graph: onnx.GraphProto) -> list[str]:
     return [f for f in FORMAT_ORDER if f in found]
 
 
-def _weight_only_dequantizers(graph: onnx.GraphProto) -> set[str]:
+def _weight_only_dequantizers(index: GraphIndex) -> set[str]:
     """The DequantizeLinear nodes of weights (constants, or constants behind a QuantizeLinear) read only by
     nodes that read no other dequantized value: their activations stay float."""
-    constants = constant_values(graph)
-    producer = writers_of(graph.node)
+    constants, producer = index.constants, index.producer
 
     def dequantizer(name: str) -> tuple[onnx.NodeProto | None, bool]:
         node = producer.get(name)
@@ -160,7 +160,7 @@ def _weight_only_dequantizers(graph: onnx.GraphProto) -> set[str]:
         return node, quantized in constants
 
     weights, readers_of_activations = {}, set()
-    for node in graph.node:
+    for node in index.graph.node:
         read = [dequantizer(name) for name in node.input]
         if any(d is not None and not is_weight for d, is_weight in read):
             readers_of_activations.update(d.name for d, _ in read if d is not None)
@@ -170,12 +170,12 @@ def _weight_only_dequantizers(graph: onnx.GraphProto) -> set[str]:
     return set(weights) - readers_of_activations
 
 
-def quant_ranges(graph: onnx.GraphProto) -> dict[str, QuantRange]:
+def quant_ranges(index: GraphIndex) -> dict[str, QuantRange]:
     """The grid of every tensor a QuantizeLinear quantizes with one scale (per-channel scales are weights'),
     by the name of the value it quantizes."""
-    constants, types = constant_values(graph), value_types(graph)
+    constants, types = index.constants, index.types
     ranges: dict[str, QuantRange] = {}
-    for node in graph.node:
+    for node in index.graph.node:
         kind = grid_type(node, types) if node.op_type == "QuantizeLinear" else None
         if kind not in GRIDS or node.input[1] not in constants:
             continue

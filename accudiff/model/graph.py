@@ -1,9 +1,11 @@
-"""Small graph utilities the transforms share: copies without weights, typed declarations, every node
-including If/Loop/Scan bodies, topological order, a tensor's size."""
+"""Small graph utilities the transforms share: one index of a graph (producers, readers, types, constants),
+copies without weights, typed declarations, every node including If/Loop/Scan bodies, topological order,
+a tensor's size."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 import onnx
@@ -191,14 +193,51 @@ def constant_values(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
 def widened_constants(graph: onnx.GraphProto, narrow: Iterable[int]) -> dict[str, str]:
     """Values a Cast widens from a constant stored in a `narrow` type (weights kept FP16 and cast to FP32 as
     the model runs, as ONNX Runtime's FP16 converter leaves the nodes it blocks) -> that constant's name."""
-    constants, narrow = constant_values(graph), set(narrow)
+    return _widened(graph, constant_values(graph), set(narrow))
+
+
+def _widened(graph: onnx.GraphProto, constants: Mapping[str, onnx.TensorProto], narrow: set[int]) -> dict[str, str]:
     return {node.output[0]: node.input[0] for node in graph.node
             if node.op_type == "Cast" and node.input and node.input[0] in constants and constants[node.input[0]].data_type in narrow
             and cast_target(node) not in narrow}
 
 
-def value_types(graph: onnx.GraphProto) -> dict[str, int]:
-    """The element type of every value the graph declares (inputs, outputs, value_info, constants)."""
+def value_types(graph: onnx.GraphProto, constants: Mapping[str, onnx.TensorProto] | None = None) -> dict[str, int]:
+    """The element type of every value the graph declares (inputs, outputs, value_info, constants: `constants`
+    when they were read already)."""
     types = {vi.name: vi.type.tensor_type.elem_type for vi in [*graph.input, *graph.value_info, *graph.output] if vi.type.HasField("tensor_type")}
-    types.update((name, tensor.data_type) for name, tensor in constant_values(graph).items())
+    types.update((name, tensor.data_type) for name, tensor in (constant_values(graph) if constants is None else constants).items())
     return {name: kind for name, kind in types.items() if kind}
+
+
+@dataclass(frozen=True)
+class GraphIndex:
+    """One graph's lookups, built once and handed to every reader of that graph: the node writing each value,
+    every value's readers (graph order), the declared element types, the constants (initializers and
+    Constant nodes' values), the graph outputs. For a graph nobody edits while it is read: a transform that
+    edits a graph keeps its own records of what it added."""
+
+    graph: onnx.GraphProto
+    producer: dict[str, onnx.NodeProto]
+    readers: dict[str, list[onnx.NodeProto]]
+    types: dict[str, int]
+    constants: dict[str, onnx.TensorProto]
+    outputs: frozenset[str]
+
+    @classmethod
+    def of(cls, graph: onnx.GraphProto) -> GraphIndex:
+        constants = constant_values(graph)
+        return cls(graph, writers_of(graph.node), readers_of(graph.node), value_types(graph, constants), constants, frozenset(o.name for o in graph.output))
+
+    def only_reader(self, value: str) -> onnx.NodeProto | None:
+        """The one node reading `value`, if it is read once and is no graph output."""
+        readers = self.readers.get(value, [])
+        return readers[0] if len(readers) == 1 and value not in self.outputs else None
+
+    def made_by(self, value: str, op_type: str) -> onnx.NodeProto | None:
+        node = self.producer.get(value)
+        return node if node is not None and node.op_type == op_type else None
+
+    def widened_constants(self, narrow: Iterable[int]) -> dict[str, str]:
+        """See `widened_constants`."""
+        return _widened(self.graph, self.constants, set(narrow))

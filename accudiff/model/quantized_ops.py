@@ -21,13 +21,13 @@ the float model, by the node that writes its output there.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Mapping
 
 import onnx
 from onnx import TensorProto, helper
 
-from accudiff.model.graph import constant_values, readers_of, value_types, writers_of
+from accudiff.model.graph import GraphIndex
 
 DYNAMIC_INT8 = "int8-dynamic"
 UINT8_LEVELS = 255  # DynamicQuantizeLinear: UINT8 over [min(x, 0), max(x, 0)]
@@ -91,29 +91,6 @@ class QuantizedOp:
         return (self.node, *self.also)
 
 
-@dataclass
-class _View:
-    """What recognisers read of a graph."""
-
-    graph: onnx.GraphProto
-    producer: dict[str, onnx.NodeProto] = field(default_factory=dict)
-    readers: dict[str, list[onnx.NodeProto]] = field(default_factory=dict)
-    constants: dict[str, onnx.TensorProto] = field(default_factory=dict)
-    types: dict[str, int] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, graph: onnx.GraphProto) -> _View:
-        return cls(graph, constants=constant_values(graph), types=value_types(graph), readers=readers_of(graph.node), producer=writers_of(graph.node))
-
-    def only_reader(self, value: str) -> onnx.NodeProto | None:
-        readers = self.readers.get(value, [])
-        return readers[0] if len(readers) == 1 and value not in {o.name for o in self.graph.output} else None
-
-    def made_by(self, value: str, op_type: str) -> onnx.NodeProto | None:
-        node = self.producer.get(value)
-        return node if node is not None and node.op_type == op_type else None
-
-
 def _attr(node: onnx.NodeProto, name: str, default=None):
     return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
 
@@ -133,7 +110,7 @@ def _stem(name: str, suffixes: Iterable[str]) -> str:
 # --- the recognisers: each takes a node and the view, and returns the op the node starts, or None -------
 
 
-def _integer_chain(node: onnx.NodeProto, view: _View) -> QuantizedOp | None:
+def _integer_chain(node: onnx.NodeProto, view: GraphIndex) -> QuantizedOp | None:
     """quantize_dynamic's MatMul and Conv: MatMulInteger/ConvInteger(activation codes, weight codes) -> Cast
     -> Mul(scales) [-> Add(Reshape(bias)) for a Conv]. The activation's codes come from a
     DynamicQuantizeLinear (quantized per tensor as the model runs), or are a quantized Gather's, which a
@@ -174,7 +151,7 @@ def _integer_chain(node: onnx.NodeProto, view: _View) -> QuantizedOp | None:
                        activation_quantizer=activation.name if run_time else None, run_time_levels=UINT8_LEVELS if run_time else 0)
 
 
-def _integer_weight(node, position: int, zero_point: str | None, scales, activation_scale: str, view: _View, axis: int):
+def _integer_weight(node, position: int, zero_point: str | None, scales, activation_scale: str, view: GraphIndex, axis: int):
     """An integer op's weight: codes in a constant (their scale is the factor beside the activation's,
     `activation_scale`, in the `scales` Mul, or that product folded into a constant by an optimizer), or a
     float constant quantized as the model runs by a DynamicQuantizeLinear of its own. (that quantizer's name
@@ -194,7 +171,7 @@ def _integer_weight(node, position: int, zero_point: str | None, scales, activat
     return None, QuantizedWeight(position, codes, scale, zero_point, axis=axis)
 
 
-def _dynamic_quantize_matmul(node: onnx.NodeProto, view: _View) -> QuantizedOp | None:
+def _dynamic_quantize_matmul(node: onnx.NodeProto, view: GraphIndex) -> QuantizedOp | None:
     """ONNX Runtime's fused DynamicQuantizeMatMul(A, B codes, b_scale, b_zero_point, bias)."""
     codes, scale, zero = node.input[1], node.input[2], _input(node, 3)
     if not {codes, scale, *([zero] if zero else [])} <= view.constants.keys():
@@ -205,7 +182,7 @@ def _dynamic_quantize_matmul(node: onnx.NodeProto, view: _View) -> QuantizedOp |
                        bias=_input(node, 4), quantizes_activation=True, run_time_levels=UINT8_LEVELS)
 
 
-def _matmul_integer_to_float(node: onnx.NodeProto, view: _View) -> QuantizedOp | None:
+def _matmul_integer_to_float(node: onnx.NodeProto, view: GraphIndex) -> QuantizedOp | None:
     """ONNX Runtime's fused MatMulIntegerToFloat(A codes, B codes, a_scale, b_scale, a_zero, b_zero, bias)."""
     activation = view.made_by(node.input[0], "DynamicQuantizeLinear")
     codes, scale, zero = node.input[1], node.input[3], _input(node, 5)
@@ -217,7 +194,7 @@ def _matmul_integer_to_float(node: onnx.NodeProto, view: _View) -> QuantizedOp |
                        bias=_input(node, 6), quantizes_activation=True, activation_quantizer=activation.name, run_time_levels=UINT8_LEVELS)
 
 
-def _dynamic_quantize_lstm(node: onnx.NodeProto, view: _View) -> QuantizedOp | None:
+def _dynamic_quantize_lstm(node: onnx.NodeProto, view: GraphIndex) -> QuantizedOp | None:
     """quantize_dynamic's LSTM: DynamicQuantizeLSTM(X, W codes, R codes, B, lengths, h0, c0, P, W scale,
     W zero point, R scale, R zero point), weights [directions, input, 4 x hidden]."""
     needed = [node.input[i] for i in (1, 2, 8, 9, 10, 11) if _input(node, i)]
@@ -231,7 +208,7 @@ def _dynamic_quantize_lstm(node: onnx.NodeProto, view: _View) -> QuantizedOp | N
                        run_time_levels=UINT8_LEVELS)
 
 
-def _matmul_nbits(node: onnx.NodeProto, view: _View) -> QuantizedOp | None:
+def _matmul_nbits(node: onnx.NodeProto, view: GraphIndex) -> QuantizedOp | None:
     """MatMulNBits(A, B packed, scales, zero_points, g_idx, bias): Y = A x dequantized(B)^T (+ bias)."""
     parts = [node.input[1], node.input[2], *(n for n in (_input(node, 3), _input(node, 4)) if n)]
     if not set(parts) <= view.constants.keys():
@@ -247,7 +224,7 @@ def _matmul_nbits(node: onnx.NodeProto, view: _View) -> QuantizedOp | None:
                        "MatMulNBitsQuantizer", form, bias=_input(node, 5), quantizes_activation=acts)
 
 
-def _gather_block_quantized(node: onnx.NodeProto, view: _View) -> QuantizedOp | None:
+def _gather_block_quantized(node: onnx.NodeProto, view: GraphIndex) -> QuantizedOp | None:
     """GatherBlockQuantized(data codes, indices, scales, zero_points): a Gather of a table quantized in blocks."""
     parts = [node.input[0], node.input[2], *([_input(node, 3)] if _input(node, 3) else [])]
     if not set(parts) <= view.constants.keys():
@@ -261,7 +238,7 @@ def _gather_block_quantized(node: onnx.NodeProto, view: _View) -> QuantizedOp | 
                        (f"int{bits}-weight",), "MatMulNBitsQuantizer", f"GatherBlockQuantized ({bits}-bit table in blocks of {block})", (gather_axis,))
 
 
-def _gathered_codes(node: onnx.NodeProto, view: _View) -> QuantizedOp | None:
+def _gathered_codes(node: onnx.NodeProto, view: GraphIndex) -> QuantizedOp | None:
     """quantize_dynamic's Gather: Gather(codes, indices) -> DequantizeLinear(scale, zero point), with one
     scale. An integer op may read the gathered codes too (then the Gather is not the op's alone)."""
     readers = view.readers.get(node.output[0], [])
@@ -279,7 +256,7 @@ def _gathered_codes(node: onnx.NodeProto, view: _View) -> QuantizedOp | None:
                        "quantize_dynamic", f"Gather of a table stored in {grid} with one scale", tuple(node.attribute))
 
 
-RECOGNISERS: dict[str, Callable[[onnx.NodeProto, _View], QuantizedOp | None]] = {
+RECOGNISERS: dict[str, Callable[[onnx.NodeProto, GraphIndex], QuantizedOp | None]] = {
     "MatMulInteger": _integer_chain,
     "ConvInteger": _integer_chain,
     "DynamicQuantizeMatMul": _dynamic_quantize_matmul,
@@ -299,13 +276,12 @@ TOOL_OPTIONS: dict[str, Callable[[list[str]], str]] = {
 }
 
 
-def find_quantized_ops(graph: onnx.GraphProto, reference: onnx.GraphProto | None = None) -> list[QuantizedOp]:
-    """The quantized ops of `graph`'s main graph, in its node order. With the float model's `reference`,
+def find_quantized_ops(view: GraphIndex, reference: GraphIndex | None = None) -> list[QuantizedOp]:
+    """The quantized ops of a main graph (`view`), in its node order. With the float model's `reference`,
     each is named as that model names the node writing its output, where the tool's naming does not find
     one of the same op type."""
-    view = _View.of(graph)
     found = []
-    for node in graph.node:
+    for node in view.graph.node:
         recognise = RECOGNISERS.get(node.op_type)
         if recognise is None or node.domain not in ("", "ai.onnx", ORT_DOMAIN):
             continue
@@ -314,9 +290,8 @@ def find_quantized_ops(graph: onnx.GraphProto, reference: onnx.GraphProto | None
             found.append(op)
     if reference is None or not found:
         return found
-    nodes = {node.name: node for node in reference.node}
-    writer = writers_of(reference.node)
-    return [_named(op, nodes, writer) for op in found]
+    nodes = {node.name: node for node in reference.graph.node}
+    return [_named(op, nodes, reference.producer) for op in found]
 
 
 def _named(op: QuantizedOp, nodes: Mapping[str, onnx.NodeProto], writer: Mapping[str, onnx.NodeProto]) -> QuantizedOp:

@@ -9,7 +9,7 @@ from typing import Iterable, Mapping
 import numpy as np
 import onnx
 
-from accudiff.model.graph import constant_values
+from accudiff.model.graph import GraphIndex
 from accudiff.model.quantized_ops import QuantizedOp, QuantizedWeight
 from accudiff.model.weights import unpack_codes, weight_values
 
@@ -82,12 +82,12 @@ def _nbits(weight: QuantizedWeight, packed: np.ndarray, scale: np.ndarray, const
 BLOCK_FINDING_SHARE = 0.01  # blocks that lose most of their values: below this share of them, noise
 
 
-def quantized_weight_findings(ops: Iterable[QuantizedOp], graph: onnx.GraphProto, reference: onnx.GraphProto) -> dict[str, tuple[str, str]]:
+def quantized_weight_findings(ops: Iterable[QuantizedOp], graph: GraphIndex, reference: GraphIndex) -> dict[str, tuple[str, str]]:
     """What the ops' weight grids lose, by op: a weight with one scale whose step zeroes whole output
     channels ("per_tensor_scale"), or blocks whose step, set by their largest values, rounds most of their
     values to 0 ("block_scale"). The float weight judged is the reference's where it has one."""
-    constants, theirs = constant_values(graph), constant_values(reference)
-    nodes = {node.name: node for node in reference.node}
+    constants, theirs = graph.constants, reference.constants
+    nodes = {node.name: node for node in reference.graph.node}
     found = {}
     for op in ops:
         for weight in op.weights:

@@ -16,6 +16,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import onnx
 
+from accudiff.model.graph import GraphIndex
 from accudiff.model.inputs import Feed, generate_feeds
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.loading import load_model, remember_model
@@ -98,7 +99,7 @@ class CandidateVariants:
         given = self.recipe.candidate_model is not None
         if (self.recipe.precision not in HALVES and not given) or self.recipe.engine is not None:
             return None
-        main = {node.name for node in keepable_nodes(self.base.model.graph, self.info.proto.graph)} if given else {node.name for node in self.base.model.graph.node}
+        main = {node.name for node in keepable_nodes(GraphIndex.of(self.base.model.graph), GraphIndex.of(self.info.proto.graph))} if given else {node.name for node in self.base.model.graph.node}
         nodes = [n for n in dict.fromkeys(nodes) if n in self.base.converted]
         if not set(nodes) <= main:
             return None

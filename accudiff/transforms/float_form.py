@@ -23,7 +23,7 @@ from onnx import TensorProto, numpy_helper
 
 from accudiff.errors import AccudiffError
 from accudiff.model.formats import REDUCED_FLOATS, quant_ranges
-from accudiff.model.graph import constant_values, copy_without_initializers, fresh_name, writers_of
+from accudiff.model.graph import GraphIndex, copy_without_initializers, fresh_name
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.loading import load_model
 from accudiff.model.quantized_ops import find_quantized_ops, float_nodes, quantized_members
@@ -52,7 +52,8 @@ def write_float_form(model: onnx.ModelProto, source: Path, target: Path) -> list
     """Write the float form of `model` (read from `source`) to `target`; return the notices a reader needs
     (which weights it could only widen or dequantize, which activation quantization it took out). One
     sentence if the model holds quantized arithmetic of a form accudiff does not know (QLinear*, QAttention...)."""
-    ops = find_quantized_ops(model.graph)
+    index = GraphIndex.of(model.graph)
+    ops = find_quantized_ops(index)
     members = quantized_members(ops)
     known = {*members, *(op.activation_quantizer for op in ops)}
     integer = sorted({n.op_type for n in model.graph.node if (n.op_type in INTEGER_ARITHMETIC or n.op_type.startswith("QLinear")) and n.name not in known})
@@ -62,13 +63,12 @@ def write_float_form(model: onnx.ModelProto, source: Path, target: Path) -> list
             f"compare the float model it was made from against it (accudiff compare float.onnx --candidate-model {source.name})"
         )
     graph = model.graph
-    producer = writers_of(graph.node)
-    constants = constant_values(graph)
+    producer, constants = index.producer, index.constants
     form = copy_without_initializers(model)
     weights = _Weights(target)
     before_pair: dict[str, str] = {}  # a dequantized value -> the value its Q/DQ pair was fed
     nodes = []
-    grids = quant_ranges(graph)
+    grids = quant_ranges(index)
     clip_inputs = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1) >= 11  # Clip's bounds as inputs
     folded_activations = 0
     taken = {name for node in graph.node for name in [*node.input, *node.output]} | set(constants)

@@ -20,7 +20,7 @@ import onnx
 from accudiff.errors import AccudiffError
 from accudiff.model.formats import GRIDS, REDUCED_FLOATS, QuantRange, grid_type, model_formats, precision_label, quant_ranges
 from accudiff.model.constant_rounding import ConstantRounding, overflow_text, underflow_text
-from accudiff.model.graph import cast_target, constant_values, value_types, widened_constants, writers_of
+from accudiff.model.graph import GraphIndex, cast_target, constant_values, value_types, writers_of
 from accudiff.model.decoder import find_decoder, genai_config, model_name
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.quantized_ops import GENAI_BUILDER, find_quantized_ops, quantized_members
@@ -49,10 +49,12 @@ def adopt(candidate: ModelInfo, reference: ModelInfo, keep_fp32: Iterable[str] =
     _rename(graph, alignment.renamed)
     _rename_nodes(graph, reference_node_names(graph, reference.proto.graph))
     selector = NodeSelector(keep_fp32)
+    ours = GraphIndex.of(reference.proto.graph)
     kept = [KeptNode(node.name, node.op_type, f"selected by --keep-fp32 {pattern}")
-            for node in keepable_nodes(graph, reference.proto.graph) if (pattern := selector.matches(node)) is not None]
+            for node in keepable_nodes(GraphIndex.of(graph), ours) if (pattern := selector.matches(node)) is not None]
     model = keep_in_float(candidate.proto, reference.proto, [k.node for k in kept]) if kept else candidate.proto
-    ops = find_quantized_ops(model.graph, reference.proto.graph)
+    index = GraphIndex.of(model.graph)
+    ops = find_quantized_ops(index, ours)
     built_by_genai = genai_config(candidate.path) is not None  # its quantizer ran inside the builder: exclusions go through the builder
     warnings = []
     if alignment.unmatched:
@@ -62,14 +64,14 @@ def adopt(candidate: ModelInfo, reference: ModelInfo, keep_fp32: Iterable[str] =
         model=model,
         precision=precision_label(model_formats(candidate.proto.graph)),
         kept=kept,
-        converted=reduced_nodes(model.graph) | {name for op in ops for name in op.names},
-        quant_ranges={**_by_reference_name(quant_ranges(model.graph), model.graph),
+        converted=reduced_nodes(index) | {name for op in ops for name in op.names},
+        quant_ranges={**_by_reference_name(quant_ranges(index), index),
                       **{op.inputs[0]: QuantRange.at_run_time(op.run_time_levels, "UINT8") for op in ops if op.run_time_levels}},
         warnings=warnings,
         unmatched=alignment.unmatched,
         inside=alignment.inside,
-        weight_findings={**per_tensor_weights(model.graph, reference.proto.graph), **quantized_weight_findings(ops, model.graph, reference.proto.graph)},
-        constant_findings=half_constant_findings(model.graph, reference.proto.graph),
+        weight_findings={**per_tensor_weights(index, ours), **quantized_weight_findings(ops, index, ours)},
+        constant_findings=half_constant_findings(index, ours),
         quantized_by={name: GENAI_BUILDER if built_by_genai else op.tool for op in ops for name in op.names},
         reads_constant_weights=constant_weight_readers(reference.proto.graph),
     )
@@ -85,12 +87,12 @@ def constant_weight_readers(graph: onnx.GraphProto) -> set[str]:
     return {node.name for node in graph.node if held.intersection(node.input)}
 
 
-def keepable_nodes(graph: onnx.GraphProto, reference: onnx.GraphProto) -> list[onnx.NodeProto]:
+def keepable_nodes(graph: GraphIndex, reference: GraphIndex) -> list[onnx.NodeProto]:
     """The nodes a keep-list can name in a candidate: those that compute (not the ones that only store a
     value), with each quantized op as its float node (its own nodes are not keepable on their own)."""
     ops = find_quantized_ops(graph, reference)
     members = quantized_members(ops)
-    nodes = [node for node in graph.node if node.op_type not in STORAGE_OPS and node.name not in members]
+    nodes = [node for node in graph.graph.node if node.op_type not in STORAGE_OPS and node.name not in members]
     return nodes + [onnx.helper.make_node(op.op_type, [], [], name=name) for op in ops for name in op.names]
 
 
@@ -230,17 +232,16 @@ def _why_missing(tensor, folded: set[str], writer: onnx.NodeProto | None) -> str
     return text
 
 
-def per_tensor_weights(graph: onnx.GraphProto, reference: onnx.GraphProto) -> dict[str, tuple[str, str]]:
+def per_tensor_weights(index: GraphIndex, reference: GraphIndex) -> dict[str, tuple[str, str]]:
     """Nodes reading a weight quantized with one scale for all its channels where some channel's values
     all fall below half the grid's smallest step, and so become 0 (per-channel scales would keep them):
     node -> ("per_tensor_scale", what happens, in words). The float weight is the one before the Q/DQ pair, else the reference's
     at the same input of its node of the same name; a weight known only quantized is not judged."""
-    producer = writers_of(graph.node)
-    constants, types = constant_values(graph), value_types(graph)
-    theirs = {node.name: node for node in reference.node}
-    reference_weights = constant_values(reference)
+    producer, constants, types = index.producer, index.constants, index.types
+    theirs = {node.name: node for node in reference.graph.node}
+    reference_weights = reference.constants
     found = {}
-    for node in graph.node:
+    for node in index.graph.node:
         if node.op_type in STORAGE_OPS:
             continue
         for position, name in enumerate(node.input):
@@ -264,17 +265,16 @@ def per_tensor_weights(graph: onnx.GraphProto, reference: onnx.GraphProto) -> di
     return found
 
 
-def half_constant_findings(graph: onnx.GraphProto, reference: onnx.GraphProto) -> dict[str, list[tuple[str, str]]]:
+def half_constant_findings(index: GraphIndex, reference: GraphIndex) -> dict[str, list[tuple[str, str]]]:
     """What the candidate's FP16/BF16 constants hold where the float ones are finite and nonzero (as
     to_fp16 reports its own: constant_rounding.py), by the node reading them: a constant stored in the
     format (its float values: the reference's constant of the same name; read as it is or cast to FP32),
     or cast to it as the model runs."""
     halves = {half.elem_type: half for half in HALVES.values()}
-    constants, theirs = constant_values(graph), constant_values(reference)
-    producer = writers_of(graph.node)
-    widened = widened_constants(graph, halves)
+    constants, theirs, producer = index.constants, reference.constants, index.producer
+    widened = index.widened_constants(halves)
     found: dict[str, list[tuple[str, str]]] = {}
-    for node in graph.node:
+    for node in index.graph.node:
         if node.op_type in STORAGE_OPS:
             continue
         for name in dict.fromkeys(node.input):
@@ -300,23 +300,23 @@ def half_constant_findings(graph: onnx.GraphProto, reference: onnx.GraphProto) -
 ROUNDING_BLOCK = 1 << 20  # values read at a time from each side of a constant
 
 
-def reduced_nodes(graph: onnx.GraphProto) -> set[str]:
+def reduced_nodes(index: GraphIndex) -> set[str]:
     """The candidate's nodes that compute in reduced precision: those reading a dequantized value (TensorRT
     runs them quantized) or an FP16/BF16 one (a weight stored so, even cast to FP32 as the model runs), or
     writing FP16/BF16 (Casts, Q/DQ and Constants only store)."""
-    types = value_types(graph)
-    dequantized = {out for node in graph.node if node.op_type == "DequantizeLinear" for out in node.output} | set(widened_constants(graph, REDUCED_FLOATS))
+    types = index.types
+    dequantized = {out for node in index.graph.node if node.op_type == "DequantizeLinear" for out in node.output} | set(index.widened_constants(REDUCED_FLOATS))
     return {
-        node.name for node in graph.node
+        node.name for node in index.graph.node
         if node.op_type not in STORAGE_OPS and any(types.get(out) in FLOAT_TYPES for out in node.output)
         and any(name in dequantized or types.get(name) in REDUCED_FLOATS for name in [*node.input, *node.output] if name)
     }
 
 
-def _by_reference_name(ranges: dict, graph: onnx.GraphProto) -> dict:
+def _by_reference_name(ranges: dict, index: GraphIndex) -> dict:
     """Quantization ranges keyed by the value the reference knows: a Q reading a Cast of a tensor (ModelOpt
     casts the graph input to FP16 before quantizing it) quantizes that tensor."""
-    producer = writers_of(graph.node)
+    producer = index.producer
     resolved = {}
     for name, grid in ranges.items():
         node = producer.get(name)

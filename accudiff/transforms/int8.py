@@ -25,7 +25,7 @@ import onnx
 
 from accudiff.errors import AccudiffError, first_line
 from accudiff.model.inputs import Feed
-from accudiff.model.graph import toposort, writers_of
+from accudiff.model.graph import GraphIndex, toposort, writers_of
 from accudiff.model.saving import needs_data_file, save_model
 from accudiff.model.formats import quant_ranges
 from accudiff.transforms.base import KeptNode, NodeSelector, TransformResult
@@ -103,7 +103,7 @@ def to_int8(
         precision="int8",
         kept=kept,
         converted=converted,
-        quant_ranges=quant_ranges(quantized.graph),
+        quant_ranges=quant_ranges(GraphIndex.of(quantized.graph)),
         warnings=notices,
     )
 
@@ -209,5 +209,5 @@ def leave_unquantized(quantized: TransformResult, fp32: onnx.ModelProto, nodes: 
     ops = {node.name: node.op_type for node in fp32.graph.node if node.name in leave}
     kept = quantized.kept + [KeptNode(name, ops[name], reason) for name in sorted(leave)]
     return TransformResult(
-        model=model, precision="int8", kept=kept, converted=quantized.converted - leave, quant_ranges=quant_ranges(model.graph), warnings=quantized.warnings
+        model=model, precision="int8", kept=kept, converted=quantized.converted - leave, quant_ranges=quant_ranges(GraphIndex.of(model.graph)), warnings=quantized.warnings
     )

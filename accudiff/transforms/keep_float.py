@@ -27,7 +27,7 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from accudiff.model.formats import REDUCED_FLOATS
-from accudiff.model.graph import constant_values, declare_like, fresh_name, readers_of, value_types, widened_constants, writers_of
+from accudiff.model.graph import GraphIndex, constant_values, declare_like, fresh_name
 from accudiff.model.quantized_ops import QuantizedOp, by_name, find_quantized_ops, float_nodes, quantized_members, with_float_activation
 from accudiff.model.quantized_weights import float_weight
 from accudiff.model.shapes import infer_shapes_unless_typed
@@ -92,10 +92,10 @@ class FloatInputs:
     def __init__(self, graph: onnx.GraphProto, reference: onnx.ModelProto | None, undo: frozenset[str] = UNDO_ALL):
         self.graph, self.undo = graph, undo
         self.widen = "casts" in undo
-        self.types = value_types(graph)
-        self.constants = constant_values(graph)
-        self.widened = widened_constants(graph, REDUCED_FLOATS)
-        self.producer = writers_of(graph.node)
+        index = GraphIndex.of(graph)
+        self.types = dict(index.types)  # its own: the values it adds are typed here
+        self.constants, self.producer, self.readers, self.graph_outputs = index.constants, index.producer, index.readers, index.outputs
+        self.widened = index.widened_constants(REDUCED_FLOATS)
         self.declared = {vi.name: vi for vi in [*graph.value_info, *graph.input, *graph.output]}
         self.reference_nodes = {node.name: node for node in reference.graph.node} if reference is not None else {}
         self.reference_weights = constant_values(reference.graph) if reference is not None else {}
@@ -104,9 +104,7 @@ class FloatInputs:
         self._imports: dict[str, str] = {}
         self.casts: dict[tuple[str, int], str] = {}
         self.wide: dict[str, str] = {}  # a narrow value a kept node computed -> its FP32 result
-        self.readers = readers_of(graph.node)
-        self.graph_outputs = {o.name for o in graph.output}
-        self.ops: dict[str, QuantizedOp] = by_name(find_quantized_ops(graph, reference.graph if reference is not None else None))
+        self.ops: dict[str, QuantizedOp] = by_name(find_quantized_ops(index, GraphIndex.of(reference.graph) if reference is not None else None))
         self._dequantized: dict[str, str] = {}
 
     def keep_op(self, op: QuantizedOp, read=None) -> list[onnx.NodeProto]:
