@@ -16,10 +16,8 @@ from typing import Sequence
 
 from accudiff.version import __version__
 from accudiff.errors import AccudiffError
-from accudiff.options import add_compare_options, add_report_dir_option, add_run_options, run_settings
+from accudiff.options import add_compare_options, add_option, add_report_dir_option, add_run_options, run_settings
 from accudiff.atomic import default_report_dir
-from accudiff.runners.trt_env import MODULES
-from accudiff.settings import COMPARE_ONLY
 
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells expect of a command Ctrl-C stopped
@@ -63,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     part = commands.add_parser("partition", parents=[debug], help="save the parts of a model TensorRT can and cannot convert")
     part.add_argument("model", help="ONNX model file")
     add_report_dir_option(part, "reports/<model>-partitions-<time>/")
-    part.add_argument("--trt-module", choices=MODULES, help="TensorRT package to use (default: the first importable)")
+    add_option(part, "--trt-module")
     part.set_defaults(parser=part)
 
     doctor = commands.add_parser("doctor", parents=[debug], help="check the TensorRT path on this machine (a screen to paste into a bug report)")
@@ -105,7 +103,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     from accudiff.api import run
     from accudiff.report.console import ProgressBar, format_summary, format_timings
 
-    settings = run_settings(args, **{name: getattr(args, name) for name in COMPARE_ONLY})
+    settings = run_settings(args)
     settings = replace(settings, report_dir=args.report_dir or default_report_dir(Path(args.model).stem, settings.precision))  # a candidate model's precision is read from it
     result = run(settings, progress=ProgressBar(), import_seconds=time.perf_counter() - started)
     _out(format_summary(result, shutil.get_terminal_size().columns if sys.stdout.isatty() else None))

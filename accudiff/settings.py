@@ -16,6 +16,7 @@ from accudiff.errors import AccudiffError
 from accudiff.model.decoder import model_file
 from accudiff.model.formats import QUANTIZED_FORMATS, file_formats, formats_of, is_precision_label, model_formats, onnxruntime_only_ops, precision_label
 from accudiff.model.segments import memory_budget
+from accudiff.run_options import DEFAULT_CAUSE_BUDGET, DEFAULT_VERIFY_BUDGET, SIDE_BACKENDS, replayed_arguments
 from accudiff.runners import TrtOptions, resolve_candidate
 from accudiff.transforms import NodeSelector
 from accudiff.transforms.candidate import CandidateRecipe
@@ -27,11 +28,6 @@ if TYPE_CHECKING:
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 PRECISION_FLAGS = {"fp16": "--fp16", "bf16": "--bf16", "int8": "--int8"}
-SIDE_BACKENDS = ("onnxrt", "trt")
-DEFAULT_VERIFY_BUDGET = 8  # candidate runs that may test suspects, per failing output (verification/verify.py)
-DEFAULT_CAUSE_BUDGET = 48  # runs a failing output's search of every changed node may take (verification/search.py): thousands of nodes that hold no single cause need a few
-# Settings only `compare` takes (the bisectors rerun the candidate, so they neither skip nor replay runs).
-COMPARE_ONLY = ("isolate", "verify", "verify_budget", "cause_budget", "also", "load_candidate", "load_reference", "candidate_runner", "save_reference", "save_candidate")
 DEFAULT_NEW_TOKENS = 16  # a decoder's decode steps after each prompt's prefill (execution/generation.py)
 
 
@@ -297,43 +293,4 @@ class RunSettings:
         precision`, without what only compare takes) that run this again; options left at their defaults
         are not written. Input data must be files (`inputs`, `calib_data`); the report folder is left to the
         default, so the command never collides with the folder it came from."""
-        if command == "bisect":
-            return replace(self, **{name: RunSettings.__dataclass_fields__[name].default for name in COMPARE_ONLY}).arguments()
-        args = self.target_arguments()
-        if self.candidate != "auto":
-            args += ["--candidate", self.candidate]
-        for value, flag in ((self.inputs, "--load-inputs"), (self.calib_data, "--calib-data"), (self.prompts, "--prompts"), (self.new_tokens, "--new-tokens")):
-            if value is not None:
-                args += [flag, str(value)]
-        if self.seed != 0:  # random calibration data (and generated inputs) come from it
-            args += ["--seed", str(self.seed)]
-        if self.inputs is None and self.prompts is None:  # generated inputs: how
-            shapes = self.input_shapes
-            texts = [f"{name}:{'x'.join(map(str, dims))}" for name, dims in shapes.items()] if isinstance(shapes, dict) else list(shapes)
-            for text in texts:
-                args += ["--input-shapes", text]
-            for text in self.val_range:
-                args += ["--val-range", text]
-            args += ["--iterations", str(self.iterations)] * (self.iterations != 1)
-        for pattern in self.keep_fp32:
-            args += ["--keep-fp32", pattern]
-        args += ["--no-autokeep"] * (not self.autokeep)
-        for flag, value in (("--atol", self.atol), ("--rtol", self.rtol), ("--stol", self.stol), ("--threshold", self.threshold)):
-            if value is not None:
-                args += [flag, *(str(v) for v in ([value] if isinstance(value, (int, float)) else value))]
-        for flag, value in (
-            ("--max-memory", self.max_memory), ("--workers", self.workers), ("--ray", self.ray), ("--also", self.also),
-            ("--load-candidate", self.load_candidate), ("--load-reference", self.load_reference), ("--candidate-runner", self.candidate_runner),
-        ):
-            if value is not None:
-                args += [flag, str(value)]
-        args += ["--objective", self.objective] * (self.objective != "tolerance")
-        for flag, texts in (("--require", self.require), ("--output-kind", self.output_kind)):
-            for text in texts:
-                args += [flag, text]
-        args += ["--no-isolate"] * (not self.isolate) + ["--no-verify"] * (not self.verify)
-        if self.verify and self.verify_budget != DEFAULT_VERIFY_BUDGET:
-            args += ["--verify-budget", str(self.verify_budget)]
-        if self.verify and self.cause_budget != DEFAULT_CAUSE_BUDGET:
-            args += ["--cause-budget", str(self.cause_budget)]
-        return args + self.trt.arguments()
+        return self.target_arguments() + replayed_arguments(self, command)

@@ -23,7 +23,7 @@ LAYERS = [
     ["accudiff.execution"],  # the process boundary: workers, what crosses it, the engine they run
     ["accudiff.diagnosis"],  # the rules: findings, suspects and causes from a table
     ["accudiff.report"],
-    ["accudiff.settings", "accudiff.result"],
+    ["accudiff.settings", "accudiff.result", "accudiff.run_options"],
     ["accudiff.stages", "accudiff.verification", "accudiff.workspace", "accudiff.options", "accudiff.api", "accudiff.bisect", "accudiff.doctor"],
     ["accudiff", "accudiff.cli", "accudiff.pytest_plugin", "accudiff.checks"],
 ]

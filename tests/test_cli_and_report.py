@@ -268,7 +268,7 @@ def test_settings_written_as_a_command_line_read_back_the_same():
     they must give the settings they were written from, every option that differs from its default included."""
     from pathlib import Path
 
-    from accudiff.cli import COMPARE_ONLY, build_parser
+    from accudiff.cli import build_parser
     from accudiff.options import run_settings
     from accudiff.runners import TrtOptions
     from accudiff.settings import RunSettings
@@ -281,7 +281,7 @@ def test_settings_written_as_a_command_line_read_back_the_same():
     )
     args, extras = build_parser().parse_known_args(["compare", *written.arguments()])
     assert not extras
-    read = run_settings(args, **{name: getattr(args, name) for name in COMPARE_ONLY})
+    read = run_settings(args)
     assert read == written
 
 
@@ -388,3 +388,27 @@ def test_output_into_a_pipe_whose_reader_has_gone_is_no_error(tmp_path):
                               cwd=tmp_path, capture_output=True, text=True, env=user_shell_environment())
         err = (tmp_path / "err.txt").read_text()
         assert done.returncode == 1 and "error" not in err and "Traceback" not in err, (reader, err)
+
+
+def test_every_run_option_is_declared_once_and_its_default_is_the_settings_own():
+    """One declaration per option (run_options.RUN_OPTIONS) gives the parser entry, the settings keyword and the
+    replayed argument: compare's parser holds exactly those flags (and what is no setting), and the default
+    the table writes nothing for is the one RunSettings (or its TrtOptions) takes."""
+    import argparse
+    import dataclasses
+
+    from accudiff.cli import build_parser
+    from accudiff.run_options import RUN_OPTIONS
+    from accudiff.runners import TrtOptions
+    from accudiff.settings import RunSettings
+
+    compare = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["compare"]
+    flags = {flag for action in compare._actions for flag in action.option_strings if flag.startswith("--")}
+    assert flags - {"--fp16", "--bf16", "--int8", "--timings", "--report-dir", "--debug", "--help"} == {option.flag for option in RUN_OPTIONS}
+    assert len({option.flag for option in RUN_OPTIONS}) == len({option.keyword for option in RUN_OPTIONS}) == len(RUN_OPTIONS)
+    defaults = {f.name: f.default for f in dataclasses.fields(RunSettings)} | {f"trt.{f.name}": f.default for f in dataclasses.fields(TrtOptions)}
+    for option in RUN_OPTIONS:
+        if option.action == "store_false":
+            assert defaults[option.keyword] is True, option.flag
+        else:
+            assert defaults[option.keyword] == ((() if option.listed and option.action == "append" else option.default)), option.flag

@@ -67,21 +67,6 @@ class TrtOptions:
         """These options as a worker job carries them."""
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
 
-    def arguments(self) -> list[str]:
-        """These options as command-line arguments; defaults are not written (the cache folder is the
-        user's environment, not part of what was compared)."""
-        args = []
-        for flag, value, default in (
-            ("--trt-module", self.module, None),
-            ("--trt-mark", self.mark, "auto"),
-            ("--trt-legacy-precision", self.legacy_precision, None),
-            ("--trt-workspace", self.workspace_mb, None),
-            ("--engine", self.engine, None),
-        ):
-            if value != default:
-                args += [flag, str(value)]
-        return args
-
 
 def resolve_candidate(kind: str, trt: TrtOptions = TrtOptions(), precision: str = "fp32", onnxruntime_only: Sequence[str] = ()) -> tuple[str, str | None]:
     """The concrete candidate for `kind` in `precision`, and a one-line notice when 'auto' had to fall back.

@@ -49,7 +49,7 @@ from accudiff.diagnosis.cause import (ancestor_tensors, find_cause, flagged_node
 from accudiff.diagnosis.mechanisms import absorber, amplifiers, cancellations
 from accudiff.diagnosis.rules import RANGE_KINDS, DiagnosisContext, grid_fault_strength, isolated_figures, isolation_ran, range_findings
 from accudiff.model.formats import QUANTIZED_FORMATS, formats_of
-from accudiff.settings import DEFAULT_CAUSE_BUDGET
+from accudiff.run_options import DEFAULT_CAUSE_BUDGET
 from accudiff.model.decoder import cache_types, find_decoder
 from accudiff.model.loading import load_graph, read_again
 from accudiff.model.prompts import whole_sequences
