@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from accudiff.stages.branches import describe_groups, plan_groups
 from accudiff.stages.group import combine, group_model, isolation_notice, make_candidate, plan, run_group, save_tensors
-from accudiff.execution.worker import prestart
+from accudiff.execution.pool import prestart
 from accudiff.errors import AccudiffError
 from accudiff.execution.shards import default_workers
 from accudiff.model.loading import load_model

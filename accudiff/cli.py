@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     if "compare" in list(sys.argv[1:] if argv is None else argv)[:2]:
-        from accudiff.execution.worker import prestart
+        from accudiff.execution.pool import prestart
 
         prestart()  # the comparison worker starts while this process imports what a comparison needs (~0.5 s)
     try:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from accudiff.execution.worker import discard_spares
+from accudiff.execution.pool import discard_spares
 from accudiff.atomic import ReportFolder
 from accudiff.model.stores import ReferenceCache
 

@@ -288,12 +288,12 @@ def test_settings_written_as_a_command_line_read_back_the_same():
 def test_no_worker_outlives_compare(tmp_path):
     """The comparison worker is kept warm for verification's trials: whether or not they run, no worker is
     left once compare returns (the pytest plugin runs many comparisons in one process)."""
-    from accudiff.execution import worker
+    from accudiff.execution import pool
 
     failing = accudiff.compare(fixture("layernorm_overflow"), "fp16", candidate="onnxrt", report_dir=tmp_path / "failing")
-    assert failing.output_failures[0].cause.verified and not worker._SPARES
+    assert failing.output_failures[0].cause.verified and not pool.idle_workers()
     passing = accudiff.compare(fixture("clean"), "fp16", candidate="onnxrt", report_dir=tmp_path / "passing")
-    assert passing.passed and not worker._SPARES and not _worker_processes()
+    assert passing.passed and not pool.idle_workers() and not _worker_processes()
 
 
 def _worker_processes() -> list[str]:

@@ -51,7 +51,7 @@ def test_native_crash_becomes_a_clear_error(tmp_path, monkeypatch, temporary_fil
     sitecustomize that makes its first ONNX Runtime run die of SIGSEGV: no race to find its pid. The
     crashed worker's temporary files do not outlive it. A spare worker an earlier test of this process
     started (without the sitecustomize) is discarded first."""
-    from accudiff.execution.worker import discard_spares
+    from accudiff.execution.pool import discard_spares
 
     discard_spares()
     (tmp_path / "sitecustomize.py").write_text(CRASH_IN_FIRST_RUN)

@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Sequence
 import onnx
 
 from accudiff.execution.messages import Job, WorkerResult, merge_results
-from accudiff.execution.worker import result_files, run_job
+from accudiff.execution.pool import result_files, run_job
 from accudiff.errors import AccudiffError, first_line
 from accudiff.model.graph import data_files
 
@@ -63,7 +63,7 @@ def run_shards(
 
     `workers`: how many shards (default: `default_workers` locally; with Ray, one per CPU of the cluster). `indices`: the
     samples' numbers in the whole dataset, which the per-sample results carry (default 0, 1, ...).
-    `keep_warm`: local workers stay up for the jobs that may follow (worker.run_job)."""
+    `keep_warm`: local workers stay up for the jobs that may follow (pool.run_job)."""
     indices = list(indices) if indices is not None else list(range(len(entries)))
     if ray is not None:
         with _ray_cluster(ray) as cpus:

@@ -31,7 +31,7 @@ from accudiff.judging.intervals import Interval, intervals
 from accudiff.judging.objective import Objective
 from accudiff.judging.output_kinds import kinds_of
 from accudiff.execution.messages import Job, PassSpec, added_timings, merge_results
-from accudiff.execution.worker import Worker, discard_spares, prestart, take_worker
+from accudiff.execution.pool import Worker, discard_spares, prestart, take_worker
 from accudiff.model.graph import tensor_bytes
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.saving import save_model

@@ -39,7 +39,7 @@ import pandas as pd
 from accudiff.stages.group import GroupRun, could_be_a_shape
 from accudiff.judging.objective import Objective
 from accudiff.verification.trial import MAX_TRIAL_SAMPLES, TrialOutcome, TrialSetup, Trials, trial_workers
-from accudiff.execution.worker import prestart
+from accudiff.execution.pool import prestart
 from accudiff.verification.loss_split import loss_split, loss_split_keeps
 from accudiff.verification.readings import Reading, Tries, improvement, pruned
 from accudiff.verification.search import candidates_upstream, search_groups, weights_dominate
