@@ -370,6 +370,22 @@ def test_autokeep_also_keeps_the_readers_of_what_it_kept_when_they_would_overflo
                              "finite value 65504: in FP16 they would be Inf")
 
 
+def test_autokeep_measures_in_a_worker_not_in_the_caller(run_cli, tmp_path, monkeypatch):
+    """Autokeep's measurements (how large a kept node's values grow) are runs of the model: a worker's, as every
+    backend call is. ONNX Runtime inference in this process fails the test."""
+    import onnxruntime
+
+    def refused(*args, **kwargs):
+        raise AssertionError("ONNX Runtime ran a model in the caller's process")
+
+    monkeypatch.setattr(onnxruntime.InferenceSession, "run", refused)
+    model, inputs = _eight_overflows(tmp_path)
+    code, out, _ = run_cli("compare", model, "--fp16", "--candidate", "onnxrt", "--load-inputs", inputs, "--no-verify", "-o", tmp_path / "r")
+    assert code == 0, out
+    kept = {k["node"]: k["reason"] for k in json.loads((tmp_path / "r" / "summary.json").read_text())["kept_fp32"]}
+    assert "down7" in kept and "values up to 1.2e+06" in kept["down7"]
+
+
 @pytest.mark.parametrize(
     "share, decimals, shown",
     [(0, 1, "0.0%"), (1, 1, "100.0%"), (1 / 265000, 1, "<0.1%"), (439 / 440, 0, ">99%"), (0.9995, 1, ">99.9%"), (0.5, 2, "50.00%")],

@@ -182,3 +182,17 @@ def test_subgraph_bisect_cuts_inside_the_branch_the_samples_take(tmp_path, run_c
     code, out, err = run_cli("bisect", "subgraph", BRANCHY, "--fp16", "--candidate", "onnxrt", "--load-inputs", tmp_path / "mixed.npz", "-o", "m")
     assert code == 2 and err.count("\n") == 1 and "different" in err and "Traceback" not in err
     assert not (tmp_path / "m").exists()
+
+
+def test_the_caller_runs_no_model_the_conditions_are_probed_in_a_worker(tmp_path, monkeypatch):
+    """Backends run in worker processes only (a native crash there is one sentence, never the caller's end):
+    the If conditions each sample takes, a nested one computed by the model, are probed in a worker. Any
+    ONNX Runtime inference in this process fails the test; the workers are processes of their own."""
+
+    def refused(*args, **kwargs):
+        raise AssertionError("ONNX Runtime ran a model in the caller's process")
+
+    monkeypatch.setattr(ort.InferenceSession, "run", refused)
+    result = accudiff.compare(BRANCHY, "fp16", candidate="onnxrt", inputs=[_feed(True), _feed(False, seed=1)], report_dir=tmp_path / "r")
+    assert any("If 'full_sign' took its then_branch" in n for n in result.notices)  # computed by the model: probed
+    assert any("took its then_branch on sample" in n and "else_branch on sample" in n for n in result.notices)

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from accudiff.model.formats import file_formats, precision_label
+from accudiff.execution.probes import largest_values
 from accudiff.model.inputs import generate_feeds
+from accudiff.model.samples import samples_from_feeds
 from accudiff.model.loading import load_model
 from accudiff.model.saving import save_model
 from accudiff.runners.onnxrt import OnnxrtRunner
@@ -34,7 +36,7 @@ def _assert_switchboard_matches_variants(model_path: Path, feed, keep_lists, tmp
                                          gated: bool = False) -> None:
     info = load_model(model_path)
     recipe = CandidateRecipe(precision) if candidate is None else CandidateRecipe(precision_label(file_formats(candidate)), candidate_model=candidate)
-    variants = CandidateVariants(info, recipe, transform_model(info, recipe, [feed]))
+    variants = CandidateVariants(info, recipe, transform_model(info, recipe, samples_from_feeds([feed], tmp_path / "samples.npz"), largest_values))
     board = variants.switchboard({n for keep in keep_lists for n in keep}, gated=gated)
     if gated:  # every kept copy moved into its switch's If
         assert {n.op_type for n in board.model.graph.node if n.name.endswith("__gate")} == {"If"}
@@ -55,7 +57,7 @@ def _assert_switchboard_matches_variants(model_path: Path, feed, keep_lists, tmp
 def test_every_single_keep_all_keeps_and_adjacent_pairs_on_the_fixtures(name, precision, tmp_path):
     info = load_model(fixture(name))
     [feed] = generate_feeds(info.inputs, {spec.name: spec.shape for spec in info.inputs}, seed=0)
-    converted = sorted(transform_model(info, CandidateRecipe(precision), [feed]).converted)
+    converted = sorted(transform_model(info, CandidateRecipe(precision), samples_from_feeds([feed], tmp_path / "samples.npz"), largest_values).converted)
     nodes = [n.name for n in info.proto.graph.node if n.name in converted]
     keep_lists = [[], nodes, *([n] for n in nodes), *(list(pair) for pair in zip(nodes, nodes[1:]))]
     _assert_switchboard_matches_variants(fixture(name), feed, keep_lists, tmp_path, precision=precision)
@@ -120,7 +122,7 @@ def test_a_gated_switchboard_computes_what_its_variants_do(name, precision, tmp_
     outputs, bit for bit, as the board that computes both sides and chooses with Where does."""
     info = load_model(fixture(name))
     [feed] = generate_feeds(info.inputs, {spec.name: spec.shape for spec in info.inputs}, seed=0)
-    converted = sorted(transform_model(info, CandidateRecipe(precision), [feed]).converted)
+    converted = sorted(transform_model(info, CandidateRecipe(precision), samples_from_feeds([feed], tmp_path / "samples.npz"), largest_values).converted)
     nodes = [n.name for n in info.proto.graph.node if n.name in converted]
     keep_lists = [[], nodes, *([n] for n in nodes), *(list(pair) for pair in zip(nodes, nodes[1:]))]
     _assert_switchboard_matches_variants(fixture(name), feed, keep_lists, tmp_path, precision=precision, gated=True)

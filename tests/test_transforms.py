@@ -53,17 +53,19 @@ def test_fp16_model_is_valid_keeps_names_and_io_types(name, tmp_path):
 
 @pytest.mark.parametrize("kind", ["candidate", "isolated", "switchboard"])
 @pytest.mark.parametrize("name", [n for n in ALL_FIXTURES if n != "if_model"])
-def test_fp16_models_carry_the_types_shape_inference_would_give(name, kind):
+def test_fp16_models_carry_the_types_shape_inference_would_give(name, kind, tmp_path):
     """The worker cuts and lowers the candidate, its isolated twin and the verification's switchboard without
     inferring their shapes again (0.2 s a model on the PP-OCRv4 recognizer): every value a node produces
     must already be typed, exactly as inference types it (the Casts and switches the transforms add included)."""
     from accudiff.model.shapes import infer_shapes_in_place
+    from accudiff.execution.probes import largest_values
+    from accudiff.model.samples import samples_from_feeds
     from accudiff.transforms.candidate import CandidateRecipe, CandidateVariants, transform_model
     from accudiff.transforms.isolate import isolate_in_place
 
     info = load_model(fixture(name))
     feed = generate_feeds(info.inputs, resolve_shapes(info.inputs, SHAPES.get(info.stem, {})))[0]
-    transformed = transform_model(info, CandidateRecipe("fp16"), [feed])
+    transformed = transform_model(info, CandidateRecipe("fp16"), samples_from_feeds([feed], tmp_path / "samples.npz"), largest_values)
     model = transformed.model
     if kind == "isolated":
         types = {t.name: onnx.helper.np_dtype_to_tensor_dtype(t.dtype) for t in info.tensors if t.dtype is not None}

@@ -14,6 +14,7 @@ from accudiff.stages.group import record_reference
 from accudiff.verification.trial import TrialSetup, Trials
 from accudiff.stages.branches import branch_groups, calibration_per_group
 from accudiff.errors import AccudiffError
+from accudiff.execution.probes import largest_values
 from accudiff.model.decoder import cache_types, find_decoder
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.prompts import whole_sequences
@@ -108,7 +109,7 @@ class BisectSession:
     @cached_property
     def candidate(self) -> TransformResult:
         """The candidate exactly as `compare` builds it (a candidate made by another tool: aligned)."""
-        return transform_model(self.info, self.settings.recipe(), self.feeds, self.cache.folder)
+        return transform_model(self.info, self.settings.recipe(), self.feeds, largest_values, self.cache.folder)
 
     def trials(self, full: CompareResult) -> Trials:
         """Trials of the candidate with nodes kept in higher precision, on every sample of the session,

@@ -84,13 +84,46 @@ class Job:
 
     @classmethod
     def from_json(cls, text: str) -> Job:
-        fields = json.loads(text)
-        return cls(**{**fields, "passes": [PassSpec(**p) for p in fields["passes"]]})
+        job = read_message(text)
+        if not isinstance(job, Job):
+            raise TypeError("the message is a probe, not a job")
+        return job
 
     @property
     def large_tensors(self) -> bool:
         """Fresh memory is then what a run costs: huge pages, and one arena for all sessions."""
         return self.largest_tensor >= HUGE_PAGES_FROM_TENSOR_BYTES
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A few values of the FP32 model a caller's stage needs before any comparison (the If conditions each
+    sample takes, the largest values autokeep must keep out of FP16): computed in a worker, as every backend
+    call is, and returned as a summary of each value per sample (`ProbedValue`)."""
+
+    model: str
+    outputs: list[str]
+    samples: list[list[str]]  # [file, key prefix] (model/samples.py)
+    result: str  # where the worker writes its answer (JSON)
+
+    def to_json(self) -> str:
+        return json.dumps({"probe": asdict(self)})
+
+
+@dataclass(frozen=True)
+class ProbedValue:
+    """One value on one sample: its first element, and its largest finite magnitude (0 if none is finite)."""
+
+    first: float
+    largest_finite: float
+
+
+def read_message(text: str) -> Job | Probe:
+    """A message a worker reads (one line): a job, or a probe."""
+    fields = json.loads(text)
+    if "probe" in fields:
+        return Probe(**fields["probe"])
+    return Job(**{**fields, "passes": [PassSpec(**p) for p in fields["passes"]]})
 
 
 @dataclass(frozen=True)

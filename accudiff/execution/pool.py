@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from accudiff.errors import AccudiffError
-from accudiff.execution.messages import Job, WorkerResult
+from accudiff.execution.messages import Job, Probe, ProbedValue, WorkerResult
 from accudiff.memory import with_huge_pages
 from accudiff.runners.base import BACKEND_NAMES
 
@@ -60,9 +60,19 @@ class Worker:
 
     def run(self, job: Job, progress: Callable[[str, int, int], None] | None = None) -> WorkerResult:
         """Run `job` here and return its result (see `load_result`). After a failure the worker is closed."""
+        self._exchange(job, progress)
+        return load_result(Path(job.result))
+
+    def probe(self, probe: Probe) -> list[dict[str, ProbedValue]]:
+        """Answer `probe` here: each sample's values."""
+        self._exchange(probe, None)
+        return [{name: ProbedValue(**value) for name, value in values.items()} for values in json.loads(Path(probe.result).read_text())]
+
+    def _exchange(self, message: Job | Probe, progress: Callable[[str, int, int], None] | None) -> None:
+        """Hand the worker `message` and follow its events until it is done; a failure said in one sentence."""
         step, outcome = "starting", None
         try:
-            self._process.stdin.write(job.to_json() + "\n")
+            self._process.stdin.write(message.to_json() + "\n")
             self._process.stdin.flush()
             for line in self._process.stdout:
                 event = json.loads(line)
@@ -82,13 +92,15 @@ class Worker:
             self.close(kill=True)  # interrupted: the worker goes with the caller
             raise
         if outcome is not None and outcome["event"] == "done":
-            return load_result(Path(job.result))
+            return
         code = self.close()
         if outcome is None:
-            backend = BACKEND_NAMES.get(job.passes[0].backend if job.passes else "onnxrt", "the backend")
+            passes = message.passes if isinstance(message, Job) else []
+            backend = BACKEND_NAMES.get(passes[0].backend if passes else "onnxrt", "the backend")
             last = next((line.strip() for line in reversed(self._stderr_text.splitlines()) if line.strip()), "")
             raise AccudiffError(
-                f"{backend} {_how_it_died(code)} while {step} of '{Path(job.reference).name}'" + (f" (last message: {last})" if last else "")
+                f"{backend} {_how_it_died(code)} while {step} of '{Path(message.reference if isinstance(message, Job) else message.model).name}'"
+                + (f" (last message: {last})" if last else "")
             )
         if outcome["event"] == "error":
             raise AccudiffError(outcome["message"])
@@ -178,10 +190,15 @@ def run_job(job: Job, progress: Callable[[str, int, int], None] | None = None, k
         worker.let_go()
         raise
     if keep_warm and not job.large_tensors:
-        _POOL.spares.append(worker)
+        keep_warm_worker(worker)
     else:
         worker.let_go()  # its teardown overlaps the caller's next stage
     return result
+
+
+def keep_warm_worker(worker: Worker) -> None:
+    """`worker`, done with its job, waits among those started ahead for a job that may follow."""
+    _POOL.spares.append(worker)
 
 
 def load_result(path: Path) -> WorkerResult:

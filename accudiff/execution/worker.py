@@ -1,8 +1,9 @@
 """The comparison worker's own side: a child process that runs the engine (engine.py) on a list of samples
 (pool.py is the caller's side: it starts workers, hands them jobs and reads their results).
 
-Backends run here, never in the caller's process, so a native crash (seen in ONNX Runtime on converted
-models) ends the worker, and the caller reports which step it died in. A worker returns statistics, never
+Models run here, never in the caller's process (its stages' probes included: probes.py), so a native crash
+(seen in ONNX Runtime on converted models) ends the worker, and the caller reports which step it died in.
+The one exception is `--int8` calibration, which ONNX Runtime's quantizer runs where it is called. A worker returns statistics, never
 arrays: several workers (or Ray tasks) on different samples give results that merge into one table.
 
 Protocol: the job (a JSON object, see `Job`) on stdin; events on stdout, one JSON object per line:
@@ -27,7 +28,7 @@ import numpy as np
 
 from accudiff.errors import AccudiffError, RunFailed
 from accudiff.memory import SEPARATE_MAPPINGS_FROM_TENSOR_BYTES, map_large_blocks_separately
-from accudiff.execution.messages import Job, Layout, PassSpec, WorkerResult
+from accudiff.execution.messages import Job, Layout, PassSpec, Probe, ProbedValue, WorkerResult, read_message
 from accudiff.runners.reused import ReusedRunners
 
 
@@ -132,6 +133,26 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
 _REUSED = ReusedRunners()
 
 
+def _probe(probe: Probe) -> None:
+    """Run the probe's model on its samples; write each output's `ProbedValue` per sample."""
+    from dataclasses import asdict
+
+    from accudiff.model.samples import Samples
+    from accudiff.model.source import ModelSource
+    from accudiff.runners.onnxrt import OnnxrtRunner
+
+    found = []
+    with OnnxrtRunner(ModelSource(Path(probe.model)), outputs=probe.outputs) as runner:
+        for sample in Samples.from_json(probe.samples):
+            values = {}
+            for name, value in runner.infer(sample).items():
+                flat = np.asarray(value).reshape(-1)
+                finite = flat[np.isfinite(flat)] if np.issubdtype(flat.dtype, np.floating) else flat
+                values[name] = asdict(ProbedValue(float(flat[0]) if flat.size else 0.0, float(np.abs(finite).max()) if finite.size else 0.0))
+            found.append(values)
+    Path(probe.result).write_text(json.dumps(found))
+
+
 def _write_result(engine, path: Path, threads: int, generated: dict[str, list]) -> None:
     result = WorkerResult(engine.results, engine.input_stats, engine.reference_not_observable, engine.timings, Layout(1, (threads,)),
                           engine.run_time_ranges, generated["steps"], generated["generations"])
@@ -164,7 +185,8 @@ def main() -> None:
     try:
         for line in sys.stdin:
             try:
-                _work(Job.from_json(line), emit)
+                message = read_message(line)
+                _probe(message) if isinstance(message, Probe) else _work(message, emit)
             except AccudiffError as exc:
                 emit({"event": "error", "message": str(exc)})
                 return

@@ -24,6 +24,7 @@ import numpy as np
 import onnx
 
 from accudiff.execution.messages import WorkerResult, merge_results
+from accudiff.execution.probes import first_values
 from accudiff.errors import AccudiffError
 from accudiff.model.graph import all_nodes, subgraph_outer_references
 from accudiff.model.inventory import ModelInfo
@@ -173,32 +174,24 @@ def union_order(orders: Sequence[Sequence[str]]) -> list[str]:
 
 def _condition_values(model: onnx.ModelProto, conditions: list[str], samples: Samples, indices: Sequence[int]) -> list[tuple[bool, ...]]:
     """Each sample's value of every condition: from the sample, a weight, or the FP32 model cut down to
-    the nodes that compute them, run by ONNX Runtime."""
-    from accudiff.runners.onnxrt import OnnxrtRunner
-
+    the nodes that compute them, run by ONNX Runtime in a worker process (execution/probes.py)."""
     graph = model.graph
     weights = {init.name: init for init in graph.initializer}
     computed = [name for name in conditions if name not in weights and name not in {i.name for i in graph.input}]
+    chosen = samples.subset(indices)
     with tempfile.TemporaryDirectory(prefix="accudiff-conditions-") as scratch:
-        runner = None
+        got: list[dict[str, float]] = [{} for _ in indices]
         if computed:
             path = Path(scratch) / "conditions.onnx"
             save_model(extract(model, _producers(graph, computed), "conditions", outputs=computed), path)
-            runner = OnnxrtRunner(path, computed)
-            runner.activate()
-        try:
-            values = []
-            for index in indices:
-                feed = samples[index]
-                got = runner.infer(feed) if runner is not None else {}
-                row = []
-                for name in conditions:
-                    value = weight_values(weights[name]) if name in weights else feed[name] if name in feed else got[name]
-                    row.append(bool(np.asarray(value).reshape(-1)[0]))
-                values.append(tuple(row))
-        finally:
-            if runner is not None:
-                runner.deactivate()
+            got = first_values(path, computed, chosen)
+    values = []
+    for feed, computed_values in zip(chosen, got):
+        row = []
+        for name in conditions:
+            value = weight_values(weights[name]) if name in weights else feed[name] if name in feed else computed_values[name]
+            row.append(bool(np.asarray(value).reshape(-1)[0]))
+        values.append(tuple(row))
     return values
 
 

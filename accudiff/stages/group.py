@@ -19,6 +19,7 @@ from accudiff.stages.branches import BranchGroup, merge_group_results
 from accudiff.execution.generation import samples_per_prompt
 from accudiff.judging.output_kinds import OutputKind, kinds_of
 from accudiff.execution.messages import WorkerResult
+from accudiff.execution.probes import largest_values
 from accudiff.execution.shards import run_shards
 from accudiff.judging.tolerances import Tolerances
 from accudiff.verification.trial import MAX_TRIAL_SAMPLES
@@ -142,7 +143,7 @@ def make_candidate(
     workers read files). A candidate captured elsewhere is replayed from its store instead of run."""
     remember_model(info)  # verification reads it again
     kinds = kinds_of(info, settings.output_kinds)
-    transformed = transform_model(info, settings.recipe(group.calibration), samples.subset(group.samples), scratch)
+    transformed = transform_model(info, settings.recipe(group.calibration), samples.subset(group.samples), largest_values, scratch)
     working = scratch / "models" / path.name
     working.parent.mkdir(exist_ok=True)
     save_model(transformed.model, working, move_weights=True)

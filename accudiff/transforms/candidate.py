@@ -11,7 +11,7 @@ import re
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import numpy as np
 import onnx
@@ -21,7 +21,7 @@ from accudiff.model.inputs import Feed, generate_feeds
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.loading import load_model, remember_model
 from accudiff.model.samples import Samples, samples_from_feeds, samples_from_path
-from accudiff.transforms.autokeep import close_autokeep
+from accudiff.transforms.autokeep import Measure, close_autokeep
 from accudiff.transforms.base import KeptNode, TransformResult
 from accudiff.transforms.fp16 import HALVES, to_fp16
 from accudiff.transforms.given import adopt, keepable_nodes, reference_node_names
@@ -46,9 +46,9 @@ class CandidateRecipe:
     candidate_model: Path | None = None  # a candidate made by another tool, taken as it is (transforms/given.py)
 
 
-def transform_model(info: ModelInfo, recipe: CandidateRecipe, samples: Sequence[Feed], scratch: Path | None = None) -> TransformResult:
+def transform_model(info: ModelInfo, recipe: CandidateRecipe, samples: Samples, measure: Measure, scratch: Path | None = None) -> TransformResult:
     """The candidate model exactly as `compare` builds it, for `samples` (the samples compared: what
-    autokeep measures, and the first is what random INT8 calibration data is shaped like)."""
+    autokeep measures with `measure`, and the first is what random INT8 calibration data is shaped like)."""
     if recipe.engine is not None:
         return TransformResult(model=info.proto, precision=recipe.precision)
     if recipe.candidate_model is not None:
@@ -57,7 +57,7 @@ def transform_model(info: ModelInfo, recipe: CandidateRecipe, samples: Sequence[
         return replace(adopt(given, info, recipe.keep_fp32), given=given.remembered)
     if recipe.precision in HALVES:
         result = to_fp16(info.proto, recipe.keep_fp32, recipe.autokeep, HALVES[recipe.precision])
-        return close_autokeep(info, result, samples, recipe.keep_fp32, HALVES[recipe.precision]) if recipe.autokeep else result
+        return close_autokeep(info, result, samples, recipe.keep_fp32, HALVES[recipe.precision], measure) if recipe.autokeep else result
     if recipe.precision == "int8":
         calibration = calibration_samples(info, samples[0], recipe.calib_data, recipe.seed, scratch)
         return to_int8(info.proto, calibration, recipe.keep_fp32, calibrated_on_random_data=recipe.calib_data is None)
