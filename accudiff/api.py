@@ -98,7 +98,8 @@ def run(
                                       seed=settings.seed, val_range=settings.val_range)
         if settings.ray is None:
             prestart(min(settings.workers or default_workers(len(samples)), len(samples)))  # a dataset's other workers start now too
-        groups = plan_groups(info, samples, settings, where.scratch)
+        compared, judging, diagnosing, captures = settings.compared, settings.judging, settings.diagnosing, settings.captures
+        groups = plan_groups(info, samples, compared.recipe, where.scratch)
         laps.lap("load")
         captured = read_captured([t.name for t in info.tensors], settings.load_candidate, settings.load_reference, settings.candidate_runner, len(samples), where.scratch)
         laps.lap("captured")
@@ -112,28 +113,31 @@ def run(
             planned = plan(group_info, samples[group.samples[0]], settings.max_memory, settings.uses_trt)
             laps.lap("plan")
             name = CANDIDATE_MODEL_FILE.format(precision=settings.precision, group="" if len(groups) == 1 else f"-group{k}")
-            candidate = make_candidate(group_info, group, samples, settings, where.folder.path / name, where.scratch, captured)
+            candidate = make_candidate(group_info, group, samples, compared, judging, diagnosing.isolate, where.folder.path / name, where.scratch, captured,
+                                       record=captures.save_candidate is not None)
             laps.lap("transform")
             if k == 0:
                 diagnosis_import.start()
-            runs.append(run_group(candidate, planned, group, samples, settings, where, captured, generation))
+            runs.append(run_group(candidate, planned, group, samples, compared, judging, settings.running, diagnosing.verify, where, captured, generation,
+                                  record_reference=captures.save_reference is not None))
             laps.lap("run")
-        save_tensors(settings, runs, len(samples))
+        save_tensors(captures.save_reference, captures.save_candidate, compared, runs, len(samples))
         from accudiff.stages.judge import attach_sketches, judge, side_run_notices
         from accudiff.verification.verify import verify_outputs
 
         info, transformed, outcome = combine(info.path, runs)
-        result, context = judge(info, transformed, outcome, settings, samples, runs[0].candidate.kinds)
+        result, context = judge(info, transformed, outcome, compared, judging, diagnosing.isolate, samples, runs[0].candidate.kinds)
+        result.settings, result.seed = settings, settings.seed if settings.inputs is None else None  # what was asked: the commands a report prints
         result.worker_timings["comparison"], result.layout = outcome.timings, {"workers": outcome.layout.workers, "threads": list(outcome.layout.threads)}
         laps.lap("diagnose")
         unverified = []
         if settings.verify and result.output_failures:
             report = where.folder.path if where.folder.final is not None else None
-            unverified = verify_outputs(result, context, settings, runs, samples, where.scratch, report)
+            unverified = verify_outputs(result, context, compared, judging, diagnosing, runs, samples, where.scratch, report)
             laps.lap("verify")
         attach_sketches(result, info, outcome)
         inlined_engine = BRANCHES_INLINED_FOR_TRT if any(g.taken for g in groups) and settings.uses_trt else None
-        notices = [*reference_notices, *captured.notices, *describe_groups(groups, len(samples)), inlined_engine, isolation_notice(settings, groups, generation),
+        notices = [*reference_notices, *captured.notices, *describe_groups(groups, len(samples)), inlined_engine, isolation_notice(diagnosing.isolate, groups, generation),
                    *side_run_notices(result.table),
                    *transformed.warnings, *outcome.passes["candidate"].notices]
         result.notices = [n for n in [chosen_backend, *notices, *unverified] if n]

@@ -1,6 +1,9 @@
-"""What the user asked for one run, validated once: the only thing the stages of a comparison receive
-besides their data. `accudiff.compare`'s keywords, the CLI's options and the pytest plugin all become
-one `RunSettings`; `arguments()` writes it back as the command line that runs it again."""
+"""What the user asked for one run, validated once. `accudiff.compare`'s keywords, the CLI's options and the
+pytest plugin all become one `RunSettings`; `arguments()` writes it back as the command line that runs it
+again. The stages are handed its small values, each only those it reads: `Compared` (what is compared and
+how the candidate is made and run), `Judging` (tolerances, thresholds, objective, output kinds),
+`Diagnosing` (isolation, verification and its budgets), `Running` (memory, workers, Ray) and `Captures`
+(tensors read from elsewhere, or saved)."""
 
 from __future__ import annotations
 
@@ -29,6 +32,66 @@ if TYPE_CHECKING:
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 PRECISION_FLAGS = {"fp16": "--fp16", "bf16": "--bf16", "int8": "--int8"}
 DEFAULT_NEW_TOKENS = 16  # a decoder's decode steps after each prompt's prefill (execution/generation.py)
+
+
+@dataclass(frozen=True)
+class Compared:
+    """What is compared: the model, the precision its candidate computes in, how the candidate is made
+    (`recipe`), the backend that runs it (and `also`, a second one beside it) and how TensorRT builds it."""
+
+    model: Path
+    precision: str
+    candidate_model: Path | None
+    given_alone: bool  # the model is its own candidate: the reference is its float form
+    recipe: CandidateRecipe
+    backend: str  # "onnxrt", "trt", or "recorded" (captured elsewhere)
+    also: str | None
+    trt: TrtOptions
+
+    def recipe_for(self, calibration: Samples | None) -> CandidateRecipe:
+        """The recipe, calibrated on `calibration` where it is given (a branch group's own samples)."""
+        return self.recipe if calibration is None else replace(self.recipe, calib_data=calibration)
+
+
+@dataclass(frozen=True)
+class Judging:
+    """How the outputs are judged: tolerances, where a probability map is binarized ("" the default), what
+    judges a keep (the tolerance, or required decision figures) and the kinds the user gave outputs."""
+
+    tolerances: Tolerances
+    thresholds: dict[str, float]
+    objective: Objective
+    output_kinds: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Diagnosing:
+    """How causes are sought: the isolated run, and verification with its budgets (runs per failing output)."""
+
+    isolate: bool
+    verify: bool
+    verify_budget: int
+    cause_budget: int
+
+
+@dataclass(frozen=True)
+class Running:
+    """How the runs are spread: the memory the compared tensors may take, the workers, Ray."""
+
+    max_memory: int | str | None
+    workers: int | None
+    ray: str | None
+
+
+@dataclass(frozen=True)
+class Captures:
+    """Tensors captured elsewhere, read instead of a run, and where this run's tensors are saved."""
+
+    load_candidate: Path | None
+    load_reference: Path | None
+    candidate_runner: str | None
+    save_reference: Path | None
+    save_candidate: Path | None
 
 
 @dataclass(frozen=True)
@@ -152,11 +215,30 @@ class RunSettings:
         if self.iterations != 1 or self.val_range or self.input_shapes:
             raise AccudiffError("--prompts gives the decoder its inputs: --iterations, --val-range and --input-shapes would be ignored")
 
-    def recipe(self, calibration: Samples | str | Path | None = None) -> CandidateRecipe:
-        """How this run's candidate is made; `calibration` replaces `calib_data` (a branch group's own samples)."""
-        chosen = calibration if calibration is not None else self.calib_data
+    # The small values each stage is handed: a stage reads only the ones it needs.
+
+    @cached_property
+    def compared(self) -> Compared:
         given = Path(self.candidate_model) if self.candidate_model is not None else None
-        return CandidateRecipe(self.precision, tuple(self.keep_fp32), self.autokeep, chosen, self.seed, self.trt.engine, given)
+        recipe = CandidateRecipe(self.precision, tuple(self.keep_fp32), self.autokeep, self.calib_data, self.seed, self.trt.engine, given)
+        return Compared(Path(self.model), self.precision, given, self.given_alone, recipe, self.backend[0], self.also, self.trt)
+
+    @cached_property
+    def judging(self) -> Judging:
+        return Judging(self.tolerances, self.thresholds, self.judged, self.output_kinds)
+
+    @property
+    def diagnosing(self) -> Diagnosing:
+        return Diagnosing(self.isolate, self.verify, self.verify_budget, self.cause_budget)
+
+    @property
+    def running(self) -> Running:
+        return Running(self.max_memory, self.workers, self.ray)
+
+    @property
+    def captures(self) -> Captures:
+        paths = [Path(p) if p is not None else None for p in (self.load_candidate, self.load_reference, self.save_reference, self.save_candidate)]
+        return Captures(paths[0], paths[1], self.candidate_runner, paths[2], paths[3])
 
     def fed(self, inputs: str | Path | Sequence[Feed], **changes) -> RunSettings:
         """These settings (with `changes`) given `inputs`: the options that shape random inputs go with them."""

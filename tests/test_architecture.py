@@ -116,6 +116,15 @@ def test_nothing_below_the_stages_takes_a_runs_whole_settings():
     assert holders == []
 
 
+def test_the_stages_are_handed_small_values_not_a_runs_whole_settings():
+    """api.py (and the bisectors' session) split a run's RunSettings into small values (what is compared, how
+    it is judged, how causes are sought, how the runs spread, what was captured); the stages of stages/ and
+    verification/ are handed only those they read."""
+    holders = sorted(name for name, path in _modules().items()
+                     if name.startswith(("accudiff.stages", "accudiff.verification")) and "RunSettings" in path.read_text())
+    assert holders == []
+
+
 def test_the_circle_finder_finds_a_type_only_circle():
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
 

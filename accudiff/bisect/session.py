@@ -109,13 +109,14 @@ class BisectSession:
     @cached_property
     def candidate(self) -> TransformResult:
         """The candidate exactly as `compare` builds it (a candidate made by another tool: aligned)."""
-        return transform_model(self.info, self.settings.recipe(), self.feeds, largest_values, self.cache.folder)
+        return transform_model(self.info, self.settings.compared.recipe, self.feeds, largest_values, self.cache.folder)
 
     def trials(self, full: CompareResult) -> Trials:
         """Trials of the candidate with nodes kept in higher precision, on every sample of the session,
         built from the same recipe as `compare`'s candidate (so the repaired model is the one verified); a
         kept node's readers that only move its values are kept with it (Boundaries, regions)."""
-        setup = TrialSetup(self.info, CandidateVariants(self.info, self.settings.recipe(), self.candidate), self.feeds, self.settings, self.cache.folder / "trials")
+        compared = self.settings.compared
+        setup = TrialSetup(self.info, CandidateVariants(self.info, compared.recipe, self.candidate), self.feeds, compared, self.settings.judging, self.cache.folder / "trials")
         return Trials(setup, full.table.set_index("tensor"), regions=True)
 
     def close(self) -> None:

@@ -34,6 +34,7 @@ class Recorded:
     iterations: int
     found: list[str]  # tensors of the model the file holds
     foreign: list[str] = field(default_factory=list)  # names in the file that are no tensor of the model
+    file: Path = Path()  # the RunResults file it was read from
 
 
 def read_run_results(path: Path, tensors: Sequence[str], folder: Path, runner: str | None = None) -> Recorded:
@@ -67,7 +68,7 @@ def read_run_results(path: Path, tensors: Sequence[str], folder: Path, runner: s
         shown = ", ".join(list(names)[:5])
         raise AccudiffError(f"no tensor in '{path}' is a tensor of the model (it holds {shown}{', ...' if len(names) > 5 else ''}): was it saved from another model?")
     store.finish()
-    return Recorded(store, chosen, iterations, found, [name for name in names if name not in known])
+    return Recorded(store, chosen, iterations, found, [name for name in names if name not in known], path)
 
 
 def _survey(path: Path) -> dict[str, tuple[int, int]]:

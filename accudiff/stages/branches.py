@@ -18,7 +18,7 @@ import heapq
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 import onnx
@@ -34,10 +34,8 @@ from accudiff.model.samples import Samples, samples_from_path
 from accudiff.model.subgraph import extract
 from accudiff.model.weights import weight_values
 from accudiff.transforms import NodeSelector
+from accudiff.transforms.candidate import CandidateRecipe
 from accudiff.transforms.inline_branches import BRANCHES, if_nodes, inline_branches
-
-if TYPE_CHECKING:
-    from accudiff.settings import RunSettings
 
 MAX_NESTING = 16  # rounds of inlining (If inside If inside ...) before the rest is left as written
 
@@ -53,8 +51,9 @@ class BranchGroup:
     before: int = 0  # samples of the groups before this one (progress counts over all of them)
 
 
-def plan_groups(info: ModelInfo, samples: Samples, settings: RunSettings, scratch: Path) -> list[BranchGroup]:
-    """The branch-groups stage: the groups of `samples`, each with its own calibration samples. With
+def plan_groups(info: ModelInfo, samples: Samples, recipe: CandidateRecipe, scratch: Path) -> list[BranchGroup]:
+    """The branch-groups stage: the groups of `samples`, each with its own calibration samples (an INT8
+    `recipe` calibrated on its own samples). With
     specialized groups, the keep-list is checked against their nodes (a pattern that selected only an If,
     now replaced by its branch, would keep nothing) and `info` lets go of its model: each group has its own."""
     groups = branch_groups(info.proto, samples)
@@ -62,9 +61,9 @@ def plan_groups(info: ModelInfo, samples: Samples, settings: RunSettings, scratc
         group.before = sum(len(g.samples) for g in groups[:k])
     if not any(group.taken for group in groups):
         return groups
-    NodeSelector(settings.keep_fp32).require_matches([node for group in groups for node in all_nodes(group.model.graph)])
-    if settings.precision == "int8" and settings.trt.engine is None:
-        for k, calibration in calibration_per_group(info, groups, settings.calib_data, scratch).items():
+    NodeSelector(recipe.keep_fp32).require_matches([node for group in groups for node in all_nodes(group.model.graph)])
+    if recipe.precision == "int8" and recipe.engine is None:
+        for k, calibration in calibration_per_group(info, groups, recipe.calib_data, scratch).items():
             groups[k].calibration = calibration
     info.proto = onnx.ModelProto()
     return groups

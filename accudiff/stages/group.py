@@ -42,7 +42,7 @@ from accudiff.transforms.isolate import isolate_in_place
 
 if TYPE_CHECKING:
     from accudiff.workspace import Workspace
-    from accudiff.settings import RunSettings
+    from accudiff.settings import Compared, Judging, Running
 
 ENGINE_LAYERS_FILE = "engine_layers.json"
 # The isolated run tells where error starts, which a few samples show as well as thousands: it runs on a
@@ -134,31 +134,33 @@ RETURN_FREED_FROM_BYTES = 256 << 20
 
 
 def make_candidate(
-    info: ModelInfo, group: BranchGroup, samples: Samples, settings: RunSettings, path: Path, scratch: Path, captured: Captured
+    info: ModelInfo, group: BranchGroup, samples: Samples, compared: Compared, judging: Judging, isolate: bool, path: Path, scratch: Path,
+    captured: Captured, record: bool = False,
 ) -> Candidate:
     """The transform stage: the group's candidate (INT8: calibrated on its samples) saved once, in
     `scratch/models`, and put in the report at `path` (a hard link, or a copy across file systems); its
     isolated twin beside it, sharing its data file. The weights are let go of as they are written, before
     any backend loads a model, so at most one copy of them is in memory at a time (from here on the
-    workers read files). A candidate captured elsewhere is replayed from its store instead of run."""
+    workers read files). A candidate captured elsewhere is replayed from its store instead of run; `record`:
+    the candidate's tensors are kept to be saved (--save-candidate)."""
     remember_model(info)  # verification reads it again
-    kinds = kinds_of(info, settings.output_kinds)
-    transformed = transform_model(info, settings.recipe(group.calibration), samples.subset(group.samples), largest_values, scratch)
+    kinds = kinds_of(info, judging.output_kinds)
+    transformed = transform_model(info, compared.recipe_for(group.calibration), samples.subset(group.samples), largest_values, scratch)
     working = scratch / "models" / path.name
     working.parent.mkdir(exist_ok=True)
     save_model(transformed.model, working, move_weights=True)
     link_model(working, path)
-    kind = settings.backend[0]
+    kind = compared.backend
     if captured.candidate is not None:
-        label = f"polygraphy runner '{captured.candidate.runner}' ({Path(settings.load_candidate).name}), captured elsewhere"
+        label = f"polygraphy runner '{captured.candidate.runner}' ({captured.candidate.file.name}), captured elsewhere"
         candidate = {"model": str(info.path), "recorded": str(captured.candidate.store.folder), "label": label}
     else:
         candidate = {"model": str(working), "layer_report": True}
-    record = ReferenceStore(scratch / f"record-{path.stem}", [t.name for t in info.tensors]) if settings.save_candidate else None
+    record = ReferenceStore(scratch / f"record-{path.stem}", [t.name for t in info.tensors]) if record else None
     passes = [PassSpec("candidate", backend=kind, record=str(record.folder) if record else None, **candidate)]
-    if settings.also is not None and settings.also != kind:  # the model's own error next to what a build adds
-        passes.append(PassSpec(settings.also, str(working), settings.also))
-    if settings.isolate:
+    if compared.also is not None and compared.also != kind:  # the model's own error next to what a build adds
+        passes.append(PassSpec(compared.also, str(working), compared.also))
+    if isolate:
         # every compared tensor the candidate has a partner for (a value of the same name that is another value is not fed)
         types = {t.name: onnx.helper.np_dtype_to_tensor_dtype(t.dtype) for t in info.tensors if t.dtype is not None and t.name not in transformed.unmatched}
         fed = isolate_in_place(transformed.model, types, transformed.storage_copies)
@@ -175,13 +177,14 @@ def make_candidate(
 
 
 def run_group(
-    candidate: Candidate, plan: Plan, group: BranchGroup, samples: Samples, settings: RunSettings, where: Workspace, captured: Captured,
-    generation: GenerationPlan | None = None,
+    candidate: Candidate, plan: Plan, group: BranchGroup, samples: Samples, compared: Compared, judging: Judging, running: Running, verify: bool,
+    where: Workspace, captured: Captured, generation: GenerationPlan | None = None, record_reference: bool = False,
 ) -> GroupRun:
     """The run stage: the group's samples through the reference and the candidate's passes, in worker
     processes or Ray tasks, their statistics merged. The reference is replayed from a captured file or
-    the reference cache, or recorded there (or kept to be saved) as it runs. With a decoder's `generation`,
-    each sample is a prompt generated from (execution/generation.py)."""
+    the reference cache, or recorded there (or kept to be saved: `record_reference`) as it runs. With a
+    decoder's `generation`, each sample is a prompt generated from (execution/generation.py); with `verify`,
+    the outputs of a few samples are kept for verification to replay."""
     info, first = candidate.info, samples[group.samples[0]]
     specialized = info.path.parent == where.scratch  # a model specialized for these samples' branches lives only for this call
     cache, tensors = where.reference_cache, [t.name for t in info.tensors]
@@ -192,21 +195,21 @@ def run_group(
     elif cache is not None and not specialized:
         store = cache.store(info.path, samples, tensors)
     else:
-        store = ReferenceStore(where.scratch / f"reference-{candidate.path.stem}", tensors) if settings.save_reference else None
-    job = job_for(info, samples, plan.segments, settings.precision, settings.tolerances, where.scratch / candidate.path.stem, store)
+        store = ReferenceStore(where.scratch / f"reference-{candidate.path.stem}", tensors) if record_reference else None
+    job = job_for(info, samples, plan.segments, compared.precision, judging.tolerances, where.scratch / candidate.path.stem, store)
     job = replace(
         job,
         largest_tensor=plan.largest_tensor,
         reference=str(worker_reference(info, plan.segments, where.scratch)),
         passes=candidate.passes,
         quant_ranges=quant_ranges_json(candidate.transformed),
-        trt=settings.trt.as_json(),
+        trt=compared.trt.as_json(),
         input_shapes={spec.name: list(first[spec.name].shape) for spec in info.inputs},
         shape_values={name: first[name].reshape(-1).tolist() for name in first if could_be_a_shape(first[name])},
         layer_report=str(where.folder.path / ENGINE_LAYERS_FILE) if where.folder.final is not None else None,
-        thresholds=settings.thresholds,
+        thresholds=judging.thresholds,
         output_kinds={name: kind.as_json() for name, kind in candidate.kinds.items()},
-        validate=[str(settings.candidate_model)] if settings.candidate_model is not None else [],
+        validate=[str(compared.candidate_model)] if compared.candidate_model is not None else [],
     )
     if generation is not None:  # the workers read the prompts; each step of a prompt is a sample of the engine, the isolated run takes the first
         steps = len(group.samples) * samples_per_prompt(generation.new_tokens)
@@ -214,26 +217,26 @@ def run_group(
                   for p in job.passes]
         job = replace(job, passes=passes, generation=generation.as_json())
     outputs = None
-    if settings.verify and len(group.samples) <= MAX_TRIAL_SAMPLES and generation is None:  # few enough to keep: verification replays them
+    if verify and len(group.samples) <= MAX_TRIAL_SAMPLES and generation is None:  # few enough to keep: verification replays them
         outputs = ReferenceStore(where.scratch / f"outputs-{candidate.path.stem}", info.output_names)
         job = replace(job, outputs_store=str(outputs.folder))
     progress = where.progress_from(group.before, len(samples))
     entries = [(generation.prompts if generation is not None else samples).as_json()[i] for i in group.samples]
     # Verification's trials (one group only, no pre-built engine: see verify.py) would run in these workers, already warm.
-    warm = settings.verify and settings.trt.engine is None and group.samples == list(range(len(samples)))
-    outcome = run_shards(job, entries, settings.workers, settings.ray, progress, group.samples, warm)
+    warm = verify and compared.trt.engine is None and group.samples == list(range(len(samples)))
+    outcome = run_shards(job, entries, running.workers, running.ray, progress, group.samples, warm)
     for recorded in (store, outputs):
         if recorded is not None:
             recorded.finish()
     return GroupRun(candidate, outcome, group.samples, store, outputs)
 
 
-def save_tensors(settings: RunSettings, runs: Sequence[GroupRun], samples: int) -> None:
+def save_tensors(save_reference: Path | None, save_candidate: Path | None, compared: Compared, runs: Sequence[GroupRun], samples: int) -> None:
     """--save-reference / --save-candidate: the tensors kept during the runs written as polygraphy
     RunResults, every sample in order (each from the branch group that compared it)."""
     for path, runner, stores in (
-        (settings.save_reference, "accudiff-reference-onnxrt-fp32", [r.reference for r in runs]),
-        (settings.save_candidate, f"accudiff-candidate-{settings.backend[0]}-{settings.precision}", [r.candidate.record for r in runs]),
+        (save_reference, "accudiff-reference-onnxrt-fp32", [r.reference for r in runs]),
+        (save_candidate, f"accudiff-candidate-{compared.backend}-{compared.precision}", [r.candidate.record for r in runs]),
     ):
         if path is None:
             continue
@@ -244,12 +247,12 @@ def save_tensors(settings: RunSettings, runs: Sequence[GroupRun], samples: int) 
         write_run_results(Path(path), runner, iterations)
 
 
-def isolation_notice(settings: RunSettings, groups: Sequence[BranchGroup], generation: GenerationPlan | None = None) -> str | None:
+def isolation_notice(isolate: bool, groups: Sequence[BranchGroup], generation: GenerationPlan | None = None) -> str | None:
     """What a reader must know when the isolated run skipped samples (see ISOLATED_SAMPLES)."""
-    if settings.isolate and generation is not None and sum(len(g.samples) for g in groups) * samples_per_prompt(generation.new_tokens) > ISOLATED_SAMPLES:
+    if isolate and generation is not None and sum(len(g.samples) for g in groups) * samples_per_prompt(generation.new_tokens) > ISOLATED_SAMPLES:
         return (f"the isolated run (each node's error when fed the reference's values) ran on the first {ISOLATED_SAMPLES} steps of the first "
                 "prompt's generation (its prefill first); every other figure covers every step of every prompt")
-    if not settings.isolate or all(len(g.samples) <= ISOLATED_SAMPLES for g in groups):
+    if not isolate or all(len(g.samples) <= ISOLATED_SAMPLES for g in groups):
         return None
     where = "of each branch group's samples" if len(groups) > 1 else f"of the {len(groups[0].samples)} samples"
     return f"the isolated run (each node's error when fed the reference's values) ran on the first {ISOLATED_SAMPLES} {where}; every other figure covers them all"

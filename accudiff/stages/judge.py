@@ -4,7 +4,6 @@ and every failing output gets the rules' cause (a hypothesis until the verify st
 from __future__ import annotations
 
 from dataclasses import fields
-from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
@@ -25,18 +24,18 @@ from accudiff.result import MIN_COVERAGE, CompareResult, TensorFailure
 from accudiff.transforms import TransformResult
 
 if TYPE_CHECKING:
-    from accudiff.settings import RunSettings
+    from accudiff.settings import Compared, Judging
 
 STEP_COLUMNS = ["sample", "sequence", "step", "phase", "position", "tokens", "reference_next", "candidate_next"]  # generation.Step
 SAMPLE_COLUMNS = ["sample", "tensor", "status", "max_abs_err", "tol_ratio", "outside_share", "sqnr_db", *(f.name for f in fields(Decision))]
 
 
-def judge(info: ModelInfo, transformed: TransformResult, outcome: WorkerResult, settings: RunSettings, samples: Samples,
+def judge(info: ModelInfo, transformed: TransformResult, outcome: WorkerResult, compared: Compared, judging: Judging, isolate: bool, samples: Samples,
           kinds: Mapping[str, OutputKind]) -> tuple[CompareResult, DiagnosisContext]:
     """The result of a comparison (tables, verdict, the first failing tensor, the failing outputs with
     their causes) and what the rules knew when they named them. Outputs of `kinds` "state" (a decoder's KV
     cache) are compared, never diagnosed: the logits of later steps judge them."""
-    tolerances = settings.tolerances
+    tolerances = judging.tolerances
     row_of = {t.name: k for k, t in enumerate(info.tensors)}
 
     def table_of(name: str) -> pd.DataFrame:
@@ -45,13 +44,13 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: WorkerResult, 
         return build_table(info.tensors, result.stats, result.seen, notes, tolerances, transformed.quant_ranges)
 
     table = table_of("candidate")
-    if settings.isolate:
+    if isolate:
         table = with_side_run(table, table_of("isolated"), "isolated")
-    if settings.also is not None and settings.also in outcome.passes:
-        table = with_side_run(table, table_of(settings.also), settings.also)
+    if compared.also is not None and compared.also in outcome.passes:
+        table = with_side_run(table, table_of(compared.also), compared.also)
     float_inputs = [spec for spec in info.inputs if np.issubdtype(spec.dtype, np.floating)]
     context = DiagnosisContext(
-        settings.precision,
+        compared.precision,
         info.upstream,
         frozenset(transformed.converted),
         {k.node: k.reason for k in transformed.kept},
@@ -77,8 +76,8 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: WorkerResult, 
     candidate_pass = outcome.passes["candidate"]
     steps = pd.DataFrame(outcome.steps, columns=STEP_COLUMNS)
     sample_table = _sample_table(candidate_pass.outcomes, steps)
-    decisions, met = _decisions(sample_table, candidate_pass, settings, row_of)
-    objective = settings.judged
+    decisions, met = _decisions(sample_table, candidate_pass, judging.thresholds, row_of)
+    objective = judging.objective
     objective.applies(decisions, info.output_names)
     spans = {output: intervals(rows, _units(rows), decisions[output]) for output, rows in sample_table.groupby("tensor", sort=False)}
     observed_outputs = table.loc[(table["status"] != STATUS_MISSING) & table["is_output"], "tensor"].tolist()
@@ -89,8 +88,8 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: WorkerResult, 
     resolved = {name: objective.resolve(decisions.get(name, {}), spans.get(name, {})) for name in deciding}
     failing_outputs = [name for name in deciding if _fails(indexed.loc[name], resolved[name])]
     result = CompareResult(
-        model=Path(settings.model),
-        precision=settings.precision,
+        model=compared.model,
+        precision=compared.precision,
         candidate=candidate_pass.label,
         table=table,
         passed=False,
@@ -101,11 +100,9 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: WorkerResult, 
         converted=frozenset(transformed.converted),
         not_observable={**info.not_observable, **outcome.reference_not_observable, **candidate_pass.not_observable},
         iterations=len(samples),
-        seed=settings.seed if settings.inputs is None else None,
         samples=sample_table,
         inputs=samples.source,
-        settings=settings,
-        candidate_model=Path(settings.candidate_model) if settings.candidate_model is not None else None,
+        candidate_model=compared.candidate_model,
         unmatched=dict(transformed.unmatched),
         inside=dict(transformed.inside),
         quantized_by=dict(transformed.quantized_by),
@@ -121,18 +118,18 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: WorkerResult, 
     result.intervals, result.output_kinds = spans, dict(kinds)
     if len(steps):
         result.steps, result.generations = steps, sorted(outcome.generations, key=lambda g: g["sequence"])
-        result.phases = {output: _phases(rows, candidate_pass.sketches.get(output, {}), settings) for output, rows in sample_table.groupby("tensor", sort=False)
+        result.phases = {output: _phases(rows) for output, rows in sample_table.groupby("tensor", sort=False)
                          if kinds.get(output, UNKNOWN).kind in ("logits", "probabilities")}
     result.nodes, result.weights = info.nodes, info.weights
     return result, context
 
 
-def _decisions(samples: pd.DataFrame, candidate: PassResult, settings: RunSettings, row_of: dict[str, int]) -> tuple[dict[str, dict], dict[str, dict]]:
+def _decisions(samples: pd.DataFrame, candidate: PassResult, thresholds: Mapping[str, float], row_of: dict[str, int]) -> tuple[dict[str, dict], dict[str, dict]]:
     """Per graph output, its decision figures over every sample and the tolerance it meets."""
     sketches = candidate.stats.sketch
     decisions, met = {}, {}
     for output, rows in samples.groupby("tensor", sort=False):
-        threshold = settings.thresholds.get(output, settings.thresholds.get("", DEFAULT_THRESHOLD))
+        threshold = thresholds.get(output, thresholds.get("", DEFAULT_THRESHOLD))
         errors = sketches[row_of[output]] if output in row_of else None
         decisions[output] = summarize(rows, candidate.sketches.get(output, {}), errors, threshold)
         met[output] = tolerance_met(rows)
@@ -167,7 +164,7 @@ def _units(rows: pd.DataFrame) -> pd.Series:
     return rows["sequence"] if "sequence" in rows.columns else rows["sample"]
 
 
-def _phases(rows: pd.DataFrame, sketches: dict, settings: RunSettings) -> dict[str, dict]:
+def _phases(rows: pd.DataFrame) -> dict[str, dict]:
     """A decoder's figures per phase (its prompts' prefills, their decode steps), each with its intervals."""
     found = {}
     for phase, part in rows.groupby("phase", sort=False):

@@ -38,7 +38,7 @@ from accudiff.model.saving import save_model
 from accudiff.model.ops import VALUE_PRESERVING_OPS
 from accudiff.model.samples import Samples
 from accudiff.model.stores import ReferenceStore
-from accudiff.settings import RunSettings
+from accudiff.settings import Compared, Judging
 from accudiff.transforms.candidate import CandidateVariants
 from accudiff.transforms.fp16 import BF16
 from accudiff.model.formats import FP16_MAX, formats_of
@@ -75,12 +75,13 @@ class TrialOutcome:
 @dataclass
 class TrialSetup:
     """What every trial of one comparison shares: the FP32 model, how its candidate is made, the samples
-    tried (usually the failing ones) and the run's settings (tolerances, backend, TensorRT options)."""
+    tried (usually the failing ones), what is compared (its backend, TensorRT options) and how it is judged."""
 
     info: ModelInfo  # with its proto loaded
     variants: CandidateVariants
     samples: Samples
-    settings: RunSettings
+    compared: Compared
+    judging: Judging
     scratch: Path
     shape_values: Mapping[str, list[int]] = field(default_factory=dict)
 
@@ -119,8 +120,8 @@ class Trials:
         # or two workers, would map its weights twice), on a gated switchboard (switches.gate_switches: a kept node
         # computed only when its switch is on, its FP32 weights read only then), its other variants one at a time.
         self.large = sum(tensor_bytes(init) for init in setup.info.proto.graph.initializer) >= LARGE_MODEL_BYTES
-        self._switchable = switchable(setup.settings)
-        self.kinds = kinds_of(setup.info, setup.settings.output_kinds)  # what each output decides: the figures a keep is judged by
+        self._switchable = switchable(setup.compared)
+        self.kinds = kinds_of(setup.info, setup.judging.output_kinds)  # what each output decides: the figures a keep is judged by
 
     def __enter__(self) -> Trials:
         return self
@@ -251,7 +252,7 @@ class Trials:
         passes = []
         keep_lists = [keep for keep, _ in chosen]
         for k, (keep, parts) in enumerate(chosen):
-            backend = setup.settings.backend[0]
+            backend = setup.compared.backend
             if board is not None and parts == "all":
                 switchboard, path = board
                 passes.append(PassSpec(f"variant{k}", str(path), backend, fixed_inputs=switchboard.settings(keep), reuse=True))
@@ -269,14 +270,14 @@ class Trials:
             tensors=list(info.output_names),
             outputs=list(info.output_names),
             segments=[[node.name for node in info.proto.graph.node]],
-            tolerances=setup.settings.tolerances.as_dict(),
-            thresholds=setup.settings.thresholds,
+            tolerances=setup.judging.tolerances.as_dict(),
+            thresholds=setup.judging.thresholds,
             output_kinds={name: kind.as_json() for name, kind in self.kinds.items()},
             quant_ranges={},
             samples=setup.samples.as_json(),
             sample_indices=list(range(len(setup.samples))),
             result=str(folder / "result"),
-            trt=setup.settings.trt.as_json(),
+            trt=setup.compared.trt.as_json(),
             input_shapes={spec.name: list(first[spec.name].shape) for spec in info.inputs},
             shape_values=dict(setup.shape_values),
             input_specs=[[spec.name, str(spec.dtype), list(spec.shape)] for spec in info.inputs],
@@ -310,18 +311,18 @@ def _outcome(keep: list[str], outcomes: list[SampleOutcome]) -> TrialOutcome:
     return TrialOutcome(keep, ratio, figures, spans)
 
 
-def switchable(settings: RunSettings) -> bool:
+def switchable(compared: Compared) -> bool:
     """Whether the candidate can be tried as a switchboard: an FP16 or BF16 model, or a candidate made by another
     tool, run by ONNX Runtime (a TensorRT build of a switchboard would fuse differently; accudiff's INT8 and
     pre-built engines need variants, see CandidateVariants.switchboard, which may still refuse nodes inside
     If/Loop/Scan bodies)."""
-    return (settings.precision in ("fp16", "bf16") or settings.candidate_model is not None) and settings.backend[0] == "onnxrt" and settings.trt.engine is None
+    return (compared.precision in ("fp16", "bf16") or compared.candidate_model is not None) and compared.backend == "onnxrt" and compared.trt.engine is None
 
 
-def trial_workers(settings: RunSettings) -> int:
+def trial_workers(compared: Compared) -> int:
     """How many workers trials start with: one when the candidate can be tried as a switchboard, else one
     per core (see the module's docstring)."""
-    return 1 if switchable(settings) else os.cpu_count() or 1
+    return 1 if switchable(compared) else os.cpu_count() or 1
 
 
 def prune(keep: Sequence[str], holds: Callable[[list[str]], bool], protected: Collection[str] = (), limit: int = PRUNE_RUNS) -> tuple[list[str], int]:

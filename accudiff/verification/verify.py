@@ -61,7 +61,7 @@ from accudiff.transforms.candidate import CandidateVariants, repaired, repaired_
 
 if TYPE_CHECKING:
     from accudiff.result import CompareResult
-    from accudiff.settings import RunSettings
+    from accudiff.settings import Compared, Diagnosing, Judging
 
 HELPS = 0.8  # a keep helps when it brings the output's tolerance ratio below this share of what it was
 GREEDY_RESERVE = 3  # runs of the budget kept for confirming combinations after the screen
@@ -89,8 +89,8 @@ class _Suspect:
 
 
 def verify_outputs(
-    result: CompareResult, context: DiagnosisContext, settings: RunSettings, runs: Sequence[GroupRun], samples: Samples, scratch: Path,
-    report: Path | None = None,
+    result: CompareResult, context: DiagnosisContext, compared: Compared, judging: Judging, diagnosing: Diagnosing, runs: Sequence[GroupRun],
+    samples: Samples, scratch: Path, report: Path | None = None,
 ) -> list[str]:
     """The verify stage: each failing output's suspects tested at the output (`verify_causes`) on the
     worst failing samples, by trials of the candidate `compare` built; the output failures get their
@@ -101,18 +101,18 @@ def verify_outputs(
     if len(runs) > 1:
         return [f"causes were not verified: the samples take {len(runs)} different combinations of If branches "
                 "(compare each group's samples on their own to verify)"]
-    if settings.trt.engine is not None:
+    if compared.trt.engine is not None:
         return ["causes were not verified: a pre-built engine (--engine) cannot be rebuilt with nodes kept in higher precision"]
     indexed = result.table.set_index("tensor", drop=False)
     failures = result.output_failures
     stand_in, notices = None, []
-    if settings.backend[0] == "recorded":
-        stand_in, notice, failures = _stand_in(failures, indexed, settings)
+    if compared.backend == "recorded":
+        stand_in, notice, failures = _stand_in(failures, indexed, compared)
         notices = [notice] if notice else []
         if stand_in is None:
             return notices
-        settings = replace(settings, load_candidate=None, candidate_runner=None, candidate=settings.also, also=None)
-    prestart(trial_workers(settings))  # the trial workers start while their models are prepared (or are warm)
+        compared = replace(compared, backend=compared.also, also=None)  # the candidate of its precision that ran beside it
+    prestart(trial_workers(compared))  # the trial workers start while their models are prepared (or are warm)
     candidate = runs[0].candidate
     outputs = [f.tensor for f in failures]
     info = read_again(candidate.info)
@@ -127,18 +127,18 @@ def verify_outputs(
     base = replace(candidate.transformed, model=load_graph(candidate.path))
     first = tried[0]
     setup = TrialSetup(
-        info, CandidateVariants(info, settings.recipe(), base=base), tried, settings, scratch / "verify",
+        info, CandidateVariants(info, compared.recipe, base=base), tried, compared, judging, scratch / "verify",
         {name: first[name].reshape(-1).tolist() for name in first if could_be_a_shape(first[name])},
     )
     recorded = (runs[0].outputs, chosen) if runs[0].outputs is not None else None
     with Trials(setup, indexed, recorded, variant_seconds=_variant_seconds(result.worker_timings.get("comparison", {}), candidate.passes, len(chosen) / len(samples))) as trials:
-        split = loss_split_keeps(setup.variants, context.formats, settings.given_alone)
-        verdicts, control, parts = verify_causes(outputs, indexed, context, trials, settings.verify_budget, settings.tolerances.default.rtol, split,
-                                                 settings.judged, settings.cause_budget)
+        split = loss_split_keeps(setup.variants, context.formats, compared.given_alone)
+        verdicts, control, parts = verify_causes(outputs, indexed, context, trials, diagnosing.verify_budget, judging.tolerances.default.rtol, split,
+                                                 judging.objective, diagnosing.cause_budget)
         result.loss_split = loss_split(outputs, control, parts, split)
     result.worker_timings["verification"] = trials.timings
     keep = list(dict.fromkeys(n for _, repair in verdicts.values() if repair.verified for n in repair.keep))
-    if report is not None and keep and settings.candidate_model is not None:
+    if report is not None and keep and compared.candidate_model is not None:
         save_model(repaired(setup.variants, keep), report / repaired_file(setup.variants.recipe), one_file=True)
         result.repaired_candidate = repaired_file(setup.variants.recipe)
     result.output_failures = [
@@ -146,10 +146,10 @@ def verify_outputs(
         if f.tensor in verdicts else f
         for f in result.output_failures
     ]
-    passed = [f"'{name}' ({Reading.of(control, name, settings.judged).said('')})" for name in outputs if name not in verdicts]
+    passed = [f"'{name}' ({Reading.of(control, name, judging.objective).said('')})" for name in outputs if name not in verdicts]
     if passed:
         notices.append(
-            f"output(s) {', '.join(passed)} met {'their target' if settings.judged.require else 'the tolerance'} on the {len(chosen)} sample(s) "
+            f"output(s) {', '.join(passed)} met {'their target' if judging.objective.require else 'the tolerance'} on the {len(chosen)} sample(s) "
             "verification runs (the worst failing ones), "
             f"{stand_in or 'the candidate'} run again with nothing kept: a keep cannot be verified where the failure does not show, "
             "so the cause stays the rules' hypothesis")
@@ -181,15 +181,15 @@ def _trial_samples(failing: pd.DataFrame, outputs: Sequence[str]) -> list[int]:
     return list(dict.fromkeys(int(s) for s in [*worst, *failing["sample"]]))[:MAX_TRIAL_SAMPLES] or [0]
 
 
-def _stand_in(failures: list, table: pd.DataFrame, settings: RunSettings) -> tuple[str | None, str | None, list]:
+def _stand_in(failures: list, table: pd.DataFrame, compared: Compared) -> tuple[str | None, str | None, list]:
     """For a captured candidate: the candidate that stands in for it in verification (ONNX Runtime's
     model of the same precision), the failures it can verify (those it reproduces), and a notice for
     the rest. A keep that repairs the stand-in is evidence about the model, not about the captured
     engine's own kernels, and the report says which candidate it was."""
-    if settings.also is None or f"{settings.also}_status" not in table.columns:
+    if compared.also is None or f"{compared.also}_status" not in table.columns:
         return None, "causes were not verified: a candidate captured elsewhere cannot run again here, and no candidate of its precision ran beside it", []
-    stand_in = f"{BACKEND_NAMES.get(settings.also, settings.also)}'s {settings.precision.upper()} model"
-    reproduced = [f for f in failures if table.loc[f.tensor, f"{settings.also}_status"] == "fail"]
+    stand_in = f"{BACKEND_NAMES.get(compared.also, compared.also)}'s {compared.precision.upper()} model"
+    reproduced = [f for f in failures if table.loc[f.tensor, f"{compared.also}_status"] == "fail"]
     unexplained = [f"'{f.tensor}'" for f in failures if f not in reproduced]
     notice = None
     if unexplained:
