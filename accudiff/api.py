@@ -125,21 +125,21 @@ def run(
         from accudiff.stages.judge import attach_sketches, judge, side_run_notices
         from accudiff.verification.verify import verify_outputs
 
-        info, transformed, outcome = combine(info.path, runs)
-        result, context = judge(info, transformed, outcome, compared, judging, diagnosing.isolate, samples, runs[0].candidate.kinds)
+        info, transformed, measured = combine(info.path, runs)
+        result, context = judge(info, transformed, measured, compared, judging, diagnosing.isolate, samples, runs[0].candidate.kinds)
         result.settings, result.seed = settings, settings.seed if settings.inputs is None else None  # what was asked: the commands a report prints
-        result.worker_timings["comparison"], result.layout = outcome.timings, {"workers": outcome.layout.workers, "threads": list(outcome.layout.threads)}
+        result.worker_timings["comparison"], result.layout = measured.timings, {"workers": measured.layout.workers, "threads": list(measured.layout.threads)}
         laps.lap("diagnose")
         unverified = []
         if settings.verify and result.output_failures:
             report = where.folder.path if where.folder.final is not None else None
             unverified = verify_outputs(result, context, compared, judging, diagnosing, runs, samples, where.scratch, report)
             laps.lap("verify")
-        attach_sketches(result, info, outcome)
+        attach_sketches(result, info, measured)
         inlined_engine = BRANCHES_INLINED_FOR_TRT if any(g.taken for g in groups) and settings.uses_trt else None
         notices = [*reference_notices, *captured.notices, *describe_groups(groups, len(samples)), inlined_engine, isolation_notice(diagnosing.isolate, groups, generation),
                    *side_run_notices(result.table),
-                   *transformed.warnings, *outcome.passes["candidate"].notices]
+                   *transformed.warnings, *measured.passes["candidate"].notices]
         result.notices = [n for n in [chosen_backend, *notices, *unverified] if n]
         result.candidate_models = [r.candidate.path.name for r in runs]
         result.branches = [{"samples": g.samples, "taken": g.taken} for g in groups if g.taken]

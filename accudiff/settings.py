@@ -190,7 +190,7 @@ class RunSettings:
             raise AccudiffError(f"--also takes {' or '.join(SIDE_BACKENDS)}, not '{self.also}'")
         self.tolerances  # noqa: B018 - a malformed tolerance is an error now, not after the runs
         self.thresholds  # noqa: B018 - likewise a threshold
-        self.judged  # noqa: B018 - and an objective or a requirement
+        self.judging  # noqa: B018 - and an objective or a requirement
         self.output_kinds  # noqa: B018 - and an output's kind
         self._check_captured()
         self._check_generation()
@@ -225,7 +225,8 @@ class RunSettings:
 
     @cached_property
     def judging(self) -> Judging:
-        return Judging(self.tolerances, self.thresholds, self.judged, self.output_kinds)
+        objective = Objective(self.objective, parse_requirements(self.require))  # how verification and bisect precision judge a keep
+        return Judging(self.tolerances, self.thresholds, objective, self.output_kinds)
 
     @property
     def diagnosing(self) -> Diagnosing:
@@ -311,11 +312,6 @@ class RunSettings:
     def output_kinds(self) -> dict[str, str]:
         """The kinds the user gave outputs (`--output-kind NAME=KIND`; judging/output_kinds.py)."""
         return parse_output_kinds(self.output_kind)
-
-    @cached_property
-    def judged(self) -> Objective:
-        """How verification and `bisect precision` judge a keep at the outputs (judging/objective.py)."""
-        return Objective(self.objective, parse_requirements(self.require))
 
     @property
     def given_alone(self) -> bool:

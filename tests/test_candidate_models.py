@@ -392,7 +392,7 @@ def test_a_given_candidates_constants_that_became_inf_or_zero_are_findings(tmp_p
     finding, with the NaN that follows, the second a finding of the Add that reads it."""
     from accudiff.model.inventory import describe
     from accudiff.transforms.fp16 import BF16, FP16, to_fp16
-    from accudiff.transforms.given import adopt
+    from accudiff.transforms.tool_made import adopt
 
     lowest = np.float32(np.finfo(np.float32).min)
 

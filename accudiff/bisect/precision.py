@@ -86,12 +86,12 @@ def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
         if best is None and not result.interrupted:
             every = sorted(full.converted)
             outcome = _tried(session, trials, every, full, f"every one of the {len(every)} converted nodes", result.bound)
-            if outcome.passes(list(full.outputs["tensor"]), session.settings.judged):
+            if outcome.passes(list(full.outputs["tensor"]), session.settings.judging.objective):
                 best, result.trivial = trials.boundaries.close(every), True
             else:  # with nothing reduced, a target the trial's samples cannot tell from the figure is no proof it is out of reach
                 result.unresolved_kept_all = [
                     unresolved_text(output, r, bool(full.generations)) for output in full.outputs["tensor"]
-                    for r in session.settings.judged.resolve(outcome.figures.get(output, {}), outcome.spans.get(output, {})) if r.outcome == "unresolved"]
+                    for r in session.settings.judging.objective.resolve(outcome.figures.get(output, {}), outcome.spans.get(output, {})) if r.outcome == "unresolved"]
     except KeyboardInterrupt:
         result.interrupted = True
         best = None
@@ -138,7 +138,7 @@ def rank(full: CompareResult) -> pd.DataFrame:
 
 def _passes(session: BisectSession, trials: Trials, chosen: list[str], full: CompareResult, what: str, total: int, regions: bool | None = None,
             exact: bool = False) -> bool:
-    return _tried(session, trials, chosen, full, what, total, regions, exact).passes(list(full.outputs["tensor"]), session.settings.judged)
+    return _tried(session, trials, chosen, full, what, total, regions, exact).passes(list(full.outputs["tensor"]), session.settings.judging.objective)
 
 
 def _tried(session: BisectSession, trials: Trials, chosen: list[str], full: CompareResult, what: str, total: int, regions: bool | None = None,

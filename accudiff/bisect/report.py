@@ -77,7 +77,7 @@ def _subgraph_text(result, folder: Path) -> str:
 
 
 def _target(settings: RunSettings) -> str:
-    required = settings.judged.require
+    required = settings.judging.objective.require
     return " and ".join(f"{name}={value:g}" for name, value in required.items()) + " (--require)" if required else "tolerance"
 
 

@@ -70,7 +70,7 @@ class Worker:
 
     def _exchange(self, message: Job | Probe, progress: Callable[[str, int, int], None] | None) -> None:
         """Hand the worker `message` and follow its events until it is done; a failure said in one sentence."""
-        step, outcome = "starting", None
+        step, last = "starting", None
         try:
             self._process.stdin.write(message.to_json() + "\n")
             self._process.stdin.flush()
@@ -84,17 +84,17 @@ class Worker:
                     if progress is not None:
                         progress("compare", event["done"], event["total"])
                 else:
-                    outcome = event
+                    last = event
                     break
         except BrokenPipeError:
             pass  # the worker died before reading the job: said below
         except BaseException:
             self.close(kill=True)  # interrupted: the worker goes with the caller
             raise
-        if outcome is not None and outcome["event"] == "done":
+        if last is not None and last["event"] == "done":
             return
         code = self.close()
-        if outcome is None:
+        if last is None:
             passes = message.passes if isinstance(message, Job) else []
             backend = BACKEND_NAMES.get(passes[0].backend if passes else "onnxrt", "the backend")
             last = next((line.strip() for line in reversed(self._stderr_text.splitlines()) if line.strip()), "")
@@ -102,9 +102,9 @@ class Worker:
                 f"{backend} {_how_it_died(code)} while {step} of '{Path(message.reference if isinstance(message, Job) else message.model).name}'"
                 + (f" (last message: {last})" if last else "")
             )
-        if outcome["event"] == "error":
-            raise AccudiffError(outcome["message"])
-        raise WorkerBug(f"the comparison worker failed: {outcome['message']}", self._stderr_text.strip()[-4000:])
+        if last["event"] == "error":
+            raise AccudiffError(last["message"])
+        raise WorkerBug(f"the comparison worker failed: {last['message']}", self._stderr_text.strip()[-4000:])
 
     def close(self, kill: bool = False) -> int:
         """End the worker (it exits when its input ends) and wait for it; its exit code."""

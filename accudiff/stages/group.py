@@ -69,7 +69,7 @@ class GroupRun:
     tensors when they were kept (replayed from a cache or a captured file, or recorded to be saved)."""
 
     candidate: Candidate
-    outcome: WorkerResult
+    measured: WorkerResult
     group_samples: list[int]
     reference: ReferenceStore | None = None
     outputs: ReferenceStore | None = None  # the reference's graph outputs, when recorded for verification
@@ -224,11 +224,11 @@ def run_group(
     entries = [(generation.prompts if generation is not None else samples).as_json()[i] for i in group.samples]
     # Verification's trials (one group only, no pre-built engine: see verify.py) would run in these workers, already warm.
     warm = verify and compared.trt.engine is None and group.samples == list(range(len(samples)))
-    outcome = run_shards(job, entries, running.workers, running.ray, progress, group.samples, warm)
+    measured = run_shards(job, entries, running.workers, running.ray, progress, group.samples, warm)
     for recorded in (store, outputs):
         if recorded is not None:
             recorded.finish()
-    return GroupRun(candidate, outcome, group.samples, store, outputs)
+    return GroupRun(candidate, measured, group.samples, store, outputs)
 
 
 def save_tensors(save_reference: Path | None, save_candidate: Path | None, compared: Compared, runs: Sequence[GroupRun], samples: int) -> None:
@@ -268,10 +268,10 @@ def combine(model: Path, runs: Sequence[GroupRun]) -> tuple[ModelInfo, Transform
     single group: that group's, under the model's own path)."""
     infos = [r.candidate.info for r in runs]
     if len(runs) == 1:
-        outcome = runs[0].outcome
+        measured = runs[0].measured
         tensors = [t.name for t in infos[0].tensors]
     else:
-        tensors, outcome = merge_group_results([([t.name for t in info.tensors], r.outcome) for info, r in zip(infos, runs)])
+        tensors, measured = merge_group_results([([t.name for t in info.tensors], r.measured) for info, r in zip(infos, runs)])
     by_name = {t.name: t for info in reversed(infos) for t in info.tensors}
     upstream: dict[str, list[str]] = {}
     for each in infos:  # a node reading one value twice (x * x) keeps both reads: that makes it a square
@@ -298,7 +298,7 @@ def combine(model: Path, runs: Sequence[GroupRun]) -> tuple[ModelInfo, Transform
         quantized_by={node: tool for t in transforms for node, tool in t.quantized_by.items()},
         reads_constant_weights=set().union(*(t.reads_constant_weights for t in transforms)),
     )
-    return info, transformed, outcome
+    return info, transformed, measured
 
 
 def quant_ranges_json(transformed: TransformResult) -> dict[str, dict]:

@@ -30,7 +30,7 @@ STEP_COLUMNS = ["sample", "sequence", "step", "phase", "position", "tokens", "re
 SAMPLE_COLUMNS = ["sample", "tensor", "status", "max_abs_err", "tol_ratio", "outside_share", "sqnr_db", *(f.name for f in fields(Decision))]
 
 
-def judge(info: ModelInfo, transformed: TransformResult, outcome: WorkerResult, compared: Compared, judging: Judging, isolate: bool, samples: Samples,
+def judge(info: ModelInfo, transformed: TransformResult, measured: WorkerResult, compared: Compared, judging: Judging, isolate: bool, samples: Samples,
           kinds: Mapping[str, OutputKind]) -> tuple[CompareResult, DiagnosisContext]:
     """The result of a comparison (tables, verdict, the first failing tensor, the failing outputs with
     their causes) and what the rules knew when they named them. Outputs of `kinds` "state" (a decoder's KV
@@ -39,14 +39,14 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: WorkerResult, 
     row_of = {t.name: k for k, t in enumerate(info.tensors)}
 
     def table_of(name: str) -> pd.DataFrame:
-        result = outcome.passes[name]
+        result = measured.passes[name]
         notes = {**result.notes, **{row_of[name]: f"no partner in the candidate: {why}" for name, why in transformed.unmatched.items() if name in row_of}}
         return build_table(info.tensors, result.stats, result.seen, notes, tolerances, transformed.quant_ranges)
 
     table = table_of("candidate")
     if isolate:
         table = with_side_run(table, table_of("isolated"), "isolated")
-    if compared.also is not None and compared.also in outcome.passes:
+    if compared.also is not None and compared.also in measured.passes:
         table = with_side_run(table, table_of(compared.also), compared.also)
     float_inputs = [spec for spec in info.inputs if np.issubdtype(spec.dtype, np.floating)]
     context = DiagnosisContext(
@@ -55,10 +55,10 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: WorkerResult, 
         frozenset(transformed.converted),
         {k.node: k.reason for k in transformed.kept},
         transformed.constant_findings,
-        graph_input_table(float_inputs, outcome.inputs, transformed.quant_ranges),
+        graph_input_table(float_inputs, measured.inputs, transformed.quant_ranges),
         dict(transformed.quant_ranges),
         dict(transformed.weight_findings),
-        dict(outcome.run_time_ranges),
+        dict(measured.run_time_ranges),
     )
     indexed = table.set_index("tensor", drop=False)
     failing = table.loc[table["status"] == STATUS_FAIL, "tensor"].tolist()
@@ -73,8 +73,8 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: WorkerResult, 
     if failing:
         row = indexed.loc[failing[0]]
         first_failure = TensorFailure(failing[0], row["node"], row["op_type"], diagnose(failing[0], indexed, context))
-    candidate_pass = outcome.passes["candidate"]
-    steps = pd.DataFrame(outcome.steps, columns=STEP_COLUMNS)
+    candidate_pass = measured.passes["candidate"]
+    steps = pd.DataFrame(measured.steps, columns=STEP_COLUMNS)
     sample_table = _sample_table(candidate_pass.outcomes, steps)
     decisions, met = _decisions(sample_table, candidate_pass, judging.thresholds, row_of)
     objective = judging.objective
@@ -98,7 +98,7 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: WorkerResult, 
         tolerances=tolerances,
         kept=transformed.kept,
         converted=frozenset(transformed.converted),
-        not_observable={**info.not_observable, **outcome.reference_not_observable, **candidate_pass.not_observable},
+        not_observable={**info.not_observable, **measured.reference_not_observable, **candidate_pass.not_observable},
         iterations=len(samples),
         samples=sample_table,
         inputs=samples.source,
@@ -117,7 +117,7 @@ def judge(info: ModelInfo, transformed: TransformResult, outcome: WorkerResult, 
     result.decisions, result.tolerance_met, result.require = decisions, met, dict(objective.require)
     result.intervals, result.output_kinds = spans, dict(kinds)
     if len(steps):
-        result.steps, result.generations = steps, sorted(outcome.generations, key=lambda g: g["sequence"])
+        result.steps, result.generations = steps, sorted(measured.generations, key=lambda g: g["sequence"])
         result.phases = {output: _phases(rows) for output, rows in sample_table.groupby("tensor", sort=False)
                          if kinds.get(output, UNKNOWN).kind in ("logits", "probabilities")}
     result.nodes, result.weights = info.nodes, info.weights
@@ -173,11 +173,11 @@ def _phases(rows: pd.DataFrame) -> dict[str, dict]:
     return found
 
 
-def attach_sketches(result: CompareResult, info: ModelInfo, outcome: WorkerResult) -> None:
+def attach_sketches(result: CompareResult, info: ModelInfo, measured: WorkerResult) -> None:
     """The error sketches the report plots: every failing output's and its (verified) cause's."""
     row_of = {t.name: k for k, t in enumerate(info.tensors)}
     shown = {f.tensor for f in result.output_failures} | {f.cause.tensor for f in result.output_failures if f.cause.tensor}
-    sketch = outcome.passes["candidate"].stats.sketch
+    sketch = measured.passes["candidate"].stats.sketch
     result.error_sketches = {name: sketch[row_of[name]] for name in shown if name in row_of}
 
 

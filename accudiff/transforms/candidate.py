@@ -24,7 +24,7 @@ from accudiff.model.samples import Samples, samples_from_feeds, samples_from_pat
 from accudiff.transforms.autokeep import Measure, close_autokeep
 from accudiff.transforms.base import KeptNode, TransformResult
 from accudiff.transforms.fp16 import HALVES, to_fp16
-from accudiff.transforms.given import adopt, keepable_nodes, reference_node_names
+from accudiff.transforms.tool_made import adopt, keepable_nodes, reference_node_names
 from accudiff.transforms.int8 import leave_unquantized, to_int8
 from accudiff.transforms.keep_float import PARTS, keep_in_float
 from accudiff.transforms.switches import Switchboard, build_candidate_switchboard, build_switchboard, gate_switches
@@ -43,7 +43,7 @@ class CandidateRecipe:
     calib_data: Samples | str | Path | None = None
     seed: int = 0
     engine: Path | None = None  # a pre-built TensorRT engine: nothing to transform
-    candidate_model: Path | None = None  # a candidate made by another tool, taken as it is (transforms/given.py)
+    candidate_model: Path | None = None  # a candidate made by another tool, taken as it is (transforms/tool_made.py)
 
 
 def transform_model(info: ModelInfo, recipe: CandidateRecipe, samples: Samples, measure: Measure, scratch: Path | None = None) -> TransformResult:

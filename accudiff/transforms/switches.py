@@ -108,7 +108,7 @@ def build_switchboard(candidate: onnx.ModelProto, fp32: onnx.ModelProto, nodes: 
 
 
 def build_candidate_switchboard(candidate: onnx.ModelProto, reference: onnx.ModelProto, nodes: Iterable[str]) -> Switchboard:
-    """The switchboard of a candidate made by another tool (transforms/given.py) for `nodes`: with a
+    """The switchboard of a candidate made by another tool (transforms/tool_made.py) for `nodes`: with a
     node's switch on, it computes as `keep_in_float` keeps it (its inputs from before their Q/DQ pairs and
     narrowing Casts, the reference's float weights, FP32 arithmetic; its result rounded to its own type for
     the others, and a graph output quantized right after it its own result again). tests/test_switches.py
