@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -81,13 +83,30 @@ class ReportFolder:
 
 
 @contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Ctrl-C held back for the block (in the main thread, where Python raises it): a folder made inside is
+    held by whoever discards it before an interrupt can arrive, never left between its mkdir and that."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # a Ctrl-C that came meanwhile arrives now
+
+
+@contextmanager
 def new_folder(final: Path) -> Iterator[ReportFolder]:
     """A folder filled inside the `with` block: moved into place at `final` when the block ends, discarded
     (with the parent folders made for it) when it raises or is interrupted."""
-    folder = ReportFolder(final)
+    folder = None
     try:
+        with interrupts_held():
+            folder = ReportFolder(final)
         yield folder
     except BaseException:
-        folder.discard()
+        if folder is not None:
+            folder.discard()
         raise
     folder.commit()

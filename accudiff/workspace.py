@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from accudiff.execution.pool import discard_spares
-from accudiff.atomic import ReportFolder
+from accudiff.atomic import ReportFolder, interrupts_held
 from accudiff.model.stores import ReferenceCache
 
 Progress = Callable[[str, int, int], None]  # (phase, samples done, samples in all)
@@ -35,9 +35,10 @@ class Workspace:
 def workspace(report_dir: str | Path | None, progress: Progress | None, reference_cache: ReferenceCache | None) -> Iterator[Workspace]:
     """A workspace for one run; on any error its report folder is discarded (nothing half-written is left),
     and in any case its scratch folder and spare worker processes go."""
-    folder = ReportFolder(Path(report_dir) if report_dir is not None else None)
-    scratch, failed = None, False
+    folder, scratch, failed = None, None, False
     try:
+        with interrupts_held():
+            folder = ReportFolder(Path(report_dir) if report_dir is not None else None)
         scratch = Path(tempfile.mkdtemp(prefix="accudiff-compare-"))
         yield Workspace(folder, scratch, reference_cache, progress)
     except BaseException:
@@ -45,7 +46,7 @@ def workspace(report_dir: str | Path | None, progress: Progress | None, referenc
         raise
     finally:
         discard_spares()
-        if failed:  # once the workers let go of have ended: one still writing into it (Ctrl-C reaches them too) is done now
+        if failed and folder is not None:  # once the workers let go of have ended: one still writing into it (Ctrl-C reaches them too) is done now
             folder.discard()
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -169,6 +169,44 @@ def test_ctrl_c_exits_130_and_leaves_no_folder(run_cli, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def _interrupted_as_its_folder_is_made(monkeypatch):
+    """Every temporary folder made, then a real SIGINT to this process (a Ctrl-C landing at that moment)."""
+    import signal
+    import tempfile
+
+    made = tempfile.mkdtemp
+
+    def made_then_interrupted(*args, **kwargs):
+        path = made(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+        return path
+
+    monkeypatch.setattr(tempfile, "mkdtemp", made_then_interrupted)
+    return signal.signal(signal.SIGINT, signal.default_int_handler)  # pytest-xdist's workers ignore SIGINT
+
+
+@pytest.mark.parametrize("where", ["compare", "a folder written whole"])
+def test_ctrl_c_the_moment_the_report_folder_is_made_leaves_nothing(tmp_path, monkeypatch, where):
+    """A Ctrl-C that lands right after the report's staging folder is made, before the run holds it, left the
+    folder and the reports/ made for it (a real Ctrl-C under load did). It is held back until the folder is
+    the run's, then interrupts: nothing is left."""
+    import signal
+
+    from accudiff.atomic import new_folder
+
+    previous = _interrupted_as_its_folder_is_made(monkeypatch)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            if where == "compare":
+                accudiff.compare(fixture("clean"), "fp16", report_dir=tmp_path / "reports" / "r")
+            else:
+                with new_folder(tmp_path / "reports" / "r"):
+                    pass
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_real_ctrl_c_stops_the_workers_too(tmp_path):
     """Ctrl-C in a terminal sends SIGINT to the whole foreground process group: the command and its worker
     processes. Sent while two workers compare thousands of samples, the command exits 130, no process of
