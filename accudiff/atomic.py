@@ -84,16 +84,23 @@ class ReportFolder:
 
 @contextmanager
 def interrupts_held() -> Iterator[None]:
-    """Ctrl-C held back for the block (in the main thread, where Python raises it): a folder made inside is
-    held by whoever discards it before an interrupt can arrive, never left between its mkdir and that."""
+    """Ctrl-C held back for the block: a folder made inside is held by whoever discards it before the
+    interrupt arrives, never left between its mkdir and that. The SIGINT handler (Python runs handlers in
+    the main thread, whichever thread the signal reached) only notes the signal meanwhile; the one it
+    replaced is given it at the end (the default one raises KeyboardInterrupt there)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    noted: list[tuple[int, object]] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: noted.append((signum, frame)))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # a Ctrl-C that came meanwhile arrives now
+        signal.signal(signal.SIGINT, previous)
+        if noted and callable(previous):
+            previous(*noted[0])
+        elif noted and previous == signal.SIG_DFL:
+            os.kill(os.getpid(), signal.SIGINT)
 
 
 @contextmanager
