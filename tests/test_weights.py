@@ -248,7 +248,7 @@ def test_weights_inside_a_model_file_are_referenced_where_they_lie(tmp_path):
     """A model holding its weights is read for a worker with its large weights referenced at their offsets in
     the file (no copy in the proto): a session from the graph alone computes what one from the file does,
     and the small weights stay in the proto."""
-    from accudiff.model.weights import spans_in_file
+    from accudiff.model.wire import spans_in_file
 
     path = tmp_path / "mlp.onnx"
     onnx.save(_mlp(), str(path))
@@ -346,7 +346,7 @@ def test_a_model_a_user_takes_away_is_one_file(tmp_path):
 def test_a_field_written_twice_is_found_where_protobuf_reads_it():
     """protobuf keeps the last value of a field written twice (messages concatenated are merged): the
     offset found for a weight's bytes must be that one, or a model would refer to bytes it does not hold."""
-    from accudiff.model.weights import spans_in_file
+    from accudiff.model.wire import spans_in_file
 
     def length_delimited(number: int, payload: bytes) -> bytes:
         size, varint = len(payload), b""
@@ -385,3 +385,19 @@ def test_where_a_link_is_refused_the_weights_are_copied(tmp_path, monkeypatch):
     feed = {"x": np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)}
     with OnnxrtRunner(target, [name]) as runner:
         np.testing.assert_array_equal(runner.infer(feed)[name], _plain_run(_mlp(), feed)[0])
+
+
+def test_a_model_read_without_its_weights_bytes_is_the_model_but_them():
+    """wire.without_raw_data drops the raw bytes of the main graph's weights past a size, and only them: the
+    rest of the model (the small bias's bytes, names, shapes, the nodes, a field written twice) parses as it was."""
+    from accudiff.model.wire import spans_in_file, without_raw_data
+
+    model = _mlp()
+    model.graph.doc_string = "kept"
+    data = model.SerializeToString() + onnx.ModelProto(producer_name="written twice: the last counts").SerializeToString()
+    expected = onnx.ModelProto.FromString(data)
+    for init in expected.graph.initializer:
+        if len(init.raw_data) > 1024:
+            init.ClearField("raw_data")
+    assert onnx.ModelProto.FromString(without_raw_data(data, 1024)) == expected
+    assert [name for name, (_, length) in spans_in_file(data).items() if length > 1024] == [i.name for i in model.graph.initializer if len(i.raw_data) > 1024]

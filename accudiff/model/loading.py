@@ -5,6 +5,7 @@ shape-inferred exactly once."""
 from __future__ import annotations
 
 import math
+import mmap
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -17,7 +18,8 @@ from accudiff.model.contrib_ops import CHECKED_AS_DOMAIN, onnxruntime_default_do
 from accudiff.model.inventory import ModelInfo, describe, name_unnamed_nodes
 from accudiff.model.shapes import SMALL_INITIALIZER_BYTES, clear_unknown_dims, infer_shapes_in_place, shape_inference_copy
 from accudiff.model.graph import UNCHECKED_TYPES, all_initializers, all_nodes, copy_without_initializers, data_files, has_external_data, tensor_bytes, toposort
-from accudiff.model.weights import data_file, is_external, mark_weights_folder, reference_in_file, refer_in_place, spans_in_file, weight_values
+from accudiff.model.weights import data_file, is_external, mark_weights_folder, reference_in_file, refer_to, weight_values
+from accudiff.model.wire import spans_in_file, without_raw_data
 
 
 def load_model(path: str | os.PathLike) -> ModelInfo:
@@ -26,9 +28,7 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
     if not path.is_file():
         raise AccudiffError(f"model file '{path}' does not exist")
     try:
-        data = path.read_bytes()
-        proto = onnx.load_model_from_string(data)
-        spans = spans_in_file(data)
+        proto, spans = _read_without_large_weights(path)
     except (DecodeError, ValueError, RuntimeError, IndexError) as exc:
         raise AccudiffError(f"'{path}' is not a readable ONNX model ({first_line(exc)})") from exc
     if len(proto.graph.node) == 0:
@@ -39,33 +39,51 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
     misshapen = _misshapen_weight(proto.graph, spans)
     if misshapen is not None:
         raise AccudiffError(f"'{path}' is not a valid ONNX model: {misshapen}")
-    external = has_external_data(proto)
+    external = has_external_data(proto)  # data files of its own (the weights in the model file are referenced next)
+    _refer_to_file(proto, spans, path)
     if external:
         _require_data_files(path, data_files(proto))
-    del data  # before the check: the file's bytes, the model and a checker's copy of it were 3x the file at once
-    in_file_order(proto)
-    if external:
         try:
             _keep_weights_in_their_files(proto, path.parent)
         except (ValueError, RuntimeError, OSError) as exc:
             raise AccudiffError(f"'{path}' refers to external data that cannot be read: {first_line(exc)}") from exc
-    else:
-        proto = _weights_referenced_in_file(proto, spans, path)
+    in_file_order(proto)
     _check(path, _checked_as_onnxruntime_loads(proto, onnxruntime_default_domain_ops(proto.graph.node)))
     info = _inventory(path, proto)
     info.weights_in_file = spans
     return info
 
 
-def _weights_referenced_in_file(proto: onnx.ModelProto, spans: dict[str, tuple[int, int]], path: Path) -> onnx.ModelProto:
-    """`proto` with its large weights referenced where they lie in its file (weights.py reads them when
-    needed, ONNX Runtime maps them), in a fresh message: protobuf returns a message's memory only with the
-    message, so the one read (the whole file again) is let go of. MiniLM's caller held its 69 MB through
-    the run, beside the worker that reads them itself."""
-    refer_in_place(proto.graph.initializer, spans, path, SMALL_INITIALIZER_BYTES)
-    light = onnx.ModelProto()
-    light.CopyFrom(proto)
-    return light
+def _refer_to_file(proto: onnx.ModelProto, spans: dict[str, tuple[int, int]], path: Path) -> None:
+    """The weights read without their bytes (`_read_without_large_weights`) referenced where they lie in
+    the file `path`: weights.py reads them when a value is needed, ONNX Runtime maps them."""
+    for tensor in proto.graph.initializer:
+        if _stripped(tensor, spans):
+            refer_to(tensor, path.name, *spans[tensor.name], path.parent)
+
+
+def _stripped(tensor: onnx.TensorProto, spans: dict[str, tuple[int, int]]) -> bool:
+    """A main-graph weight read without its raw data (it lies in the file, at `spans[tensor.name]`)."""
+    return not tensor.HasField("raw_data") and not is_external(tensor) and tensor.name in spans and spans[tensor.name][1] > SMALL_INITIALIZER_BYTES
+
+
+def _read_without_large_weights(path: Path) -> tuple[onnx.ModelProto, dict[str, tuple[int, int]]]:
+    """The model in `path`, its main-graph weights of more than SMALL_INITIALIZER_BYTES read without their
+    bytes (they stay in the file, mapped and never read here: wire.py), and where each weight's raw data
+    lies. Reading the file whole and then the model held both at once: MiniLM's caller grew by twice its
+    69 MB of weights to load it."""
+    with open(path, "rb") as file:
+        if os.fstat(file.fileno()).st_size == 0:
+            return onnx.ModelProto(), {}
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            try:
+                spans = spans_in_file(mapped)
+                stripped, unreadable = without_raw_data(mapped, SMALL_INITIALIZER_BYTES), None
+            except (ValueError, IndexError) as exc:  # said once the file is let go of (the traceback holds views of it)
+                unreadable = ValueError(first_line(exc) if str(exc) else "its bytes end inside a message")
+    if unreadable is not None:
+        raise unreadable
+    return onnx.load_model_from_string(stripped), spans
 
 
 def _check(path: Path, model: str | bytes | onnx.ModelProto) -> None:
@@ -143,10 +161,9 @@ def load_graph(path: Path) -> onnx.ModelProto:
     """A model file accudiff wrote (or checked) before, its weights left in their data files, and those the
     file holds itself referenced there (see weights.py): a worker's sessions read them where they are,
     and the model crosses to ONNX Runtime as a graph."""
-    data = Path(path).read_bytes()
-    proto = onnx.load_model_from_string(data)
+    proto, spans = _read_without_large_weights(Path(path))
     in_file_order(proto)
-    refer_in_place(proto.graph.initializer, spans_in_file(data), Path(path), SMALL_INITIALIZER_BYTES)
+    _refer_to_file(proto, spans, Path(path))
     mark_weights_folder(all_initializers(proto), Path(path).parent)
     return proto
 
@@ -179,7 +196,8 @@ def _misshapen_weight(graph: onnx.GraphProto, spans: dict[str, tuple[int, int]])
     (its length known, protobuf need not copy the bytes out to tell it)."""
     constants = [a.t for n in all_nodes(graph) if n.op_type == "Constant" for a in n.attribute if a.name == "value"]
     for tensor, span in [*((init, spans.get(init.name)) for init in graph.initializer), *((t, None) for t in constants)]:
-        fields = [name for name in VALUE_FIELDS if len(getattr(tensor, name))] + (["raw_data"] if tensor.HasField("raw_data") else [])
+        raw = tensor.HasField("raw_data") or (span is not None and _stripped(tensor, spans))  # read without its bytes: it has them in the file
+        fields = [name for name in VALUE_FIELDS if len(getattr(tensor, name))] + (["raw_data"] if raw else [])
         if len(fields) > 1:
             return f"weight '{tensor.name}' holds values in {len(fields)} fields ({', '.join(fields)}); ONNX allows one"
         if tensor.data_type in UNCHECKED_TYPES:
@@ -188,7 +206,7 @@ def _misshapen_weight(graph: onnx.GraphProto, spans: dict[str, tuple[int, int]])
         if is_external(tensor):  # its length is written beside its location: nothing is read
             length = next((int(e.value) for e in tensor.external_data if e.key == "length" and e.value.isdigit()), None)
             held = expected if length is None else length / onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
-        elif tensor.HasField("raw_data"):
+        elif raw:
             size = span[1] if span is not None else len(tensor.raw_data)
             held = size / onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
         else:

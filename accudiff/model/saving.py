@@ -22,10 +22,10 @@ from accudiff.model.weights import (
     refer_in_place,
     refer_to,
     same_folder,
-    spans_in_file,
     weight_folder,
     without_folder,
 )
+from accudiff.model.wire import spans_in_file
 
 
 # Weights beyond this are saved beside the model: protobuf refuses to serialise messages past 2 GiB, and

@@ -8,7 +8,7 @@ it is saved (`saving.save_model`): a weight whose data file is in the target's f
 other is copied block by block into the target's own data file.
 
 A weight stored inside the model file itself is such a weight too, once read: its bytes lie at a known
-offset of that file (`spans_in_file` walks protobuf's wire format to find it), so a model read for a
+offset of that file (wire.py walks protobuf's wire format to find it), so a model read for a
 worker refers to them there (`refer_in_place`) instead of holding a copy, and ONNX Runtime reads them
 where they are, as from any data file.
 """
@@ -89,8 +89,13 @@ def weight_values(tensor: onnx.TensorProto) -> np.ndarray:
         return next(weight_code_blocks(tensor)).reshape(tuple(tensor.dims))
     if not is_external(tensor):
         return numpy_helper.to_array(tensor)
-    blocks = list(weight_blocks(tensor))
-    return (np.concatenate(blocks) if blocks else np.empty(0, stored_dtype(tensor))).reshape(tuple(tensor.dims))
+    path, offset, length = data_file(tensor)
+    values = np.empty(length // stored_dtype(tensor).itemsize, stored_dtype(tensor))  # read into its place: blocks joined were twice the weight
+    with open(path, "rb") as file:
+        file.seek(offset)
+        if values.nbytes and file.readinto(memoryview(values).cast("B")) != values.nbytes:
+            raise ValueError(f"the data file of weight '{tensor.name}' ends before its values do")
+    return values.reshape(tuple(tensor.dims))
 
 
 PACKED_4BIT = {onnx.TensorProto.INT4: True, onnx.TensorProto.UINT4: False}  # two values a byte, signed or not
@@ -142,60 +147,9 @@ def copy_bytes(tensor: onnx.TensorProto, target) -> int:
 
 # protobuf's field numbers on the way to a weight's bytes: ModelProto.graph, GraphProto.initializer,
 # TensorProto.name and TensorProto.raw_data (onnx.proto).
-_GRAPH, _INITIALIZER, _NAME, _RAW_DATA = 7, 5, 8, 9
-_LENGTH_DELIMITED = 2
-
-
-def spans_in_file(data: bytes) -> dict[str, tuple[int, int]]:
-    """Where the bytes of each main-graph weight held as raw data lie in a serialized model: name ->
-    (offset, length). Only the messages on the way are walked; nothing is copied."""
-    view = memoryview(data)
-    spans = {}
-    for graph_start, graph_end in _fields(view, 0, len(view), _GRAPH):
-        for start, end in _fields(view, graph_start, graph_end, _INITIALIZER):
-            # A field written twice is its last value to protobuf too.
-            name = next(reversed([bytes(view[a:b]).decode("utf-8", "replace") for a, b in _fields(view, start, end, _NAME)]), None)
-            raw = next(reversed(list(_fields(view, start, end, _RAW_DATA))), None)
-            if name is not None and raw is not None:
-                spans[name] = (raw[0], raw[1] - raw[0])
-    return spans
-
-
-def _fields(view: memoryview, start: int, end: int, wanted: int) -> Iterator[tuple[int, int]]:
-    """The (start, end) of each length-delimited field numbered `wanted` in the message at view[start:end]."""
-    position = start
-    while position < end:
-        key, position = _varint(view, position)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            _, position = _varint(view, position)
-        elif wire == 1:
-            position += 8
-        elif wire == 5:
-            position += 4
-        elif wire == _LENGTH_DELIMITED:
-            length, position = _varint(view, position)
-            if number == wanted:
-                yield position, position + length
-            position += length
-        else:
-            raise ValueError(f"unexpected protobuf wire type {wire}")
-
-
-def _varint(view: memoryview, position: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = view[position]
-        position += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, position
-        shift += 7
-
-
 def reference_in_file(tensor: onnx.TensorProto, spans: dict[str, tuple[int, int]], path: Path, smallest: int) -> onnx.TensorProto | None:
     """A reference to the bytes of `tensor` (held as raw data) in the model file `path`, where `spans`
-    (spans_in_file) says where they lie; None for one of at most `smallest` bytes (shape arithmetic reads
+    (wire.spans_in_file) says where they lie; None for one of at most `smallest` bytes (shape arithmetic reads
     the small ones) or one whose place is unknown. Its length is read off the file: protobuf does not copy
     the bytes out."""
     span = spans.get(tensor.name)
