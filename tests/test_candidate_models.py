@@ -450,7 +450,7 @@ def test_the_converters_a_repair_names_repair_it_when_run_again(tmp_path):
     assert failure.cause.node == "project" and failure.repair.verified and failure.repair.keep == ["project"]
     text = format_summary(result, width=10_000)
     assert "not onnxconverter-common's node_block_list: it rounds the weights Constant nodes hold for 'project'" in text, text
-    assert "ModelOpt AutoCast --nodes_to_exclude project" in text, text
+    assert "ModelOpt AutoCast --nodes_to_exclude 'project$'" in text, text
     tolerance = oracle.documented_tolerance("fp16")
     blocked = tmp_path / "blocked.onnx"
     onnx.save(convert_float_to_float16(onnx.load(str(model)), keep_io_types=True, node_block_list=["project"]), str(blocked))
@@ -459,7 +459,7 @@ def test_the_converters_a_repair_names_repair_it_when_run_again(tmp_path):
     pytest.importorskip("modelopt", reason="needs modelopt (ModelOpt's AutoCast; .ci/run installs it)")
     converted = tmp_path / "autocast.onnx"
     done = subprocess.run([sys.executable, "-m", "modelopt.onnx.autocast", "--onnx_path", str(model), "--output_path", str(converted),
-                           "--keep_io_types", "--log_level", "ERROR", "--nodes_to_exclude", "project"], capture_output=True, text=True)
+                           "--keep_io_types", "--log_level", "ERROR", "--nodes_to_exclude", "project$"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert oracle._ratio(reference, oracle._session(onnx.load(str(converted))).run(["y"], feed)[0], tolerance) <= 1
 
@@ -529,3 +529,20 @@ def test_a_blocked_int4_candidate_with_large_scales_is_read_where_they_lie(tmp_p
     save_feeds([{"x": rng.standard_normal((4, 2048)).astype(np.float32)}], tmp_path / "x.npz")
     result = accudiff.compare(tmp_path / "model.onnx", candidate_model=tmp_path / "int4.onnx", inputs=tmp_path / "x.npz", candidate="onnxrt")
     assert result.precision == "int4-weight" and result.coverage[0] == result.coverage[1]
+
+
+@pytest.mark.parametrize("precision", ["int8+fp16", "fp16"])
+def test_the_printed_modelopt_patterns_select_exactly_the_nodes_kept(precision):
+    """ModelOpt's --nodes_to_exclude (quantization and AutoCast) matches a pattern from a name's start (re.match):
+    printed as 'p2o\\.Conv\\.1', keeping the recognizer's p2o.Conv.1 excluded p2o.Conv.10 to .19 as well, more
+    than the verified repair. Each printed pattern, read as ModelOpt reads it, selects exactly its node among
+    the trained recognizer's."""
+    import shlex
+
+    from accudiff.report.content import remake_lines
+
+    names = [node.name for node in onnx.load(str(models.ppocr_rec_v4())).graph.node]
+    kept = ["p2o.Conv.1", "p2o.Add.2"]
+    [line, *_] = remake_lines(kept, precision, {}, set())
+    patterns = shlex.split(re.search(r"--nodes_to_exclude (.*?)(;|$| \()", line).group(1))
+    assert [[name for name in names if re.match(pattern, name)] for pattern in patterns] == [[name] for name in kept]

@@ -122,7 +122,7 @@ def test_bisect_precision_exclusions_hold_when_the_quantizer_runs_again(minilm, 
     code, out, err = run_cli("bisect", "precision", minilm.model, "--candidate-model", candidate, "--load-inputs", minilm.inputs, "-o", "fix")
     assert code == 1, err  # exit 1: the candidate needed a repair
     assert "quantize_dynamic(..., nodes_to_exclude=[" in out
-    excluded = tuple(re.sub(r"\\(.)", r"\1", line) for line in (tmp_path / "fix" / "keep_fp32.txt").read_text().split())
+    excluded = tuple((tmp_path / "fix" / "nodes.txt").read_text().splitlines())
     again = models.onnxruntime_dynamic(minilm.model, tmp_path / "again.onnx", excluded)
     for output in (POOLED, HIDDEN):
         expected = [oracle._session(oracle._loaded(minilm.model)).run([output], feed)[0] for feed in minilm.feeds]
@@ -250,7 +250,7 @@ def test_bisect_precision_aims_at_a_required_cosine(minilm, tmp_path, run_cli):
     code, out, err = run_cli("bisect", "precision", minilm.model, "--candidate-model", candidate, "--load-inputs", minilm.inputs,
                              "--require", "cosine_min=0.995", "-o", "fix")
     assert code == 1 and "makes the outputs meet cosine_min=0.995 (--require)" in out, err
-    excluded = tuple(re.sub(r"\\(.)", r"\1", line) for line in (tmp_path / "fix" / "keep_fp32.txt").read_text().split())
+    excluded = tuple((tmp_path / "fix" / "nodes.txt").read_text().splitlines())
     again = models.onnxruntime_nbits(minilm.model, tmp_path / "again.onnx", exclude=excluded)
     for output in (POOLED, HIDDEN):
         runs = [[oracle._session(oracle._loaded(path)).run([output], feed)[0] for feed in minilm.feeds] for path in (minilm.model, again)]

@@ -28,10 +28,11 @@ from accudiff.diagnosis.cause import rank_contributors
 from accudiff.judging.objective import Resolution, strictest_met
 from accudiff.verification.trial import TrialOutcome, Trials, prune
 from accudiff.model.saving import save_model
+from accudiff.model.quantized_ops import modelopt_pattern
 from accudiff.report.decision_text import unresolved_text
-from accudiff.transforms.candidate import keep_pattern, repaired, repaired_file
+from accudiff.transforms.candidate import repaired, repaired_file
 
-KEEP_LIST_FILE, RANKING_FILE = "keep_fp32.txt", "ranking.csv"
+KEEP_LIST_FILE, NODES_FILE, RANKING_FILE = "keep_fp32.txt", "nodes.txt", "ranking.csv"
 PRUNE_LIMIT = 8
 
 
@@ -103,7 +104,10 @@ def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
     result.keep, result.repaired = best, True
     ranking["kept"] = ranking["node"].isin(result.keep)
     ranking.to_csv(out_dir / RANKING_FILE, index=False)
-    (out_dir / KEEP_LIST_FILE).write_text("".join(f"{keep_pattern(name)}\n" for name in result.keep))
+    # One pattern a line, exact for --keep-fp32 and for ModelOpt's --nodes_to_exclude (which matches from a name's start); the names themselves
+    # for the tools that take names (ONNX Runtime's nodes_to_exclude).
+    (out_dir / KEEP_LIST_FILE).write_text("".join(f"{modelopt_pattern(name)}\n" for name in result.keep))
+    (out_dir / NODES_FILE).write_text("".join(f"{name}\n" for name in result.keep))
     result.repaired_model = repaired_file(trials.setup.variants.recipe)
     save_model(repaired(trials.setup.variants, result.keep), out_dir / result.repaired_model, one_file=True)
     return result

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from accudiff.bisect.precision import KEEP_LIST_FILE, RANKING_FILE, bisect_precision
+from accudiff.bisect.precision import KEEP_LIST_FILE, NODES_FILE, RANKING_FILE, bisect_precision
 from accudiff.bisect.session import BisectSession, stderr_progress
 from accudiff.bisect.subgraph import bisect_subgraph
 from accudiff.findings import CAUSE_KINDS
@@ -123,7 +123,8 @@ def _precision_text(result, folder: Path, settings: RunSettings) -> str:
     elif result.repaired:
         lines.append(f"  keeping {len(result.keep)} of the {result.converted} converted node(s) in higher precision makes the outputs meet {_target(settings)}: "
                      f"{', '.join(result.keep[:8])}{' ...' if len(result.keep) > 8 else ''}")
-        lines.append(f"  keep-list: {folder / KEEP_LIST_FILE} (one --keep-fp32 pattern per line); repaired model: {folder / result.repaired_model}")
+        lines.append(f"  keep-list: {folder / KEEP_LIST_FILE} (one --keep-fp32 pattern per line, ModelOpt's --nodes_to_exclude takes them too; the names: "
+                     f"{folder / NODES_FILE}); repaired model: {folder / result.repaired_model}")
         if settings.candidate_model is not None:
             lines += [f"  {line}" for line in remake_lines(result.keep, settings.precision, result.quantized_by, result.reads_constant_weights)]
         if len(result.keep) > max(MOST * result.converted, SMALL_REPAIR):

@@ -21,6 +21,7 @@ the float model, by the node that writes its output there.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Mapping
 
@@ -266,6 +267,14 @@ RECOGNISERS: dict[str, Callable[[onnx.NodeProto, GraphIndex], QuantizedOp | None
     "GatherBlockQuantized": _gather_block_quantized,
     "Gather": _gathered_codes,
 }
+
+
+def modelopt_pattern(node: str) -> str:
+    """A regular expression ModelOpt's `--nodes_to_exclude` selects exactly `node` by: it matches from the start
+    of a name (re.match), so 'p2o\\.Conv\\.1' alone would exclude p2o.Conv.16 too."""
+    return re.escape(node) + "$"
+
+
 GENAI_BUILDER = "the ONNX Runtime GenAI model builder"
 # How each tool is told to leave nodes unquantized, in its own words: the node names -> the option.
 TOOL_OPTIONS: dict[str, Callable[[list[str]], str]] = {

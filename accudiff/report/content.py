@@ -6,7 +6,6 @@ summary.md (html.py) and the report folder (writer.py) are views of it.
 from __future__ import annotations
 
 import math
-import re
 import shlex
 from collections.abc import Collection
 from dataclasses import asdict
@@ -16,7 +15,7 @@ from accudiff.version import __version__
 from accudiff.judging.objective import REQUIREMENTS, describe, figure_text
 from accudiff.model.formats import QUANTIZED_FORMATS
 from accudiff.report.decision_text import decision_lines, generation_lines, interval_text, output_kind, phase_lines, sample_name, state_lines
-from accudiff.model.quantized_ops import TOOL_OPTIONS
+from accudiff.model.quantized_ops import TOOL_OPTIONS, modelopt_pattern
 from accudiff.report.next_steps import bisect_command, decision_requirement, keep_option, requirement_option, unsaved_inputs_text
 from accudiff.text import percent, times_tolerance
 
@@ -361,14 +360,14 @@ def remake_lines(nodes: list[str], precision: str, quantized_by: dict[str, str],
         options = [TOOL_OPTIONS[tool](names) for tool, names in by_tool.items() if tool in TOOL_OPTIONS]
         if "Q/DQ" in by_tool:
             qdq = by_tool["Q/DQ"]
-            options.append(f"ModelOpt --nodes_to_exclude {' '.join(shlex.quote(re.escape(n)) for n in qdq)}; "
+            options.append(f"ModelOpt --nodes_to_exclude {' '.join(shlex.quote(modelopt_pattern(n)) for n in qdq)}; "
                            f"ONNX Runtime quantize_static(..., nodes_to_exclude=[{', '.join(repr(n) for n in qdq)}])")
         if options:
             lines.append("or quantize again without them: " + "; ".join(options)
                          + (" (excluded from quantization, they still run in the tool's FP16/BF16: ModelOpt --high_precision_dtype fp32 keeps FP32)"
                             if formats & {"fp16", "bf16"} else ""))
     elif formats & {"fp16", "bf16"}:
-        regexes = " ".join(shlex.quote(re.escape(n)) for n in nodes)
+        regexes = " ".join(shlex.quote(modelopt_pattern(n)) for n in nodes)
         names = ", ".join(repr(n) for n in nodes)
         held = [n for n in nodes if n in reads_constant_weights]
         lines.append(f"or convert again keeping them in FP32: ModelOpt AutoCast --nodes_to_exclude {regexes}"
