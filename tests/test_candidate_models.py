@@ -546,3 +546,28 @@ def test_the_printed_modelopt_patterns_select_exactly_the_nodes_kept(precision):
     [line, *_] = remake_lines(kept, precision, {}, set())
     patterns = shlex.split(re.search(r"--nodes_to_exclude (.*?)(;|$| \()", line).group(1))
     assert [[name for name in names if re.match(pattern, name)] for pattern in patterns] == [[name] for name in kept]
+
+
+def test_a_long_repair_is_read_from_the_files_bisect_writes(tmp_path):
+    """Past a screen of nodes (160 on the ModelOpt INT8 recognizer, each spelled twice on one line), the options
+    read the nodes from the files bisect precision writes: pasted into a shell, ModelOpt's part expands to the
+    patterns; evaluated, the Python part is the names; the GenAI builder's comma list too."""
+    import shlex
+
+    from accudiff.model.quantized_ops import GENAI_BUILDER, modelopt_pattern
+    from accudiff.report.content import remake_lines
+
+    names = [f"p2o.Conv.{k}" for k in range(12)]
+    patterns, listing = tmp_path / "keep_fp32.txt", tmp_path / "nodes.txt"
+    patterns.write_text("".join(f"{modelopt_pattern(n)}\n" for n in names))
+    listing.write_text("".join(f"{n}\n" for n in names))
+    [line] = remake_lines(names, "int8", {}, set(), listed=(patterns, listing))
+    assert "p2o.Conv.11" not in line, line
+    shell = re.search(r"--nodes_to_exclude (\$\(cat [^)]*\))", line).group(1)
+    assert subprocess.run(["bash", "-c", f"printf '%s\\n' {shell}"], capture_output=True, text=True, check=True).stdout.split() == [modelopt_pattern(n) for n in names]
+    python_list = re.search(r"quantize_static\(\.\.\., nodes_to_exclude=(.*)\)$", line).group(1)
+    assert eval(python_list) == names
+    [builder] = remake_lines(names, "int4", dict.fromkeys(names, GENAI_BUILDER), set(), listed=(patterns, listing))
+    option = re.search(r"--extra_options (nodes_to_exclude=\$\([^)]*\))", builder).group(1)
+    assert subprocess.run(["bash", "-c", f"printf %s {option}"], capture_output=True, text=True, check=True).stdout == "nodes_to_exclude=" + ",".join(names)
+    assert shlex.quote(str(listing)) in builder

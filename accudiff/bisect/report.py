@@ -26,6 +26,7 @@ RESULT_FILE = "result.json"
 MOST = 0.5  # a keep-list holding more than this share of the converted nodes is no small repair,
 SMALL_REPAIR = 5  # ... unless it holds this many nodes or fewer
 RESULT_SCHEMA = "accudiff.bisect.result"
+SHOWN_NODES = 8  # a keep-list's nodes named on the console; past them, the options read the files that list them
 
 
 def run_bisector(name: str, settings: RunSettings, out_dir: Path) -> tuple[str, bool, bool]:
@@ -122,11 +123,12 @@ def _precision_text(result, folder: Path, settings: RunSettings) -> str:
         lines += [f"  {line}" for line in _where_it_stands(result, settings)]
     elif result.repaired:
         lines.append(f"  keeping {len(result.keep)} of the {result.converted} converted node(s) in higher precision makes the outputs meet {_target(settings)}: "
-                     f"{', '.join(result.keep[:8])}{' ...' if len(result.keep) > 8 else ''}")
+                     f"{', '.join(result.keep[:SHOWN_NODES])}{' ...' if len(result.keep) > SHOWN_NODES else ''}")
         lines.append(f"  keep-list: {folder / KEEP_LIST_FILE} (one --keep-fp32 pattern per line, ModelOpt's --nodes_to_exclude takes them too; the names: "
                      f"{folder / NODES_FILE}); repaired model: {folder / result.repaired_model}")
         if settings.candidate_model is not None:
-            lines += [f"  {line}" for line in remake_lines(result.keep, settings.precision, result.quantized_by, result.reads_constant_weights)]
+            listed = (folder / KEEP_LIST_FILE, folder / NODES_FILE) if len(result.keep) > SHOWN_NODES else None  # past a screen: read from them
+            lines += [f"  {line}" for line in remake_lines(result.keep, settings.precision, result.quantized_by, result.reads_constant_weights, listed=listed)]
         if len(result.keep) > max(MOST * result.converted, SMALL_REPAIR):
             lines.append(f"  that is most of the model: no small repair exists, and the question is the {_target(settings)} asked of it:")
             lines += [f"  {line}" for line in _where_it_stands(result, settings)]

@@ -276,12 +276,13 @@ def modelopt_pattern(node: str) -> str:
 
 
 GENAI_BUILDER = "the ONNX Runtime GenAI model builder"
-# How each tool is told to leave nodes unquantized, in its own words: the node names -> the option.
-TOOL_OPTIONS: dict[str, Callable[[list[str]], str]] = {
-    "quantize_dynamic": lambda names: f"ONNX Runtime quantize_dynamic(..., nodes_to_exclude=[{', '.join(map(repr, names))}])",
-    "MatMulNBitsQuantizer": lambda names: f"ONNX Runtime MatMulNBitsQuantizer(..., nodes_to_exclude=[{', '.join(map(repr, names))}])",
-    GENAI_BUILDER: lambda names: ("python -m onnxruntime_genai.models.builder -i <the Hugging Face folder> -o <a new folder> -p int4 -e cpu "
-                                  f"--extra_options nodes_to_exclude={','.join(names)}"),
+# How each tool is told to leave nodes unquantized, in its own words: the node names as a Python list and as
+# one comma-separated shell word (each written out, or read from a file) -> the option.
+TOOL_OPTIONS: dict[str, Callable[[str, str], str]] = {
+    "quantize_dynamic": lambda python_list, _: f"ONNX Runtime quantize_dynamic(..., nodes_to_exclude={python_list})",
+    "MatMulNBitsQuantizer": lambda python_list, _: f"ONNX Runtime MatMulNBitsQuantizer(..., nodes_to_exclude={python_list})",
+    GENAI_BUILDER: lambda _, commas: ("python -m onnxruntime_genai.models.builder -i <the Hugging Face folder> -o <a new folder> -p int4 -e cpu "
+                                      f"--extra_options nodes_to_exclude={commas}"),
 }
 
 

@@ -6,6 +6,7 @@ summary.md (html.py) and the report folder (writer.py) are views of it.
 from __future__ import annotations
 
 import math
+import re
 import shlex
 from collections.abc import Collection
 from dataclasses import asdict
@@ -346,32 +347,41 @@ def repair_lines(failure, result, python: bool = False) -> list[str]:
 
 
 def remake_lines(nodes: list[str], precision: str, quantized_by: dict[str, str], reads_constant_weights: Collection[str],
-                 repaired: Path | None = None) -> list[str]:
+                 repaired: Path | None = None, listed: tuple[Path, Path] | None = None) -> list[str]:
     """For a candidate made by another tool (of `precision`): the options that make it again without `nodes`
     quantized or converted, in the tools' own terms (the tool that wrote a quantized op, `quantized_by`,
     else the Q/DQ quantizers'; not onnxconverter-common's where a node reads a weight a Constant holds,
-    `reads_constant_weights`: it would round that weight all the same), and where the repaired candidate is."""
+    `reads_constant_weights`: it would round that weight all the same), and where the repaired candidate is.
+    `listed`: files holding the nodes as ModelOpt's patterns and as names, one a line; the options read them
+    there, where one tool made every node and none has a space (a long list is otherwise a screen of names)."""
     formats = set(precision.split("+"))
     by_tool: dict[str, list[str]] = {}
     for node in nodes:
         by_tool.setdefault(quantized_by.get(node, "Q/DQ"), []).append(node)
+    from_files = listed is not None and len(by_tool) == 1 and not any(re.search(r"\s", n) for n in nodes)
+
+    def spelled(names: list[str]) -> tuple[str, str, str]:
+        """The names as ModelOpt's patterns (shell words), a Python list and one comma-separated shell word."""
+        if from_files:
+            patterns, names_file = (shlex.quote(str(path)) for path in listed)
+            return f"$(cat {patterns})", f"open({str(listed[1])!r}).read().splitlines()", f"$(paste -sd, {names_file})"
+        return " ".join(shlex.quote(modelopt_pattern(n)) for n in names), f"[{', '.join(map(repr, names))}]", shlex.quote(",".join(names))
+
     lines = []
     if formats & QUANTIZED_FORMATS:
-        options = [TOOL_OPTIONS[tool](names) for tool, names in by_tool.items() if tool in TOOL_OPTIONS]
+        options = [TOOL_OPTIONS[tool](*spelled(names)[1:]) for tool, names in by_tool.items() if tool in TOOL_OPTIONS]
         if "Q/DQ" in by_tool:
-            qdq = by_tool["Q/DQ"]
-            options.append(f"ModelOpt --nodes_to_exclude {' '.join(shlex.quote(modelopt_pattern(n)) for n in qdq)}; "
-                           f"ONNX Runtime quantize_static(..., nodes_to_exclude=[{', '.join(repr(n) for n in qdq)}])")
+            patterns, python_list, _ = spelled(by_tool["Q/DQ"])
+            options.append(f"ModelOpt --nodes_to_exclude {patterns}; ONNX Runtime quantize_static(..., nodes_to_exclude={python_list})")
         if options:
             lines.append("or quantize again without them: " + "; ".join(options)
                          + (" (excluded from quantization, they still run in the tool's FP16/BF16: ModelOpt --high_precision_dtype fp32 keeps FP32)"
                             if formats & {"fp16", "bf16"} else ""))
     elif formats & {"fp16", "bf16"}:
-        regexes = " ".join(shlex.quote(modelopt_pattern(n)) for n in nodes)
-        names = ", ".join(repr(n) for n in nodes)
+        patterns, python_list, _ = spelled(nodes)
         held = [n for n in nodes if n in reads_constant_weights]
-        lines.append(f"or convert again keeping them in FP32: ModelOpt AutoCast --nodes_to_exclude {regexes}"
-                     + (f"; onnxconverter-common convert_float_to_float16(..., node_block_list=[{names}])" if not held else
+        lines.append(f"or convert again keeping them in FP32: ModelOpt AutoCast --nodes_to_exclude {patterns}"
+                     + (f"; onnxconverter-common convert_float_to_float16(..., node_block_list={python_list})" if not held else
                         f" (not onnxconverter-common's node_block_list: it rounds the weights Constant nodes hold for {', '.join(map(repr, held[:3]))}"
                         f"{' ...' if len(held) > 3 else ''} to FP16 all the same)"))
     if repaired is not None:
