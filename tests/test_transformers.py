@@ -112,7 +112,21 @@ def test_matmulnbits_minilm_names_its_format_and_the_quantizers_best_exclusion(m
         _held_to_the_oracle(minilm, result, made, INT8, failure.tensor)
     code, out, _ = run_cli("bisect", "precision", minilm.model, "--candidate-model", candidate, "--load-inputs", minilm.inputs, "-o", "fix",
                            *(f"--{name}={value}" for name, value in strict.items()))
-    assert code == 1 and "MatMulNBitsQuantizer(..., nodes_to_exclude=[" in out
+    assert code == 1 and _printed_exclusions(out, "MatMulNBitsQuantizer", tmp_path) == (tmp_path / "fix" / "nodes.txt").read_text().splitlines(), out
+
+
+def _printed_exclusions(out: str, tool: str, folder) -> list[str]:
+    """The names a printed `<tool>(..., nodes_to_exclude=...)` gives, evaluated as pasted in the folder the
+    command ran in (a list of names, or past a screen of them the file bisect wrote, read)."""
+    import os
+
+    expression = re.search(rf"{tool}\(\.\.\., nodes_to_exclude=(\[[^]]*\]|open\([^)]*\)\.read\(\)\.splitlines\(\))\)", out).group(1)
+    previous = os.getcwd()
+    os.chdir(folder)
+    try:
+        return list(eval(expression))
+    finally:
+        os.chdir(previous)
 
 
 def test_bisect_precision_exclusions_hold_when_the_quantizer_runs_again(minilm, tmp_path, run_cli):
@@ -121,8 +135,8 @@ def test_bisect_precision_exclusions_hold_when_the_quantizer_runs_again(minilm, 
     candidate = models.onnxruntime_dynamic(minilm.model, tmp_path / "dynamic.onnx")
     code, out, err = run_cli("bisect", "precision", minilm.model, "--candidate-model", candidate, "--load-inputs", minilm.inputs, "-o", "fix")
     assert code == 1, err  # exit 1: the candidate needed a repair
-    assert "quantize_dynamic(..., nodes_to_exclude=[" in out
-    excluded = tuple((tmp_path / "fix" / "nodes.txt").read_text().splitlines())
+    excluded = tuple(_printed_exclusions(out, "quantize_dynamic", tmp_path))  # the option as printed, pasted
+    assert excluded and list(excluded) == (tmp_path / "fix" / "nodes.txt").read_text().splitlines()
     again = models.onnxruntime_dynamic(minilm.model, tmp_path / "again.onnx", excluded)
     for output in (POOLED, HIDDEN):
         expected = [oracle._session(oracle._loaded(minilm.model)).run([output], feed)[0] for feed in minilm.feeds]
