@@ -84,10 +84,11 @@ class Job:
 
     @classmethod
     def from_json(cls, text: str) -> Job:
-        job = read_message(text)
-        if not isinstance(job, Job):
-            raise TypeError("the message is a probe, not a job")
-        return job
+        return cls.from_fields(json.loads(text))
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> Job:
+        return cls(**{**fields, "passes": [PassSpec(**p) for p in fields["passes"]]})
 
     @property
     def large_tensors(self) -> bool:
@@ -121,9 +122,7 @@ class ProbedValue:
 def read_message(text: str) -> Job | Probe:
     """A message a worker reads (one line): a job, or a probe."""
     fields = json.loads(text)
-    if "probe" in fields:
-        return Probe(**fields["probe"])
-    return Job(**{**fields, "passes": [PassSpec(**p) for p in fields["passes"]]})
+    return Probe(**fields["probe"]) if "probe" in fields else Job.from_fields(fields)
 
 
 @dataclass(frozen=True)
