@@ -156,3 +156,15 @@ if __name__ == "__main__":  # `python tests/test_architecture.py`: the layers as
         print(f"{index}: {', '.join(LAYERS[index])}  ({len(members)} modules; imports layers {reaches or 'none'})")
     upward = [(name, dep) for name, deps in graph.items() for dep in deps if _layer(dep) > _layer(name)]
     print(f"imports into a higher layer: {len(upward)}; import circles: {len(_cycles(graph))}")
+
+
+def test_the_command_line_starts_without_pandas_or_onnx_runtime():
+    # pandas (0.2 s, 40 MB) is imported on a thread while the comparison worker runs, and ONNX Runtime only in
+    # the workers: an import at a module's top that pulls either into the command line's own start costs every
+    # run that time before its first stage (judging/intervals.py once did, for a type hint).
+    import subprocess
+    import sys
+
+    found = subprocess.run([sys.executable, "-c", "import sys, accudiff.cli; print(sorted({'pandas', 'onnxruntime'} & set(sys.modules)))"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert found == "[]"

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
-import pandas as pd
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 CONFIDENCE = 0.95
 Z = 1.959963984540054  # the standard normal's 97.5% quantile
