@@ -49,6 +49,7 @@ POINTS_PER_SAMPLE = 512  # (reference, candidate) pairs of each graph output kep
 # Runtime's packed copies) beside the running one's: the recognizer's 10 MB save 0.4 s of its 9 sessions,
 # resnet18's 45 MB cost 60 MB more at the peak and saved no time.
 AHEAD_UP_TO_BYTES = 32 << 20
+WHOLE_MODELS_REMEMBERED = 64
 
 
 @dataclass
@@ -88,7 +89,6 @@ class Engine:
         self._following: dict[int, _Segment] = {}  # a segment -> the next one the sample runs
         self._ahead: ThreadPoolExecutor | None = None  # where the next session is made while one runs
         self._weight_bytes = 0  # the largest weights of a model run (reference or pass)
-        self._whole: dict[Path, tuple[set[str], list[str], list[str]]] = {}  # a model run whole: its inputs, compared and returned tensors
         self._produced_in: dict[str, int] = {}  # a value -> the segment the reference makes it in
         node_segment = {name: k for k, names in enumerate(segments) for name in names}
         self._later_reference_reads: list[set[str]] = []
@@ -116,11 +116,13 @@ class Engine:
         trials replay it on every call)."""
         if make is None and count == 1:
             return [_Segment(None, set(), list(self.tensors), list(self.tensors))]
-        if count == 1 and path in self._whole:
-            # Another pass runs the same file (verification's switchboard, its switches set per pass): what it
-            # reads and returns is known, and the file is read only if this pass's runner needs it (a reused
-            # runner is made once).
-            inputs, own, wanted = self._whole[path]
+        known = _WHOLE.get(_whole_key(path, self.tensors)) if count == 1 else None
+        if known is not None:
+            # The same file run before (verification's switchboard, its switches set per pass, in this job or an
+            # earlier one): what it reads and returns is known, and the file is read only if this pass's runner
+            # needs it (a reused runner is made once).
+            inputs, own, wanted, weight_bytes = known
+            self._weight_bytes = max(self._weight_bytes, weight_bytes)
             return [self._segment(make, ModelSource(path), inputs, own, wanted)]
         compared = set(self.tensors)
         with self.clock("segments"):
@@ -145,7 +147,7 @@ class Engine:
             wanted = own + [o for o in produced if o not in compared and (o in later_reads or o in graph_outputs)]
             if count == 1:
                 source, inputs = ModelSource.read(path, model), {i.name for i in model.graph.input}
-                self._whole[path] = inputs, own, wanted
+                _remember_whole(path, self.tensors, (inputs, own, wanted, sum(tensor_bytes(init) for init in model.graph.initializer)))
             elif not indices:  # none of this model's nodes falls in the segment (a tool fused or dropped them): nothing to run
                 segments.append(_Segment(None, set(), [], []))
                 continue
@@ -404,3 +406,20 @@ def _place_nodes(nodes: Sequence[onnx.NodeProto], node_segment: Mapping[str, int
 
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+# A model file run whole -> its inputs, compared and returned tensors and weight bytes, for as long as the worker
+# lives: verification's trials send their switchboard in job after job (a parse of its graph each, 10 ms of a
+# 30 ms job on MiniLM). Keyed by the file's identity and contents' stamp and by the tensors compared.
+_WHOLE: dict[tuple, tuple[set[str], list[str], list[str], int]] = {}
+
+
+def _whole_key(path: Path, tensors: Sequence[str]) -> tuple:
+    stat = path.stat()
+    return str(path), stat.st_ino, stat.st_size, stat.st_mtime_ns, frozenset(tensors)
+
+
+def _remember_whole(path: Path, tensors: Sequence[str], facts: tuple[set[str], list[str], list[str], int]) -> None:
+    if len(_WHOLE) >= WHOLE_MODELS_REMEMBERED:
+        _WHOLE.clear()
+    _WHOLE[_whole_key(path, tensors)] = facts
