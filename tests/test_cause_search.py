@@ -54,10 +54,15 @@ def test_the_one_node_that_repairs_a_vit_is_found_where_its_rules_name_none(tmp_
     assert failure.repair.steps[1].tol_ratio == pytest.approx(best_ratio, rel=0.1)
 
 
-def test_no_single_node_is_said_only_after_every_node_was_searched(tmp_path_factory):
+def test_no_single_node_is_said_only_after_every_node_was_searched(tmp_path_factory, monkeypatch):
     """The same ViT without the outlier, held to a third of INT8's tolerance: no single exclusion repairs it
     (the oracle), and the answer says so for each of its 37 quantized nodes, counting those tried alone and
-    those covered by groups."""
+    those covered by groups. Every node the search reached was on the one switchboard built (it was built
+    again, and its session made again, as the search reached nodes the rules had not named)."""
+    from accudiff.transforms.candidate import CandidateVariants
+
+    built, switchboard = [], CandidateVariants.switchboard
+    monkeypatch.setattr(CandidateVariants, "switchboard", lambda self, *args, **kwargs: built.append(args) or switchboard(self, *args, **kwargs))
     model, candidate, feeds, scenes, quantized, exclude = _vit(tmp_path_factory, 1.0)
     tolerance = tuple(t / 3 for t in INT8)
     result = accudiff.compare(model, candidate_model=candidate, inputs=scenes, atol=tolerance[0], rtol=tolerance[1], stol=tolerance[2])
@@ -69,6 +74,7 @@ def test_no_single_node_is_said_only_after_every_node_was_searched(tmp_path_fact
     assert cause.searched.candidates == len(quantized) and cause.searched.alone + cause.searched.grouped == len(quantized)
     [said] = [f.message for f in cause.findings if f.kind == "verified"]
     assert re.search(rf"of the {len(quantized)} quantized nodes upstream, the {cause.searched.alone} left unquantized alone", said), said
+    assert len(built) == 1
 
 
 def test_a_budget_too_small_to_search_every_node_says_so(tmp_path_factory):

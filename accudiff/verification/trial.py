@@ -116,6 +116,7 @@ class Trials:
         self._workers: list[Worker] = []
         self.timings: dict[str, float] = {}  # the trial workers' seconds per phase, added up
         self._board: tuple[Switchboard, Path] | None = None
+        self._expected: list[str] = []  # nodes later calls will keep (`expect`)
         # A model whose weights are large is tried in one worker, each session made just before its run (two sessions,
         # or two workers, would map its weights twice), on a gated switchboard (switches.gate_switches: a kept node
         # computed only when its switch is on, its FP32 weights read only then), its other variants one at a time.
@@ -132,6 +133,11 @@ class Trials:
     def close(self) -> None:
         while self._workers:
             self._workers.pop().let_go()  # their teardown overlaps what the caller does next
+
+    def expect(self, keep_lists: Sequence[Sequence[str]]) -> None:
+        """Keep-lists later calls will try (closed as they will be): the next switchboard built has their nodes
+        too, so it is built, saved and opened in a session once rather than again as a search reaches them."""
+        self._expected = list(dict.fromkeys(n for keep in keep_lists for n in self.boundaries.close(keep)))
 
     def run(self, keep_lists: Sequence[Sequence[str]], parts: Sequence[str] | None = None, regions: bool | None = None,
             exact: bool = False) -> list[TrialOutcome]:
@@ -226,7 +232,7 @@ class Trials:
         """The switchboard every keep-list of this call (and of the calls before) can be set on, built and
         saved when the current one lacks a node; None when the candidate needs a variant per keep-list."""
         converted = self.setup.variants.base.converted
-        wanted = [n for keep in keep_lists for n in keep if n in converted]  # keeping any other node changes nothing
+        wanted = [n for keep in [*keep_lists, self._expected] for n in keep if n in converted]  # keeping any other node changes nothing
         if not self._switchable:
             return None
         if self._board is not None and set(wanted) <= self._board[0].switches.keys():

@@ -211,6 +211,7 @@ def verify_causes(
     changes upstream of each output is searched in groups (search.py), within `cause_budget` runs an output."""
     suspects = {output: _suspects(output, table, context, rtol)[: max(budget - GREEDY_RESERVE, 1)] for output in outputs}
     keep_lists = list(dict.fromkeys([(), *(tuple(s.keep) for group in suspects.values() for s in group)]))
+    trials.expect([[node] for output in outputs for node in candidates_upstream(output, table, context, weights_first=False)])  # the search's
     outcomes = trials.run([*(list(k) for k in keep_lists), *(keep for keep, _ in extra)], ["all"] * len(keep_lists) + [parts for _, parts in extra])
     screened = dict(zip(keep_lists, outcomes))
     control = screened[()]
