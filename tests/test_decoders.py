@@ -178,6 +178,39 @@ def test_intervals_cover_the_true_mean_on_a_seeded_simulation(units, concentrati
     assert held / 400 >= 0.92
 
 
+def test_a_trials_intervals_are_those_of_the_per_sample_table():
+    """Verification's trials add each output's counts per sample without a table (a DataFrame and a groupby
+    cost 5 ms a keep-list): the intervals are the ones the comparison's per-sample table gives, NaN counted
+    as none as a table's sum does."""
+    from dataclasses import asdict
+
+    import pandas as pd
+
+    from accudiff.judging.decisions import SampleOutcome
+    from accudiff.judging.intervals import intervals
+    from accudiff.verification.trial import _outcome
+
+    rng = np.random.default_rng(3)
+
+    def counts() -> dict:
+        shares = {name: int(rng.integers(0, 9)) for name in ("top1", "top5", "neighbor_same", "flipped", "intersection")}
+        means = {name: float(rng.uniform(0, 8)) for name in ("kl_sum", "dp_sum", "nll_sum", "cosine_sum")}
+        squares = {name.replace("_sum", "_sq_sum"): value * value / 8 + float(rng.uniform(0, 1)) for name, value in means.items()}
+        rows = dict.fromkeys(("rows", "top5_rows", "nll_rows", "vectors", "neighbor_rows", "map_elements", "union"), 8)
+        return {**shares, **means, **squares, **rows}
+
+    outcomes = [SampleOutcome(sample=int(sample), tensor=tensor, max_abs_err=0.1, tol_ratio=2.0, outside_share=0.1, sqnr_db=20.0, **counts())
+                for sample in rng.integers(0, 7, 40) for tensor in ("logits", "embedding")]
+    outcomes[3] = SampleOutcome(**{**asdict(outcomes[3]), "kl_sum": float("nan")})
+    found = _outcome([], outcomes)
+    rows = pd.DataFrame([asdict(one) for one in outcomes])
+    for name, part in rows.groupby("tensor"):
+        expected = intervals(part, part["sample"], found.figures[name])
+        assert expected and found.spans[name].keys() == expected.keys()
+        for figure, span in expected.items():
+            assert found.spans[name][figure].as_json() == pytest.approx(span.as_json()), figure
+
+
 def test_a_model_cut_into_segments_gives_the_table_of_the_whole_model(llama, monkeypatch):
     """The INT4 candidate's nodes are renamed by its quantizer (`X_Q4`): placed in segments by the float
     model's node names, its MatMulNBits outputs were 'not observed' in a segmented run (20 of 68 here) and

@@ -44,6 +44,7 @@ FIGURES: dict[str, tuple[str, str, str | None, str, str]] = {
     "flipped_share": ("flipped", "map_elements", None, "share", "elements"),
     "iou": ("intersection", "union", None, "share", "elements"),
 }
+COLUMNS = tuple(dict.fromkeys(c for num, den, sq, _, _ in FIGURES.values() for c in (num, den, sq) if c is not None))  # the counts they are made of
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,12 @@ def intervals(rows: pd.DataFrame, units: pd.Series, figures: Mapping[str, float]
     """The interval of each figure in `figures` that has one, from `rows` (per-sample COUNTS of one output,
     decisions.py) grouped into `units` (a unit per row: the sequence or sample it belongs to)."""
     totals = rows.groupby(units.to_numpy(), sort=True).sum(numeric_only=True)
+    return unit_intervals({name: totals[name].to_numpy(np.float64) for name in COLUMNS if name in totals}, figures)
+
+
+def unit_intervals(totals: Mapping[str, np.ndarray], figures: Mapping[str, float]) -> dict[str, Interval]:
+    """`intervals` from each count's total per unit (the same units, in the same order, in every array):
+    verification's trials, a few samples each, need no table for it."""
     found = {}
     for name in figures:
         if name not in FIGURES:
@@ -77,12 +84,12 @@ def intervals(rows: pd.DataFrame, units: pd.Series, figures: Mapping[str, float]
         numerator, denominator, squares, kind, _ = FIGURES[name]
         if numerator not in totals or denominator not in totals:
             continue
-        num, den = totals[numerator].to_numpy(np.float64), totals[denominator].to_numpy(np.float64)
+        num, den = np.asarray(totals[numerator], np.float64), np.asarray(totals[denominator], np.float64)
         used = den > 0
         num, den = num[used], den[used]
         if not used.any() or not np.isfinite(num).all():
             continue
-        sq = totals[squares].to_numpy(np.float64)[used] if squares is not None else None
+        sq = np.asarray(totals[squares], np.float64)[used] if squares is not None else None
         span = interval_of(num, den, sq, kind)
         low, high = BOUNDS.get(name, (0.0, 1.0) if kind == "share" else (-math.inf, math.inf))
         found[name] = replace(span, low=max(span.low, low), high=min(span.high, high))

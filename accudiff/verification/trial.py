@@ -24,10 +24,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Collection, Mapping, Sequence
 
+import numpy as np
 import onnx
 
 from accudiff.judging.decisions import SampleOutcome, decision_figures, merge_counts
-from accudiff.judging.intervals import Interval, intervals
+from accudiff.judging.intervals import COLUMNS, Interval, unit_intervals
 from accudiff.judging.objective import Objective
 from accudiff.judging.output_kinds import kinds_of
 from accudiff.execution.messages import Job, PassSpec, added_timings, merge_results
@@ -302,18 +303,18 @@ class _Batch:
 def _outcome(keep: list[str], outcomes: list[SampleOutcome]) -> TrialOutcome:
     ratio: dict[str, float] = {}
     counts: dict[str, dict[str, float]] = {}
-    samples = [asdict(one) for one in outcomes]
-    for one in samples:
+    per_unit: dict[str, dict[int, dict[str, float]]] = {}  # each output's counts added per sample (a unit), NaN as none (as a table's sum)
+    for one in map(asdict, outcomes):
         name = one["tensor"]
         ratio[name] = max(ratio.get(name, 0.0), float(one["tol_ratio"]))
         merge_counts(counts.setdefault(name, {}), one)
+        unit = per_unit.setdefault(name, {}).setdefault(one["sample"], {})
+        for column in COLUMNS:
+            value = float(one[column])
+            unit[column] = unit.get(column, 0.0) + (0.0 if math.isnan(value) else value)
     figures = {name: decision_figures(added) for name, added in counts.items()}
-    spans = {}
-    if samples:
-        import pandas as pd
-
-        rows = pd.DataFrame(samples)
-        spans = {name: intervals(part, part["sample"], figures[name]) for name, part in rows.groupby("tensor", sort=False)}
+    spans = {name: unit_intervals({column: np.array([units[k][column] for k in sorted(units)]) for column in COLUMNS}, figures[name])
+             for name, units in per_unit.items()}
     return TrialOutcome(keep, ratio, figures, spans)
 
 
