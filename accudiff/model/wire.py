@@ -1,11 +1,12 @@
 """protobuf's wire format, walked where a model's weights are concerned: where the raw bytes of each main-graph
 weight lie in a serialized model (`spans_in_file`), and the model's bytes without them (`without_raw_data`),
 so that a model read from a file need never hold its large weights in memory: they stay in the file, and
-weights.py reads them there when a value is needed."""
+weights.py reads them there when a value is needed. The other way, `write_with_weights` writes a model whose
+weights are copied into it from their files as it is written, none of them held whole."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import BinaryIO, Callable, Iterator, Sequence
 
 _GRAPH, _INITIALIZER, _NAME, _RAW_DATA = 7, 5, 8, 9  # ModelProto.graph, GraphProto.initializer, TensorProto.name, .raw_data
 _LENGTH_DELIMITED = 2
@@ -45,6 +46,23 @@ def without_raw_data(data, smallest: int) -> bytes:
             graph += _key(_INITIALIZER) + _encoded(len(tensor)) + tensor
         out += _key(_GRAPH) + _encoded(len(graph)) + graph
     return bytes(out)
+
+
+def write_with_weights(target: BinaryIO, model: bytes, graph: bytes, weights: Sequence[tuple[bytes, int, Callable[[BinaryIO], int] | None]]) -> None:
+    """Write a serialized ModelProto to the open file `target`: `model` (its fields but the graph), then the
+    graph: `graph` (its fields but the weights), then each weight in order, a TensorProto whose `head` (its
+    fields but the raw data) is followed by `length` bytes of raw data that `copy(target)` writes (without
+    `copy`: `head` is the whole tensor). A field's place in its message is free to protobuf, which reads the
+    weights as the graph's initializers in this order."""
+    fields = [(_key(_INITIALIZER) + _encoded(len(head) + len(raw) + length) + head + raw, length, copy)
+              for head, length, copy in weights for raw in [_key(_RAW_DATA) + _encoded(length) if copy is not None else b""]]
+    target.write(model)
+    target.write(_key(_GRAPH) + _encoded(len(graph) + sum(len(prefix) + (length if copy else 0) for prefix, length, copy in fields)))
+    target.write(graph)
+    for prefix, length, copy in fields:
+        target.write(prefix)
+        if copy is not None and copy(target) != length:
+            raise ValueError("a weight's data file holds fewer bytes than it says")
 
 
 def _name_and_raw(view: memoryview, start: int, end: int) -> tuple[str | None, tuple[int, int] | None]:
