@@ -11,7 +11,7 @@ import onnx
 
 from accudiff.model.graph import GraphIndex
 from accudiff.model.quantized_ops import QuantizedOp, QuantizedWeight
-from accudiff.model.weights import unpack_codes, weight_values
+from accudiff.model.weights import PACKED_4BIT, is_external, stored_dtype, unpack_codes, weight_blocks, weight_values
 
 
 def float_weight(weight: QuantizedWeight, constants: Mapping[str, onnx.TensorProto]) -> np.ndarray:
@@ -79,6 +79,7 @@ def _nbits(weight: QuantizedWeight, packed: np.ndarray, scale: np.ndarray, const
     return np.ascontiguousarray(((codes - zero[:, index]) * scale[:, index]).T, np.float32)
 
 
+CHANNEL_BLOCK_BYTES = 8 << 20  # a weight's channels are measured this much of it at a time
 BLOCK_FINDING_SHARE = 0.01  # blocks that lose most of their values: below this share of them, noise
 
 
@@ -115,29 +116,45 @@ def _weight_finding(op: QuantizedOp, weight: QuantizedWeight, constants: Mapping
     scale = weight_values(constants[weight.scale])
     if scale.size != 1 or original is None:
         return None
-    said = lost_channels(weight_values(original), op.op_type, float(scale.reshape(())), f"{weight.bits}-bit codes", original.name)
+    said = lost_channels(original, op.op_type, float(scale.reshape(())), f"{weight.bits}-bit codes", original.name)
     return ("per_tensor_scale", said) if said else None
 
 
-def lost_channels(values: np.ndarray, op_type: str, step: float, grid: str, weight: str) -> str | None:
+def lost_channels(weight: onnx.TensorProto | np.ndarray, op_type: str, step: float, grid: str, name: str) -> str | None:
     """What a weight quantized with one scale (a step of `step`) loses: the output channels (along the axis
     per-channel quantization would use) whose values all lie below half a step, and so become 0; None
-    when there are none."""
-    if values.ndim == 0:
+    when there are none. A weight in its data file is read a block at a time."""
+    shape = tuple(weight.dims) if isinstance(weight, onnx.TensorProto) else weight.shape
+    if not shape or 0 in shape:
         return None
-    axis = {"Conv": 0, "ConvTranspose": 1 % values.ndim, "MatMul": values.ndim - 1, "Gemm": values.ndim - 1}.get(op_type)
+    axis = {"Conv": 0, "ConvTranspose": 1 % len(shape), "MatMul": len(shape) - 1, "Gemm": len(shape) - 1}.get(op_type)
     if axis is None:  # an elementwise weight: along its longest axis
-        axis = int(np.argmax(values.shape))
-    if values.shape[axis] < 2:
+        axis = int(np.argmax(shape))
+    if shape[axis] < 2:
         return None
-    others = tuple(i for i in range(values.ndim) if i != axis)  # reduced in place: no copy of a weight moved or widened
-    magnitude = np.maximum(values.max(axis=others).astype(np.float64), -values.min(axis=others).astype(np.float64))
+    magnitude = _channel_magnitudes(weight, shape, axis)
     lost = (magnitude > 0) & (magnitude < step / 2)
     if not lost.any():
         return None
-    return (f"its weight '{weight}' is quantized to {grid} with one scale (a step of {step:.3g}) for all its {values.shape[axis]} channels along axis "
+    return (f"its weight '{name}' is quantized to {grid} with one scale (a step of {step:.3g}) for all its {shape[axis]} channels along axis "
             f"{axis}: {int(lost.sum())} of them hold only values below half a step (the largest {float(magnitude[lost].max()):.3g}) and become 0; "
             "per-channel scales would keep them")
+
+
+def _channel_magnitudes(weight: onnx.TensorProto | np.ndarray, shape: tuple[int, ...], axis: int) -> np.ndarray:
+    """The largest magnitude along `axis`, index by index: of a weight in its data file, over blocks of whole
+    slices along its first axis (an embedding table read whole was 47 MB of MiniLM's caller at its peak)."""
+    if isinstance(weight, np.ndarray) or weight.data_type in PACKED_4BIT or not is_external(weight):
+        blocks: Iterable[np.ndarray] = [weight if isinstance(weight, np.ndarray) else weight_values(weight)]
+    else:
+        per_slice = int(np.prod(shape[1:], dtype=np.int64)) * stored_dtype(weight).itemsize
+        blocks = (block.reshape(-1, *shape[1:]) for block in weight_blocks(weight, max(CHANNEL_BLOCK_BYTES // max(per_slice, 1), 1) * per_slice))
+    found = None
+    for values in blocks:
+        others = tuple(i for i in range(values.ndim) if i != axis)  # reduced in place: no copy of a weight moved or widened
+        magnitude = np.maximum(values.max(axis=others).astype(np.float64), -values.min(axis=others).astype(np.float64))
+        found = magnitude if found is None else np.concatenate([found, magnitude]) if axis == 0 else np.maximum(found, magnitude)
+    return found
 
 
 def _nbits_zero_shares(weight: QuantizedWeight, packed: np.ndarray) -> np.ndarray | None:

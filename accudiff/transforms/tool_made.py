@@ -259,7 +259,7 @@ def per_tensor_weights(index: GraphIndex, reference: GraphIndex) -> dict[str, tu
             grid = GRIDS.get(grid_type(dequantize, types) or (grid_type(quantize, types) if quantize is not None else None))
             if weight is None or grid is None:
                 continue
-            said = lost_channels(weight_values(weight), node.op_type, grid.smallest * float(scale.reshape(())), grid.name, weight.name)
+            said = lost_channels(weight, node.op_type, grid.smallest * float(scale.reshape(())), grid.name, weight.name)
             if said:
                 found[node.name] = ("per_tensor_scale", said)
     return found
