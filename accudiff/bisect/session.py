@@ -25,6 +25,7 @@ from accudiff.result import CompareResult
 from accudiff.model.stores import ReferenceCache, ReferenceStore
 from accudiff.settings import RunSettings
 from accudiff.transforms.base import TransformResult
+from accudiff.model.value_file import ValueFile
 from accudiff.transforms.candidate import CandidateVariants, calibration_samples, transform_model
 from accudiff.transforms.float_form import float_reference
 from accudiff.transforms.opset import at_forms_opset
@@ -116,7 +117,8 @@ class BisectSession:
         built from the same recipe as `compare`'s candidate (so the repaired model is the one verified); a
         kept node's readers that only move its values are kept with it (Boundaries, regions)."""
         compared = self.settings.compared
-        setup = TrialSetup(self.info, CandidateVariants(self.info, compared.recipe, self.candidate), self.feeds, compared, self.settings.judging, self.cache.folder / "trials")
+        folder = self.cache.folder / "trials"
+        setup = TrialSetup(self.info, CandidateVariants(self.info, compared.recipe, self.candidate, ValueFile(folder)), self.feeds, compared, self.settings.judging, folder)
         return Trials(setup, full.table.set_index("tensor"), regions=True)
 
     def close(self) -> None:

@@ -21,6 +21,7 @@ from accudiff.model.inputs import Feed, generate_feeds
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.loading import load_model, remember_model
 from accudiff.model.samples import Samples, samples_from_feeds, samples_from_path
+from accudiff.model.value_file import ValueFile
 from accudiff.transforms.autokeep import Measure, close_autokeep
 from accudiff.transforms.base import KeptNode, TransformResult
 from accudiff.transforms.fp16 import HALVES, to_fp16
@@ -70,9 +71,11 @@ class CandidateVariants:
     INT8 variants reuse the calibrated model, as calibration runs on the FP32 model and its scales do not
     depend on which nodes read them."""
 
-    def __init__(self, info: ModelInfo, recipe: CandidateRecipe, base: TransformResult):
-        """`base`: the candidate `transform_model(info, recipe, ...)` made."""
-        self.info, self.recipe, self.base = info, recipe, base
+    def __init__(self, info: ModelInfo, recipe: CandidateRecipe, base: TransformResult, values: ValueFile | None = None):
+        """`base`: the candidate `transform_model(info, recipe, ...)` made. `values`: where the weights a
+        candidate made by another tool has dequantized for a variant are written, once for every variant
+        (else each variant holds its own in memory)."""
+        self.info, self.recipe, self.base, self.values = info, recipe, base, values
 
     def with_kept(self, nodes: Iterable[str], parts: str = "all") -> TransformResult:
         """The candidate with `nodes` kept in higher precision. Of a candidate made by another tool, `parts`
@@ -83,7 +86,7 @@ class CandidateVariants:
             return self.base
         if self.recipe.candidate_model is not None:
             kept = [KeptNode(node.name, node.op_type, KEPT_TO_VERIFY) for node in self.base.model.graph.node if node.name in self.base.converted and node.name in nodes]
-            model = keep_in_float(self.base.model, self.info.proto, nodes, PARTS[parts])
+            model = keep_in_float(self.base.model, self.info.proto, nodes, PARTS[parts], self.values)
             return replace(self.base, model=model, kept=[*self.base.kept, *kept], converted=self.base.converted - set(nodes))
         if self.recipe.precision == "int8":
             return leave_unquantized(self.base, self.info.proto, nodes, KEPT_TO_VERIFY)
@@ -103,8 +106,7 @@ class CandidateVariants:
         nodes = [n for n in dict.fromkeys(nodes) if n in self.base.converted]
         if not set(nodes) <= main:
             return None
-        build = build_candidate_switchboard if given else build_switchboard
-        board = build(self.base.model, self.info.proto, nodes)
+        board = build_candidate_switchboard(self.base.model, self.info.proto, nodes, self.values) if given else build_switchboard(self.base.model, self.info.proto, nodes)
         if gated:  # each kept copy computed only when its switch is on (switches.gate_switches)
             gate_switches(board)
         return board
@@ -119,7 +121,7 @@ def repaired(variants: CandidateVariants, nodes: Iterable[str]) -> onnx.ModelPro
     given = onnx.ModelProto()
     given.CopyFrom(variants.base.given)
     theirs = {ours: name for name, ours in reference_node_names(given.graph, variants.info.proto.graph).items()}  # a node the tool renamed
-    return keep_in_float(given, variants.info.proto, [theirs.get(n, n) for n in [*(k.node for k in variants.base.kept), *nodes]])
+    return keep_in_float(given, variants.info.proto, [theirs.get(n, n) for n in [*(k.node for k in variants.base.kept), *nodes]], values=variants.values)
 
 
 def repaired_file(recipe: CandidateRecipe) -> str:

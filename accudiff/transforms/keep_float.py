@@ -31,6 +31,7 @@ from accudiff.model.graph import GraphIndex, constant_values, declare_like, fres
 from accudiff.model.quantized_ops import QuantizedOp, by_name, find_quantized_ops, float_nodes, quantized_members, with_float_activation
 from accudiff.model.quantized_weights import float_weight
 from accudiff.model.shapes import infer_shapes_unless_typed
+from accudiff.model.value_file import ValueFile
 
 QUANTIZATION_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})
 STORAGE_OPS = QUANTIZATION_OPS | {"Cast", "Constant"}  # what only changes how a value is stored: never a node to keep
@@ -42,17 +43,19 @@ PARTS = {"all": UNDO_ALL, "quantization": frozenset({"activations", "weights"}),
          "activations": frozenset({"activations"}), "weights": frozenset({"weights"})}
 
 
-def keep_in_float(model: onnx.ModelProto, reference: onnx.ModelProto | None, nodes: Iterable[str], undo: frozenset[str] = UNDO_ALL) -> onnx.ModelProto:
+def keep_in_float(model: onnx.ModelProto, reference: onnx.ModelProto | None, nodes: Iterable[str], undo: frozenset[str] = UNDO_ALL,
+                  values: ValueFile | None = None) -> onnx.ModelProto:
     """A copy of `model` with `nodes` computing in FP32 from float inputs: what `undo` names of their
     narrowing taken back (see the module's docstring); the Q/DQ pairs, Casts and weights nobody reads any
     more are dropped. `reference`: the float model whose weights a kept node reads where its own are stored
-    narrow (nodes matched by name)."""
+    narrow (nodes matched by name). `values`: where the weights it dequantizes are written (else the model
+    holds them)."""
     kept = set(nodes)
     result = onnx.ModelProto()
     result.CopyFrom(model)
     graph = result.graph
     infer_shapes_unless_typed(result)
-    edit = FloatInputs(graph, reference, undo)
+    edit = FloatInputs(graph, reference, undo, values)
     ops = {op.node: op for name, op in edit.ops.items() if name in kept}
     members = quantized_members(edit.ops.values())
     rebuilt: list[onnx.NodeProto] = []
@@ -89,8 +92,8 @@ class FloatInputs:
     the float value each kept node reads instead of a narrow one, and what that added to the graph (Casts,
     weights from the reference). The switchboard of such a candidate reads its kept copies' inputs here too."""
 
-    def __init__(self, graph: onnx.GraphProto, reference: onnx.ModelProto | None, undo: frozenset[str] = UNDO_ALL):
-        self.graph, self.undo = graph, undo
+    def __init__(self, graph: onnx.GraphProto, reference: onnx.ModelProto | None, undo: frozenset[str] = UNDO_ALL, values: ValueFile | None = None):
+        self.graph, self.undo, self.values = graph, undo, values
         self.widen = "casts" in undo
         index = GraphIndex.of(graph)
         self.types = dict(index.types)  # its own: the values it adds are typed here
@@ -141,10 +144,11 @@ class FloatInputs:
                 self.declare(out, op.outputs[0], self.types.get(op.outputs[0]))
 
     def _dequantized_weight(self, weight) -> str:
-        """A weight's own values dequantized, added to the model once."""
+        """A weight's own values dequantized, added to the model once (in `values`' file, when given)."""
         key = f"{weight.codes}/{weight.position}/{weight.layout}"
         if key not in self._dequantized:
-            tensor = numpy_helper.from_array(float_weight(weight, self.constants), self.fresh(f"{weight.codes}__dequantized"))
+            name, compute = self.fresh(f"{weight.codes}__dequantized"), lambda: float_weight(weight, self.constants)
+            tensor = self.values.value(key, name, compute) if self.values is not None else numpy_helper.from_array(compute(), name)
             self.imported.append(tensor)
             self.types[tensor.name] = TensorProto.FLOAT
             self._dequantized[key] = tensor.name

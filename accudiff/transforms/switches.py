@@ -24,6 +24,7 @@ from onnx import TensorProto, helper
 from accudiff.model.formats import REDUCED_FLOATS
 from accudiff.model.graph import cast_target, declare_like, toposort
 from accudiff.model.shapes import infer_shapes_unless_typed
+from accudiff.model.value_file import ValueFile
 from accudiff.transforms.fp16 import HALVES, elem_types
 from accudiff.model.quantized_ops import QuantizedOp, quantized_members
 from accudiff.transforms.keep_float import FLOAT_TYPES, FloatInputs
@@ -107,17 +108,17 @@ def build_switchboard(candidate: onnx.ModelProto, fp32: onnx.ModelProto, nodes: 
     return Switchboard(board, switches)
 
 
-def build_candidate_switchboard(candidate: onnx.ModelProto, reference: onnx.ModelProto, nodes: Iterable[str]) -> Switchboard:
+def build_candidate_switchboard(candidate: onnx.ModelProto, reference: onnx.ModelProto, nodes: Iterable[str], values: ValueFile | None = None) -> Switchboard:
     """The switchboard of a candidate made by another tool (transforms/tool_made.py) for `nodes`: with a
     node's switch on, it computes as `keep_in_float` keeps it (its inputs from before their Q/DQ pairs and
     narrowing Casts, the reference's float weights, FP32 arithmetic; its result rounded to its own type for
     the others, and a graph output quantized right after it its own result again). tests/test_switches.py
-    holds it to keep_in_float's variants, keep-list by keep-list."""
+    holds it to keep_in_float's variants, keep-list by keep-list. `values`: as keep_in_float's."""
     board = onnx.ModelProto()
     board.CopyFrom(candidate)
     graph = board.graph
     infer_shapes_unless_typed(board)
-    edit = FloatInputs(graph, reference)
+    edit = FloatInputs(graph, reference, values=values)
     ops = {op.node: op for name, op in edit.ops.items() if name in set(nodes)}
     switches = {(edit.ops[node].node if node in edit.ops else node): None for node in nodes}
     switches = {node: f"{SWITCH_PREFIX}{k}" for k, node in enumerate(switches)}

@@ -55,6 +55,7 @@ from accudiff.model.loading import load_graph, read_again
 from accudiff.model.prompts import whole_sequences
 from accudiff.runners.base import BACKEND_NAMES
 from accudiff.model.saving import save_model
+from accudiff.model.value_file import ValueFile
 from accudiff.model.ops import VALUE_PRESERVING_OPS
 from accudiff.model.samples import Samples
 from accudiff.transforms.candidate import CandidateVariants, repaired, repaired_file
@@ -127,7 +128,7 @@ def verify_outputs(
     base = replace(candidate.transformed, model=load_graph(candidate.path))
     first = tried[0]
     setup = TrialSetup(
-        info, CandidateVariants(info, compared.recipe, base=base), tried, compared, judging, scratch / "verify",
+        info, CandidateVariants(info, compared.recipe, base=base, values=ValueFile(scratch / "verify")), tried, compared, judging, scratch / "verify",
         {name: first[name].reshape(-1).tolist() for name in first if could_be_a_shape(first[name])},
     )
     recorded = (runs[0].outputs, chosen) if runs[0].outputs is not None else None
