@@ -185,13 +185,18 @@ class Trials:
             started = time.perf_counter()
             return batches[-1].job
 
-        def serve(worker: Worker, first: Job | None) -> list[tuple[int, dict]]:
+        def serve(worker: Worker, pinned: Job | None) -> list[tuple[int, dict]]:
             worker.wait_ready()
-            done, item = [], (0, first) if first is not None else built.get()
+            # Beside other workers, the switchboard's job is its worker's first; alone, its last: the variants'
+            # sessions are let go of before the switchboard's (which later calls reuse) is made, not held beside it.
+            last = pinned if count == 1 else None
+            done, item = [], (0, pinned) if pinned is not None and last is None else built.get()
             while item is not None:
                 index, job = item
                 done.append((index, merge_results([worker.run(replace(job, threads=threads))])))
                 item = built.get()
+            if last is not None:
+                done.append((0, merge_results([worker.run(replace(last, threads=threads))])))
             return done
 
         with ThreadPoolExecutor(max_workers=count or 1) as pool:
