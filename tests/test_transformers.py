@@ -75,12 +75,19 @@ def _held_to_the_oracle(minilm, result, make, tolerance, output: str) -> tuple[s
     return cause.kind, best
 
 
-def test_dynamic_int8_minilm_names_its_format_and_the_quantizers_best_exclusion(minilm, tmp_path):
+def test_dynamic_int8_minilm_names_its_format_and_the_quantizers_best_exclusion(minilm, tmp_path, monkeypatch):
     """quantize_dynamic's candidate was labelled FP32, judged at FP32's tolerance, and every keep left it
     where it was ('accumulated'). Now: INT8's format and tolerance; the op carrying most of the loss (a
-    MatMul whose input's run-time range a few values set), verified, is the oracle's best exclusion."""
+    MatMul whose input's run-time range a few values set), verified, is the oracle's best exclusion. Its
+    two failing outputs' searches retrace each other's keep-lists: each is tried once (every trial measures
+    every output)."""
+    from accudiff.verification.trial import Trials
+
+    tried, job = [], Trials._job
+    monkeypatch.setattr(Trials, "_job", lambda self, chosen, *args: tried.extend((tuple(k), p) for k, p in chosen) or job(self, chosen, *args))
     candidate = models.onnxruntime_dynamic(minilm.model, tmp_path / "dynamic.onnx")
     result = accudiff.compare(minilm.model, candidate_model=candidate, inputs=minilm.inputs, report_dir=tmp_path / "report")
+    assert len(result.output_failures) == 2 and len(tried) == len(set(tried))
     assert result.precision == "int8-dynamic+int8-weight" and result.tolerances.default.rtol == INT8[1]
     assert "ONNX Runtime's own kernels quantize activations to INT8 as the model runs" in result.candidate
     made = lambda excluded: models.onnxruntime_dynamic(minilm.model, tmp_path / "excluded.onnx", excluded)  # noqa: E731

@@ -118,6 +118,7 @@ class Trials:
         self.timings: dict[str, float] = {}  # the trial workers' seconds per phase, added up
         self._board: tuple[Switchboard, Path] | None = None
         self._expected: list[str] = []  # nodes later calls will keep (`expect`)
+        self._tried: dict[tuple[tuple[str, ...], str], TrialOutcome] = {}  # (a keep-list closed, what it undoes) -> its outcome
         # A model whose weights are large is tried in one worker, each session made just before its run (two sessions,
         # or two workers, would map its weights twice), on a gated switchboard (switches.gate_switches: a kept node
         # computed only when its switch is on, its FP32 weights read only then), its other variants one at a time.
@@ -150,9 +151,18 @@ class Trials:
         `parts`, one per keep-list: of a candidate made by
         another tool, what keeping undoes (CandidateVariants.with_kept): "all" (the default), or only its
         "quantization" or its "casts". `regions`: see Boundaries.close. `exact`: the keep-lists as they are,
-        not closed (pruning tries what a closure added)."""
+        not closed (pruning tries what a closure added). A keep-list tried before (closed the same, undoing
+        the same) is answered by its outcome: every trial measures every output, and one output's search
+        retraces much of another's."""
         closed = [list(dict.fromkeys(keep)) if exact else self.boundaries.close(keep, regions) for keep in keep_lists]
-        parts = list(parts) if parts is not None else ["all"] * len(closed)
+        keys = [(tuple(keep), undone) for keep, undone in zip(closed, parts if parts is not None else ["all"] * len(closed))]
+        new = list(dict.fromkeys(key for key in keys if key not in self._tried))
+        if new:
+            self._tried.update(zip(new, self._try([list(keep) for keep, _ in new], [undone for _, undone in new])))
+        return [self._tried[key] for key in keys]
+
+    def _try(self, closed: list[list[str]], parts: list[str]) -> list[TrialOutcome]:
+        """`run`'s keep-lists, closed, not tried before."""
         cores = os.cpu_count() or 1
         started = time.perf_counter()
         board = self._switchboard([keep for keep, undone in zip(closed, parts) if undone == "all"])
