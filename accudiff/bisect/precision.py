@@ -151,8 +151,9 @@ def _tried(session: BisectSession, trials: Trials, chosen: list[str], full: Comp
     keep = list(chosen) if exact else trials.boundaries.close(chosen, regions)
     # Steps count as runs do, but for the first: the comparison, with its isolated run, is one step of two runs.
     session.progress(f"step {session.candidate_runs} of at most {total - 1}: keep {len(keep)} node(s) in higher precision ({what}{'' if exact else ' and what they need'})")
+    before = trials.tried
     [outcome] = trials.run([keep], regions=regions, exact=exact)
-    session.candidate_runs += 1
+    session.candidate_runs += trials.tried - before  # a keep-list tried before is answered without a run
     return outcome
 
 

@@ -136,6 +136,11 @@ class Trials:
         while self._workers:
             self._workers.pop().let_go()  # their teardown overlaps what the caller does next
 
+    @property
+    def tried(self) -> int:
+        """How many keep-lists were run (one tried again is answered, not run)."""
+        return len(self._tried)
+
     def expect(self, keep_lists: Sequence[Sequence[str]]) -> None:
         """Keep-lists later calls will try (closed as they will be): the next switchboard built has their nodes
         too, so it is built, saved and opened in a session once rather than again as a search reaches them."""
