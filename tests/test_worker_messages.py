@@ -27,6 +27,7 @@ def _every_field_set() -> Job:
         inputs=["x"], input_specs=[["x", "float32", [1, 2]]], threads=2, run_samples=9, outputs_store="outs", largest_tensor=1 << 30,
         thresholds={"": 0.3}, output_kinds={"b": ["logits", -1]}, generation={"new_tokens": 4}, one_session_at_a_time=True,
         validate=["given.onnx"],
+        points=0,
     )
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 
 from accudiff.judging.decisions import DEFAULT_THRESHOLD, SampleOutcome, decide
-from accudiff.execution.messages import POINTS_PER_OUTPUT, PassResult
+from accudiff.execution.messages import PassResult
 from accudiff.execution.plans import EngineOptions, Measured, PassPlan, ReferencePlan, RunnerFactory
 from accudiff.judging.metrics import (EMPTY_ROW, F, PART_ELEMENTS, SKETCH_BUCKETS, PartMap, StatsSet, finish, merge_run_time_ranges, reduce_tensor,
                                          reference_range, run_time_range)
@@ -68,7 +68,7 @@ class Engine:
 
     def __init__(self, reference: ReferencePlan, passes: Sequence[PassPlan], measured: Measured, scratch: Path, options: EngineOptions = EngineOptions()):
         store, threads, progress = reference.store, options.threads, options.progress
-        self.outputs_store, self.keep_sessions = reference.outputs_store, options.keep_sessions
+        self.outputs_store, self.keep_sessions, self.points = reference.outputs_store, options.keep_sessions, options.points
         self.tensors, self.outputs = list(measured.tensors), set(measured.outputs)
         self.inputs = list(measured.inputs)
         tolerances, quant_ranges, segments = measured.tolerances, measured.quant_ranges, measured.segments
@@ -326,7 +326,8 @@ class Engine:
                                   sqnr_db=one["sqnr_db"], **asdict(decision))
                 )
                 kept = result.points.setdefault(tensor, [])
-                kept += sample_points(sample, reference[tensor], candidate[tensor], int(values[index][F["worst_index"]]), POINTS_PER_OUTPUT - len(kept))
+                if len(kept) < self.points:
+                    kept += sample_points(sample, reference[tensor], candidate[tensor], int(values[index][F["worst_index"]]), self.points - len(kept))
 
     @contextmanager
     def clock(self, phase: str) -> Iterator[None]:

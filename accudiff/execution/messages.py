@@ -78,6 +78,7 @@ class Job:
     # Model files made by another tool, checked first to load in ONNX Runtime as they are (a candidate accudiff
     # then aligns and runs in its own form must never stand in for a file ONNX Runtime refuses).
     validate: list[str] = field(default_factory=list)
+    points: int = POINTS_PER_OUTPUT  # (reference, candidate) pairs of each graph output kept for plots (a trial's: none)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -9,6 +9,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from accudiff.execution.messages import POINTS_PER_OUTPUT
 from accudiff.judging.output_kinds import OutputKind
 from accudiff.judging.tolerances import Tolerances
 from accudiff.model.formats import QuantRange
@@ -68,8 +69,10 @@ class EngineOptions:
     nothing to reuse) each is activated while the one before it runs (or, past AHEAD_UP_TO_BYTES of
     weights, just before its own run, so one backend's copy of the weights is in memory at a time) and
     deactivated after its run. (Arrays a runner returned outlive its deactivation: ONNX Runtime's and
-    TensorRT's are the process's own, a recorded runner's deactivation does nothing.)"""
+    TensorRT's are the process's own, a recorded runner's deactivation does nothing.) `points`: the
+    (reference, candidate) pairs of each graph output kept for plots (verification's trials keep none)."""
 
     threads: int = 1
     keep_sessions: bool = True
     progress: Progress = lambda step: None
+    points: int = POINTS_PER_OUTPUT

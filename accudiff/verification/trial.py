@@ -310,6 +310,7 @@ class Trials:
             input_specs=[[spec.name, str(spec.dtype), list(spec.shape)] for spec in info.inputs],
             store=str(reference) if reference is not None else None,
             one_session_at_a_time=self.large,
+            points=0,  # a trial is judged by its outcomes: no plot shows its values
         )
         return _Batch(keep_lists, job)
 
