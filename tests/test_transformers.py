@@ -90,6 +90,7 @@ def test_dynamic_int8_minilm_names_its_format_and_the_quantizers_best_exclusion(
     assert len(result.output_failures) == 2 and len(tried) == len(set(tried))
     assert result.precision == "int8-dynamic+int8-weight" and result.tolerances.default.rtol == INT8[1]
     assert "ONNX Runtime's own kernels quantize activations to INT8 as the model runs" in result.candidate
+    assert "MatMulNBits" not in result.candidate  # it holds MatMulInteger: the label once named MatMulNBits for any such model
     made = lambda excluded: models.onnxruntime_dynamic(minilm.model, tmp_path / "excluded.onnx", excluded)  # noqa: E731
     kind, best = _held_to_the_oracle(minilm, result, made, INT8, POOLED)
     assert kind == "dominant"

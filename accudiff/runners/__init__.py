@@ -33,8 +33,9 @@ _SIMULATES = {
 
 def onnxrt_label(precision: str) -> str:
     """What the ONNX Runtime candidate of `precision` computes, in words. Activations quantized as the model
-    runs beside weights stored on a narrow grid are what MatMulNBits computes at accuracy_level 4: INT8
-    activations times those weights, in integer arithmetic."""
+    runs beside weights stored on a narrow grid are INT8 activations times those weights, in integer
+    arithmetic, whichever kernel does it (MatMulInteger and ConvInteger of quantize_dynamic, MatMulNBits at
+    accuracy_level 4): the label names neither, as it is made from the formats alone."""
     formats = [f for f in precision.split("+") if f in _SIMULATES]
     if not formats:
         return "ONNX Runtime CPU, FP32"
@@ -43,7 +44,7 @@ def onnxrt_label(precision: str) -> str:
     if "int8-dynamic" in formats and weights:
         grids = " and ".join(f.removesuffix("-weight").upper() for f in weights)
         said = [f"ONNX Runtime's own kernels quantize activations to INT8 as the model runs and multiply them by its {grids} weights in integer "
-                "arithmetic (MatMulNBits at accuracy_level 4)", *(_SIMULATES[f] for f in formats if f != "int8-dynamic" and f not in weights)]
+                "arithmetic", *(_SIMULATES[f] for f in formats if f != "int8-dynamic" and f not in weights)]
     model = {"fp16": "the FP16 model", "bf16": "the BF16 model", "int8": "the Q/DQ model"}.get(precision, f"the {precision.upper()} model")
     return f"ONNX Runtime CPU running {model} ({'; '.join(said)})"
 
