@@ -13,6 +13,7 @@ the wheels that ship them; .ci/run installs them):
 from __future__ import annotations
 
 import re
+import shlex
 import sys
 from types import SimpleNamespace
 
@@ -261,6 +262,22 @@ def test_an_embeddings_decision_is_its_cosine_never_a_top1(minilm, tmp_path, run
     assert code == 2 and "a requirement on kl (--require) applies to logits or probabilities, and no graph output of the model is one" in err, err
     code, out, err = run_cli("compare", minilm.model, "--output-kind", "nope=logits")
     assert code == 2 and "--output-kind names 'nope', which is not a graph output" in err, err
+
+
+def test_bisect_precisions_decision_command_runs_as_printed_and_passes(minilm, tmp_path, run_cli):
+    """On one sample (two sentences), what the tolerance asks is most of the model kept, and bisect says what
+    the decision does instead: each embedding's lowest cosine meets its own requirement (0.95 and 0.98 here).
+    It printed both as --require of one figure, and the later replaced the first: pasted, the command failed
+    the output said to pass. It now gives the requirement every output meets, and exits 0."""
+    save_feeds([minilm.feeds[0]], tmp_path / "one.npz")
+    candidate = models.onnxruntime_dynamic(minilm.model, tmp_path / "dynamic.onnx")
+    code, out, err = run_cli("bisect", "precision", minilm.model, "--candidate-model", candidate, "--load-inputs", tmp_path / "one.npz", "-o", "fix")
+    lines = out.splitlines()
+    assert code == 1 and "  if the decision is what you judge the model by:" in lines, out
+    command = shlex.split(lines[lines.index("  if the decision is what you judge the model by:") + 1])
+    assert command[:2] == ["accudiff", "compare"] and command.count("--require") == 1, command
+    code, out, err = run_cli(*command[1:])
+    assert code == 0, out
 
 
 def test_bisect_precision_aims_at_a_required_cosine(minilm, tmp_path, run_cli):

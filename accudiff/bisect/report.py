@@ -19,6 +19,7 @@ from accudiff.report.content import HTML_FILE, finite, met_words, remake_lines
 from accudiff.judging.objective import REQUIREMENTS, figure_text
 from accudiff.report.decision_text import decision_lines, interval_text
 from accudiff.report.html import bisect_page
+from accudiff.report.next_steps import requirements_every_output_meets
 from accudiff.settings import RunSettings
 from accudiff.text import times_tolerance
 
@@ -94,7 +95,7 @@ def _where_it_stands(result, settings: RunSettings) -> list[str]:
             lines.append(f"judged by its decision, it passes: --require {held.name}={held.target:g} is met "
                          f"({REQUIREMENTS[held.name][1]} {figure_text(held.name, held.value)}{interval_text(held.name, held.interval)})")
     if result.decision_met and len(result.decision_met) == len(result.tolerance_met):
-        required = [item for held in result.decision_met.values() for item in ("--require", f"{held.name}={held.target:g}")]
+        required = [item for text in requirements_every_output_meets(list(result.decision_met.values())) for item in ("--require", text)]
         lines += ["if the decision is what you judge the model by:", f"  {shlex.join(['accudiff', 'compare', *settings.arguments(), *required])}"]
     return lines
 

@@ -21,6 +21,14 @@ def decision_requirement(output: str, result) -> Resolution | None:
     return strictest_met(figures, result.intervals.get(output, {}))
 
 
+def requirements_every_output_meets(held: list[Resolution]) -> list[str]:
+    """The requirements (`name=target`) that every output whose decision is shown to hold meets, one per
+    figure: of several outputs' on one figure, the least strict, as a later --require of a figure replaces
+    an earlier one (both printed, the stricter would fail an output the other passes)."""
+    least = {r.name: r for r in sorted(held, key=lambda r: r.target if r.direction == "max" else -r.target)}
+    return [f"{r.name}={r.target:g}" for r in least.values()]
+
+
 def requirement_option(resolution: Resolution, python: bool) -> str:
     """A requirement as an option: `--require top1=0.99`, or `require=['top1=0.99']`."""
     text = f"{resolution.name}={resolution.target:g}"
@@ -63,8 +71,7 @@ def next_step_lines(result, python: bool = False) -> list[str]:
     held = [r for f in failures if (r := decision_requirement(f.tensor, result)) is not None]
     bisect = bisect_command(result) or f"accudiff bisect precision ({unsaved_inputs_text()})"
     if held and len(held) == len(failures):
-        strictest = list({r.name: r for r in sorted(held, key=lambda r: r.target if r.direction == "max" else -r.target)}.values())
-        texts = [f"{r.name}={r.target:g}" for r in strictest]
+        texts = requirements_every_output_meets(held)
         said = (f"require={texts!r}" if python else
                 compare_command(result, [item for text in texts for item in ("--require", text)]) or " ".join(f"--require {t}" for t in texts))
         return ["next: out of tolerance, but the decision holds; if the decision is what you judge the model by:", f"  {said}",
