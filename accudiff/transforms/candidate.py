@@ -74,7 +74,8 @@ class CandidateVariants:
     def __init__(self, info: ModelInfo, recipe: CandidateRecipe, base: TransformResult, values: ValueFile | None = None):
         """`base`: the candidate `transform_model(info, recipe, ...)` made. `values`: where the weights a
         candidate made by another tool has dequantized for a variant are written, once for every variant
-        (else each variant holds its own in memory)."""
+        (else each variant holds its own in memory); keyed by the names in `base`, which the model `repaired`
+        keeps (the user's own, before alignment renamed values) need not share, so it holds its own."""
         self.info, self.recipe, self.base, self.values = info, recipe, base, values
 
     def with_kept(self, nodes: Iterable[str], parts: str = "all") -> TransformResult:
@@ -121,7 +122,7 @@ def repaired(variants: CandidateVariants, nodes: Iterable[str]) -> onnx.ModelPro
     given = onnx.ModelProto()
     given.CopyFrom(variants.base.given)
     theirs = {ours: name for name, ours in reference_node_names(given.graph, variants.info.proto.graph).items()}  # a node the tool renamed
-    return keep_in_float(given, variants.info.proto, [theirs.get(n, n) for n in [*(k.node for k in variants.base.kept), *nodes]], values=variants.values)
+    return keep_in_float(given, variants.info.proto, [theirs.get(n, n) for n in [*(k.node for k in variants.base.kept), *nodes]])
 
 
 def repaired_file(recipe: CandidateRecipe) -> str:
