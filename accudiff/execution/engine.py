@@ -127,7 +127,8 @@ class Engine:
         compared = set(self.tensors)
         with self.clock("segments"):
             model = load_graph(path)  # weights stay in their files, and a segment refers to them there
-            self._weight_bytes = max(self._weight_bytes, sum(tensor_bytes(init) for init in model.graph.initializer))
+            weight_bytes = sum(tensor_bytes(init) for init in model.graph.initializer)
+            self._weight_bytes = max(self._weight_bytes, weight_bytes)
             if count > 1:
                 infer_shapes_unless_typed(model)  # the cut models' inputs and outputs need their types
         nodes = list(model.graph.node)
@@ -147,7 +148,7 @@ class Engine:
             wanted = own + [o for o in produced if o not in compared and (o in later_reads or o in graph_outputs)]
             if count == 1:
                 source, inputs = ModelSource.read(path, model), {i.name for i in model.graph.input}
-                _remember_whole(path, self.tensors, (inputs, own, wanted, sum(tensor_bytes(init) for init in model.graph.initializer)))
+                _remember_whole(path, self.tensors, (inputs, own, wanted, weight_bytes))
             elif not indices:  # none of this model's nodes falls in the segment (a tool fused or dropped them): nothing to run
                 segments.append(_Segment(None, set(), [], []))
                 continue
