@@ -145,6 +145,15 @@ def test_bisect_commands_write_their_report(run_cli, tmp_path):
     assert code == 0 and "already meets tolerance" in out
 
 
+def test_bisect_precision_numbers_only_the_steps_it_runs(run_cli, tmp_path):
+    """Pruning drifting_probability_map's repair tries a keep-list the search ran before: it is answered from
+    that run, and its progress line said 'step 6' a second time. Each step number is printed once."""
+    code, _, err = run_cli("bisect", "precision", fixture("drifting_probability_map"), "--fp16", "--candidate", "onnxrt", "-o", tmp_path / "p")
+    steps = [line.split()[1] for line in err.splitlines() if line.strip().startswith("step ")]
+    assert code == 1 and len(steps) == len(set(steps)) > 2, err  # 1: the candidate as made fails
+    assert "(pruning: one node fewer): answered by an earlier run" in err
+
+
 def test_repaired_int8_model_is_the_one_compare_verified(tmp_path):
     """The repaired model must be built exactly as `compare --keep-fp32` builds it (same calibration data)."""
     session = _session("clean", "int8")

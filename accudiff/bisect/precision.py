@@ -149,8 +149,9 @@ def _tried(session: BisectSession, trials: Trials, chosen: list[str], full: Comp
            exact: bool = False) -> TrialOutcome:
     """One step: the candidate run with `chosen` kept (closed over what their boundaries need, unless `exact`)."""
     keep = list(chosen) if exact else trials.boundaries.close(chosen, regions)
+    kept = f"keep {len(keep)} node(s) in higher precision ({what}{'' if exact else ' and what they need'})"
     # Steps count as runs do, but for the first: the comparison, with its isolated run, is one step of two runs.
-    session.progress(f"step {session.candidate_runs} of at most {total - 1}: keep {len(keep)} node(s) in higher precision ({what}{'' if exact else ' and what they need'})")
+    session.progress(f"{kept}: answered by an earlier run" if trials.answered(chosen, regions, exact) else f"step {session.candidate_runs} of at most {total - 1}: {kept}")
     before = trials.tried
     [outcome] = trials.run([keep], regions=regions, exact=exact)
     session.candidate_runs += trials.tried - before  # a keep-list tried before is answered without a run

@@ -159,12 +159,20 @@ class Trials:
         not closed (pruning tries what a closure added). A keep-list tried before (closed the same, undoing
         the same) is answered by its outcome: every trial measures every output, and one output's search
         retraces much of another's."""
-        closed = [list(dict.fromkeys(keep)) if exact else self.boundaries.close(keep, regions) for keep in keep_lists]
-        keys = [(tuple(keep), undone) for keep, undone in zip(closed, parts if parts is not None else ["all"] * len(closed))]
+        keys = self._keys(keep_lists, parts, regions, exact)
         new = list(dict.fromkeys(key for key in keys if key not in self._tried))
         if new:
             self._tried.update(zip(new, self._try([list(keep) for keep, _ in new], [undone for _, undone in new])))
         return [self._tried[key] for key in keys]
+
+    def answered(self, keep: Sequence[str], regions: bool | None = None, exact: bool = False) -> bool:
+        """Whether `run` would answer this keep-list (undoing all) from an earlier run, without running it."""
+        return self._keys([keep], None, regions, exact)[0] in self._tried
+
+    def _keys(self, keep_lists: Sequence[Sequence[str]], parts: Sequence[str] | None, regions: bool | None, exact: bool) -> list[tuple[tuple[str, ...], str]]:
+        """Each keep-list as `run` tries it (closed unless `exact`), with what it undoes: the memo's keys."""
+        closed = [list(dict.fromkeys(keep)) if exact else self.boundaries.close(keep, regions) for keep in keep_lists]
+        return [(tuple(keep), undone) for keep, undone in zip(closed, parts if parts is not None else ["all"] * len(closed))]
 
     def _try(self, closed: list[list[str]], parts: list[str]) -> list[TrialOutcome]:
         """`run`'s keep-lists, closed, not tried before."""
