@@ -29,10 +29,15 @@ def default_report_dir(model_stem: str, precision: str, root: Path = DEFAULT_ROO
 
 
 def write_atomically(path: Path, data: bytes) -> None:
-    """Write a file that readers see whole or not at all (a rename within one folder is atomic)."""
+    """Write a file that readers see whole or not at all (a rename within one folder is atomic); a write or
+    rename that fails (a full disk, a folder in the way, Ctrl-C) leaves no partial file behind."""
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_bytes(data)
-    partial.replace(path)
+    try:
+        partial.write_bytes(data)
+        partial.replace(path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 class ReportFolder:

@@ -207,6 +207,17 @@ def test_ctrl_c_the_moment_the_report_folder_is_made_leaves_nothing(tmp_path, mo
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_file_written_atomically_that_cannot_be_put_in_place_leaves_nothing(tmp_path):
+    """A baseline (or engine cache) whose rename fails (here a folder holds its name) left its hidden
+    '.partial' file beside it."""
+    from accudiff.atomic import write_atomically
+
+    (tmp_path / "baseline.json").mkdir()
+    with pytest.raises(OSError):
+        write_atomically(tmp_path / "baseline.json", b"{}")
+    assert [p.name for p in tmp_path.iterdir()] == ["baseline.json"]
+
+
 def test_a_real_ctrl_c_stops_the_workers_too(tmp_path):
     """Ctrl-C in a terminal sends SIGINT to the whole foreground process group: the command and its worker
     processes. Sent while two workers compare thousands of samples, the command exits 130, no process of
