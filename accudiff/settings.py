@@ -286,6 +286,10 @@ class RunSettings:
         if not self.autokeep:
             raise AccudiffError("--no-autokeep changes how accudiff converts a model to FP16; a candidate model (--candidate-model) is compared as it was made")
         label = precision_label(file_formats(self.candidate_model))
+        if self.given_alone and label == "fp32":
+            raise AccudiffError(
+                f"'{Path(self.model).name}' is given as its own candidate, and it stores no value in a narrower format: it is its own float form, "
+                f"so there is nothing to compare; give the precision to convert it to (--fp16, --bf16, --int8) or the model another tool made of it (--candidate-model)")
         if self.given_alone and all(f.endswith("-weight") for f in formats_of(label)):
             raise AccudiffError(
                 f"'{Path(self.model).name}' quantizes only its weights ({label}): given alone, its float form would hold the same rounded weights, "

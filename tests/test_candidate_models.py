@@ -158,6 +158,14 @@ def test_a_candidate_of_another_model_or_a_quantized_reference_is_one_sentence(m
     assert code == 2 and "candidate model file 'missing.onnx' does not exist" in err, err
 
 
+def test_a_float_model_given_as_its_own_candidate_is_one_true_sentence(run_cli):
+    """An FP32 model given as its own candidate was refused as one that "quantizes only its weights (fp32)":
+    it quantizes nothing. It is its own float form: nothing to compare, said so."""
+    code, out, err = run_cli("compare", fixture("clean"), "--candidate-model", fixture("clean"))
+    assert code == 2 and err.count("\n") == 1 and "stores no value in a narrower format: it is its own float form" in err, err
+    assert "quantizes only its weights" not in err
+
+
 def test_fp8_values_cross_a_segment_boundary(tmp_path):
     """A comparison cut into segments between a QuantizeLinear and its DequantizeLinear: the FP8 value comes
     back from ONNX Runtime widened to FP32 (exactly) and is fed to the next segment that way (it failed with
