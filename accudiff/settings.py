@@ -16,7 +16,7 @@ from accudiff.judging.objective import Objective, parse_requirements
 from accudiff.judging.output_kinds import parse_output_kinds
 from accudiff.judging.tolerances import Tolerances, parse_named_values
 from accudiff.errors import AccudiffError
-from accudiff.model.decoder import model_file
+from accudiff.model.decoder import find_decoder, model_file
 from accudiff.model.formats import QUANTIZED_FORMATS, file_formats, formats_of, is_precision_label, model_formats, onnxruntime_only_ops, precision_label
 from accudiff.model.segments import memory_budget
 from accudiff.run_options import DEFAULT_CAUSE_BUDGET, DEFAULT_VERIFY_BUDGET, SIDE_BACKENDS, replayed_arguments
@@ -356,6 +356,10 @@ class RunSettings:
             unknown = [name for name in names if name not in info.output_names]
             if unknown:
                 raise AccudiffError(f"{option} names '{unknown[0]}', which is not a graph output of the model; its outputs are: {', '.join(info.output_names)}")
+        generated = self.prompts is None and self.inputs is None and not self.input_shapes
+        if generated and not all(spec.is_static for spec in info.inputs) and find_decoder(info.path, info.inputs, info.output_names) is not None:
+            raise AccudiffError(f"'{info.path.name}' is a decoder carrying a KV cache: give it prompts with --prompts (text, one a line, tokenized "
+                                "with the model's tokenizer.json; or token ids as .npz), or its inputs with --load-inputs")
         quantized = [f for f in model_formats(info.proto.graph) if f in QUANTIZED_FORMATS]
         if self.candidate_model is not None and not self.given_alone and quantized:
             raise AccudiffError(

@@ -303,6 +303,15 @@ def test_a_bad_prompts_file_is_one_sentence(content, said, tmp_path, run_cli):
     assert code == 2 and err.count("\n") == 1 and re.search(said, err), err
 
 
+def test_a_decoder_given_no_prompts_is_asked_for_them(run_cli):
+    """A GenAI folder compared without prompts was told to give 'input_ids' a shape with --input-shapes, as
+    if random token ids and an empty cache were what it needed. It is asked for prompts, in one sentence."""
+    code, _, err = run_cli("compare", TINY, "--fp16")
+    assert code == 2 and err.count("\n") == 1 and "is a decoder carrying a KV cache: give it prompts with --prompts (text" in err, err
+    with pytest.raises(accudiff.AccudiffError, match=r"give it prompts with prompts= \(text"):
+        accudiff.compare(TINY, "fp16")
+
+
 def test_prompts_as_token_ids_need_no_tokenizer_and_replay(tmp_path, run_cli):
     """Token ids in an .npz (`k/input_ids`, with a continuation fed instead of the reference's choice); the
     replay line reads the prompts the report saved."""
