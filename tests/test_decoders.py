@@ -321,6 +321,10 @@ def test_prompts_as_token_ids_need_no_tokenizer_and_replay(tmp_path, run_cli):
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["generation"]["generations"][0]["reference"][:3] == [70, 71, 72] and summary["generation"]["generations"][0]["given"]
     assert "--prompts" in summary["replay"] and "prompts.npz" in summary["replay"]
+    # The page says how its intervals were made as the console does: two prompts are too few to resample (it said it resampled them).
+    page = (tmp_path / "r" / "report.html").read_text()
+    assert "taken as independent: with fewer than 5 prompts" in out and "taken as independent: with fewer than 5 prompts" in page
+    assert "resample whole prompts" not in page
     code, replayed, err = run_cli(*shlex.split(summary["replay"])[1:], "-o", tmp_path / "again")
     assert code == 0, err
     assert json.loads((tmp_path / "again" / "summary.json").read_text())["generation"]["phases"] == summary["generation"]["phases"]

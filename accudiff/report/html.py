@@ -22,7 +22,7 @@ from accudiff.report.content import (HTML_FILE, cause_lines, decision_first_line
 from accudiff.report.next_steps import next_step_lines
 from accudiff.model.prompts import decode_tokens
 from accudiff.model.decoder import model_name
-from accudiff.report.decision_text import generation_lines, interval_text
+from accudiff.report.decision_text import generation_lines, interval_note, interval_text
 from accudiff.text import percent
 from accudiff.findings import CAUSE_KINDS
 
@@ -165,8 +165,10 @@ def _generation(result) -> str:
         said = "\n".join(f"{side + ':':<10} {_text_of(folder, g[side])}" for side in ("prompt", "reference", "candidate"))
         turns.append(f"<h3>prompt {g['sequence']}: first different token at {escape(at)}</h3><pre>{escape(said)}</pre>")
     lines = "".join(f"<p>{escape(line.strip())}</p>" for line in generation_lines(result)[:1])
+    # How the intervals were made, in the console's words: whole prompts resampled, or (too few prompts) positions taken as independent.
+    note = next((interval_note(found["intervals"], prompts=True) for phases in result.phases.values() for found in phases.values() if found["intervals"]), "")
     intro = (f"<p>{len(result.generations)} prompt(s), each a prefill then its decode steps, each side carrying its own KV cache; both sides fed "
-             "the same tokens. Intervals resample whole prompts (positions of one prompt are not independent).</p>")
+             f"the same tokens. {escape(note.strip('[]'))}{'.' if note else ''}</p>")
     return section("Generation", intro + table + (f'<div class="plots" id="by-step">{chart}</div>' if chart else "") + lines + "".join(turns))
 
 
