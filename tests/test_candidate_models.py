@@ -253,6 +253,27 @@ def test_the_pytest_plugin_takes_the_candidate_model(made, pytester):
     assert "several" in outcome.stdout.str() or "channel_gain" in outcome.stdout.str()
 
 
+def test_the_plugin_judges_a_candidate_model_by_its_own_precisions_tolerance(made, pytester):
+    """A team's accudiff_tolerances line for INT8 did not apply to an INT8 candidate given as candidate_model:
+    the plugin looked up the precision asked for (fp32), and its summary said [fp32]. The candidate's own
+    label names its line, its report folder and its summary line."""
+    pytester.makeini('[pytest]\naccudiff_tolerances = int8 atol=1e9 rtol=1e9 stol=1\n')
+    given = f"{str(OUTLIER)!r}, candidate_model={str(made / 'outlier-int8.onnx')!r}, inputs={str(made / 'inputs.npz')!r}"
+    pytester.makepyfile(
+        f"""
+        def test_within_the_teams_int8_tolerance(accudiff):
+            accudiff.compare({given}).assert_within()
+
+        def test_within_a_tight_one(accudiff):
+            accudiff.compare({given}).assert_within(atol=1e-6, rtol=1e-6, stol=0)
+        """
+    )
+    outcome = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    outcome.assert_outcomes(passed=1, failed=1)
+    assert f"FAILED {OUTLIER} [int8] (test_the_plugin_judges_a_candidate_model_by_its_own_precisions_tolerance.py::test_within_a_tight_one)" in outcome.stdout.str()
+    assert {p.name.split("-")[1] for p in (pytester.path / "reports" / "pytest").iterdir()} == {"int8"}
+
+
 @pytest.fixture(scope="module")
 def modelopt_candidates(tmp_path_factory):
     """The trained recognizer quantized by ModelOpt (INT8 and FP8, calibrated on 32 drawn lines), and 4 others."""

@@ -150,31 +150,36 @@ class AccuracyCheck:
         __tracebackhide__ = True
         from accudiff.api import compare
         from accudiff.atomic import default_report_dir
+        from accudiff.options import python_words
         from accudiff.runners import unavailable_reason
+        from accudiff.settings import RunSettings
 
         options = {"workers": self.settings.workers, **self.options, **({"require": require} if require else {})}
         candidate = options.pop("candidate", self.settings.candidate)
         reason = unavailable_reason(candidate)
         if reason is not None:
             pytest.skip(f"accudiff: {reason}")
-        defaults = self.settings.tolerances.get(self.precision, {})
-        tolerances = {
-            name: value if value is not None else defaults.get(name)
-            for name, value in (("atol", atol), ("rtol", rtol), ("stol", stol))
-        }
-        self.settings.report_root.mkdir(parents=True, exist_ok=True)
         try:
+            # The precision compared: the one asked for, or a candidate model's own (its label, e.g. int8-dynamic+int4-weight),
+            # which names its line of accudiff_tolerances and its report folder.
+            precision = RunSettings(self.model, self.precision, candidate=candidate, **options).precision
+            defaults = self.settings.tolerances.get(precision, {})
+            tolerances = {
+                name: value if value is not None else defaults.get(name)
+                for name, value in (("atol", atol), ("rtol", rtol), ("stol", stol))
+            }
+            self.settings.report_root.mkdir(parents=True, exist_ok=True)
             return compare(
                 self.model,
                 self.precision,
                 candidate=candidate,
-                report_dir=default_report_dir(safe_name(self.node.name), self.precision, self.settings.report_root),
+                report_dir=default_report_dir(safe_name(self.node.name), precision, self.settings.report_root),
                 reference_cache=self.settings.reference_cache(),
                 **tolerances,
                 **options,
             )
         except AccudiffError as exc:
-            refused = f"accudiff: {exc}"
+            refused = f"accudiff: {python_words(str(exc))}"
         pytest.fail(refused, pytrace=False)  # outside the except: the failure is the one sentence, not a chain
 
     def _record(self, result, problems, written) -> None:
@@ -188,7 +193,7 @@ class AccuracyCheck:
                 {
                     "test": self.node.nodeid,
                     "model": str(self.model),
-                    "precision": self.precision,
+                    "precision": result.precision,
                     "failed": bool(problems),
                     "causes": [f"output '{f.tensor}': {cause_lines(f, result, python=True)[0]}" for f in result.output_failures if f.cause is not None],
                     "worst": [f"{r['tensor']}: SQNR {r['sqnr_db']:.1f} dB, max abs err {r['max_abs_err']:.3g}" for _, r in worst.iterrows()],
