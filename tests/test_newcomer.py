@@ -99,7 +99,7 @@ def test_accumulated_error_ends_in_a_decision(run_cli, tmp_path):
     assert block.index("top-1 agreement 99.80% [") < block.index("judged by its decision, it passes: --require top1=0.98 is met") < block.index("cause: accumulated")
     assert run_printed(require, tmp_path).returncode == 0
     done = run_printed(bisect, tmp_path)
-    assert "keeping 17 of the 17 converted node(s)" in done.stdout and "that is most of the model: no small repair exists" in done.stdout
+    assert "keeping 17 of the 17 converted node(s)" in done.stdout and "that is most of the model: the search found no small repair" in done.stdout
     assert done.stdout.strip().splitlines()[-2].strip().endswith("--require top1=0.98")  # the command it suggests instead
 
 

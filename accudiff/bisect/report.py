@@ -131,7 +131,7 @@ def _precision_text(result, folder: Path, settings: RunSettings) -> str:
             listed = (folder / KEEP_LIST_FILE, folder / NODES_FILE) if len(result.keep) > SHOWN_NODES else None  # past a screen: read from them
             lines += [f"  {line}" for line in remake_lines(result.keep, settings.precision, result.quantized_by, result.reads_constant_weights, listed=listed)]
         if len(result.keep) > max(MOST * result.converted, SMALL_REPAIR):
-            lines.append(f"  that is most of the model: no small repair exists, and the question is the {_target(settings)} asked of it:")
+            lines.append(f"  that is most of the model: the search found no small repair (it tries keep-lists in the order of the ranking), and the question is the {_target(settings)} asked of it:")
             lines += [f"  {line}" for line in _where_it_stands(result, settings)]
     elif result.interrupted:
         lines.append("  interrupted before a passing keep-list was found")
