@@ -253,6 +253,14 @@ def test_a_decoders_repair_is_the_builders_own_exclusion_and_holds(llama, tmp_pa
     np.testing.assert_allclose(logits[0], logits[1], rtol=1e-5, atol=1e-5)
     after = accudiff.compare(llama.fp32, candidate_model=rebuilt, prompts=llama.prompts, new_tokens=NEW_TOKENS, require=[target], verify=False)
     assert after.verdict in ("pass", "inconclusive"), shlex.join(map(str, after.replay))
+    # Minimal: without any one of its nodes the repair no longer meets the target. A passing prefix of the ranking longer
+    # than 8 nodes was given unpruned.
+    kept = (tmp_path / "fix" / "nodes.txt").read_text().splitlines()
+    assert "each of them is needed: without any one of them (each tried)" in out
+    for node in kept:
+        rest = [re.escape(other) for other in kept if other != node]
+        fewer = accudiff.compare(llama.fp32, candidate_model=llama.int4, prompts=llama.prompts, new_tokens=NEW_TOKENS, require=[target], keep_fp32=rest, verify=False)
+        assert fewer.verdict != "pass", (node, kept)
 
 
 def test_every_cpu_build_of_the_genai_builder_loads_and_compares(llama, tmp_path):

@@ -8,7 +8,8 @@
    the keep-list is never longer than compare's.
 3. Otherwise, keeping the top k nodes is tried for k found by bisection over the ranking (about log2(N)
    runs): first the whole ranking (if even that fails, no keep-list of these nodes repairs the model),
-   then halving towards the smallest k that passes; a short list (up to PRUNE_LIMIT nodes) is pruned.
+   then halving towards the smallest k that passes; that list is pruned (its nodes dropped, the last added
+   first, while the rest still passes: at most PRUNE_LIMIT runs).
 4. Every keep-list is closed over precision boundaries and judged at the graph outputs by the same trial
    mechanism verification uses (verification/trial.py); the keep-list, the repaired model (exactly the
    variant that passed) and the ranking are written out. The reference runs once for all of it.
@@ -33,7 +34,7 @@ from accudiff.report.decision_text import unresolved_text
 from accudiff.transforms.candidate import repaired, repaired_file
 
 KEEP_LIST_FILE, NODES_FILE, RANKING_FILE = "keep_fp32.txt", "nodes.txt", "ranking.csv"
-PRUNE_LIMIT = 8
+PRUNE_LIMIT = 32  # runs pruning a passing prefix of the ranking may take: a longer list is pruned from its end only
 
 
 @dataclass
@@ -47,6 +48,7 @@ class PrecisionResult:
     bound: int = 0
     interrupted: bool = False
     trivial: bool = False  # only keeping every converted node meets the target: the format is too coarse for it
+    minimal: bool = False  # each node of `keep` was tried without: none can be left out
     unresolved: list[str] = field(default_factory=list)  # requirements the data cannot resolve, said: no keep-list is searched for them
     unresolved_kept_all: list[str] = field(default_factory=list)  # those the data cannot resolve even with every converted node kept
     converted: int = 0  # nodes the candidate computes in reduced precision (what a keep-list may take from)
@@ -81,9 +83,10 @@ def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
     trials = session.trials(full)
     result.bound = _run_bound(len(ranking), len(trials.boundaries.close(start)))
     try:
-        best = _from_repair(session, trials, start, full) if verified else None
-        if best is None:
-            best = _smallest_passing_prefix(session, trials, list(ranking["node"]), units, full)
+        found = _from_repair(session, trials, start, full) if verified else None
+        if found is None:
+            found = _smallest_passing_prefix(session, trials, list(ranking["node"]), units, full)
+        best, result.minimal = found if found is not None else (None, False)
         if best is None and not result.interrupted:
             every = sorted(full.converted)
             outcome = _tried(session, trials, every, full, f"every one of the {len(every)} converted nodes", result.bound)
@@ -158,17 +161,18 @@ def _tried(session: BisectSession, trials: Trials, chosen: list[str], full: Comp
     return outcome
 
 
-def _pruned(session: BisectSession, trials: Trials, chosen: list[str], full: CompareResult, total: int, limit: int) -> list[str]:
+def _pruned(session: BisectSession, trials: Trials, chosen: list[str], full: CompareResult, total: int, limit: int) -> tuple[list[str], bool]:
     """A passing keep-list (closed over its regions) with each node dropped while the rest, run as it is,
     still passes: the value-moving readers kept for company and what a closure added too (trial.prune), in
-    at most `limit` runs."""
+    at most `limit` runs; and whether every node was tried (else the first ones were not)."""
     def holds(rest: list[str]) -> bool:
         return _passes(session, trials, rest, full, "pruning: one node fewer", total, exact=True)
 
-    return prune(trials.boundaries.close(chosen), holds, limit=limit)[0]
+    closed = trials.boundaries.close(chosen)
+    return prune(closed, holds, limit=limit)[0], len(closed) <= limit
 
 
-def _from_repair(session: BisectSession, trials: Trials, start: list[str], full: CompareResult) -> list[str] | None:
+def _from_repair(session: BisectSession, trials: Trials, start: list[str], full: CompareResult) -> tuple[list[str], bool] | None:
     """compare's verified repairs, together, tried on every sample and pruned; None if they fail there."""
     closed = trials.boundaries.close(start)
     total = _run_bound(0, len(closed))
@@ -177,9 +181,10 @@ def _from_repair(session: BisectSession, trials: Trials, start: list[str], full:
     return _pruned(session, trials, start, full, total, len(closed))
 
 
-def _smallest_passing_prefix(session: BisectSession, trials: Trials, nodes: list[str], units: dict[str, list[str]], full: CompareResult) -> list[str] | None:
+def _smallest_passing_prefix(session: BisectSession, trials: Trials, nodes: list[str], units: dict[str, list[str]], full: CompareResult) -> tuple[list[str], bool] | None:
     """The keep-list of the smallest k such that keeping nodes[:k] (each with its unit: a cancellation with
-    the nodes computing its operands; closed over boundaries) passes; None if keeping all of them still fails."""
+    the nodes computing its operands; closed over boundaries) passes, pruned, and whether its pruning tried
+    every node; None if keeping all of them still fails."""
     total = _run_bound(len(nodes), 0)
 
     def prefix(k: int) -> list[str]:
@@ -195,7 +200,7 @@ def _smallest_passing_prefix(session: BisectSession, trials: Trials, nodes: list
         else:
             failing = middle
     chosen = prefix(passing)
-    return _pruned(session, trials, chosen, full, total, PRUNE_LIMIT) if len(chosen) <= PRUNE_LIMIT else trials.boundaries.close(chosen)
+    return _pruned(session, trials, chosen, full, total, PRUNE_LIMIT)
 
 
 def _run_bound(ranked: int, repair: int) -> int:

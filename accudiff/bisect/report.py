@@ -119,12 +119,14 @@ def _precision_text(result, folder: Path, settings: RunSettings) -> str:
     elif result.passed_without_changes:
         lines.append("  the model already meets tolerance: nothing to keep in higher precision")
     elif result.trivial:
-        lines.append(f"  only keeping every converted node ({len(result.keep)}) in higher precision makes the outputs meet {_target(settings)}: "
-                     "no smaller keep-list does, so this format is too coarse for it on this model")
+        lines.append(f"  only keeping every converted node ({len(result.keep)}) in higher precision made the outputs meet {_target(settings)}: "
+                     "keeping every node of the ranking did not, so this format looks too coarse for it on this model")
         lines += [f"  {line}" for line in _where_it_stands(result, settings)]
     elif result.repaired:
         lines.append(f"  keeping {len(result.keep)} of the {result.converted} converted node(s) in higher precision makes the outputs meet {_target(settings)}: "
                      f"{', '.join(result.keep[:SHOWN_NODES])}{' ...' if len(result.keep) > SHOWN_NODES else ''}")
+        if result.minimal:
+            lines.append(f"  each of them is needed: without any one of them (each tried), the rest is not shown to meet {_target(settings)}")
         lines.append(f"  keep-list: {folder / KEEP_LIST_FILE} (one --keep-fp32 pattern per line, ModelOpt's --nodes_to_exclude takes them too; the names: "
                      f"{folder / NODES_FILE}); repaired model: {folder / result.repaired_model}")
         if settings.candidate_model is not None:
