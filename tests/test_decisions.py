@@ -234,3 +234,12 @@ def test_every_decision_figure_a_requirement_names_is_what_judges_it(setup, figu
         missed = accudiff.compare(path, **options, require=[f"{figure}={beyond:.17g}"])
         status = lambda result: {"fail" if o in {f.tensor for f in result.output_failures} else "pass" for o in having}  # noqa: E731
         assert status(met) == {"pass"} and status(missed) == {"fail"} and not met.unresolved and not missed.unresolved, (figure, having, spans)
+
+
+def test_a_requirement_the_data_cannot_resolve_is_not_said_to_be_met(run_cli):
+    """One sample of accumulating_classifier (64 positions, all agreeing) cannot tell top-1 0.99: the verdict
+    is inconclusive, and the console also said the output 'meets its requirement' (its figure, 100%, does)."""
+    code, out, _ = run_cli("compare", fixture("accumulating_classifier"), "--fp16", "--candidate", "onnxrt", "--require", "top1=0.99",
+                           "--atol", "1e-6", "--rtol", "1e-6", "--stol", "0", "--no-verify")
+    assert code == 1 and "verdict: INCONCLUSIVE" in out and "the data cannot tell whether its top-1 agreement reaches 0.99" in out
+    assert "meets its requirement" not in out

@@ -162,12 +162,13 @@ def requirement_text(output: str, result) -> str | None:
 
 def requirements_met(result) -> list[str]:
     """The outputs that pass by their requirement (--require) while elements leave the elementwise
-    tolerance: said, so that a pass never reads as 'within tolerance'."""
-    failing, indexed = {f.tensor for f in result.output_failures}, result.table.set_index("tensor")
+    tolerance: said, so that a pass never reads as 'within tolerance'. One whose requirement the data cannot
+    resolve does not meet it (it is said as unresolved)."""
+    not_met, indexed = {f.tensor for f in result.output_failures} | set(result.unresolved), result.table.set_index("tensor")
     lines = []
     for output in result.outputs["tensor"]:
         required = requirement_text(output, result)
-        if required and output not in failing and indexed.loc[output, "status"] == "fail":
+        if required and output not in not_met and indexed.loc[output, "status"] == "fail":
             lines.append(f"output '{output}' meets {required}, though {int(indexed.loc[output, 'outside_count'])} elements are outside the elementwise tolerance")
     return lines
 
