@@ -265,8 +265,8 @@ def test_an_embeddings_decision_is_its_cosine_never_a_top1(minilm, tmp_path, run
 
 
 def test_bisect_precisions_decision_command_runs_as_printed_and_passes(minilm, tmp_path, run_cli):
-    """On one sample (two sentences), what the tolerance asks is most of the model kept, and bisect says what
-    the decision does instead: each embedding's lowest cosine meets its own requirement (0.95 and 0.98 here).
+    """On one sample (two sentences), the tolerance asks for many nodes kept (10 of 23, pruned), and bisect says
+    what the decision does instead: each embedding's lowest cosine meets its own requirement (0.95 and 0.98 here).
     It printed both as --require of one figure, and the later replaced the first: pasted, the command failed
     the output said to pass. It now gives the requirement every output meets, and exits 0."""
     save_feeds([minilm.feeds[0]], tmp_path / "one.npz")

@@ -94,10 +94,15 @@ def _where_it_stands(result, settings: RunSettings) -> list[str]:
         if held is not None:
             lines.append(f"judged by its decision, it passes: --require {held.name}={held.target:g} is met "
                          f"({REQUIREMENTS[held.name][1]} {figure_text(held.name, held.value)}{interval_text(held.name, held.interval)})")
-    if result.decision_met and len(result.decision_met) == len(result.tolerance_met):
-        required = [item for text in requirements_every_output_meets(list(result.decision_met.values())) for item in ("--require", text)]
-        lines += ["if the decision is what you judge the model by:", f"  {shlex.join(['accudiff', 'compare', *settings.arguments(), *required])}"]
-    return lines
+    return lines + _decision_command(result, settings)
+
+
+def _decision_command(result, settings: RunSettings) -> list[str]:
+    """Where every failing output's decision is shown to hold as it is: the comparison judged by it, as a command."""
+    if not result.decision_met or len(result.decision_met) != len(result.tolerance_met):
+        return []
+    required = [item for text in requirements_every_output_meets(list(result.decision_met.values())) for item in ("--require", text)]
+    return ["if the decision is what you judge the model by:", f"  {shlex.join(['accudiff', 'compare', *settings.arguments(), *required])}"]
 
 
 def _plain(value):
@@ -135,6 +140,8 @@ def _precision_text(result, folder: Path, settings: RunSettings) -> str:
         if len(result.keep) > max(MOST * result.converted, SMALL_REPAIR):
             lines.append(f"  that is most of the model: the search found no small repair (it tries keep-lists in the order of the ranking), and the question is the {_target(settings)} asked of it:")
             lines += [f"  {line}" for line in _where_it_stands(result, settings)]
+        else:
+            lines += [f"  {line}" for line in _decision_command(result, settings)]
     elif result.interrupted:
         lines.append("  interrupted before a passing keep-list was found")
     elif result.unresolved_kept_all:
