@@ -152,6 +152,18 @@ def test_bisect_precision_numbers_only_the_steps_it_runs(run_cli, tmp_path):
     steps = [line.split()[1] for line in err.splitlines() if line.strip().startswith("step ")]
     assert code == 1 and len(steps) == len(set(steps)) > 2, err  # 1: the candidate as made fails
     assert "(pruning: one node fewer): answered by an earlier run" in err
+    page = (tmp_path / "p" / "report.html").read_text()
+    assert "each kept node needed" in page and "already meets tolerance" in page
+
+
+def test_bisect_precision_says_the_target_it_judged_by(run_cli, tmp_path):
+    """Judged by --require, a model that meets it was said to 'already meet tolerance' (console) and 'already
+    within tolerance' (report.html), which it need not: its target is named."""
+    code, out, _ = run_cli("bisect", "precision", fixture("accumulating_classifier"), "--fp16", "--candidate", "onnxrt", "--require", "top1=0.9",
+                           "-o", tmp_path / "p")
+    assert code == 0 and "the model already meets top1=0.9 (--require): nothing to keep" in out, out
+    page = (tmp_path / "p" / "report.html").read_text()
+    assert "already meets top1=0.9 (--require)" in page and "tolerance" not in page.split("<h2>Result</h2>")[1].split("</table>")[0]
 
 
 def test_repaired_int8_model_is_the_one_compare_verified(tmp_path):

@@ -55,7 +55,7 @@ def run_bisector(name: str, settings: RunSettings, out_dir: Path) -> tuple[str, 
             document = {"schema": RESULT_SCHEMA, "schema_version": 2, "bisector": name, "model": str(model), "precision": precision, **fields}
             folder.write_text(RESULT_FILE, json.dumps(finite(document), indent=2) + "\n")
             files = {"keep_list": KEEP_LIST_FILE if name == "precision" and getattr(result, "keep", None) else None}
-            folder.write_text(HTML_FILE, bisect_page(name, Path(model).name, precision, result, steps, files))
+            folder.write_text(HTML_FILE, bisect_page(name, Path(model).name, precision, result, steps, files, _target(settings)))
     finally:
         session.close()
     return text, found, result.interrupted
@@ -122,7 +122,7 @@ def _precision_text(result, folder: Path, settings: RunSettings) -> str:
         lines += [f"  {line}" for line in result.unresolved]
         lines.append("  no keep-list is searched for a requirement the data cannot resolve: compare on more data, or judge by another figure")
     elif result.passed_without_changes:
-        lines.append("  the model already meets tolerance: nothing to keep in higher precision")
+        lines.append(f"  the model already meets {_target(settings)}: nothing to keep in higher precision")
     elif result.trivial:
         lines.append(f"  only keeping every converted node ({len(result.keep)}) in higher precision made the outputs meet {_target(settings)}: "
                      "keeping every node of the ranking did not, so this format looks too coarse for it on this model")

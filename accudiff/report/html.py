@@ -45,8 +45,9 @@ def compare_page(result) -> str:
     return page(title, [], sections)
 
 
-def bisect_page(bisector: str, model: str, precision: str, result, steps: Sequence[str], folder_files: dict[str, str | None]) -> str:
-    """A bisector's report: what it found, the steps it took, the reproducer or the keep-list, the ranking."""
+def bisect_page(bisector: str, model: str, precision: str, result, steps: Sequence[str], folder_files: dict[str, str | None], target: str = "tolerance") -> str:
+    """A bisector's report: what it found, the steps it took, the reproducer or the keep-list, the ranking.
+    `target`: what bisect precision's keep-lists must meet (the tolerance, or the --require in words)."""
     title = f"accudiff bisect {bisector} {model} [{precision}]"
     facts = {"candidate runs": f"{result.candidate_runs} (at most {result.bound} on any path the search could take)", "interrupted": "yes" if result.interrupted else "no"}
     sections = []
@@ -64,9 +65,11 @@ def bisect_page(bisector: str, model: str, precision: str, result, steps: Sequen
         sections.append(section("Result", "".join(body)))
     else:
         verdict, label = (
-            ("pass", "ALREADY WITHIN TOLERANCE") if result.passed_without_changes else ("pass", "REPAIRED") if result.repaired else ("fail", "NOT REPAIRED")
+            ("pass", "ALREADY PASSES") if result.passed_without_changes else ("pass", "REPAIRED") if result.repaired else ("fail", "NOT REPAIRED")
         )
-        facts.update({"already within tolerance": "yes" if result.passed_without_changes else "no", "repaired": "yes" if result.repaired else "no"})
+        facts.update({f"already meets {target}": "yes" if result.passed_without_changes else "no", "repaired": "yes" if result.repaired else "no"})
+        if result.repaired:
+            facts["each kept node needed"] = "yes: without any one of them (each tried), the rest does not pass" if result.minimal else "not shown: not every node was tried without"
         body = [facts_table(facts)]
         if result.keep:
             body.append(f"<h3>Keep in higher precision ({len(result.keep)} node(s))</h3>" + bullet_list(result.keep))
