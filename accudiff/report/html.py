@@ -169,7 +169,7 @@ def _generation(result) -> str:
         turns.append(f"<h3>prompt {g['sequence']}: first different token at {escape(at)}</h3><pre>{escape(said)}</pre>")
     lines = "".join(f"<p>{escape(line.strip())}</p>" for line in generation_lines(result)[:1])
     # How the intervals were made, in the console's words: whole prompts resampled, or (too few prompts) positions taken as independent.
-    note = next((interval_note(found["intervals"], prompts=True) for phases in result.phases.values() for found in phases.values() if found["intervals"]), "")
+    note = next((interval_note(result.intervals[output], prompts=True) for output in result.phases if result.intervals.get(output)), "")
     intro = (f"<p>{len(result.generations)} prompt(s), each a prefill then its decode steps, each side carrying its own KV cache; both sides fed "
              f"the same tokens. {escape(note.strip('[]'))}{'.' if note else ''}</p>")
     return section("Generation", intro + table + (f'<div class="plots" id="by-step">{chart}</div>' if chart else "") + lines + "".join(turns))
