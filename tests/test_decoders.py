@@ -332,7 +332,8 @@ def test_prompts_as_token_ids_need_no_tokenizer_and_replay(tmp_path, run_cli):
     # The page says how its intervals were made as the console does: two prompts are too few to resample (it said it resampled them).
     page = (tmp_path / "r" / "report.html").read_text()
     [note] = re.findall(r"\[(95% intervals over \d+ positions taken as independent[^\]]*)\]", out)
-    assert "with fewer than 5 prompts" in note and note in page  # the same words and count (the page once counted the prefill's alone)
+    intro = page.split("both sides fed the same tokens. ")[1].split("</p>")[0]  # the Generation section's own words
+    assert "with fewer than 5 prompts" in note and intro == f"{note}."  # the same words and count (the page once counted the prefill's alone)
     assert "resample whole prompts" not in page
     code, replayed, err = run_cli(*shlex.split(summary["replay"])[1:], "-o", tmp_path / "again")
     assert code == 0, err
