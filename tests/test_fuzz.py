@@ -89,7 +89,8 @@ def test_npy_members_numpy_cannot_parse_are_one_sentence(member, tmp_path, capsy
     assert code == 2 and err.count("\n") == 0 and "could not be read" in err, err
 
 
-@pytest.mark.parametrize("text", ["{", '{"tensors": []}', '{"tensors": {"y": {"sqnr_db": "high"}}}', '{"schema": 1}'])
+@pytest.mark.parametrize("text", ["{", '{"tensors": []}', '{"tensors": {"y": {"sqnr_db": "high"}}}', '{"schema": 1}',
+                                  '{"tensors": {}, "decisions": {"y": {"kl": {"value": "x", "low": 0, "high": 1}}}}', '{"tensors": {}, "decisions": []}'])
 def test_a_damaged_baseline_is_one_sentence(text, tmp_path):
     path = tmp_path / "baseline.json"
     path.write_text(text)

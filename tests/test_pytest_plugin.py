@@ -136,6 +136,34 @@ def test_model():
     assert "was recorded with other settings (atol differ)" in other_options.stdout.str()
 
 
+def test_a_baseline_holds_the_decision_figures_to_their_intervals(pytester, monkeypatch):
+    """A baseline kept only per-tensor figures: a language model whose KL divergence grew, or a classifier whose
+    top-1 agreement fell, passed as long as SQNR and max abs error stayed within their margins. It now keeps
+    each output's decision figures with their 95% intervals, and a figure outside the baseline's interval on
+    the worse side fails the test (here the baseline claims a KL of 0, which FP16 does not reach)."""
+    monkeypatch.delenv("CI", raising=False)
+    model = _matmul_model(pytester.path / "m.onnx", 1.0)
+    source = f"""
+import pytest
+
+@pytest.mark.accudiff(model=r"{model}", precision="fp16", atol=1, rtol=1, baseline=True)
+def test_model():
+    pass
+"""
+    _run(pytester, source).assert_outcomes(failed=1)  # the baseline is written: commit it
+    baseline = pytester.path / "accudiff_baselines" / "test_model.test_model.fp16.json"
+    stored = json.loads(baseline.read_text())
+    kl = stored["decisions"]["logits"]["kl"]
+    assert set(stored["decisions"]["logits"]) >= {"top1", "kl"} and kl["low"] <= kl["value"] <= kl["high"] and kl["value"] > 0
+    _run(pytester, source).assert_outcomes(passed=1)
+    stored["decisions"]["logits"]["kl"] = {"value": 0, "low": 0, "high": 0}
+    baseline.write_text(json.dumps(stored))
+    regressed = _run(pytester, source)
+    regressed.assert_outcomes(failed=1)
+    assert "output 'logits': KL divergence (mean) rose from 0 [0, 0] (baseline) to" in regressed.stdout.str()
+    assert "outside the baseline's 95% interval" in regressed.stdout.str()
+
+
 @pytest.mark.skipif(unavailable_reason("trt") is None, reason="TensorRT inference works on this machine")
 def test_checks_that_need_tensorrt_skip_with_the_reason(pytester):
     result = _run(pytester, f"""

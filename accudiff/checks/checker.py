@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import pytest
 
-from accudiff.checks.baselines import baseline_path, in_ci, regressions, safe_name, write_baseline
+from accudiff.checks.baselines import baseline_path, decision_entries, in_ci, regressions, safe_name, write_baseline
 from accudiff.errors import AccudiffError
 from accudiff.text import percent
 
@@ -118,20 +118,21 @@ class AccuracyCheck:
         baseline_file = baseline_path(Path(self.node.path), self.node.name, self.precision)
         written = None
         recorded_with = self._recorded_with(atol, rtol, stol, decision)
+        decided = decision_entries({name: result.decisions[name] for name in rows["tensor"] if name in result.decisions}, result.intervals)
         if baseline and not problems:
             if self.settings.update_baseline:
-                write_baseline(baseline_file, rows, recorded_with)
+                write_baseline(baseline_file, rows, recorded_with, decided)
                 written = str(baseline_file)
             elif not baseline_file.exists():
                 if in_ci():
                     problems.append(f"no baseline at {baseline_file}: record it where CI is not set (the test writes it), and commit it")
                 else:
-                    write_baseline(baseline_file, rows, recorded_with)
+                    write_baseline(baseline_file, rows, recorded_with, decided)
                     written = str(baseline_file)
                     problems.append(f"baseline created: {baseline_file}: commit it (a check against a baseline written by this run would prove nothing)")
             else:
                 try:
-                    problems += regressions(baseline_file, rows, recorded_with, self.settings.sqnr_margin_db, self.settings.error_growth)
+                    problems += regressions(baseline_file, rows, recorded_with, self.settings.sqnr_margin_db, self.settings.error_growth, decided)
                 except AccudiffError as exc:  # an unreadable baseline: said as the test's one problem
                     problems.append(str(exc))
         self._record(result, problems, written)
