@@ -242,8 +242,9 @@ class RunSettings:
         return Captures(paths[0], paths[1], self.candidate_runner, paths[2], paths[3])
 
     def fed(self, inputs: str | Path | Sequence[Feed], **changes) -> RunSettings:
-        """These settings (with `changes`) given `inputs`: the options that shape random inputs go with them."""
-        return replace(self, inputs=inputs, input_shapes=(), val_range=(), iterations=1, **changes)
+        """These settings (with `changes`) given `inputs`: the options that shape random inputs go with them, and
+        a decoder's prompts (the inputs are what it is fed: a prompt's whole sequence, or a cut's values)."""
+        return replace(self, **{"input_shapes": (), "val_range": (), "iterations": 1, "prompts": None, "new_tokens": None, **changes, "inputs": inputs})
 
     @property
     def decode_steps(self) -> int:

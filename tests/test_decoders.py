@@ -23,7 +23,7 @@ from onnx import helper, numpy_helper
 
 import accudiff
 import oracle
-from conftest import ROOT
+from conftest import ROOT, run_printed
 
 sys.path.insert(0, str(ROOT))
 from benchmarks import decoders  # noqa: E402
@@ -261,6 +261,23 @@ def test_a_decoders_repair_is_the_builders_own_exclusion_and_holds(llama, tmp_pa
         rest = [re.escape(other) for other in kept if other != node]
         fewer = accudiff.compare(llama.fp32, candidate_model=llama.int4, prompts=llama.prompts, new_tokens=NEW_TOKENS, require=[target], keep_fp32=rest, verify=False)
         assert fewer.verdict != "pass", (node, kept)
+
+
+def test_bisect_subgraph_cuts_a_decoder_compared_from_prompts(llama, tmp_path, run_cli):
+    """bisect subgraph on a GenAI folder with prompts stopped with "internal error: TypeError" (its feeds are
+    known only after the first comparison), then cut its INT4 candidate without the MatMulNBits standing for
+    the reference's MatMuls, and through Casts the reference has too. Judged by a tolerance the logits fail,
+    it now saves a reproducer that fails when its printed command is pasted; judged only by a requirement
+    its elements meet, it says in one sentence that a cut is checked elementwise."""
+    common = ["bisect", "subgraph", llama.fp32, "--candidate-model", llama.int4, "--prompts", llama.prompts, "--new-tokens", "2"]
+    code, out, err = run_cli(*common, "--atol", "0.01", "--rtol", "0.01", "--stol", "0", "-o", tmp_path / "cut")
+    assert code == 1 and "reproducer confirmed to fail" in out, out + err
+    [command] = [line.strip() for line in out.splitlines() if line.strip().startswith("cd ")]
+    assert run_printed(command, tmp_path).returncode == 1
+    code, out, err = run_cli(*common, "--require", "kl=1e-6", "-o", tmp_path / "req")
+    said = [line for line in err.splitlines() if line.startswith("accudiff: error:")]  # below the first step's progress line
+    assert code == 2 and len(said) == 1 and "a subgraph is checked elementwise" in said[0], err
+    assert not (tmp_path / "req").exists()
 
 
 def test_every_cpu_build_of_the_genai_builder_loads_and_compares(llama, tmp_path):

@@ -66,7 +66,7 @@ class BisectSession:
         bisection steps only need a verdict) under `changes`; counts the candidate runs it makes."""
         changes = {"report_dir": None, "isolate": isolate, **changes}
         if self.settings.prompts is None or "inputs" in changes:  # a decoder's cut is fed its values, not prompts
-            settings = self.settings.fed(changes.pop("inputs", self.feeds), **changes, **({} if self.settings.prompts is None else {"prompts": None, "new_tokens": None}))
+            settings = self.settings.fed(changes.pop("inputs", self.feeds), **changes)
         else:
             settings = replace(self.settings, **changes)
         result = run(settings, reference_cache=self.cache)
@@ -80,7 +80,10 @@ class BisectSession:
         """Continue on the model with the If branches the samples take inlined (names kept), so that every
         node the comparison can name is a node of the graph a bisector cuts. Samples that take different
         branches have no one such graph: one sentence. INT8 calibration keeps the samples that take the
-        same branches, as in `compare`."""
+        same branches, as in `compare`. A decoder generating from prompts has no feeds before its first
+        comparison: it is taken as it is (a graph whose If conditions come from its prompts is not specialized)."""
+        if self.feeds is None:
+            return
         groups = branch_groups(self.info.proto, self.feeds)
         if not any(group.taken for group in groups):
             return

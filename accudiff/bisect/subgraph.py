@@ -30,8 +30,11 @@ import numpy as np
 import onnx
 
 from accudiff.bisect.session import BisectSession
+from accudiff.errors import AccudiffError
 from accudiff.judging.table import STATUS_FAIL
+from accudiff.model.graph import GraphIndex
 from accudiff.model.inputs import Feed, save_feeds
+from accudiff.model.quantized_ops import find_quantized_ops
 from accudiff.model.saving import save_model
 from accudiff.model.subgraph import extract
 from accudiff.result import TensorFailure
@@ -78,6 +81,9 @@ def bisect_subgraph(session: BisectSession, out_dir: Path) -> SubgraphResult:
     if full.passed:
         return result
     failure = _most_local(full.output_failures, nodes)
+    if full.table.set_index("tensor").loc[failure.tensor, "status"] != STATUS_FAIL:  # a cut is checked elementwise
+        raise AccudiffError(f"output '{failure.tensor}' fails only its requirement (--require), its elements being within tolerance, and a subgraph "
+                            "is checked elementwise: give a tolerance it fails (--atol/--rtol), or find what to keep with accudiff bisect precision")
     cause = failure.cause
     result.output, result.cause_kind = failure.tensor, cause.kind
     whole = full.table.set_index("tensor")["tol_ratio"]
@@ -197,7 +203,7 @@ def _save_cut(session, chosen: list[int], folder: Path) -> RunSettings:
     if settings.candidate_model is not None:
         names = {session.info.proto.graph.node[i].name for i in chosen}
         candidate = folder / (MODEL_FILE if settings.given_alone else CANDIDATE_FILE)
-        save_model(_candidate_cut(session.candidate.model, names, outputs), candidate)
+        save_model(_candidate_cut(session.candidate.model, session.info.proto, names, outputs), candidate)
     if not settings.given_alone:
         save_model(model, folder / MODEL_FILE)
     inputs = [i.name for i in model.graph.input]
@@ -223,17 +229,22 @@ def _save_cut(session, chosen: list[int], folder: Path) -> RunSettings:
                    candidate_model=candidate, precision=precision, **tolerances)
 
 
-def _candidate_cut(candidate: onnx.ModelProto, names: set[str], outputs: list[str]) -> onnx.ModelProto:
-    """The candidate's nodes of these names, with the Q/DQ, Cast and Constant nodes they read through
-    (back to values the cut is fed, or weights), as a model with the reference cut's outputs."""
+def _candidate_cut(candidate: onnx.ModelProto, reference: onnx.ModelProto, names: set[str], outputs: list[str]) -> onnx.ModelProto:
+    """The candidate's nodes of these names (a quantized op under the name of the `reference` node it
+    stands for: a MatMulNBits for its MatMul), with the Q/DQ, Cast and Constant nodes the tool added that
+    they read through (back to values the cut is fed, or weights; a Cast the reference has too is a node of
+    its own, in the cut or not as the reference's is), as a model with the reference cut's outputs."""
     nodes = list(candidate.graph.node)
     producer = {out: i for i, node in enumerate(nodes) for out in node.output if out}
-    chosen = {i for i, node in enumerate(nodes) if node.name in names}
+    standing_in = {member for op in find_quantized_ops(GraphIndex.of(candidate.graph), GraphIndex.of(reference.graph)) if names & set(op.names)
+                   for member in op.members}
+    chosen = {i for i, node in enumerate(nodes) if node.name in names or node.name in standing_in}
+    theirs = {node.name for node in reference.graph.node}
     stack = list(chosen)
     while stack:
         for name in nodes[stack.pop()].input:
             i = producer.get(name)
-            if i is not None and i not in chosen and nodes[i].op_type in STORAGE_OPS:
+            if i is not None and i not in chosen and nodes[i].op_type in STORAGE_OPS and nodes[i].name not in theirs:
                 chosen.add(i)
                 stack.append(i)
     return extract(candidate, sorted(chosen), outputs=outputs)
