@@ -9,6 +9,7 @@ onnxruntime-genai (.ci/run installs them)."""
 from __future__ import annotations
 
 import json
+import shutil
 import re
 import subprocess
 import shlex
@@ -326,6 +327,16 @@ def test_a_bad_prompts_file_is_one_sentence(content, said, tmp_path, run_cli):
     prompts.write_text(content)
     code, _, err = run_cli("compare", TINY, "--fp16", "--prompts", prompts)
     assert code == 2 and err.count("\n") == 1 and re.search(said, err), err
+
+
+def test_every_command_takes_a_genai_folder_as_its_model(tmp_path):
+    """`accudiff partition fp32/` said "model file 'fp32' does not exist" of a GenAI folder that compare and
+    bisect take: the folder is read where a model is loaded, and a folder without its config is said to be one."""
+    from accudiff.model.loading import load_model
+
+    assert load_model(TINY).path == TINY / "model.onnx"
+    with pytest.raises(accudiff.AccudiffError, match=r"is a folder, not a model file: give the model file in it \(model.onnx\)"):
+        load_model(shutil.copytree(TINY, tmp_path / "no-config", ignore=shutil.ignore_patterns("genai_config.json")))
 
 
 def test_a_decoder_given_no_prompts_is_asked_for_them(run_cli):

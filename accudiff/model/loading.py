@@ -15,6 +15,7 @@ from google.protobuf.message import DecodeError
 
 from accudiff.errors import AccudiffError, first_line
 from accudiff.model.contrib_ops import CHECKED_AS_DOMAIN, onnxruntime_default_domain_ops
+from accudiff.model.decoder import model_file
 from accudiff.model.inventory import ModelInfo, describe, name_unnamed_nodes
 from accudiff.model.shapes import SMALL_INITIALIZER_BYTES, clear_unknown_dims, infer_shapes_in_place, shape_inference_copy
 from accudiff.model.graph import UNCHECKED_TYPES, all_initializers, all_nodes, copy_without_initializers, data_files, has_external_data, tensor_bytes, toposort
@@ -23,8 +24,9 @@ from accudiff.model.wire import spans_in_file, without_raw_data
 
 
 def load_model(path: str | os.PathLike) -> ModelInfo:
-    """Load, check and shape-infer `path`; raise AccudiffError with one sentence on any problem."""
-    path = Path(path)
+    """Load, check and shape-infer `path` (a model file, or a GenAI folder: the model its config names);
+    raise AccudiffError with one sentence on any problem."""
+    path = model_file(Path(path))
     if not path.is_file():
         raise AccudiffError(f"model file '{path}' does not exist")
     try:
