@@ -281,6 +281,22 @@ def test_bisect_subgraph_cuts_a_decoder_compared_from_prompts(llama, tmp_path, r
     assert not (tmp_path / "req").exists()
 
 
+def test_partition_gives_each_attention_of_a_decoder_its_own_part(llama, tmp_path):
+    """TensorRT's capability query names only a decoder's first GroupQueryAttention: the range after it was
+    reported NOT convertible as a whole, the MatMuls of three layers with it. Each range is asked again on its
+    own: each layer's attention is a part of its own, and every other part converts."""
+    from accudiff.bisect.partition import partition
+    from accudiff.runners.trt_env import import_tensorrt
+
+    try:
+        import_tensorrt()
+    except accudiff.AccudiffError as exc:
+        pytest.skip(str(exc))
+    parts = partition(llama.fp32, tmp_path / "parts")
+    assert [p.op_types for p in parts if not p.supported] == ["GroupQueryAttention"] * 4, [(p.op_types, p.reason) for p in parts]
+    assert sum(p.supported for p in parts) == 5
+
+
 def test_every_cpu_build_of_the_genai_builder_loads_and_compares(llama, tmp_path):
     """int4 at accuracy_level 0 (FP32 arithmetic on dequantized blocks, said so), exclude_embeds (embeddings
     in) and exclude_lm_head (hidden states out): each compares on its inputs; --prompts, which needs token ids in

@@ -46,7 +46,7 @@ def partition(model: str | Path, out_dir: str | Path, module: str | None = None)
     trt = import_tensorrt(module)
     info = load_model(model)
     nodes = list(info.proto.graph.node)
-    failing = _capability_errors(trt, info.path)
+    failing = _failures_inside(trt, info, _capability_errors(trt, info.path))
     with new_folder(Path(out_dir)) as folder:
         partitions = _save_partitions(trt, info, nodes, failing, folder)
     return [replace(p, path=folder.final / p.path.name) for p in partitions]
@@ -82,6 +82,28 @@ def _capability_errors(trt, path: Path) -> dict[int, str]:
         if error.node() >= 0:
             failing[error.node()] = f"{error.node_operator()} '{error.node_name()}': {error.desc().strip() or 'unsupported'}"
     return failing
+
+
+def _failures_inside(trt, info, failing: dict[int, str]) -> dict[int, str]:
+    """`failing` with the nodes TensorRT's capability query passed over: it may name only the first of several
+    nodes it cannot convert (a decoder's GroupQueryAttentions), so each range between failing nodes is asked
+    again on its own until none names another (a cut keeps its nodes in order: its node i is the range's start + i)."""
+    failing, clean = dict(failing), set()
+    count = len(info.proto.graph.node)
+    while True:
+        for start, end in _ranges(count, set(failing)):
+            if start in failing or (start, end) in clean:
+                continue
+            with tempfile.TemporaryDirectory(prefix="accudiff-partition-") as tmp:
+                path = Path(tmp) / "range.onnx"
+                save_model(extract(info.proto, range(start, end + 1)), path)
+                inside = _capability_errors(trt, path)
+            if inside:
+                failing.update((start + index, why) for index, why in inside.items())
+                break
+            clean.add((start, end))
+        else:
+            return failing
 
 
 def _parses(trt, subgraph: onnx.ModelProto) -> tuple[bool, str]:
