@@ -196,6 +196,51 @@ def test_polygraphy_saved_inputs_load(tmp_path):
     assert [float(f["x"][0, 0, 0, 0]) for f in feeds] == [0.0, 1.0]
 
 
+def test_a_file_stacking_batches_of_a_fixed_batch_input_is_that_many_samples(tmp_path):
+    """As ModelOpt's calibration files hold them: 5 rows for an input of batch 1 are 5 samples (it was refused
+    whole: 'the shape 5x3x16x16, but the model expects 1x3x16x16'), from an .npz or a one-input .npy."""
+    info = load_model(fixture("clean"))
+    rows = np.random.default_rng(0).normal(size=(5, 3, 16, 16)).astype(np.float32)
+    np.savez(tmp_path / "stacked.npz", x=rows)
+    np.save(tmp_path / "stacked.npy", rows)
+    for name in ("stacked.npz", "stacked.npy"):
+        feeds = list(samples_from_path(tmp_path / name, info.inputs, scratch=tmp_path))
+        assert [f["x"].shape for f in feeds] == [(1, 3, 16, 16)] * 5
+        np.testing.assert_array_equal(np.concatenate([f["x"] for f in feeds]), rows)
+    # Every input must stack as many batches; a dynamic batch takes the file whole, as one sample.
+    multi = load_model(fixture("multi_io"))
+    np.savez(tmp_path / "uneven.npz", a=np.ones((2, 16), np.float32), b=np.ones((3, 16), np.float32), ids=np.ones((2, 4), np.int64))
+    with pytest.raises(AccudiffError, match="gives input 'a' the shape 2x16, but the model expects 1x16"):
+        samples_from_path(tmp_path / "uneven.npz", multi.inputs)
+    np.savez(tmp_path / "even.npz", a=np.ones((2, 16), np.float32), b=np.ones((2, 16), np.float32), ids=np.ones((2, 4), np.int64))
+    assert len(samples_from_path(tmp_path / "even.npz", multi.inputs, scratch=tmp_path)) == 2
+    dynamic = load_model(fixture("dynamic_batch"))
+    np.save(tmp_path / "batch.npy", np.ones((4, 3, 8, 8), np.float32))
+    [feed] = samples_from_path(tmp_path / "batch.npy", dynamic.inputs, scratch=tmp_path)
+    assert feed["x"].shape == (4, 3, 8, 8)
+
+
+def test_a_calibration_npy_and_stacked_inputs_run_from_the_command_line(tmp_path, run_cli):
+    rows = np.random.default_rng(0).normal(size=(5, 3, 16, 16)).astype(np.float32)
+    np.save(tmp_path / "calib.npy", rows)
+    np.savez(tmp_path / "inputs.npz", x=rows[:3])
+    code, out, err = run_cli("compare", fixture("clean"), "--int8", "--calib-data", "calib.npy", "--load-inputs", "inputs.npz", "--no-verify")
+    assert code in (0, 1), err
+    assert "samples: 3," in out
+
+
+def test_a_npy_file_needs_a_model_of_one_input(tmp_path):
+    np.save(tmp_path / "a.npy", np.ones((1, 16), np.float32))
+    with pytest.raises(AccudiffError, match=r"holds one array and no input name, and the model has 3 inputs \(a, b, ids\): give them in an .npz"):
+        samples_from_path(tmp_path / "a.npy", load_model(fixture("multi_io")).inputs)
+    (tmp_path / "bad.npy").write_bytes(b"not an array")
+    with pytest.raises(AccudiffError, match="input file .*bad.npy' could not be read as .npy"):
+        samples_from_path(tmp_path / "bad.npy", load_model(fixture("clean")).inputs)
+    np.save(tmp_path / "evil.npy", np.array([object()], dtype=object), allow_pickle=True)
+    with pytest.raises(AccudiffError, match="could not be read as .npy"):
+        samples_from_path(tmp_path / "evil.npy", load_model(fixture("clean")).inputs)
+
+
 def test_pickled_npz_is_refused(tmp_path):
     info = load_model(fixture("clean"))
     np.savez(tmp_path / "evil.npz", x=np.array([object()], dtype=object))
@@ -209,6 +254,7 @@ def test_pickled_npz_is_refused(tmp_path):
         ({"y": np.ones((1, 3, 16, 16), np.float32)}, "does not have; its inputs are: x"),
         ({"x": np.ones((1, 3, 16, 16), np.float64)}, "as float64, but the model expects float32"),
         ({"x": np.ones((1, 3, 8, 8), np.float32)}, "the shape 1x3x8x8, but the model expects 1x3x16x16"),
+        ({"x": np.float32(1)}, r"the shape \(\) \(a scalar\), but the model expects 1x3x16x16"),  # it read "the shape , but"
     ],
 )
 def test_loaded_inputs_are_validated(tmp_path, arrays, message):

@@ -13,7 +13,7 @@ import json
 import math
 import tokenize
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -180,12 +180,17 @@ def _check_shape(spec: InputSpec, shape: tuple[int, ...], source: str) -> None:
         isinstance(want, int) and want != got for want, got in zip(spec.shape, shape)
     )
     if mismatch:
-        raise AccudiffError(f"{source} gives input '{spec.name}' the shape {'x'.join(map(str, shape))}, but the model expects {declared_shape(spec)}")
+        raise AccudiffError(f"{source} gives input '{spec.name}' the shape {shape_text(shape)}, but the model expects {declared_shape(spec)}")
 
 
 def declared_shape(spec: InputSpec) -> str:
     """An input's shape as the model declares it: 1x3x224x224, or batch x 3 x height x width."""
-    return (" x " if not spec.is_static else "x").join(str(d) if isinstance(d, int) else str(d or "?") for d in spec.shape)
+    return shape_text([d if isinstance(d, int) else str(d or "?") for d in spec.shape], " x " if not spec.is_static else "x")
+
+
+def shape_text(dims: Sequence[int | str], separator: str = "x") -> str:
+    """A shape as a person writes it (1x3x224x224); a scalar's, which has no dimensions, says so."""
+    return separator.join(map(str, dims)) if len(dims) else "() (a scalar)"
 
 
 def fed_shapes(feed: Feed, specs: list[InputSpec]) -> str:
@@ -193,4 +198,4 @@ def fed_shapes(feed: Feed, specs: list[InputSpec]) -> str:
     it declares: where a model that will not run on a sample is told what it was given ("input 'images'
     1x3x300x300, declared batchx3xheightxwidth"); every input where none is free."""
     free = [spec for spec in specs if not spec.is_static and spec.name in feed] or [spec for spec in specs if spec.name in feed]
-    return "; ".join(f"input '{spec.name}' {'x'.join(map(str, np.shape(feed[spec.name])))}, declared {declared_shape(spec)}" for spec in free)
+    return "; ".join(f"input '{spec.name}' {shape_text(np.shape(feed[spec.name]))}, declared {declared_shape(spec)}" for spec in free)

@@ -2,7 +2,10 @@
 
 A sample is one `{input name: array}` feed, stored in an .npz file either alone (keys are input names) or
 among others (keys `<index>/<input name>`, the layout accudiff writes). `--load-inputs` takes such a file,
-a folder of them (every .npz in it, in name order), or polygraphy's `--save-inputs` JSON (converted once).
+a folder of them (every .npz in it, in name order), polygraphy's `--save-inputs` JSON, or, for a model of
+one input, a .npy (converted once). A file whose arrays stack k batches of an input of fixed batch size
+(8 rows for a 1x3x224x224 input, as ModelOpt's calibration files hold them) is k samples: the model could
+not take it whole.
 Only the list of (file, prefix) entries travels to workers and machines; each reads its samples itself.
 """
 
@@ -118,8 +121,8 @@ def _require_room(size: int, folder: Path, what: str) -> None:
 
 
 def samples_from_path(path: str | Path, specs: Sequence[InputSpec], role: str = "input", scratch: Path | None = None) -> Samples:
-    """The samples of an .npz file, a folder of .npz files, or a polygraphy JSON file (converted into
-    `scratch`); `role` names what they are for ("input", "calibration"), said with "file" or "folder".
+    """The samples of an .npz file, a folder of .npz files, a polygraphy JSON file or a model's one input's
+    .npy (converted into `scratch`, as a file that stacks batches is split); `role` names what they are for ("input", "calibration"), said with "file" or "folder".
     The first sample is validated now; each one is validated again as it is read."""
     path = Path(path)
     source = f"{role} {'folder' if path.is_dir() else 'file'} '{path}'"
@@ -131,9 +134,11 @@ def samples_from_path(path: str | Path, specs: Sequence[InputSpec], role: str = 
         files = [path]
         if path.suffix.lower() == ".json":
             files = [_json_as_npz(path, source, scratch)]
+        elif path.suffix.lower() == ".npy":
+            files = [_npy_as_npz(path, specs, source, scratch)]
     else:
         raise AccudiffError(f"{source} does not exist")
-    refs = [ref for file in files for ref in _entries(file.resolve(), source)]  # a worker started elsewhere reads them too
+    refs = [ref for file in files for ref in _unstacked(_entries(file.resolve(), source), specs, scratch)]  # a worker started elsewhere reads them too
     if not refs:
         raise AccudiffError(f"{source} holds no arrays")
     samples = Samples(refs, source, specs)
@@ -164,7 +169,58 @@ def _json_as_npz(path: Path, source: str, scratch: Path | None) -> Path:
         feeds = load_json_feeds(path)
     except (*NPY_READ_ERRORS, KeyError) as exc:  # JSONDecodeError is a ValueError
         raise AccudiffError(f"{source} could not be read as polygraphy JSON ({exc})") from exc
+    return _saved(feeds, f"{path.stem}.npz", scratch)
+
+
+def _npy_as_npz(path: Path, specs: Sequence[InputSpec], source: str, scratch: Path | None) -> Path:
+    """A .npy file as the sample(s) of a model's only input (a .npy holds one array and no name)."""
+    if len(specs) != 1:
+        raise AccudiffError(f"{source} holds one array and no input name, and the model has {len(specs)} inputs "
+                            f"({', '.join(spec.name for spec in specs)}): give them in an .npz, a key per input")
+    try:
+        feed = {specs[0].name: np.load(path, mmap_mode="r", allow_pickle=False)}
+    except NPY_READ_ERRORS as exc:
+        raise AccudiffError(f"{source} could not be read as .npy ({exc})") from exc
+    return _saved(_split_batches(feed, specs) or [feed], f"{path.stem}.npz", scratch)
+
+
+def _unstacked(refs: list[SampleRef], specs: Sequence[InputSpec], scratch: Path | None) -> list[SampleRef]:
+    """A file of one sample whose arrays stack several batches (`_split_batches`) as those samples."""
+    if len(refs) != 1 or refs[0].prefix or not specs or not all(_fixed_batch(spec) for spec in specs):
+        return refs
+    try:
+        with np.load(refs[0].file, allow_pickle=False) as archive:
+            feeds = _split_batches({key: archive[key] for key in archive.files}, specs)
+    except NPZ_READ_ERRORS:
+        return refs  # said when the sample is read
+    if feeds is None:
+        return refs
+    target = _saved(feeds, f"{Path(refs[0].file).stem}-{len(feeds)}-samples.npz", scratch)
+    return [SampleRef(str(target.resolve()), f"{k}/") for k in range(len(feeds))]
+
+
+def _split_batches(feed: Feed, specs: Sequence[InputSpec]) -> list[Feed] | None:
+    """`feed` as k > 1 samples when each input's array holds k batches of its fixed batch size (its first
+    dimension) along its first axis, its other dimensions as many; else None (the feed is one sample)."""
+    counts = set()
+    for spec in specs:
+        batch, array = _fixed_batch(spec), feed.get(spec.name)
+        if not batch or not isinstance(array, np.ndarray) or array.ndim != len(spec.shape) or array.shape[0] % batch:
+            return None
+        counts.add(array.shape[0] // batch)
+    if set(feed) != {spec.name for spec in specs} or len(counts) != 1 or min(counts) < 2:
+        return None
+    return [{spec.name: feed[spec.name][k * _fixed_batch(spec) : (k + 1) * _fixed_batch(spec)] for spec in specs} for k in range(counts.pop())]
+
+
+def _fixed_batch(spec: InputSpec) -> int:
+    """An input's first dimension where the model fixes it (0 where it is dynamic, or the input a scalar)."""
+    return spec.shape[0] if spec.shape and isinstance(spec.shape[0], int) else 0
+
+
+def _saved(feeds: list[Feed], name: str, scratch: Path | None) -> Path:
+    """`feeds` written as `name` in `scratch` (default: a new temporary folder), in the indexed layout."""
     folder = scratch if scratch is not None else Path(tempfile.mkdtemp(prefix="accudiff-inputs-"))
-    target = folder / f"{path.stem}.npz"
+    target = folder / name
     save_feeds(feeds, target)
     return target
