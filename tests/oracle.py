@@ -471,10 +471,33 @@ def candidate_single_keep_ranking(model_path: Path, candidate_path: Path, feed, 
 
 def candidate_output_ratio(model, candidate, reference: np.ndarray, feed, tolerance, output: str, keep: set[str]) -> float:
     """`output`'s worst |cand - ref| / tolerance when the candidate runs in ONNX Runtime with the nodes `keep`
-    unquantized: each input they read through a Q/DQ pair read from before it (a quantized weight: the FP32
-    model's weight at the same input of its node of the same name), and a graph output a Q/DQ pair
-    quantizes right after them their own result again. FP16 values are rounded through Cast pairs (ONNX
-    Runtime's CPU provider would compute them in FP32 unrounded); the kept nodes stay in the type they had."""
+    unquantized (`unquantized`)."""
+    produced = _session(_fp16_rounded(unquantized(model, candidate, keep))).run([output], feed)[0]
+    return _ratio(reference, produced, tolerance)
+
+
+def candidate_keep_top1_ranking(model_path: Path, candidate_path: Path, feeds, output: str) -> tuple[float, list[tuple[float, str]]]:
+    """The candidate's top-1 agreement with the FP32 model along `output`'s last axis, over every position of
+    `feeds`, and (that agreement, node) for each node reading a DequantizeLinear left unquantized alone
+    (`unquantized`), best first: which one keep recovers most of the decision."""
+    model, candidate = onnx.load(str(model_path)), onnx.load(str(candidate_path))
+    reference = [_session(model).run([output], feed)[0].argmax(-1) for feed in feeds]
+
+    def top1(variant: onnx.ModelProto) -> float:
+        session = _session(_fp16_rounded(variant))
+        return float(np.mean(np.concatenate([(session.run([output], feed)[0].argmax(-1) == ref).ravel() for feed, ref in zip(feeds, reference)])))
+
+    dequantized = {o for n in candidate.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    quantized = [n.name for n in candidate.graph.node if n.op_type not in ("QuantizeLinear", "DequantizeLinear") and any(i in dequantized for i in n.input)]
+    return top1(candidate), sorted(((top1(unquantized(model, candidate, {name})), name) for name in quantized), key=lambda item: -item[0])
+
+
+def unquantized(model, candidate, keep: set[str]) -> onnx.ModelProto:
+    """The candidate with the nodes `keep` unquantized: each input they read through a Q/DQ pair read from
+    before it (a quantized weight: the FP32 model's weight at the same input of its node of the same name),
+    and a graph output a Q/DQ pair quantizes right after them their own result again. FP16 values are to be
+    rounded through Cast pairs (`_fp16_rounded`: ONNX Runtime's CPU provider would compute them in FP32
+    unrounded); the kept nodes stay in the type they had."""
     original = {n.name: n for n in _loaded(model).graph.node}
     weights = {init.name: init for init in _loaded(model).graph.initializer}
     variant = onnx.ModelProto()
@@ -501,8 +524,7 @@ def candidate_output_ratio(model, candidate, reference: np.ndarray, feed, tolera
                 for dq in [n for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] == q.output[0] and n.output[0] in outputs]:
                     dq.op_type, dq.input[:] = "Identity", [out]
                     del dq.attribute[:]
-    produced = _session(_fp16_rounded(variant)).run([output], feed)[0]
-    return _ratio(reference, produced, tolerance)
+    return variant
 
 
 def _fp16_rounded(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -235,7 +235,34 @@ def verify_causes(
         group += [_Suspect(node, rows.loc[node, "tensor"], rows.loc[node, "op_type"], [node], _own_error(table.loc[rows.loc[node, "tensor"]]),
                            tried=kept, reading=reading) for node, (kept, reading) in found.items() if node not in {s.node for s in group}]
         verdicts[output] = _conclude(output, before, group, table, context, tries, runs_left, reach)
+        if verdicts[output][0].kind == "accumulated" and not before.decisive:
+            _add_decision_fault(verdicts[output][0], control, group, candidates, table, context, Tries(trials, output, replace(objective, kind="decision")),
+                                cause_budget)
     return verdicts, control, outcomes[len(keep_lists):]
+
+
+def _add_decision_fault(cause: Cause, control: TrialOutcome, suspects: list[_Suspect], candidates: list[str], table: pd.DataFrame,
+                        context: DiagnosisContext, tries: Tries, budget: int) -> None:
+    """An error that accumulates by the tolerance (no keep halves the worst element's) can still have one node
+    that carries most of what the decision loses: a keep that lifts top-1 agreement from 56% to 86% leaves
+    the worst flipped position as wrong as before. Searched as the cause was, read by the decision (top-1
+    agreement, lowest cosine, flipped share), within `budget` runs: a node whose keep at least halves the
+    decision's error is added to `cause`, as a finding and its first contributor."""
+    before = Reading.of(control, tries.output, tries.objective)
+    if not before.decisive or not before.score > 0:
+        return
+    singles = {s.node: s for s in suspects if len(s.keep) == 1}
+    tried = dict(zip(singles, tries.run([s.tried for s in singles.values()])))  # answered by the screen's runs
+    found, _ = search_groups(before, candidates, {node: reading for node, (_, reading) in tried.items()}, tries.run, budget)
+    node, (kept, best) = min({**tried, **found}.items(), key=lambda item: item[1][1].score, default=(None, (None, None)))
+    if node is None or improvement(before.score, best.score) < SEVERAL_FACTOR:
+        return
+    row = table[table["node"] == node].iloc[0]
+    suspect = _Suspect(node, row["tensor"], row["op_type"], [node], _own_error(row), tried=kept, reading=best)
+    cause.findings.append(Finding("decision", f"by what the output decides, {row['op_type']} '{node}' carries most of the loss: "
+                                              f"{keep_phrase(context.precision)} brings the output from {before.said('')} to {best.said('')} "
+                                              "(verified at the output; --objective decision judges keeps by the decision)"))
+    cause.contributors.insert(0, _contributor(suspect, table))
 
 
 def _suspects(output: str, table: pd.DataFrame, context: DiagnosisContext, rtol: float) -> list[_Suspect]:
