@@ -379,6 +379,10 @@ def test_prompts_as_token_ids_need_no_tokenizer_and_replay(tmp_path, run_cli):
     intro = page.split("both sides fed the same tokens. ")[1].split("</p>")[0]  # the Generation section's own words
     assert "with fewer than 5 prompts" in note and intro == f"{note}."  # the same words and count (the page once counted the prefill's alone)
     assert "resample whole prompts" not in page
+    # Each figure once: the phases, where the error enters and the greedy generation are the Generation section's, not repeated under Samples.
+    samples = page.split("<h2>Samples</h2>")[1].split("</section>")[0]
+    assert "each side carrying its own KV cache (" not in samples and "generation: both sides fed" not in samples, samples
+    assert page.count("through the KV cache: the decode steps") == 1
     code, replayed, err = run_cli(*shlex.split(summary["replay"])[1:], "-o", tmp_path / "again")
     assert code == 0, err
     assert json.loads((tmp_path / "again" / "summary.json").read_text())["generation"]["phases"] == summary["generation"]["phases"]

@@ -207,10 +207,11 @@ def decision_first_lines(output: str, result, python: bool = False) -> list[str]
     return lines
 
 
-def sample_lines(result, shown: frozenset[str] = frozenset()) -> list[str]:
+def sample_lines(result, shown: frozenset[str] = frozenset(), generation: bool = True) -> list[str]:
     """Per-sample outcome (with several samples) and what the error does to the decision, per graph output
-    (but those `shown` already, by decision_first_lines); a decoder's KV-cache outputs in one line, its
-    figures per phase and its greedy generation."""
+    (but those `shown` already, by decision_first_lines); a decoder's KV-cache outputs in one line and,
+    unless `generation` is False (report.html gives them a section of their own), its figures per phase
+    and its greedy generation."""
     lines = []
     samples = result.samples
     prompts = len(result.generations)
@@ -227,9 +228,9 @@ def sample_lines(result, shown: frozenset[str] = frozenset()) -> list[str]:
             lines.append(text)
         if output not in shown:
             lines += decision_lines(output, result.decisions.get(output, {}), result.output_kinds.get(output), result.intervals.get(output), prompts)
-            lines += [f"    {line}" for line in phase_lines(result.phases.get(output, {}))]
+            lines += [f"    {line}" for line in phase_lines(result.phases.get(output, {}))] if generation else []
     lines += state_lines(result, state)
-    lines += generation_lines(result)
+    lines += generation_lines(result) if generation else []
     if result.report_dir is not None and result.iterations > 1 and len(result.failing_samples) and not prompts:
         lines.append(f"  the worst failing samples are saved for replay: --load-inputs {result.report_dir / 'worst_samples.npz'}")
     return lines

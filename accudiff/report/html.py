@@ -22,7 +22,7 @@ from accudiff.report.content import (HTML_FILE, cause_lines, decision_first_line
 from accudiff.report.next_steps import next_step_lines
 from accudiff.model.prompts import decode_tokens
 from accudiff.model.decoder import model_name
-from accudiff.report.decision_text import generation_lines, interval_note, interval_text
+from accudiff.report.decision_text import entry_text, generation_lines, interval_note, interval_text
 from accudiff.text import percent
 from accudiff.findings import CAUSE_KINDS
 
@@ -167,7 +167,8 @@ def _generation(result) -> str:
         at = "the prefill" if g["diverged_at"] == 0 else f"decode step {g['diverged_at']}"
         said = "\n".join(f"{side + ':':<10} {_text_of(folder, g[side])}" for side in ("prompt", "reference", "candidate"))
         turns.append(f"<h3>prompt {g['sequence']}: first different token at {escape(at)}</h3><pre>{escape(said)}</pre>")
-    lines = "".join(f"<p>{escape(line.strip())}</p>" for line in generation_lines(result)[:1])
+    entries = [f"'{output}': {entry_text(phases)}" for output, phases in result.phases.items() if {"prefill", "decode"} <= phases.keys()]
+    lines = "".join(f"<p>{escape(line.strip())}</p>" for line in [*entries, *generation_lines(result)[:1]])
     # How the intervals were made, in the console's words: whole prompts resampled, or (too few prompts) positions taken as independent.
     note = next((interval_note(result.intervals[output], prompts=True) for output in result.phases if result.intervals.get(output)), "")
     intro = (f"<p>{len(result.generations)} prompt(s), each a prefill then its decode steps, each side carrying its own KV cache; both sides fed "
@@ -297,7 +298,7 @@ def _kept_and_notices(result) -> str:
 
 
 def _samples(result) -> str:
-    lines = [line.strip() for line in sample_lines(result)]
+    lines = [line.strip() for line in sample_lines(result, generation=False)]  # a decoder's phases and generation: its own section
     if result.iterations <= 1 and not lines:
         return ""
     return section("Samples", bullet_list(lines) if lines else "<p>One sample.</p>")
