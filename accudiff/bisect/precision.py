@@ -49,6 +49,7 @@ class PrecisionResult:
     interrupted: bool = False
     trivial: bool = False  # only keeping every converted node meets the target: the format is too coarse for it
     minimal: bool = False  # each node of `keep` was tried without: none can be left out
+    untried: int = 0  # else how many of its first nodes pruning did not reach (PRUNE_LIMIT runs)
     unresolved: list[str] = field(default_factory=list)  # requirements the data cannot resolve, said: no keep-list is searched for them
     unresolved_kept_all: list[str] = field(default_factory=list)  # those the data cannot resolve even with every converted node kept
     converted: int = 0  # nodes the candidate computes in reduced precision (what a keep-list may take from)
@@ -86,7 +87,8 @@ def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
         found = _from_repair(session, trials, start, full) if verified else None
         if found is None:
             found = _smallest_passing_prefix(session, trials, list(ranking["node"]), units, full)
-        best, result.minimal = found if found is not None else (None, False)
+        best, result.untried = found if found is not None else (None, 0)
+        result.minimal = best is not None and not result.untried
         if best is None and not result.interrupted:
             every = sorted(full.converted)
             outcome = _tried(session, trials, every, full, f"every one of the {len(every)} converted nodes", result.bound)
@@ -161,18 +163,18 @@ def _tried(session: BisectSession, trials: Trials, chosen: list[str], full: Comp
     return outcome
 
 
-def _pruned(session: BisectSession, trials: Trials, chosen: list[str], full: CompareResult, total: int, limit: int) -> tuple[list[str], bool]:
+def _pruned(session: BisectSession, trials: Trials, chosen: list[str], full: CompareResult, total: int, limit: int) -> tuple[list[str], int]:
     """A passing keep-list (closed over its regions) with each node dropped while the rest, run as it is,
     still passes: the value-moving readers kept for company and what a closure added too (trial.prune), in
-    at most `limit` runs; and whether every node was tried (else the first ones were not)."""
+    at most `limit` runs; and how many of its first nodes were not tried (0: every one was)."""
     def holds(rest: list[str]) -> bool:
         return _passes(session, trials, rest, full, "pruning: one node fewer", total, exact=True)
 
     closed = trials.boundaries.close(chosen)
-    return prune(closed, holds, limit=limit)[0], len(closed) <= limit
+    return prune(closed, holds, limit=limit)[0], max(len(closed) - limit, 0)
 
 
-def _from_repair(session: BisectSession, trials: Trials, start: list[str], full: CompareResult) -> tuple[list[str], bool] | None:
+def _from_repair(session: BisectSession, trials: Trials, start: list[str], full: CompareResult) -> tuple[list[str], int] | None:
     """compare's verified repairs, together, tried on every sample and pruned; None if they fail there."""
     closed = trials.boundaries.close(start)
     total = _run_bound(0, len(closed))
@@ -181,10 +183,10 @@ def _from_repair(session: BisectSession, trials: Trials, start: list[str], full:
     return _pruned(session, trials, start, full, total, len(closed))
 
 
-def _smallest_passing_prefix(session: BisectSession, trials: Trials, nodes: list[str], units: dict[str, list[str]], full: CompareResult) -> tuple[list[str], bool] | None:
+def _smallest_passing_prefix(session: BisectSession, trials: Trials, nodes: list[str], units: dict[str, list[str]], full: CompareResult) -> tuple[list[str], int] | None:
     """The keep-list of the smallest k such that keeping nodes[:k] (each with its unit: a cancellation with
-    the nodes computing its operands; closed over boundaries) passes, pruned, and whether its pruning tried
-    every node; None if keeping all of them still fails."""
+    the nodes computing its operands; closed over boundaries) passes, pruned, and how many of its nodes its
+    pruning did not try; None if keeping all of them still fails."""
     total = _run_bound(len(nodes), 0)
 
     def prefix(k: int) -> list[str]:

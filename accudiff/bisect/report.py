@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from accudiff.bisect.precision import KEEP_LIST_FILE, NODES_FILE, RANKING_FILE, bisect_precision
+from accudiff.bisect.precision import KEEP_LIST_FILE, NODES_FILE, PRUNE_LIMIT, RANKING_FILE, bisect_precision
 from accudiff.bisect.session import BisectSession, stderr_progress
 from accudiff.bisect.subgraph import bisect_subgraph
 from accudiff.findings import CAUSE_KINDS
@@ -132,6 +132,8 @@ def _precision_text(result, folder: Path, settings: RunSettings) -> str:
                      f"{', '.join(result.keep[:SHOWN_NODES])}{' ...' if len(result.keep) > SHOWN_NODES else ''}")
         if result.minimal:
             lines.append(f"  each of them is needed: without any one of them (each tried), the rest is not shown to meet {_target(settings)}")
+        elif result.untried:
+            lines.append(f"  pruned the last added first, within {PRUNE_LIMIT} runs: the first {result.untried} were not tried without, so a shorter list may meet it too")
         lines.append(f"  keep-list: {folder / KEEP_LIST_FILE} (one --keep-fp32 pattern per line, ModelOpt's --nodes_to_exclude takes them too; the names: "
                      f"{folder / NODES_FILE}); repaired model: {folder / result.repaired_model}")
         if settings.candidate_model is not None:
