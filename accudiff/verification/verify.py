@@ -247,7 +247,7 @@ def _add_decision_fault(cause: Cause, control: TrialOutcome, suspects: list[_Sus
     that carries most of what the decision loses: a keep that lifts top-1 agreement from 56% to 86% leaves
     the worst flipped position as wrong as before. Searched as the cause was, read by the decision (top-1
     agreement, lowest cosine, flipped share), within `budget` runs: a node whose keep at least halves the
-    decision's error is added to `cause`, as a finding and its first contributor."""
+    decision's error is added to `cause`, as a finding and (among keeps measured) its first contributor."""
     before = Reading.of(control, tries.output, tries.objective)
     if not before.decisive or not before.score > 0:
         return
@@ -262,7 +262,8 @@ def _add_decision_fault(cause: Cause, control: TrialOutcome, suspects: list[_Sus
     cause.findings.append(Finding("decision", f"by what the output decides, {row['op_type']} '{node}' carries most of the loss: "
                                               f"{keep_phrase(context.precision)} brings the output from {before.said('')} to {best.said('')} "
                                               "(verified at the output; --objective decision judges keeps by the decision)"))
-    cause.contributors.insert(0, _contributor(suspect, table))
+    if not cause.contributors or cause.contributors[0].tol_ratio_kept is not None:  # keeps measured, not the own errors standing in where none changed it
+        cause.contributors.insert(0, _contributor(suspect, table))
 
 
 def _suspects(output: str, table: pd.DataFrame, context: DiagnosisContext, rtol: float) -> list[_Suspect]:
