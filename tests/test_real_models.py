@@ -67,6 +67,8 @@ def test_trained_models_compare_end_to_end_on_realistic_inputs(name, precision, 
     assert summary["coverage"]["share"] == 1.0 and summary["samples"]["compared"] == 2
     assert (code == 1) == (summary["verdict"] == "fail")
     assert (tmp_path / "report" / "report.html").stat().st_size < 3_000_000  # small enough to attach to a bug report
+    for figure, low, high in re.findall(r"(-?\d[\d.e+-]*)%? \[(-?\d[\d.e+-]*)%?, (-?\d[\d.e+-]*)%?\]", out):  # as printed, each figure within its interval
+        assert float(low) <= float(figure) <= float(high), out  # a cosine's read "0.999963 [1, 1]"
     for output in summary["outputs"]:
         if output["status"] == "fail":
             cause = output["cause"]

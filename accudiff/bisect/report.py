@@ -16,8 +16,8 @@ from accudiff.bisect.subgraph import bisect_subgraph
 from accudiff.findings import CAUSE_KINDS
 from accudiff.atomic import new_folder
 from accudiff.report.content import HTML_FILE, finite, met_words, remake_lines
-from accudiff.judging.objective import REQUIREMENTS, figure_text
-from accudiff.report.decision_text import decision_lines, interval_text
+from accudiff.judging.objective import REQUIREMENTS
+from accudiff.report.decision_text import decision_lines, said_figure
 from accudiff.report.html import bisect_page
 from accudiff.report.next_steps import requirements_every_output_meets
 from accudiff.settings import RunSettings
@@ -93,7 +93,7 @@ def _where_it_stands(result, settings: RunSettings) -> list[str]:
         held = result.decision_met.get(output)
         if held is not None:
             lines.append(f"judged by its decision, it passes: --require {held.name}={held.target:g} is met "
-                         f"({REQUIREMENTS[held.name][1]} {figure_text(held.name, held.value)}{interval_text(held.name, held.interval)})")
+                         f"({REQUIREMENTS[held.name][1]} {said_figure(held.name, held.value, held.interval)})")
     return lines + _decision_command(result, settings)
 
 

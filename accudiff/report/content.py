@@ -15,7 +15,7 @@ from pathlib import Path
 from accudiff.version import __version__
 from accudiff.judging.objective import REQUIREMENTS, describe, figure_text
 from accudiff.model.formats import QUANTIZED_FORMATS
-from accudiff.report.decision_text import decision_lines, generation_lines, interval_text, output_kind, phase_lines, sample_name, state_lines
+from accudiff.report.decision_text import decision_lines, generation_lines, output_kind, phase_lines, said_figure, sample_name, state_lines
 from accudiff.model.quantized_ops import TOOL_OPTIONS, modelopt_pattern
 from accudiff.report.next_steps import bisect_command, decision_requirement, keep_option, requirement_option, unsaved_inputs_text
 from accudiff.text import percent, times_tolerance
@@ -203,7 +203,7 @@ def decision_first_lines(output: str, result, python: bool = False) -> list[str]
     met = decision_requirement(output, result)
     if met is not None:
         lines.append(f"judged by its decision, it passes: {requirement_option(met, python)} is met ({REQUIREMENTS[met.name][1]} "
-                     f"{figure_text(met.name, met.value)}{interval_text(met.name, met.interval)})")
+                     f"{said_figure(met.name, met.value, met.interval)})")
     return lines
 
 

@@ -5,10 +5,11 @@ greedy generation."""
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from accudiff.judging.decisions import NEAR_TIE
 from accudiff.judging.intervals import FIGURES, MIN_UNITS, Interval
-from accudiff.judging.objective import REQUIREMENTS, figure_text
+from accudiff.judging.objective import REQUIREMENTS, UNBOUNDED
 from accudiff.judging.output_kinds import OutputKind
 from accudiff.model.prompts import decode_tokens
 from accudiff.text import percent, times_tolerance
@@ -24,6 +25,50 @@ def interval_text(name: str, span: Interval | None) -> str:
     decimals = max(1, 2 - math.floor(math.log10(max(span.high * 100, 1e-9)))) if share else 0  # three significant digits of the larger bound
     low, high = (percent(v, min(decimals, 6)) if share else f"{v:.3g}" for v in (span.low, span.high))
     return f" [{low}, {high}]"
+
+
+def with_interval(name: str, value: float, span: Interval | None, text: Callable[[float, int], str], digits: int) -> str:
+    """A figure (`text` at a precision, `digits`) and its 95% interval beside it as `interval_text` says it:
+    "96.88% [89.3%, 99.1%]". Where rounding would print a bound on the wrong side of the figure, or two
+    different bounds alike (a cosine's "0.999999 [1, 1]"), all three with more digits, alike."""
+    shown, bounds = text(value, digits), interval_text(name, span)
+    more = 0
+    while span is not None and not _consistent(shown, bounds, span) and more < 8:
+        more += 1
+        shown, low, high = (text(v, digits + more) for v in (value, span.low, span.high))
+        bounds = f" [{low}, {high}]"
+    return shown + bounds
+
+
+def _consistent(shown: str, bounds: str, span: Interval) -> bool:
+    """The printed figure within its printed bounds, and different bounds printed differently ("<0.1%" and
+    the like, not numbers, are taken as they are)."""
+    low, high = bounds.strip(" []").split(", ")
+    try:
+        figure, lowest, highest = (float(t.rstrip("%")) for t in (shown, low, high))
+    except ValueError:
+        return True
+    return lowest <= figure <= highest and (low != high or span.low == span.high)
+
+
+def said_figure(name: str, value: float, span: Interval | None) -> str:
+    """A required figure as `figure_text` says it (a share in percent, a divergence or a cosine as a number),
+    with its interval."""
+    if name in UNBOUNDED:
+        return with_interval(name, value, span, general, 3)
+    return with_interval(name, value, span, fixed, 6) if name.startswith("cosine") else with_interval(name, value, span, percent, 3)
+
+
+def general(value: float, digits: int) -> str:
+    return ("Inf" if value > 0 else "-Inf") if math.isinf(value) else f"{value:.{digits}g}"
+
+
+def signed(value: float, digits: int) -> str:
+    return f"{value:+.{digits}g}"
+
+
+def fixed(value: float, digits: int) -> str:
+    return f"{value:.{digits}f}"
 
 
 def interval_note(spans: dict[str, Interval], prompts: bool = False, independent: bool = False) -> str:
@@ -53,18 +98,17 @@ def decision_lines(output: str, found: dict, kind: OutputKind | None = None, spa
         vectors, sequences = found["score_vectors"], found["sequences"]
         where = (f"over {vectors} positions of {prompts} prompt(s)" if prompts else f"over {vectors} positions of {sequences} sequence(s)"
                  if sequences < vectors else f"over {vectors} score vector(s)")
-        lines = [f"  {kind.kind if kind is not None else 'scores'} '{output}'{what}: top-1 agreement {percent(found['top1'], 2)}"
-                 f"{interval_text('top1', spans.get('top1'))} {where}"]
+        lines = [f"  {kind.kind if kind is not None else 'scores'} '{output}'{what}: top-1 agreement "
+                 f"{with_interval('top1', found['top1'], spans.get('top1'), percent, 2)} {where}"]
         if found.get("near_tie_flips"):
             lines.append(f"    {found['near_tie_flips']} of the {found['flips']} flip(s) are near-ties: the reference's own top two within {NEAR_TIE:g} nats")
-        top5 = f"top-5 agreement {percent(found['top5'], 2)}{interval_text('top5', spans.get('top5'))}; " if "top5" in found else ""
+        top5 = f"top-5 agreement {with_interval('top5', found['top5'], spans.get('top5'), percent, 2)}; " if "top5" in found else ""
         spread = ", ".join(f"{name} {_figure(found[key])}" for name, key in (("median", "kl_median"), ("p99", "kl_p99"), ("max", "kl_max")) if key in found)
-        lines.append(f"    {top5}KL divergence mean {_figure(found['kl'])}{interval_text('kl', spans.get('kl'))} ({spread})")
+        lines.append(f"    {top5}KL divergence mean {with_interval('kl', found['kl'], spans.get('kl'), general, 3)} ({spread})")
         lines.append(f"    Δp, what the candidate takes from the probability of the reference's top entry (negative: it gives more): "
-                     f"mean {found['delta_p']:.3g}{interval_text('delta_p', spans.get('delta_p'))}, at worst {found['delta_p_max']:.3g}")
+                     f"mean {with_interval('delta_p', found['delta_p'], spans.get('delta_p'), general, 3)}, at worst {found['delta_p_max']:.3g}")
         if "delta_nll" in found:
-            lines.append(f"    ΔNLL: the reference's next token costs the candidate {found['delta_nll']:+.3g} nats more on average"
-                         f"{interval_text('delta_nll', spans.get('delta_nll'))}")
+            lines.append(f"    ΔNLL: the reference's next token costs the candidate {with_interval('delta_nll', found['delta_nll'], spans.get('delta_nll'), signed, 3)} nats more on average")
         note = interval_note(spans, bool(prompts), sequences == vectors)
         return lines + ([f"    {note}"] if note else [])
     if "cosine" in found:
@@ -72,11 +116,11 @@ def decision_lines(output: str, found: dict, kind: OutputKind | None = None, spa
                       if "neighbors" in found else "")
         poisoned = f" ({found['nan_vectors']} of them hold NaN/Inf in the candidate, each counted as cosine -1)" if found.get("nan_vectors") else ""
         note = interval_note(spans)
-        return [f"  embedding '{output}'{what}: cosine mean {found['cosine']:.6f}{interval_text('cosine', spans.get('cosine'))}, lowest {found['cosine_min']:.6f} "
+        return [f"  embedding '{output}'{what}: cosine mean {with_interval('cosine', found['cosine'], spans.get('cosine'), fixed, 6)}, lowest {found['cosine_min']:.6f} "
                 f"over {found['vectors']} vector(s){poisoned}{neighbours}"] + ([f"    {note}"] if note else [])
     if "flipped_share" in found:
         note = interval_note(spans)
-        return [f"  probability map '{output}'{what}: {percent(found['flipped_share'], 3)}{interval_text('flipped_share', spans.get('flipped_share'))} of its "
+        return [f"  probability map '{output}'{what}: {with_interval('flipped_share', found['flipped_share'], spans.get('flipped_share'), percent, 3)} of its "
                 f"elements fall on the other side of {found['threshold']:g} (--threshold), IoU of the binarized maps {found['iou']:.4f}"] + ([f"    {note}"] if note else [])
     if "p999_tol_ratio" in found:
         return [f"  error percentiles '{output}'{what}: p99 |err| {found['p99_abs_err']:.3g}, p99.9 {found['p999_abs_err']:.3g}; in tolerances p99 "
@@ -85,7 +129,7 @@ def decision_lines(output: str, found: dict, kind: OutputKind | None = None, spa
 
 
 def _figure(value: float) -> str:
-    return "Inf" if math.isinf(value) else f"{value:.3g}"
+    return general(value, 3)
 
 
 def output_kind(result, output: str) -> str:
@@ -107,9 +151,9 @@ def phase_lines(phases: dict[str, dict]) -> list[str]:
     for phase, found in phases.items():
         figures, spans = found["figures"], found["intervals"]
         what = "prefill" if phase == "prefill" else "decode, each side carrying its own KV cache"
-        nll = f", ΔNLL {figures['delta_nll']:+.3g}{interval_text('delta_nll', spans.get('delta_nll'))}" if "delta_nll" in figures else ""
-        lines.append(f"{what} ({figures['score_vectors']} positions): top-1 {percent(figures['top1'], 2)}{interval_text('top1', spans.get('top1'))}, "
-                     f"KL mean {_figure(figures['kl'])}{interval_text('kl', spans.get('kl'))}, max {_figure(figures['kl_max'])}{nll}")
+        nll = f", ΔNLL {with_interval('delta_nll', figures['delta_nll'], spans.get('delta_nll'), signed, 3)}" if "delta_nll" in figures else ""
+        lines.append(f"{what} ({figures['score_vectors']} positions): top-1 {with_interval('top1', figures['top1'], spans.get('top1'), percent, 2)}, "
+                     f"KL mean {with_interval('kl', figures['kl'], spans.get('kl'), general, 3)}, max {_figure(figures['kl_max'])}{nll}")
     if {"prefill", "decode"} <= phases.keys():
         lines.append(entry_text(phases))
     return lines
@@ -165,7 +209,7 @@ def unresolved_text(output: str, resolution, prompts: bool) -> str:
     name, direction = resolution.name, "reaches" if resolution.direction == "min" else "stays at most at"
     span, units = resolution.interval, "prompts" if prompts else "samples"
     what = REQUIREMENTS[name][1]
-    measured = f"{figure_text(name, resolution.value)}{interval_text(name, span)} over {span.positions} {FIGURES[name][4]} of {span.units} {units[:-1] if span.units == 1 else units}"
+    measured = f"{said_figure(name, resolution.value, span)} over {span.positions} {FIGURES[name][4]} of {span.units} {units[:-1] if span.units == 1 else units}"
     needed = ("no amount of data would tell: the figure equals the target" if resolution.needed is None else
               f"about {resolution.needed:,.0f} {units} like these would" if math.isfinite(resolution.needed) else "far more data than this would")
     return f"output '{output}': the data cannot tell whether its {what} {direction} {resolution.target:g}: {measured}; {needed}"

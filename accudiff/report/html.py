@@ -22,7 +22,7 @@ from accudiff.report.content import (HTML_FILE, cause_lines, decision_first_line
 from accudiff.report.next_steps import next_step_lines
 from accudiff.model.prompts import decode_tokens
 from accudiff.model.decoder import model_name
-from accudiff.report.decision_text import entry_text, generation_lines, interval_note, interval_text
+from accudiff.report.decision_text import entry_text, generation_lines, interval_note, said_figure, signed, with_interval
 from accudiff.text import percent
 from accudiff.findings import CAUSE_KINDS
 
@@ -152,9 +152,9 @@ def _generation(result) -> str:
     for output, phases in result.phases.items():
         for phase, found in phases.items():
             figures, spans = found["figures"], found["intervals"]
-            cells = [output, phase, str(figures["score_vectors"]), f"{percent(figures['top1'], 2)}{interval_text('top1', spans.get('top1'))}",
-                     f"{figures['kl']:.3g}{interval_text('kl', spans.get('kl'))}", f"{figures['kl_max']:.3g}",
-                     f"{figures['delta_nll']:+.3g}{interval_text('delta_nll', spans.get('delta_nll'))}" if "delta_nll" in figures else "-",
+            cells = [output, phase, str(figures["score_vectors"]), with_interval("top1", figures["top1"], spans.get("top1"), percent, 2),
+                     said_figure("kl", figures["kl"], spans.get("kl")), f"{figures['kl_max']:.3g}",
+                     with_interval("delta_nll", figures["delta_nll"], spans.get("delta_nll"), signed, 3) if "delta_nll" in figures else "-",
                      f"{figures.get('near_tie_flips', 0)} of {figures.get('flips', 0)}"]
             rows.append("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in cells) + "</tr>")
     head = "".join(f"<th>{h}</th>" for h in ("output", "phase", "positions", "top-1 agreement [95%]", "KL mean [95%]", "KL max", "ΔNLL [95%]", "near-tie flips"))
