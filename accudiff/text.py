@@ -26,3 +26,18 @@ def times_tolerance(ratio: float, suffix: str = " its tolerance") -> str:
     if math.isfinite(ratio):
         return f"{ratio:.3g}x{suffix}"
     return "NaN/Inf (beyond any tolerance)"
+
+
+def general(value: float, digits: int) -> str:
+    """A number to `digits` significant digits; an infinity as "Inf"."""
+    return ("Inf" if value > 0 else "-Inf") if math.isinf(value) else f"{value:.{digits}g}"
+
+
+def signed(value: float, digits: int) -> str:
+    """A change, its sign always shown ("+0.0004", "-0.0032")."""
+    return f"{value:+.{digits}g}"
+
+
+def fixed(value: float, digits: int) -> str:
+    """A number to `digits` decimals (a cosine: 0.999963)."""
+    return f"{value:.{digits}f}"

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from accudiff.judging.intervals import Interval, needed_units, resolve
 from accudiff.errors import AccudiffError
-from accudiff.text import percent, times_tolerance
+from accudiff.text import fixed, general, percent, times_tolerance
 
 OBJECTIVES = ("tolerance", "decision")
 # A required figure: whether it must reach its target from below ("min") or stay under it ("max"), its name, and
@@ -148,9 +148,16 @@ NAN_AS_WORST = ": a vector holding NaN/Inf counts as -1"
 
 def figure_text(name: str, value: float) -> str:
     """A decision figure as said: a share in percent, a divergence or a cosine as a number."""
+    text, digits = figure_style(name)
+    return text(value, digits)
+
+
+def figure_style(name: str) -> tuple[Callable[[float, int], str], int]:
+    """How a required figure is said, and to how many digits: a divergence to three significant ones, a
+    cosine to six decimals, a share in percent to three."""
     if name in UNBOUNDED:
-        return f"{value:.3g}"
-    return f"{value:.6f}" if name.startswith("cosine") else percent(value, 3)
+        return general, 3
+    return (fixed, 6) if name.startswith("cosine") else (percent, 3)
 
 
 def decision_error(figures: Mapping[str, float]) -> float | None:

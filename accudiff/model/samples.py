@@ -122,8 +122,9 @@ def _require_room(size: int, folder: Path, what: str) -> None:
 
 def samples_from_path(path: str | Path, specs: Sequence[InputSpec], role: str = "input", scratch: Path | None = None) -> Samples:
     """The samples of an .npz file, a folder of .npz files, a polygraphy JSON file or a model's one input's
-    .npy (converted into `scratch`, as a file that stacks batches is split); `role` names what they are for ("input", "calibration"), said with "file" or "folder".
-    The first sample is validated now; each one is validated again as it is read."""
+    .npy (converted into `scratch`, as a file that stacks batches is split); `role` names what they are for
+    ("input", "calibration"), said with "file" or "folder". The first sample is validated now; each one is
+    validated again as it is read."""
     path = Path(path)
     source = f"{role} {'folder' if path.is_dir() else 'file'} '{path}'"
     if path.is_dir():

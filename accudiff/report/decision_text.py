@@ -9,10 +9,10 @@ from typing import Callable
 
 from accudiff.judging.decisions import NEAR_TIE
 from accudiff.judging.intervals import FIGURES, MIN_UNITS, Interval
-from accudiff.judging.objective import REQUIREMENTS, UNBOUNDED
+from accudiff.judging.objective import REQUIREMENTS, figure_style
 from accudiff.judging.output_kinds import OutputKind
 from accudiff.model.prompts import decode_tokens
-from accudiff.text import percent, times_tolerance
+from accudiff.text import fixed, general, percent, signed, times_tolerance
 
 GENERATIONS_SHOWN = 3  # prompts whose two continuations the console prints
 
@@ -52,23 +52,8 @@ def _consistent(shown: str, bounds: str, span: Interval) -> bool:
 
 
 def said_figure(name: str, value: float, span: Interval | None) -> str:
-    """A required figure as `figure_text` says it (a share in percent, a divergence or a cosine as a number),
-    with its interval."""
-    if name in UNBOUNDED:
-        return with_interval(name, value, span, general, 3)
-    return with_interval(name, value, span, fixed, 6) if name.startswith("cosine") else with_interval(name, value, span, percent, 3)
-
-
-def general(value: float, digits: int) -> str:
-    return ("Inf" if value > 0 else "-Inf") if math.isinf(value) else f"{value:.{digits}g}"
-
-
-def signed(value: float, digits: int) -> str:
-    return f"{value:+.{digits}g}"
-
-
-def fixed(value: float, digits: int) -> str:
-    return f"{value:.{digits}f}"
+    """A required figure as `figure_text` says it, with its interval."""
+    return with_interval(name, value, span, *figure_style(name))
 
 
 def interval_note(spans: dict[str, Interval], prompts: bool = False, independent: bool = False) -> str:

@@ -22,8 +22,8 @@ from accudiff.report.content import (HTML_FILE, cause_lines, decision_first_line
 from accudiff.report.next_steps import next_step_lines
 from accudiff.model.prompts import decode_tokens
 from accudiff.model.decoder import model_name
-from accudiff.report.decision_text import entry_text, generation_lines, interval_note, said_figure, signed, with_interval
-from accudiff.text import percent
+from accudiff.report.decision_text import entry_text, generation_lines, interval_note, said_figure, with_interval
+from accudiff.text import percent, signed
 from accudiff.findings import CAUSE_KINDS
 
 MAX_TABLE_ROWS = 2000
