@@ -2,9 +2,9 @@
 
 The rules (cause.py) and mechanisms (mechanisms.py) only nominate suspects. For each failing output:
 
-1. Suspects: every node the rules flag upstream (overflow, NaN/Inf origin, a constant that became Inf,
-   INT8 clipping, failing on its own), every cancelling Add/Sub (kept with the nodes computing its
-   operands), and the top contributors by their own error and by how far the accumulated SQNR falls
+1. Suspects (suspects.py): every node the rules flag upstream (overflow, NaN/Inf origin, a constant that
+   became Inf, INT8 clipping, failing on its own), every cancelling Add/Sub (kept with the nodes computing
+   its operands), and the top contributors by their own error and by how far the accumulated SQNR falls
    across them (where error enters: early layers, whose rounding depth amplifies, show up here).
 2. Screen: each suspect kept in higher precision on its own (closed over precision boundaries), the
    candidate run again on the failing samples, graph outputs only (verification/trial.py). A flagged node
@@ -23,17 +23,17 @@ it together, each step of the repair improving the output at least twofold; or s
 together where none alone does: two or three, or any number the rules flagged), `dominant` (no
 keep repairs it, but one improves it at least twofold: that fault carries most of the error, the rest accumulates) or
 `accumulated` (no single keep among those tried repairs it or halves it; contributors ranked by their measured effect
-at the output), or `not_found` where NaN/Inf still reach the output with every keep tried.
+at the output; where the output decides, the node whose keep halves what the decision loses, searched again
+by the decision), or `not_found` where NaN/Inf still reach the output with every keep tried.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-import numpy as np
 import pandas as pd
 
 from accudiff.stages.group import GroupRun, could_be_a_shape
@@ -43,11 +43,11 @@ from accudiff.execution.pool import prestart
 from accudiff.verification.loss_split import loss_split, loss_split_keeps
 from accudiff.verification.readings import Reading, Tries, improvement, pruned
 from accudiff.verification.search import candidates_upstream, search_groups, weights_dominate
-from accudiff.findings import Absorbed, Cause, Contributor, Finding, Repair, RepairStep, Search
-from accudiff.diagnosis.cause import (ancestor_tensors, find_cause, flagged_nodes,
-                                      rank_contributors)
-from accudiff.diagnosis.mechanisms import absorber, amplifiers, cancellations
-from accudiff.diagnosis.rules import RANGE_KINDS, DiagnosisContext, grid_fault_strength, isolated_figures, isolation_ran, range_findings
+from accudiff.verification.suspects import Suspect, contributor, nominate, own_error
+from accudiff.findings import Absorbed, Cause, Finding, Repair, RepairStep, Search
+from accudiff.diagnosis.cause import find_cause
+from accudiff.diagnosis.mechanisms import absorber
+from accudiff.diagnosis.rules import DiagnosisContext
 from accudiff.model.formats import QUANTIZED_FORMATS, formats_of
 from accudiff.run_options import DEFAULT_CAUSE_BUDGET
 from accudiff.model.decoder import cache_types, find_decoder
@@ -56,7 +56,6 @@ from accudiff.model.prompts import whole_sequences
 from accudiff.runners.base import BACKEND_NAMES
 from accudiff.model.saving import save_model
 from accudiff.model.value_file import ValueFile
-from accudiff.model.ops import VALUE_PRESERVING_OPS
 from accudiff.model.samples import Samples
 from accudiff.transforms.candidate import CandidateVariants, repaired, repaired_file
 
@@ -69,24 +68,6 @@ GREEDY_RESERVE = 3  # runs of the budget kept for confirming combinations after 
 GREEDY_ROUND = 2  # combinations tried in one call while confirming (a fixed number: the answer does not depend on the cores)
 SEVERAL_LIMIT = 3
 SEVERAL_FACTOR = 2.0  # each of several causes must improve the output at least this much on its own
-CONTRIBUTORS_PER_RANKING = 3
-SQNR_CAP = 200.0
-
-
-@dataclass
-class _Suspect:
-    node: str
-    tensor: str
-    op_type: str
-    keep: list[str]
-    findings: list[Finding]
-    flagged: bool = False
-    tried: list[str] = field(default_factory=list)  # the keep-list as tried (closed over boundaries)
-    reading: Reading | None = None  # the output with it kept
-
-    @property
-    def score(self) -> float:
-        return self.reading.score if self.reading is not None else math.inf
 
 
 def verify_outputs(
@@ -210,7 +191,7 @@ def verify_causes(
     the outcomes of the `extra` keep-lists (each with what it undoes, see Trials.run). The screens of all
     outputs, the control and the extra keep-lists run as one batch; then every other node the candidate
     changes upstream of each output is searched in groups (search.py), within `cause_budget` runs an output."""
-    suspects = {output: _suspects(output, table, context, rtol)[: max(budget - GREEDY_RESERVE, 1)] for output in outputs}
+    suspects = {output: nominate(output, table, context, rtol)[: max(budget - GREEDY_RESERVE, 1)] for output in outputs}
     keep_lists = list(dict.fromkeys([(), *(tuple(s.keep) for group in suspects.values() for s in group)]))
     trials.expect([[node] for output in outputs for node in candidates_upstream(output, table, context, weights_first=False)])  # the search's
     outcomes = trials.run([*(list(k) for k in keep_lists), *(keep for keep, _ in extra)], ["all"] * len(keep_lists) + [parts for _, parts in extra])
@@ -232,7 +213,7 @@ def verify_causes(
         found, reach = search_groups(before, candidates, alone, tries.run, cause_budget, units)
         runs_left = budget - len(group)  # the search's runs are its own budget's
         rows = table.reset_index(drop=True).drop_duplicates("node").set_index("node")
-        group += [_Suspect(node, rows.loc[node, "tensor"], rows.loc[node, "op_type"], [node], _own_error(table.loc[rows.loc[node, "tensor"]]),
+        group += [Suspect(node, rows.loc[node, "tensor"], rows.loc[node, "op_type"], [node], own_error(table.loc[rows.loc[node, "tensor"]]),
                            tried=kept, reading=reading) for node, (kept, reading) in found.items() if node not in {s.node for s in group}]
         verdicts[output] = _conclude(output, before, group, table, context, tries, runs_left, reach)
         if verdicts[output][0].kind == "accumulated" and not before.decisive:
@@ -241,7 +222,7 @@ def verify_causes(
     return verdicts, control, outcomes[len(keep_lists):]
 
 
-def _add_decision_fault(cause: Cause, control: TrialOutcome, suspects: list[_Suspect], candidates: list[str], table: pd.DataFrame,
+def _add_decision_fault(cause: Cause, control: TrialOutcome, suspects: list[Suspect], candidates: list[str], table: pd.DataFrame,
                         context: DiagnosisContext, tries: Tries, budget: int) -> None:
     """An error that accumulates by the tolerance (no keep halves the worst element's) can still have one node
     that carries most of what the decision loses: a keep that lifts top-1 agreement from 56% to 86% leaves
@@ -258,74 +239,16 @@ def _add_decision_fault(cause: Cause, control: TrialOutcome, suspects: list[_Sus
     if node is None or improvement(before.score, best.score) < SEVERAL_FACTOR:
         return
     row = table[table["node"] == node].iloc[0]
-    suspect = _Suspect(node, row["tensor"], row["op_type"], [node], _own_error(row), tried=kept, reading=best)
+    suspect = Suspect(node, row["tensor"], row["op_type"], [node], own_error(row), tried=kept, reading=best)
     cause.findings.append(Finding("decision", f"by what the output decides, {row['op_type']} '{node}' carries most of the loss: "
                                               f"{keep_phrase(context.precision)} brings the output from {before.said('')} to {best.said('')} "
                                               "(verified at the output; --objective decision judges keeps by the decision)"))
     if not cause.contributors or cause.contributors[0].tol_ratio_kept is not None:  # keeps measured, not the own errors standing in where none changed it
-        cause.contributors.insert(0, _contributor(suspect, table))
-
-
-def _suspects(output: str, table: pd.DataFrame, context: DiagnosisContext, rtol: float) -> list[_Suspect]:
-    """The suspects in the order they are tried (the budget may stop short of the last): nodes with range
-    or NaN/Inf evidence, then the cancellations (with what computes their operands), then the nodes that
-    only fail on their own (in a format as coarse as BF16, many do), then contributors by their own error
-    and by where the accumulated error grows."""
-    flagged = [_Suspect(c.node, c.tensor, c.op_type, [c.node], c.findings, flagged=True) for c in flagged_nodes(output, table, context)]
-    hard = [s for s in flagged if any(f.kind in RANGE_KINDS or f.kind.startswith("nan_inf") for f in s.findings)]
-    found = list(hard)
-    # A weight's scale zeroing channels, an input's run-time range set by a few values: faults whatever the
-    # tolerance says of the node's own output (a tensor dominated by a few large values passes while its
-    # small ones are lost). The strongest first.
-    rows = table[table.index.isin(ancestor_tensors(output, context.upstream)) & table["node"].isin(context.converted)].drop_duplicates("node")
-    graded = sorted(((grid_fault_strength(tensor, table, context), tensor, row) for tensor, row in rows.iterrows()), key=lambda item: -item[0])
-    found += [_Suspect(row["node"], tensor, row["op_type"], [row["node"]], range_findings(tensor, table, context), flagged=True)
-              for strength, tensor, row in graded if strength > 0]
-    for cancel in cancellations(output, table, context, rtol):
-        found.append(_Suspect(cancel.node, cancel.tensor, cancel.op_type, cancel.unit, [*cancel.findings, *amplifiers(cancel.tensor, output, table, context)]))
-    found += [s for s in flagged if s not in hard]
-    rows = table[table.index.isin(ancestor_tensors(output, context.upstream))]
-    by_own_error = [(c.node, c.tensor, c.op_type) for c in rank_contributors(rows, context.converted)[:CONTRIBUTORS_PER_RANKING]]
-    for node, tensor, op_type in _interleave(by_own_error, _by_sqnr_fall(rows, table, context)[:CONTRIBUTORS_PER_RANKING]):
-        found.append(_Suspect(node, tensor, op_type, [node], _own_error(table.loc[tensor])))
-    unique, seen = [], set()
-    for suspect in found:
-        if suspect.node not in seen and suspect.keep:
-            seen.add(suspect.node)
-            unique.append(suspect)
-    return unique
-
-
-def _by_sqnr_fall(rows: pd.DataFrame, table: pd.DataFrame, context: DiagnosisContext) -> list[tuple[str, str, str]]:
-    """Converted nodes that compute, ordered by how far the accumulated SQNR falls from their inputs to
-    their output: where error enters the path (graph inputs and weights count as exact)."""
-    falls = []
-    sqnr = table["sqnr_db"].to_dict()
-    for tensor, row in zip(rows.index, rows[["node", "op_type", "sqnr_db"]].to_dict("records")):
-        if row["node"] not in context.converted or row["op_type"] in VALUE_PRESERVING_OPS or not np.isfinite(row["sqnr_db"]):
-            continue
-        before = min((float(sqnr[n]) for n in context.upstream.get(tensor, []) if n in sqnr), default=SQNR_CAP)
-        falls.append((min(before, SQNR_CAP) - float(row["sqnr_db"]), row["node"], tensor, row["op_type"]))
-    falls.sort(key=lambda item: -item[0])
-    return list(dict.fromkeys((node, tensor, op_type) for _, node, tensor, op_type in falls))
-
-
-def _interleave(first: list, second: list) -> list:
-    merged = []
-    for pair in zip(first, second):
-        merged += pair
-    longer = first if len(first) > len(second) else second
-    return merged + longer[min(len(first), len(second)) :]
-
-
-def _own_error(row: pd.Series) -> list[Finding]:
-    if "isolated_status" not in row.index or not isinstance(row["isolated_status"], str):
-        return []
-    return [Finding("own_error", f"its own rounding, fed the reference's values: {isolated_figures(row)}")]
+        cause.contributors.insert(0, contributor(suspect, table))
 
 
 def _conclude(
-    output: str, before: Reading, suspects: list[_Suspect], table: pd.DataFrame, context: DiagnosisContext, tries: Tries, runs_left: int,
+    output: str, before: Reading, suspects: list[Suspect], table: pd.DataFrame, context: DiagnosisContext, tries: Tries, runs_left: int,
     reach: Search | None = None,
 ) -> tuple[Cause, Repair]:
     # A keep helps when it improves the output enough to matter, or when it meets the target outright (an
@@ -334,11 +257,11 @@ def _conclude(
                      key=lambda s: s.score)
     # A keep that leaves the output no better than nothing kept contributes nothing measurable: when none
     # does (a chain stuck on FP16's grid, whichever one node is exact), the largest own errors stand in.
-    contributors = ([_contributor(s, table) for s in sorted(suspects, key=lambda s: s.score) if s.score < before.score]
+    contributors = ([contributor(s, table) for s in sorted(suspects, key=lambda s: s.score) if s.score < before.score]
                     or find_cause(output, table, context).contributors)
     steps, readings = [before.step([])], [before]
     now = before
-    used: list[_Suspect] = []
+    used: list[Suspect] = []
     if helpful:
         used, keep, now = [helpful[0]], helpful[0].tried, helpful[0].reading
         steps.append(now.step(keep))
@@ -386,14 +309,14 @@ def _conclude(
         verdict = Finding("verified", f"none of them alone repairs the output ({alone}); "
                                       f"{phrase.replace(' it ', ' them ')} together brings it to {now.said()}")
         return Cause("several", best.node, best.tensor, best.op_type, [*best.findings, verdict],
-                     co_causes=[_contributor(s, table) for s in used[1:]], **common), repair
+                     co_causes=[contributor(s, table) for s in used[1:]], **common), repair
     if repair.verified and len(used) == 1:
         best = used[0]
         reads, boundary = len(best.keep) - 1, len(best.tried) - len(best.keep)
         needs = ", ".join(filter(None, [reads and f"{reads} node(s) computing what it reads", boundary and f"{boundary} node(s) its boundaries need"]))
         needs = f" (with {needs})" if needs else ""
         verdict = Finding("verified", f"{phrase}{needs} brings the output from {before.said('')} to {best.reading.said()}")
-        others = [_contributor(s, table) for s in helpful if s is not best and s.reading.met]
+        others = [contributor(s, table) for s in helpful if s is not best and s.reading.met]
         return Cause("local", best.node, best.tensor, best.op_type, [*best.findings, verdict], alternatives=others, **common), repair
     gains = [improvement(a.score, b.score) for a, b in zip(readings, readings[1:])]
     if repair.verified and len(used) <= SEVERAL_LIMIT and all(gain >= SEVERAL_FACTOR for gain in gains):
@@ -403,7 +326,7 @@ def _conclude(
             f"{phrase} alone brings the output from {before.said('')} to {best.reading.said()}; with "
             + ", ".join(f"{s.op_type} '{s.node}'" for s in used[1:]) + f" too, {now.said('')}",
         )
-        return Cause("several", best.node, best.tensor, best.op_type, [*best.findings, verdict], co_causes=[_contributor(s, table) for s in used[1:]], **common), repair
+        return Cause("several", best.node, best.tensor, best.op_type, [*best.findings, verdict], co_causes=[contributor(s, table) for s in used[1:]], **common), repair
     if helpful and improvement(before.score, helpful[0].score) >= SEVERAL_FACTOR:
         # One fault carries most of the error, the rest accumulates: naming only "accumulated" would hide it.
         best = helpful[0]
@@ -421,7 +344,7 @@ def _conclude(
     return Cause(kind, findings=[Finding("verified", summary)], **common), repair
 
 
-def _together(before: Reading, suspects: list[_Suspect], tries: Tries, runs_left: int) -> tuple[list[_Suspect], list[RepairStep], Reading] | None:
+def _together(before: Reading, suspects: list[Suspect], tries: Tries, runs_left: int) -> tuple[list[Suspect], list[RepairStep], Reading] | None:
     """When no suspect helps alone: all of them kept together, and, if that helps, each dropped again (the
     one whose own keep did least first) while the rest helps as much, within `runs_left` runs; the members
     left, the steps (nothing kept, all kept, then the pruned lists) and the last step's reading. None when
@@ -448,24 +371,7 @@ def keep_phrase(precision: str) -> str:
     return "leaving it unquantized" if formats and formats <= QUANTIZED_FORMATS else "keeping it in FP32"
 
 
-def _contributor(suspect: _Suspect, table: pd.DataFrame) -> Contributor:
-    row = table.loc[suspect.tensor]
-    isolated = isolation_ran(table) and isinstance(row["isolated_status"], str)
-    return Contributor(
-        suspect.node,
-        suspect.op_type,
-        suspect.tensor,
-        float(row["isolated_sqnr_db"]) if isolated else math.nan,
-        float(row["isolated_max_abs_err"]) if isolated else math.nan,
-        float(row["isolated_tol_ratio"]) if isolated else math.nan,
-        suspect.findings,
-        tol_ratio_kept=suspect.reading.tol_ratio if suspect.reading else math.inf,
-        keep=suspect.tried,
-        figures_kept=suspect.reading.figures if suspect.reading else {},
-    )
-
-
-def _absorbed(suspect: _Suspect, output: str, table: pd.DataFrame, context: DiagnosisContext) -> Absorbed:
+def _absorbed(suspect: Suspect, output: str, table: pd.DataFrame, context: DiagnosisContext) -> Absorbed:
     by = absorber(suspect.tensor, output, table, context)
     return Absorbed(suspect.node, suspect.op_type, suspect.tensor, suspect.reading.tol_ratio if suspect.reading else math.inf, *(by or (None, None, None)))
 
