@@ -116,6 +116,20 @@ def test_an_error_accumulated_by_the_tolerance_names_the_node_that_carries_most_
     assert cause.contributors[0].figures_kept["top1"] == pytest.approx(best_top1, abs=0.02)  # the trials run the same four lines
 
 
+def test_a_decision_halved_only_within_its_interval_is_not_said_to_carry_the_loss():
+    """The decision's dominant fault needs its decision shown better, not only its error halved: one flip of
+    320 unflipped halves it (to none) and tells nothing; 56% to 86% top-1 over the same positions does."""
+    from accudiff.judging.intervals import unit_intervals
+    from accudiff.verification.readings import Reading
+
+    def reading(same: int, positions: int = 320) -> Reading:
+        spans = unit_intervals({"top1": [same], "rows": [positions]}, {"top1": same / positions})  # one sequence: positions taken as independent
+        return Reading(10.0, {"top1": same / positions}, 1 - same / positions, False, True, spans)
+
+    assert not reading(320).decides_better_than(reading(319))
+    assert reading(274).decides_better_than(reading(178))
+
+
 def test_a_group_that_does_worse_than_a_node_of_it_proves_nothing():
     """Keeping more is assumed never to hurt: where a group kept does worse than one of its nodes kept alone,
     its nodes are tried one by one instead of being covered by it."""

@@ -4,8 +4,9 @@ verified repair that still holds (each node dropped while the rest meets the tar
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+from accudiff.judging.intervals import Interval
 from accudiff.judging.objective import Objective, describe
 from accudiff.verification.trial import TrialOutcome, Trials, prune
 from accudiff.findings import Repair, RepairStep
@@ -21,12 +22,22 @@ class Reading:
     score: float
     met: bool
     decisive: bool  # the objective reads the decision here (--objective decision, or a required figure)
+    spans: dict[str, Interval] = field(default_factory=dict)  # the figures' 95% intervals over the samples tried
 
     @classmethod
     def of(cls, outcome: TrialOutcome, output: str, objective: Objective) -> Reading:
-        ratio, figures = outcome.tol_ratio.get(output, math.inf), outcome.figures.get(output, {})
-        met = objective.met(ratio, figures, outcome.spans.get(output, {}))
-        return cls(ratio, figures, objective.score(ratio, figures), met, objective.score(ratio, figures) != ratio)
+        ratio, figures, spans = outcome.tol_ratio.get(output, math.inf), outcome.figures.get(output, {}), outcome.spans.get(output, {})
+        met = objective.met(ratio, figures, spans)
+        return cls(ratio, figures, objective.score(ratio, figures), met, objective.score(ratio, figures) != ratio, spans)
+
+    def decides_better_than(self, before: Reading) -> bool:
+        """Whether its decision is shown better than `before`'s: their 95% intervals of top-1 agreement (or of
+        the flipped share) apart; a figure without one (a lowest cosine) is taken at its value."""
+        for name, higher in (("top1", True), ("flipped_share", False)):
+            now, then = self.spans.get(name), before.spans.get(name)
+            if name in self.figures and now is not None and then is not None:
+                return now.low > then.high if higher else now.high < then.low
+        return True
 
     def step(self, keep: list[str]) -> RepairStep:
         return RepairStep(keep, self.tol_ratio, self.figures)

@@ -228,7 +228,8 @@ def _add_decision_fault(cause: Cause, control: TrialOutcome, suspects: list[Susp
     that carries most of what the decision loses: a keep that lifts top-1 agreement from 56% to 86% leaves
     the worst flipped position as wrong as before. Searched as the cause was, read by the decision (top-1
     agreement, lowest cosine, flipped share), within `budget` runs: a node whose keep at least halves the
-    decision's error is added to `cause`, as a finding and (among keeps measured) its first contributor."""
+    decision's error, the figure's intervals before and after apart, is added to `cause`, as a finding and
+    (among keeps measured) its first contributor."""
     before = Reading.of(control, tries.output, tries.objective)
     if not before.decisive or not before.score > 0:
         return
@@ -236,8 +237,8 @@ def _add_decision_fault(cause: Cause, control: TrialOutcome, suspects: list[Susp
     tried = dict(zip(singles, tries.run([s.tried for s in singles.values()])))  # answered by the screen's runs
     found, _ = search_groups(before, candidates, {node: reading for node, (_, reading) in tried.items()}, tries.run, budget)
     node, (kept, best) = min({**tried, **found}.items(), key=lambda item: item[1][1].score, default=(None, (None, None)))
-    if node is None or improvement(before.score, best.score) < SEVERAL_FACTOR:
-        return
+    if node is None or improvement(before.score, best.score) < SEVERAL_FACTOR or not best.decides_better_than(before):
+        return  # (one flip of 320 unflipped halves the error, and tells nothing)
     row = table[table["node"] == node].iloc[0]
     suspect = Suspect(node, row["tensor"], row["op_type"], [node], own_error(row), tried=kept, reading=best)
     cause.findings.append(Finding("decision", f"by what the output decides, {row['op_type']} '{node}' carries most of the loss: "
