@@ -481,7 +481,8 @@ def candidate_keep_top1_ranking(model_path: Path, candidate_path: Path, feeds, o
     `feeds`, and (that agreement, node) for each node reading a DequantizeLinear left unquantized alone
     (`unquantized`), best first: which one keep recovers most of the decision."""
     model, candidate = onnx.load(str(model_path)), onnx.load(str(candidate_path))
-    reference = [_session(model).run([output], feed)[0].argmax(-1) for feed in feeds]
+    session = _session(model)
+    reference = [session.run([output], feed)[0].argmax(-1) for feed in feeds]
 
     def top1(variant: onnx.ModelProto) -> float:
         session = _session(_fp16_rounded(variant))
