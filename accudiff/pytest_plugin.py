@@ -10,7 +10,7 @@ Registered through the `pytest11` entry point. Two forms:
         pass
 
 Reference runs are cached for the session (per worker under pytest-xdist). Baselines are small JSON files
-in `accudiff_baselines/` beside the test file, one per test and precision, holding the options they were
+in `accudiff_baselines/` beside the test file, one per test and precision (or candidate model), holding the options they were
 recorded with. A missing baseline fails its test: it is written, and the failure says to commit it (a
 regression check that writes its baseline and passes never fires on a fresh checkout); where the
 environment variable CI is set, it is not written at all. `--accudiff-update-baseline` rewrites them from

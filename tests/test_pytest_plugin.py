@@ -136,6 +136,30 @@ def test_model():
     assert "was recorded with other settings (atol differ)" in other_options.stdout.str()
 
 
+def test_two_candidate_models_of_one_test_keep_a_baseline_each(pytester, monkeypatch):
+    """Baselines were named by the precision, which is "fp32" for every candidate model given as a file: the
+    second candidate of a test found the first one's baseline and failed as "recorded with other settings".
+    A candidate model's baseline is named by its path (from the rootdir): two GenAI folders both hold a model.onnx."""
+    monkeypatch.delenv("CI", raising=False)
+    pytester.makeini("[pytest]\n")
+    model = _matmul_model(pytester.path / "m.onnx", 1.0)
+    for name in ("a", "b"):
+        (pytester.path / name).mkdir()
+        (pytester.path / name / "model.onnx").write_bytes((pytester.path / "m.onnx").read_bytes())
+    source = f"""
+def test_candidates(accudiff):
+    for name in ("a", "b"):
+        accudiff.compare(r"{model}", candidate_model=f"{{name}}/model.onnx").assert_within(atol=1, rtol=1, baseline=True)
+"""
+    first = _run(pytester, source)
+    first.assert_outcomes(failed=1)  # the first baseline is written: commit it (the test stops there)
+    _run(pytester, source).assert_outcomes(failed=1)  # the second one's, now
+    folder = pytester.path / "accudiff_baselines"
+    assert sorted(p.name for p in folder.iterdir()) == ["test_model.test_candidates.candidate-a_model.onnx.json",
+                                                       "test_model.test_candidates.candidate-b_model.onnx.json"]
+    _run(pytester, source).assert_outcomes(passed=1)
+
+
 def test_a_baseline_holds_the_decision_figures_to_their_intervals(pytester, monkeypatch):
     """A baseline kept only per-tensor figures: a language model whose KL divergence grew, or a classifier whose
     top-1 agreement fell, passed as long as SQNR and max abs error stayed within their margins. It now keeps

@@ -1,7 +1,7 @@
 """Baseline files of accuracy checks: per-tensor figures, and each output's decision figures with their 95%
 intervals, that a test is held to from one commit to the next.
 
-One small JSON file per test and precision, in `accudiff_baselines/` beside the test file, with the model,
+One small JSON file per test and precision (or candidate model), in `accudiff_baselines/` beside the test file, with the model,
 the precision and the options it was recorded with. A check against a baseline recorded with other
 options says so rather than comparing; a damaged file is one sentence.
 """
@@ -27,8 +27,19 @@ DEFAULT_SQNR_MARGIN_DB = 3.0
 DEFAULT_ERROR_GROWTH = 2.0
 
 
-def baseline_path(test_file: Path, test_name: str, precision: str) -> Path:
-    return test_file.parent / "accudiff_baselines" / f"{test_file.stem}.{safe_name(test_name)}.{safe_name(precision)}.json"
+def baseline_path(test_file: Path, test_name: str, compared: str) -> Path:
+    """`compared`: the precision accudiff converts to, or `candidate-<path>` for a candidate model (see
+    `compared_name`): each candidate of a test keeps its own baseline."""
+    return test_file.parent / "accudiff_baselines" / f"{test_file.stem}.{safe_name(test_name)}.{safe_name(compared)}.json"
+
+
+def compared_name(precision: str, candidate_model: Path | None, root: Path) -> str:
+    """What a baseline's name says was compared: the precision, or the candidate model's path from `root`
+    (a candidate's precision label repeats across candidates, and GenAI folders all hold a model.onnx)."""
+    if candidate_model is None:
+        return precision
+    path = Path(candidate_model)
+    return "candidate-" + (str(path.relative_to(root)) if path.is_relative_to(root) else path.name)
 
 
 def safe_name(name: str) -> str:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import pytest
 
-from accudiff.checks.baselines import baseline_path, decision_entries, in_ci, regressions, safe_name, write_baseline
+from accudiff.checks.baselines import baseline_path, compared_name, decision_entries, in_ci, regressions, safe_name, write_baseline
 from accudiff.errors import AccudiffError
 from accudiff.text import percent
 
@@ -115,7 +115,8 @@ class AccuracyCheck:
                 for _, row in rows.iterrows()
                 if row["sqnr_db"] < min_sqnr_db
             ]
-        baseline_file = baseline_path(Path(self.node.path), self.node.name, self.precision)
+        compared = compared_name(self.precision, self.options.get("candidate_model"), self.node.config.rootpath)
+        baseline_file = baseline_path(Path(self.node.path), self.node.name, compared)
         written = None
         recorded_with = self._recorded_with(atol, rtol, stol, decision)
         decided = decision_entries({name: result.decisions[name] for name in rows["tensor"] if name in result.decisions}, result.intervals)
