@@ -145,6 +145,14 @@ def test_bisect_commands_write_their_report(run_cli, tmp_path):
     assert code == 0 and "already meets tolerance" in out
 
 
+@pytest.mark.parametrize("command", ["subgraph", "precision"])
+def test_a_missing_calibration_file_is_refused_before_any_step(run_cli, tmp_path, command):
+    """bisect printed "step 1: compare the whole model" and only then refused a --calib-data file that did not exist."""
+    code, out, err = run_cli("bisect", command, fixture("clean"), "--int8", "--calib-data", tmp_path / "nope.npz", "-o", tmp_path / "b")
+    assert code == 2 and err.strip().splitlines() == [f"accudiff: error: calibration file '{tmp_path / 'nope.npz'}' does not exist"], err
+    assert out == "" and not (tmp_path / "b").exists()
+
+
 def test_bisect_precision_numbers_only_the_steps_it_runs(run_cli, tmp_path):
     """Pruning drifting_probability_map's repair tries a keep-list the search ran before: it is answered from
     that run, and its progress line said 'step 6' a second time. Each step number is printed once."""

@@ -52,6 +52,8 @@ class BisectSession:
         # A decoder generating from prompts: the feeds are its prompts' whole sequences, known after the first comparison.
         self.feeds: Samples | None = prepare_samples(self.info, self.settings.inputs, self.cache.folder / "inputs.npz", input_shapes=self.settings.input_shapes,
                                                          iterations=self.settings.iterations, seed=self.settings.seed, val_range=self.settings.val_range) if self.settings.prompts is None else None
+        if self.settings.calib_data is not None and self.feeds is not None:
+            self.calibration_feeds  # noqa: B018 - a missing or malformed calibration file is one sentence before any step is shown
 
     @property
     def model(self) -> Path:
@@ -106,6 +108,7 @@ class BisectSession:
         """The full model's reference outputs for `samples` (default: the session's), run once and kept on disk."""
         return record_reference(self.info, samples if samples is not None else self.feeds, self.cache, self.settings.max_memory)
 
+    @cached_property
     def calibration_feeds(self) -> Samples:
         """The INT8 calibration samples of the full model, exactly as `compare` uses them."""
         return calibration_samples(self.info, self.feeds[0], self.settings.calib_data, self.settings.seed, self.cache.folder)

@@ -212,7 +212,7 @@ def _save_cut(session, chosen: list[int], folder: Path) -> RunSettings:
     if session.precision == "int8" and settings.candidate_model is None:
         # Calibrated on the values its inputs take on the full model's calibration samples, the cut's
         # quantized tensors get exactly the ranges, and so the scales, they have in the full model.
-        samples = session.calibration_feeds()
+        samples = session.calibration_feeds
         save_feeds(_values_at(inputs, samples, session.reference_outputs(samples)), folder / CALIBRATION_FILE)
         calibration = folder / CALIBRATION_FILE
     nodes = list(model.graph.node)
