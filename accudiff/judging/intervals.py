@@ -150,15 +150,23 @@ def needed_units(estimate: float, target: float, found: Interval) -> float | Non
     if estimate == target:
         return None
     per_unit = found.positions / max(found.units, 1)
-    for scale in np.geomspace(1, 1e7, 400):
-        n = found.positions * scale
+
+    def modelled(n: float) -> tuple[float, float]:
         if found.kind == "share":
-            low, high = wilson(estimate, n / found.design_effect)
-        else:
-            half = Z * math.sqrt(found.spread * found.design_effect / max(n - 1, 1))
-            low, high = estimate - half, estimate + half
-        if not low <= target <= high:
-            return math.ceil(n / per_unit)
+            return wilson(estimate, n / found.design_effect)
+        half = Z * math.sqrt(found.spread * found.design_effect / max(n - 1, 1))
+        return estimate - half, estimate + half
+
+    # The interval found is wider than this model of it on the data at hand (a t quantile over few units, the
+    # bootstrap's hull, a bound clipped to 1): each side is widened by as much, and the data at hand never suffices.
+    low_now, high_now = modelled(found.positions)
+    widen = [max(1.0, (estimate - found.low) / (estimate - low_now)) if estimate > low_now else 1.0,
+             max(1.0, (found.high - estimate) / (high_now - estimate)) if high_now > estimate else 1.0]
+    for scale in np.geomspace(1, 1e7, 400)[1:]:
+        n = found.positions * scale
+        low, high = modelled(n)
+        if not estimate - (estimate - low) * widen[0] <= target <= estimate + (high - estimate) * widen[1]:
+            return max(math.ceil(n / per_unit), found.units + 1)
     return math.inf
 
 
