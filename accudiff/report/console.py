@@ -9,7 +9,7 @@ from typing import TextIO
 from accudiff.report.content import (cause_lines, decision_first_lines, failure_headline, fused_nodes_text, requirements_met, sample_lines,
                                      tolerance_met_line, worst_tensors)
 from accudiff.report.next_steps import next_step_lines
-from accudiff.report.decision_text import unresolved_text
+from accudiff.report.decision_text import unresolved_lines
 from accudiff.model.decoder import model_name
 from accudiff.text import percent
 
@@ -54,7 +54,7 @@ def format_summary(result, width: int | None = None) -> str:
             f"{percent(row['outside_share'])} of elements{isolated.get(row.get('isolated_status'), '')}"
         )
     lines += [f"  {line}" for line in requirements_met(result)]
-    lines += [f"  {unresolved_text(output, r, bool(result.generations))}" for output, found in result.unresolved.items() for r in found]
+    lines += [f"  {line}" for line in unresolved_lines(result)]
     for out in result.output_failures:
         lines.append(f"  {failure_headline(out.tensor, result)}")
         lines += ["    " + line for line in [*decision_first_lines(out.tensor, result), *tolerance_met_line(out.tensor, result), *cause_lines(out, result)]]

@@ -189,6 +189,11 @@ def generation_lines(result) -> list[str]:
     return lines
 
 
+def unresolved_lines(result) -> list[str]:
+    """The requirements of a comparison's outputs that its data cannot resolve, each said so."""
+    return [unresolved_text(output, r, bool(result.generations)) for output, found in result.unresolved.items() for r in found]
+
+
 def unresolved_text(output: str, resolution, prompts: bool) -> str:
     """A requirement the data cannot resolve, said so, with about how much more data would."""
     name, direction = resolution.name, "reaches" if resolution.direction == "min" else "stays at most at"

@@ -22,7 +22,7 @@ from accudiff.report.content import (HTML_FILE, cause_lines, decision_first_line
 from accudiff.report.next_steps import next_step_lines
 from accudiff.model.prompts import decode_tokens
 from accudiff.model.decoder import model_name
-from accudiff.report.decision_text import entry_text, generation_lines, interval_note, said_figure, with_interval
+from accudiff.report.decision_text import entry_text, generation_lines, interval_note, said_figure, unresolved_lines, with_interval
 from accudiff.text import percent, signed
 from accudiff.findings import CAUSE_KINDS
 
@@ -130,7 +130,7 @@ def _heading(result) -> str:
 
 
 def _causes(result) -> str:
-    met = "".join(f"<p>{escape(line)}</p>" for line in requirements_met(result))
+    met = "".join(f"<p>{escape(line)}</p>" for line in [*requirements_met(result), *unresolved_lines(result)])
     if not result.output_failures:
         return section("Cause", met or "<p>Every graph output is within tolerance.</p>")
     blocks = []
