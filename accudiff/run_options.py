@@ -117,7 +117,8 @@ RUN_OPTIONS = (
     RunOption("--atol", "atol", "absolute tolerance, default and per tensor", action="extend", metavar="[NAME:]VALUE"),
     RunOption("--rtol", "rtol", "relative tolerance, default and per tensor", action="extend", metavar="[NAME:]VALUE"),
     RunOption("--stol", "stol", "tolerance as a fraction of the tensor's reference absmax", action="extend", metavar="[NAME:]VALUE"),
-    RunOption("--threshold", "threshold", "where a probability map's elements are binarized, for its flipped share and IoU (default 0.5)",
+    RunOption("--threshold", "threshold", "where a probability map's elements are binarized, for its flipped share and IoU (default 0.5), or a detector's "
+              "class scores count as a detection (default 0.25)",
               action="extend", metavar="[OUTPUT:]VALUE"),
     RunOption("--max-memory", "max_memory", "memory the compared tensors may take, e.g. 512M or 4G (default: 256M, or a quarter of the free memory "
               "if less); larger models are compared segment by segment", metavar="SIZE"),
@@ -134,8 +135,8 @@ RUN_OPTIONS = (
               group=CAPTURED_GROUP),
     RunOption("--objective", "objective", "what judges a keep at the outputs: the tolerance ratio, or the decision (top-1 agreement, a map's flipped share)",
               choices=OBJECTIVES, default="tolerance"),
-    RunOption("--require", "require", "a decision target an output must meet instead of its tolerance, e.g. top1=0.97, kl=0.01, cosine_min=0.99 or "
-              "flipped_share=1e-3 (repeatable)", action="append", metavar="FIGURE=VALUE"),
+    RunOption("--require", "require", "a decision target an output must meet instead of its tolerance, e.g. top1=0.97, kl=0.01, cosine_min=0.99, "
+              "flipped_share=1e-3 or detections=0.95 (repeatable)", action="append", metavar="FIGURE=VALUE"),
     RunOption("--output-kind", "output_kind", "what a graph output is, where the graph does not say: logits, probabilities, embedding, map or values "
               "(repeatable)", action="append", metavar="NAME=KIND"),
     RunOption("--no-isolate", "isolate", "skip the run that measures each node's own error (faster; the cause is then named only from range evidence)",

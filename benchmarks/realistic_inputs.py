@@ -2,7 +2,7 @@
 
 Uniform noise leaves a trained detector's output near zero and hides every numerical fault, so the tests
 and benchmarks feed what these models were trained on: text drawn with PIL for the OCR models (normalised
-as PP-OCR expects), and a simple drawn scene for the object detector. Each function returns one feed,
+as PP-OCR expects), a simple drawn scene or crops of a real photograph for the object detector. Each function returns one feed,
 `{input name: array}`; the same seed gives the same array.
 """
 
@@ -78,6 +78,28 @@ def detector_scene(seed: int = 0, size: int = 320, name: str = "images") -> dict
     if wanted != size:
         image = image.resize((wanted, wanted), Image.LANCZOS)
     array = np.asarray(image, dtype=np.float32) / 255.0
+    return {name: np.ascontiguousarray(array.transpose(2, 0, 1)[None])}
+
+
+def photograph(seed: int = 0, size: int = 320, name: str = "images") -> dict[str, np.ndarray]:
+    """A crop of a real photograph (Grace Hopper's portrait, which the matplotlib wheel ships as sample data;
+    read as a file, matplotlib is not imported), flipped for odd seeds, in RGB scaled to [0, 1]: a trained
+    detector finds a face in it with a score well above its threshold, where it scores a drawn one at 0.15."""
+    import importlib.util
+
+    from PIL import Image
+
+    spec = importlib.util.find_spec("matplotlib")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("the photograph is matplotlib's sample data: pip install --no-deps matplotlib")
+    image = Image.open(Path(spec.submodule_search_locations[0]) / "mpl-data" / "sample_data" / "grace_hopper.jpg").convert("RGB")
+    rng = np.random.default_rng(seed)
+    side = int(rng.integers(int(min(image.size) * 0.7), min(image.size) + 1))
+    x0, y0 = (int(rng.integers(0, extent - side + 1)) for extent in image.size)
+    crop = image.crop((x0, y0, x0 + side, y0 + side))
+    if seed % 2:
+        crop = crop.transpose(Image.FLIP_LEFT_RIGHT)
+    array = np.asarray(crop.resize((size, size), Image.LANCZOS), dtype=np.float32) / 255.0
     return {name: np.ascontiguousarray(array.transpose(2, 0, 1)[None])}
 
 

@@ -653,6 +653,49 @@ def embedding_figures(reference: list[np.ndarray], candidate: list[np.ndarray]) 
     return {**found, "neighbors": same / rows} if rows else found
 
 
+def detection_counts(reference: list[np.ndarray], candidate: list[np.ndarray], threshold: float = 0.25) -> dict:
+    """A YOLOv8 head's output [batch, 4 + classes, boxes] decoded as ultralytics decodes it: a box whose best
+    class score reaches `threshold`, boxes of a class overlapping a higher-scoring one by IoU > 0.7 dropped,
+    at most 300 an image; then each reference detection, the highest score first, matched to the unmatched
+    candidate detection of its class it overlaps most, if by IoU >= 0.5. Counts over every image."""
+
+    def iou(a, b):
+        w, h = min(a[2], b[2]) - max(a[0], b[0]), min(a[3], b[3]) - max(a[1], b[1])
+        inter = max(w, 0.0) * max(h, 0.0)
+        union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+        return inter / union if union > 0 else 0.0
+
+    def detected(image):  # [4 + classes, boxes]
+        found = []
+        for column in image.T.astype(np.float64):
+            scores = list(column[4:])
+            best = max(range(len(scores)), key=lambda k: scores[k])
+            if scores[best] >= threshold:
+                cx, cy, w, h = column[:4]
+                found.append((scores[best], best, (cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2)))
+        found.sort(key=lambda d: -d[0])
+        kept = []
+        for score, label, box in found:
+            if len(kept) < 300 and all(other_label != label or iou(box, other) <= 0.7 for _, other_label, other in kept):
+                kept.append((score, label, box))
+        return kept
+
+    counts = {"images": 0, "reference": 0, "candidate": 0, "matched": 0}
+    for ref, cand in zip(reference, candidate):
+        for image_r, image_c in zip(ref, cand):
+            found_r, found_c = detected(image_r), detected(image_c)
+            taken = [False] * len(found_c)
+            for _, label, box in found_r:
+                overlaps = [(iou(box, other), k) for k, (_, other_label, other) in enumerate(found_c) if other_label == label and not taken[k]]
+                if overlaps and max(overlaps)[0] >= 0.5:
+                    taken[max(overlaps)[1]] = True
+            counts["images"] += 1
+            counts["reference"] += len(found_r)
+            counts["candidate"] += len(found_c)
+            counts["matched"] += sum(taken)
+    return counts
+
+
 def run_results_outputs(path: Path, name: str) -> list[np.ndarray]:
     """Tensor `name` of every iteration of a polygraphy RunResults file (its first runner), decoded here:
     each array is a base64 .npy, bare or wrapped in a LazyArray."""

@@ -37,6 +37,36 @@ def test_a_probability_map_that_fails_elementwise_but_hardly_flips(run_cli, tmp_
     assert "tolerance met: atol" in out
 
 
+def test_a_detectors_output_is_decoded_into_detections_and_matched():
+    """Boxes and class scores as YOLOv8's head writes them ([batch, 4 + classes, boxes]): each side's detections
+    are its boxes scored at least the threshold, a box its class's better one overlaps by IoU > 0.7 dropped
+    (NMS), a box holding a NaN dropped; a reference detection is matched by a candidate one of its class
+    overlapping it by IoU >= 0.5, each once."""
+    import numpy as np
+
+    from accudiff.judging.decisions import decide, decision_figures
+    from accudiff.judging.output_kinds import OutputKind
+    from accudiff.judging.tolerances import Tolerance
+    from accudiff.judging.metrics import SKETCH_BUCKETS
+
+    #          cx   cy   w   h  class 0 class 1
+    ref = [[50, 50, 20, 20, 0.9, 0.1],  # A: the same on both sides: matched
+           [150, 50, 20, 20, 0.1, 0.8],  # B: moved away in the candidate: not matched
+           [51, 50, 20, 20, 0.6, 0.1],  # C: A's duplicate (IoU 0.9): suppressed on both sides
+           [50, 150, 20, 20, 0.2, 0.1],  # D: above the threshold in the candidate only
+           [150, 150, 20, 20, 0.1, 0.7]]  # E: NaN in the candidate
+    cand = [list(row) for row in ref]
+    cand[1][0], cand[3][4], cand[4][2] = 165.0, 0.3, float("nan")
+    arrays = [np.array(rows, np.float32).T[None] for rows in (ref, cand)]
+    sketches = {name: np.zeros(SKETCH_BUCKETS, np.int64) for name in ("ratio", "kl")}
+    decision = decide(*arrays, OutputKind("detections", "", 1), Tolerance(1e-3, 0.0, 0.0), 0.25, 200.0, sketches)
+    assert (decision.det_images, decision.det_reference, decision.det_candidate, decision.det_matched, decision.det_union) == (1, 3, 3, 1, 5)
+    figures = decision_figures(vars(decision), 0.25)
+    assert figures["detections"] == pytest.approx(0.2) and figures["threshold"] == 0.25
+    nothing = decide(arrays[0], arrays[0], OutputKind("detections", "", 1), Tolerance(1e-3, 0.0, 0.0), 0.95, 200.0, sketches)
+    assert nothing.det_images == 1 and "detections" not in decision_figures(vars(nothing), 0.95)  # no detection to agree on: no figure
+
+
 def test_the_tolerance_met_is_the_edge_between_pass_and_fail(tmp_path):
     """Rerun at the atol (or rtol) it reports, a hair above it passes and a hair below fails."""
     options = {"candidate": "onnxrt", "iterations": 2, "verify": False, "isolate": False}

@@ -184,3 +184,28 @@ def test_subgraph_bisect_on_a_model_whose_network_sits_in_if_bodies(run_cli, tmp
     assert {i.name for i in reproducer.graph.input} <= saved
     done = subprocess.run(["bash", "-c", result["command"]], cwd=tmp_path / "b", capture_output=True, text=True, env=user_shell_environment())
     assert done.returncode == 1, done.stdout + done.stderr
+
+
+def test_a_detectors_decision_is_the_detections_both_sides_make(tmp_path):
+    """YOLOv8n (the nudenet wheel's) quantized to INT8, on crops of a real photograph: its output0 holds boxes and
+    class scores in one tensor, and was judged by error percentiles only, though what a user decides by is the
+    detections. It is read as a detector's output, and the detections accudiff counts (each side's, after NMS,
+    and those matched by class and IoU) are the ones an oracle decoding both sides' outputs itself counts."""
+    import oracle
+
+    path = _model("nudenet_320n", tmp_path)
+    feeds = [realistic_inputs.photograph(seed) for seed in range(6)]
+    candidate = oracle.int8_candidate(path, [realistic_inputs.photograph(seed) for seed in range(100, 104)], tmp_path / "int8.onnx")
+    save_feeds(feeds, tmp_path / "photo.npz")
+    result = accudiff.compare(path, candidate_model=candidate, inputs=tmp_path / "photo.npz", report_dir=tmp_path / "r", verify=False)
+    assert result.output_kinds["output0"].kind == "detections"
+    runs = [[oracle.reference_values(model, feed)["output0"] for feed in feeds] for model in (path, candidate)]
+    expected = oracle.detection_counts(*runs)
+    found = result.decisions["output0"]
+    assert expected["reference"] >= len(feeds) and expected["matched"] < expected["candidate"] + expected["reference"]  # something to agree on
+    assert (found["detection_images"], found["reference_detections"], found["candidate_detections"], found["matched_detections"]) == \
+        (expected["images"], expected["reference"], expected["candidate"], expected["matched"])
+    union = expected["reference"] + expected["candidate"] - expected["matched"]
+    assert found["detections"] == pytest.approx(expected["matched"] / union)
+    span = result.intervals["output0"]["detections"]
+    assert span.low <= found["detections"] <= span.high and span.units == len(feeds)

@@ -22,7 +22,7 @@ BASELINE_SCHEMA = "accudiff.baseline"
 BASELINE_METRICS = ("sqnr_db", "max_abs_err", "cosine", "outside_share")
 # The decision figures a baseline keeps, with their 95% intervals: a later run whose figure falls outside the
 # baseline's interval, on the worse side, regressed (the same inputs on the same runtime give the same figure).
-BASELINE_DECISIONS = ("top1", "kl", "cosine_min", "flipped_share")
+BASELINE_DECISIONS = ("top1", "kl", "cosine_min", "flipped_share", "detections")
 DEFAULT_SQNR_MARGIN_DB = 3.0
 DEFAULT_ERROR_GROWTH = 2.0
 

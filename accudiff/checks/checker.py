@@ -92,7 +92,7 @@ class AccuracyCheck:
         """Run the comparison and fail the test, with a message a person can act on, if it is out of bounds.
 
         `tensors`: "outputs" (graph outputs decide), "all", or a list of tensor names. `decision`: targets of
-        decision figures (top1=0.99, kl=1e-2, cosine_min=0.99, iou=, flipped_share=1e-3...): a graph output that has the figure is
+        decision figures (top1=0.99, kl=1e-2, cosine_min=0.99, iou=, flipped_share=1e-3, detections=0.95...): a graph output that has the figure is
         judged by it instead of its tolerance, as `--require` does (verification aims at it too). Returns
         the result.
         """

@@ -26,7 +26,7 @@ from typing import Callable, Collection, Iterator, Mapping, Sequence
 import numpy as np
 import onnx
 
-from accudiff.judging.decisions import DEFAULT_THRESHOLD, SampleOutcome, decide
+from accudiff.judging.decisions import SampleOutcome, decide, threshold_for
 from accudiff.execution.messages import PassResult
 from accudiff.execution.plans import EngineOptions, Measured, PassPlan, ReferencePlan, RunnerFactory
 from accudiff.judging.metrics import (EMPTY_ROW, F, PART_ELEMENTS, SKETCH_BUCKETS, PartMap, StatsSet, finish, merge_run_time_ranges, reduce_tensor,
@@ -316,10 +316,10 @@ class Engine:
                 result.stats.sketch[self.row[tensor]] += own[index]
                 one = finish(values[index], own[index])
                 sketches = result.sketches.setdefault(tensor, {figure: np.zeros(SKETCH_BUCKETS, np.int64) for figure in ("ratio", "kl")})
-                threshold = self.thresholds.get(tensor, self.thresholds.get("", DEFAULT_THRESHOLD))
                 low, high = self._ranges[tensor]
                 absmax = max(abs(low), abs(high)) if low <= high else 0.0
                 kind = self.kinds.get(tensor, UNKNOWN)
+                threshold = threshold_for(tensor, kind.kind, self.thresholds)
                 decision = decide(reference[tensor], candidate[tensor], kind, self.tolerances.for_tensor(tensor), threshold, absmax, sketches,
                                   targets.get(tensor))
                 result.outcomes.append(

@@ -17,6 +17,11 @@ sample, in figures that add up over samples, workers and machines. What an outpu
 * a probability map (a Sigmoid's output, or values all in [0, 1] nothing else explains): how many elements
   cross the output's threshold (0.5 unless set) on one side and not on the other, and the intersection and
   union of the two binarized maps (their IoU);
+* a detector's boxes and class scores (YOLOv8's head: along the kind's axis, 4 box coordinates, centre,
+  width and height, then a score per class): each side's detections (its highest class score at least the
+  threshold, 0.25 unless set, then per class non-maximum suppression at IoU 0.7, at most 300, as ultralytics
+  does), and how many of the reference's the candidate matches (the same class, IoU at least 0.5, each
+  matched once, the reference's highest scores first);
 * any float output: the tolerance it meets, the smallest atol (at the run's rtol and stol) and the
   smallest rtol (at its atol and stol) under which every element would pass; and a sketch of each
   element's error in tolerances (|err| / (atol + rtol·|ref| + stol·absmax)), for its percentiles.
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import Mapping
 
 import numpy as np
 
@@ -40,6 +46,12 @@ ROWS_AT_ONCE = 1 << 20  # elements of score or embedding rows read at once (floa
 PROBABILITY_FLOOR = 1e-30
 NEAR_TIE = 0.1  # nats: a flip where the reference's top two log-probabilities lie closer than this is a near-tie
 MAX_NEIGHBOUR_ROWS = 4096  # a batch's nearest neighbours compare every row with every other
+BOX_COORDINATES = 4  # a detector's rows: centre x, centre y, width, height, then the class scores
+DETECTION_SCORE = 0.25  # ultralytics' default confidence: the default threshold of a detector's scores
+NMS_IOU = 0.7  # ultralytics' default: a box overlapping a better one of its class more than this is the same detection
+MATCH_IOU = 0.5  # a candidate's detection is the reference's when of the same class and overlapping it this much
+MAX_DETECTIONS = 300  # ultralytics' default: detections kept per image after NMS
+MAX_SCORED_BOXES = 30000  # boxes above the threshold NMS looks at, the highest scores first (as ultralytics)
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,11 @@ class Decision:
     flipped: int = 0
     intersection: int = 0
     union: int = 0
+    det_images: int = 0  # images a detector's output was decoded for
+    det_reference: int = 0  # detections of the reference
+    det_candidate: int = 0  # ... of the candidate
+    det_matched: int = 0  # the reference's detections the candidate matches
+    det_union: int = 0  # detections either side makes, a matched pair counted once
     atol_needed: float = 0.0
     rtol_needed: float = 0.0
     non_finite: int = 0  # elements NaN/Inf on one side and not the same on the other: their error is Inf
@@ -124,6 +141,8 @@ def decide(ref: np.ndarray, cand: np.ndarray, kind: OutputKind, tolerance: Toler
         found = _scores(ref, cand, kind, sketches["kl"], targets)
     elif kind.kind == "embedding":
         found = _embedding(ref, cand)
+    elif kind.kind == "detections":
+        found = _detections(ref, cand, kind.axis, threshold)
     r, c = np.asarray(ref).reshape(-1), np.asarray(cand).reshape(-1)
     is_map = kind.kind == "map" or (kind.kind == "values" and _is_probability_map(r))
     counts = np.zeros(3, np.int64)  # flipped, intersection, union
@@ -237,6 +256,71 @@ def _nearest(rows: np.ndarray) -> np.ndarray:
     return np.where(finite, similarity.argmax(axis=1), -1)
 
 
+def threshold_for(output: str, kind: str, thresholds: Mapping[str, float]) -> float:
+    """The threshold `--threshold` sets for `output`, else its kind's default: 0.5 for a probability map,
+    DETECTION_SCORE for a detector's class scores."""
+    return thresholds.get(output, thresholds.get("", DETECTION_SCORE if kind == "detections" else DEFAULT_THRESHOLD))
+
+
+def _detections(ref: np.ndarray, cand: np.ndarray, axis: int, threshold: float) -> dict:
+    """Each image's detections on both sides, and how many of the reference's the candidate matches (see
+    the module's docstring); the images are the output's rows along every axis but `axis` and the boxes'."""
+    if ref.ndim < 2 or ref.shape[axis] <= BOX_COORDINATES:
+        return {}
+    r, c = np.moveaxis(ref, axis, -1), np.moveaxis(cand, axis, -1)
+    r, c = r.reshape(-1, *r.shape[-2:]), c.reshape(-1, *c.shape[-2:])  # [image, box, coordinates and scores]
+    found = dict(det_images=r.shape[0], det_reference=0, det_candidate=0, det_matched=0, det_union=0)
+    for image_r, image_c in zip(r, c):
+        (boxes_r, classes_r), (boxes_c, classes_c) = _detected(image_r, threshold), _detected(image_c, threshold)
+        matched = _matched(boxes_r, classes_r, boxes_c, classes_c)
+        found["det_reference"] += len(boxes_r)
+        found["det_candidate"] += len(boxes_c)
+        found["det_matched"] += matched
+        found["det_union"] += len(boxes_r) + len(boxes_c) - matched
+    return found
+
+
+def _detected(rows: np.ndarray, threshold: float) -> tuple[np.ndarray, np.ndarray]:
+    """One image's detections (boxes as corners, classes), the highest score first: rows whose best class
+    score reaches `threshold` (a row holding a NaN detects nothing), then per class NMS."""
+    rows = rows.astype(np.float64)
+    scores = np.nan_to_num(rows[:, BOX_COORDINATES:], nan=-np.inf).max(axis=1)
+    chosen = np.flatnonzero((scores >= threshold) & np.isfinite(rows).all(axis=1))
+    chosen = chosen[np.argsort(-scores[chosen], kind="stable")][:MAX_SCORED_BOXES]
+    centre, size = rows[chosen, :2], rows[chosen, 2:BOX_COORDINATES]
+    boxes, classes = np.concatenate([centre - size / 2, centre + size / 2], axis=1), rows[chosen, BOX_COORDINATES:].argmax(axis=1)
+    suppressed = np.zeros(len(chosen), bool)
+    kept = []
+    for i in range(len(chosen)):
+        if suppressed[i]:
+            continue
+        kept.append(i)
+        if len(kept) == MAX_DETECTIONS:
+            break
+        suppressed[i + 1 :] |= (classes[i + 1 :] == classes[i]) & (_iou(boxes[i], boxes[i + 1 :]) > NMS_IOU)
+    return boxes[kept], classes[kept]
+
+
+def _matched(boxes_r: np.ndarray, classes_r: np.ndarray, boxes_c: np.ndarray, classes_c: np.ndarray) -> int:
+    """How many of the reference's detections (the highest score first) a candidate's detection matches:
+    the same class, IoU at least MATCH_IOU, the best overlap not yet taken."""
+    taken = np.zeros(len(boxes_c), bool)
+    for box, label in zip(boxes_r, classes_r):
+        overlap = np.where(taken | (classes_c != label), -1.0, _iou(box, boxes_c))
+        if overlap.size and overlap.max() >= MATCH_IOU:
+            taken[overlap.argmax()] = True
+    return int(taken.sum())
+
+
+def _iou(box: np.ndarray, boxes: np.ndarray) -> np.ndarray:
+    """The intersection over union of `box` (corners) with each of `boxes`."""
+    low, high = np.maximum(box[:2], boxes[:, :2]), np.minimum(box[2:], boxes[:, 2:])
+    inter = np.prod(np.clip(high - low, 0.0, None), axis=1)
+    area = np.prod(np.clip(box[2:] - box[:2], 0.0, None)) + np.prod(np.clip(boxes[:, 2:] - boxes[:, :2], 0.0, None), axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(area - inter > 0, inter / (area - inter), 0.0)
+
+
 def _is_probability_map(r: np.ndarray) -> bool:
     """Float values all in [0, 1] (no NaN): what a sigmoid or a softmax over a map gives."""
     low, high = np.min(r), np.max(r)
@@ -284,7 +368,8 @@ def _add_to_sketch(sketch: np.ndarray, values: np.ndarray) -> None:
 def decision_figures(counts: dict, threshold: float | None = None) -> dict:
     """The decision figures of an output from its COUNTS merged over samples (figures that do not apply are
     left out): top-1/top-5 agreement, mean and largest KL divergence, mean and worst Δp of scores; the mean
-    and lowest cosine, the nearest neighbours kept, of an embedding; a probability map's flipped share and IoU."""
+    and lowest cosine, the nearest neighbours kept, of an embedding; a probability map's flipped share and IoU;
+    a detector's detections on both sides and their agreement (the matched over those either side makes)."""
     found: dict = {}
     if counts.get("rows"):
         vectors = int(counts["rows"])
@@ -302,6 +387,12 @@ def decision_figures(counts: dict, threshold: float | None = None) -> dict:
             found["nan_vectors"] = int(counts["nan_vectors"])
         if counts.get("neighbor_rows"):
             found.update(neighbor_rows=int(counts["neighbor_rows"]), neighbors=float(counts["neighbor_same"] / counts["neighbor_rows"]))
+    if counts.get("det_images"):
+        found.update(**({"threshold": threshold} if threshold is not None else {}), detection_images=int(counts["det_images"]),
+                     reference_detections=int(counts["det_reference"]), candidate_detections=int(counts["det_candidate"]),
+                     matched_detections=int(counts["det_matched"]))
+        if counts["det_union"]:
+            found["detections"] = float(counts["det_matched"] / counts["det_union"])
     if counts.get("map_elements"):
         elements, union = int(counts["map_elements"]), int(counts["union"])
         found.update(**({"threshold": threshold} if threshold is not None else {}), map_elements=elements,

@@ -1,5 +1,5 @@
 """How sure a decision figure is: a 95% interval for each share and mean (top-1, top-5, neighbours kept; KL
-divergence, Δp, ΔNLL, cosine; a map's flipped share and IoU), and whether a required figure can be told
+divergence, Δp, ΔNLL, cosine; a map's flipped share and IoU; a detector's detections both sides make), and whether a required figure can be told
 from its target with the data at hand.
 
 The figures are measured over positions (or vectors, or elements), and positions of one sequence (one
@@ -43,6 +43,7 @@ FIGURES: dict[str, tuple[str, str, str | None, str, str]] = {
     "neighbors": ("neighbor_same", "neighbor_rows", None, "share", "rows"),
     "flipped_share": ("flipped", "map_elements", None, "share", "elements"),
     "iou": ("intersection", "union", None, "share", "elements"),
+    "detections": ("det_matched", "det_union", None, "share", "detections"),
 }
 COLUMNS = tuple(dict.fromkeys(c for num, den, sq, _, _ in FIGURES.values() for c in (num, den, sq) if c is not None))  # the counts they are made of
 

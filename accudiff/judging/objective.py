@@ -27,6 +27,7 @@ REQUIREMENTS = {
     "cosine": ("min", "cosine (mean)", "an embedding"), "cosine_min": ("min", "lowest cosine", "an embedding"),
     "neighbors": ("min", "nearest-neighbour agreement", "an embedding of more than two rows"),
     "iou": ("min", "IoU", "a probability map"), "flipped_share": ("max", "flipped share", "a probability map"),
+    "detections": ("min", "detection agreement", "a detector's boxes and class scores"),
 }
 UNBOUNDED = frozenset({"kl", "kl_max"})  # the figures that are no share (between 0 and 1)
 
@@ -129,12 +130,13 @@ LADDERS = {
     "top1": (0.999, 0.995, 0.99, 0.98, 0.95, 0.9),
     "cosine_min": (0.9999, 0.999, 0.995, 0.99, 0.98, 0.95, 0.9),
     "flipped_share": (1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2),
+    "detections": (0.999, 0.995, 0.99, 0.98, 0.95, 0.9),
 }
 
 
 def strictest_met(figures: Mapping[str, float], spans: Mapping[str, Interval]) -> Resolution | None:
     """The strictest requirement on an output's decision (its top-1 agreement, its lowest cosine, its flipped
-    share) that its figures, with their 95% intervals, are shown to meet: what a user who decides by it may
+    share, its detection agreement) that its figures, with their 95% intervals, are shown to meet: what a user who decides by it may
     judge the output by instead of its elementwise tolerance. None where no target of LADDERS is met."""
     for name, targets in LADDERS.items():
         if name in figures:
@@ -161,12 +163,14 @@ def figure_style(name: str) -> tuple[Callable[[float, int], str], int]:
 
 
 def decision_error(figures: Mapping[str, float]) -> float | None:
-    """What a decision gets wrong: 1 - top-1 agreement of scores, 1 - the lowest cosine of an embedding, the
-    flipped share of a map."""
+    """What a decision gets wrong: 1 - top-1 agreement of scores, 1 - the lowest cosine of an embedding, 1 -
+    a detector's detection agreement, the flipped share of a map."""
     if "top1" in figures:
         return 1.0 - figures["top1"]
     if "cosine_min" in figures:
         return 1.0 - figures["cosine_min"]
+    if "detections" in figures:
+        return 1.0 - figures["detections"]
     return figures.get("flipped_share")
 
 
@@ -177,6 +181,8 @@ def describe(tol_ratio: float, figures: Mapping[str, float], suffix: str = " its
         text += f" (top-1 agreement {percent(figures['top1'], 2)}, KL divergence {figures['kl']:.3g})"
     elif "cosine_min" in figures:
         text += f" (lowest cosine {figures['cosine_min']:.6f}{NAN_AS_WORST if figures.get('nan_vectors') else ''})"
+    elif "detections" in figures:
+        text += f" (detection agreement {percent(figures['detections'], 2)})"
     elif "flipped_share" in figures:
         text += f" ({percent(figures['flipped_share'], 3)} of the map flipped)"
     return text

@@ -9,6 +9,7 @@ output's kind is said with the reason, so a wrong guess shows.
 | probabilities | a Softmax (over its axis), a softmax written out (Exp divided by its sum), a name with "prob" | the same, on the distributions themselves |
 | embedding     | a LayerNormalization (hidden states), a mean pooling, a name with "embed", "hidden", "pool" | cosine per vector, nearest neighbour kept within the batch |
 | map           | a Sigmoid                                                                   | the share of elements crossing the threshold, IoU |
+| detections    | a Concat of box coordinates and a Sigmoid's class scores (YOLOv8's head)    | the detections both sides make (score above the threshold, after NMS, same class, IoU ≥ 0.5) |
 | state         | a decoder's KV cache out (a present output its next step reads as past: model/decoder.py) | error percentiles; judged through the logits of later steps, never diagnosed as a failing output |
 | values        | anything else (integers are compared exactly)                               | error percentiles (a map where every value lies in [0, 1]) |
 """
@@ -26,7 +27,7 @@ from accudiff.model.graph import writers_of
 from accudiff.model.decoder import find_decoder
 from accudiff.model.inventory import ModelInfo
 
-KINDS = ("logits", "probabilities", "embedding", "map", "state", "values")
+KINDS = ("logits", "probabilities", "embedding", "map", "detections", "state", "values")
 DECIDING = frozenset(KINDS) - {"state"}  # the kinds whose outputs a failure is diagnosed at
 MOVE_VALUES = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Cast", "Dropout"})
 HEADS = frozenset({"MatMul", "Gemm", "MatMulNBits", "MatMulInteger", "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "FusedMatMul"})
@@ -101,6 +102,10 @@ def _read(name: str, producer: Mapping[str, onnx.NodeProto], constants: set[str]
         return OutputKind("logits", "a LogSoftmax computes it: log-probabilities")
     if op == "Sigmoid":
         return OutputKind("map", "a Sigmoid computes it: a probability per element")
+    if op == "Concat" and len(node.input) == 2 and _reads(node.input[1], {"Sigmoid"}, producer, constants):
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        return OutputKind("detections", f"YOLOv8's head computes it: a Concat, along axis {axis}, of 4 box coordinates (centre, width, height) "
+                                        "and a Sigmoid's score per class", axis)
     if op == "Div" and _reads(node.input[0], {"Exp"}, producer, constants):
         return OutputKind("probabilities", "an Exp divided by its sum computes it: a softmax")
     if op in NORMALIZATIONS:

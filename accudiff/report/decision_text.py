@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from accudiff.judging.decisions import NEAR_TIE
+from accudiff.judging.decisions import MATCH_IOU, NEAR_TIE
 from accudiff.judging.intervals import FIGURES, MIN_UNITS, Interval
 from accudiff.judging.objective import REQUIREMENTS, figure_style
 from accudiff.judging.output_kinds import OutputKind
@@ -103,6 +103,8 @@ def decision_lines(output: str, found: dict, kind: OutputKind | None = None, spa
         note = interval_note(spans)
         return [f"  embedding '{output}'{what}: cosine mean {with_interval('cosine', found['cosine'], spans.get('cosine'), fixed, 6)}, lowest {found['cosine_min']:.6f} "
                 f"over {found['vectors']} vector(s){poisoned}{neighbours}"] + ([f"    {note}"] if note else [])
+    if "detection_images" in found:
+        return detection_lines(output, found, what, spans)
     if "flipped_share" in found:
         note = interval_note(spans)
         return [f"  probability map '{output}'{what}: {with_interval('flipped_share', found['flipped_share'], spans.get('flipped_share'), percent, 3)} of its "
@@ -111,6 +113,20 @@ def decision_lines(output: str, found: dict, kind: OutputKind | None = None, spa
         return [f"  error percentiles '{output}'{what}: p99 |err| {found['p99_abs_err']:.3g}, p99.9 {found['p999_abs_err']:.3g}; in tolerances p99 "
                 f"{times_tolerance(found['p99_tol_ratio'], '')}, p99.9 {times_tolerance(found['p999_tol_ratio'], '')}"]
     return []
+
+
+def detection_lines(output: str, found: dict, what: str, spans: dict[str, Interval]) -> list[str]:
+    """A detector's output: the detections both sides make, with their agreement's interval; or that neither
+    side detects anything at the threshold (no figure, said rather than counted as agreement)."""
+    images, reference, candidate, matched = (found[k] for k in ("detection_images", "reference_detections", "candidate_detections", "matched_detections"))
+    head = f"  detections '{output}'{what}:"
+    if "detections" not in found:
+        return [f"{head} neither side detects anything with a class score of at least {found['threshold']:g} in {images} image(s), so there is no "
+                "detection to agree on: give a lower --threshold, or images with objects in them"]
+    note = interval_note(spans)
+    return [f"{head} the candidate finds {matched} of the reference's {reference} detection(s) in {images} image(s) (same class, IoU ≥ {MATCH_IOU:g}) "
+            f"and makes {candidate - matched} the reference does not; detection agreement {with_interval('detections', found['detections'], spans.get('detections'), percent, 2)} "
+            f"(class score ≥ {found['threshold']:g}, --threshold)"] + ([f"    {note}"] if note else [])
 
 
 def _figure(value: float) -> str:

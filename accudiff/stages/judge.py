@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Mapping
 import numpy as np
 import pandas as pd
 
-from accudiff.judging.decisions import DEFAULT_THRESHOLD, Decision, SampleOutcome, summarize, tolerance_met
+from accudiff.judging.decisions import DEFAULT_THRESHOLD, Decision, SampleOutcome, summarize, threshold_for, tolerance_met
 from accudiff.judging.intervals import intervals
 from accudiff.judging.objective import Resolution
 from accudiff.judging.output_kinds import DECIDING, UNKNOWN, OutputKind
@@ -76,7 +76,8 @@ def judge(info: ModelInfo, transformed: TransformResult, measured: WorkerResult,
     candidate_pass = measured.passes["candidate"]
     steps = pd.DataFrame(measured.steps, columns=STEP_COLUMNS)
     sample_table = _sample_table(candidate_pass.outcomes, steps)
-    decisions, met = _decisions(sample_table, candidate_pass, judging.thresholds, row_of)
+    decisions, met = _decisions(sample_table, candidate_pass, {name: threshold_for(name, kinds.get(name, UNKNOWN).kind, judging.thresholds)
+                                                               for name in info.output_names}, row_of)
     objective = judging.objective
     objective.applies(decisions, info.output_names)
     spans = {output: intervals(rows, _units(rows), decisions[output]) for output, rows in sample_table.groupby("tensor", sort=False)}
@@ -125,11 +126,11 @@ def judge(info: ModelInfo, transformed: TransformResult, measured: WorkerResult,
 
 
 def _decisions(samples: pd.DataFrame, candidate: PassResult, thresholds: Mapping[str, float], row_of: dict[str, int]) -> tuple[dict[str, dict], dict[str, dict]]:
-    """Per graph output, its decision figures over every sample and the tolerance it meets."""
+    """Per graph output, its decision figures over every sample (`thresholds`: each output's) and the tolerance it meets."""
     sketches = candidate.stats.sketch
     decisions, met = {}, {}
     for output, rows in samples.groupby("tensor", sort=False):
-        threshold = thresholds.get(output, thresholds.get("", DEFAULT_THRESHOLD))
+        threshold = thresholds.get(output, DEFAULT_THRESHOLD)
         errors = sketches[row_of[output]] if output in row_of else None
         decisions[output] = summarize(rows, candidate.sketches.get(output, {}), errors, threshold)
         met[output] = tolerance_met(rows)

@@ -32,8 +32,8 @@ class Reading:
 
     def decides_better_than(self, before: Reading) -> bool:
         """Whether its decision is shown better than `before`'s: their 95% intervals of top-1 agreement (or of
-        the flipped share) apart; a figure without one (a lowest cosine) is taken at its value."""
-        for name, higher in (("top1", True), ("flipped_share", False)):
+        detection agreement, or of the flipped share) apart; a figure without one (a lowest cosine) is taken at its value."""
+        for name, higher in (("top1", True), ("detections", True), ("flipped_share", False)):
             now, then = self.spans.get(name), before.spans.get(name)
             if name in self.figures and now is not None and then is not None:
                 return now.low > then.high if higher else now.high < then.low
