@@ -67,6 +67,22 @@ def test_a_detectors_output_is_decoded_into_detections_and_matched():
     assert nothing.det_images == 1 and "detections" not in decision_figures(vars(nothing), 0.95)  # no detection to agree on: no figure
 
 
+def test_verification_tries_the_samples_whose_decision_changes():
+    """YOLOv8n on 16 photographs: the candidate misses a detection in images 4, 6 and 8, and every image fails
+    its tolerance, 10 worst. Verification tried the 8 worst by tolerance, none of them 4, 6 or 8: every keep
+    read "detection agreement 100%", and no keep could show what it does to the detections."""
+    import pandas as pd
+
+    from accudiff.verification.verify import _trial_samples
+
+    ratio = [1.5, 1.4, 2.0, 1.3, 1.1, 1.2, 1.0, 1.6, 1.05, 2.1, 3.2, 1.7, 1.9, 2.4, 1.8, 1.45]
+    union = [2 if k in (4, 8) else 3 if k == 6 else 1 for k in range(16)]
+    failing = pd.DataFrame({"sample": range(16), "tensor": "output0", "tol_ratio": ratio, "rows": 0, "top1": 0, "map_elements": 0, "flipped": 0,
+                            "det_union": union, "det_matched": 1}).sort_values("tol_ratio", ascending=False)
+    chosen = _trial_samples(failing, ["output0"])
+    assert chosen[:4] == [10, 6, 4, 8] and len(chosen) == 8  # the worst, then the decision's losses, the largest share first
+
+
 def test_the_tolerance_met_is_the_edge_between_pass_and_fail(tmp_path):
     """Rerun at the atol (or rtol) it reports, a hair above it passes and a hair below fails."""
     options = {"candidate": "onnxrt", "iterations": 2, "verify": False, "isolate": False}

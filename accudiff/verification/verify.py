@@ -34,6 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
 import pandas as pd
 
 from accudiff.stages.group import GroupRun, could_be_a_shape
@@ -156,11 +157,18 @@ def _trial_prompts(result: CompareResult, outputs: Sequence[str]) -> list[int]:
 
 
 def _trial_samples(failing: pd.DataFrame, outputs: Sequence[str]) -> list[int]:
-    """The samples verification tries (at most MAX_TRIAL_SAMPLES): each failing output's worst first,
-    then the worst of any output. Taken by the worst rows alone, one output's failures could fill them
-    all, and another output would be verified on samples where it passes."""
-    worst = failing[failing["tensor"].isin(outputs)].drop_duplicates("tensor")["sample"]
-    return list(dict.fromkeys(int(s) for s in [*worst, *failing["sample"]]))[:MAX_TRIAL_SAMPLES] or [0]
+    """The samples verification tries (at most MAX_TRIAL_SAMPLES): each failing output's worst first, then
+    those whose decision it changes most (the share of top-1 flips, of detections not matched, of a map's
+    elements flipped), then the worst of any output. Taken by the worst rows alone, one output's failures
+    could fill them all, and another output would be verified on samples where it passes; and the worst by
+    tolerance may all be samples whose decision holds, where a keep cannot show what it does to it."""
+    rows = failing[failing["tensor"].isin(outputs)]
+    worst = rows.drop_duplicates("tensor")["sample"]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lost = pd.concat([(rows["rows"] - rows["top1"]) / rows["rows"], (rows["det_union"] - rows["det_matched"]) / rows["det_union"],
+                          rows["flipped"] / rows["map_elements"]], axis=1).fillna(0.0).max(axis=1)
+    decided = rows.loc[lost[lost > 0].sort_values(ascending=False, kind="stable").index, "sample"]
+    return list(dict.fromkeys(int(s) for s in [*worst, *decided, *failing["sample"]]))[:MAX_TRIAL_SAMPLES] or [0]
 
 
 def _stand_in(failures: list, table: pd.DataFrame, compared: Compared) -> tuple[str | None, str | None, list]:
