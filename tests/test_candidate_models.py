@@ -594,6 +594,7 @@ def test_a_repair_whose_pruning_stopped_short_says_how_many_nodes_it_did_not_try
     code, out, err = run_cli(*common, "-o", tmp_path / "all")
     assert code == 1 and "each of them is needed: without any one of them (each tried)" in out, out + err
     assert "were not tried without" not in out
+    assert "ModelOpt" not in out and "quantize_dynamic(..., nodes_to_exclude=" in out  # its tool's own option, not another tool's
     for module in (precision, report):
         monkeypatch.setattr(module, "PRUNE_LIMIT", 4)
     code, out, err = run_cli(*common, "-o", tmp_path / "short")

@@ -134,8 +134,11 @@ def _precision_text(result, folder: Path, settings: RunSettings) -> str:
             lines.append(f"  each of them is needed: without any one of them (each tried), the rest is not shown to meet {_target(settings)}")
         elif result.untried:
             lines.append(f"  pruned the last added first, within {PRUNE_LIMIT} runs: the first {result.untried} were not tried without, so a shorter list may meet it too")
-        lines.append(f"  keep-list: {folder / KEEP_LIST_FILE} (one --keep-fp32 pattern per line, ModelOpt's --nodes_to_exclude takes them too; the names: "
-                     f"{folder / NODES_FILE}); repaired model: {folder / result.repaired_model}")
+        # ModelOpt's option is said where it is the user's next tool: a candidate accudiff made, or one of Q/DQ pairs (not another tool's own ops).
+        modelopt = settings.candidate_model is None or any(node not in result.quantized_by for node in result.keep)
+        also = ", ModelOpt's --nodes_to_exclude takes them too" if modelopt else ""
+        lines.append(f"  keep-list: {folder / KEEP_LIST_FILE} (one --keep-fp32 pattern per line{also}; the names: {folder / NODES_FILE}); "
+                     f"repaired model: {folder / result.repaired_model}")
         if settings.candidate_model is not None:
             listed = (folder / KEEP_LIST_FILE, folder / NODES_FILE) if len(result.keep) > SHOWN_NODES else None  # past a screen: read from them
             lines += [f"  {line}" for line in remake_lines(result.keep, settings.precision, result.quantized_by, result.reads_constant_weights, listed=listed)]
