@@ -269,6 +269,7 @@ def cause_lines(failure, result, python: bool = False) -> list[str]:
             lines = [f"cause: the error accumulates just past {target}: keeping {cause.op_type} '{cause.node}' repairs the output, the best of "
                      f"{len(cause.alternatives) + 1} of the {len(cause.contributors)} single keeps tried that each do (its output '{cause.tensor}'; {status})"]
         lines += [f"  {f.kind}: {f.message}" for f in cause.findings]
+        lines += tried_subset_lines(failure, result)
         lines += [f"  also repairs it alone: {c.op_type} '{c.node}' ({_kept_effect(c)})" for c in cause.alternatives]
         for c in cause.co_causes:
             lines.append(f"  also: {c.op_type} '{c.node}' ({_kept_effect(c)})")
@@ -278,6 +279,7 @@ def cause_lines(failure, result, python: bool = False) -> list[str]:
                  if cause.kind == "accumulated" else
                  "cause: not found: NaN/Inf reach this output and no keep tried removes them (see the findings upstream)"]
         lines += [f"  {f.kind}: {f.message}" for f in cause.findings]
+        lines += tried_subset_lines(failure, result)
     else:
         lines = ["cause: unknown: no range fault found, and without the isolated run (--no-isolate) one node's own error "
                  "cannot be told from error that adds up"]
@@ -318,6 +320,17 @@ def split_lines(output: str, result) -> list[str]:
             lines.append(f"  loss split: {said[first]} leaves the output at {times_tolerance(ratios[first], '')}, {said[second]} at "
                          f"{times_tolerance(ratios[second], '')}, both at {times_tolerance(ratios['with_both'])}{decision}")
     return lines
+
+
+def tried_subset_lines(failure, result) -> list[str]:
+    """Where verification tried some of the run's samples: that the figures of its keeps are theirs (chosen for
+    the error and the decision they lose, they read worse than the whole run's)."""
+    tried = failure.repair.samples if failure.repair is not None else []
+    unit, total = ("prompt", len(result.generations)) if result.generations else ("sample", result.iterations)
+    if not tried or len(tried) >= total:
+        return []
+    return [f"  (every keep here was tried on {len(tried)} of the {total} {unit}s, those the repair names, chosen for the error and the decision "
+            f"they lose: its figures are those {unit}s', not the whole run's)"]
 
 
 def repair_lines(failure, result, python: bool = False) -> list[str]:
