@@ -264,8 +264,14 @@ def threshold_for(output: str, kind: str, thresholds: Mapping[str, float]) -> fl
 
 def _detections(ref: np.ndarray, cand: np.ndarray, axis: int, threshold: float) -> dict:
     """Each image's detections on both sides, and how many of the reference's the candidate matches (see
-    the module's docstring); the images are the output's rows along every axis but `axis` and the boxes'."""
-    if ref.ndim < 2 or ref.shape[axis] <= BOX_COORDINATES:
+    the module's docstring); the images are the output's rows along every axis but `axis` and the boxes'.
+    An axis not read from the graph (-1, as `--output-kind NAME=detections` gives it) is the shorter of the
+    last two: an image holds more boxes than each has coordinates and scores ([1, 84, 8400] or [1, 8400, 84])."""
+    if ref.ndim < 2:
+        return {}
+    if axis == -1 and ref.shape[-2] < ref.shape[-1]:
+        axis = -2
+    if ref.shape[axis] <= BOX_COORDINATES:
         return {}
     r, c = np.moveaxis(ref, axis, -1), np.moveaxis(cand, axis, -1)
     r, c = r.reshape(-1, *r.shape[-2:]), c.reshape(-1, *c.shape[-2:])  # [image, box, coordinates and scores]
