@@ -657,7 +657,8 @@ def detection_counts(reference: list[np.ndarray], candidate: list[np.ndarray], t
     """A YOLOv8 head's output [batch, 4 + classes, boxes] decoded as ultralytics decodes it: a box whose best
     class score reaches `threshold`, boxes of a class overlapping a higher-scoring one by IoU > 0.7 dropped,
     at most 300 an image; then each reference detection, the highest score first, matched to the unmatched
-    candidate detection of its class it overlaps most, if by IoU >= 0.5. Counts over every image."""
+    candidate detection of its class it overlaps most, if by IoU >= 0.5. Counts over every image, and the
+    matched pairs' IoU added up."""
 
     def iou(a, b):
         w, h = min(a[2], b[2]) - max(a[0], b[0]), min(a[3], b[3]) - max(a[1], b[1])
@@ -680,7 +681,7 @@ def detection_counts(reference: list[np.ndarray], candidate: list[np.ndarray], t
                 kept.append((score, label, box))
         return kept
 
-    counts = {"images": 0, "reference": 0, "candidate": 0, "matched": 0}
+    counts = {"images": 0, "reference": 0, "candidate": 0, "matched": 0, "iou_sum": 0.0}
     for ref, cand in zip(reference, candidate):
         for image_r, image_c in zip(ref, cand):
             found_r, found_c = detected(image_r), detected(image_c)
@@ -689,6 +690,7 @@ def detection_counts(reference: list[np.ndarray], candidate: list[np.ndarray], t
                 overlaps = [(iou(box, other), k) for k, (_, other_label, other) in enumerate(found_c) if other_label == label and not taken[k]]
                 if overlaps and max(overlaps)[0] >= 0.5:
                     taken[max(overlaps)[1]] = True
+                    counts["iou_sum"] += max(overlaps)[0]
             counts["images"] += 1
             counts["reference"] += len(found_r)
             counts["candidate"] += len(found_c)

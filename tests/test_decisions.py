@@ -62,7 +62,7 @@ def test_a_detectors_output_is_decoded_into_detections_and_matched():
     decision = decide(*arrays, OutputKind("detections", "", 1), Tolerance(1e-3, 0.0, 0.0), 0.25, 200.0, sketches)
     assert (decision.det_images, decision.det_reference, decision.det_candidate, decision.det_matched, decision.det_union) == (1, 3, 3, 1, 5)
     figures = decision_figures(vars(decision), 0.25)
-    assert figures["detections"] == pytest.approx(0.2) and figures["threshold"] == 0.25
+    assert figures["detections"] == pytest.approx(0.2) and figures["threshold"] == 0.25 and figures["matched_iou"] == 1.0  # A, unmoved
     given = [np.concatenate([a, np.zeros((1, 6, 10), np.float32)], axis=2) for a in arrays]  # more boxes than rows: [1, 6, 15]
     for layout in (given, [np.swapaxes(a, 1, 2) for a in given]):  # --output-kind NAME=detections says no axis: the shorter of the last two
         same = decide(*layout, OutputKind("detections", "given by --output-kind"), Tolerance(1e-3, 0.0, 0.0), 0.25, 200.0, sketches)

@@ -21,7 +21,7 @@ sample, in figures that add up over samples, workers and machines. What an outpu
   width and height, then a score per class): each side's detections (its highest class score at least the
   threshold, 0.25 unless set, then per class non-maximum suppression at IoU 0.7, at most 300, as ultralytics
   does), and how many of the reference's the candidate matches (the same class, IoU at least 0.5, each
-  matched once, the reference's highest scores first);
+  matched once, the reference's highest scores first), with how much the matched boxes overlap (their IoU);
 * any float output: the tolerance it meets, the smallest atol (at the run's rtol and stol) and the
   smallest rtol (at its atol and stol) under which every element would pass; and a sketch of each
   element's error in tolerances (|err| / (atol + rtol·|ref| + stol·absmax)), for its percentiles.
@@ -90,6 +90,8 @@ class Decision:
     det_candidate: int = 0  # ... of the candidate
     det_matched: int = 0  # the reference's detections the candidate matches
     det_union: int = 0  # detections either side makes, a matched pair counted once
+    det_iou_sum: float = 0.0  # the matched pairs' IoU, added up
+    det_iou_sq_sum: float = 0.0  # ... and its squares
     atol_needed: float = 0.0
     rtol_needed: float = 0.0
     non_finite: int = 0  # elements NaN/Inf on one side and not the same on the other: their error is Inf
@@ -275,14 +277,16 @@ def _detections(ref: np.ndarray, cand: np.ndarray, axis: int, threshold: float) 
         return {}
     r, c = np.moveaxis(ref, axis, -1), np.moveaxis(cand, axis, -1)
     r, c = r.reshape(-1, *r.shape[-2:]), c.reshape(-1, *c.shape[-2:])  # [image, box, coordinates and scores]
-    found = dict(det_images=r.shape[0], det_reference=0, det_candidate=0, det_matched=0, det_union=0)
+    found = dict(det_images=r.shape[0], det_reference=0, det_candidate=0, det_matched=0, det_union=0, det_iou_sum=0.0, det_iou_sq_sum=0.0)
     for image_r, image_c in zip(r, c):
         (boxes_r, classes_r), (boxes_c, classes_c) = _detected(image_r, threshold), _detected(image_c, threshold)
-        matched = _matched(boxes_r, classes_r, boxes_c, classes_c)
+        overlaps = _matched(boxes_r, classes_r, boxes_c, classes_c)
         found["det_reference"] += len(boxes_r)
         found["det_candidate"] += len(boxes_c)
-        found["det_matched"] += matched
-        found["det_union"] += len(boxes_r) + len(boxes_c) - matched
+        found["det_matched"] += len(overlaps)
+        found["det_union"] += len(boxes_r) + len(boxes_c) - len(overlaps)
+        found["det_iou_sum"] += float(np.sum(overlaps))
+        found["det_iou_sq_sum"] += float(np.sum(np.square(overlaps)))
     return found
 
 
@@ -307,15 +311,17 @@ def _detected(rows: np.ndarray, threshold: float) -> tuple[np.ndarray, np.ndarra
     return boxes[kept], classes[kept]
 
 
-def _matched(boxes_r: np.ndarray, classes_r: np.ndarray, boxes_c: np.ndarray, classes_c: np.ndarray) -> int:
-    """How many of the reference's detections (the highest score first) a candidate's detection matches:
-    the same class, IoU at least MATCH_IOU, the best overlap not yet taken."""
+def _matched(boxes_r: np.ndarray, classes_r: np.ndarray, boxes_c: np.ndarray, classes_c: np.ndarray) -> list[float]:
+    """The IoU of each of the reference's detections (the highest score first) a candidate's detection
+    matches: the same class, IoU at least MATCH_IOU, the best overlap not yet taken."""
     taken = np.zeros(len(boxes_c), bool)
+    overlaps = []
     for box, label in zip(boxes_r, classes_r):
         overlap = np.where(taken | (classes_c != label), -1.0, _iou(box, boxes_c))
         if overlap.size and overlap.max() >= MATCH_IOU:
             taken[overlap.argmax()] = True
-    return int(taken.sum())
+            overlaps.append(float(overlap.max()))
+    return overlaps
 
 
 def _iou(box: np.ndarray, boxes: np.ndarray) -> np.ndarray:
@@ -399,6 +405,8 @@ def decision_figures(counts: dict, threshold: float | None = None) -> dict:
                      matched_detections=int(counts["det_matched"]))
         if counts["det_union"]:
             found["detections"] = float(counts["det_matched"] / counts["det_union"])
+        if counts["det_matched"]:
+            found["matched_iou"] = float(counts["det_iou_sum"] / counts["det_matched"])
     if counts.get("map_elements"):
         elements, union = int(counts["map_elements"]), int(counts["union"])
         found.update(**({"threshold": threshold} if threshold is not None else {}), map_elements=elements,

@@ -32,7 +32,7 @@ MIN_UNITS = 5  # fewer units than this: their spread is not measured
 SEED = 0
 
 # figure -> (what it is made of: numerator, denominator, sum of squares or None, "share" or "mean", what a unit holds)
-BOUNDS = {"kl": (0.0, math.inf), "delta_p": (-1.0, 1.0), "cosine": (-1.0, 1.0)}  # a mean's possible values (a share's are 0 to 1)
+BOUNDS = {"kl": (0.0, math.inf), "delta_p": (-1.0, 1.0), "cosine": (-1.0, 1.0), "matched_iou": (0.0, 1.0)}  # a mean's possible values (a share's are 0 to 1)
 FIGURES: dict[str, tuple[str, str, str | None, str, str]] = {
     "top1": ("top1", "rows", None, "share", "positions"),
     "top5": ("top5", "top5_rows", None, "share", "positions"),
@@ -44,6 +44,7 @@ FIGURES: dict[str, tuple[str, str, str | None, str, str]] = {
     "flipped_share": ("flipped", "map_elements", None, "share", "elements"),
     "iou": ("intersection", "union", None, "share", "elements"),
     "detections": ("det_matched", "det_union", None, "share", "detections"),
+    "matched_iou": ("det_iou_sum", "det_matched", "det_iou_sq_sum", "mean", "detections"),
 }
 COLUMNS = tuple(dict.fromkeys(c for num, den, sq, _, _ in FIGURES.values() for c in (num, den, sq) if c is not None))  # the counts they are made of
 
