@@ -125,7 +125,7 @@ def detection_lines(output: str, found: dict, what: str, spans: dict[str, Interv
                 "detection to agree on: give a lower --threshold, or images with objects in them"]
     note = interval_note(spans)
     lines = [f"{head} the candidate finds {matched} of the reference's {reference} detection(s) in {images} image(s) (same class, IoU ≥ {MATCH_IOU:g}) "
-             f"and makes {candidate - matched} the reference does not; detection agreement {with_interval('detections', found['detections'], spans.get('detections'), percent, 2)} "
+             f"and {candidate - matched} of its own match{'es' if candidate - matched == 1 else ''} none of the reference's; detection agreement {with_interval('detections', found['detections'], spans.get('detections'), percent, 2)} "
              f"(class score ≥ {found['threshold']:g}, --threshold)"]
     if "matched_iou" in found:
         lines.append(f"    the matched boxes overlap by IoU {with_interval('matched_iou', found['matched_iou'], spans.get('matched_iou'), fixed, 4)} on average")
