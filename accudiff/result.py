@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -152,6 +152,21 @@ class CompareResult:
     def failing_samples(self) -> pd.DataFrame:
         """Rows of `samples` out of tolerance, worst first (by how many tolerances they reach)."""
         return self.samples[self.samples["status"] == STATUS_FAIL].sort_values("tol_ratio", ascending=False)
+
+    def losing_samples(self, outputs: Sequence[str] | None = None) -> list[int]:
+        """The failing samples of `outputs` (default: every graph output), by what they lose: each output's
+        worst first, then those whose decision changes most (the share of top-1 flips, of detections not
+        matched, of a map's elements flipped), then the others by how many tolerances they reach. Taken by the
+        worst rows alone, one output's failures could fill them all; and the worst by tolerance may all be
+        samples whose decision holds, where neither a keep nor a replay shows what the error does to it."""
+        failing = self.failing_samples
+        rows = failing if outputs is None else failing[failing["tensor"].isin(outputs)]
+        worst = rows.drop_duplicates("tensor")["sample"]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            lost = pd.concat([(rows["rows"] - rows["top1"]) / rows["rows"], (rows["det_union"] - rows["det_matched"]) / rows["det_union"],
+                              rows["flipped"] / rows["map_elements"]], axis=1).fillna(0.0).max(axis=1)
+        decided = rows.loc[lost[lost > 0].sort_values(ascending=False, kind="stable").index, "sample"]
+        return list(dict.fromkeys(int(s) for s in [*worst, *decided, *failing["sample"]]))
 
     def class_agreement(self) -> dict[str, dict | None]:
         """Per graph output: top-1 and top-5 agreement of reference and candidate over every sample, for

@@ -77,14 +77,16 @@ def test_verification_tries_the_samples_whose_decision_changes():
     read "detection agreement 100%", and no keep could show what it does to the detections."""
     import pandas as pd
 
-    from accudiff.verification.verify import _trial_samples
+    from types import SimpleNamespace
+
+    from accudiff.result import CompareResult
 
     ratio = [1.5, 1.4, 2.0, 1.3, 1.1, 1.2, 1.0, 1.6, 1.05, 2.1, 3.2, 1.7, 1.9, 2.4, 1.8, 1.45]
     union = [2 if k in (4, 8) else 3 if k == 6 else 1 for k in range(16)]
     failing = pd.DataFrame({"sample": range(16), "tensor": "output0", "tol_ratio": ratio, "rows": 0, "top1": 0, "map_elements": 0, "flipped": 0,
                             "det_union": union, "det_matched": 1}).sort_values("tol_ratio", ascending=False)
-    chosen = _trial_samples(failing, ["output0"])
-    assert chosen[:4] == [10, 6, 4, 8] and len(chosen) == 8  # the worst, then the decision's losses, the largest share first
+    chosen = CompareResult.losing_samples(SimpleNamespace(failing_samples=failing), ["output0"])
+    assert chosen[:4] == [10, 6, 4, 8] and len(chosen) == 16  # the worst, then the decision's losses, the largest share first, then the rest
 
 
 def test_the_tolerance_met_is_the_edge_between_pass_and_fail(tmp_path):

@@ -425,12 +425,11 @@ def element_index(row) -> str:
 
 
 def worst_samples(result, count: int = WORST_SAMPLE_COUNT) -> list[int]:
-    """The failing samples reaching the most tolerances on some graph output, worst first (none to pick
-    out of a single sample: inputs.npz replays it)."""
+    """The failing samples, by what they lose (CompareResult.losing_samples: a replay shows a lost decision
+    too; none to pick out of a single sample: inputs.npz replays it)."""
     if result.iterations < 2 or result.generations:  # a decoder's samples are steps of its prompts: prompts.npz replays them
         return []
-    failing = result.failing_samples
-    return list(dict.fromkeys(int(s) for s in failing["sample"]))[:count]
+    return result.losing_samples()[:count]
 
 
 def finite(value):

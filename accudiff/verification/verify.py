@@ -34,7 +34,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-import numpy as np
 import pandas as pd
 
 from accudiff.stages.group import GroupRun, could_be_a_shape
@@ -105,7 +104,7 @@ def verify_outputs(
         picked = [g for g in result.generations if g["sequence"] in chosen]
         tried = whole_sequences(picked, decoder, cache_types(info.inputs, decoder), scratch / "whole-sequences.npz", info.inputs)
     else:
-        chosen = _trial_samples(result.failing_samples, outputs)
+        chosen = result.losing_samples(outputs)[:MAX_TRIAL_SAMPLES] or [0]
         tried = samples.subset(chosen)
     base = replace(candidate.transformed, model=load_graph(candidate.path))
     first = tried[0]
@@ -154,21 +153,6 @@ def _trial_prompts(result: CompareResult, outputs: Sequence[str]) -> list[int]:
     rows = result.samples[result.samples["tensor"].isin(outputs)]
     per_prompt = rows.assign(flips=rows["rows"] - rows["top1"]).groupby("sequence").agg(flips=("flips", "sum"), ratio=("tol_ratio", "max"))
     return [int(p) for p in per_prompt.sort_values(["flips", "ratio"], ascending=False).index[:MAX_TRIAL_SAMPLES]]
-
-
-def _trial_samples(failing: pd.DataFrame, outputs: Sequence[str]) -> list[int]:
-    """The samples verification tries (at most MAX_TRIAL_SAMPLES): each failing output's worst first, then
-    those whose decision it changes most (the share of top-1 flips, of detections not matched, of a map's
-    elements flipped), then the worst of any output. Taken by the worst rows alone, one output's failures
-    could fill them all, and another output would be verified on samples where it passes; and the worst by
-    tolerance may all be samples whose decision holds, where a keep cannot show what it does to it."""
-    rows = failing[failing["tensor"].isin(outputs)]
-    worst = rows.drop_duplicates("tensor")["sample"]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        lost = pd.concat([(rows["rows"] - rows["top1"]) / rows["rows"], (rows["det_union"] - rows["det_matched"]) / rows["det_union"],
-                          rows["flipped"] / rows["map_elements"]], axis=1).fillna(0.0).max(axis=1)
-    decided = rows.loc[lost[lost > 0].sort_values(ascending=False, kind="stable").index, "sample"]
-    return list(dict.fromkeys(int(s) for s in [*worst, *decided, *failing["sample"]]))[:MAX_TRIAL_SAMPLES] or [0]
 
 
 def _stand_in(failures: list, table: pd.DataFrame, compared: Compared) -> tuple[str | None, str | None, list]:
