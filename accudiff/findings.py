@@ -117,10 +117,12 @@ class RepairStep:
 @dataclass(frozen=True)
 class Repair:
     """Nodes to keep in higher precision for one output, the steps that found them (the first: nothing
-    kept), and whether the last step brought the output within tolerance on the samples tried."""
+    kept), and whether the last step brought the output within tolerance on the samples tried (and, where
+    those were some of the run's, `whole_run` on all of them)."""
 
     keep: list[str]
     steps: list[RepairStep]
     verified: bool
     samples: list[int] = field(default_factory=list)
     pruning_runs: int = 0  # runs that tried dropping its nodes once it held (readings.pruned): the last step is what held
+    whole_run: RepairStep | None = None  # where `samples` are some of the run's: every verified repair's nodes kept, on all of them

@@ -329,8 +329,9 @@ def tried_subset_lines(failure, result) -> list[str]:
     unit, total = ("prompt", len(result.generations)) if result.generations else ("sample", result.iterations)
     if not tried or len(tried) >= total:
         return []
+    then = f"; the repair then on all {total}" if failure.repair.whole_run is not None else ""
     return [f"  (every keep here was tried on {len(tried)} of the {total} {unit}s, those the repair names, chosen for the error and the decision "
-            f"they lose: its figures are those {unit}s', not the whole run's)"]
+            f"they lose: its figures are those {unit}s', not the whole run's{then})"]
 
 
 def repair_lines(failure, result, python: bool = False) -> list[str]:
@@ -344,6 +345,12 @@ def repair_lines(failure, result, python: bool = False) -> list[str]:
         samples += f" of {failure.cause.stand_in}"
     # Unverified, the worst of the samples tried is what still fails, not each of them.
     how = f"verified {samples}" if repair.verified else f"NOT verified: tried {samples}, the output still fails"
+    whole = repair.whole_run
+    if whole is not None:
+        total = len(result.generations) if result.generations else result.iterations
+        others = f", with the other outputs' repairs kept too ({len(whole.keep)} node(s))" if set(whole.keep) != set(repair.keep) else ""
+        on_all = f"on all {total} {unit}s{others}: output at {describe(whole.tol_ratio, whole.figures)}"
+        how = f"verified {samples}, then {on_all}" if repair.verified else f"NOT verified: it holds {samples}, not {on_all}"
     lines = [f"  repair ({how}): keep {len(repair.keep)} node(s) in higher precision: " + ", ".join(f"'{n}'" for n in repair.keep)]
     for number, step in enumerate(repair.steps):
         kept = "nothing kept" if not step.keep else f"keep {len(step.keep)} node(s)"
@@ -354,10 +361,11 @@ def repair_lines(failure, result, python: bool = False) -> list[str]:
         lines.append(f"    pruned in {repair.pruning_runs} run(s): each node tried for dropping while the output still met its target; "
                      + (f"{dropped} of {grown} dropped (the last step)" if dropped else "none could be"))
     if repair.verified:
-        lines += ["    apply it:", f"      {keep_option(result, repair.keep, python)}"]
+        keep = (whole or repair).keep  # what held on every sample, where that was tried
+        lines += ["    apply it:", f"      {keep_option(result, keep, python)}"]
         if result.candidate_model is not None:
             repaired = result.report_dir / result.repaired_candidate if result.repaired_candidate and result.report_dir is not None else None
-            lines += [f"    {line}" for line in remake_lines(repair.keep, result.precision, result.quantized_by, result.reads_constant_weights, repaired)]
+            lines += [f"    {line}" for line in remake_lines(keep, result.precision, result.quantized_by, result.reads_constant_weights, repaired)]
     return lines
 
 

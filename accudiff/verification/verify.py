@@ -99,13 +99,16 @@ def verify_outputs(
     outputs = [f.tensor for f in failures]
     info = read_again(candidate.info)
     if result.generations:  # a decoder: each chosen prompt's whole sequence, run as one prefill (model/prompts.py)
-        chosen = _trial_prompts(result, outputs)
+        chosen, total = _trial_prompts(result, outputs), len(result.generations)
         decoder = find_decoder(info.path, info.inputs, info.output_names)
-        picked = [g for g in result.generations if g["sequence"] in chosen]
-        tried = whole_sequences(picked, decoder, cache_types(info.inputs, decoder), scratch / "whole-sequences.npz", info.inputs)
+
+        def sequences(picked: Sequence[int], name: str) -> Samples:
+            return whole_sequences([g for g in result.generations if g["sequence"] in picked], decoder, cache_types(info.inputs, decoder), scratch / name, info.inputs)
+
+        tried, everything = sequences(chosen, "whole-sequences.npz"), lambda: sequences(range(total), "every-sequence.npz")
     else:
-        chosen = result.losing_samples(outputs)[:MAX_TRIAL_SAMPLES] or [0]
-        tried = samples.subset(chosen)
+        chosen, total = result.losing_samples(outputs)[:MAX_TRIAL_SAMPLES] or [0], len(samples)
+        tried, everything = samples.subset(chosen), lambda: samples
     base = replace(candidate.transformed, model=load_graph(candidate.path))
     first = tried[0]
     setup = TrialSetup(
@@ -119,7 +122,10 @@ def verify_outputs(
                                                  judging.objective, diagnosing.cause_budget)
         result.loss_split = loss_split(outputs, control, parts, split)
     result.worker_timings["verification"] = trials.timings
-    keep = list(dict.fromkeys(n for _, repair in verdicts.values() if repair.verified for n in repair.keep))
+    if len(chosen) < total:
+        verdicts = _on_every_sample(verdicts, replace(setup, samples=everything(), scratch=scratch / "every-sample"), indexed, judging.objective,
+                                    result.worker_timings)
+    keep = list(dict.fromkeys(n for _, repair in verdicts.values() if repair.verified for n in (repair.whole_run or repair).keep))
     if report is not None and keep and compared.candidate_model is not None:
         save_model(repaired(setup.variants, keep), report / repaired_file(setup.variants.recipe), one_file=True)
         result.repaired_candidate = repaired_file(setup.variants.recipe)
@@ -136,6 +142,26 @@ def verify_outputs(
             f"{stand_in or 'the candidate'} run again with nothing kept: a keep cannot be verified where the failure does not show, "
             "so the cause stays the rules' hypothesis")
     return notices
+
+
+def _on_every_sample(verdicts: dict[str, tuple[Cause, Repair]], setup: TrialSetup, table: pd.DataFrame, objective: Objective,
+                     timings: dict[str, dict[str, float]]) -> dict[str, tuple[Cause, Repair]]:
+    """The repairs verified on some of the run's samples (chosen for what they lose, not for all the run could),
+    run once more on all of them with every such repair's nodes kept, as the command `next:` prints applies
+    them and the repaired candidate holds them: a repair is verified only if it holds there too."""
+    keep = list(dict.fromkeys(n for _, repair in verdicts.values() if repair.verified for n in repair.keep))
+    if not keep:
+        return verdicts
+    with Trials(setup, table) as trials:
+        [outcome] = trials.run([keep], exact=True)  # as verified: each repair closed already, or pruned to what held
+    timings["every sample"] = trials.timings
+    confirmed = {}
+    for output, (cause, repair) in verdicts.items():
+        if repair.verified:
+            reading = Reading.of(outcome, output, objective)
+            repair = replace(repair, whole_run=reading.step(outcome.keep), verified=reading.met)
+        confirmed[output] = (cause, repair)
+    return confirmed
 
 
 def _variant_seconds(timings: dict[str, float], passes: Sequence[dict], share: float) -> float | None:
