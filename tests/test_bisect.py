@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+import tempfile
 
 import onnx
 import pytest
@@ -146,11 +147,14 @@ def test_bisect_commands_write_their_report(run_cli, tmp_path):
 
 
 @pytest.mark.parametrize("command", ["subgraph", "precision"])
-def test_a_missing_calibration_file_is_refused_before_any_step(run_cli, tmp_path, command):
-    """bisect printed "step 1: compare the whole model" and only then refused a --calib-data file that did not exist."""
+def test_a_missing_calibration_file_is_refused_before_any_step(run_cli, tmp_path, command, monkeypatch):
+    """bisect printed "step 1: compare the whole model" and only then refused a --calib-data file that did not exist.
+    Refused, it left its reference cache behind (a temporary folder holding the inputs): nothing is left now."""
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     code, out, err = run_cli("bisect", command, fixture("clean"), "--int8", "--calib-data", tmp_path / "nope.npz", "-o", tmp_path / "b")
     assert code == 2 and err.strip().splitlines() == [f"accudiff: error: calibration file '{tmp_path / 'nope.npz'}' does not exist"], err
-    assert out == "" and not (tmp_path / "b").exists()
+    assert out == "" and not (tmp_path / "b").exists() and not list((tmp_path / "tmp").iterdir())
 
 
 def test_bisect_precision_numbers_only_the_steps_it_runs(run_cli, tmp_path):

@@ -46,6 +46,13 @@ class BisectSession:
         self.info: ModelInfo = load_model(self.settings.model)
         self.settings.check_against(self.info)  # a bad option is one sentence before any step is shown
         self.cache = ReferenceCache()
+        try:
+            self._prepare()
+        except BaseException:  # a bad input file is one sentence, and leaves no folder behind
+            self.close()
+            raise
+
+    def _prepare(self) -> None:
         if self.settings.given_alone:  # the model is its own candidate: the reference is its float form
             self.info, _ = float_reference(self.info, self.cache.folder)
         self.info, _ = at_forms_opset(self.info, self.settings.precision, self.cache.folder)
