@@ -568,7 +568,7 @@ def test_the_printed_modelopt_patterns_select_exactly_the_nodes_kept(precision):
     the trained recognizer's."""
     import shlex
 
-    from accudiff.report.content import remake_lines
+    from accudiff.report.repair_text import remake_lines
 
     names = [node.name for node in onnx.load(str(models.ppocr_rec_v4())).graph.node]
     kept = ["p2o.Conv.1", "p2o.Add.2"]
@@ -611,7 +611,7 @@ def test_a_long_repair_is_read_from_the_files_bisect_writes(tmp_path):
     import shlex
 
     from accudiff.model.quantized_ops import GENAI_BUILDER, modelopt_pattern
-    from accudiff.report.content import remake_lines
+    from accudiff.report.repair_text import remake_lines
 
     names = [f"p2o.Conv.{k}" for k in range(12)]
     patterns, listing = tmp_path / "keep_fp32.txt", tmp_path / "nodes.txt"

@@ -147,7 +147,7 @@ def test_verification_measures_its_control_on_the_samples_and_sessions_it_tries(
     into the ratio every keep was judged against: 17.66x where the trials measured 17.94x). Up to the
     trials' FP32 reference: beyond eight samples it runs with only the graph outputs marked, which ONNX
     Runtime fuses otherwise (a few parts in a million)."""
-    from accudiff.report.content import repair_lines
+    from accudiff.report.repair_text import repair_lines
     from accudiff.runners.onnxrt import OPTIMIZED_FROM_SAMPLES
 
     path = _model("ppocr_rec_v4", tmp_path)

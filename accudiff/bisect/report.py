@@ -15,7 +15,8 @@ from accudiff.bisect.session import BisectSession, stderr_progress
 from accudiff.bisect.subgraph import bisect_subgraph
 from accudiff.findings import CAUSE_KINDS
 from accudiff.atomic import new_folder
-from accudiff.report.content import HTML_FILE, finite, met_words, remake_lines
+from accudiff.report.content import HTML_FILE, finite, met_words
+from accudiff.report.repair_text import remake_lines
 from accudiff.judging.objective import REQUIREMENTS
 from accudiff.report.decision_text import decision_lines, said_figure
 from accudiff.report.html import bisect_page

@@ -6,18 +6,14 @@ summary.md (html.py) and the report folder (writer.py) are views of it.
 from __future__ import annotations
 
 import math
-import re
 import shlex
-from collections.abc import Collection
 from dataclasses import asdict
-from pathlib import Path
 
 from accudiff.version import __version__
 from accudiff.judging.objective import REQUIREMENTS, describe, figure_text
-from accudiff.model.formats import QUANTIZED_FORMATS
 from accudiff.report.decision_text import decision_lines, generation_lines, output_kind, phase_lines, said_figure, sample_name, state_lines
-from accudiff.model.quantized_ops import TOOL_OPTIONS, modelopt_pattern
-from accudiff.report.next_steps import bisect_command, decision_requirement, keep_option, requirement_option, unsaved_inputs_text
+from accudiff.report.next_steps import decision_requirement, requirement_option
+from accudiff.report.repair_text import repair_lines, tried_subset_lines
 from accudiff.text import percent, times_tolerance
 
 SUMMARY_SCHEMA = "accudiff.compare.summary"
@@ -319,96 +315,6 @@ def split_lines(output: str, result) -> list[str]:
                         if top1.get("with_both") is not None else "")
             lines.append(f"  loss split: {said[first]} leaves the output at {times_tolerance(ratios[first], '')}, {said[second]} at "
                          f"{times_tolerance(ratios[second], '')}, both at {times_tolerance(ratios['with_both'])}{decision}")
-    return lines
-
-
-def tried_subset_lines(failure, result) -> list[str]:
-    """Where verification tried some of the run's samples: that the figures of its keeps are theirs (chosen for
-    the error and the decision they lose, they read worse than the whole run's)."""
-    tried = failure.repair.samples if failure.repair is not None else []
-    unit, total = ("prompt", len(result.generations)) if result.generations else ("sample", result.iterations)
-    if not tried or len(tried) >= total:
-        return []
-    then = f"; the repair then on all {total}" if failure.repair.whole_run is not None else ""
-    return [f"  (every keep here was tried on {len(tried)} of the {total} {unit}s, those the repair names, chosen for the error and the decision "
-            f"they lose: its figures are those {unit}s', not the whole run's{then})"]
-
-
-def repair_lines(failure, result, python: bool = False) -> list[str]:
-    """The verified repair, one line per step; without one, how to look for it."""
-    repair = failure.repair
-    if repair is None or len(repair.steps) < 2:
-        return ["  to find the nodes to keep in higher precision:", f"    {bisect_command(result) or f'accudiff bisect precision ({unsaved_inputs_text()})'}"]
-    unit = "prompt" if result.generations else "sample"  # a decoder's trials run each prompt's whole sequence
-    samples = (f"on {unit} {repair.samples[0]}" if len(repair.samples) == 1 else f"on {unit}s {', '.join(map(str, repair.samples))}") if repair.samples else ""
-    if failure.cause is not None and failure.cause.stand_in:
-        samples += f" of {failure.cause.stand_in}"
-    # Unverified, the worst of the samples tried is what still fails, not each of them.
-    how = f"verified {samples}" if repair.verified else f"NOT verified: tried {samples}, the output still fails"
-    whole = repair.whole_run
-    if whole is not None:
-        total = len(result.generations) if result.generations else result.iterations
-        others = f", with the other outputs' repairs kept too ({len(whole.keep)} node(s))" if set(whole.keep) != set(repair.keep) else ""
-        on_all = f"on all {total} {unit}s{others}: output at {describe(whole.tol_ratio, whole.figures)}"
-        how = f"verified {samples}, then {on_all}" if repair.verified else f"NOT verified: it holds {samples}, not {on_all}"
-    lines = [f"  repair ({how}): keep {len(repair.keep)} node(s) in higher precision: " + ", ".join(f"'{n}'" for n in repair.keep)]
-    for number, step in enumerate(repair.steps):
-        kept = "nothing kept" if not step.keep else f"keep {len(step.keep)} node(s)"
-        lines.append(f"    step {number}: {kept} -> output at {describe(step.tol_ratio, step.figures)}")
-    if repair.pruning_runs:
-        grown = len(repair.steps[-2 if len(repair.steps[-1].keep) < len(repair.steps[-2].keep) else -1].keep)
-        dropped = grown - len(repair.keep)
-        lines.append(f"    pruned in {repair.pruning_runs} run(s): each node tried for dropping while the output still met its target; "
-                     + (f"{dropped} of {grown} dropped (the last step)" if dropped else "none could be"))
-    if repair.verified:
-        keep = (whole or repair).keep  # what held on every sample, where that was tried
-        lines += ["    apply it:", f"      {keep_option(result, keep, python)}"]
-        if result.candidate_model is not None:
-            repaired = result.report_dir / result.repaired_candidate if result.repaired_candidate and result.report_dir is not None else None
-            lines += [f"    {line}" for line in remake_lines(keep, result.precision, result.quantized_by, result.reads_constant_weights, repaired)]
-    return lines
-
-
-def remake_lines(nodes: list[str], precision: str, quantized_by: dict[str, str], reads_constant_weights: Collection[str],
-                 repaired: Path | None = None, listed: tuple[Path, Path] | None = None) -> list[str]:
-    """For a candidate made by another tool (of `precision`): the options that make it again without `nodes`
-    quantized or converted, in the tools' own terms (the tool that wrote a quantized op, `quantized_by`,
-    else the Q/DQ quantizers'; not onnxconverter-common's where a node reads a weight a Constant holds,
-    `reads_constant_weights`: it would round that weight all the same), and where the repaired candidate is.
-    `listed`: files holding the nodes as ModelOpt's patterns and as names, one a line; the options read them
-    there, where one tool made every node and none has a space (a long list is otherwise a screen of names)."""
-    formats = set(precision.split("+"))
-    by_tool: dict[str, list[str]] = {}
-    for node in nodes:
-        by_tool.setdefault(quantized_by.get(node, "Q/DQ"), []).append(node)
-    from_files = listed is not None and len(by_tool) == 1 and not any(re.search(r"\s", n) for n in nodes)
-
-    def spelled(names: list[str]) -> tuple[str, str, str]:
-        """The names as ModelOpt's patterns (shell words), a Python list and one comma-separated shell word."""
-        if from_files:
-            patterns, names_file = (shlex.quote(str(path)) for path in listed)
-            return f"$(cat {patterns})", f"open({str(listed[1])!r}).read().splitlines()", f"$(paste -sd, {names_file})"
-        return " ".join(shlex.quote(modelopt_pattern(n)) for n in names), f"[{', '.join(map(repr, names))}]", shlex.quote(",".join(names))
-
-    lines = []
-    if formats & QUANTIZED_FORMATS:
-        options = [TOOL_OPTIONS[tool](*spelled(names)[1:]) for tool, names in by_tool.items() if tool in TOOL_OPTIONS]
-        if "Q/DQ" in by_tool:
-            patterns, python_list, _ = spelled(by_tool["Q/DQ"])
-            options.append(f"ModelOpt --nodes_to_exclude {patterns}; ONNX Runtime quantize_static(..., nodes_to_exclude={python_list})")
-        if options:
-            lines.append("or quantize again without them: " + "; ".join(options)
-                         + (" (excluded from quantization, they still run in the tool's FP16/BF16: ModelOpt --high_precision_dtype fp32 keeps FP32)"
-                            if formats & {"fp16", "bf16"} else ""))
-    elif formats & {"fp16", "bf16"}:
-        patterns, python_list, _ = spelled(nodes)
-        held = [n for n in nodes if n in reads_constant_weights]
-        lines.append(f"or convert again keeping them in FP32: ModelOpt AutoCast --nodes_to_exclude {patterns}"
-                     + (f"; onnxconverter-common convert_float_to_float16(..., node_block_list={python_list})" if not held else
-                        f" (not onnxconverter-common's node_block_list: it rounds the weights Constant nodes hold for {', '.join(map(repr, held[:3]))}"
-                        f"{' ...' if len(held) > 3 else ''} to FP16 all the same)"))
-    if repaired is not None:
-        lines.append(f"the candidate with them kept: {repaired}")
     return lines
 
 
