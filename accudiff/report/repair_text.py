@@ -22,9 +22,9 @@ def tried_subset_lines(failure, result) -> list[str]:
     unit, total = ("prompt", len(result.generations)) if result.generations else ("sample", result.iterations)
     if not tried or len(tried) >= total:
         return []
-    then = f"; the repair then on all {total}" if failure.repair.whole_run is not None else ""
+    again = failure.repair.whole_run is not None or any(f.kind == "every_sample" for f in failure.cause.findings)
     return [f"  (every keep here was tried on {len(tried)} of the {total} {unit}s, those the repair names, chosen for the error and the decision "
-            f"they lose: its figures are those {unit}s', not the whole run's{then})"]
+            f"they lose: its figures are those {unit}s', not the whole run's{f', except in the lines that say on all {total} {unit}s' if again else ''})"]
 
 
 def repair_lines(failure, result, python: bool = False) -> list[str]:

@@ -124,7 +124,7 @@ def verify_outputs(
     result.worker_timings["verification"] = trials.timings
     if len(chosen) < total:
         verdicts = _on_every_sample(verdicts, replace(setup, samples=everything(), scratch=scratch / "every-sample"), indexed, judging.objective,
-                                    result.worker_timings)
+                                    keep_phrase(context.precision), "prompt" if result.generations else "sample", result.worker_timings)
     keep = list(dict.fromkeys(n for _, repair in verdicts.values() if repair.verified for n in (repair.whole_run or repair).keep))
     if report is not None and keep and compared.candidate_model is not None:
         save_model(repaired(setup.variants, keep), report / repaired_file(setup.variants.recipe), one_file=True)
@@ -144,24 +144,41 @@ def verify_outputs(
     return notices
 
 
-def _on_every_sample(verdicts: dict[str, tuple[Cause, Repair]], setup: TrialSetup, table: pd.DataFrame, objective: Objective,
-                     timings: dict[str, dict[str, float]]) -> dict[str, tuple[Cause, Repair]]:
-    """The repairs verified on some of the run's samples (chosen for what they lose, not for all the run could),
-    run once more on all of them with every such repair's nodes kept, as the command `next:` prints applies
-    them and the repaired candidate holds them: a repair is verified only if it holds there too."""
+def _on_every_sample(verdicts: dict[str, tuple[Cause, Repair]], setup: TrialSetup, table: pd.DataFrame, objective: Objective, phrase: str,
+                     unit: str, timings: dict[str, dict[str, float]]) -> dict[str, tuple[Cause, Repair]]:
+    """What verification found on some of the run's samples (chosen for what they lose, not for all a claim
+    covers), run once more on all of them, in one batch: the repairs verified there, every such repair's nodes
+    kept together (as the command `next:` prints applies them, and the repaired candidate holds them), verified
+    only if they hold here too; and a one-node cause's keep beside nothing kept, its kind judged again on
+    these figures (a keep that halved the tried samples' error may not halve the run's)."""
     keep = list(dict.fromkeys(n for _, repair in verdicts.values() if repair.verified for n in repair.keep))
-    if not keep:
+    singles = {output: repair.steps[1].keep for output, (cause, repair) in verdicts.items() if cause.kind in ("local", "dominant") and len(repair.steps) > 1}
+    if not keep and not singles:
         return verdicts
-    with Trials(setup, table) as trials:
-        [outcome] = trials.run([keep], exact=True)  # as verified: each repair closed already, or pruned to what held
+    keep_lists = list(dict.fromkeys(tuple(k) for k in ([[]] if singles else []) + ([keep] if keep else []) + list(singles.values())))
+    with Trials(setup, table) as trials:  # as verified: each keep-list closed already, or pruned to what held
+        outcomes = dict(zip(keep_lists, trials.run([list(k) for k in keep_lists], exact=True)))
     timings["every sample"] = trials.timings
     confirmed = {}
     for output, (cause, repair) in verdicts.items():
         if repair.verified:
-            reading = Reading.of(outcome, output, objective)
-            repair = replace(repair, whole_run=reading.step(outcome.keep), verified=reading.met)
+            reading = Reading.of(outcomes[tuple(keep)], output, objective)
+            repair = replace(repair, whole_run=reading.step(keep), verified=reading.met)
+        before = Reading.of(outcomes[()], output, objective) if output in singles else None
+        if before is not None and not before.met:
+            cause = _judged_again(cause, before, Reading.of(outcomes[tuple(singles[output])], output, objective), f"on all {len(setup.samples)} {unit}s, {phrase}")
         confirmed[output] = (cause, repair)
     return confirmed
+
+
+def _judged_again(cause: Cause, before: Reading, after: Reading, said: str) -> Cause:
+    """A one-node cause, judged by its keep's figures on every sample: it repairs the output there (local),
+    or at least halves what it loses (dominant), or it is one contributor to an error that accumulates."""
+    gain = improvement(before.score, after.score)
+    kind = cause.kind if after.met or (cause.kind == "dominant" and gain >= SEVERAL_FACTOR) else "dominant" if gain >= SEVERAL_FACTOR else "accumulated"
+    why = {"local": "", "dominant": ": it carries most of the error there, the rest accumulates",
+           "accumulated": ": less than half of what it loses there, an error that accumulates over the network"}[kind] if kind != cause.kind else ""
+    return replace(cause, kind=kind, findings=[*cause.findings, Finding("every_sample", f"{said} brings the output from {before.said('')} to {after.said()}{why}")])
 
 
 def _variant_seconds(timings: dict[str, float], passes: Sequence[dict], share: float) -> float | None:
