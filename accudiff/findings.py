@@ -105,6 +105,7 @@ class Cause:
     absorbed: list[Absorbed] = field(default_factory=list)
     stand_in: str | None = None  # verified on this candidate instead (the compared one was captured elsewhere)
     searched: Search | None = None  # verified: what the cause search covered (verification/search.py)
+    decision_keep: list[str] = field(default_factory=list)  # beside an accumulated error: the keep-list of its "decision" finding
 
 
 @dataclass(frozen=True)

@@ -481,6 +481,21 @@ def candidate_keep_top1_ranking(model_path: Path, candidate_path: Path, feeds, o
     `feeds`, and (that agreement, node) for each node reading a DequantizeLinear left unquantized alone
     (`unquantized`), best first: which one keep recovers most of the decision."""
     model, candidate = onnx.load(str(model_path)), onnx.load(str(candidate_path))
+    top1 = _top1_against(model, feeds, output)
+    dequantized = {o for n in candidate.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    quantized = [n.name for n in candidate.graph.node if n.op_type not in ("QuantizeLinear", "DequantizeLinear") and any(i in dequantized for i in n.input)]
+    return top1(candidate), sorted(((top1(unquantized(model, candidate, {name})), name) for name in quantized), key=lambda item: -item[0])
+
+
+def candidate_keep_top1(model_path: Path, candidate_path: Path, feeds, output: str, keep: set[str]) -> tuple[float, float]:
+    """The candidate's top-1 agreement (as `candidate_keep_top1_ranking`) with nothing kept, and with `keep` unquantized."""
+    model, candidate = onnx.load(str(model_path)), onnx.load(str(candidate_path))
+    top1 = _top1_against(model, feeds, output)
+    return top1(candidate), top1(unquantized(model, candidate, keep))
+
+
+def _top1_against(model: onnx.ModelProto, feeds, output: str):
+    """A function giving a variant's top-1 agreement with `model` along `output`'s last axis, over every position of `feeds`."""
     session = _session(model)
     reference = [session.run([output], feed)[0].argmax(-1) for feed in feeds]
 
@@ -488,9 +503,7 @@ def candidate_keep_top1_ranking(model_path: Path, candidate_path: Path, feeds, o
         session = _session(_fp16_rounded(variant))
         return float(np.mean(np.concatenate([(session.run([output], feed)[0].argmax(-1) == ref).ravel() for feed, ref in zip(feeds, reference)])))
 
-    dequantized = {o for n in candidate.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
-    quantized = [n.name for n in candidate.graph.node if n.op_type not in ("QuantizeLinear", "DequantizeLinear") and any(i in dequantized for i in n.input)]
-    return top1(candidate), sorted(((top1(unquantized(model, candidate, {name})), name) for name in quantized), key=lambda item: -item[0])
+    return top1
 
 
 def unquantized(model, candidate, keep: set[str]) -> onnx.ModelProto:

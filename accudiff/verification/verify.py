@@ -153,20 +153,28 @@ def _on_every_sample(verdicts: dict[str, tuple[Cause, Repair]], setup: TrialSetu
     these figures (a keep that halved the tried samples' error may not halve the run's)."""
     keep = list(dict.fromkeys(n for _, repair in verdicts.values() if repair.verified for n in repair.keep))
     singles = {output: repair.steps[1].keep for output, (cause, repair) in verdicts.items() if cause.kind in ("local", "dominant") and len(repair.steps) > 1}
-    if not keep and not singles:
+    deciding = {output: cause.decision_keep for output, (cause, _) in verdicts.items() if cause.decision_keep}
+    compared = [*singles.values(), *deciding.values()]  # each beside nothing kept
+    if not keep and not compared:
         return verdicts
-    keep_lists = list(dict.fromkeys(tuple(k) for k in ([[]] if singles else []) + ([keep] if keep else []) + list(singles.values())))
+    keep_lists = list(dict.fromkeys(tuple(k) for k in ([[]] if compared else []) + ([keep] if keep else []) + compared))
     with Trials(setup, table) as trials:  # as verified: each keep-list closed already, or pruned to what held
         outcomes = dict(zip(keep_lists, trials.run([list(k) for k in keep_lists], exact=True)))
     timings["every sample"] = trials.timings
+    on_all = f"on all {len(setup.samples)} {unit}s"
     confirmed = {}
     for output, (cause, repair) in verdicts.items():
         if repair.verified:
             reading = Reading.of(outcomes[tuple(keep)], output, objective)
             repair = replace(repair, whole_run=reading.step(keep), verified=reading.met)
-        before = Reading.of(outcomes[()], output, objective) if output in singles else None
-        if before is not None and not before.met:
-            cause = _judged_again(cause, before, Reading.of(outcomes[tuple(singles[output])], output, objective), f"on all {len(setup.samples)} {unit}s, {phrase}")
+        if output in singles and not (before := Reading.of(outcomes[()], output, objective)).met:
+            cause = _judged_again(cause, before, Reading.of(outcomes[tuple(singles[output])], output, objective), f"{on_all}, {phrase}")
+        if output in deciding:
+            by_decision = replace(objective, kind="decision")
+            before, after = (Reading.of(outcomes[tuple(k)], output, by_decision) for k in ([], deciding[output]))
+            short = "" if improvement(before.score, after.score) >= SEVERAL_FACTOR else ": less than half of what the decision loses there"
+            said = f"{on_all}, by what the output decides, {phrase} brings the output from {before.said('')} to {after.said('')}{short}"
+            cause = replace(cause, findings=[*cause.findings, Finding("every_sample", said)])
         confirmed[output] = (cause, repair)
     return confirmed
 
@@ -252,35 +260,37 @@ def verify_causes(
                            tried=kept, reading=reading) for node, (kept, reading) in found.items() if node not in {s.node for s in group}]
         verdicts[output] = _conclude(output, before, group, table, context, tries, runs_left, reach)
         if verdicts[output][0].kind == "accumulated" and not before.decisive:
-            _add_decision_fault(verdicts[output][0], control, group, candidates, table, context, Tries(trials, output, replace(objective, kind="decision")),
-                                cause_budget)
+            cause, repair = verdicts[output]
+            verdicts[output] = (_with_decision_fault(cause, control, group, candidates, table, context,
+                                                     Tries(trials, output, replace(objective, kind="decision")), cause_budget), repair)
     return verdicts, control, outcomes[len(keep_lists):]
 
 
-def _add_decision_fault(cause: Cause, control: TrialOutcome, suspects: list[Suspect], candidates: list[str], table: pd.DataFrame,
-                        context: DiagnosisContext, tries: Tries, budget: int) -> None:
+def _with_decision_fault(cause: Cause, control: TrialOutcome, suspects: list[Suspect], candidates: list[str], table: pd.DataFrame,
+                         context: DiagnosisContext, tries: Tries, budget: int) -> Cause:
     """An error that accumulates by the tolerance (no keep halves the worst element's) can still have one node
     that carries most of what the decision loses: a keep that lifts top-1 agreement from 56% to 86% leaves
     the worst flipped position as wrong as before. Searched as the cause was, read by the decision (top-1
     agreement, lowest cosine, flipped share), within `budget` runs: a node whose keep at least halves the
     decision's error, the figure's intervals before and after apart, is added to `cause`, as a finding and
-    (among keeps measured) its first contributor."""
+    (among keeps measured) its first contributor, its keep-list kept (`decision_keep`)."""
     before = Reading.of(control, tries.output, tries.objective)
     if not before.decisive or not before.score > 0:
-        return
+        return cause
     singles = {s.node: s for s in suspects if len(s.keep) == 1}
     tried = dict(zip(singles, tries.run([s.tried for s in singles.values()])))  # answered by the screen's runs
     found, _ = search_groups(before, candidates, {node: reading for node, (_, reading) in tried.items()}, tries.run, budget)
     node, (kept, best) = min({**tried, **found}.items(), key=lambda item: item[1][1].score, default=(None, (None, None)))
     if node is None or improvement(before.score, best.score) < SEVERAL_FACTOR or not best.decides_better_than(before):
-        return  # (one flip of 320 unflipped halves the error, and tells nothing)
+        return cause  # (one flip of 320 unflipped halves the error, and tells nothing)
     row = table[table["node"] == node].iloc[0]
     suspect = Suspect(node, row["tensor"], row["op_type"], [node], own_error(row), tried=kept, reading=best)
-    cause.findings.append(Finding("decision", f"by what the output decides, {row['op_type']} '{node}' carries most of the loss: "
-                                              f"{keep_phrase(context.precision)} brings the output from {before.said('')} to {best.said('')} "
-                                              "(verified at the output; --objective decision judges keeps by the decision)"))
-    if not cause.contributors or cause.contributors[0].tol_ratio_kept is not None:  # keeps measured, not the own errors standing in where none changed it
-        cause.contributors.insert(0, contributor(suspect, table))
+    finding = Finding("decision", f"by what the output decides, {row['op_type']} '{node}' carries most of the loss: "
+                                  f"{keep_phrase(context.precision)} brings the output from {before.said('')} to {best.said('')} "
+                                  "(verified at the output; --objective decision judges keeps by the decision)")
+    measured = not cause.contributors or cause.contributors[0].tol_ratio_kept is not None  # keeps measured, not the own errors standing in where none changed it
+    first = [contributor(suspect, table)] if measured else []
+    return replace(cause, findings=[*cause.findings, finding], contributors=first + cause.contributors, decision_keep=kept)
 
 
 def _conclude(
