@@ -15,6 +15,7 @@ where they are, as from any data file.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 from pathlib import Path
@@ -194,7 +195,13 @@ def without_folder(tensor: onnx.TensorProto) -> onnx.TensorProto:
 
 
 def same_folder(a: Path | None, b: Path) -> bool:
-    return a is not None and os.path.realpath(a) == os.path.realpath(b)
+    return a is not None and _real_path(str(a)) == _real_path(str(b))
+
+
+@functools.lru_cache(maxsize=256)
+def _real_path(path: str) -> str:
+    """A folder's real path, asked once per folder: a model saved asks it of each of its weights."""
+    return os.path.realpath(path)
 
 
 def stored_dtype(tensor: onnx.TensorProto) -> np.dtype:

@@ -21,6 +21,7 @@ FP16/BF16.
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Iterable
 
 import onnx
@@ -99,7 +100,6 @@ class FloatInputs:
         self.types = dict(index.types)  # its own: the values it adds are typed here
         self.constants, self.producer, self.readers, self.graph_outputs = index.constants, index.producer, index.readers, index.outputs
         self.widened = index.widened_constants(REDUCED_FLOATS)
-        self.declared = {vi.name: vi for vi in [*graph.value_info, *graph.input, *graph.output]}
         self.reference_nodes = {node.name: node for node in reference.graph.node} if reference is not None else {}
         self.reference_weights = constant_values(reference.graph) if reference is not None else {}
         self.taken = set(self.types) | set(self.producer) | {vi.name for vi in graph.input}
@@ -188,6 +188,11 @@ class FloatInputs:
                         dequantize.op_type = "Identity"
                         dequantize.input[:] = [out]
                         del dequantize.attribute[:]
+
+    @cached_property
+    def declared(self) -> dict[str, onnx.ValueInfoProto]:
+        """The graph's typed values by name (built when a value is first added: most keeps add none)."""
+        return {vi.name: vi for vi in [*self.graph.value_info, *self.graph.input, *self.graph.output]}
 
     def declare(self, name: str, like: str, elem_type: int | None) -> None:
         """Type a value added, `name`, with the shape of `like` (the models accudiff builds stay typed)."""
