@@ -92,14 +92,18 @@ class Trials:
     context manager: its workers stay up until it closes."""
 
     def __init__(self, setup: TrialSetup, table: pd.DataFrame, recorded: tuple[ReferenceStore, Sequence[int]] | None = None, regions: bool = False,
-                 variant_seconds: float | None = None):
+                 variant_seconds: float | None = None, replayed: bool = True):
         """`table`: the comparison's statistics (ranges of the reference tensors), indexed by tensor.
         `recorded`: the reference's graph outputs as the comparison recorded them, and which of its
         samples are the setup's (else the first trial records them). `regions`: see Boundaries.
         `variant_seconds`: what a variant is expected to cost a worker (a session and its runs, as the
         comparison measured them), when known: beside a switchboard, more workers start only for
-        variants that would keep the first one busier than a worker takes to start."""
+        variants that would keep the first one busier than a worker takes to start. `replayed`: the
+        reference's outputs recorded on disk by the first job and replayed by the others; else each job
+        runs the reference beside its variants and nothing is stored (one batch on a run's every sample,
+        whose outputs could take gigabytes: not for a large model, whose two sessions would not fit)."""
         self.setup = setup
+        self.replayed = replayed
         self.variant_seconds = variant_seconds
         self.runs = 0
         setup.scratch.mkdir(parents=True, exist_ok=True)
@@ -194,7 +198,7 @@ class Trials:
         outcomes: list[TrialOutcome] = []
         if self.large and not self.reference.complete and chunks:  # recorded first, then replayed: one session of its weights at a time
             self._record_reference(threads)
-        recording = not self.reference.complete
+        recording = self.replayed and not self.reference.complete
         # Each worker takes the next job built, once it is up: a worker still starting leaves the jobs to one
         # already free (the switchboard's, after its own job).
         # The switchboard's job goes to the first worker, whose session of it later calls reuse.
@@ -203,7 +207,7 @@ class Trials:
 
         def build(index: int) -> Job:
             nonlocal started
-            batches.append(self._job(chunks[index], self.reference.folder if not recording or index == 0 else None, board))
+            batches.append(self._job(chunks[index], self.reference.folder if self.replayed and (not recording or index == 0) else None, board))
             self.timings["models (caller)"] = round(self.timings.get("models (caller)", 0.0) + time.perf_counter() - started, 4)
             started = time.perf_counter()
             return batches[-1].job

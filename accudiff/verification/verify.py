@@ -150,7 +150,8 @@ def _on_every_sample(verdicts: dict[str, tuple[Cause, Repair]], setup: TrialSetu
     covers), run once more on all of them, in one batch: the repairs verified there, every such repair's nodes
     kept together (as the command `next:` prints applies them, and the repaired candidate holds them), verified
     only if they hold here too; and a one-node cause's keep beside nothing kept, its kind judged again on
-    these figures (a keep that halved the tried samples' error may not halve the run's)."""
+    these figures (a keep that halved the tried samples' error may not halve the run's). Not for a model
+    of large weights (Trials.large): its trials record the reference's outputs, here those of every sample."""
     keep = list(dict.fromkeys(n for _, repair in verdicts.values() if repair.verified for n in repair.keep))
     singles = {output: repair.steps[1].keep for output, (cause, repair) in verdicts.items() if cause.kind in ("local", "dominant") and len(repair.steps) > 1}
     deciding = {output: cause.decision_keep for output, (cause, _) in verdicts.items() if cause.decision_keep}
@@ -158,8 +159,10 @@ def _on_every_sample(verdicts: dict[str, tuple[Cause, Repair]], setup: TrialSetu
     if not keep and not compared:
         return verdicts
     keep_lists = list(dict.fromkeys(tuple(k) for k in ([[]] if compared else []) + ([keep] if keep else []) + compared))
-    with Trials(setup, table) as trials:  # as verified: each keep-list closed already, or pruned to what held
-        outcomes = dict(zip(keep_lists, trials.run([list(k) for k in keep_lists], exact=True)))
+    with Trials(setup, table, replayed=False) as trials:
+        if trials.large:  # its reference would be recorded: the outputs of every sample on disk
+            return verdicts
+        outcomes = dict(zip(keep_lists, trials.run([list(k) for k in keep_lists], exact=True)))  # as verified: closed already, or pruned to what held
     timings["every sample"] = trials.timings
     on_all = f"on all {len(setup.samples)} {unit}s"
     confirmed = {}
