@@ -155,10 +155,10 @@ def _on_every_sample(verdicts: dict[str, tuple[Cause, Repair]], setup: TrialSetu
     keep = list(dict.fromkeys(n for _, repair in verdicts.values() if repair.verified for n in repair.keep))
     singles = {output: repair.steps[1].keep for output, (cause, repair) in verdicts.items() if cause.kind in ("local", "dominant") and len(repair.steps) > 1}
     deciding = {output: cause.decision_keep for output, (cause, _) in verdicts.items() if cause.decision_keep}
-    compared = [*singles.values(), *deciding.values()]  # each beside nothing kept
-    if not keep and not compared:
+    beside_nothing = [*singles.values(), *deciding.values()]  # each measured against nothing kept
+    if not keep and not beside_nothing:
         return verdicts
-    keep_lists = list(dict.fromkeys(tuple(k) for k in ([[]] if compared else []) + ([keep] if keep else []) + compared))
+    keep_lists = list(dict.fromkeys(tuple(k) for k in ([[]] if beside_nothing else []) + ([keep] if keep else []) + beside_nothing))
     with Trials(setup, table, replayed=False) as trials:
         if trials.large:  # its reference would be recorded: the outputs of every sample on disk
             return verdicts
@@ -187,7 +187,7 @@ def _judged_again(cause: Cause, before: Reading, after: Reading, said: str) -> C
     or at least halves what it loses (dominant), or it is one contributor to an error that accumulates."""
     gain = improvement(before.score, after.score)
     kind = cause.kind if after.met or (cause.kind == "dominant" and gain >= SEVERAL_FACTOR) else "dominant" if gain >= SEVERAL_FACTOR else "accumulated"
-    why = {"local": "", "dominant": ": it carries most of the error there, the rest accumulates",
+    why = {"dominant": ": it carries most of the error there, the rest accumulates",
            "accumulated": ": less than half of what it loses there, an error that accumulates over the network"}[kind] if kind != cause.kind else ""
     return replace(cause, kind=kind, findings=[*cause.findings, Finding("every_sample", f"{said} brings the output from {before.said('')} to {after.said()}{why}")])
 
