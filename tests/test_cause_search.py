@@ -85,6 +85,21 @@ def test_a_budget_too_small_to_search_every_node_says_so(tmp_path_factory):
     assert "were not searched (the budget, --cause-budget, ran out)" in result.output_failures[0].cause.findings[-1].message
 
 
+def _recognizer_in_int8(tmp_path, count: int):
+    """PP-OCRv4's recognizer, its INT8 candidate (the oracle's quantize_static on eight other lines) and
+    `count` drawn lines, saved as lines.npz."""
+    from accudiff.model.inputs import save_feeds
+
+    try:
+        model = models.ppocr_rec_v4()
+    except ModuleNotFoundError as missing:
+        skip_without(missing)
+    lines = [realistic_inputs.ppocr_rec(seed) for seed in range(count)]
+    candidate = oracle.int8_candidate(model, [realistic_inputs.ppocr_rec(seed) for seed in range(100, 108)], tmp_path / "rec.int8.onnx")
+    save_feeds(lines, tmp_path / "lines.npz")
+    return model, candidate, lines
+
+
 def test_an_error_accumulated_by_the_tolerance_names_the_node_that_carries_most_of_what_the_decision_loses(tmp_path):
     """PP-OCRv4's recognizer in INT8 (the candidate --int8 builds, made by the oracle's quantize_static) on four
     drawn lines: no single keep halves the worst flipped time step's error, so the error accumulates by the
@@ -92,15 +107,7 @@ def test_an_error_accumulated_by_the_tolerance_names_the_node_that_carries_most_
     'accumulated' with the rules' five suspects as contributors, and that Conv nowhere. The cause search, read
     by the decision, names it, at the figure of the keep-one oracle's best single keep (top-1 agreement over
     the same time steps)."""
-    from accudiff.model.inputs import save_feeds
-
-    try:
-        model = models.ppocr_rec_v4()
-    except ModuleNotFoundError as missing:
-        skip_without(missing)
-    lines = [realistic_inputs.ppocr_rec(seed) for seed in range(4)]
-    candidate = oracle.int8_candidate(model, [realistic_inputs.ppocr_rec(seed) for seed in range(100, 108)], tmp_path / "rec.int8.onnx")
-    save_feeds(lines, tmp_path / "lines.npz")
+    model, candidate, lines = _recognizer_in_int8(tmp_path, 4)
     output = "softmax_11.tmp_0"
     base, ranking = oracle.candidate_keep_top1_ranking(model, candidate, lines, output)
     (best_top1, best), (second_top1, _) = ranking[0], ranking[1]
@@ -120,15 +127,7 @@ def test_the_node_carrying_what_the_decision_loses_is_measured_again_on_every_sa
     """On 12 drawn lines verification tries the 8 that lose most: the Conv carrying most of what the decision
     loses was said with those 8 lines' top-1 only. It is now run again on all 12 beside nothing kept, at the
     figures of the keep-one oracle over the same 12 lines."""
-    from accudiff.model.inputs import save_feeds
-
-    try:
-        model = models.ppocr_rec_v4()
-    except ModuleNotFoundError as missing:
-        skip_without(missing)
-    lines = [realistic_inputs.ppocr_rec(seed) for seed in range(12)]
-    candidate = oracle.int8_candidate(model, [realistic_inputs.ppocr_rec(seed) for seed in range(100, 108)], tmp_path / "rec.int8.onnx")
-    save_feeds(lines, tmp_path / "lines.npz")
+    model, candidate, lines = _recognizer_in_int8(tmp_path, 12)
     result = accudiff.compare(model, candidate_model=candidate, inputs=tmp_path / "lines.npz")
     [failure] = result.output_failures
     assert len(failure.repair.samples) == 8 and failure.cause.kind == "accumulated" and failure.cause.decision_keep
