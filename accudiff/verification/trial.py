@@ -186,10 +186,13 @@ class Trials:
         # Positions of the keep-lists per worker: those the switchboard serves in one, the others shared.
         on_board = [i for i, undone in enumerate(parts) if board is not None and undone == "all"]
         apart = [i for i in range(len(closed)) if i not in set(on_board)]
-        size = 1 if self.large else min(VARIANTS_PER_WORKER, math.ceil(len(apart) / cores))  # large: a variant a job, one job at a time
+        # Variants not worth a worker's start (`variant_seconds`) beside a switchboard, or once a worker is up,
+        # go to the workers there are (a cause's parts: two variants, after the screen's).
+        light = bool(on_board or self._workers) and self.variant_seconds is not None and len(apart) * self.variant_seconds < WORKER_START_SECONDS
+        shared = len(self._workers) if light and not on_board else cores
+        size = 1 if self.large else min(VARIANTS_PER_WORKER, math.ceil(len(apart) / shared))  # large: a variant a job, one job at a time
         groups = [on_board] * bool(on_board) + [apart[start : start + size] for start in range(0, len(apart), size or 1)]
         chunks = [[(closed[i], parts[i]) for i in group] for group in groups]
-        light = on_board and self.variant_seconds is not None and len(apart) * self.variant_seconds < WORKER_START_SECONDS
         count = min(len(chunks), max(1 if light or self.large else cores, len(self._workers))) if chunks else 0
         # Threads per worker stay as they were for the workers already up: their sessions were made with them.
         threads = max(1, cores // min(cores, max(count, len(self._workers), 1)))
