@@ -631,6 +631,55 @@ def exclusion_ratio(candidate: Path, expected: list[np.ndarray], feeds, toleranc
     return max(_ratio(reference, session.run([output], feed)[0], tolerance) for reference, feed in zip(expected, feeds))
 
 
+def dynamic_matmul_parts(model_path: Path, candidate_path: Path, node: str, folder: Path) -> dict[str, Path]:
+    """A MatMul that ONNX Runtime's quantize_dynamic quantized (DynamicQuantizeLinear of its input, then
+    MatMulInteger, a Cast and two Muls by the scales) rewritten by hand one part at a time, saved in `folder`:
+    "weights float" (its input still quantized as the model runs, read back by a DequantizeLinear, times the
+    float model's weight) and "activations float" (its input as it is, times its weight's codes dequantized
+    with numpy)."""
+    reference, candidate = _loaded(model_path), _loaded(candidate_path)
+    float_node = next(n for n in reference.graph.node if n.name == node)
+    initializers = {i.name: i for i in candidate.graph.initializer}
+    integer = next(n for n in candidate.graph.node if n.name == f"{node}_quant" and n.op_type == "MatMulInteger")
+    codes, weight_zero = (numpy_helper.to_array(initializers[name]).astype(np.float32) for name in (integer.input[1], integer.input[3]))
+    weight_scale = numpy_helper.to_array(initializers[integer.input[1].replace("_quantized", "_scale")])
+    activation = next(n for n in candidate.graph.node if n.op_type == "DynamicQuantizeLinear" and n.output[0] == integer.input[0])
+    members = _members_between(candidate, integer, float_node.output[0])
+    made = {}
+    for part in ("weights float", "activations float"):
+        variant = onnx.ModelProto()
+        variant.CopyFrom(candidate)
+        if part == "weights float":
+            variant.graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array({i.name: i for i in reference.graph.initializer}[float_node.input[1]]), "oracle_float_weight"))
+            new = [helper.make_node("DequantizeLinear", list(activation.output), ["oracle_activation"]),
+                   helper.make_node("MatMul", ["oracle_activation", "oracle_float_weight"], [float_node.output[0]])]
+        else:
+            variant.graph.initializer.append(numpy_helper.from_array(((codes - weight_zero) * weight_scale).astype(np.float32), "oracle_dequantized_weight"))
+            new = [helper.make_node("MatMul", [activation.input[0], "oracle_dequantized_weight"], [float_node.output[0]])]
+        nodes = [n for n in variant.graph.node if n.name not in members]
+        at = next(i for i, n in enumerate(nodes) if n.name == activation.name) + 1
+        del variant.graph.node[:]
+        variant.graph.node.extend(nodes[:at] + new + nodes[at:])
+        made[part] = folder / f"{part.replace(' ', '_')}.onnx"
+        onnx.save(variant, str(made[part]))
+    return made
+
+
+def _members_between(model: onnx.ModelProto, first: onnx.NodeProto, output: str) -> set[str]:
+    """The nodes from `first` to the one writing `output`, following what each writes (a dynamic MatMul's
+    MatMulInteger, Cast and Muls; the scales' Mul reads only scales, and is found as the last Mul's input)."""
+    producers = {out: n for n in model.graph.node for out in n.output}
+    found, pending = set(), [producers[output]]
+    while pending:
+        node = pending.pop()
+        if node.name in found:
+            continue
+        found.add(node.name)
+        if node is not first and node.name != first.name:
+            pending += [producers[name] for name in node.input if name in producers and producers[name].op_type in ("MatMulInteger", "Cast", "Mul")]
+    return found
+
+
 # --- Decision figures, from the two runs' outputs with plain numpy ---
 
 

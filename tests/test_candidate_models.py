@@ -66,7 +66,7 @@ def test_a_candidate_quantized_by_onnxruntime_is_compared_with_its_float_model(m
     if grid == "int8":
         assert cause["kind"] == "several" and {cause["node"], *(c["node"] for c in cause["co_causes"])} == {"conv", "channel_gain"}
         gain = next(c for c in [cause, *cause["co_causes"]] if c["node"] == "channel_gain")
-        assert any(f["kind"] == "per_tensor_scale" and "7 of them" in f["message"] for f in gain["findings"])
+        assert any(f["kind"] == "per_tensor_scale" and "7 of its channels" in f["message"] for f in gain["findings"])
     else:
         assert cause["kind"] == "local" and cause["node"] == "relu"
         assert any(f["kind"] == "fp8_clipping" and "FP8 E4M3" in f["message"] for f in cause["findings"])

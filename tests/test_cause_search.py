@@ -3,7 +3,7 @@ upstream is searched (the rules' suspects alone, the rest in groups), and an ans
 repairs it says what it searched. Held to the exclude-one oracle (oracle.exclusion_ranking: ONNX Runtime's
 quantize_dynamic run again with `nodes_to_exclude=[node]`, for every node), on a ViT whose patch embedding
 holds one outlier channel (a per-tensor INT8 weight scale set by it rounds the others coarsely), fed drawn
-scenes. They skip without torch and transformers (.ci/run installs them)."""
+scenes; what the cause loses, held to numpy. They skip without torch and transformers (.ci/run installs them)."""
 
 from __future__ import annotations
 
@@ -38,20 +38,37 @@ def _vit(tmp_path_factory, factor: float):
     return model, candidate, feeds, folder / "scenes.npz", quantized, exclude
 
 
-def test_the_one_node_that_repairs_a_vit_is_found_where_its_rules_name_none(tmp_path_factory):
-    """The patch embedding's outlier does not zero whole channels (no rule flags the Conv): the five rule
-    suspects were MatMuls, and the answer was 'accumulated ... among the 5 tried'. Searching every quantized
-    node, the Conv is the cause, as the oracle says, with its one-node repair at the oracle's figure."""
+def test_the_one_node_that_repairs_a_vit_is_found_and_why_it_costs_the_output(tmp_path_factory, monkeypatch):
+    """The patch embedding's outlier channel does not zero whole channels, and no rule flagged the Conv: the
+    five rule suspects were MatMuls, and the answer was 'accumulated ... among the 5 tried'. Searching every
+    quantized node, the Conv is the cause, as the oracle says, with its one-node repair at the oracle's
+    figure (the weight rule held back, as before it judged shares). Now the rule names it too: the one
+    scale the outlier channel sets rounds a quarter of the other values to 0 (numpy's count); and undoing
+    its weights' quantization alone, not its activations', is what repairs the output."""
+    from accudiff.model import quantized_weights
+
     model, candidate, feeds, scenes, quantized, exclude = _vit(tmp_path_factory, 25.0)
-    result = accudiff.compare(model, candidate_model=candidate, inputs=scenes)
-    [failure] = result.output_failures
     ranking = oracle.exclusion_ranking(model, exclude, quantized, feeds, INT8, OUTPUT)
     (best_ratio, best), (second, _) = ranking[0], ranking[1]
     assert best_ratio <= 1 < second, ranking[:3]  # one node repairs it alone, no other does
-    assert failure.cause.kind == "local" and failure.cause.node == best, failure.cause
-    assert not any(f.kind == "per_tensor_scale" for f in failure.cause.findings)  # found by the search, not by a rule
-    assert failure.repair.verified and failure.repair.keep == [best]
-    assert failure.repair.steps[1].tol_ratio == pytest.approx(best_ratio, rel=0.1)
+    with monkeypatch.context() as held_back:
+        held_back.setattr(quantized_weights, "ZEROED_SHARE", 1.01)
+        [searched] = accudiff.compare(model, candidate_model=candidate, inputs=scenes).output_failures
+    [failure] = accudiff.compare(model, candidate_model=candidate, inputs=scenes).output_failures
+    assert not any(f.kind == "per_tensor_scale" for f in searched.cause.findings)  # found by the search, not by a rule
+    for found in (searched, failure):
+        assert found.cause.kind == "local" and found.cause.node == best, found.cause
+        assert found.repair.verified and found.repair.keep == [best]
+        assert found.repair.steps[1].tol_ratio == pytest.approx(best_ratio, rel=0.1)
+    graph = onnx.load(str(model)).graph
+    name = next(n for n in graph.node if n.name == best).input[1]
+    weight = onnx.numpy_helper.to_array(next(i for i in graph.initializer if i.name == name))
+    step = float(onnx.numpy_helper.to_array(next(i for i in onnx.load(str(candidate)).graph.initializer if i.name == f"{name}_scale")))  # quantize_dynamic's naming
+    share = np.count_nonzero((np.abs(weight) < step / 2) & (weight != 0)) / np.count_nonzero(weight)
+    [said] = [f.message for f in failure.cause.findings if f.kind == "per_tensor_scale"]
+    assert f"{100 * share:.1f}% of them lie below half a step and become 0" in said, said
+    [part] = [f.message for f in failure.cause.findings if f.kind == "part"]
+    assert "its weights' quantization carries the loss" in part, part
 
 
 def test_no_single_node_is_said_only_after_every_node_was_searched(tmp_path_factory, monkeypatch):

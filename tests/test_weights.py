@@ -427,7 +427,7 @@ def test_a_model_read_without_its_weights_bytes_is_the_model_but_them():
 
 
 @pytest.mark.parametrize("op_type", ["Gather", "MatMul", "ConvTranspose"])
-def test_a_weights_lost_channels_are_found_reading_it_a_block_at_a_time(tmp_path, monkeypatch, op_type):
+def test_a_weights_per_tensor_loss_is_found_reading_it_a_block_at_a_time(tmp_path, monkeypatch, op_type):
     """An embedding table read whole to look for channels its one scale zeroes was 47 MB of MiniLM's caller at
     its peak: read in blocks of whole slices, each channel's largest value (along whichever axis) is the
     one the weight read whole gives, and so is what is said."""
@@ -445,5 +445,5 @@ def test_a_weights_lost_channels_are_found_reading_it_a_block_at_a_time(tmp_path
     [weight] = load_graph(tmp_path / "w.onnx").graph.initializer
     assert is_external(weight)
     monkeypatch.setattr(quantized_weights, "CHANNEL_BLOCK_BYTES", 6 * 3 * 4 * 3)  # three slices a block
-    said = quantized_weights.lost_channels(weight, op_type, 0.05, "INT8", "table")
-    assert said is not None and said == quantized_weights.lost_channels(values, op_type, 0.05, "INT8", "table")
+    said = quantized_weights.per_tensor_loss(weight, op_type, 0.05, "INT8", "table")
+    assert said is not None and said == quantized_weights.per_tensor_loss(values, op_type, 0.05, "INT8", "table")

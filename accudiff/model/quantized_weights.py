@@ -11,6 +11,7 @@ import onnx
 
 from accudiff.model.graph import GraphIndex
 from accudiff.model.quantized_ops import QuantizedOp, QuantizedWeight
+from accudiff.text import percent
 from accudiff.model.weights import PACKED_4BIT, is_external, stored_dtype, unpack_codes, weight_blocks, weight_values
 
 
@@ -111,19 +112,24 @@ def _weight_finding(op: QuantizedOp, weight: QuantizedWeight, constants: Mapping
     if weight.layout == "runtime":
         values = weight_values(constants[weight.codes])
         step = (max(float(values.max()), 0.0) - min(float(values.min()), 0.0)) / 255
-        said = lost_channels(values, op.op_type, step, "UINT8 (its range taken as the model runs)", weight.codes)
+        said = per_tensor_loss(values, op.op_type, step, "UINT8 (its range taken as the model runs)", weight.codes)
         return ("per_tensor_scale", said) if said else None
     scale = weight_values(constants[weight.scale])
     if scale.size != 1 or original is None:
         return None
-    said = lost_channels(original, op.op_type, float(scale.reshape(())), f"{weight.bits}-bit codes", original.name)
+    said = per_tensor_loss(original, op.op_type, float(scale.reshape(())), f"{weight.bits}-bit codes", original.name)
     return ("per_tensor_scale", said) if said else None
 
 
-def lost_channels(weight: onnx.TensorProto | np.ndarray, op_type: str, step: float, grid: str, name: str) -> str | None:
-    """What a weight quantized with one scale (a step of `step`) loses: the output channels (along the axis
-    per-channel quantization would use) whose values all lie below half a step, and so become 0; None
-    when there are none. A weight in its data file is read a block at a time."""
+ZEROED_SHARE = 0.1  # a weight's nonzero values that one scale rounds to 0: from this share on, a finding
+
+
+def per_tensor_loss(weight: onnx.TensorProto | np.ndarray, op_type: str, step: float, grid: str, name: str) -> str | None:
+    """What a weight quantized with one scale (a step of `step`) loses: its nonzero values below half a
+    step, which become 0 (said from ZEROED_SHARE of them on: a few large values set a step the rest fall
+    under), and the output channels (along the axis per-channel quantization would use) that hold only
+    such values; beside it, what a scale per channel (the same grid fitted to each channel's largest
+    value) would zero. None when neither. A weight in its data file is read a block at a time."""
     shape = tuple(weight.dims) if isinstance(weight, onnx.TensorProto) else weight.shape
     if not shape or 0 in shape:
         return None
@@ -133,28 +139,63 @@ def lost_channels(weight: onnx.TensorProto | np.ndarray, op_type: str, step: flo
     if shape[axis] < 2:
         return None
     magnitude = _channel_magnitudes(weight, shape, axis)
-    lost = (magnitude > 0) & (magnitude < step / 2)
-    if not lost.any():
+    largest = float(magnitude.max())
+    if largest == 0:
         return None
-    return (f"its weight '{name}' is quantized to {grid} with one scale (a step of {step:.3g}) for all its {shape[axis]} channels along axis "
-            f"{axis}: {int(lost.sum())} of them hold only values below half a step (the largest {float(magnitude[lost].max()):.3g}) and become 0; "
-            "per-channel scales would keep them")
+    lost = (magnitude > 0) & (magnitude < step / 2)
+    nonzero, zeroed, per_channel, setting = _zero_counts(weight, shape, axis, step, step * magnitude / largest, largest)
+    share = zeroed / max(nonzero, 1)
+    if not lost.any() and share < ZEROED_SHARE:
+        return None
+    said = f"its weight '{name}' is quantized to {grid} with one scale (a step of {step:.3g}) for all its {shape[axis]} channels along axis {axis}"
+    held = f"(the largest {float(magnitude[lost].max()):.3g})" if lost.any() else ""
+    if share < ZEROED_SHARE:
+        return f"{said}: {int(lost.sum())} of them hold only values below half a step {held} and become 0; per-channel scales would keep them"
+    said += (f", a step its largest values set ({setting} of its {nonzero} nonzero values lie beyond half its largest magnitude, {largest:.3g}): "
+             f"{percent(share)} of them lie below half a step and become 0 (with a scale per channel, {percent(per_channel / max(nonzero, 1))})")
+    return said + (f"; {int(lost.sum())} of its channels hold only such values {held}, which per-channel scales would keep" if lost.any() else "")
+
+
+def _slices(weight: onnx.TensorProto | np.ndarray, shape: tuple[int, ...]) -> Iterable[np.ndarray]:
+    """A weight's values in blocks of whole slices along its first axis, about CHANNEL_BLOCK_BYTES each: of
+    a weight in its data file, read a block at a time (an embedding table read whole was 47 MB of
+    MiniLM's caller at its peak); of one in memory, views."""
+    if isinstance(weight, np.ndarray) or weight.data_type in PACKED_4BIT or not is_external(weight):
+        values = weight if isinstance(weight, np.ndarray) else weight_values(weight)
+        rows = max(CHANNEL_BLOCK_BYTES // max(values[:1].nbytes, 1), 1)
+        return (values[start : start + rows] for start in range(0, values.shape[0], rows))
+    per_slice = int(np.prod(shape[1:], dtype=np.int64)) * stored_dtype(weight).itemsize
+    return (block.reshape(-1, *shape[1:]) for block in weight_blocks(weight, max(CHANNEL_BLOCK_BYTES // max(per_slice, 1), 1) * per_slice))
 
 
 def _channel_magnitudes(weight: onnx.TensorProto | np.ndarray, shape: tuple[int, ...], axis: int) -> np.ndarray:
-    """The largest magnitude along `axis`, index by index: of a weight in its data file, over blocks of whole
-    slices along its first axis (an embedding table read whole was 47 MB of MiniLM's caller at its peak)."""
-    if isinstance(weight, np.ndarray) or weight.data_type in PACKED_4BIT or not is_external(weight):
-        blocks: Iterable[np.ndarray] = [weight if isinstance(weight, np.ndarray) else weight_values(weight)]
-    else:
-        per_slice = int(np.prod(shape[1:], dtype=np.int64)) * stored_dtype(weight).itemsize
-        blocks = (block.reshape(-1, *shape[1:]) for block in weight_blocks(weight, max(CHANNEL_BLOCK_BYTES // max(per_slice, 1), 1) * per_slice))
+    """The largest magnitude along `axis`, index by index."""
     found = None
-    for values in blocks:
+    for values in _slices(weight, shape):
         others = tuple(i for i in range(values.ndim) if i != axis)  # reduced in place: no copy of a weight moved or widened
         magnitude = np.maximum(values.max(axis=others).astype(np.float64), -values.min(axis=others).astype(np.float64))
         found = magnitude if found is None else np.concatenate([found, magnitude]) if axis == 0 else np.maximum(found, magnitude)
     return found
+
+
+def _zero_counts(weight: onnx.TensorProto | np.ndarray, shape: tuple[int, ...], axis: int, step: float, channel_steps: np.ndarray,
+                 largest: float) -> tuple[int, int, int, int]:
+    """Of a weight's values: how many are nonzero, how many of those lie below half of `step` (one scale),
+    below half of their channel's step (`channel_steps` along `axis`), and beyond half of `largest`."""
+    nonzero = zeroed = per_channel = setting = 0
+    start = 0
+    for values in _slices(weight, shape):
+        size = np.abs(values)
+        steps = channel_steps[start : start + len(values)] if axis == 0 else channel_steps
+        start += len(values)
+        along = [1] * values.ndim
+        along[axis] = -1
+        zeros = int(np.count_nonzero(size == 0))
+        nonzero += size.size - zeros
+        zeroed += int(np.count_nonzero(size < step / 2)) - zeros
+        per_channel += int(np.count_nonzero(size < (steps / 2).reshape(along))) - zeros
+        setting += int(np.count_nonzero(size > largest / 2))
+    return nonzero, zeroed, per_channel, setting
 
 
 def _nbits_zero_shares(weight: QuantizedWeight, packed: np.ndarray) -> np.ndarray | None:

@@ -296,8 +296,9 @@ def cause_lines(failure, result, python: bool = False) -> list[str]:
 
 
 def split_lines(output: str, result) -> list[str]:
-    """Which share of a candidate's loss each part of its narrowing brings: its quantization against its
-    FP16/BF16 casts, its activations' quantization against its weights'."""
+    """Which share of a candidate's loss each part of its narrowing brings, over every node it narrows (not
+    the cause's alone: its own parts are its "part" finding): its quantization against its FP16/BF16
+    casts, its activations' quantization against its weights'."""
     split = result.loss_split.get(output)
     if not split:
         return []
@@ -306,14 +307,14 @@ def split_lines(output: str, result) -> list[str]:
     stored = "/".join(f.upper() for f in formats if f in ("fp16", "bf16"))
     quantized = "+".join(f.upper() for f in formats if f not in ("fp16", "bf16"))
     # what is left when a part is undone: the other part alone
-    said = {"casts": f"its quantization alone ({quantized})", "quantization": f"its {stored} casts alone",
-            "activations": "its weights' quantization alone (activations float)", "weights": "its activations' quantization alone (weights float)"}
+    said = {"casts": f"the quantization alone ({quantized})", "quantization": f"the {stored} casts alone",
+            "activations": "the weights' quantization alone (every activation float)", "weights": "the activations' quantization alone (every weight float)"}
     lines = []
     for first, second in (("casts", "quantization"), ("activations", "weights")):
         if first in ratios and second in ratios:
             decision = (f"; top-1 agreement {percent(top1[first], 1)}, {percent(top1[second], 1)} and {percent(top1['with_both'], 1)}"
                         if top1.get("with_both") is not None else "")
-            lines.append(f"  loss split: {said[first]} leaves the output at {times_tolerance(ratios[first], '')}, {said[second]} at "
+            lines.append(f"  loss split over the whole candidate: {said[first]} leaves the output at {times_tolerance(ratios[first], '')}, {said[second]} at "
                          f"{times_tolerance(ratios[second], '')}, both at {times_tolerance(ratios['with_both'])}{decision}")
     return lines
 

@@ -27,7 +27,7 @@ from accudiff.transforms.base import KeptNode, TransformResult
 from accudiff.transforms.fp16 import HALVES, to_fp16
 from accudiff.transforms.tool_made import adopt, keepable_nodes, reference_node_names
 from accudiff.transforms.int8 import leave_unquantized, to_int8
-from accudiff.transforms.keep_float import PARTS, keep_in_float
+from accudiff.transforms.keep_float import PARTS, keep_in_float, narrowed_parts
 from accudiff.transforms.switches import Switchboard, build_candidate_switchboard, build_switchboard, gate_switches
 
 KEPT_TO_VERIFY = "kept in higher precision to verify a cause"
@@ -93,6 +93,11 @@ class CandidateVariants:
             return leave_unquantized(self.base, self.info.proto, nodes, KEPT_TO_VERIFY)
         autokept = {k.node: k.reason for k in self.base.kept if k.autokept}  # as measured for the candidate (autokeep.py)
         return to_fp16(self.info.proto, [*self.recipe.keep_fp32, *map(keep_pattern, nodes)], self.recipe.autokeep, HALVES[self.recipe.precision], autokept)
+
+    def parts_of(self, node: str) -> frozenset[str]:
+        """What of `node`'s quantization a keep can undo apart ("activations", "weights"): of a candidate
+        made by another tool; nothing of any other."""
+        return narrowed_parts(self.base.model, self.info.proto, node) if self.recipe.candidate_model is not None else frozenset()
 
     def switchboard(self, nodes: Iterable[str], gated: bool = False) -> Switchboard | None:
         """The FP16 candidate, or a candidate made by another tool, with `nodes` switchable back to FP32

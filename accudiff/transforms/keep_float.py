@@ -82,6 +82,27 @@ def keep_in_float(model: onnx.ModelProto, reference: onnx.ModelProto | None, nod
     return result
 
 
+def narrowed_parts(model: onnx.ModelProto, reference: onnx.ModelProto | None, node: str) -> frozenset[str]:
+    """What of `node`'s narrowing a keep can undo apart: its "activations'" quantization (a Q/DQ pair on a
+    value it reads, or quantization as the model runs) and its "weights'" (a Q/DQ pair or codes of a
+    constant it reads)."""
+    edit = FloatInputs(model.graph, reference)
+    op = edit.ops.get(node)
+    if op is not None:
+        return frozenset(["weights"] * bool(op.weights) + ["activations"] * op.quantizes_activation)
+    parts = set()
+    for name in next((n.input for n in model.graph.node if n.name == node), []):
+        dequantize = edit.producer.get(name)
+        if dequantize is None or dequantize.op_type != "DequantizeLinear":
+            continue
+        quantize = edit.producer.get(dequantize.input[0])
+        if quantize is not None and quantize.op_type == "QuantizeLinear":
+            parts.add("weights" if quantize.input[0] in edit.constants else "activations")
+        elif dequantize.input[0] in edit.constants:  # a weight stored as its codes
+            parts.add("weights")
+    return frozenset(parts)
+
+
 def undoes_anything(op: QuantizedOp, undo: frozenset[str]) -> bool:
     """Whether keeping `op` changes what it computes: a weight-only op (a quantized Gather, MatMulNBits at
     its default accuracy) kept with only its activations' quantization undone computes as before."""

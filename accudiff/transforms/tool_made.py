@@ -24,7 +24,7 @@ from accudiff.model.graph import GraphIndex, cast_target, constant_values, value
 from accudiff.model.decoder import find_decoder, genai_config, model_name
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.quantized_ops import GENAI_BUILDER, find_quantized_ops, quantized_members
-from accudiff.model.quantized_weights import lost_channels, quantized_weight_findings
+from accudiff.model.quantized_weights import per_tensor_loss, quantized_weight_findings
 from accudiff.model.weights import weight_blocks, weight_values
 from accudiff.transforms.base import KeptNode, NodeSelector, TransformResult
 from accudiff.transforms.fp16 import HALVES
@@ -259,7 +259,7 @@ def per_tensor_weights(index: GraphIndex, reference: GraphIndex) -> dict[str, tu
             grid = GRIDS.get(grid_type(dequantize, types) or (grid_type(quantize, types) if quantize is not None else None))
             if weight is None or grid is None:
                 continue
-            said = lost_channels(weight, node.op_type, grid.smallest * float(scale.reshape(())), grid.name, weight.name)
+            said = per_tensor_loss(weight, node.op_type, grid.smallest * float(scale.reshape(())), grid.name, weight.name)
             if said:
                 found[node.name] = ("per_tensor_scale", said)
     return found

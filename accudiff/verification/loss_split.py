@@ -1,13 +1,19 @@
 """The loss split: which part of a candidate's narrowing its loss comes from. A candidate made by another tool
 is run with every converted node kept, each part of its narrowing undone alone (its quantization or its
-casts; its activations' quantization or its weights'), in verification's batch, beside the control."""
+casts; its activations' quantization or its weights'), in verification's batch, beside the control; and
+each verified cause's node is, with its activations' quantization and its weights' undone alone."""
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from dataclasses import replace
+from typing import Mapping, Sequence
 
-from accudiff.verification.trial import TrialOutcome
+from accudiff.findings import Cause, Finding, Repair
+from accudiff.judging.objective import Objective
+from accudiff.verification.readings import Reading, improvement
+from accudiff.verification.search import HELPS
+from accudiff.verification.trial import TrialOutcome, Trials
 from accudiff.model.formats import QUANTIZED_FORMATS
 from accudiff.transforms.candidate import CandidateVariants
 
@@ -38,3 +44,43 @@ def loss_split(outputs: Sequence[str], control: TrialOutcome, parts: list[TrialO
                  "top1": {key: outcome.figures.get(output, {}).get("top1") for key, outcome in named.items()}}
         for output in outputs
     }
+
+
+PART_KINDS = {"weights": frozenset({"per_tensor_scale", "block_scale"}), "activations": frozenset({"int8_dynamic_range"})}  # the findings that speak of each part
+
+
+def cause_parts(verdicts: Mapping[str, tuple[Cause, Repair]], variants: CandidateVariants, trials: Trials, control: TrialOutcome,
+                objective: Objective) -> dict[str, tuple[Cause, Repair]]:
+    """Why a cause costs the output, tested as where it is: of a node that quantizes both its activations
+    and its weights (a candidate made by another tool), each part's quantization undone alone, on the
+    samples the cause was verified on. A rule names the range of an input, or a weight's scale; which of
+    them the output pays for is what undoing each says (a MatMul whose input's run-time range zeroes a
+    quarter of its values loses it through its weight's one scale)."""
+    nodes = {output: cause.node for output, (cause, _) in verdicts.items()
+             if cause.kind in ("local", "dominant", "several") and {"activations", "weights"} <= variants.parts_of(cause.node)}
+    if not nodes:
+        return dict(verdicts)
+    wanted = list(dict.fromkeys(nodes.values()))
+    outcomes = trials.run([[node] for node in wanted for _ in range(3)], ["all", "activations", "weights"] * len(wanted))
+    tried = {node: outcomes[3 * i : 3 * i + 3] for i, node in enumerate(wanted)}
+    found = dict(verdicts)
+    for output, node in nodes.items():
+        cause, repair = verdicts[output]
+        before, *undone = (Reading.of(outcome, output, objective) for outcome in [control, *tried[node]])
+        found[output] = (replace(cause, findings=[*cause.findings, Finding("part", _part_said(before, *undone, cause.findings))]), repair)
+    return found
+
+
+def _part_said(before: Reading, both: Reading, activations: Reading, weights: Reading, findings: Sequence[Finding]) -> str:
+    """Which part of a node's quantization its loss comes from, with the figures: undoing its weights'
+    alone, its activations' alone, and both (its keep)."""
+    helps = {part: improvement(before.score, reading.score) > 1 / HELPS or (reading.met and not before.met)
+             for part, reading in (("weights", weights), ("activations", activations))}
+    said = (f"undoing its weights' quantization alone (its activations still quantized) brings the output from {before.said('')} to {weights.said('')}, "
+            f"its activations' alone (its weights still quantized) to {activations.said('')}, both to {both.said()}")
+    if helps["weights"] == helps["activations"]:
+        return said + (": each part carries some of the loss" if helps["weights"] else ": neither part alone carries it, only both together")
+    carrier, other = ("weights", "activations") if helps["weights"] else ("activations", "weights")
+    said += f": its {carrier}' quantization carries the loss"
+    wrong = [f.kind for f in findings if f.kind in PART_KINDS[other]]
+    return said + (f"; not the {' or '.join(dict.fromkeys(wrong))} finding above (its {other})" if wrong else "")

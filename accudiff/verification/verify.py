@@ -40,7 +40,7 @@ from accudiff.stages.group import GroupRun, could_be_a_shape
 from accudiff.judging.objective import Objective
 from accudiff.verification.trial import MAX_TRIAL_SAMPLES, TrialOutcome, TrialSetup, Trials, trial_workers
 from accudiff.execution.pool import prestart
-from accudiff.verification.loss_split import loss_split, loss_split_keeps
+from accudiff.verification.loss_split import cause_parts, loss_split, loss_split_keeps
 from accudiff.verification.readings import Reading, Tries, improvement, pruned
 from accudiff.verification.search import candidates_upstream, search_groups, weights_dominate
 from accudiff.verification.suspects import Suspect, contributor, nominate, own_error
@@ -121,6 +121,7 @@ def verify_outputs(
         verdicts, control, parts = verify_causes(outputs, indexed, context, trials, diagnosing.verify_budget, judging.tolerances.default.rtol, split,
                                                  judging.objective, diagnosing.cause_budget)
         result.loss_split = loss_split(outputs, control, parts, split)
+        verdicts = cause_parts(verdicts, setup.variants, trials, control, judging.objective)
     result.worker_timings["verification"] = trials.timings
     if len(chosen) < total:
         verdicts = _on_every_sample(verdicts, replace(setup, samples=everything(), scratch=scratch / "every-sample"), indexed, judging.objective,
