@@ -106,6 +106,7 @@ class Cause:
     stand_in: str | None = None  # verified on this candidate instead (the compared one was captured elsewhere)
     searched: Search | None = None  # verified: what the cause search covered (verification/search.py)
     decision_keep: list[str] = field(default_factory=list)  # beside an accumulated error: the keep-list of its "decision" finding
+    decision_node: str | None = None  # and the node it names
 
 
 @dataclass(frozen=True)

@@ -55,19 +55,25 @@ def cause_parts(verdicts: Mapping[str, tuple[Cause, Repair]], variants: Candidat
     and its weights (a candidate made by another tool), each part's quantization undone alone, on the
     samples the cause was verified on. A rule names the range of an input, or a weight's scale; which of
     them the output pays for is what undoing each says (a MatMul whose input's run-time range zeroes a
-    quarter of its values loses it through its weight's one scale)."""
-    nodes = {output: cause.node for output, (cause, _) in verdicts.items()
-             if cause.kind in ("local", "dominant", "several") and {"activations", "weights"} <= variants.parts_of(cause.node)}
-    if not nodes:
+    quarter of its values loses it through its weight's one scale). The node a `decision` finding names
+    beside an accumulated error is read by the decision."""
+    wanted = {}
+    for output, (cause, _) in verdicts.items():
+        node, by = ((cause.node, objective) if cause.kind in ("local", "dominant", "several") else
+                    (cause.decision_node, replace(objective, kind="decision")))
+        if node is not None and {"activations", "weights"} <= variants.parts_of(node):
+            wanted[output] = (node, by)
+    if not wanted:
         return dict(verdicts)
-    wanted = list(dict.fromkeys(nodes.values()))
-    outcomes = trials.run([[node] for node in wanted for _ in range(3)], ["all", "activations", "weights"] * len(wanted))
-    tried = {node: outcomes[3 * i : 3 * i + 3] for i, node in enumerate(wanted)}
+    nodes = list(dict.fromkeys(node for node, _ in wanted.values()))
+    outcomes = trials.run([[node] for node in nodes for _ in range(3)], ["all", "activations", "weights"] * len(nodes))
+    tried = {node: outcomes[3 * i : 3 * i + 3] for i, node in enumerate(nodes)}
     found = dict(verdicts)
-    for output, node in nodes.items():
+    for output, (node, by) in wanted.items():
         cause, repair = verdicts[output]
-        before, *undone = (Reading.of(outcome, output, objective) for outcome in [control, *tried[node]])
-        found[output] = (replace(cause, findings=[*cause.findings, Finding("part", _part_said(before, *undone, cause.findings))]), repair)
+        before, *undone = (Reading.of(outcome, output, by) for outcome in [control, *tried[node]])
+        of = "" if node == cause.node else f"of '{node}', by what the output decides: "
+        found[output] = (replace(cause, findings=[*cause.findings, Finding("part", of + _part_said(before, *undone, cause.findings))]), repair)
     return found
 
 

@@ -59,7 +59,7 @@ def nominate(output: str, table: pd.DataFrame, context: DiagnosisContext, rtol: 
     rows = table[table.index.isin(ancestor_tensors(output, context.upstream))]
     by_own_error = [(c.node, c.tensor, c.op_type) for c in rank_contributors(rows, context.converted)[:CONTRIBUTORS_PER_RANKING]]
     for node, tensor, op_type in _interleave(by_own_error, _by_sqnr_fall(rows, table, context)[:CONTRIBUTORS_PER_RANKING]):
-        found.append(Suspect(node, tensor, op_type, [node], own_error(table.loc[tensor])))
+        found.append(Suspect(node, tensor, op_type, [node], findings_of(tensor, table, context)))
     unique, seen = [], set()
     for suspect in found:
         if suspect.node not in seen and suspect.keep:
@@ -88,6 +88,12 @@ def _interleave(first: list, second: list) -> list:
         merged += pair
     longer = first if len(first) > len(second) else second
     return merged + longer[min(len(first), len(second)) :]
+
+
+def findings_of(tensor: str, table: pd.DataFrame, context: DiagnosisContext) -> list[Finding]:
+    """What the rules say of the node writing `tensor`, found by a search rather than nominated by them: its
+    range faults (a weight's scale, an input's run-time range), then its own error."""
+    return [*range_findings(tensor, table, context), *own_error(table.loc[tensor])]
 
 
 def own_error(row: pd.Series) -> list[Finding]:

@@ -43,7 +43,7 @@ from accudiff.execution.pool import prestart
 from accudiff.verification.loss_split import cause_parts, loss_split, loss_split_keeps
 from accudiff.verification.readings import Reading, Tries, improvement, pruned
 from accudiff.verification.search import candidates_upstream, search_groups, weights_dominate
-from accudiff.verification.suspects import Suspect, contributor, nominate, own_error
+from accudiff.verification.suspects import Suspect, contributor, findings_of, nominate
 from accudiff.findings import Absorbed, Cause, Finding, Repair, RepairStep, Search
 from accudiff.diagnosis.cause import find_cause
 from accudiff.diagnosis.mechanisms import absorber
@@ -260,7 +260,7 @@ def verify_causes(
         found, reach = search_groups(before, candidates, alone, tries.run, cause_budget, units)
         runs_left = budget - len(group)  # the search's runs are its own budget's
         rows = table.reset_index(drop=True).drop_duplicates("node").set_index("node")
-        group += [Suspect(node, rows.loc[node, "tensor"], rows.loc[node, "op_type"], [node], own_error(table.loc[rows.loc[node, "tensor"]]),
+        group += [Suspect(node, rows.loc[node, "tensor"], rows.loc[node, "op_type"], [node], findings_of(rows.loc[node, "tensor"], table, context),
                            tried=kept, reading=reading) for node, (kept, reading) in found.items() if node not in {s.node for s in group}]
         verdicts[output] = _conclude(output, before, group, table, context, tries, runs_left, reach)
         if verdicts[output][0].kind == "accumulated" and not before.decisive:
@@ -277,7 +277,7 @@ def _with_decision_fault(cause: Cause, control: TrialOutcome, suspects: list[Sus
     the worst flipped position as wrong as before. Searched as the cause was, read by the decision (top-1
     agreement, lowest cosine, flipped share), within `budget` runs: a node whose keep at least halves the
     decision's error, the figure's intervals before and after apart, is added to `cause`, as a finding and
-    (among keeps measured) its first contributor, its keep-list kept (`decision_keep`)."""
+    (among keeps measured) its first contributor, its keep-list and node kept (`decision_keep`, `decision_node`)."""
     before = Reading.of(control, tries.output, tries.objective)
     if not before.decisive or not before.score > 0:
         return cause
@@ -288,13 +288,14 @@ def _with_decision_fault(cause: Cause, control: TrialOutcome, suspects: list[Sus
     if node is None or improvement(before.score, best.score) < SEVERAL_FACTOR or not best.decides_better_than(before):
         return cause  # (one flip of 320 unflipped halves the error, and tells nothing)
     row = table[table["node"] == node].iloc[0]
-    suspect = Suspect(node, row["tensor"], row["op_type"], [node], own_error(row), tried=kept, reading=best)
+    suspect = Suspect(node, row["tensor"], row["op_type"], [node], findings_of(row["tensor"], table, context), tried=kept, reading=best)
     finding = Finding("decision", f"by what the output decides, {row['op_type']} '{node}' carries most of the loss: "
                                   f"{keep_phrase(context.precision)} brings the output from {before.said('')} to {best.said('')} "
                                   "(verified at the output; --objective decision judges keeps by the decision)")
+    said = [replace(f, message=f"of '{node}': {f.message}") for f in suspect.findings if f.kind != "own_error"]  # what the rules say of why
     measured = not cause.contributors or cause.contributors[0].tol_ratio_kept is not None  # keeps measured, not the own errors standing in where none changed it
     first = [contributor(suspect, table)] if measured else []
-    return replace(cause, findings=[*cause.findings, finding], contributors=first + cause.contributors, decision_keep=kept)
+    return replace(cause, findings=[*cause.findings, finding, *said], contributors=first + cause.contributors, decision_keep=kept, decision_node=node)
 
 
 def _conclude(
