@@ -487,11 +487,13 @@ def candidate_keep_top1_ranking(model_path: Path, candidate_path: Path, feeds, o
     return top1(candidate), sorted(((top1(unquantized(model, candidate, {name})), name) for name in quantized), key=lambda item: -item[0])
 
 
-def candidate_keep_top1(model_path: Path, candidate_path: Path, feeds, output: str, keep: set[str]) -> tuple[float, float]:
-    """The candidate's top-1 agreement (as `candidate_keep_top1_ranking`) with nothing kept, and with `keep` unquantized."""
+def candidate_keep_top1(model_path: Path, candidate_path: Path, feeds, output: str, keep: set[str],
+                        parts: tuple[str, ...] = ("weights", "activations")) -> tuple[float, float]:
+    """The candidate's top-1 agreement (as `candidate_keep_top1_ranking`) with nothing kept, and with `keep`
+    unquantized (only the `parts` of what they read: "weights", "activations")."""
     model, candidate = onnx.load(str(model_path)), onnx.load(str(candidate_path))
     top1 = _top1_against(model, feeds, output)
-    return top1(candidate), top1(unquantized(model, candidate, keep))
+    return top1(candidate), top1(unquantized(model, candidate, keep, parts))
 
 
 def _top1_against(model: onnx.ModelProto, feeds, output: str):
@@ -506,12 +508,13 @@ def _top1_against(model: onnx.ModelProto, feeds, output: str):
     return top1
 
 
-def unquantized(model, candidate, keep: set[str]) -> onnx.ModelProto:
+def unquantized(model, candidate, keep: set[str], parts: tuple[str, ...] = ("weights", "activations")) -> onnx.ModelProto:
     """The candidate with the nodes `keep` unquantized: each input they read through a Q/DQ pair read from
     before it (a quantized weight: the FP32 model's weight at the same input of its node of the same name),
-    and a graph output a Q/DQ pair quantizes right after them their own result again. FP16 values are to be
-    rounded through Cast pairs (`_fp16_rounded`: ONNX Runtime's CPU provider would compute them in FP32
-    unrounded); the kept nodes stay in the type they had."""
+    and a graph output a Q/DQ pair quantizes right after them their own result again; of `parts`, only the
+    "weights" (a pair on a constant, or codes) or only the "activations" (a pair on a computed value). FP16
+    values are to be rounded through Cast pairs (`_fp16_rounded`: ONNX Runtime's CPU provider would compute
+    them in FP32 unrounded); the kept nodes stay in the type they had."""
     original = {n.name: n for n in _loaded(model).graph.node}
     weights = {init.name: init for init in _loaded(model).graph.initializer}
     variant = onnx.ModelProto()
@@ -527,13 +530,16 @@ def unquantized(model, candidate, keep: set[str]) -> onnx.ModelProto:
             if dq is None or dq.op_type != "DequantizeLinear":
                 continue
             q = producer.get(dq.input[0])
+            constants = {init.name for init in graph.initializer} | {n.output[0] for n in graph.node if n.op_type == "Constant"}
+            if ("weights" if (q.input[0] if q is not None and q.op_type == "QuantizeLinear" else dq.input[0]) in constants else "activations") not in parts:
+                continue
             if q is not None and q.op_type == "QuantizeLinear":
                 node.input[position] = q.input[0]
             elif node.name in original and original[node.name].input[position] in weights:
                 weight = weights[original[node.name].input[position]]
                 graph.initializer.append(weight)
                 node.input[position] = weight.name
-        for out in node.output:
+        for out in node.output if "activations" in parts else ():
             for q in [n for n in graph.node if n.op_type == "QuantizeLinear" and n.input[0] == out]:
                 for dq in [n for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] == q.output[0] and n.output[0] in outputs]:
                     dq.op_type, dq.input[:] = "Identity", [out]

@@ -154,6 +154,38 @@ def test_the_node_carrying_what_the_decision_loses_is_measured_again_on_every_sa
     assert said.startswith("on all 12 samples, by what the output decides") and figures == pytest.approx([before, after], abs=0.02), (said, before, after)
 
 
+def test_why_the_node_carrying_what_the_decision_loses_costs_it_is_its_weights_scale(tmp_path):
+    """The Conv a decision finding names carried only its own error: the search found it, not a rule, and
+    nothing said why. Its weight's one scale, which a few large values set, rounds most of the rest to 0
+    (numpy's count), and its parts undone alone on the lines tried say the output pays for that, not for
+    its activation's grid, at the figures of the keep-one oracle undoing the same part."""
+    model, candidate, lines = _recognizer_in_int8(tmp_path, 12)
+    [failure] = accudiff.compare(model, candidate_model=candidate, inputs=tmp_path / "lines.npz").output_failures
+    node, findings = failure.cause.decision_node, {f.kind: f.message for f in failure.cause.findings}
+    assert node is not None and findings["per_tensor_scale"].startswith(f"of '{node}': its weight"), findings
+    graph, quantized = onnx.load(str(model)).graph, onnx.load(str(candidate)).graph
+    name = next(n for n in graph.node if n.name == node).input[1]
+    weight = _constant(graph, name)
+    dequantize = next(n for n in quantized.node if n.op_type == "DequantizeLinear" and n.output[0] == next(q for q in quantized.node if q.name == node).input[1])
+    step = float(_constant(quantized, dequantize.input[1]))
+    share = np.count_nonzero((np.abs(weight) < step / 2) & (weight != 0)) / np.count_nonzero(weight)
+    assert f"{100 * share:.1f}% of them lie below half a step and become 0" in findings["per_tensor_scale"], findings["per_tensor_scale"]
+    part = findings["part"]
+    assert part.startswith(f"of '{node}', by what the output decides") and "its weights' quantization carries the loss" in part, part
+    tried = [lines[i] for i in failure.repair.samples]
+    figures = [float(x) / 100 for x in re.findall(r"top-1 agreement ([0-9.]+)%", part)]  # before, weights undone, activations undone, both
+    for undone, figure in ((("weights",), figures[1]), (("activations",), figures[2])):
+        assert figure == pytest.approx(oracle.candidate_keep_top1(model, candidate, tried, "softmax_11.tmp_0", {node}, undone)[1], abs=0.02), (undone, part)
+
+
+def _constant(graph: onnx.GraphProto, name: str) -> np.ndarray:
+    """A constant's values, an initializer's or a Constant node's (paddle2onnx writes weights as the latter)."""
+    from onnx import numpy_helper
+
+    found = next((i for i in graph.initializer if i.name == name), None)
+    return numpy_helper.to_array(found if found is not None else next(n for n in graph.node if n.output[0] == name).attribute[0].t)
+
+
 def test_a_decision_halved_only_within_its_interval_is_not_said_to_carry_the_loss():
     """The decision's dominant fault needs its decision shown better, not only its error halved: one flip of
     320 unflipped halves it (to none) and tells nothing; 56% to 86% top-1 over the same positions does."""
