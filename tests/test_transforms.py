@@ -249,6 +249,25 @@ def test_int8_is_symmetric_qdq_with_per_channel_weights():
     assert result.quant_ranges["r1"].high == pytest.approx(127 * result.quant_ranges["r1"].scale)
 
 
+def test_int8_quantizes_weights_held_by_constant_nodes_per_channel_too():
+    """paddle2onnx writes every weight as a Constant node, and ONNX Runtime's quantizer takes such a weight for
+    an activation: PP-OCRv4's recognizer got one calibrated scale for each of its 51 weights (a Conv whose
+    two values of 22.5 set it rounded 53% of the rest to 0), where this module promises TensorRT's form, a
+    scale per channel. The weights held by Constant nodes now get the same candidate as initializers do."""
+    info = load_model(fixture("clean"))
+    feeds = generate_feeds(info.inputs, resolve_shapes(info.inputs, {}), iterations=2)
+    held = onnx.ModelProto()
+    held.CopyFrom(info.proto)
+    weights = [i for i in held.graph.initializer if i.name.startswith("c1.w")]
+    for weight in weights:
+        held.graph.initializer.remove(weight)
+    held.graph.node.insert(0, onnx.helper.make_node("Constant", [], [weights[0].name], value=weights[0]))
+    scales = lambda model: {i.name: numpy_helper.to_array(i) for i in model.graph.initializer if i.name.startswith("c1.w") and "scale" in i.name}  # noqa: E731
+    [(name, scale)] = scales(to_int8(held, feeds).model).items()
+    assert scale.size == 8  # one scale per output channel, as of the weight held as an initializer
+    assert np.array_equal(scale, scales(to_int8(info.proto, feeds).model)[name])
+
+
 def test_int8_keep_list_leaves_nodes_unquantized():
     info = load_model(fixture("clean"))
     feeds = generate_feeds(info.inputs, resolve_shapes(info.inputs, {}))

@@ -79,9 +79,9 @@ class CandidateVariants:
         self.info, self.recipe, self.base, self.values = info, recipe, base, values
 
     def with_kept(self, nodes: Iterable[str], parts: str = "all") -> TransformResult:
-        """The candidate with `nodes` kept in higher precision. Of a candidate made by another tool, `parts`
-        says what keeping undoes: "all" (Q/DQ pairs and FP16/BF16), or only its "quantization" or its "casts"
-        (which share of its loss each brings)."""
+        """The candidate with `nodes` kept in higher precision. Of a candidate made by another tool, or
+        accudiff's INT8, `parts` says what keeping undoes: "all" (Q/DQ pairs and FP16/BF16), or only its
+        "quantization" or its "casts", its "activations'" or its "weights'" (which share of its loss each brings)."""
         nodes = list(nodes)
         if not nodes or self.recipe.precision == "fp32" or self.recipe.engine is not None:
             return self.base
@@ -90,14 +90,15 @@ class CandidateVariants:
             model = keep_in_float(self.base.model, self.info.proto, nodes, PARTS[parts], self.values)
             return replace(self.base, model=model, kept=[*self.base.kept, *kept], converted=self.base.converted - set(nodes))
         if self.recipe.precision == "int8":
-            return leave_unquantized(self.base, self.info.proto, nodes, KEPT_TO_VERIFY)
+            return leave_unquantized(self.base, self.info.proto, nodes, KEPT_TO_VERIFY, PARTS[parts])
         autokept = {k.node: k.reason for k in self.base.kept if k.autokept}  # as measured for the candidate (autokeep.py)
         return to_fp16(self.info.proto, [*self.recipe.keep_fp32, *map(keep_pattern, nodes)], self.recipe.autokeep, HALVES[self.recipe.precision], autokept)
 
     def parts_of(self, node: str) -> frozenset[str]:
         """What of `node`'s quantization a keep can undo apart ("activations", "weights"): of a candidate
-        made by another tool; nothing of any other."""
-        return narrowed_parts(self.base.model, self.info.proto, node) if self.recipe.candidate_model is not None else frozenset()
+        made by another tool, or accudiff's INT8; nothing of any other."""
+        given = self.recipe.candidate_model is not None
+        return narrowed_parts(self.base.model, self.info.proto, node) if given or self.recipe.precision == "int8" else frozenset()
 
     def switchboard(self, nodes: Iterable[str], gated: bool = False) -> Switchboard | None:
         """The FP16 candidate, or a candidate made by another tool, with `nodes` switchable back to FP32

@@ -29,7 +29,7 @@ from accudiff.model.graph import GraphIndex, toposort, writers_of
 from accudiff.model.saving import needs_data_file, save_model
 from accudiff.model.formats import quant_ranges
 from accudiff.transforms.base import KeptNode, NodeSelector, TransformResult
-from accudiff.transforms.keep_float import keep_in_float
+from accudiff.transforms.keep_float import UNDO_ALL, keep_in_float
 from accudiff.transforms.opset import with_opset
 
 QUANTIZED_OPS = ["Conv", "ConvTranspose", "MatMul", "Gemm"]
@@ -66,7 +66,7 @@ def to_int8(
     selector = NodeSelector(keep_fp32)
     excluded = [node.name for node in model.graph.node if selector.matches(node) is not None]
     already = _what_remains_to_quantize(model, excluded)  # before the opset upgrade, which a model with nothing to quantize may not survive
-    model, upgraded = with_opset(model, PER_CHANNEL_OPSET, "per-channel INT8 quantization")
+    model, upgraded = with_opset(_weights_as_initializers(model), PER_CHANNEL_OPSET, "per-channel INT8 quantization")
     notices = [*already, *upgraded, *([RANDOM_CALIBRATION_WARNING] if calibrated_on_random_data else [])]
     with tempfile.TemporaryDirectory(prefix="accudiff-int8-") as tmp:
         source, target = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
@@ -200,12 +200,37 @@ def quiet_root_logger():
         root.setLevel(level)
 
 
-def leave_unquantized(quantized: TransformResult, fp32: onnx.ModelProto, nodes: Iterable[str], reason: str) -> TransformResult:
+def _weights_as_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` with the weights that Constant nodes hold (paddle2onnx writes every weight so) as initializers
+    of the same names: ONNX Runtime's quantizer takes a weight for an activation unless it is an
+    initializer, and quantizes it per tensor on its calibrated range, where TensorRT's form (and this
+    module's) is a scale per channel. Returned as it is where there are none."""
+    weights = {node.input[1] for node in model.graph.node if node.op_type in QUANTIZED_OPS and len(node.input) > 1}
+    held = [node for node in model.graph.node if node.op_type == "Constant" and node.output[0] in weights
+            and len(node.attribute) == 1 and node.attribute[0].name == "value"]
+    if not held:
+        return model
+    moved = onnx.ModelProto()
+    moved.CopyFrom(model)
+    names = {node.output[0] for node in held}
+    for node in held:
+        tensor = onnx.TensorProto()
+        tensor.CopyFrom(node.attribute[0].t)
+        tensor.name = node.output[0]
+        moved.graph.initializer.append(tensor)
+    kept = [node for node in moved.graph.node if not (node.op_type == "Constant" and node.output[0] in names)]
+    del moved.graph.node[:]
+    moved.graph.node.extend(kept)
+    return moved
+
+
+def leave_unquantized(quantized: TransformResult, fp32: onnx.ModelProto, nodes: Iterable[str], reason: str, undo: frozenset[str] = UNDO_ALL) -> TransformResult:
     """`quantized` with `nodes` reading their float inputs again, as `to_int8(keep_fp32=nodes)` would make
     it without calibrating anew (calibration runs on the FP32 model, so the other nodes' scales are the
-    same): each node reads from before its Q/DQ pairs, its weights `fp32`'s (keep_float.py)."""
+    same): each node reads from before its Q/DQ pairs, its weights `fp32`'s (keep_float.py); of `undo`,
+    only its "weights'" pairs, or only its "activations'"."""
     leave = set(nodes) & quantized.converted
-    model = keep_in_float(quantized.model, fp32, leave)
+    model = keep_in_float(quantized.model, fp32, leave, undo)
     ops = {node.name: node.op_type for node in fp32.graph.node if node.name in leave}
     kept = quantized.kept + [KeptNode(name, ops[name], reason) for name in sorted(leave)]
     return TransformResult(
