@@ -161,10 +161,13 @@ def _run_alone(node: onnx.NodeProto, inputs: dict[str, np.ndarray], opset: int) 
     return dict(zip(outputs, _session(model).run(outputs, inputs)))
 
 
-def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+def _session(model: onnx.ModelProto, optimized: bool = False) -> ort.InferenceSession:
+    """A plain session of `model`, unoptimized (FP16 emulated by Cast pairs stays as written), or
+    `optimized` as ONNX Runtime runs a model by default (a Q/DQ model's pairs fused into its INT8 kernels)."""
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if not optimized:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
@@ -385,12 +388,14 @@ def _ratio(ref: np.ndarray, cand: np.ndarray, tolerance: tuple[float, float, flo
 # --- Keep-one-node oracle, INT8: the candidate's Q/DQ model with one quantized node reading FP32 again ---
 
 
-def int8_candidate(model_path: Path, calibration: list[dict[str, np.ndarray]], target: Path) -> Path:
+def int8_candidate(model_path: Path, calibration: list[dict[str, np.ndarray]], target: Path, as_initializers: bool = True) -> Path:
     """The INT8 candidate `--int8` builds, as docs/compare.md states it, made here with ONNX Runtime's
     quantize_static (not by accudiff): Q/DQ, symmetric INT8 activations and weights, per-channel weights,
     the inputs of Conv/ConvTranspose/MatMul/Gemm quantized and not their outputs, no other op reading the
     quantized copy, biases left in FP32, calibrated (min/max) on `calibration`; a model below opset 13
-    (per-channel Q/DQ) upgraded to it."""
+    (per-channel Q/DQ) upgraded to it. Weights Constant nodes hold are made initializers first (the
+    quantizer quantizes any other weight as an activation, per tensor); `as_initializers=False` leaves them,
+    as a user running the quantizer on such a model (paddle2onnx's) gets it."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
     class Feeds(CalibrationDataReader):
@@ -403,9 +408,14 @@ def int8_candidate(model_path: Path, calibration: list[dict[str, np.ndarray]], t
     model = _loaded(model_path)
     if next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) < 13:
         model = onnx.version_converter.convert_version(model, 13)
+    ops = ["Conv", "ConvTranspose", "MatMul", "Gemm"]
+    weights = {node.input[1] for node in model.graph.node if node.op_type in ops and len(node.input) > 1}
+    for node in [n for n in model.graph.node if as_initializers and n.op_type == "Constant" and n.output[0] in weights and n.attribute[0].name == "value"]:
+        weight = numpy_helper.from_array(numpy_helper.to_array(node.attribute[0].t), node.output[0])
+        model.graph.node.remove(node)
+        model.graph.initializer.append(weight)
     source = target.with_suffix(".fp32.onnx")
     onnx.save(model, str(source))
-    ops = ["Conv", "ConvTranspose", "MatMul", "Gemm"]
     quantize_static(str(source), str(target), Feeds(), quant_format=QuantFormat.QDQ, op_types_to_quantize=ops, per_channel=True,
                     activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
                     extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False, "OpTypesToExcludeOutputQuantization": ops})
@@ -443,6 +453,8 @@ def int8_output_ratio(model: Path | onnx.ModelProto, candidate: Path | onnx.Mode
     original_model = _loaded(model)
     original = {(n.name or f"{n.op_type}_{i}"): n for i, n in enumerate(original_model.graph.node)}
     weights = {init.name: init for init in original_model.graph.initializer}
+    weights |= {n.output[0]: numpy_helper.from_array(numpy_helper.to_array(n.attribute[0].t), n.output[0]) for n in original_model.graph.node
+                if n.op_type == "Constant" and n.attribute[0].name == "value"}  # a weight the candidate holds as an initializer now
     variant = onnx.ModelProto()
     variant.CopyFrom(_loaded(candidate))
     present = {init.name for init in variant.graph.initializer}
@@ -451,7 +463,7 @@ def int8_output_ratio(model: Path | onnx.ModelProto, candidate: Path | onnx.Mode
             node.input[:] = list(original[node.name].input)
             variant.graph.initializer.extend(weights[i] for i in node.input if i in weights and i not in present)
             present |= set(node.input)
-    produced = _session(variant).run([output], feed)[0]
+    produced = _session(variant, optimized=True).run([output], feed)[0]  # as ONNX Runtime runs the Q/DQ model
     return _ratio(values[output], produced, tolerance)
 
 

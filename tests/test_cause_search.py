@@ -103,8 +103,8 @@ def test_a_budget_too_small_to_search_every_node_says_so(tmp_path_factory):
 
 
 def _recognizer_in_int8(tmp_path, count: int):
-    """PP-OCRv4's recognizer, its INT8 candidate (the oracle's quantize_static on eight other lines) and
-    `count` drawn lines, saved as lines.npz."""
+    """PP-OCRv4's recognizer, its INT8 candidate (quantize_static on eight other lines, as a user runs it on this
+    model: its weights, held by Constant nodes, quantized per tensor) and `count` drawn lines, saved as lines.npz."""
     from accudiff.model.inputs import save_feeds
 
     try:
@@ -112,7 +112,7 @@ def _recognizer_in_int8(tmp_path, count: int):
     except ModuleNotFoundError as missing:
         skip_without(missing)
     lines = [realistic_inputs.ppocr_rec(seed) for seed in range(count)]
-    candidate = oracle.int8_candidate(model, [realistic_inputs.ppocr_rec(seed) for seed in range(100, 108)], tmp_path / "rec.int8.onnx")
+    candidate = oracle.int8_candidate(model, [realistic_inputs.ppocr_rec(seed) for seed in range(100, 108)], tmp_path / "rec.int8.onnx", as_initializers=False)
     save_feeds(lines, tmp_path / "lines.npz")
     return model, candidate, lines
 
@@ -158,7 +158,8 @@ def test_why_the_node_carrying_what_the_decision_loses_costs_it_is_its_weights_s
     """The Conv a decision finding names carried only its own error: the search found it, not a rule, and
     nothing said why. Its weight's one scale, which a few large values set, rounds most of the rest to 0
     (numpy's count), and its parts undone alone on the lines tried say the output pays for that, not for
-    its activation's grid, at the figures of the keep-one oracle undoing the same part."""
+    its activation's grid, at the figures of the keep-one oracle undoing the same part. The weight is held by
+    a Constant node, which the quantizer quantized as an activation: the finding says so."""
     model, candidate, lines = _recognizer_in_int8(tmp_path, 12)
     [failure] = accudiff.compare(model, candidate_model=candidate, inputs=tmp_path / "lines.npz").output_failures
     node, findings = failure.cause.decision_node, {f.kind: f.message for f in failure.cause.findings}
@@ -170,6 +171,8 @@ def test_why_the_node_carrying_what_the_decision_loses_costs_it_is_its_weights_s
     step = float(_constant(quantized, dequantize.input[1]))
     share = np.count_nonzero((np.abs(weight) < step / 2) & (weight != 0)) / np.count_nonzero(weight)
     assert f"{100 * share:.1f}% of them lie below half a step and become 0" in findings["per_tensor_scale"], findings["per_tensor_scale"]
+    holder = next(n for n in graph.node if n.output[0] == name)  # paddle2onnx's: why the quantizer gave it one scale
+    assert holder.op_type == "Constant" and "the weight is held by a Constant node" in findings["per_tensor_scale"]
     part = findings["part"]
     assert part.startswith(f"of '{node}', by what the output decides") and "its weights' quantization carries the loss" in part, part
     tried = [lines[i] for i in failure.repair.samples]

@@ -296,9 +296,12 @@ def test_every_decision_figure_a_requirement_names_is_what_judges_it(setup, figu
             low, high = min(having.values()), max(having.values())
             sure, beyond = (low, high + step) if lowest_is_worst else (high, low - step)
         met = accudiff.compare(path, **options, require=[f"{figure}={sure:.17g}"])
-        missed = accudiff.compare(path, **options, require=[f"{figure}={beyond:.17g}"])
         status = lambda result: {"fail" if o in {f.tensor for f in result.output_failures} else "pass" for o in having}  # noqa: E731
-        assert status(met) == {"pass"} and status(missed) == {"fail"} and not met.unresolved and not missed.unresolved, (figure, having, spans)
+        assert status(met) == {"pass"} and not met.unresolved, (figure, having, spans)
+        if figure in ("top1", "top5", "delta_p") and not 0 <= beyond <= 1:
+            continue  # a share at its bound: none past it to require (the recognizer's top-5 in INT8 agrees everywhere)
+        missed = accudiff.compare(path, **options, require=[f"{figure}={beyond:.17g}"])
+        assert status(missed) == {"fail"} and not missed.unresolved, (figure, having, spans)
 
 
 def test_a_requirement_the_data_cannot_resolve_is_not_said_to_be_met(run_cli, tmp_path):

@@ -170,7 +170,9 @@ def test_verification_measures_its_control_on_the_samples_and_sessions_it_tries(
 def test_subgraph_bisect_on_a_model_whose_network_sits_in_if_bodies(run_cli, tmp_path):
     """silero VAD: its whole network is inside nested Ifs and its weights are Constant nodes. bisect
     subgraph cuts the reproducer from the model with the taken branches inlined, its weight travels with
-    it, and the printed command fails when run from the result folder."""
+    it, and the printed command fails when run from the result folder. A cut --int8 quantizes nothing of
+    (its decoder's second half) passes without a run: it was refused as a model with no Conv, and bisect
+    stopped with that error."""
     path = _model("silero_vad", tmp_path)
     save_feeds([realistic_inputs.voice_chunk(0, 16000)], tmp_path / "voice.npz")
     save_feeds([realistic_inputs.voice_chunk(seed, 16000) for seed in range(100, 104)], tmp_path / "calib.npz")
@@ -178,7 +180,7 @@ def test_subgraph_bisect_on_a_model_whose_network_sits_in_if_bodies(run_cli, tmp
     code, out, err = run_cli("bisect", "subgraph", path, *options, "-o", "b")
     assert code == 1, err
     result = json.loads((tmp_path / "b" / "result.json").read_text())
-    assert result["confirmed"] and 1 <= len(result["nodes"]) <= 3 and any(node.startswith("If_0_then_branch") for node in result["nodes"])
+    assert result["confirmed"] and any(node.startswith("If_0_then_branch") for node in result["nodes"])
     reproducer = onnx.load(str(tmp_path / "b" / "subgraph.onnx"))
     saved = {name.partition("/")[2] for name in np.load(tmp_path / "b" / "subgraph_inputs.npz").files}  # "<sample>/<input>"
     assert {i.name for i in reproducer.graph.input} <= saved

@@ -37,6 +37,7 @@ from accudiff.model.inputs import Feed, save_feeds
 from accudiff.model.quantized_ops import find_quantized_ops
 from accudiff.model.saving import save_model
 from accudiff.model.subgraph import extract
+from accudiff.transforms.int8 import QUANTIZED_OPS
 from accudiff.result import TensorFailure
 from accudiff.settings import RunSettings
 from accudiff.transforms.base import NodeSelector
@@ -162,6 +163,9 @@ def _bisect(session, ancestors, result) -> int:
 
 
 def _fails(session, chosen, result: SubgraphResult) -> bool:
+    if session.precision == "int8" and session.settings.candidate_model is None and not any(
+            session.info.proto.graph.node[i].op_type in QUANTIZED_OPS for i in chosen):
+        return False  # --int8 quantizes none of its nodes: it computes as the reference does (and to_int8 refuses it)
     scratch = Path(session.cache.folder) / f"cut-{chosen[0]}-{chosen[-1]}"  # one folder per cut: cached runs never mix
     scratch.mkdir(exist_ok=True)
     cut = _save_cut(session, chosen, scratch)

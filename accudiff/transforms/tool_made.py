@@ -260,6 +260,10 @@ def per_tensor_weights(index: GraphIndex, reference: GraphIndex) -> dict[str, tu
             if weight is None or grid is None:
                 continue
             said = per_tensor_loss(weight, node.op_type, grid.smallest * float(scale.reshape(())), grid.name, weight.name)
+            held = producer.get(source) if source is not None else None
+            if said and held is not None and held.op_type == "Constant":
+                said += ("; the weight is held by a Constant node, which ModelOpt's and ONNX Runtime's quantizers quantize as they do an "
+                         "activation, with one scale: held as an initializer, it gets a scale per channel")
             if said:
                 found[node.name] = ("per_tensor_scale", said)
     return found
