@@ -20,7 +20,7 @@ CANDIDATES = ("auto", "onnxrt", "trt")
 _SIMULATES = {
     "fp16": "simulates FP16 storage; its arithmetic is FP32",
     "bf16": "simulates BF16 storage; its arithmetic is FP32",
-    "int8": "simulates INT8 rounding, not TensorRT's fused INT8 kernels",
+    "int8": "simulates INT8 rounding, except where ONNX Runtime fuses a node with its Q/DQ pairs into one of its own integer kernels; not TensorRT's fused INT8 kernels",
     "fp8": "simulates FP8 rounding, not TensorRT's FP8 kernels",
     "int4": "simulates INT4 rounding, not TensorRT's INT4 kernels",
     "fp4": "simulates FP4 rounding, not TensorRT's FP4 kernels",
