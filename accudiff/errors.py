@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 # ONNX Runtime's messages carry a status prefix and the C++ source location and signature of the check
@@ -11,6 +12,12 @@ _ONNXRUNTIME_NOISE = re.compile(r"\[ONNXRuntimeError\] : \d+ : \w+ : |/onnxrunti
 
 class AccudiffError(Exception):
     """A problem with the user's input or environment (exit code 2 on the command line)."""
+
+
+def missing(path: str | os.PathLike, said: str) -> AccudiffError:
+    """The error for a path that names no file: `said` (what it should be, named) does not exist, or is
+    something else (a folder, a device such as /dev/zero, which is read without end)."""
+    return AccudiffError(f"{said} {'is not a file' if os.path.exists(path) else 'does not exist'}")
 
 
 class RunFailed(AccudiffError):

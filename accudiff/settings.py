@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 from accudiff.judging.objective import Objective, parse_requirements
 from accudiff.judging.output_kinds import parse_output_kinds
 from accudiff.judging.tolerances import Tolerances, parse_named_values
-from accudiff.errors import AccudiffError
+from accudiff.errors import AccudiffError, missing
 from accudiff.model.decoder import find_decoder, model_file
 from accudiff.model.formats import QUANTIZED_FORMATS, file_formats, formats_of, is_precision_label, model_formats, onnxruntime_only_ops, precision_label
 from accudiff.model.segments import memory_budget
@@ -279,7 +279,7 @@ class RunSettings:
         if self.candidate_model is None:
             return
         if not Path(self.candidate_model).is_file():
-            raise AccudiffError(f"candidate model file '{self.candidate_model}' does not exist")
+            raise missing(self.candidate_model, f"candidate model file '{self.candidate_model}'")
         for given, what in ((self.load_candidate, "--load-candidate gives its tensors"), (self.trt.engine, "--engine gives a built engine"),
                             (self.calib_data, "--calib-data calibrates an INT8 candidate accudiff would make")):
             if given is not None:

@@ -428,3 +428,17 @@ def test_every_run_option_is_declared_once_and_its_default_is_the_settings_own()
             assert defaults[option.keyword] is True, option.flag
         else:
             assert defaults[option.keyword] == ((() if option.listed and option.action == "append" else option.default)), option.flag
+
+
+@pytest.mark.skipif(not Path("/dev/zero").exists(), reason="needs /dev/zero (a device read without end)")
+@pytest.mark.parametrize("where", [["compare", "/dev/zero"], ["compare", "MODEL", "--candidate-model", "/dev/zero"],
+                                   ["compare", "MODEL", "--load-inputs", "/dev/zero"]], ids=["model", "candidate", "inputs"])
+def test_a_device_given_as_a_file_is_refused_without_reading_it(where, run_cli, tmp_path):
+    """The fuzzer's `compare /dev/zero --candidate trt --int8`: the model's formats were read from it before its
+    checks, to choose the backend, and the read never ended (24 GB, then the kernel killed it). Now it ends
+    with one sentence; given where a file is read, the sentence says the device is not a file."""
+    arguments = [fixture("clean") if a == "MODEL" else a for a in where]
+    code, _, err = run_cli(*arguments, "--int8", "--candidate", "trt", "-o", tmp_path / "r")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    code, _, err = run_cli(*arguments, "--int8", "--candidate", "onnxrt", "-o", tmp_path / "r")
+    assert code == 2 and err.strip().endswith("'/dev/zero' is not a file"), err

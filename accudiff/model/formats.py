@@ -9,6 +9,7 @@ INT4...). A run's precision names those formats, quantized ones first: "fp16", "
 from __future__ import annotations
 
 import functools
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
@@ -209,10 +210,12 @@ def onnxruntime_only_ops(path: str | Path) -> list[str]:
 def _file_facts(path: str | Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
     path = Path(path)
     try:
-        stat = path.stat()
+        found = path.stat()
     except OSError:
         return (), ()
-    return _read_file_facts(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    if not stat.S_ISREG(found.st_mode):  # a device or a pipe is read without end (/dev/zero filled 24 GB)
+        return (), ()
+    return _read_file_facts(str(path.resolve()), found.st_mtime_ns, found.st_size)
 
 
 @functools.lru_cache(maxsize=8)

@@ -13,7 +13,7 @@ from pathlib import Path
 import onnx
 from google.protobuf.message import DecodeError
 
-from accudiff.errors import AccudiffError, first_line
+from accudiff.errors import AccudiffError, first_line, missing
 from accudiff.model.contrib_ops import CHECKED_AS_DOMAIN, onnxruntime_default_domain_ops
 from accudiff.model.decoder import model_file
 from accudiff.model.inventory import ModelInfo, describe, name_unnamed_nodes
@@ -28,7 +28,7 @@ def load_model(path: str | os.PathLike) -> ModelInfo:
     raise AccudiffError with one sentence on any problem."""
     path = model_file(Path(path))
     if not path.is_file():
-        raise AccudiffError(f"model file '{path}' does not exist")
+        raise missing(path, f"model file '{path}'")
     try:
         proto, spans = _read_without_large_weights(path)
     except (DecodeError, ValueError, RuntimeError, IndexError) as exc:

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from accudiff.errors import AccudiffError
+from accudiff.errors import AccudiffError, missing
 from accudiff.model.decoder import GENAI_CONFIG, POSITION_IDS, Decoder, cache_types, find_decoder, model_name
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.samples import NPZ_READ_ERRORS, Samples, samples_from_feeds
@@ -33,7 +33,7 @@ def read_prompts(path: str | Path, model_folder: Path, vocabulary: int | None, t
     against the model's `vocabulary` size, saved to `target` (.npz) and read back one at a time."""
     path = Path(path)
     if not path.is_file():
-        raise AccudiffError(f"prompts file '{path}' does not exist")
+        raise missing(path, f"prompts file '{path}'")
     suffix = path.suffix.lower()
     if suffix not in PROMPT_SUFFIXES:
         raise AccudiffError(f"prompts file '{path}' is not .txt (a prompt a line), .jsonl or .npz (token ids)")

@@ -24,7 +24,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from accudiff.errors import AccudiffError
+from accudiff.errors import AccudiffError, missing
 from accudiff.model.inputs import (
     NPY_READ_ERRORS,
     Feed, generate_feeds, load_json_feeds, parse_input_shapes, parse_val_ranges, resolve_shapes, save_feeds, validate_feeds,
@@ -138,7 +138,7 @@ def samples_from_path(path: str | Path, specs: Sequence[InputSpec], role: str = 
         elif path.suffix.lower() == ".npy":
             files = [_npy_as_npz(path, specs, source, scratch)]
     else:
-        raise AccudiffError(f"{source} does not exist")
+        raise missing(path, source)
     refs = [ref for file in files for ref in _unstacked(_entries(file.resolve(), source), specs, scratch)]  # a worker started elsewhere reads them too
     if not refs:
         raise AccudiffError(f"{source} holds no arrays")

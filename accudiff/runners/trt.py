@@ -24,7 +24,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from accudiff.errors import AccudiffError, first_line
+from accudiff.errors import AccudiffError, first_line, missing
 from accudiff.runners.base import Runner
 from accudiff.runners.trt_build import BuildSettings, BuiltEngine, build_engine, error_log
 from accudiff.runners.trt_env import import_tensorrt, is_rtx, require_inference
@@ -56,7 +56,7 @@ class TrtRunner(Runner):
         require_inference(trt)
         if self.prebuilt is not None:
             if not Path(self.prebuilt).is_file():
-                raise AccudiffError(f"engine file '{self.prebuilt}' does not exist")
+                raise missing(self.prebuilt, f"engine file '{self.prebuilt}'")
             only_outputs = "a pre-built engine (--engine) exposes only its graph outputs"
             self.built = BuiltEngine(Path(self.prebuilt).read_bytes(), "outputs", [], {name: only_outputs for name in self.outputs})
         else:
