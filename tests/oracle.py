@@ -534,6 +534,7 @@ def unquantized(model, candidate, keep: set[str], parts: tuple[str, ...] = ("wei
     graph = variant.graph
     producer = {o: n for n in graph.node for o in n.output}
     outputs = {o.name for o in graph.output}
+    constants = {init.name for init in graph.initializer} | {n.output[0] for n in graph.node if n.op_type == "Constant"}
     for node in graph.node:
         if node.name not in keep:
             continue
@@ -542,8 +543,8 @@ def unquantized(model, candidate, keep: set[str], parts: tuple[str, ...] = ("wei
             if dq is None or dq.op_type != "DequantizeLinear":
                 continue
             q = producer.get(dq.input[0])
-            constants = {init.name for init in graph.initializer} | {n.output[0] for n in graph.node if n.op_type == "Constant"}
-            if ("weights" if (q.input[0] if q is not None and q.op_type == "QuantizeLinear" else dq.input[0]) in constants else "activations") not in parts:
+            source = q.input[0] if q is not None and q.op_type == "QuantizeLinear" else dq.input[0]
+            if ("weights" if source in constants else "activations") not in parts:
                 continue
             if q is not None and q.op_type == "QuantizeLinear":
                 node.input[position] = q.input[0]
