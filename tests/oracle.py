@@ -163,12 +163,23 @@ def _run_alone(node: onnx.NodeProto, inputs: dict[str, np.ndarray], opset: int) 
 
 def _session(model: onnx.ModelProto, optimized: bool = False) -> ort.InferenceSession:
     """A plain session of `model`, unoptimized (FP16 emulated by Cast pairs stays as written), or
-    `optimized` as ONNX Runtime runs a model by default (a Q/DQ model's pairs fused into its INT8 kernels)."""
+    `optimized` as ONNX Runtime runs a model by default, but for its Q/DQ pairs, computed as written (not
+    fused into ONNX Runtime's integer kernels, whose numbers differ between CPUs)."""
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    options.add_session_config_entry("session.disable_quant_qdq", "1")
     if not optimized:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def integer_kernels_saturate() -> bool:
+    """Whether this CPU's ONNX Runtime adds UINT8 x INT8 products in 16 bits, which saturates (x86 without
+    VNNI): a MatMulInteger of 64 products of 255 x 127, against their exact sum."""
+    graph = helper.make_graph([helper.make_node("MatMulInteger", ["a", "b"], ["y"])], "probe", [helper.make_tensor_value_info("a", onnx.TensorProto.UINT8, [1, 64])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.INT32, [1, 1])], [numpy_helper.from_array(np.full((64, 1), 127, np.int8), "b")])
+    session = _session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8))
+    return int(session.run(None, {"a": np.full((1, 64), 255, np.uint8)})[0].reshape(())) != 64 * 255 * 127
 
 
 def _allows(node: onnx.NodeProto, position: int, opset: int, side: str, half_type: str = "tensor(float16)") -> bool:
@@ -463,7 +474,7 @@ def int8_output_ratio(model: Path | onnx.ModelProto, candidate: Path | onnx.Mode
             node.input[:] = list(original[node.name].input)
             variant.graph.initializer.extend(weights[i] for i in node.input if i in weights and i not in present)
             present |= set(node.input)
-    produced = _session(variant, optimized=True).run([output], feed)[0]  # as ONNX Runtime runs the Q/DQ model
+    produced = _session(variant, optimized=True).run([output], feed)[0]  # optimized as ONNX Runtime runs a model
     return _ratio(values[output], produced, tolerance)
 
 
@@ -841,6 +852,29 @@ def _token_phase(rows) -> dict:
     at = np.arange(len(top))
     return {"positions": len(top), "top1": float((cand.argmax(axis=1) == top).mean()), "kl": float(kl.mean()), "kl_max": float(kl.max()),
             "delta_p": float((np.exp(log_p[at, top]) - np.exp(log_q[at, top])).mean()), "delta_nll": float((log_p[at, nxt] - log_q[at, nxt]).mean())}
+
+
+def stepwise_gap(model: Path, ids: np.ndarray, prefill: int) -> float:
+    """The largest difference between a decoder's logits for `ids` run as one prefill and the same tokens run
+    as a prefill of `prefill` tokens then one token a step, each step fed the cache the one before made:
+    the same arithmetic, so float noise, unless the kernels round differently by how many rows they take."""
+    session = _session(_loaded(model), optimized=True)
+    heads, layers = _head_size(model), len([o for o in session.get_outputs() if o.name.startswith("present.") and o.name.endswith(".key")])
+    kv_heads = next(i for i in session.get_inputs() if i.name == "past_key_values.0.key").shape[1]
+    past = {f"past_key_values.{layer}.{part}": np.zeros((1, kv_heads, 0, heads), np.float32) for layer in range(layers) for part in ("key", "value")}
+
+    def run(tokens: np.ndarray, cache: dict, start: int) -> tuple[np.ndarray, dict]:
+        outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, {
+            "input_ids": tokens[None], "attention_mask": np.ones((1, start + len(tokens)), np.int64), **cache})))
+        return outputs["logits"][0], {name.replace("present.", "past_key_values."): value for name, value in outputs.items() if name.startswith("present.")}
+
+    whole, _ = run(ids, past, 0)
+    steps, cache = run(ids[:prefill], past, 0)
+    stepped = [steps]
+    for position in range(prefill, len(ids)):
+        logits, cache = run(ids[position : position + 1], cache, position)
+        stepped.append(logits)
+    return float(np.abs(whole - np.concatenate(stepped)).max())
 
 
 def _head_size(model: Path) -> int:

@@ -95,8 +95,12 @@ def test_dynamic_int8_minilm_names_its_format_and_the_quantizers_best_exclusion(
     assert "MatMulNBits" not in result.candidate  # it holds MatMulInteger: the label once named MatMulNBits for any such model
     made = lambda excluded: models.onnxruntime_dynamic(minilm.model, tmp_path / "excluded.onnx", excluded)  # noqa: E731
     kind, best = _held_to_the_oracle(minilm, result, made, INT8, POOLED)
-    assert kind == "dominant"
     cause = next(f for f in result.output_failures if f.tensor == POOLED).cause
+    # Where this CPU's integer kernels saturate (no VNNI), the candidate is this CPU's: the loss spreads and the op carries
+    # most of what the decision loses instead; and the console says why its numbers are this CPU's.
+    saturates = oracle.integer_kernels_saturate()
+    assert kind == "dominant" or (saturates and kind == "accumulated" and cause.decision_node == best), (kind, cause.decision_node, best)
+    assert any("add UINT8 x INT8 products two at a time in 16 bits, which saturates" in n for n in result.notices) == saturates, result.notices
     assert any(f.kind == "int8_dynamic_range" and "times the span 99.9% of its values need" in f.message for f in cause.findings)
     split = result.loss_split[POOLED]["ratios"]
     assert {"activations", "weights", "with_both"} <= split.keys()
@@ -243,14 +247,20 @@ def test_a_decoders_tokens_are_judged_per_position_as_plain_numpy_judges_them(tm
     result = accudiff.compare(model, inputs=tmp_path / "prefixes.npz", verify=False, save_reference=tmp_path / "reference.json",
                               save_candidate=tmp_path / "candidate.json")
     assert result.output_kinds["logits"].kind == "logits"
+    assert any("which saturates" in n for n in result.notices) == oracle.integer_kernels_saturate(), result.notices  # MatMulInteger
     found = result.decisions["logits"]
     reference = oracle.run_results_outputs(tmp_path / "reference.json", "logits")  # the float form's run (accudiff derives that form)
     with np.load(tmp_path / "prefixes.npz") as saved:  # the candidate is the shipped model itself: the oracle runs it in a session of its own
         feeds = [{key.split("/", 1)[1]: saved[key] for key in saved.files if key.startswith(f"{i}/")} for i in range(3)]
     session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     candidate = [session.run(["logits"], feed)[0] for feed in feeds]
-    for own, saved_run in zip(candidate, oracle.run_results_outputs(tmp_path / "candidate.json", "logits"), strict=True):
-        np.testing.assert_allclose(own, saved_run, rtol=1e-4, atol=1e-4)  # accudiff's candidate run is the shipped model's (session options differ)
+    unfused = oracle._session(oracle._loaded(model))
+    for k, (own, saved_run, feed) in enumerate(zip(candidate, oracle.run_results_outputs(tmp_path / "candidate.json", "logits"), feeds, strict=True)):
+        # accudiff's candidate run is the shipped model's (session options differ); where this CPU's integer kernels saturate (no
+        # VNNI), how ONNX Runtime fuses them changes the numbers, and marking every tensor changes the fusions: the unfused run's then.
+        if not np.allclose(own, saved_run, rtol=1e-4, atol=1e-4) and oracle.integer_kernels_saturate():
+            own = candidate[k] = unfused.run(["logits"], feed)[0]
+        np.testing.assert_allclose(own, saved_run, rtol=1e-4, atol=1e-4)
     expected = oracle.token_figures(reference, candidate)
     assert found["sequences"] == 3 and found["score_vectors"] == expected["score_vectors"]
     for name in ("top1", "kl", "kl_max", "delta_p", "delta_p_max"):

@@ -132,7 +132,8 @@ def _precision_text(result, folder: Path, settings: RunSettings) -> str:
         lines.append(f"  keeping {len(result.keep)} of the {result.converted} converted node(s) in higher precision makes the outputs meet {_target(settings)}: "
                      f"{', '.join(result.keep[:SHOWN_NODES])}{' ...' if len(result.keep) > SHOWN_NODES else ''}")
         if result.minimal:
-            lines.append(f"  each of them is needed: without any one of them (each tried), the rest is not shown to meet {_target(settings)}")
+            measured = " (each prompt's whole sequence run as one prefill, as bisect runs a decoder)" if settings.prompts is not None else ""
+            lines.append(f"  each of them is needed: without any one of them (each tried), the rest is not shown to meet {_target(settings)}{measured}")
         elif result.untried:
             lines.append(f"  pruned the last added first, within {PRUNE_LIMIT} runs: the first {result.untried} were not tried without, so a shorter list may meet it too")
         # ModelOpt's option is said where it is the user's next tool: a candidate accudiff made, or one of Q/DQ pairs (not another tool's own ops).

@@ -10,7 +10,7 @@ from accudiff.errors import AccudiffError
 from accudiff.model.formats import formats_of
 from accudiff.model.source import ModelSource
 from accudiff.runners.base import Runner
-from accudiff.runners.onnxrt import CpuOptions, OnnxrtRunner
+from accudiff.runners.onnxrt import CpuOptions, OnnxrtRunner, saturation_notice
 from accudiff.runners.trt_build import BuildSettings
 from accudiff.runners.trt_env import inference_unavailable_reason
 
@@ -20,7 +20,7 @@ CANDIDATES = ("auto", "onnxrt", "trt")
 _SIMULATES = {
     "fp16": "simulates FP16 storage; its arithmetic is FP32",
     "bf16": "simulates BF16 storage; its arithmetic is FP32",
-    "int8": "simulates INT8 rounding, except where ONNX Runtime fuses a node with its Q/DQ pairs into one of its own integer kernels; not TensorRT's fused INT8 kernels",
+    "int8": "simulates INT8 rounding: its Q/DQ pairs computed as written, in FP32 arithmetic, not fused into ONNX Runtime's CPU integer kernels; not TensorRT's fused INT8 kernels",
     "fp8": "simulates FP8 rounding, not TensorRT's FP8 kernels",
     "int4": "simulates INT4 rounding, not TensorRT's INT4 kernels",
     "fp4": "simulates FP4 rounding, not TensorRT's FP4 kernels",
@@ -74,13 +74,15 @@ def resolve_candidate(kind: str, trt: TrtOptions = TrtOptions(), precision: str 
     `onnxruntime_only`: op types of the candidate that only ONNX Runtime runs (TensorRT cannot build it)."""
     if kind not in CANDIDATES:
         raise AccudiffError(f"unknown candidate '{kind}'; choose one of: {', '.join(CANDIDATES)}")
+    saturates = saturation_notice(onnxruntime_only)
     if kind == "onnxrt":
-        return kind, None
+        return kind, saturates
     if onnxruntime_only:
         ops = ", ".join(onnxruntime_only)
         if kind == "trt":
             raise AccudiffError(f"the candidate holds ops only ONNX Runtime runs ({ops}), which TensorRT's ONNX parser does not take: compare it with --candidate onnxrt")
-        return "onnxrt", f"the candidate holds ops only ONNX Runtime runs ({ops}): it runs in ONNX Runtime, as it would be deployed"
+        deployed = f"the candidate holds ops only ONNX Runtime runs ({ops}): it runs in ONNX Runtime, as it would be deployed"
+        return "onnxrt", f"{deployed}; {saturates}" if saturates else deployed
     reason = inference_unavailable_reason(trt.module, precision)
     if reason is None:
         return "trt", None

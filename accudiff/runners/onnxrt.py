@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -102,10 +102,12 @@ class OnnxrtRunner(Runner):
     def _open_session(self) -> None:
         import onnxruntime as ort
 
-        model, folder, weight_bytes, lowered = self._marked_model()
+        model, folder, weight_bytes, lowered, ops = self._marked_model()
         options = ort.SessionOptions()
         if lowered and self.cpu.samples < OPTIMIZED_FROM_SAMPLES:
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        if ops & QDQ_OPS:  # computed as written, as TensorRT honours them: not fused into this CPU's integer kernels
+            options.add_session_config_entry("session.disable_quant_qdq", "1")
         options.log_severity_level = 4  # errors still raise, as one sentence; ONNX Runtime's own lines stay off the console
         options.enable_cpu_mem_arena = self.cpu.shared_arena
         if self.cpu.shared_arena:
@@ -150,11 +152,11 @@ class OnnxrtRunner(Runner):
         returned = set(self._answers.values())
         return {name: "ONNX Runtime did not return it" for name in self.outputs if name not in returned}
 
-    def _marked_model(self) -> tuple[Path | bytes, Path | None, int, bool]:
+    def _marked_model(self) -> tuple[Path | bytes, Path | None, int, bool, frozenset[str]]:
         """The model with the requested tensors marked as outputs, as ONNX Runtime takes it, and the folder
         of the data files its weights are in (None: none are); also the bytes its weights take (whether
-        prepacking them pays, see CpuOptions) and whether it was lowered for FP16 emulation (whether
-        optimizing it pays). It goes as bytes, its weights left in their data files (nothing is
+        prepacking them pays, see CpuOptions), whether it was lowered for FP16 emulation (whether
+        optimizing it pays) and its main graph's op types. It goes as bytes, its weights left in their data files (nothing is
         written); a model whose weights are in several folders, or that holds more than
         INLINE_WEIGHTS_UP_TO of them itself, is saved in the runner's scratch folder instead, its weights
         in a side file ONNX Runtime maps rather than copies out of the bytes."""
@@ -166,6 +168,7 @@ class OnnxrtRunner(Runner):
         # What prepacking would cost: float weights; none where the model holds ops whose runs need it (see CpuOptions).
         weight_bytes = 0 if any(node.op_type in PREPACKED_OPS for node in model.graph.node) else sum(
             tensor_bytes(init) for init in model.graph.initializer if init.data_type in FLOAT_WEIGHTS)
+        ops = frozenset(node.op_type for node in model.graph.node)
         carried = carry_in_numpy(model, self.outputs)  # while the model is typed: lowering drops the types
         self._fed_as = carried.inputs
         fp16_copies = lower_fp16(model) if self.emulate_fp16 else {}
@@ -183,12 +186,38 @@ class OnnxrtRunner(Runner):
         if len(folders) <= 1 and own_weight_bytes(model) <= INLINE_WEIGHTS_UP_TO:
             for init in external:
                 init.CopyFrom(without_folder(init))
-            return model.SerializeToString(), Path(folders.pop()) if folders else None, weight_bytes, bool(fp16_copies)
+            return model.SerializeToString(), Path(folders.pop()) if folders else None, weight_bytes, bool(fp16_copies), ops
         # A folder of its own only then: most sessions write nothing, and a segmented comparison makes many.
         self._scratch = Path(tempfile.mkdtemp(prefix="accudiff-ort-"))
         target = self._scratch / "marked.onnx"
         save_model(model, target, side_file=True)
-        return target, None, weight_bytes, bool(fp16_copies)
+        return target, None, weight_bytes, bool(fp16_copies), ops
+
+
+INTEGER_OPS = frozenset({"MatMulInteger", "ConvInteger"})  # ONNX Runtime's own UINT8 x INT8 arithmetic
+VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+def cpu_without_vnni(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """An x86 CPU whose flags name AVX2 and no VNNI: there ONNX Runtime multiplies UINT8 by INT8 adding each
+    pair of products in 16 bits (64 products of 255 x 127 give 1048544, not 2072640, on an AVX2 EPYC), which
+    saturates. Read from the flags, so the caller need not load ONNX Runtime (tests hold it to a probe)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return False
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    return "avx2" in flags and not flags & VNNI_FLAGS
+
+
+def saturation_notice(op_types: Iterable[str]) -> str | None:
+    """A notice for a candidate holding ONNX Runtime's integer ops on a CPU whose kernels saturate."""
+    held = sorted(INTEGER_OPS.intersection(op_types))
+    if not held or not cpu_without_vnni():
+        return None
+    return (f"this CPU has no VNNI: ONNX Runtime's integer kernels ({', '.join(held)}) add UINT8 x INT8 products two at a time in 16 bits, "
+            "which saturates, so the candidate's numbers are this CPU's, and change with how ONNX Runtime fuses its ops, which marking every "
+            "tensor changes (its graph outputs here may differ from the model's run unmarked); TensorRT and CPUs with VNNI add them in 32 bits")
 
 
 def require_loadable(path: Path) -> None:
@@ -243,5 +272,10 @@ def release_shared_arena() -> None:
 
 
 PREPACKED_OPS = frozenset({"MatMulNBits"})  # ops whose kernels run several times slower on weights not prepacked
+# A model's Q/DQ pairs are computed as written (each value quantized and read back, the arithmetic FP32, as
+# TensorRT honours the pairs and accumulates in 32 bits), not fused with their nodes into ONNX Runtime's
+# integer kernels, whose results differ between CPUs (a trained INT8 direction classifier's score reads 0.99
+# fused on an AVX2 CPU, 0.38 as written).
+QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
 FLOAT_WEIGHTS = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE})
 _NUMPY_TYPES = {"tensor(float)": np.dtype(np.float32), "tensor(float16)": np.dtype(np.float16), "tensor(double)": np.dtype(np.float64)}
