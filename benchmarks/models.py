@@ -297,13 +297,14 @@ def smart_turn_v3(folder: Path | None = None) -> Path:
     return _in_site_packages("pipecat/audio/turn/smart_turn/data/smart-turn-v3.2-cpu.onnx", "pipecat-ai==1.14.0")
 
 
-def onnxruntime_dynamic(model: Path, target: Path, exclude: tuple[str, ...] = ()) -> Path:
+def onnxruntime_dynamic(model: Path, target: Path, exclude: tuple[str, ...] = (), per_channel: bool = False) -> Path:
     """`model` quantized by ONNX Runtime's quantize_dynamic as its users call it (INT8 weights, the
-    default), `exclude`: its nodes_to_exclude."""
+    default), `exclude`: its nodes_to_exclude; `per_channel`: its option of that name."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     with _quiet():
-        quantize_dynamic(str(_copied_beside(model, target)), str(target), weight_type=QuantType.QInt8, nodes_to_exclude=list(exclude))
+        quantize_dynamic(str(_copied_beside(model, target)), str(target), weight_type=QuantType.QInt8, nodes_to_exclude=list(exclude),
+                         per_channel=per_channel)
     return target
 
 

@@ -513,7 +513,7 @@ def candidate_keep_top1_ranking(model_path: Path, candidate_path: Path, feeds, o
 def candidate_keep_top1(model_path: Path, candidate_path: Path, feeds, output: str, keep: set[str],
                         parts: tuple[str, ...] = ("weights", "activations")) -> tuple[float, float]:
     """The candidate's top-1 agreement (as `candidate_keep_top1_ranking`) with nothing kept, and with `keep`
-    unquantized (only the `parts` of what they read: "weights", "activations")."""
+    unquantized (only the `parts` of what they read: "weights", "activations", "per channel")."""
     model, candidate = onnx.load(str(model_path)), onnx.load(str(candidate_path))
     top1 = _top1_against(model, feeds, output)
     return top1(candidate), top1(unquantized(model, candidate, keep, parts))
@@ -537,7 +537,9 @@ def unquantized(model, candidate, keep: set[str], parts: tuple[str, ...] = ("wei
     and a graph output a Q/DQ pair quantizes right after them their own result again; of `parts`, only the
     "weights" (a pair on a constant, or codes) or only the "activations" (a pair on a computed value). FP16
     values are to be rounded through Cast pairs (`_fp16_rounded`: ONNX Runtime's CPU provider would compute
-    them in FP32 unrounded); the kept nodes stay in the type they had."""
+    them in FP32 unrounded); the kept nodes stay in the type they had. Of `parts`, "per channel" reads each
+    weight a pair quantizes with one scale (a float constant before it) requantized instead, by numpy: 8-bit
+    symmetric codes with a scale per output channel (axis 0 of a Conv's, the last of a MatMul's), read back."""
     original = {n.name: n for n in _loaded(model).graph.node}
     weights = {init.name: init for init in _loaded(model).graph.initializer}
     variant = onnx.ModelProto()
@@ -555,6 +557,14 @@ def unquantized(model, candidate, keep: set[str], parts: tuple[str, ...] = ("wei
                 continue
             q = producer.get(dq.input[0])
             source = q.input[0] if q is not None and q.op_type == "QuantizeLinear" else dq.input[0]
+            if "per channel" in parts and source in constants and q is not None and q.op_type == "QuantizeLinear":
+                values = _constant_values(graph, source)
+                axis = 0 if node.op_type == "Conv" else values.ndim - 1
+                step = np.abs(values).max(axis=tuple(i for i in range(values.ndim) if i != axis), keepdims=True) / 127
+                step[step == 0] = 1
+                graph.initializer.append(numpy_helper.from_array((np.clip(np.round(values / step), -127, 127) * step).astype(np.float32), f"{source}__oracle_per_channel"))
+                node.input[position] = f"{source}__oracle_per_channel"
+                continue
             if ("weights" if source in constants else "activations") not in parts:
                 continue
             if q is not None and q.op_type == "QuantizeLinear":
@@ -569,6 +579,12 @@ def unquantized(model, candidate, keep: set[str], parts: tuple[str, ...] = ("wei
                     dq.op_type, dq.input[:] = "Identity", [out]
                     del dq.attribute[:]
     return variant
+
+
+def _constant_values(graph: onnx.GraphProto, name: str) -> np.ndarray:
+    """A constant's values: an initializer's, or a Constant node's."""
+    found = next((i for i in graph.initializer if i.name == name), None)
+    return numpy_helper.to_array(found if found is not None else next(n for n in graph.node if n.output[0] == name).attribute[0].t)
 
 
 def _fp16_rounded(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -655,37 +671,40 @@ def exclusion_ranking(model_path: Path, make, nodes, feeds, tolerance, output: s
     return sorted((exclusion_ratio(make((node,)), expected, feeds, tolerance, output), node) for node in nodes)
 
 
-def exclusion_ratio(candidate: Path, expected: list[np.ndarray], feeds, tolerance, output: str) -> float:
-    """`output`'s worst ratio over `feeds` for one candidate, against the float model's `expected` outputs."""
-    session = _session(_loaded(candidate))
+def exclusion_ratio(candidate: Path, expected: list[np.ndarray], feeds, tolerance, output: str, optimized: bool = False) -> float:
+    """`output`'s worst ratio over `feeds` for one candidate, against the float model's `expected` outputs
+    (`optimized`: the candidate's session optimized, as ONNX Runtime runs a model by default)."""
+    session = _session(_loaded(candidate), optimized)
     return max(_ratio(reference, session.run([output], feed)[0], tolerance) for reference, feed in zip(expected, feeds))
 
 
-def dynamic_matmul_parts(model_path: Path, candidate_path: Path, node: str, folder: Path) -> dict[str, Path]:
+def dynamic_matmul_parts(model_path: Path, candidate_path: Path, node: str, folder: Path, per_channel_path: Path | None = None) -> dict[str, Path]:
     """A MatMul that ONNX Runtime's quantize_dynamic quantized (DynamicQuantizeLinear of its input, then
     MatMulInteger, a Cast and two Muls by the scales) rewritten by hand one part at a time, saved in `folder`:
     "weights float" (its input still quantized as the model runs, read back by a DequantizeLinear, times the
     float model's weight) and "activations float" (its input as it is, times its weight's codes dequantized
-    with numpy)."""
+    with numpy); with `per_channel_path` (quantize_dynamic's model with per_channel=True), "weights per
+    channel" (its input as in "weights float", times the weight's codes as that model holds them, dequantized)."""
     reference, candidate = _loaded(model_path), _loaded(candidate_path)
     float_node = next(n for n in reference.graph.node if n.name == node)
-    initializers = {i.name: i for i in candidate.graph.initializer}
     integer = next(n for n in candidate.graph.node if n.name == f"{node}_quant" and n.op_type == "MatMulInteger")
-    codes, weight_zero = (numpy_helper.to_array(initializers[name]).astype(np.float32) for name in (integer.input[1], integer.input[3]))
-    weight_scale = numpy_helper.to_array(initializers[integer.input[1].replace("_quantized", "_scale")])
     activation = next(n for n in candidate.graph.node if n.op_type == "DynamicQuantizeLinear" and n.output[0] == integer.input[0])
     members = _members_between(candidate, integer, float_node.output[0])
+    weights = {"weights float": numpy_helper.to_array({i.name: i for i in reference.graph.initializer}[float_node.input[1]]),
+               "activations float": _dynamic_weight(candidate, integer)}
+    if per_channel_path is not None:
+        per_channel = _loaded(per_channel_path)
+        weights["weights per channel"] = _dynamic_weight(per_channel, next(n for n in per_channel.graph.node if n.name == integer.name))
     made = {}
-    for part in ("weights float", "activations float"):
+    for part, weight in weights.items():
         variant = onnx.ModelProto()
         variant.CopyFrom(candidate)
-        if part == "weights float":
-            variant.graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array({i.name: i for i in reference.graph.initializer}[float_node.input[1]]), "oracle_float_weight"))
-            new = [helper.make_node("DequantizeLinear", list(activation.output), ["oracle_activation"]),
-                   helper.make_node("MatMul", ["oracle_activation", "oracle_float_weight"], [float_node.output[0]])]
+        variant.graph.initializer.append(numpy_helper.from_array(weight.astype(np.float32), "oracle_weight"))
+        if part == "activations float":
+            new = [helper.make_node("MatMul", [activation.input[0], "oracle_weight"], [float_node.output[0]])]
         else:
-            variant.graph.initializer.append(numpy_helper.from_array(((codes - weight_zero) * weight_scale).astype(np.float32), "oracle_dequantized_weight"))
-            new = [helper.make_node("MatMul", [activation.input[0], "oracle_dequantized_weight"], [float_node.output[0]])]
+            new = [helper.make_node("DequantizeLinear", list(activation.output), ["oracle_activation"]),
+                   helper.make_node("MatMul", ["oracle_activation", "oracle_weight"], [float_node.output[0]])]
         nodes = [n for n in variant.graph.node if n.name not in members]
         at = next(i for i, n in enumerate(nodes) if n.name == activation.name) + 1
         del variant.graph.node[:]
@@ -693,6 +712,48 @@ def dynamic_matmul_parts(model_path: Path, candidate_path: Path, node: str, fold
         made[part] = folder / f"{part.replace(' ', '_')}.onnx"
         onnx.save(variant, str(made[part]))
     return made
+
+
+def dynamic_matmuls_exact(candidate_path: Path, target: Path) -> Path:
+    """quantize_dynamic's model with every MatMulInteger (and the Cast and Muls by the scales after it)
+    computed as the float product of its codes read back: what its codes give without a kernel's 16-bit saturation
+    (as TensorRT's INT8 kernels accumulate, in 32 bits), where ONNX Runtime's own x86 kernels without VNNI
+    can saturate on codes that use the whole 8-bit range."""
+    model = _loaded(candidate_path)
+    producers = {out: n for n in model.graph.node for out in n.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in model.graph.node:
+        for name in n.input:
+            readers.setdefault(name, []).append(n)
+    replaced, added = set(), {}
+    for integer in [n for n in model.graph.node if n.op_type == "MatMulInteger"]:
+        [cast] = readers[integer.output[0]]
+        [last] = readers[cast.output[0]]  # the Mul by the scales
+        activation = producers[integer.input[0]]
+        members = _members_between(model, integer, last.output[0])
+        weight = f"oracle_weight_{len(added)}"
+        model.graph.initializer.append(numpy_helper.from_array(_dynamic_weight(model, integer).astype(np.float32), weight))
+        added[last.name] = [helper.make_node("DequantizeLinear", list(activation.output), [f"{weight}_activation"]),
+                            helper.make_node("MatMul", [f"{weight}_activation", weight], [last.output[0]])]
+        replaced |= members - {last.name}
+    nodes = []
+    for n in model.graph.node:
+        if n.name in added:
+            nodes += added[n.name]
+        elif n.name not in replaced:
+            nodes.append(n)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    onnx.save(model, str(target))
+    return target
+
+
+def _dynamic_weight(model: onnx.ModelProto, integer: onnx.NodeProto) -> np.ndarray:
+    """A MatMulInteger's weight codes as quantize_dynamic wrote them, read back: (code - zero point) x scale,
+    one scale or one per column."""
+    initializers = {i.name: i for i in model.graph.initializer}
+    codes, zero = (numpy_helper.to_array(initializers[name]).astype(np.float32) for name in (integer.input[1], integer.input[3]))
+    return (codes - zero) * numpy_helper.to_array(initializers[integer.input[1].replace("_quantized", "_scale")])
 
 
 def _members_between(model: onnx.ModelProto, first: onnx.NodeProto, output: str) -> set[str]:

@@ -159,10 +159,12 @@ def test_why_the_node_carrying_what_the_decision_loses_costs_it_is_its_weights_s
     nothing said why. Its weight's one scale, which a few large values set, rounds most of the rest to 0
     (numpy's count), and its parts undone alone on the lines tried say the output pays for that, not for
     its activation's grid, at the figures of the keep-one oracle undoing the same part. The weight is held by
-    a Constant node, which the quantizer quantized as an activation: the finding says so."""
+    a Constant node, which the quantizer quantized as an activation: the finding says so. A scale per channel,
+    its weight's and every weight's, is measured at the oracle's figures, with how to get it."""
     model, candidate, lines = _recognizer_in_int8(tmp_path, 12)
     [failure] = accudiff.compare(model, candidate_model=candidate, inputs=tmp_path / "lines.npz").output_failures
     node, findings = failure.cause.decision_node, {f.kind: f.message for f in failure.cause.findings}
+    assert len({c.node for c in failure.cause.contributors}) == len(failure.cause.contributors), failure.cause.contributors
     assert node is not None and findings["per_tensor_scale"].startswith(f"of '{node}': its weight"), findings
     graph, quantized = onnx.load(str(model)).graph, onnx.load(str(candidate)).graph
     name = next(n for n in graph.node if n.name == node).input[1]
@@ -179,6 +181,15 @@ def test_why_the_node_carrying_what_the_decision_loses_costs_it_is_its_weights_s
     figures = [float(x) / 100 for x in re.findall(r"top-1 agreement ([0-9.]+)%", part)]  # before, weights undone, activations undone, both
     for undone, figure in ((("weights",), figures[1]), (("activations",), figures[2])):
         assert figure == pytest.approx(oracle.candidate_keep_top1(model, candidate, tried, "softmax_11.tmp_0", {node}, undone)[1], abs=0.02), (undone, part)
+    # Its weight with a scale per channel (alone, then every Conv's and MatMul's), as the oracle requantizes them with numpy;
+    # the option that does it says the weights must be initializers first.
+    said = findings["per_channel"]
+    assert said.startswith(f"of '{node}', by what the output decides: its weight with a scale per output channel") and "Held as initializers instead of Constant nodes" in said, said
+    before, alone, every = (float(x) / 100 for x in re.findall(r"top-1 agreement ([0-9.]+)%", said))
+    rescalable = {n.name for n in quantized.node if n.op_type in ("Conv", "MatMul", "Gemm")}
+    assert alone == pytest.approx(oracle.candidate_keep_top1(model, candidate, tried, "softmax_11.tmp_0", {node}, ("per channel",))[1], abs=0.02), said
+    assert every == pytest.approx(oracle.candidate_keep_top1(model, candidate, tried, "softmax_11.tmp_0", rescalable, ("per channel",))[1], abs=0.02), said
+    assert before < alone, said
 
 
 def _constant(graph: onnx.GraphProto, name: str) -> np.ndarray:

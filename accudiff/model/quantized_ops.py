@@ -286,6 +286,17 @@ TOOL_OPTIONS: dict[str, Callable[[str, str], str]] = {
 }
 
 
+def per_channel_option(tool: str | None, held_by_constants: bool) -> str:
+    """How `tool` (None: a Q/DQ quantizer) is made to scale each weight per output channel; a weight a
+    Constant node holds is quantized as an activation is, with one scale, whatever the option."""
+    if tool == "quantize_dynamic":
+        return ("ONNX Runtime quantize_dynamic(..., per_channel=True) quantizes them so; on an x86 CPU without VNNI add reduce_range=True "
+                "(7-bit codes): ONNX Runtime's INT8 kernels there can saturate on codes that span the whole grid")
+    if held_by_constants:
+        return "held as initializers instead of Constant nodes, ModelOpt's quantizer and ONNX Runtime quantize_static(..., per_channel=True) quantize them so"
+    return "ONNX Runtime quantize_static(..., per_channel=True) quantizes them so"
+
+
 def find_quantized_ops(view: GraphIndex, reference: GraphIndex | None = None) -> list[QuantizedOp]:
     """The quantized ops of a main graph (`view`), in its node order. With the float model's `reference`,
     each is named as that model names the node writing its output, where the tool's naming does not find

@@ -133,9 +133,7 @@ def per_tensor_loss(weight: onnx.TensorProto | np.ndarray, op_type: str, step: f
     shape = tuple(weight.dims) if isinstance(weight, onnx.TensorProto) else weight.shape
     if not shape or 0 in shape:
         return None
-    axis = {"Conv": 0, "ConvTranspose": 1 % len(shape), "MatMul": len(shape) - 1, "Gemm": len(shape) - 1}.get(op_type)
-    if axis is None:  # an elementwise weight: along its longest axis
-        axis = int(np.argmax(shape))
+    axis = channel_axis(shape, op_type)
     if shape[axis] < 2:
         return None
     magnitude = _channel_magnitudes(weight, shape, axis)
@@ -154,6 +152,28 @@ def per_tensor_loss(weight: onnx.TensorProto | np.ndarray, op_type: str, step: f
     said += (f", a step its largest values set ({setting} of its {nonzero} nonzero values lie beyond half its largest magnitude, {largest:.3g}): "
              f"{percent(share)} of them lie below half a step and become 0 (with a scale per channel, {percent(per_channel / max(nonzero, 1))})")
     return said + (f"; {int(lost.sum())} of its channels hold only such values {held}, which per-channel scales would keep" if lost.any() else "")
+
+
+PER_CHANNEL_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})  # the ops whose weights quantizers scale per output channel
+
+
+def channel_axis(shape: tuple[int, ...], op_type: str) -> int:
+    """The axis of a weight's output channels, along which per-channel quantization gives each index its
+    own scale: by the op reading it, else (an elementwise weight) its longest axis."""
+    axis = {"Conv": 0, "ConvTranspose": 1 % len(shape), "MatMul": len(shape) - 1, "Gemm": len(shape) - 1}.get(op_type)
+    return int(np.argmax(shape)) if axis is None else axis
+
+
+def per_channel_grid(values: np.ndarray, op_type: str, bits: int) -> np.ndarray:
+    """`values` quantized with a scale per output channel and read back: symmetric signed codes of `bits`,
+    each channel's step its largest magnitude over the largest code (as ONNX Runtime's quantizers scale a
+    weight with per_channel=True), codes rounded half to even; what per-channel scales would make of it."""
+    axis = channel_axis(values.shape, op_type)
+    largest = 2 ** (bits - 1) - 1
+    others = tuple(i for i in range(values.ndim) if i != axis)
+    magnitude = np.abs(values).max(axis=others, keepdims=True).astype(np.float32)
+    step = np.where(magnitude > 0, magnitude / np.float32(largest), np.float32(1))
+    return (np.clip(np.rint(values / step), -largest, largest) * step).astype(np.float32)
 
 
 def _slices(weight: onnx.TensorProto | np.ndarray, shape: tuple[int, ...]) -> Iterable[np.ndarray]:

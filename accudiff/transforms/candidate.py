@@ -100,6 +100,10 @@ class CandidateVariants:
         given = self.recipe.candidate_model is not None
         return narrowed_parts(self.base.model, self.info.proto, node) if given or self.recipe.precision == "int8" else frozenset()
 
+    def converted_of(self, op_types: frozenset[str]) -> list[str]:
+        """The nodes the candidate converts whose float op (the FP32 model's node of that name) is one of `op_types`."""
+        return sorted(node.name for node in self.info.proto.graph.node if node.op_type in op_types and node.name in self.base.converted)
+
     def switchboard(self, nodes: Iterable[str], gated: bool = False) -> Switchboard | None:
         """The FP16 candidate, or a candidate made by another tool, with `nodes` switchable back to FP32
         (transforms/switches.py): one model for every keep-list among them. Nodes it already keeps (or that

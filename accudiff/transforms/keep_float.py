@@ -16,7 +16,8 @@ and the reference's weights (or, with none, its own dequantized).
 
 What a keep undoes can be narrowed (the loss split): the quantization of "activations" (Q/DQ pairs on
 values, quantization as the model runs), of "weights" (their Q/DQ pairs and codes), and the "casts" to
-FP16/BF16.
+FP16/BF16; or its weights' one scale replaced by one per output channel ("per_channel": the reference's
+weight on the same grid, scaled per channel, what a quantizer's per_channel option makes of it).
 """
 
 from __future__ import annotations
@@ -24,24 +25,27 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Iterable
 
+import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
 from accudiff.model.formats import REDUCED_FLOATS
 from accudiff.model.graph import GraphIndex, constant_values, declare_like, fresh_name
-from accudiff.model.quantized_ops import QuantizedOp, by_name, find_quantized_ops, float_nodes, quantized_members, with_float_activation
-from accudiff.model.quantized_weights import float_weight
+from accudiff.model.quantized_ops import QuantizedOp, QuantizedWeight, by_name, find_quantized_ops, float_nodes, quantized_members, with_float_activation
+from accudiff.model.quantized_weights import float_weight, per_channel_grid
 from accudiff.model.shapes import infer_shapes_unless_typed
 from accudiff.model.value_file import ValueFile
+from accudiff.model.weights import PACKED_4BIT, stored_dtype, weight_values
 
 QUANTIZATION_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})
 STORAGE_OPS = QUANTIZATION_OPS | {"Cast", "Constant"}  # what only changes how a value is stored: never a node to keep
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, *REDUCED_FLOATS})
 WIDE = "__fp32"
 UNDO_ALL = frozenset({"activations", "weights", "casts"})
-# What keeping undoes, by the name a loss split gives it (see CandidateVariants.with_kept).
+# What keeping undoes, by the name a loss split gives it (see CandidateVariants.with_kept); "per_channel" puts
+# the reference's weights back on the weights' own grid with a scale per output channel instead of one.
 PARTS = {"all": UNDO_ALL, "quantization": frozenset({"activations", "weights"}), "casts": frozenset({"casts"}),
-         "activations": frozenset({"activations"}), "weights": frozenset({"weights"})}
+         "activations": frozenset({"activations"}), "weights": frozenset({"weights"}), "per_channel": frozenset({"per_channel"})}
 
 
 def keep_in_float(model: onnx.ModelProto, reference: onnx.ModelProto | None, nodes: Iterable[str], undo: frozenset[str] = UNDO_ALL,
@@ -62,11 +66,11 @@ def keep_in_float(model: onnx.ModelProto, reference: onnx.ModelProto | None, nod
     rebuilt: list[onnx.NodeProto] = []
     for node in graph.node:
         op = members.get(node.name)
-        if op is not None and op.node in ops and not undoes_anything(op, undo):
+        if op is not None and op.node in ops and not undoes_anything(op, undo, edit.constants):
             rebuilt.append(node)  # (an embedding's quantized Gather when only activations are undone: as it is)
         elif op is not None and op.node in ops:
             if op.outputs[0] in node.output:  # its last node: the float op takes its place
-                own = with_float_activation(op, node) if "weights" not in undo else None
+                own = with_float_activation(op, node) if not undo & {"weights", "per_channel"} else None
                 rebuilt += [own] if own is not None else edit.keep_op(op)
         elif node.name in ops:  # a node of a kept op that others read too (a quantized Gather's codes): it stays, renamed
             node.name = edit.fresh(f"{node.name}__codes")
@@ -103,10 +107,12 @@ def narrowed_parts(model: onnx.ModelProto, reference: onnx.ModelProto | None, no
     return frozenset(parts)
 
 
-def undoes_anything(op: QuantizedOp, undo: frozenset[str]) -> bool:
+def undoes_anything(op: QuantizedOp, undo: frozenset[str], constants: dict[str, onnx.TensorProto]) -> bool:
     """Whether keeping `op` changes what it computes: a weight-only op (a quantized Gather, MatMulNBits at
-    its default accuracy) kept with only its activations' quantization undone computes as before."""
-    return bool(undo & {"weights", "casts"}) or (op.quantizes_activation and "activations" in undo)
+    its default accuracy) kept with only its activations' quantization undone computes as before, and an op
+    whose weights have scales per channel or block already, kept with "per_channel" undone."""
+    rescaled = "per_channel" in undo and any(_op_weight_bits(w, constants) for w in op.weights)
+    return bool(undo & {"weights", "casts"}) or (op.quantizes_activation and "activations" in undo) or rescaled
 
 
 class FloatInputs:
@@ -137,7 +143,9 @@ class FloatInputs:
         quantized as the model runs where `undo` keeps that; its float inputs read by `read(node, index,
         name, before)` (default: as `keep` reads them)."""
         read = read or self.float_input
-        weights = {w.position: ("weights" in self.undo and self._reference_weight(op.node, w.position)) or self._dequantized_weight(w) for w in op.weights}
+        weights = {w.position: ("weights" in self.undo and self._reference_weight(op.node, w.position))
+                   or ("per_channel" in self.undo and self._reference_weight(op.node, w.position, _op_weight_bits(w, self.constants)))
+                   or self._dequantized_weight(w) for w in op.weights}
         nodes = float_nodes(op, weights, self.fresh, quantized_activation=op.quantizes_activation and "activations" not in self.undo)
         before: list[onnx.NodeProto] = []
         floats = {name for position, name in enumerate(op.inputs) if position not in weights and self.types.get(name) in FLOAT_TYPES}
@@ -230,8 +238,8 @@ class FloatInputs:
         source = self.before_narrowing(name)
         if source in self.wide:
             source = self.wide[source]
-        elif self._narrow_weight(source):
-            source = self._reference_weight(node.name, index) or source
+        elif (bits := self._one_scale_bits(name)) or self._narrow_weight(source):
+            source = self._reference_weight(node.name, index, bits) or source
         if self.types.get(source) == wanted or source not in self.types:
             return source
         key = (source, wanted)
@@ -266,14 +274,24 @@ class FloatInputs:
             return True
         return self.widen and (name in self.widened or (name in self.constants and self.constants[name].data_type in REDUCED_FLOATS))
 
-    def _reference_weight(self, node: str, index: int) -> str | None:
+    def _reference_weight(self, node: str, index: int, bits: int | None = None) -> str | None:
         """The reference's float weight at this input of its node named `node`, added to the model (under its
-        own name where that is free); None where there is none."""
+        own name where that is free); None where there is none. Undoing "per_channel": on a grid of `bits`
+        (the candidate's codes) scaled per output channel of the op (its values file holds it, where given)."""
         theirs = self.reference_nodes.get(node)
         name = theirs.input[index] if theirs is not None and index < len(theirs.input) else ""
         weight = self.reference_weights.get(name)
         if weight is None or weight.data_type not in FLOAT_TYPES - set(REDUCED_FLOATS):
             return None
+        if "per_channel" in self.undo and bits:
+            key = f"{name}/per_channel/{theirs.op_type}/{bits}"
+            if key not in self._imports:
+                fresh, compute = self.fresh(f"{name}__per_channel"), lambda: per_channel_grid(weight_values(weight), theirs.op_type, bits)
+                tensor = self.values.value(key, fresh, compute) if self.values is not None else numpy_helper.from_array(compute(), fresh)
+                self._imports[key] = tensor.name
+                self.imported.append(tensor)
+                self.types[tensor.name] = TensorProto.FLOAT
+            return self._imports[key]
         if name not in self._imports:
             copy = onnx.TensorProto()
             copy.CopyFrom(weight)
@@ -282,8 +300,32 @@ class FloatInputs:
             self.types[copy.name] = copy.data_type
         return self._imports[name]
 
+    def _one_scale_bits(self, name: str) -> int | None:
+        """Undoing "per_channel": the bits of the integer grid a weight read as `name` is quantized to with one
+        scale, by a DequantizeLinear of its codes or a Q/DQ pair on it (None: another value, a float grid, or
+        scales per channel or block already)."""
+        node = self.producer.get(name)
+        if "per_channel" not in self.undo or node is None or node.op_type != "DequantizeLinear" or len(node.input) < 2:
+            return None
+        scale, feeder = self.constants.get(node.input[1]), self.producer.get(node.input[0])
+        if node.input[0] in self.constants:
+            codes = self.constants[node.input[0]]
+        elif feeder is not None and feeder.op_type == "QuantizeLinear" and feeder.input[0] in self.constants:
+            codes = self.constants.get(feeder.input[2]) if len(feeder.input) > 2 and feeder.input[2] else onnx.TensorProto(data_type=TensorProto.UINT8)
+        else:
+            return None
+        if scale is None or codes is None or int(np.prod(scale.dims)) != 1 or codes.data_type not in PACKED_4BIT and stored_dtype(codes).kind not in "iu":
+            return None
+        return 4 if codes.data_type in PACKED_4BIT else 8 * stored_dtype(codes).itemsize
+
     def fresh(self, name: str) -> str:
         return fresh_name(name, self.taken)
+
+
+def _op_weight_bits(weight: QuantizedWeight, constants: dict[str, onnx.TensorProto]) -> int | None:
+    """The bits of a weight's codes where one scale covers it all (what a scale per channel would refine), else None."""
+    one = weight.layout == "axis" and not weight.block_size and weight.scale in constants and int(np.prod(constants[weight.scale].dims)) == 1
+    return weight.bits if one else None
 
 
 def _cast_to(node: onnx.NodeProto) -> int | None:

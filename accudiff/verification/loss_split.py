@@ -1,7 +1,8 @@
 """The loss split: which part of a candidate's narrowing its loss comes from. A candidate made by another tool
 is run with every converted node kept, each part of its narrowing undone alone (its quantization or its
 casts; its activations' quantization or its weights'), in verification's batch, beside the control; and
-each verified cause's node is, with its activations' quantization and its weights' undone alone."""
+each verified cause's node is, with its activations' quantization and its weights' undone alone, and its
+weight quantized with one scale given a scale per output channel (alone, and every weight so)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from accudiff.verification.readings import Reading, improvement
 from accudiff.verification.search import HELPS
 from accudiff.verification.trial import TrialOutcome, Trials
 from accudiff.model.formats import QUANTIZED_FORMATS
+from accudiff.model.quantized_ops import per_channel_option
+from accudiff.model.quantized_weights import PER_CHANNEL_OPS
 from accudiff.transforms.candidate import CandidateVariants
 
 ACTIVATION_GRIDS = frozenset({"int8", "int8-dynamic", "fp8", "int4", "fp4"})  # formats that quantize activations (not only weights)
@@ -56,7 +59,8 @@ def cause_parts(verdicts: Mapping[str, tuple[Cause, Repair]], variants: Candidat
     samples the cause was verified on. A rule names the range of an input, or a weight's scale; which of
     them the output pays for is what undoing each says (a MatMul whose input's run-time range zeroes a
     quarter of its values loses it through its weight's one scale). The node a `decision` finding names
-    beside an accumulated error is read by the decision."""
+    beside an accumulated error is read by the decision. Where its weight has one scale, what a scale per
+    channel makes of the loss too (finding `per_channel`)."""
     wanted = {}
     for output, (cause, _) in verdicts.items():
         node, by = ((cause.node, objective) if cause.kind in ("local", "dominant", "several") else
@@ -66,15 +70,40 @@ def cause_parts(verdicts: Mapping[str, tuple[Cause, Repair]], variants: Candidat
     if not wanted:
         return dict(verdicts)
     nodes = list(dict.fromkeys(node for node, _ in wanted.values()))
-    outcomes = trials.run([[node] for node in nodes for _ in range(3)], ["all", "activations", "weights"] * len(nodes))
+    # A weight one scale covers (a per_tensor_scale finding), of a candidate made by another tool (accudiff's own
+    # --int8 scales weights per channel already): with a scale per output channel, at this node alone and at
+    # every node a quantizer scales so (what its per_channel option makes).
+    said = {node for output, (node, _) in wanted.items() if any(f.kind == "per_tensor_scale" for f in verdicts[output][0].findings)}
+    one_scale = [node for node in nodes if node in said] if variants.recipe.candidate_model is not None else []
+    rescalable = variants.converted_of(PER_CHANNEL_OPS)
+    keeps = [[node] for node in nodes for _ in range(3)] + [[node] for node in one_scale] + ([rescalable] if one_scale else [])
+    outcomes = trials.run(keeps, ["all", "activations", "weights"] * len(nodes) + ["per_channel"] * (len(one_scale) + bool(one_scale)))
     tried = {node: outcomes[3 * i : 3 * i + 3] for i, node in enumerate(nodes)}
+    rescaled = dict(zip(one_scale, outcomes[3 * len(nodes) :]))
     found = dict(verdicts)
     for output, (node, by) in wanted.items():
         cause, repair = verdicts[output]
         before, *undone = (Reading.of(outcome, output, by) for outcome in [control, *tried[node]])
         of = "" if node == cause.node else f"of '{node}', by what the output decides: "
-        found[output] = (replace(cause, findings=[*cause.findings, Finding("part", of + _part_said(before, *undone, cause.findings))]), repair)
+        findings = [*cause.findings, Finding("part", of + _part_said(before, *undone, cause.findings))]
+        if node in rescaled:
+            alone, every = (Reading.of(outcome, output, by) for outcome in (rescaled[node], outcomes[-1]))
+            option = per_channel_option(variants.base.quantized_by.get(node), node in variants.base.reads_constant_weights)
+            findings.append(Finding("per_channel", of + _per_channel_said(before, alone, every, option, bool(by.require))))
+        found[output] = (replace(cause, findings=findings), repair)
     return found
+
+
+def _per_channel_said(before: Reading, alone: Reading, every: Reading, option: str, required: bool) -> str:
+    """What a scale per output channel makes of the loss, measured: this node's weight so (its activations as
+    they are), then every weight a quantizer scales so, with how the tool does it. Computed as the codes read
+    back in FP32, as TensorRT accumulates (in 32 bits), where ONNX Runtime's x86 INT8 kernels without VNNI
+    saturate on codes that span the whole grid (MiniLM's pooled output, two sentences: 1.96x its
+    tolerance computed exactly, 4.10x by those kernels, 2.0x with reduce_range=True's 7-bit codes)."""
+    verdict = "meets" if every.met else "does not meet"
+    return (f"its weight with a scale per output channel instead of one (symmetric codes of as many bits; its activations still quantized) "
+            f"brings the output from {before.said('')} to {alone.said('')}; every MatMul, Gemm and Conv weight so, to {every.said()}, which {verdict} "
+            f"{'what --require asks' if required else 'the tolerance'} (the codes read back and multiplied in FP32: no CPU kernel's 16-bit saturation). {option[0].upper()}{option[1:]}")
 
 
 def _part_said(before: Reading, both: Reading, activations: Reading, weights: Reading, findings: Sequence[Finding]) -> str:

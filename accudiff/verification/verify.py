@@ -295,7 +295,8 @@ def _with_decision_fault(cause: Cause, control: TrialOutcome, suspects: list[Sus
     said = [replace(f, message=f"of '{node}': {f.message}") for f in suspect.findings if f.kind != "own_error"]  # what the rules say of why
     measured = not cause.contributors or cause.contributors[0].tol_ratio_kept is not None  # keeps measured, not the own errors standing in where none changed it
     first = [contributor(suspect, table)] if measured else []
-    return replace(cause, findings=[*cause.findings, finding, *said], contributors=first + cause.contributors, decision_keep=kept, decision_node=node)
+    rest = [c for c in cause.contributors if not first or c.node != node]  # (listed once: first, with the keep the decision measured)
+    return replace(cause, findings=[*cause.findings, finding, *said], contributors=first + rest, decision_keep=kept, decision_node=node)
 
 
 def _conclude(
