@@ -143,9 +143,7 @@ class FloatInputs:
         quantized as the model runs where `undo` keeps that; its float inputs read by `read(node, index,
         name, before)` (default: as `keep` reads them)."""
         read = read or self.float_input
-        weights = {w.position: ("weights" in self.undo and self._reference_weight(op.node, w.position))
-                   or ("per_channel" in self.undo and self._reference_weight(op.node, w.position, _op_weight_bits(w, self.constants)))
-                   or self._dequantized_weight(w) for w in op.weights}
+        weights = {w.position: self._kept_weight(op, w) for w in op.weights}
         nodes = float_nodes(op, weights, self.fresh, quantized_activation=op.quantizes_activation and "activations" not in self.undo)
         before: list[onnx.NodeProto] = []
         floats = {name for position, name in enumerate(op.inputs) if position not in weights and self.types.get(name) in FLOAT_TYPES}
@@ -156,6 +154,13 @@ class FloatInputs:
         for node in nodes:
             self._type_added(node, op)
         return [*before, *nodes]
+
+    def _kept_weight(self, op: QuantizedOp, weight: QuantizedWeight) -> str:
+        """What a kept op reads for `weight`: the reference's where `undo` takes weights back; on a grid with a
+        scale per channel where it takes back one scale ("per_channel") and one covers it; else its own dequantized."""
+        bits = _op_weight_bits(weight, self.constants) if "per_channel" in self.undo else None
+        found = self._reference_weight(op.node, weight.position, bits) if "weights" in self.undo or bits else None
+        return found or self._dequantized_weight(weight)
 
     def _type_added(self, node: onnx.NodeProto, op: QuantizedOp) -> None:
         """Type the values a kept op's nodes add: its activation's codes (like it, UINT8) and their scalar
