@@ -202,7 +202,8 @@ def test_a_detectors_decision_is_the_detections_both_sides_make(tmp_path):
     save_feeds(feeds, tmp_path / "photo.npz")
     result = accudiff.compare(path, candidate_model=candidate, inputs=tmp_path / "photo.npz", report_dir=tmp_path / "r", verify=False)
     assert result.output_kinds["output0"].kind == "detections"
-    runs = [[oracle.reference_values(model, feed)["output0"] for feed in feeds] for model in (path, candidate)]
+    session = oracle._session(oracle._loaded(candidate), optimized=True)  # as ONNX Runtime runs a model, its Q/DQ pairs as written
+    runs = [[oracle.reference_values(path, feed)["output0"] for feed in feeds], [session.run(["output0"], feed)[0] for feed in feeds]]
     expected = oracle.detection_counts(*runs)
     found = result.decisions["output0"]
     assert expected["reference"] >= len(feeds) and expected["matched"] < expected["candidate"] + expected["reference"]  # something to agree on
@@ -210,7 +211,7 @@ def test_a_detectors_decision_is_the_detections_both_sides_make(tmp_path):
         (expected["images"], expected["reference"], expected["candidate"], expected["matched"])
     union = expected["reference"] + expected["candidate"] - expected["matched"]
     assert found["detections"] == pytest.approx(expected["matched"] / union)
-    # within float32 rounding: the oracle runs each model with every value marked, which ONNX Runtime optimizes otherwise
+    # within float32 rounding (a candidate run unoptimized rounds a few values to other codes: 0.97046 against 0.96882)
     assert found["matched_iou"] == pytest.approx(expected["iou_sum"] / expected["matched"], rel=1e-6) and 0.5 <= found["matched_iou"] < 1
     span = result.intervals["output0"]["detections"]
     assert span.low <= found["detections"] <= span.high and span.units == len(feeds)
