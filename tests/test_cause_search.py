@@ -168,9 +168,9 @@ def test_why_the_node_carrying_what_the_decision_loses_costs_it_is_its_weights_s
     assert node is not None and findings["per_tensor_scale"].startswith(f"of '{node}': its weight"), findings
     graph, quantized = onnx.load(str(model)).graph, onnx.load(str(candidate)).graph
     name = next(n for n in graph.node if n.name == node).input[1]
-    weight = _constant(graph, name)
+    weight = oracle._constant_values(graph, name)
     dequantize = next(n for n in quantized.node if n.op_type == "DequantizeLinear" and n.output[0] == next(q for q in quantized.node if q.name == node).input[1])
-    step = float(_constant(quantized, dequantize.input[1]))
+    step = float(oracle._constant_values(quantized, dequantize.input[1]))
     share = np.count_nonzero((np.abs(weight) < step / 2) & (weight != 0)) / np.count_nonzero(weight)
     assert f"{100 * share:.1f}% of them lie below half a step and become 0" in findings["per_tensor_scale"], findings["per_tensor_scale"]
     holder = next(n for n in graph.node if n.output[0] == name)  # paddle2onnx's: why the quantizer gave it one scale
@@ -190,14 +190,6 @@ def test_why_the_node_carrying_what_the_decision_loses_costs_it_is_its_weights_s
     assert alone == pytest.approx(oracle.candidate_keep_top1(model, candidate, tried, "softmax_11.tmp_0", {node}, ("per channel",))[1], abs=0.02), said
     assert every == pytest.approx(oracle.candidate_keep_top1(model, candidate, tried, "softmax_11.tmp_0", rescalable, ("per channel",))[1], abs=0.02), said
     assert before < alone, said
-
-
-def _constant(graph: onnx.GraphProto, name: str) -> np.ndarray:
-    """A constant's values, an initializer's or a Constant node's (paddle2onnx writes weights as the latter)."""
-    from onnx import numpy_helper
-
-    found = next((i for i in graph.initializer if i.name == name), None)
-    return numpy_helper.to_array(found if found is not None else next(n for n in graph.node if n.output[0] == name).attribute[0].t)
 
 
 def test_a_decision_halved_only_within_its_interval_is_not_said_to_carry_the_loss():
