@@ -75,8 +75,7 @@ def cause_parts(verdicts: Mapping[str, tuple[Cause, Repair]], variants: Candidat
     # every node a quantizer scales so (what its per_channel option makes).
     said = {node for output, (node, _) in wanted.items() if any(f.kind == "per_tensor_scale" for f in verdicts[output][0].findings)}
     one_scale = [node for node in nodes if node in said] if variants.recipe.candidate_model is not None else []
-    rescalable = variants.converted_of(PER_CHANNEL_OPS)
-    keeps = [[node] for node in nodes for _ in range(3)] + [[node] for node in one_scale] + ([rescalable] if one_scale else [])
+    keeps = [[node] for node in nodes for _ in range(3)] + [[node] for node in one_scale] + ([variants.converted_of(PER_CHANNEL_OPS)] if one_scale else [])
     outcomes = trials.run(keeps, ["all", "activations", "weights"] * len(nodes) + ["per_channel"] * (len(one_scale) + bool(one_scale)))
     tried = {node: outcomes[3 * i : 3 * i + 3] for i, node in enumerate(nodes)}
     rescaled = dict(zip(one_scale, outcomes[3 * len(nodes) :]))
