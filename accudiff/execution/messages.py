@@ -75,6 +75,9 @@ class Job:
     # Sessions made one at a time, each just before its run (else all at once, kept for every sample): weights
     # of a model too large to hold twice (trial.LARGE_MODEL_BYTES).
     one_session_at_a_time: bool = False
+    # Sessions an earlier job kept (`PassSpec.reuse`: a trial's switchboard) closed first when none of this job's
+    # passes reuses them: its variants' sessions would otherwise sit beside them (verification's last round).
+    release_reused: bool = False
     # Model files made by another tool, checked first to load in ONNX Runtime as they are (a candidate accudiff
     # then aligns and runs in its own form must never stand in for a file ONNX Runtime refuses).
     validate: list[str] = field(default_factory=list)

@@ -85,7 +85,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
         return PassPlan(spec.name, Path(spec.model), factory(spec), spec.fed_from_reference, record, fixed, spec.samples)
 
     per_sample = samples_per_prompt(job.generation["new_tokens"]) if job.generation else 1  # a prompt is a prefill and its decode steps
-    if job.one_session_at_a_time and not any(p.reuse for p in job.passes):
+    if (job.one_session_at_a_time or job.release_reused) and not any(p.reuse for p in job.passes):
         _REUSED.close()  # a switchboard kept from an earlier job would hold its weights beside this job's sessions
     first = min(job.sample_indices, default=0) * per_sample
     passes = [plan(p) for p in job.passes if p.samples is None or first < p.samples]  # a pass none of its samples need has no session

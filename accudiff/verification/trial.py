@@ -210,7 +210,7 @@ class Trials:
 
         def build(index: int) -> Job:
             nonlocal started
-            batches.append(self._job(chunks[index], self.reference.folder if self.replayed and (not recording or index == 0) else None, board))
+            batches.append(self._job(chunks[index], self.reference.folder if self.replayed and (not recording or index == 0) else None, board, not on_board))
             self.timings["models (caller)"] = round(self.timings.get("models (caller)", 0.0) + time.perf_counter() - started, 4)
             started = time.perf_counter()
             return batches[-1].job
@@ -284,10 +284,13 @@ class Trials:
         self._board = board, path
         return self._board
 
-    def _job(self, chosen: list[tuple[list[str], str]], reference: Path | None, board: tuple[Switchboard, Path] | None) -> _Batch:
+    def _job(self, chosen: list[tuple[list[str], str]], reference: Path | None, board: tuple[Switchboard, Path] | None,
+             release_reused: bool = False) -> _Batch:
         """The models of the `chosen` keep-lists (with what each undoes: their switchboard, or a variant each,
         saved), and the worker job that tries them (recording the reference's outputs in `reference`, or
-        replaying them from it once complete)."""
+        replaying them from it once complete). `release_reused`: the call tries nothing on the switchboard
+        (a cause's parts, verification's last round), so its worker lets go of the switchboard's session
+        first; a later call that needs it again makes it again."""
         setup = self.setup
         folder = setup.scratch / f"trials-{self.runs}"
         folder.mkdir(parents=True, exist_ok=True)  # the worker's result; the models beside the weights they refer to
@@ -325,6 +328,7 @@ class Trials:
             input_specs=[[spec.name, str(spec.dtype), list(spec.shape)] for spec in info.inputs],
             store=str(reference) if reference is not None else None,
             one_session_at_a_time=self.large,
+            release_reused=release_reused,
             points=0,  # a trial is judged by its outcomes: no plot shows its values
         )
         return _Batch(keep_lists, job)
