@@ -34,8 +34,8 @@ SEPARATE_MAPPINGS_FROM_TENSOR_BYTES = 4 << 20
 @functools.cache
 def _libc():
     """The C library's functions, from what the process already loaded: `ctypes.util.find_library` would
-    start `ldconfig`, a fork of this process that a memory measurement of the process tree sees as a second
-    copy of it (MiniLM's comparison: 115 MB more at its peak, a worker's fork 130 MB)."""
+    start `ldconfig`, a fork of this process that a memory measurement of the process tree counts as a
+    second copy of it (a 130 MB comparison worker counted twice, when it handed memory back)."""
     try:
         return ctypes.CDLL(None)
     except OSError:
