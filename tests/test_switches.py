@@ -119,7 +119,7 @@ def test_a_candidate_modelopt_made_of_the_trained_recognizer(tmp_path):
 @pytest.mark.parametrize("name", ["two_faults_one_path", "multi_io", "cancelling_layernorm"])
 def test_a_gated_switchboard_computes_what_its_variants_do(name, precision, tmp_path):
     """The gated board (each kept copy in an If on its switch: computed only when on) gives every variant's
-    outputs, bit for bit, as the board that computes both sides and chooses with Where does."""
+    outputs, bit for bit, as the board that computes both sides and chooses between them does."""
     info = load_model(fixture(name))
     [feed] = generate_feeds(info.inputs, {spec.name: spec.shape for spec in info.inputs}, seed=0)
     converted = sorted(transform_model(info, CandidateRecipe(precision), samples_from_feeds([feed], tmp_path / "samples.npz"), largest_values).converted)

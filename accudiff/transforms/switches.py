@@ -5,8 +5,9 @@ costs a conversion, a save, a lowering and a session (about 0.4 s on the PP-OCRv
 times its run); a switchboard is built and loaded once, and a keep-list is one run with its switches set.
 
 Each switchable node X is computed twice: as the candidate has it, and as the FP32 model has it (reading
-FP32 values: its switchable producers' switched values, the others' widened). `Where(switch, FP32 result,
-candidate's result widened)` is X's value for readers that read it in FP32 (kept nodes, graph outputs);
+FP32 values: its switchable producers' switched values, the others' widened). A choice on the switch (an If
+whose branches hand on the FP32 result or the candidate's result widened) is X's value for readers that read
+it in FP32 (kept nodes, graph outputs);
 the candidate's FP16 readers read that value rounded to FP16. So with its switch on, a node's readers see
 exactly what they see when `to_fp16` keeps it (FP16 readers the FP32 result rounded once, FP32 readers
 the FP32 result), and with it off exactly the candidate (an FP16 value widened and rounded again is
@@ -22,7 +23,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from accudiff.model.formats import REDUCED_FLOATS
-from accudiff.model.graph import cast_target, declare_like, toposort
+from accudiff.model.graph import cast_target, declare_like, subgraph_outer_references, toposort
 from accudiff.model.shapes import infer_shapes_unless_typed
 from accudiff.model.value_file import ValueFile
 from accudiff.transforms.fp16 import HALVES, elem_types
@@ -95,7 +96,7 @@ def build_switchboard(candidate: onnx.ModelProto, fp32: onnx.ModelProto, nodes: 
             if name:
                 produced = node.output[j]
                 in_fp16 = board_types.get(produced) in REDUCED_FLOATS
-                placed += _switch(node, j, kept, j, switches[node.name], board_types[produced] if in_fp16 else TensorProto.FLOAT)
+                placed += _switch(node, j, kept, j, switches[node.name], board_types.get(produced, fp32_types.get(name)))
                 for added, elem_type in _switched_values(produced, name, fp32_types.get(name), board_types.get(produced), in_fp16):
                     if elem_type:
                         declare_like(graph, declared, added, produced, elem_type)
@@ -203,23 +204,16 @@ def _switched_graph_outputs(placed: list[onnx.NodeProto], owner: dict[str, str],
         name = dequantize.output[0]
         dequantize.output[0] = name + "__quantized"
         edit.declare(dequantize.output[0], name, edit.types.get(name))
-        kind = edit.types.get(name)
-        if kind == TensorProto.BFLOAT16:  # ONNX Runtime's Where has no BF16 kernel: switched in FP32, stored back in BF16
-            wide = [edit.fresh(f"{value}__fp32") for value in (quantize.input[0], dequantize.output[0], name)]
-            added += [helper.make_node("Cast", [source], [target], name=target, to=TensorProto.FLOAT) for source, target in zip((quantize.input[0], dequantize.output[0]), wide)]
-            added += [helper.make_node("Where", [switches[owner[quantize.input[0]]], *wide[:2]], [wide[2]], name=name + "__switched_output"),
-                      helper.make_node("Cast", [wide[2]], [name], name=name + "__to_bf16", to=TensorProto.BFLOAT16)]
-        else:
-            added.append(helper.make_node("Where", [switches[owner[quantize.input[0]]], quantize.input[0], dequantize.output[0]], [name], name=name + "__switched_output"))
+        added.append(_choice(switches[owner[quantize.input[0]]], quantize.input[0], dequantize.output[0], name, edit.types.get(name), name + "__switched_output"))
     return added
 
 
-def _switch(node: onnx.NodeProto, j: int, kept: onnx.NodeProto, k: int, switch: str, own: int) -> list[onnx.NodeProto]:
+def _switch(node: onnx.NodeProto, j: int, kept: onnx.NodeProto, k: int, switch: str, own: int | None) -> list[onnx.NodeProto]:
     """Output `j` of `node` switched with output `k` of its kept copy: the kept copy's FP32 value where
     `switch` is on, the candidate's (widened) where it is off, under `<value>__switched`; the candidate's
     own name then holds it in the candidate's type `own`. Renames the outputs of `node` and `kept`."""
     value, produced = kept.output[k], node.output[j]
-    narrow = own in REDUCED_FLOATS  # the kept copy computes in FP32 (a double stays a double: Where takes it as it is)
+    narrow = own in REDUCED_FLOATS  # the kept copy computes in FP32 (a double stays a double: the choice hands it on as it is)
     kept.output[k] = value + "__kept"
     node.output[j] = produced + "__candidate"
     added = []
@@ -227,12 +221,36 @@ def _switch(node: onnx.NodeProto, j: int, kept: onnx.NodeProto, k: int, switch: 
     if narrow:
         candidate_value = produced + "__candidate_fp32"
         added.append(helper.make_node("Cast", [node.output[j]], [candidate_value], name=candidate_value, to=TensorProto.FLOAT))
-    added.append(helper.make_node("Where", [switch, kept.output[k], candidate_value], [value + "__switched"], name=value + "__switched"))
+    added.append(_choice(switch, kept.output[k], candidate_value, value + "__switched", TensorProto.FLOAT if narrow else own, value + "__switched"))
     if narrow:
         added.append(helper.make_node("Cast", [value + "__switched"], [produced], name=produced + "__from_switch", to=own))
     else:
         added.append(helper.make_node("Identity", [value + "__switched"], [produced], name=produced + "__from_switch"))
     return added
+
+
+def _choice(switch: str, on: str, off: str, value: str, elem_type: int | None, name: str) -> onnx.NodeProto:
+    """`value` is `on` where `switch` is on, else `off` (both computed before it, of type `elem_type`; None:
+    not known, ONNX Runtime infers it): an If whose branches each hand one on. ONNX Runtime's Where, given the switch as a scalar condition, selects element by element:
+    on the trained Magika's board of 63 switches it took 60% of a run, and the same board with Ifs ran 2.8x
+    as fast (PP-OCRv4's recognizer, 407 switches: 1.3x), its outputs bit for bit the same."""
+    def branch(side: str, source: str) -> onnx.GraphProto:
+        handed = f"{value}__{side}"
+        result = helper.make_tensor_value_info(handed, elem_type, None) if elem_type else onnx.ValueInfoProto(name=handed)
+        return helper.make_graph([helper.make_node("Identity", [source], [handed])], f"{name}_{side}", [], [result])
+
+    return helper.make_node("If", [switch], [value], name=name, then_branch=branch("on", on), else_branch=branch("off", off))
+
+
+def _chosen(node: onnx.NodeProto, switches: set[str]) -> tuple[str, str] | None:
+    """The values a `_choice` on one of `switches` hands on, (on, off); None for any other node."""
+    if node.op_type != "If" or node.input[0] not in switches:
+        return None
+    branches = {attr.name: attr.g for attr in node.attribute}
+    handed = [branches[side].node for side in ("then_branch", "else_branch")]
+    if any(len(nodes) != 1 or nodes[0].op_type != "Identity" for nodes in handed):
+        return None
+    return handed[0][0].input[0], handed[1][0].input[0]
 
 
 def _switched_values(produced: str, value: str, fp32_type: int | None, candidate_type: int | None, in_fp16: bool) -> list[tuple[str, int | None]]:
@@ -245,49 +263,52 @@ def _switched_values(produced: str, value: str, fp32_type: int | None, candidate
 def gate_switches(board: Switchboard) -> None:
     """Compute each switchable node's FP32 copy only when its switch is on: the nodes that serve one switch
     alone move into the `then` branch of an If on that switch, whose `else` branch hands on the candidate's
-    values (in place of the Where nodes that chose between the two). A run then costs the candidate's run
-    and the kept nodes', not both models' (the Where board computes every switchable node twice); and a
+    values (in place of the choices between the two). A run then costs the candidate's run and the kept
+    nodes', not both models' (the ungated board computes every switchable node twice); and a
     kept copy's FP32 weights, read from their data files only when it runs, are neither prepacked nor paged
     in for keep-lists that do not take them. For models whose weights are large (trial.LARGE_MODEL_BYTES):
-    below that, the Where board's weights are prepacked like its variants', so it matches them bit for bit."""
+    below that, the ungated board's weights are prepacked like its variants', so it matches them bit for bit."""
     graph = board.model.graph
     nodes = list(graph.node)
     readers: dict[str, list[int]] = {}
     for index, node in enumerate(nodes):
-        for name in node.input:
+        for name in [*node.input, *subgraph_outer_references([node])]:  # a choice reads its two values from within its branches
             readers.setdefault(name, []).append(index)
     producer = {out: index for index, node in enumerate(nodes) for out in node.output if out}
     outputs = {o.name for o in graph.output}
     declared = {vi.name: vi for vi in [*graph.value_info, *graph.input, *graph.output]}
     switches = set(board.switches.values())
-    choices: dict[str, list[int]] = {}  # a switch -> its Where nodes choosing between a kept value and the candidate's
+    choices: dict[str, list[int]] = {}  # a switch -> its choices between a kept value and the candidate's
+    chosen: dict[int, tuple[str, str]] = {}  # ... -> what each chooses between
     for index, node in enumerate(nodes):
-        if node.op_type == "Where" and node.input[0] in switches and node.input[1] in producer:
+        values = _chosen(node, switches)
+        if values is not None and values[0] in producer:
             choices.setdefault(node.input[0], []).append(index)
+            chosen[index] = values
     moved: set[int] = set()
-    gates: dict[int, onnx.NodeProto] = {}  # the first Where of a switch -> the If that replaces its Wheres
-    for switch, wheres in choices.items():
+    gates: dict[int, onnx.NodeProto] = {}  # the first choice on a switch -> the If that replaces its choices
+    for switch, picks in choices.items():
         private: set[int] = set()
-        queue = [producer[nodes[w].input[1]] for w in wheres]
-        while queue:  # a node serves this switch alone when every reader of its outputs does (or is one of its Wheres)
+        queue = [producer[chosen[w][0]] for w in picks]
+        while queue:  # a node serves this switch alone when every reader of its outputs does (or is one of its choices)
             index = queue.pop()
             if index in private or index in moved:
                 continue
             node = nodes[index]
-            if any(out in outputs or any(r not in private and r not in wheres for r in readers.get(out, [])) for out in node.output if out):
+            if any(out in outputs or any(r not in private and r not in picks for r in readers.get(out, [])) for out in node.output if out):
                 continue
             private.add(index)
             queue += [producer[name] for name in node.input if name in producer]
         then = [nodes[i] for i in sorted(private)]
-        values = [nodes[w].output[0] for w in wheres]
-        kept, candidate = [nodes[w].input[1] for w in wheres], [nodes[w].input[2] for w in wheres]
+        values = [nodes[w].output[0] for w in picks]
+        kept, candidate = [chosen[w][0] for w in picks], [chosen[w][1] for w in picks]
         branch = lambda name, body, results: helper.make_graph(body, name, [], [_typed(result, declared) for result in results])  # noqa: E731
         on = branch(f"{switch}_on", then + [helper.make_node("Identity", [k], [f"{v}__on"]) for k, v in zip(kept, values)], [f"{v}__on" for v in values])
         off = branch(f"{switch}_off", [helper.make_node("Identity", [c], [f"{v}__off"]) for c, v in zip(candidate, values)], [f"{v}__off" for v in values])
         for body_output, value in zip([*on.output, *off.output], values * 2):
             body_output.type.CopyFrom(_typed(value, declared).type)
-        gates[min(wheres)] = helper.make_node("If", [switch], values, name=f"{switch}__gate", then_branch=on, else_branch=off)
-        moved |= private | set(wheres)
+        gates[min(picks)] = helper.make_node("If", [switch], values, name=f"{switch}__gate", then_branch=on, else_branch=off)
+        moved |= private | set(picks)
     placed = []
     for index, node in enumerate(nodes):
         if index in gates:
@@ -296,7 +317,7 @@ def gate_switches(board: Switchboard) -> None:
             placed.append(node)
     del graph.node[:]
     graph.node.extend(placed)
-    toposort(graph)  # an If reads every candidate value its Wheres read: the later ones' casts come after its place
+    toposort(graph)  # an If reads every candidate value its choices read: the later ones' casts come after its place
 
 
 def _typed(name: str, declared: dict[str, onnx.ValueInfoProto]) -> onnx.ValueInfoProto:
