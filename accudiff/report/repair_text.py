@@ -62,6 +62,15 @@ def repair_lines(failure, result, python: bool = False) -> list[str]:
     return lines
 
 
+# A Q/DQ quantizer gives a value one pair for all its readers: a node it leaves out still reads the value rounded
+# where another reader is quantized (ModelOpt and quantize_static) or, in quantize_static, its writer (the
+# trained Magika by quantize_static, bisect's 26 nodes left out: 12 still read a pair; top-1 on 24 files 79%
+# where the repaired candidate, those nodes reading their inputs unrounded, gives 100%).
+QDQ_REBUILD_CAVEAT = ("(a rebuild is not what was verified: these quantizers give a value one Q/DQ pair for all its readers, so a node left out "
+                      "still reads it rounded where another of its readers, or in quantize_static its writer, is quantized, where the candidate "
+                      "with them kept reads it unrounded; compare a rebuilt model with accudiff compare before shipping it)")
+
+
 def remake_lines(nodes: list[str], precision: str, quantized_by: dict[str, str], reads_constant_weights: Collection[str],
                  repaired: Path | None = None, listed: tuple[Path, Path] | None = None) -> list[str]:
     """For a candidate made by another tool (of `precision`): the options that make it again without `nodes`
@@ -93,6 +102,8 @@ def remake_lines(nodes: list[str], precision: str, quantized_by: dict[str, str],
             lines.append("or quantize again without them: " + "; ".join(options)
                          + (" (excluded from quantization, they still run in the tool's FP16/BF16: ModelOpt --high_precision_dtype fp32 keeps FP32)"
                             if formats & {"fp16", "bf16"} else ""))
+        if "Q/DQ" in by_tool:
+            lines.append(QDQ_REBUILD_CAVEAT)
     elif formats & {"fp16", "bf16"}:
         patterns, python_list, _ = spelled(nodes)
         held = [n for n in nodes if n in reads_constant_weights]
