@@ -297,7 +297,9 @@ def test_bisect_on_the_trained_classifier_quantized_by_quantize_static_is_minima
     """magika by ONNX Runtime's quantize_static (Q/DQ, one scale a tensor), on 24 real files: no single node
     repairs it (its GELU's cube and its LayerNorm's variance each need several kept). bisect precision's list
     meets the tolerance and every node of it is needed, both as the oracle's own unquantized candidate says.
-    Within 32 pruning runs the list was 26 nodes long, 19 of them never tried without; with 64, 15 each needed."""
+    Within 32 pruning runs the list was 26 nodes long, 19 of them never tried without; with 64, 15 each needed.
+    compare rules out the LayerNorm's Reciprocal, whose Inf (a variance quantized to 0) the Q/DQ pair after it
+    puts back on its grid: it said its reader, a Mul, turned them finite."""
     try:
         path = models.magika_v3()
     except ModuleNotFoundError as exc:
@@ -305,6 +307,9 @@ def test_bisect_on_the_trained_classifier_quantized_by_quantize_static_is_minima
     feeds = realistic_inputs.dataset("magika_v3", 24)
     candidate = models.onnxruntime_qdq(path, realistic_inputs.dataset("magika_v3", 16, first_seed=100), tmp_path / "magika.qdq.onnx", per_channel=False)
     save_feeds(feeds, tmp_path / "files.npz")
+    [failure] = accudiff.compare(path, candidate_model=candidate, candidate="onnxrt", inputs=tmp_path / "files.npz").output_failures
+    [reciprocal] = [a for a in failure.cause.absorbed if a.op_type == "Reciprocal"]
+    assert reciprocal.by_op_type == "Mul" and reciprocal.evidence.startswith("the Q/DQ pair before it puts what it reads on its INT8 grid"), reciprocal
     session = BisectSession(RunSettings(path, candidate_model=candidate, candidate="onnxrt", inputs=tmp_path / "files.npz"))
     try:
         found = bisect_precision(session, tmp_path)

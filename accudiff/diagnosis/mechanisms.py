@@ -104,11 +104,16 @@ def absorber(start: str, output: str, table: pd.DataFrame, context: DiagnosisCon
         row = rows[tensor]
         if "float" not in str(row["dtype"]):
             continue  # a shape or an index read off the path carries none of its values: it undoes nothing
-        read = [rows[name] for name in context.upstream.get(tensor, []) if name in rows]
-        read = [r for r in read if "float" in str(r["dtype"])]
+        names = [name for name in context.upstream.get(tensor, []) if name in rows and "float" in str(rows[name]["dtype"])]
+        read = [rows[name] for name in names]
         if not read:
             continue
         if any(new_non_finite(r) for r in read) and not new_non_finite(row):
+            gridded = [context.quant_ranges[name] for name in names if new_non_finite(rows[name]) and name in context.quant_ranges]
+            if gridded:  # the pair before the node made them finite, not the node
+                grid = gridded[0]
+                return (row["node"], row["op_type"], f"the Q/DQ pair before it puts what it reads on its {grid.grid} grid ({grid.low:.3g} to {grid.high:.3g}), "
+                                                     "where the NaN/Inf become finite values")
             return row["node"], row["op_type"], "it turns the NaN/Inf it reads into finite values"
         if any(new_non_finite(r) for r in read) or new_non_finite(row):
             continue
