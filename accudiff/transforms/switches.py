@@ -231,9 +231,10 @@ def _switch(node: onnx.NodeProto, j: int, kept: onnx.NodeProto, k: int, switch: 
 
 def _choice(switch: str, on: str, off: str, value: str, elem_type: int | None, name: str) -> onnx.NodeProto:
     """`value` is `on` where `switch` is on, else `off` (both computed before it, of type `elem_type`; None:
-    not known, ONNX Runtime infers it): an If whose branches each hand one on. ONNX Runtime's Where, given the switch as a scalar condition, selects element by element:
-    on the trained Magika's board of 63 switches it took 60% of a run, and the same board with Ifs ran 2.8x
-    as fast (PP-OCRv4's recognizer, 407 switches: 1.3x), its outputs bit for bit the same."""
+    not known, ONNX Runtime infers it): an If whose branches each hand one on. ONNX Runtime's Where, given
+    the switch as a scalar condition, selects element by element: on the trained Magika's board of 63
+    switches it took 60% of a run, and the same board with Ifs ran 2.8x as fast (PP-OCRv4's recognizer, 407
+    switches: 1.3x), its outputs bit for bit the same."""
     def branch(side: str, source: str) -> onnx.GraphProto:
         handed = f"{value}__{side}"
         result = helper.make_tensor_value_info(handed, elem_type, None) if elem_type else onnx.ValueInfoProto(name=handed)
