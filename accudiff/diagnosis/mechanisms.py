@@ -8,8 +8,8 @@
   where the accumulated SQNR falls across such a node, it is named with the drop.
 * absorption: a node whose error a later node measurably undoes: the first node downstream, reading a
   value that carries the error, across which it shrinks (NaN/Inf turned back into finite values, as a
-  saturating Tanh, Sigmoid, Min/Clip or Softmax does; or the mean error at least halved while the SQNR rises
-  by ABSORBED_DB or more), named with that evidence.
+  saturating Tanh, Sigmoid, Min/Clip or Softmax does, or the Q/DQ pair before it, which puts them on its grid;
+  or the mean error at least halved while the SQNR rises by ABSORBED_DB or more), named with that evidence.
 These are findings to explain a cause, never a cause on their own: verify.py decides what matters.
 """
 
