@@ -258,5 +258,5 @@ def test_blocks_a_large_value_flattens_are_found_on_the_packed_codes(tmp_path):
     fast = _nbits_zero_shares(op.weights[0], weight_values(constants[op.weights[0].codes]))
     values = float_weight(op.weights[0], constants)
     assert np.array_equal(fast, (values.T.reshape(32, -1, 32) == 0).mean(axis=-1))
-    kind, said = quantized_weight_findings([op], GraphIndex.of(quantized.graph), GraphIndex.of(graph))["spiky"]
+    kind, said = quantized_weight_findings([op], GraphIndex.of(quantized.graph), GraphIndex.of(graph))()["spiky"]
     assert kind == "block_scale" and "32 of its 64 blocks" in said

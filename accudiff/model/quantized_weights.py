@@ -4,7 +4,7 @@ x scale in FP32, as ONNX Runtime computes it."""
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 import onnx
@@ -84,22 +84,44 @@ CHANNEL_BLOCK_BYTES = 8 << 20  # a weight's channels are measured this much of i
 BLOCK_FINDING_SHARE = 0.01  # blocks that lose most of their values: below this share of them, noise
 
 
-def quantized_weight_findings(ops: Iterable[QuantizedOp], graph: GraphIndex, reference: GraphIndex) -> dict[str, tuple[str, str]]:
+def quantized_weight_findings(ops: Iterable[QuantizedOp], graph: GraphIndex, reference: GraphIndex) -> Callable[[], dict[str, tuple[str, str]]]:
     """What the ops' weight grids lose, by op: a weight with one scale whose step zeroes whole output
     channels ("per_tensor_scale"), or blocks whose step, set by their largest values, rounds most of their
-    values to 0 ("block_scale"). The float weight judged is the reference's where it has one."""
-    constants, theirs = graph.constants, reference.constants
+    values to 0 ("block_scale"). The float weight judged is the reference's where it has one. Returned as the
+    measuring still to do, reading its own copies of the tensors it needs (their values stay in their files),
+    so it may run on a thread while the graphs change (see deferred.py)."""
+    theirs = reference.constants
     nodes = {node.name: node for node in reference.graph.node}
-    found = {}
+    checks = []
     for op in ops:
         for weight in op.weights:
             original = nodes.get(op.node)
             name = original.input[weight.position] if original is not None and weight.position < len(original.input) else None
-            said = _weight_finding(op, weight, constants, theirs.get(name) if name else None)
-            if said is not None:
+            checks.append((op, weight, weight_constants(weight, graph.constants), copied(theirs.get(name)) if name else None))
+
+    def measure() -> dict[str, tuple[str, str]]:
+        found = {}
+        for op, weight, constants, original in checks:
+            if op.node not in found and (said := _weight_finding(op, weight, constants, original)) is not None:
                 found[op.node] = said
-                break
-    return found
+        return found
+
+    return measure
+
+
+def weight_constants(weight: QuantizedWeight, constants: Mapping[str, onnx.TensorProto]) -> dict[str, onnx.TensorProto]:
+    """Copies of the constants a quantized weight is read back from (its codes, scale, zero point...)."""
+    names = (weight.codes, weight.scale, weight.zero_point, weight.group_index, weight.scale_divisor)
+    return {name: copied(constants[name]) for name in names if name and name in constants}
+
+
+def copied(tensor: onnx.TensorProto | None) -> onnx.TensorProto | None:
+    """A copy of `tensor` (a weight in a data file: only where its bytes lie)."""
+    if tensor is None:
+        return None
+    copy = onnx.TensorProto()
+    copy.CopyFrom(tensor)
+    return copy
 
 
 def _weight_finding(op: QuantizedOp, weight: QuantizedWeight, constants: Mapping[str, onnx.TensorProto], original: onnx.TensorProto | None) -> tuple[str, str] | None:

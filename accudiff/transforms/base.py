@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import onnx
 
@@ -40,7 +40,7 @@ class TransformResult:
     storage_copies: dict[str, str] = field(default_factory=dict)
     unmatched: dict[str, str] = field(default_factory=dict)  # a reference tensor -> why a candidate given by the user has no partner for it
     inside: dict[str, str] = field(default_factory=dict)  # ... of those, one computed inside a node the user's tool fused -> that node, in words
-    weight_findings: dict[str, tuple[str, str]] = field(default_factory=dict)  # node -> (kind, what its weight's quantization scale zeroes)
+    weight_findings: Mapping[str, tuple[str, str]] = field(default_factory=dict)  # node -> (kind, what its weight's quantization scale zeroes; deferred.py: measured on a thread)
     quantized_by: dict[str, str] = field(default_factory=dict)  # a node another tool quantized with ops of its own -> that tool (quantized_ops.py)
     reads_constant_weights: set[str] = field(default_factory=set)  # nodes reading a float weight a Constant node holds (a converter's block list rounds it all the same)
     given: onnx.ModelProto | None = None  # a candidate made by another tool as the user gave it, its weights referenced in its file

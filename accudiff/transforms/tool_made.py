@@ -12,11 +12,12 @@ left without a partner is listed with the reason.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import onnx
 
+from accudiff.deferred import Deferred
 from accudiff.errors import AccudiffError
 from accudiff.model.formats import GRIDS, REDUCED_FLOATS, QuantRange, grid_type, model_formats, precision_label, quant_ranges
 from accudiff.model.constant_rounding import ConstantRounding, overflow_text, underflow_text
@@ -24,7 +25,7 @@ from accudiff.model.graph import GraphIndex, cast_target, constant_values, value
 from accudiff.model.decoder import find_decoder, genai_config, model_name
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.quantized_ops import GENAI_BUILDER, find_quantized_ops, quantized_members
-from accudiff.model.quantized_weights import per_tensor_loss, quantized_weight_findings
+from accudiff.model.quantized_weights import copied, per_tensor_loss, quantized_weight_findings
 from accudiff.model.weights import weight_blocks, weight_values
 from accudiff.transforms.base import KeptNode, NodeSelector, TransformResult
 from accudiff.transforms.fp16 import HALVES
@@ -70,11 +71,17 @@ def adopt(candidate: ModelInfo, reference: ModelInfo, keep_fp32: Iterable[str] =
         warnings=warnings,
         unmatched=alignment.unmatched,
         inside=alignment.inside,
-        weight_findings={**per_tensor_weights(index, ours), **quantized_weight_findings(ops, index, ours)},
+        weight_findings=_measured_apart(per_tensor_weights(index, ours), quantized_weight_findings(ops, index, ours)),
         constant_findings=half_constant_findings(index, ours),
         quantized_by={name: GENAI_BUILDER if built_by_genai else op.tool for op in ops for name in op.names},
         reads_constant_weights=constant_weight_readers(reference.proto.graph),
     )
+
+
+def _measured_apart(*measures: Callable[[], dict[str, tuple[str, str]]]) -> Deferred[str, tuple[str, str]]:
+    """The weight findings, measured on a thread (deferred.py): the caller saves the candidate meanwhile, then
+    waits for the comparison; only the judge reads them."""
+    return Deferred(lambda: {node: said for measure in measures for node, said in measure().items()})
 
 
 def constant_weight_readers(graph: onnx.GraphProto) -> set[str]:
@@ -232,15 +239,16 @@ def _why_missing(tensor, folded: set[str], writer: onnx.NodeProto | None) -> str
     return text
 
 
-def per_tensor_weights(index: GraphIndex, reference: GraphIndex) -> dict[str, tuple[str, str]]:
+def per_tensor_weights(index: GraphIndex, reference: GraphIndex) -> Callable[[], dict[str, tuple[str, str]]]:
     """Nodes reading a weight quantized with one scale for all its channels where some channel's values
     all fall below half the grid's smallest step, and so become 0 (per-channel scales would keep them):
     node -> ("per_tensor_scale", what happens, in words). The float weight is the one before the Q/DQ pair, else the reference's
-    at the same input of its node of the same name; a weight known only quantized is not judged."""
+    at the same input of its node of the same name; a weight known only quantized is not judged. Returned as the
+    measuring still to do, on copies of the weights' tensors (see quantized_weight_findings)."""
     producer, constants, types = index.producer, index.constants, index.types
     theirs = {node.name: node for node in reference.graph.node}
     reference_weights = reference.constants
-    found = {}
+    checks = []
     for node in index.graph.node:
         if node.op_type in STORAGE_OPS:
             continue
@@ -259,14 +267,21 @@ def per_tensor_weights(index: GraphIndex, reference: GraphIndex) -> dict[str, tu
             grid = GRIDS.get(grid_type(dequantize, types) or (grid_type(quantize, types) if quantize is not None else None))
             if weight is None or grid is None:
                 continue
-            said = per_tensor_loss(weight, node.op_type, grid.smallest * float(scale.reshape(())), grid.name, weight.name)
             held = producer.get(source) if source is not None else None
-            if said and held is not None and held.op_type == "Constant":
+            checks.append((node.name, copied(weight), node.op_type, grid.smallest * float(scale.reshape(())), grid.name, held is not None and held.op_type == "Constant"))
+
+    def measure() -> dict[str, tuple[str, str]]:
+        found = {}
+        for node, weight, op_type, step, grid, in_constant in checks:
+            said = per_tensor_loss(weight, op_type, step, grid, weight.name)
+            if said and in_constant:
                 said += ("; the weight is held by a Constant node, which ModelOpt's and ONNX Runtime's quantizers quantize as they do an "
                          "activation, with one scale: held as an initializer, it gets a scale per channel")
             if said:
-                found[node.name] = ("per_tensor_scale", said)
-    return found
+                found[node] = ("per_tensor_scale", said)
+        return found
+
+    return measure
 
 
 def half_constant_findings(index: GraphIndex, reference: GraphIndex) -> dict[str, list[tuple[str, str]]]:
