@@ -132,3 +132,25 @@ def test_nodes_nobody_reads_are_not_run(tmp_path):
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
     assert drop_unread_nodes(graph) == 2
     assert [node.name for node in graph.node] == ["read_by_body", "if"]
+
+
+def _quantized_pair(zero_point: onnx.TensorProto | None, output_dtype: int | None = None) -> onnx.ModelProto:
+    """x -> QuantizeLinear -> DequantizeLinear -> y, its scale a constant; with `zero_point`, or typed by `output_dtype`."""
+    extra = {"output_dtype": output_dtype} if output_dtype is not None else {}
+    inputs = ["x", "scale", "zero"] if zero_point is not None else ["x", "scale"]
+    nodes = [helper.make_node("QuantizeLinear", inputs, ["q"], name="quantize", **extra), helper.make_node("DequantizeLinear", ["q", *inputs[1:]], ["y"], name="dequantize")]
+    weights = [onnx.numpy_helper.from_array(np.array(0.05, np.float32), "scale"), *([zero_point] if zero_point is not None else [])]
+    graph = helper.make_graph(nodes, "pair", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], weights)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def test_an_int8_quantized_model_is_not_shape_inferred_to_carry_values_numpy_holds():
+    """A QuantizeLinear's type is its zero point's (or its output_dtype's): an INT8 pair holds nothing numpy cannot
+    carry, so its sessions are made without ONNX's shape inference (every session of a quantized model paid it),
+    while a pair typed FP8 by its output_dtype alone, with no zero point, still has its codes carried."""
+    from accudiff.runners.numpy_types import CARRIED, carry_in_numpy
+
+    int8 = _quantized_pair(onnx.numpy_helper.from_array(np.array(0, np.int8), "zero"))
+    assert not carry_in_numpy(int8, ["q", "y"]).outputs and not int8.graph.value_info  # left as it is, not inferred
+    fp8 = _quantized_pair(None, TensorProto.FLOAT8E4M3FN)
+    assert carry_in_numpy(fp8, ["q", "y"]).outputs == {"q": "q" + CARRIED}
