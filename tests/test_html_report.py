@@ -154,3 +154,43 @@ def test_the_page_renders_in_chromium_without_script_errors(hostile_report, tmp_
     assert "Uncaught" not in done.stderr and "alert(" not in done.stderr
     shot = screenshot(result.report_dir / "report.html", tmp_path / "page.png", 1280, 1600)
     assert shot.stat().st_size > 20_000  # a real picture of a real page
+
+
+_MEASURE = """<script>
+const svg = document.querySelector('svg'), frame = svg.getBoundingClientRect();
+document.getElementById('boxes').textContent = JSON.stringify([...svg.querySelectorAll('text')].map(t => {
+  const b = t.getBoundingClientRect();
+  return {text: t.textContent, fill: t.getAttribute('fill'), left: b.left - frame.left, top: b.top - frame.top, right: b.right - frame.left, bottom: b.bottom - frame.top};
+}));
+</script>"""
+
+
+@needs_browser
+def test_the_error_paths_labels_neither_overlap_nor_leave_the_plot_in_chromium(tmp_path):
+    """Seen on the trained Magika quantized by quantize_static: the labels of ruled-out nodes of one block were
+    drawn over each other and past the plot's right edge, and the first tensor name on the x axis was cut at the
+    left. Each text's box as Chromium lays it out: labels apart from one another, every text inside the picture."""
+    import json
+
+    import numpy as np
+    import pandas as pd
+
+    count, block = 120, "jax2tf_get_logits_/pjit_get_logits_/MagikaV2/LayerNorm_1/"
+    names = [f"{block}tensor_number_{k}:0" for k in range(count)]
+    sqnr = np.where(np.arange(count) < 60, 40.0, 5.0) + np.sin(np.arange(count))
+    table = pd.DataFrame({"tensor": names, "node": [n[:-2] for n in names], "op_type": "Mul", "status": ["fail" if k >= 60 else "pass" for k in range(count)],
+                          "sqnr_db": sqnr, "isolated_sqnr_db": sqnr + 20})
+    absorbed = [(names[k], names[k + 8], ("Tanh", f"{block}ApplyActivation_{k}/Tanh")) for k in [*range(60, 67), count - 9]]
+    svg = plots.error_path(table, [(names[63], "verified cause")], [], absorbed)
+    width, height = (float(re.search(f'{side}="([0-9.]+)"', svg).group(1)) for side in ("width", "height"))
+    page = tmp_path / "plot.html"
+    page.write_text(f"<html><body style='margin:0'>{svg}<pre id='boxes'></pre>{_MEASURE}</body></html>")
+    dom = render(page, "--dump-dom", "--virtual-time-budget=2000").stdout
+    boxes = json.loads(html.unescape(re.search(r"<pre id=\"boxes\">(.*?)</pre>", dom, re.S).group(1)))
+    labels = [b for b in boxes if b["fill"] in (plots.ABSORBED_COLOUR, plots.CAUSE_COLOUR)]
+    assert len(labels) == 9, [b["text"] for b in labels]  # eight absorbers, one cause
+    for k, a in enumerate(labels):
+        for b in labels[k + 1 :]:
+            assert a["right"] <= b["left"] or b["right"] <= a["left"] or a["bottom"] <= b["top"] or b["bottom"] <= a["top"], (a, b)
+    outside = [b for b in boxes if b["left"] < -0.5 or b["top"] < -0.5 or b["right"] > width + 0.5 or b["bottom"] > height + 0.5]
+    assert not outside, outside

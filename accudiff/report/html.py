@@ -192,7 +192,7 @@ def _error_path(result) -> str:
         causes += [(t, label) for t in dict.fromkeys([cause.tensor, *(c.tensor for c in cause.co_causes)]) if t]
         for drop in cause.absorbed:
             by = table.loc[table["node"] == drop.by, "tensor"] if drop.by else ()
-            absorbed.append((drop.tensor, by.iloc[0] if len(by) else None, f"absorbed by {drop.by_op_type} '{drop.by}'" if drop.by else "absorbed"))
+            absorbed.append((drop.tensor, by.iloc[0] if len(by) else None, (drop.by_op_type, drop.by) if drop.by else None))
     svg = plots.error_path(table, list(dict.fromkeys(causes)), [k.node for k in result.kept], absorbed)
     isolated = ("and the isolated run (each node fed the reference's values: its own error). A node whose isolated SQNR drops "
                 "makes error; a drop only in the normal run is carried in." if "isolated_sqnr_db" in table

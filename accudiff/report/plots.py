@@ -12,19 +12,20 @@ import numpy as np
 import pandas as pd
 
 from accudiff.judging.metrics import SQNR_CAP_DB, error_histogram
-from accudiff.report.svg import NAME_MARGIN, Chart, short
+from accudiff.report.svg import Chart, short
 
+ABSORBER_LABEL = 28  # characters of an absorbing node's name on the plot (the end; hovering shows it whole)
 MAX_HOVER = 3000  # points of the error's path given a name on hover (failing ones always): the page stays small
 FAIL_COLOUR, KEPT_COLOUR, CAUSE_COLOUR, LINE_COLOUR, ISOLATED_COLOUR, ABSORBED_COLOUR = "#c62828", "#6a1b9a", "#ef6c00", "#1565c0", "#2e7d32", "#757575"
 
 
 def error_path(
-    table: pd.DataFrame, causes: Sequence[tuple[str, str]], kept_nodes: Sequence[str], absorbed: Sequence[tuple[str, str | None, str]] = ()
+    table: pd.DataFrame, causes: Sequence[tuple[str, str]], kept_nodes: Sequence[str], absorbed: Sequence[tuple[str, str | None, tuple[str, str] | None]] = ()
 ) -> str | None:
     """SQNR of every compared float tensor along topological order: accumulated (the normal run) and
     isolated (each node fed the reference). Marked: failing tensors, nodes kept in FP32, `causes` as
     (tensor, label) and `absorbed` drops as (flagged tensor, the tensor where the output recovers or None,
-    label): a drop that the path climbs out of is not the cause."""
+    (op type, name) of the node that absorbs it or None): a drop that the path climbs out of is not the cause."""
     rows = table.reset_index(drop=True)
     sqnr = rows["sqnr_db"].clip(-SQNR_CAP_DB, SQNR_CAP_DB).to_numpy(np.float64)
     measured = np.isfinite(sqnr)
@@ -35,7 +36,7 @@ def error_path(
     position = np.arange(len(rows), dtype=np.float64)
     chart = Chart(900, 380, (0, max(len(rows) - 1, 1)), (float(shown.min()), float(shown.max())))
     chart.x_label, chart.y_label = "tensor, in topological order (hover a point for its name)", "SQNR (dB)"
-    chart.x_names, chart.margin_bottom = rows["tensor"].astype(str).tolist(), NAME_MARGIN
+    chart.name_x(rows["tensor"].astype(str).tolist())
     chart.line(position[measured], sqnr[measured], LINE_COLOUR, "accumulated (normal run)")
     finite_isolated = np.isfinite(isolated)
     chart.line(position[finite_isolated], isolated[finite_isolated], ISOLATED_COLOUR, "isolated (fed the reference)", width=1.0)
@@ -44,14 +45,16 @@ def error_path(
     kept = rows["node"].isin(list(kept_nodes)).to_numpy() & measured
     chart.markers(position[kept], sqnr[kept], KEPT_COLOUR, "kept in FP32", shape="square", size=4)
     where = {name: k for k, name in reversed(list(enumerate(rows["tensor"])))}  # each tensor's first row
-    drops = [(where[t], where.get(r) if r else None, label) for t, r, label in absorbed if t in where and measured[where[t]]]
+    drops = [(where[t], where.get(r) if r else None, by) for t, r, by in absorbed if t in where and measured[where[t]]]
     labelled = set()
-    for start, end, label in drops:
+    for start, end, by in drops:
         if end is not None and measured[end]:
             chart.line([start, end], [sqnr[start], sqnr[end]], ABSORBED_COLOUR, dash="2,2")
-        if label not in labelled:  # several drops one node absorbs: one label, at the first
-            labelled.add(label)
-            chart.note(start, sqnr[start], label, ABSORBED_COLOUR)
+        if by not in labelled:  # several drops one node absorbs: one label, at the first
+            labelled.add(by)
+            op_type, node = by if by is not None else (None, None)
+            said = f"absorbed by {op_type} '{short(node, ABSORBER_LABEL)}'" if node else "absorbed"
+            chart.note(start, sqnr[start], said, ABSORBED_COLOUR, f"absorbed by {op_type} '{node}'" if node else "")
     chart.markers([d[0] for d in drops], [sqnr[d[0]] for d in drops], ABSORBED_COLOUR, "ruled out: absorbed downstream", shape="cross", size=4)
     for name, label in causes:
         if name in where:

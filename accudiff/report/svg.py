@@ -16,7 +16,14 @@ import numpy as np
 MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 58, 14, 34, 40
 AXIS_COLOUR, GRID_COLOUR, TEXT_COLOUR = "#616161", "#e0e0e0", "#212121"
 MAX_LABEL = 48
-NAME_LABEL, NAME_MARGIN, NAME_TICK_SPACING = 22, 120, 70  # x ticks labelled by name: chars, bottom margin, px between ticks
+# x ticks labelled by name: chars, px between ticks, and the bottom and left margins their slanted labels need
+# (22 characters at -35 degrees reach 110 px left of their tick: the first one was cut off at the edge)
+NAME_LABEL, NAME_TICK_SPACING, NAME_MARGIN, NAME_MARGIN_LEFT = 22, 70, 120, 112
+# A label in the plot (font-size 11): the widest its characters take on average (DejaVu Sans, Chromium's fallback
+# for sans-serif here, measures 6.1 px for model names), how far it rises above its baseline and falls below,
+# and the step by which it moves when the place it wants is taken.
+LABEL_CHAR_WIDTH, LABEL_RISE, LABEL_FALL, LABEL_STEP = 6.3, 10, 4, 14
+HALO = 'stroke="white" stroke-width="3" paint-order="stroke"'  # a label stays readable where it crosses a line or markers
 
 
 class Chart:
@@ -29,13 +36,18 @@ class Chart:
         self.body: list[str] = []
         self.legend: list[tuple[str, str]] = []  # (label, the SVG of its swatch at the origin)
         self.title = self.x_label = self.y_label = ""
-        self.x_names: Sequence[str] = ()  # with names, x is an index into them: its ticks are labelled by name, slanted
-        self.margin_bottom = MARGIN_BOTTOM
+        self.x_names: Sequence[str] = ()  # with names, x is an index into them: its ticks are labelled by name, slanted (`name_x`)
+        self.margin_bottom, self.margin_left = MARGIN_BOTTOM, MARGIN_LEFT
+        self._labels: list[tuple[float, float, float, float]] = []  # (left, top, right, bottom) of each label placed in the plot
+
+    def name_x(self, names: Sequence[str]) -> None:
+        """x is an index into `names`: its ticks are labelled by (shortened) name, slanted, in margins that hold them."""
+        self.x_names, self.margin_bottom, self.margin_left = names, NAME_MARGIN, NAME_MARGIN_LEFT
 
     # data to pixels
     def px(self, x: np.ndarray | float) -> np.ndarray:
         value = np.log10(x) if self.x_log else np.asarray(x, np.float64)
-        return MARGIN_LEFT + (value - self.x_low) / (self.x_high - self.x_low) * (self.width - MARGIN_LEFT - MARGIN_RIGHT)
+        return self.margin_left + (value - self.x_low) / (self.x_high - self.x_low) * (self.width - self.margin_left - MARGIN_RIGHT)
 
     def py(self, y: np.ndarray | float) -> np.ndarray:
         bottom, top = self.height - self.margin_bottom, MARGIN_TOP
@@ -67,20 +79,40 @@ class Chart:
         """A dashed vertical line across the plot with `text` beside its top."""
         left = float(self.px(x))
         self.body.append(f'<line x1="{left:.1f}" y1="{MARGIN_TOP}" x2="{left:.1f}" y2="{self.height - self.margin_bottom}" stroke="{colour}" stroke-width="1.5" stroke-dasharray="5,3"/>')
-        anchor = "end" if left > self.width * 0.7 else "start"
-        offset = -4 if anchor == "end" else 4
-        self.body.append(f'<text x="{left + offset:.1f}" y="{MARGIN_TOP + 11}" fill="{colour}" text-anchor="{anchor}">{_text(text)}</text>')
+        self._label(left, MARGIN_TOP + 4 + LABEL_RISE, text, colour)
 
     def hover(self, xs: Sequence[float], ys: Sequence[float], titles: Sequence[str]) -> None:
         """Invisible targets over data points that show `titles` (a tensor's name and figures) on hover."""
         for x, y, title in zip(self.px(np.asarray(xs)), self.py(np.asarray(ys)), titles):
             self.body.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="5" fill="transparent"><title>{_text(title)}</title></circle>')
 
-    def note(self, x: float, y: float, text: str, colour: str) -> None:
-        """`text` just above the data point (x, y)."""
+    def note(self, x: float, y: float, text: str, colour: str, title: str = "") -> None:
+        """`text` just above the data point (x, y), or as near as the labels placed before leave room for (a line
+        then leads to the point); `title`: what hovering it shows (a name said in full)."""
         left, top = float(self.px(x)), float(self.py(y))
-        anchor = "end" if left > self.width * 0.7 else "start"
-        self.body.append(f'<text x="{left:.1f}" y="{top - 7:.1f}" fill="{colour}" text-anchor="{anchor}">{_text(text)}</text>')
+        baseline = self._label(left, top - 7, text, colour, title)
+        if abs(baseline - (top - 7)) >= LABEL_STEP:
+            end = baseline - LABEL_RISE / 2 if baseline < top else baseline - LABEL_RISE
+            self.body.append(f'<line x1="{left:.1f}" y1="{top:.1f}" x2="{left:.1f}" y2="{end:.1f}" stroke="{colour}" stroke-width="0.6"/>')
+
+    def _label(self, x: float, baseline: float, text: str, colour: str, title: str = "") -> float:
+        """`text` beside x (after it, or before it where it would pass the plot's right edge) at the first
+        baseline, from `baseline` up, then down, whose box overlaps no label placed before and stays inside the
+        plot: labels of nearby points (several ruled-out nodes of one block) are otherwise drawn over each
+        other. Returns the baseline taken."""
+        width = LABEL_CHAR_WIDTH * len(text)
+        left_edge, right_edge, top_edge, bottom_edge = self.margin_left + 2, self.width - MARGIN_RIGHT - 2, MARGIN_TOP + 2, self.height - self.margin_bottom - 2
+        start = x + 4 if x + 4 + width <= right_edge else max(x - 4 - width, left_edge)
+        preferred = min(max(baseline, top_edge + LABEL_RISE), bottom_edge - LABEL_FALL)
+        tries = [preferred - k * LABEL_STEP for k in range(int((preferred - top_edge) // LABEL_STEP) + 1)]
+        tries += [preferred + k * LABEL_STEP for k in range(1, int((bottom_edge - preferred) // LABEL_STEP) + 1)]
+        boxes = [(start, y - LABEL_RISE, start + width, y + LABEL_FALL) for y in tries]
+        free = [y for y, box in zip(tries, boxes) if box[1] >= top_edge and box[3] <= bottom_edge and not any(_overlap(box, placed) for placed in self._labels)]
+        chosen = free[0] if free else preferred
+        self._labels.append((start, chosen - LABEL_RISE, start + width, chosen + LABEL_FALL))
+        hover = f"<title>{_text(title)}</title>" if title else ""
+        self.body.append(f'<text x="{start:.1f}" y="{chosen:.1f}" fill="{colour}" {HALO}>{hover}{_text(text)}</text>')
+        return chosen
 
     def render(self) -> str:
         parts = [
@@ -94,7 +126,7 @@ class Chart:
         return "".join(parts)
 
     def _axes(self) -> list[str]:
-        left, right, top, bottom = MARGIN_LEFT, self.width - MARGIN_RIGHT, MARGIN_TOP, self.height - self.margin_bottom
+        left, right, top, bottom = self.margin_left, self.width - MARGIN_RIGHT, MARGIN_TOP, self.height - self.margin_bottom
         parts = []
         for value, label in self._x_ticks():
             x = float(self.px(10**value if self.x_log else value))
@@ -120,13 +152,13 @@ class Chart:
         """Round values; with names, evenly spaced indices labelled by their (shortened) names."""
         if not self.x_names:
             return _ticks(self.x_low, self.x_high, self.x_log, integer=not self.x_log)
-        count = max(2, min(len(self.x_names), (self.width - MARGIN_LEFT - MARGIN_RIGHT) // NAME_TICK_SPACING))
+        count = max(2, min(len(self.x_names), (self.width - self.margin_left - MARGIN_RIGHT) // NAME_TICK_SPACING))
         indices = dict.fromkeys(np.linspace(0, len(self.x_names) - 1, count).round().astype(int).tolist())
         return [(float(i), short(self.x_names[i], NAME_LABEL)) for i in indices]
 
     def _legend(self) -> list[str]:
         """One row above the plot (below the title, if any), entries side by side."""
-        parts, x, y = [], MARGIN_LEFT, MARGIN_TOP - 8 if not self.title else 26
+        parts, x, y = [], self.margin_left, MARGIN_TOP - 8 if not self.title else 26
         for label, swatch in self.legend:
             parts.append(f'<g transform="translate({x},{y - 4})">{swatch}</g><text x="{x + 20}" y="{y}">{_text(label)}</text>')
             x += 28 + 6 * len(label)
@@ -136,6 +168,10 @@ class Chart:
 def short(name: str, limit: int = MAX_LABEL) -> str:
     """A long tensor name cut from the left (its end says most)."""
     return name if len(name) <= limit else "..." + name[-(limit - 3):]
+
+
+def _overlap(a: tuple[float, float, float, float], b: tuple[float, float, float, float]) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
 
 
 def _text(value: str) -> str:
