@@ -52,9 +52,8 @@ def error_path(
             chart.line([start, end], [sqnr[start], sqnr[end]], ABSORBED_COLOUR, dash="2,2")
         if by not in labelled:  # several drops one node absorbs: one label, at the first
             labelled.add(by)
-            op_type, node = by if by is not None else (None, None)
-            said = f"absorbed by {op_type} '{short(node, ABSORBER_LABEL)}'" if node else "absorbed"
-            chart.note(start, sqnr[start], said, ABSORBED_COLOUR, f"absorbed by {op_type} '{node}'" if node else "")
+            said, whole = (f"absorbed by {by[0]} '{short(by[1], ABSORBER_LABEL)}'", f"absorbed by {by[0]} '{by[1]}'") if by else ("absorbed", "")
+            chart.note(start, sqnr[start], said, ABSORBED_COLOUR, whole)
     chart.markers([d[0] for d in drops], [sqnr[d[0]] for d in drops], ABSORBED_COLOUR, "ruled out: absorbed downstream", shape="cross", size=4)
     for name, label in causes:
         if name in where:

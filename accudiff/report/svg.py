@@ -19,9 +19,9 @@ MAX_LABEL = 48
 # x ticks labelled by name: chars, px between ticks, and the bottom and left margins their slanted labels need
 # (22 characters at -35 degrees reach 110 px left of their tick: the first one was cut off at the edge)
 NAME_LABEL, NAME_TICK_SPACING, NAME_MARGIN, NAME_MARGIN_LEFT = 22, 70, 120, 112
-# A label in the plot (font-size 11): the widest its characters take on average (DejaVu Sans, Chromium's fallback
-# for sans-serif here, measures 6.1 px for model names), how far it rises above its baseline and falls below,
-# and the step by which it moves when the place it wants is taken.
+# A label in the plot (font-size 11): the width its characters take on average, at most (Chromium here laid a
+# 99-character node name out at 5.1 px a character; wider letters take more), how far it rises above its baseline
+# and falls below, and the step by which it moves when the place it wants is taken.
 LABEL_CHAR_WIDTH, LABEL_RISE, LABEL_FALL, LABEL_STEP = 6.3, 10, 4, 14
 HALO = 'stroke="white" stroke-width="3" paint-order="stroke"'  # a label stays readable where it crosses a line or markers
 
