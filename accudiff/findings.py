@@ -42,6 +42,7 @@ class Absorbed:
     by: str | None = None
     by_op_type: str | None = None
     evidence: str | None = None  # how the error measurably shrinks across `by`
+    figures_kept: dict = field(default_factory=dict)  # the output's decision figures with this node kept
 
 
 # What each kind of cause says of a failing output, in every command's words.

@@ -110,6 +110,11 @@ def test_a_decision_target_judges_the_outputs_that_have_the_figure(run_cli, tmp_
     assert "meets its requirement flipped share &lt;= 0.01 (0.220%), though" in page and "meets its requirement flipped share" in summary
     code, out, err = run_cli("compare", MAP, "--fp16", "--iterations", "4", "--require", "flipped_share=1e-5", "-o", "missed")
     assert code == 1 and "output 'y' FAILS its requirement flipped share <= 1e-05 (0.220%)" in out, out
+    # What a keep does is said by the requirement (0.220% flipped is 220x 1e-5), not by the elementwise ratio, which
+    # read "7.26x its tolerance" for what no keep repairs, and "0.65x its tolerance" beside a failing KL target.
+    cause = out[out.index("cause:") : out.index("largest own errors")]
+    assert "best: Sub 'centre', 220x (0.220% of the map flipped) of 220x (0.220% of the map flipped)" in cause, cause
+    assert "it leaves the output at 220x its requirement (0.220% of the map flipped)" in cause and "its tolerance" not in cause, cause
 
 
 @pytest.mark.parametrize(

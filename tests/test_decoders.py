@@ -286,6 +286,26 @@ def test_a_decoders_repair_is_the_builders_own_exclusion_and_holds(llama, tmp_pa
         assert fewer.verdict != "pass", (node, kept)
 
 
+def test_a_decoders_keeps_and_loss_split_are_said_by_its_kl_requirement(llama, tmp_path, run_cli):
+    """Judged by a KL target, what each keep and each part of the loss split does is said as a multiple of that
+    target, with its KL: they read "0.651x its tolerance" (the logits' elementwise ratio, which passes) beside a
+    failing KL, and "0.729x of 0.651x" for a keep that brought the KL down."""
+    kl = accudiff.compare(llama.fp32, candidate_model=llama.int4, prompts=llama.prompts, new_tokens=NEW_TOKENS, verify=False).decisions["logits"]["kl"]
+    target = float(f"{0.8 * kl:.3g}")
+    code, out, err = run_cli("compare", llama.fp32, "--candidate-model", llama.int4, "--prompts", llama.prompts, "--new-tokens", NEW_TOKENS,
+                             "--require", f"kl={target}", "-o", tmp_path / "r")
+    assert code == 1, out + err
+    cause = out[out.index("    cause:") : out.index("apply it:") if "apply it:" in out else out.index("  steps:")]
+    assert "x its tolerance" not in cause, cause
+    split = re.search(r"loss split over the whole candidate: .* both at ([0-9.]+)x its requirement \(KL divergence \(mean\) ([0-9.e-]+)\)", cause)
+    step = re.search(r"step 0: nothing kept -> output at ([0-9.]+)x its requirement \(top-1 agreement [0-9.]+%, KL divergence ([0-9.e-]+)\)", cause)
+    for found in (split, step):
+        assert found is not None, cause
+        ratio, measured = map(float, found.groups())
+        # a trial runs each prompt's whole sequence at once: the same KL, to the rounding of kernels fed many rows
+        assert ratio == pytest.approx(measured / target, rel=1e-2) and measured == pytest.approx(kl, rel=0.05), (found.group(0), kl)
+
+
 def test_bisect_subgraph_cuts_a_decoder_compared_from_prompts(llama, tmp_path, run_cli):
     """bisect subgraph on a GenAI folder with prompts stopped with "internal error: TypeError" (its feeds are
     known only after the first comparison), then cut its INT4 candidate without the MatMulNBits standing for

@@ -174,18 +174,34 @@ def decision_error(figures: Mapping[str, float]) -> float | None:
     return figures.get("flipped_share")
 
 
-def describe(tol_ratio: float, figures: Mapping[str, float], suffix: str = " its tolerance") -> str:
-    """A tried keep as read: its tolerance ratio, and its decision figure where the output has one."""
-    text = times_tolerance(tol_ratio, suffix)
+def describe(tol_ratio: float, figures: Mapping[str, float], require: Mapping[str, float] | None = None, named: bool = True) -> str:
+    """A tried keep as read: by its requirement where the output has one (`require`, --require: how far its
+    required figures are from their targets, at most 1 when reached), else by its tolerance ratio; with its
+    decision figures where the output has them. The elementwise ratio of an output judged by a requirement
+    would read "0.65x its tolerance" beside a failing verdict. `named`: the unit said ("its tolerance")."""
+    required = {name: target for name, target in (require or {}).items() if name in figures}
+    if required:
+        miss = Objective("tolerance", required).miss(figures)
+        # A target no figure short of it can approach (top-1 of 1, a KL of 0) is missed by no finite ratio.
+        text = f"{miss:.3g}x{' its requirement' if named else ''}" if math.isfinite(miss) else "short of a target it must reach exactly"
+    else:
+        text = times_tolerance(tol_ratio, " its tolerance" if named else "")
+    said = _figures_said(figures)
+    said.update((name, f"{REQUIREMENTS[name][1]} {figure_text(name, figures[name])}") for name in required if name not in said)
+    return text + (f" ({', '.join(said.values())})" if said else "")
+
+
+def _figures_said(figures: Mapping[str, float]) -> dict[str, str]:
+    """An output's main decision figures, as a tried keep's reading gives them (by name)."""
     if "top1" in figures:
-        text += f" (top-1 agreement {percent(figures['top1'], 2)}, KL divergence {figures['kl']:.3g})"
-    elif "cosine_min" in figures:
-        text += f" (lowest cosine {figures['cosine_min']:.6f}{NAN_AS_WORST if figures.get('nan_vectors') else ''})"
-    elif "detections" in figures:
-        text += f" (detection agreement {percent(figures['detections'], 2)})"
-    elif "flipped_share" in figures:
-        text += f" ({percent(figures['flipped_share'], 3)} of the map flipped)"
-    return text
+        return {"top1": f"top-1 agreement {percent(figures['top1'], 2)}", **({"kl": f"KL divergence {figures['kl']:.3g}"} if "kl" in figures else {})}
+    if "cosine_min" in figures:
+        return {"cosine_min": f"lowest cosine {figures['cosine_min']:.6f}{NAN_AS_WORST if figures.get('nan_vectors') else ''}"}
+    if "detections" in figures:
+        return {"detections": f"detection agreement {percent(figures['detections'], 2)}"}
+    if "flipped_share" in figures:
+        return {"flipped_share": f"{percent(figures['flipped_share'], 3)} of the map flipped"}
+    return {}
 
 
 def _miss(value: float, target: float, direction: str) -> float:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import shlex
+from collections.abc import Mapping
 from dataclasses import asdict
 
 from accudiff.version import __version__
@@ -266,9 +267,9 @@ def cause_lines(failure, result, python: bool = False) -> list[str]:
                      f"{len(cause.alternatives) + 1} of the {len(cause.contributors)} single keeps tried that each do (its output '{cause.tensor}'; {status})"]
         lines += [f"  {f.kind}: {f.message}" for f in cause.findings]
         lines += tried_subset_lines(failure, result)
-        lines += [f"  also repairs it alone: {c.op_type} '{c.node}' ({_kept_effect(c)})" for c in cause.alternatives]
+        lines += [f"  also repairs it alone: {c.op_type} '{c.node}' ({_kept_effect(c, result.require)})" for c in cause.alternatives]
         for c in cause.co_causes:
-            lines.append(f"  also: {c.op_type} '{c.node}' ({_kept_effect(c)})")
+            lines.append(f"  also: {c.op_type} '{c.node}' ({_kept_effect(c, result.require)})")
             lines += [f"    {f.kind}: {f.message}" for f in c.findings if f.kind != "own_error"]
     elif cause.kind in ("accumulated", "not_found"):
         lines = [f"cause: accumulated error: no single node breaks this output; small errors grow past {target} on the way"
@@ -282,13 +283,13 @@ def cause_lines(failure, result, python: bool = False) -> list[str]:
     lines += split_lines(failure.tensor, result)
     for absorbed in cause.absorbed:
         by = f"its error is absorbed downstream by {absorbed.by_op_type} '{absorbed.by}' ({absorbed.evidence}); " if absorbed.by else ""
-        lines.append(f"  ruled out: {absorbed.op_type} '{absorbed.node}' (flagged by the rules): {by}kept in higher precision alone, it leaves the output at {times_tolerance(absorbed.tol_ratio_kept)}")
+        lines.append(f"  ruled out: {absorbed.op_type} '{absorbed.node}' (flagged by the rules): {by}kept in higher precision alone, it leaves the output at {describe(absorbed.tol_ratio_kept, absorbed.figures_kept, result.require)}")
     if cause.kind in ("accumulated", "not_found", "dominant", "unknown") and cause.contributors:
         measured = cause.contributors[0].tol_ratio_kept is not None
         lines.append("  contributors, by their effect at the output (the output with each kept):" if measured
                      else "  largest own errors upstream (isolated run):")
         for c in cause.contributors:
-            lines.append(f"    {c.op_type} '{c.node}': {_kept_effect(c) if measured else _own_error(c)}")
+            lines.append(f"    {c.op_type} '{c.node}': {_kept_effect(c, result.require) if measured else _own_error(c)}")
             if not measured:
                 lines += [f"      {f.kind}: {f.message}" for f in c.findings]
     lines += repair_lines(failure, result, python)
@@ -302,25 +303,30 @@ def split_lines(output: str, result) -> list[str]:
     split = result.loss_split.get(output)
     if not split:
         return []
-    ratios, top1 = split["ratios"], split["top1"]
+    ratios, figures = split["ratios"], split["figures"]
     formats = result.precision.split("+")
     stored = "/".join(f.upper() for f in formats if f in ("fp16", "bf16"))
     quantized = "+".join(f.upper() for f in formats if f not in ("fp16", "bf16"))
     # what is left when a part is undone: the other part alone
     said = {"casts": f"the quantization alone ({quantized})", "quantization": f"the {stored} casts alone",
             "activations": "the weights' quantization alone (every activation float)", "weights": "the activations' quantization alone (every weight float)"}
+
+    def read(key: str, named: bool = False) -> str:
+        """A part's figure: by the output's requirement where it has one, else by its tolerance ratio."""
+        return describe(ratios[key], {name: value for name, value in figures[key].items() if name in result.require}, result.require, named)
+
     lines = []
     for first, second in (("casts", "quantization"), ("activations", "weights")):
         if first in ratios and second in ratios:
-            decision = (f"; top-1 agreement {percent(top1[first], 1)}, {percent(top1[second], 1)} and {percent(top1['with_both'], 1)}"
-                        if top1.get("with_both") is not None else "")
-            lines.append(f"  loss split over the whole candidate: {said[first]} leaves the output at {times_tolerance(ratios[first], '')}, {said[second]} at "
-                         f"{times_tolerance(ratios[second], '')}, both at {times_tolerance(ratios['with_both'])}{decision}")
+            top1 = [figures[key].get("top1") for key in (first, second, "with_both")]
+            decision = (f"; top-1 agreement {percent(top1[0], 1)}, {percent(top1[1], 1)} and {percent(top1[2], 1)}" if None not in top1 else "")
+            lines.append(f"  loss split over the whole candidate: {said[first]} leaves the output at {read(first)}, {said[second]} at "
+                         f"{read(second)}, both at {read('with_both', named=True)}{decision}")
     return lines
 
 
-def _kept_effect(c) -> str:
-    return f"kept, the output is at {describe(c.tol_ratio_kept, c.figures_kept)}" + (f" (with {len(c.keep) - 1} node(s) it needs kept beside it)" if len(c.keep) > 1 else "")
+def _kept_effect(c, require: Mapping[str, float]) -> str:
+    return f"kept, the output is at {describe(c.tol_ratio_kept, c.figures_kept, require)}" + (f" (with {len(c.keep) - 1} node(s) it needs kept beside it)" if len(c.keep) > 1 else "")
 
 
 def _own_error(c) -> str:

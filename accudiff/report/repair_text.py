@@ -42,12 +42,12 @@ def repair_lines(failure, result, python: bool = False) -> list[str]:
     if whole is not None:
         total = len(result.generations) if result.generations else result.iterations
         others = f", with the other outputs' repairs kept too ({len(whole.keep)} node(s))" if set(whole.keep) != set(repair.keep) else ""
-        on_all = f"on all {total} {unit}s{others}: output at {describe(whole.tol_ratio, whole.figures)}"
+        on_all = f"on all {total} {unit}s{others}: output at {describe(whole.tol_ratio, whole.figures, result.require)}"
         how = f"verified {samples}, then {on_all}" if repair.verified else f"NOT verified: it holds {samples}, not {on_all}"
     lines = [f"  repair ({how}): keep {len(repair.keep)} node(s) in higher precision: " + ", ".join(f"'{n}'" for n in repair.keep)]
     for number, step in enumerate(repair.steps):
         kept = "nothing kept" if not step.keep else f"keep {len(step.keep)} node(s)"
-        lines.append(f"    step {number}: {kept} -> output at {describe(step.tol_ratio, step.figures)}")
+        lines.append(f"    step {number}: {kept} -> output at {describe(step.tol_ratio, step.figures, result.require)}")
     if repair.pruning_runs:
         grown = len(repair.steps[-2 if len(repair.steps[-1].keep) < len(repair.steps[-2].keep) else -1].keep)
         dropped = grown - len(repair.keep)

@@ -37,14 +37,14 @@ def loss_split_keeps(variants: CandidateVariants, formats: frozenset[str], given
 
 
 def loss_split(outputs: Sequence[str], control: TrialOutcome, parts: list[TrialOutcome], split: list[tuple[list[str], str]]) -> dict[str, dict]:
-    """Each failing output's tolerance ratio (and top-1 agreement) with everything, and with each part
+    """Each failing output's tolerance ratio (and decision figures) with everything, and with each part
     undone (keyed by the part undone)."""
     if not parts:
         return {}
     named = {"with_both": control, **{undone: outcome for (_, undone), outcome in zip(split, parts)}}
     return {
         output: {"ratios": {key: outcome.tol_ratio.get(output, math.inf) for key, outcome in named.items()},
-                 "top1": {key: outcome.figures.get(output, {}).get("top1") for key, outcome in named.items()}}
+                 "figures": {key: dict(outcome.figures.get(output, {})) for key, outcome in named.items()}}
         for output in outputs
     }
 
@@ -101,7 +101,7 @@ def _per_channel_said(before: Reading, alone: Reading, every: Reading, option: s
     tolerance computed exactly, 4.10x by those kernels, 2.0x with reduce_range=True's 7-bit codes)."""
     verdict = "meets" if every.met else "does not meet"
     return (f"its weight with a scale per output channel instead of one (symmetric codes of as many bits; its activations still quantized) "
-            f"brings the output from {before.said('')} to {alone.said('')}; every MatMul, Gemm and Conv weight so, to {every.said()}, which {verdict} "
+            f"brings the output from {before.said(False)} to {alone.said(False)}; every MatMul, Gemm and Conv weight so, to {every.said()}, which {verdict} "
             f"{'what --require asks' if required else 'the tolerance'} (the codes read back and multiplied in FP32: no CPU kernel's 16-bit saturation). {option[0].upper()}{option[1:]}")
 
 
@@ -110,8 +110,8 @@ def _part_said(before: Reading, both: Reading, activations: Reading, weights: Re
     alone, its activations' alone, and both (its keep)."""
     helps = {part: improvement(before.score, reading.score) > 1 / HELPS or (reading.met and not before.met)
              for part, reading in (("weights", weights), ("activations", activations))}
-    said = (f"undoing its weights' quantization alone (its activations still quantized) brings the output from {before.said('')} to {weights.said('')}, "
-            f"its activations' alone (its weights still quantized) to {activations.said('')}, both to {both.said()}")
+    said = (f"undoing its weights' quantization alone (its activations still quantized) brings the output from {before.said(False)} to {weights.said(False)}, "
+            f"its activations' alone (its weights still quantized) to {activations.said(False)}, both to {both.said()}")
     if helps["weights"] == helps["activations"]:
         return said + (": each part carries some of the loss" if helps["weights"] else ": neither part alone carries it, only both together")
     carrier, other = ("weights", "activations") if helps["weights"] else ("activations", "weights")

@@ -23,12 +23,13 @@ class Reading:
     met: bool
     decisive: bool  # the objective reads the decision here (--objective decision, or a required figure)
     spans: dict[str, Interval] = field(default_factory=dict)  # the figures' 95% intervals over the samples tried
+    required: dict[str, float] = field(default_factory=dict)  # the targets (--require) of the figures the output has
 
     @classmethod
     def of(cls, outcome: TrialOutcome, output: str, objective: Objective) -> Reading:
         ratio, figures, spans = outcome.tol_ratio.get(output, math.inf), outcome.figures.get(output, {}), outcome.spans.get(output, {})
-        met = objective.met(ratio, figures, spans)
-        return cls(ratio, figures, objective.score(ratio, figures), met, objective.score(ratio, figures) != ratio, spans)
+        met, required = objective.met(ratio, figures, spans), {name: target for name, target in objective.require.items() if name in figures}
+        return cls(ratio, figures, objective.score(ratio, figures), met, objective.score(ratio, figures) != ratio, spans, required)
 
     def decides_better_than(self, before: Reading) -> bool:
         """Whether its decision is shown better than `before`'s: their 95% intervals of top-1 agreement (or of
@@ -42,9 +43,10 @@ class Reading:
     def step(self, keep: list[str]) -> RepairStep:
         return RepairStep(keep, self.tol_ratio, self.figures)
 
-    def said(self, suffix: str = " its tolerance") -> str:
-        """As the findings say it: the decision figure beside the ratio only where the objective reads it."""
-        return describe(self.tol_ratio, self.figures if self.decisive else {}, suffix)
+    def said(self, named: bool = True) -> str:
+        """As the findings say it: by its requirement where the output has one, the decision figure beside the
+        ratio only where the objective reads it. `named`: the unit said ("its tolerance")."""
+        return describe(self.tol_ratio, self.figures if self.decisive or self.required else {}, self.required, named)
 
 
 @dataclass
