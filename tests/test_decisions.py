@@ -319,3 +319,16 @@ def test_a_requirement_the_data_cannot_resolve_is_not_said_to_be_met(run_cli, tm
     assert "meets its requirement" not in out
     page = (tmp_path / "r" / "report.html").read_text()  # its Cause section said "Every graph output is within tolerance."
     assert "Every graph output is within tolerance" not in page and "the data cannot tell whether its top-1 agreement reaches 0.99" in page
+
+
+def test_scores_whose_top1_meets_no_target_are_offered_the_kl_they_meet():
+    """A decoder's logits agree at 92% [89%, 95%]: no top-1 target of the ladder is shown met, and the
+    KL divergence they are shown to meet (the upper end of its interval under the target) is what is offered."""
+    from accudiff.judging.intervals import Interval
+    from accudiff.judging.objective import strictest_met
+
+    spans = {"top1": Interval(0.891, 0.947, 8, 512, True), "kl": Interval(0.0083, 0.0112, 8, 512, True)}
+    met = strictest_met({"top1": 0.924, "kl": 0.0098}, spans)
+    assert (met.name, met.target, met.outcome) == ("kl", 0.02, "met")
+    met = strictest_met({"top1": 0.97, "kl": 0.0098}, {**spans, "top1": Interval(0.955, 0.98, 8, 512, True)})
+    assert (met.name, met.target) == ("top1", 0.95)  # top-1 first, where a target is shown met

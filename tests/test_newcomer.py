@@ -92,7 +92,7 @@ def test_accumulated_error_ends_in_a_decision(run_cli, tmp_path):
     code, out, _ = run_cli("compare", fixture("accumulating_classifier"), "--fp16", "--load-inputs", rows, *TIGHT, "-o", "r")
     lines = out.splitlines()
     assert code == 1 and lines[1] == "  verdict: FAIL (1 of 1 graph output(s) out of tolerance)"
-    assert lines[2].startswith("  next: out of tolerance, but the decision holds")
+    assert lines[2].startswith("  next: out of tolerance, but what it decides meets top1=0.98; if the decision is what you judge the model by:")
     require, bisect = printed_commands(out)[:2]
     assert require.endswith("--require top1=0.98") and bisect.startswith("accudiff bisect precision")
     block = out[out.index("output 'logits' FAILS"):]
