@@ -194,3 +194,22 @@ def test_the_error_paths_labels_neither_overlap_nor_leave_the_plot_in_chromium(t
             assert a["right"] <= b["left"] or b["right"] <= a["left"] or a["bottom"] <= b["top"] or b["bottom"] <= a["top"], (a, b)
     outside = [b for b in boxes if b["left"] < -0.5 or b["top"] < -0.5 or b["right"] > width + 0.5 or b["bottom"] > height + 0.5]
     assert not outside, outside
+
+
+@needs_browser
+def test_a_long_unbroken_line_wraps_inside_the_page_in_chromium(tmp_path):
+    """Seen on a decoder built by the GenAI builder: its own option, `nodes_to_exclude=` and the node names joined
+    by commas without a space, ran 900 px past the page's right edge as one word. Lines of the cause's lists and
+    facts wrap inside the page, as Chromium lays them out at 1280 px."""
+    from accudiff.report.html_blocks import facts_table, page, section, structured
+
+    names = ",".join(f"/model/layers.{k}/attn/qkv_proj/MatMul" for k in range(12))
+    lines = ["cause: accumulated error", "  repair: keep 12 node(s)",
+             f"    or quantize again without them: python -m onnxruntime_genai.models.builder -i <hf> -o <out> -p int4 -e cpu --extra_options nodes_to_exclude={names}"]
+    body = facts_table({"first tensor out of tolerance": names.replace(",", "_")}) + structured(lines)
+    path = tmp_path / "report.html"
+    path.write_text(page("wraps", [], [section("Cause", body)]).replace("</body>", "<pre id='widths'></pre><script>document.getElementById('widths')"
+                                                                       ".textContent = document.documentElement.scrollWidth + ' ' + window.innerWidth;</script></body>"))
+    dom = render(path, "--dump-dom", "--virtual-time-budget=2000", "--window-size=1280,900").stdout
+    scrolled, viewport = map(int, re.search(r"<pre id=\"widths\">(\d+) (\d+)</pre>", dom).group(1, 2))
+    assert scrolled <= viewport, (scrolled, viewport)

@@ -23,7 +23,7 @@ h1{font-size:22px;margin:8px 0}h2{font-size:17px;margin:28px 0 8px;border-bottom
 h3{font-size:15px;margin:16px 0 6px}
 .verdict{display:inline-block;padding:2px 10px;border-radius:4px;color:#fff;font-weight:600}
 .pass{background:#2e7d32}.fail{background:#c62828}.inconclusive{background:#ef6c00}
-.facts td{padding:1px 12px 1px 0;vertical-align:top}.facts td:first-child{color:#616161}
+.facts td{padding:1px 12px 1px 0;vertical-align:top;overflow-wrap:anywhere}.facts td:first-child{color:#616161}
 pre,code{font:12.5px/1.4 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
 pre{background:#f1f3f4;padding:8px 10px;border-radius:4px;overflow-x:auto;white-space:pre-wrap}
 .cause{background:#fff;border-left:4px solid #ef6c00;padding:6px 12px;margin:8px 0}
@@ -34,7 +34,7 @@ table.data th{background:#eceff1;cursor:pointer;position:sticky;top:0}
 tr.fail td{background:#ffebee}tr.kept td{background:#f3e5f5}
 .scroll{max-height:600px;overflow:auto;border:1px solid #e0e0e0}
 .notice{color:#5d4037}
-ul.said{margin:4px 0 4px 18px;padding:0}ul.said li{margin:2px 0}li.command{list-style:none;margin-left:-18px}
+ul.said{margin:4px 0 4px 18px;padding:0}ul.said li{margin:2px 0;overflow-wrap:anywhere}li.command{list-style:none;margin-left:-18px}
 .copyable{position:relative;margin:4px 0}.copyable pre{margin:0;padding-right:64px}
 button.copy{position:absolute;top:4px;right:6px;font-size:12px;padding:1px 8px;cursor:pointer}
 .next{background:#fff;border-left:4px solid #1565c0;padding:4px 12px;margin:8px 0}
