@@ -297,6 +297,8 @@ def test_a_decoders_keeps_and_loss_split_are_said_by_its_kl_requirement(llama, t
     assert code == 1, out + err
     cause = out[out.index("    cause:") : out.index("apply it:") if "apply it:" in out else out.index("  steps:")]
     assert "x its tolerance" not in cause, cause
+    # its trials ran each prompt's whole sequence at once (teacher-forced, each side computing its own cache), not step by step: said
+    assert re.search(r"repair \((NOT )?verified[^)]* on prompts? [0-9, ]+, each prompt's whole sequence run as one prefill", cause), cause
     split = re.search(r"loss split over the whole candidate: .* both at ([0-9.]+)x its requirement \(KL divergence \(mean\) ([0-9.e-]+)\)", cause)
     step = re.search(r"step 0: nothing kept -> output at ([0-9.]+)x its requirement \(top-1 agreement [0-9.]+%, KL divergence ([0-9.e-]+)\)", cause)
     for found in (split, step):

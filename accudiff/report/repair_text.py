@@ -36,6 +36,8 @@ def repair_lines(failure, result, python: bool = False) -> list[str]:
     samples = (f"on {unit} {repair.samples[0]}" if len(repair.samples) == 1 else f"on {unit}s {', '.join(map(str, repair.samples))}") if repair.samples else ""
     if failure.cause is not None and failure.cause.stand_in:
         samples += f" of {failure.cause.stand_in}"
+    if result.generations and samples:  # the same tokens and each side's own cache, computed in one run, not step by step
+        samples += ", each prompt's whole sequence run as one prefill"
     # Unverified, the worst of the samples tried is what still fails, not each of them.
     how = f"verified {samples}" if repair.verified else f"NOT verified: tried {samples}, the output still fails"
     whole = repair.whole_run
