@@ -332,3 +332,21 @@ def test_scores_whose_top1_meets_no_target_are_offered_the_kl_they_meet():
     assert (met.name, met.target, met.outcome) == ("kl", 0.02, "met")
     met = strictest_met({"top1": 0.97, "kl": 0.0098}, {**spans, "top1": Interval(0.955, 0.98, 8, 512, True)})
     assert (met.name, met.target) == ("top1", 0.95)  # top-1 first, where a target is shown met
+
+
+def test_the_loss_split_is_said_by_the_requirement_and_names_top1_once():
+    """The recognizer quantized by ModelOpt, required top1=0.999: each part of the loss split said as a multiple of
+    the requirement with its top-1 agreement; the top-1 agreements were said again after it."""
+    from types import SimpleNamespace
+
+    from accudiff.report.content import split_lines
+
+    # keyed by the part undone: with the casts undone, the quantization alone is left
+    figures = {"with_both": {"top1": 0.58125, "kl": 2.24}, "casts": {"top1": 0.58125, "kl": 2.2}, "quantization": {"top1": 1.0, "kl": 0.0}}
+    result = SimpleNamespace(loss_split={"y": {"ratios": {"with_both": 32.8, "casts": 32.8, "quantization": 0.4}, "figures": figures}},
+                             precision="int8+fp16", require={"top1": 0.999})
+    [line] = split_lines("y", result)
+    assert line == ("  loss split over the whole candidate: the quantization alone (INT8) leaves the output at 419x (top-1 agreement 58.13%), "
+                    "the FP16 casts alone at 0x (top-1 agreement 100.00%), both at 419x its requirement (top-1 agreement 58.13%)"), line
+    [line] = split_lines("y", SimpleNamespace(**{**vars(result), "require": {}}))
+    assert line.endswith("both at 32.8x its tolerance; top-1 agreement 58.1%, 100.0% and 58.1%"), line

@@ -319,7 +319,8 @@ def split_lines(output: str, result) -> list[str]:
     for first, second in (("casts", "quantization"), ("activations", "weights")):
         if first in ratios and second in ratios:
             top1 = [figures[key].get("top1") for key in (first, second, "with_both")]
-            decision = (f"; top-1 agreement {percent(top1[0], 1)}, {percent(top1[1], 1)} and {percent(top1[2], 1)}" if None not in top1 else "")
+            decision = (f"; top-1 agreement {percent(top1[0], 1)}, {percent(top1[1], 1)} and {percent(top1[2], 1)}"
+                        if None not in top1 and "top1" not in result.require else "")  # a top-1 requirement says it already
             lines.append(f"  loss split over the whole candidate: {said[first]} leaves the output at {read(first)}, {said[second]} at "
                          f"{read(second)}, both at {read('with_both', named=True)}{decision}")
     return lines
