@@ -295,6 +295,8 @@ def test_a_decoders_keeps_and_loss_split_are_said_by_its_kl_requirement(llama, t
     code, out, err = run_cli("compare", llama.fp32, "--candidate-model", llama.int4, "--prompts", llama.prompts, "--new-tokens", NEW_TOKENS,
                              "--require", f"kl={target}", "-o", tmp_path / "r")
     assert code == 1, out + err
+    # a ΔNLL below zero read "costs the candidate -0.000195 nats more": its sign is said
+    assert re.search(r"ΔNLL, what the reference's next token costs the candidate more than the reference, in nats \(negative: less\): mean [+-]", out), out
     cause = out[out.index("    cause:") : out.index("apply it:") if "apply it:" in out else out.index("  steps:")]
     assert "x its tolerance" not in cause, cause
     # its trials ran each prompt's whole sequence at once (teacher-forced, each side computing its own cache), not step by step: said

@@ -93,7 +93,8 @@ def decision_lines(output: str, found: dict, kind: OutputKind | None = None, spa
         lines.append(f"    Δp, what the candidate takes from the probability of the reference's top entry (negative: it gives more): "
                      f"mean {with_interval('delta_p', found['delta_p'], spans.get('delta_p'), general, 3)}, at worst {found['delta_p_max']:.3g}")
         if "delta_nll" in found:
-            lines.append(f"    ΔNLL: the reference's next token costs the candidate {with_interval('delta_nll', found['delta_nll'], spans.get('delta_nll'), signed, 3)} nats more on average")
+            lines.append(f"    ΔNLL, what the reference's next token costs the candidate more than the reference, in nats (negative: less): "
+                         f"mean {with_interval('delta_nll', found['delta_nll'], spans.get('delta_nll'), signed, 3)}")
         note = interval_note(spans, bool(prompts), sequences == vectors)
         return lines + ([f"    {note}"] if note else [])
     if "cosine" in found:
