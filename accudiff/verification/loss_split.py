@@ -101,7 +101,7 @@ def _per_channel_said(before: Reading, alone: Reading, every: Reading, option: s
     tolerance computed exactly, 4.10x by those kernels, 2.0x with reduce_range=True's 7-bit codes)."""
     verdict = "meets" if every.met else "does not meet"
     return (f"its weight with a scale per output channel instead of one (symmetric codes of as many bits; its activations still quantized) "
-            f"brings the output from {before.said(False)} to {alone.said(False)}; every MatMul, Gemm and Conv weight so, to {every.said()}, which {verdict} "
+            f"brings the output from {before.said(named=False)} to {alone.said(named=False)}; every MatMul, Gemm and Conv weight so, to {every.said()}, which {verdict} "
             f"{'what --require asks' if required else 'the tolerance'} (the codes read back and multiplied in FP32: no CPU kernel's 16-bit saturation). {option[0].upper()}{option[1:]}")
 
 
@@ -110,8 +110,8 @@ def _part_said(before: Reading, both: Reading, activations: Reading, weights: Re
     alone, its activations' alone, and both (its keep)."""
     helps = {part: improvement(before.score, reading.score) > 1 / HELPS or (reading.met and not before.met)
              for part, reading in (("weights", weights), ("activations", activations))}
-    said = (f"undoing its weights' quantization alone (its activations still quantized) brings the output from {before.said(False)} to {weights.said(False)}, "
-            f"its activations' alone (its weights still quantized) to {activations.said(False)}, both to {both.said()}")
+    said = (f"undoing its weights' quantization alone (its activations still quantized) brings the output from {before.said(named=False)} to {weights.said(named=False)}, "
+            f"its activations' alone (its weights still quantized) to {activations.said(named=False)}, both to {both.said()}")
     if helps["weights"] == helps["activations"]:
         return said + (": each part carries some of the loss" if helps["weights"] else ": neither part alone carries it, only both together")
     carrier, other = ("weights", "activations") if helps["weights"] else ("activations", "weights")

@@ -43,7 +43,7 @@ class Reading:
     def step(self, keep: list[str]) -> RepairStep:
         return RepairStep(keep, self.tol_ratio, self.figures)
 
-    def said(self, named: bool = True) -> str:
+    def said(self, *, named: bool = True) -> str:
         """As the findings say it: by its requirement where the output has one, the decision figure beside the
         ratio only where the objective reads it. `named`: the unit said ("its tolerance")."""
         return describe(self.tol_ratio, self.figures if self.decisive or self.required else {}, self.required, named)

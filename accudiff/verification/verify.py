@@ -135,7 +135,7 @@ def verify_outputs(
         if f.tensor in verdicts else f
         for f in result.output_failures
     ]
-    passed = [f"'{name}' ({Reading.of(control, name, judging.objective).said(False)})" for name in outputs if name not in verdicts]
+    passed = [f"'{name}' ({Reading.of(control, name, judging.objective).said(named=False)})" for name in outputs if name not in verdicts]
     if passed:
         notices.append(
             f"output(s) {', '.join(passed)} met {'their target' if judging.objective.require else 'the tolerance'} on the {len(chosen)} sample(s) "
@@ -177,7 +177,7 @@ def _on_every_sample(verdicts: dict[str, tuple[Cause, Repair]], setup: TrialSetu
             by_decision = replace(objective, kind="decision")
             before, after = (Reading.of(outcomes[tuple(k)], output, by_decision) for k in ([], deciding[output]))
             short = "" if improvement(before.score, after.score) >= SEVERAL_FACTOR else ": less than half of what the decision loses there"
-            said = f"{on_all}, by what the output decides, {phrase} brings the output from {before.said(False)} to {after.said(False)}{short}"
+            said = f"{on_all}, by what the output decides, {phrase} brings the output from {before.said(named=False)} to {after.said(named=False)}{short}"
             cause = replace(cause, findings=[*cause.findings, Finding("every_sample", said)])
         confirmed[output] = (cause, repair)
     return confirmed
@@ -190,7 +190,7 @@ def _judged_again(cause: Cause, before: Reading, after: Reading, said: str) -> C
     kind = cause.kind if after.met or (cause.kind == "dominant" and gain >= SEVERAL_FACTOR) else "dominant" if gain >= SEVERAL_FACTOR else "accumulated"
     why = {"dominant": ": it carries most of the error there, the rest accumulates",
            "accumulated": ": less than half of what it loses there, an error that accumulates over the network"}[kind] if kind != cause.kind else ""
-    return replace(cause, kind=kind, findings=[*cause.findings, Finding("every_sample", f"{said} brings the output from {before.said(False)} to {after.said()}{why}")])
+    return replace(cause, kind=kind, findings=[*cause.findings, Finding("every_sample", f"{said} brings the output from {before.said(named=False)} to {after.said()}{why}")])
 
 
 def _variant_seconds(timings: dict[str, float], passes: Sequence[dict], share: float) -> float | None:
@@ -290,7 +290,7 @@ def _with_decision_fault(cause: Cause, control: TrialOutcome, suspects: list[Sus
     row = table[table["node"] == node].iloc[0]
     suspect = Suspect(node, row["tensor"], row["op_type"], [node], findings_of(row["tensor"], table, context), tried=kept, reading=best)
     finding = Finding("decision", f"by what the output decides, {row['op_type']} '{node}' carries most of the loss: "
-                                  f"{keep_phrase(context.precision)} brings the output from {before.said(False)} to {best.said(False)} "
+                                  f"{keep_phrase(context.precision)} brings the output from {before.said(named=False)} to {best.said(named=False)} "
                                   "(verified at the output; --objective decision judges keeps by the decision)")
     said = [replace(f, message=f"of '{node}': {f.message}") for f in suspect.findings if f.kind != "own_error"]  # what the rules say of why
     measured = not cause.contributors or cause.contributors[0].tol_ratio_kept is not None  # keeps measured, not the own errors standing in where none changed it
@@ -355,9 +355,9 @@ def _conclude(
     # are several causes however many they are; more than SEVERAL_LIMIT unflagged ones are accumulation.
     if joint and repair.verified and (len(used) <= SEVERAL_LIMIT or all(s.flagged for s in used)):
         best = used[0]
-        said = {s.reading.said(False) for s in used}
+        said = {s.reading.said(named=False) for s in used}
         alone = (f"each leaves it at {said.pop()}" if len(said) == 1 and len(used) > 2
-                 else ", ".join(f"{s.op_type} '{s.node}' {s.reading.said(False)}" for s in used) + f" of {before.said(False)}")
+                 else ", ".join(f"{s.op_type} '{s.node}' {s.reading.said(named=False)}" for s in used) + f" of {before.said(named=False)}")
         verdict = Finding("verified", f"none of them alone repairs the output ({alone}); "
                                       f"{phrase.replace(' it ', ' them ')} together brings it to {now.said()}")
         return Cause("several", best.node, best.tensor, best.op_type, [*best.findings, verdict],
@@ -367,7 +367,7 @@ def _conclude(
         reads, boundary = len(best.keep) - 1, len(best.tried) - len(best.keep)
         needs = ", ".join(filter(None, [reads and f"{reads} node(s) computing what it reads", boundary and f"{boundary} node(s) its boundaries need"]))
         needs = f" (with {needs})" if needs else ""
-        verdict = Finding("verified", f"{phrase}{needs} brings the output from {before.said(False)} to {best.reading.said()}")
+        verdict = Finding("verified", f"{phrase}{needs} brings the output from {before.said(named=False)} to {best.reading.said()}")
         others = [contributor(s, table) for s in helpful if s is not best and s.reading.met]
         return Cause("local", best.node, best.tensor, best.op_type, [*best.findings, verdict], alternatives=others, **common), repair
     gains = [improvement(a.score, b.score) for a, b in zip(readings, readings[1:])]
@@ -375,21 +375,21 @@ def _conclude(
         best = used[0]
         verdict = Finding(
             "verified",
-            f"{phrase} alone brings the output from {before.said(False)} to {best.reading.said()}; with "
-            + ", ".join(f"{s.op_type} '{s.node}'" for s in used[1:]) + f" too, {now.said(False)}",
+            f"{phrase} alone brings the output from {before.said(named=False)} to {best.reading.said()}; with "
+            + ", ".join(f"{s.op_type} '{s.node}'" for s in used[1:]) + f" too, {now.said(named=False)}",
         )
         return Cause("several", best.node, best.tensor, best.op_type, [*best.findings, verdict], co_causes=[contributor(s, table) for s in used[1:]], **common), repair
     if helpful and improvement(before.score, helpful[0].score) >= SEVERAL_FACTOR:
         # One fault carries most of the error, the rest accumulates: naming only "accumulated" would hide it.
         best = helpful[0]
-        rest = f"; with {len(repair.keep)} node(s) kept, {now.said(False)}" if len(repair.steps) > 2 else ""
-        verdict = Finding("verified", f"{phrase} brings the output from {before.said(False)} to {best.reading.said(False)}{rest}: "
+        rest = f"; with {len(repair.keep)} node(s) kept, {now.said(named=False)}" if len(repair.steps) > 2 else ""
+        verdict = Finding("verified", f"{phrase} brings the output from {before.said(named=False)} to {best.reading.said(named=False)}{rest}: "
                                       "the rest of the error accumulates over the network")
         return Cause("dominant", best.node, best.tensor, best.op_type, [*best.findings, verdict], **common), repair
     best = min(suspects, key=lambda s: s.score) if suspects else None
     what, undone = ("quantized", "left unquantized") if phrase == keep_phrase("int8") else ("converted", "kept in FP32")
     short = "short of its requirement" if before.decisive else "out of tolerance"
-    said_best = f"(best: {best.op_type} '{best.node}', {best.reading.said(False)} of {before.said(False)})" if best is not None and best.reading else ""
+    said_best = f"(best: {best.op_type} '{best.node}', {best.reading.said(named=False)} of {before.said(named=False)})" if best is not None and best.reading else ""
     reach = reach or Search(len(suspects), len(suspects))
     summary = f"no single node repairs the output: {reach.said(what, undone, short, said_best)}"
     kind = "accumulated" if math.isfinite(now.tol_ratio) else "not_found"  # NaN/Inf are not small errors growing
