@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Collection, Iterable, Mapping, Sequence
 
 from accudiff.judging.intervals import Interval, needed_units, resolve
 from accudiff.errors import AccudiffError
@@ -137,13 +137,14 @@ LADDERS = {
 }
 
 
-def strictest_met(figures: Mapping[str, float], spans: Mapping[str, Interval]) -> Resolution | None:
+def strictest_met(figures: Mapping[str, float], spans: Mapping[str, Interval], names: Collection[str] | None = None) -> Resolution | None:
     """The strictest requirement on an output's decision (its top-1 agreement, else its KL divergence; its
     lowest cosine, its flipped share, its detection agreement) that its figures, with their 95% intervals, are
     shown to meet: what a user who decides by it may judge the output by instead of its elementwise
-    tolerance. None where no target of LADDERS is met."""
+    tolerance. `names`: only these figures (of a requirement the output fails, what it meets of it). None
+    where no target of LADDERS is met."""
     for name, targets in LADDERS.items():
-        if name in figures:
+        if name in figures and (names is None or name in names):
             met = [r for target in targets for r in Objective("tolerance", {name: target}).resolve(figures, spans) if r.outcome == "met"]
             if met:
                 return met[0]

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import asdict
 
 from accudiff.version import __version__
-from accudiff.judging.objective import REQUIREMENTS, describe, figure_text
+from accudiff.judging.objective import LADDERS, REQUIREMENTS, Objective, describe, figure_text, strictest_met
 from accudiff.report.decision_text import decision_lines, generation_lines, output_kind, phase_lines, said_figure, sample_name, state_lines
 from accudiff.report.next_steps import decision_requirement, requirement_option
 from accudiff.report.repair_text import repair_lines, tried_subset_lines
@@ -201,7 +201,30 @@ def decision_first_lines(output: str, result, python: bool = False) -> list[str]
     if met is not None:
         lines.append(f"judged by its decision, it passes: {requirement_option(met, python)} is met ({REQUIREMENTS[met.name][1]} "
                      f"{said_figure(met.name, met.value, met.interval)})")
+    return lines + required_met_lines(output, result, python)
+
+
+def required_met_lines(output: str, result, python: bool = False) -> list[str]:
+    """Of each figure the run requires of `output` (--require) that it does not show met, the strictest
+    target of its ladder (objective.LADDERS) its 95% interval does show met: what the candidate can be held
+    to, as the tolerance met says for the elementwise tolerance."""
+    figures, spans = result.decisions.get(output, {}), result.intervals.get(output, {})
+    lines = []
+    for name, target in result.require.items():
+        if name not in figures or name not in LADDERS or _shown_met(name, target, figures, spans):
+            continue
+        label, shown = REQUIREMENTS[name][1], said_figure(name, figures[name], spans.get(name))
+        met = strictest_met(figures, spans, names={name})
+        if met is None:
+            ladder = LADDERS[name]
+            lines.append(f"what it meets of its requirement: no {label} target from {ladder[0]:g} to {ladder[-1]:g} is shown met ({shown})")
+        else:
+            lines.append(f"what it meets of its requirement: {requirement_option(met, python)}, the strictest {label} target shown met ({shown})")
     return lines
+
+
+def _shown_met(name: str, target: float, figures: Mapping[str, float], spans: Mapping) -> bool:
+    return all(r.outcome == "met" for r in Objective("tolerance", {name: target}).resolve(figures, spans))
 
 
 def sample_lines(result, shown: frozenset[str] = frozenset(), generation: bool = True) -> list[str]:
@@ -218,7 +241,9 @@ def sample_lines(result, shown: frozenset[str] = frozenset(), generation: bool =
             continue
         failing = rows[rows["status"] == "fail"]
         if result.iterations > 1 or prompts:
-            text = f"  {'steps' if prompts else 'samples'}: output '{output}' fails on {len(failing)} of {len(rows)}"
+            # An output a requirement judges is judged over them all together: each alone is only in or out of tolerance.
+            judged = "is outside its elementwise tolerance on" if requirement_text(output, result) else "fails on"
+            text = f"  {'steps' if prompts else 'samples'}: output '{output}' {judged} {len(failing)} of {len(rows)}"
             if len(failing):
                 worst = failing.loc[failing["tol_ratio"].idxmax()]
                 text += f" (worst: {sample_name(result, int(worst['sample']))}, {percent(worst['outside_share'])} of elements outside, {times_tolerance(worst['tol_ratio'])})"
