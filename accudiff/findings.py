@@ -108,6 +108,7 @@ class Cause:
     searched: Search | None = None  # verified: what the cause search covered (verification/search.py)
     decision_keep: list[str] = field(default_factory=list)  # beside an accumulated error: the keep-list of its "decision" finding
     decision_node: str | None = None  # and the node it names
+    failing_alone: int = 0  # "accumulated": nodes upstream that err past their own tolerance fed the reference's values (isolated run)
 
 
 @dataclass(frozen=True)

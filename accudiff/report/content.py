@@ -297,8 +297,7 @@ def cause_lines(failure, result, python: bool = False) -> list[str]:
             lines.append(f"  also: {c.op_type} '{c.node}' ({_kept_effect(c, result.require)})")
             lines += [f"    {f.kind}: {f.message}" for f in c.findings if f.kind != "own_error"]
     elif cause.kind in ("accumulated", "not_found"):
-        lines = [f"cause: accumulated error: no single node breaks this output; small errors grow past {target} on the way"
-                 if cause.kind == "accumulated" else
+        lines = [accumulated_headline(cause, target) if cause.kind == "accumulated" else
                  "cause: not found: NaN/Inf reach this output and no keep tried removes them (see the findings upstream)"]
         lines += [f"  {f.kind}: {f.message}" for f in cause.findings]
         lines += tried_subset_lines(failure, result)
@@ -319,6 +318,15 @@ def cause_lines(failure, result, python: bool = False) -> list[str]:
                 lines += [f"      {f.kind}: {f.message}" for f in c.findings]
     lines += repair_lines(failure, result, python)
     return lines
+
+
+def accumulated_headline(cause, target: str) -> str:
+    """An error no single node breaks: small errors growing, or, where nodes upstream err past their own
+    tolerance (the isolated run), their errors adding up (a dozen Mul nodes each far off is no small error)."""
+    if not cause.failing_alone:
+        return f"cause: accumulated error: no single node breaks this output; small errors grow past {target} on the way"
+    return (f"cause: accumulated error: no single node breaks this output; errors made at more than one place add up past {target} "
+            f"({cause.failing_alone} node(s) upstream err past their own tolerance fed the reference's values)")
 
 
 def split_lines(output: str, result) -> list[str]:

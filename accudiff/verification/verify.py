@@ -38,6 +38,7 @@ import pandas as pd
 
 from accudiff.stages.group import GroupRun, could_be_a_shape
 from accudiff.judging.objective import Objective
+from accudiff.judging.table import STATUS_FAIL
 from accudiff.verification.trial import MAX_TRIAL_SAMPLES, TrialOutcome, TrialSetup, Trials, trial_workers
 from accudiff.execution.pool import prestart
 from accudiff.verification.loss_split import cause_parts, loss_split, loss_split_keeps
@@ -45,7 +46,7 @@ from accudiff.verification.readings import Reading, Tries, improvement, pruned
 from accudiff.verification.search import candidates_upstream, search_groups, weights_dominate
 from accudiff.verification.suspects import Suspect, contributor, findings_of, nominate
 from accudiff.findings import Absorbed, Cause, Finding, Repair, RepairStep, Search
-from accudiff.diagnosis.cause import find_cause
+from accudiff.diagnosis.cause import ancestor_tensors, find_cause
 from accudiff.diagnosis.mechanisms import absorber
 from accudiff.diagnosis.rules import DiagnosisContext
 from accudiff.model.formats import QUANTIZED_FORMATS, formats_of
@@ -393,7 +394,17 @@ def _conclude(
     reach = reach or Search(len(suspects), len(suspects))
     summary = f"no single node repairs the output: {reach.said(what, undone, short, said_best)}"
     kind = "accumulated" if math.isfinite(now.tol_ratio) else "not_found"  # NaN/Inf are not small errors growing
-    return Cause(kind, findings=[Finding("verified", summary)], **common), repair
+    return Cause(kind, findings=[Finding("verified", summary)], failing_alone=failing_alone(output, table, context), **common), repair
+
+
+def failing_alone(output: str, table: pd.DataFrame, context: DiagnosisContext) -> int:
+    """How many converted nodes upstream of `output` err past their tolerance on their own, fed the reference's
+    values (the isolated run): an error no single node breaks is then not small errors growing, but errors that
+    several of them make adding up (magika's GELU cube and LayerNorm variance, each quantized to 0)."""
+    if "isolated_status" not in table.columns:
+        return 0
+    rows = table[table.index.isin(ancestor_tensors(output, context.upstream)) & table["node"].isin(context.converted)]
+    return int(rows.loc[rows["isolated_status"] == STATUS_FAIL, "node"].nunique())
 
 
 def _together(before: Reading, suspects: list[Suspect], tries: Tries, runs_left: int) -> tuple[list[Suspect], list[RepairStep], Reading] | None:
