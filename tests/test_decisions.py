@@ -114,6 +114,8 @@ def test_a_decision_target_judges_the_outputs_that_have_the_figure(run_cli, tmp_
     # each sample is said in or out of the elementwise tolerance, not "failing" (the requirement judges them together).
     assert "what it meets of its requirement: --require flipped_share=0.005, the strictest flipped share target shown met (0.220% [" in out, out
     assert "samples: output 'y' is outside its elementwise tolerance on 4 of 4" in out and "fails on" not in out, out
+    [entry] = json.loads((tmp_path / "missed" / "summary.json").read_text())["outputs"]
+    assert entry["strictest_met"] == {"name": "flipped_share", "target": 0.005}, entry
     # What a keep does is said by the requirement (0.220% flipped is 220x 1e-5), not by the elementwise ratio, which
     # read "7.26x its tolerance" for what no keep repairs, and "0.65x its tolerance" beside a failing KL target.
     cause = out[out.index("cause:") : out.index("largest own errors")]

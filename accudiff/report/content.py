@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import asdict
 
 from accudiff.version import __version__
-from accudiff.judging.objective import LADDERS, REQUIREMENTS, Objective, describe, figure_text, strictest_met
+from accudiff.judging.objective import LADDERS, REQUIREMENTS, Objective, Resolution, describe, figure_text, strictest_met
 from accudiff.report.decision_text import decision_lines, generation_lines, output_kind, phase_lines, said_figure, sample_name, state_lines
 from accudiff.report.next_steps import decision_requirement, requirement_option
 from accudiff.report.repair_text import repair_lines, tried_subset_lines
@@ -52,6 +52,8 @@ def summary(result) -> dict:
         entry["decision"] = result.decisions.get(row["tensor"])
         entry["intervals"] = {name: span.as_json() for name, span in result.intervals.get(row["tensor"], {}).items()}  # 95%, judging/intervals.py
         entry["unresolved"] = [asdict(r) for r in result.unresolved.get(row["tensor"], [])]
+        met = strictest_target_met(row["tensor"], result)
+        entry["strictest_met"] = {"name": met.name, "target": met.target} if met is not None else None
         kind = result.output_kinds.get(row["tensor"])
         entry["kind"] = {"kind": kind.kind, "why": kind.why} if kind is not None else None
         outputs.append(entry)
@@ -221,6 +223,14 @@ def required_met_lines(output: str, result, python: bool = False) -> list[str]:
         else:
             lines.append(f"what it meets of its requirement: {requirement_option(met, python)}, the strictest {label} target shown met ({shown})")
     return lines
+
+
+def strictest_target_met(output: str, result) -> Resolution | None:
+    """The strictest target (objective.LADDERS) `output`'s figures are shown to meet: of the figures the run
+    requires of it where it has them, else of any (summary.json's `strictest_met`)."""
+    figures = result.decisions.get(output, {})
+    required = [name for name in result.require if name in figures]
+    return strictest_met(figures, result.intervals.get(output, {}), names=required or None)
 
 
 def _shown_met(name: str, target: float, figures: Mapping[str, float], spans: Mapping) -> bool:
