@@ -452,3 +452,19 @@ def test_prompts_as_token_ids_need_no_tokenizer_and_replay(tmp_path, run_cli):
     code, replayed, err = run_cli(*shlex.split(summary["replay"])[1:], "-o", tmp_path / "again")
     assert code == 0, err
     assert json.loads((tmp_path / "again" / "summary.json").read_text())["generation"]["phases"] == summary["generation"]["phases"]
+
+
+def test_where_a_decoders_error_enters_is_said_as_far_as_the_decode_steps_interval_shows():
+    """BF16 of the trained Llama, 4 new tokens: decode KL 7.29e-05 [3.21e-05, 0.000114] against the prefill's 5.84e-05
+    read 'does not grow through the KV cache', which 32 decode positions cannot show."""
+    from accudiff.judging.intervals import Interval
+    from accudiff.report.decision_text import entry_text
+
+    def phases(decode_kl: float, low: float, high: float) -> dict:
+        return {"prefill": {"figures": {"kl": 5.84e-05}, "intervals": {}},
+                "decode": {"figures": {"kl": decode_kl}, "intervals": {"kl": Interval(low, high, 8, 32, True)}}}
+
+    assert entry_text(phases(7.29e-05, 3.21e-05, 0.000114)) == ("the error enters in the prefill and is not shown to grow through the KV cache: "
+                                                                "the decode steps' KL (7.29e-05) is within its interval of the prefill's (5.84e-05)")
+    assert entry_text(phases(2e-4, 1e-4, 3e-4)).startswith("the error grows through the KV cache: the decode steps' KL (0.0002) is above the prefill's (5.84e-05) beyond")
+    assert entry_text(phases(2e-5, 1e-5, 3e-5)).startswith("the error enters in the prefill and does not grow through the KV cache: the decode steps' KL (2e-05) is below")
