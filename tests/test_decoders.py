@@ -14,6 +14,7 @@ import re
 import subprocess
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -468,3 +469,33 @@ def test_where_a_decoders_error_enters_is_said_as_far_as_the_decode_steps_interv
                                                                 "the decode steps' KL (7.29e-05) is within its interval of the prefill's (5.84e-05)")
     assert entry_text(phases(2e-4, 1e-4, 3e-4)).startswith("the error grows through the KV cache: the decode steps' KL (0.0002) is above the prefill's (5.84e-05) beyond")
     assert entry_text(phases(2e-5, 1e-5, 3e-5)).startswith("the error enters in the prefill and does not grow through the KV cache: the decode steps' KL (2e-05) is below")
+
+
+def test_prompts_longer_than_the_decoders_context_are_refused_before_any_run(tmp_path, run_cli):
+    """A prompt of 5000 tokens to the trained Llama (context 2048) failed in ONNX Runtime's GroupQueryAttention,
+    naming a segment file accudiff made; --new-tokens 100000 ran 2006 decode steps before failing so. The
+    context the GenAI config gives (the bundled decoder's: 512) bounds the prompt and its new tokens, said at once."""
+    np.savez(tmp_path / "ids.npz", **{"0/input_ids": np.arange(10, 20), "1/input_ids": np.arange(510) % 250})
+    code, _, err = run_cli("compare", TINY, "--fp16", "--prompts", tmp_path / "ids.npz", "--new-tokens", "3", "-o", tmp_path / "r")
+    assert code == 2 and err.count("\n") == 1, err
+    assert ("prompt 1 of prompts file '" in err and "is 510 tokens long, and with 3 new tokens (--new-tokens) needs 513 positions: "
+            "'tiny_decoder/model.onnx' holds 512 (context_length in its genai_config.json)" in err), err
+    assert not (tmp_path / "r").exists()
+    code, _, err = run_cli("compare", TINY, "--fp16", "--prompts", tmp_path / "ids.npz", "--new-tokens", "2", "--no-verify", "-o", tmp_path / "fits")
+    assert code in (0, 1), err  # 510 + 2 fits exactly
+
+
+def test_a_decoder_without_a_config_is_bounded_by_its_attentions_rotary_cache():
+    """Without a GenAI config, the rotary cache GroupQueryAttention reads (input 7) is the context ONNX Runtime enforces."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from accudiff.model.decoder import Decoder
+    from accudiff.model.prompts import context_limit
+
+    cos = numpy_helper.from_array(np.zeros((64, 4), np.float32), "cos_cache")
+    node = helper.make_node("GroupQueryAttention", ["q", "", "", "pk", "pv", "s", "t", "cos_cache", "sin_cache"], ["y", "k", "v"], domain="com.microsoft")
+    graph = helper.make_graph([node], "g", [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [cos])
+    decoder = Decoder("input_ids", "logits", (("pk", "k"),), 1, 8)
+    assert context_limit(graph, decoder) == (64, "the rotary cache its GroupQueryAttention nodes read")
+    assert context_limit(graph, replace(decoder, context_length=32)) == (32, "context_length in its genai_config.json")
+    assert context_limit(helper.make_graph([], "empty", [], []), decoder) is None

@@ -40,6 +40,7 @@ class Decoder:
     position_ids: str | None = None
     source: str = "graph names"  # where the roles were read: "genai_config.json" or the graph's names
     eos_token_id: tuple[int, ...] = ()
+    context_length: int | None = None  # the positions its GenAI config says it holds
 
     def require_generation(self, model: str) -> None:
         """Generating from prompts needs token ids in, logits out, and a cache whose heads and head size are known."""
@@ -66,7 +67,7 @@ class Decoder:
         """What a worker job carries of it."""
         return {"input_ids": self.input_ids, "logits": self.logits, "cache": [list(pair) for pair in self.cache], "kv_heads": self.kv_heads,
                 "head_size": self.head_size, "attention_mask": self.attention_mask, "position_ids": self.position_ids, "source": self.source,
-                "eos_token_id": list(self.eos_token_id)}
+                "eos_token_id": list(self.eos_token_id), "context_length": self.context_length}
 
     @classmethod
     def from_json(cls, fields: Mapping) -> Decoder:
@@ -158,7 +159,7 @@ def _decoder_section(config: Path) -> dict:
     if not isinstance(section, dict):
         raise AccudiffError(f"'{config}' is not a GenAI config: its model.decoder is not an object")
     eos = document["model"].get("eos_token_id", [])
-    return {**section, "eos_token_id": eos if isinstance(eos, list) else [eos]}
+    return {**section, "eos_token_id": eos if isinstance(eos, list) else [eos], "context_length": document["model"].get("context_length")}
 
 
 def _from_config(section: dict, config: Path, inputs: Sequence[InputSpec], outputs: Sequence[str]) -> Decoder:
@@ -176,7 +177,8 @@ def _from_config(section: dict, config: Path, inputs: Sequence[InputSpec], outpu
             raise AccudiffError(f"'{config}' names the {role} '{name}', which the model's graph does not have")
     optional = {role: given_inputs.get(role) for role in ("attention_mask", "position_ids")}
     return Decoder(input_ids, logits, tuple(cache), kv_heads, head_size, *(name if name in names else None for name in optional.values()),
-                   source=GENAI_CONFIG, eos_token_id=tuple(int(t) for t in section.get("eos_token_id", [])))
+                   source=GENAI_CONFIG, eos_token_id=tuple(int(t) for t in section.get("eos_token_id", [])),
+                   context_length=section["context_length"] if isinstance(section.get("context_length"), int) and section["context_length"] > 0 else None)
 
 
 def cache_types(inputs: Sequence[InputSpec], decoder: Decoder) -> dict[str, np.dtype]:

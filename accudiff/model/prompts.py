@@ -167,6 +167,13 @@ def prepare_generation(info: ModelInfo, prompts: str | Path, new_tokens: int, ta
     dims = logits.type.tensor_type.shape.dim if logits is not None else []
     vocabulary = dims[-1].dim_value if dims and dims[-1].HasField("dim_value") and dims[-1].dim_value > 0 else None
     ids = read_prompts(prompts, info.path.parent, vocabulary, target)
+    limit = context_limit(info.proto.graph, decoder)
+    if limit is not None:
+        for k, prompt in enumerate(ids):
+            needed = prompt["input_ids"].size + new_tokens
+            if needed > limit[0]:
+                raise AccudiffError(f"prompt {k} of {ids.source} is {prompt['input_ids'].size} tokens long, and with {new_tokens} new tokens (--new-tokens) "
+                                    f"needs {needed} positions: '{model_name(info.path)}' holds {limit[0]} ({limit[1]})")
     types = cache_types(info.inputs, decoder)
     if candidate is not None and decoder.position_ids is None:
         import onnx
@@ -176,6 +183,18 @@ def prepare_generation(info: ModelInfo, prompts: str | Path, new_tokens: int, ta
     prefills = samples_from_feeds([decoder.first_feed(prompt["input_ids"], types) for prompt in ids], scratch / "prefills.npz")
     prefills.source = ids.source
     return GenerationPlan(decoder, ids, prefills, new_tokens, types)
+
+
+def context_limit(graph, decoder: Decoder) -> tuple[int, str] | None:
+    """How many positions a decoder holds, and where that is read: its GenAI config's context_length, and the
+    rotary cache its GroupQueryAttention nodes read (ONNX Runtime refuses a longer sequence there, after a
+    prefill and as many decode steps as fit); the smaller. None where neither says."""
+    found = [(decoder.context_length, f"context_length in its {GENAI_CONFIG}")] if decoder.context_length else []
+    weights = {init.name: init for init in graph.initializer}
+    rotary = {weights[node.input[7]].dims[0] for node in graph.node
+              if node.op_type == "GroupQueryAttention" and len(node.input) > 7 and node.input[7] in weights and weights[node.input[7]].dims}
+    found += [(min(rotary), "the rotary cache its GroupQueryAttention nodes read")] if rotary else []
+    return min(found) if found else None
 
 
 def whole_sequences(generations: Sequence[dict], decoder: Decoder, types: dict[str, np.dtype], target: Path, specs: Sequence = ()) -> Samples:
