@@ -179,7 +179,7 @@ def refer_to(tensor: onnx.TensorProto, location: str, offset: int, length: int, 
     tensor.name, tensor.data_type = name, data_type
     tensor.dims.extend(dims)
     tensor.data_location = onnx.TensorProto.EXTERNAL
-    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length)), (FOLDER_KEY, str(Path(folder).resolve()))):
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length)), (FOLDER_KEY, _real_path(str(folder)))):
         tensor.external_data.add(key=key, value=value)
 
 
