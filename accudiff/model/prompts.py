@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -23,6 +23,9 @@ from accudiff.errors import AccudiffError, missing
 from accudiff.model.decoder import GENAI_CONFIG, POSITION_IDS, Decoder, cache_types, find_decoder, model_name
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.samples import NPZ_READ_ERRORS, Samples, samples_from_feeds
+
+if TYPE_CHECKING:
+    import onnx
 
 TOKENIZER_FILE = "tokenizer.json"
 PROMPT_SUFFIXES = (".txt", ".jsonl", ".npz")
@@ -185,7 +188,7 @@ def prepare_generation(info: ModelInfo, prompts: str | Path, new_tokens: int, ta
     return GenerationPlan(decoder, ids, prefills, new_tokens, types)
 
 
-def context_limit(graph, decoder: Decoder) -> tuple[int, str] | None:
+def context_limit(graph: onnx.GraphProto, decoder: Decoder) -> tuple[int, str] | None:
     """How many positions a decoder holds, and where that is read: its GenAI config's context_length, and the
     rotary cache its GroupQueryAttention nodes read (ONNX Runtime refuses a longer sequence there, after a
     prefill and as many decode steps as fit); the smaller. None where neither says."""
