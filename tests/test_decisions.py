@@ -37,6 +37,25 @@ def test_a_probability_map_that_fails_elementwise_but_hardly_flips(run_cli, tmp_
     assert "tolerance met: atol" in out
 
 
+def test_a_yes_no_classifiers_one_probability_a_sample_is_said_as_decisions(tmp_path):
+    """smart-turn v3.2's output, one Sigmoid probability a sample, was said as a 'probability map' whose
+    'elements' flip, with an 'IoU of the binarized maps': it is a decision a sample."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from accudiff.report.content import decision_first_lines
+
+    weight = numpy_helper.from_array(np.random.default_rng(3).normal(0, 1, (16, 1)).astype(np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["z"]), helper.make_node("Sigmoid", ["z"], ["y"])], "yes_no",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1])], [weight])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "yes_no.onnx"))
+    result = accudiff.compare(tmp_path / "yes_no.onnx", "fp16", candidate="onnxrt", iterations=6, verify=False, atol=1e-9, rtol=1e-9)
+    [line, *_] = decision_first_lines("y", result)
+    assert line.startswith("probability 'y' (a Sigmoid computes it: a probability per element): ") and "of its 6 decisions, one a sample, fall on the other side of 0.5" in line, line
+    assert "map" not in line and "IoU" not in line, line
+
+
 def test_a_detectors_output_is_decoded_into_detections_and_matched():
     """Boxes and class scores as YOLOv8's head writes them ([batch, 4 + classes, boxes]): each side's detections
     are its boxes scored at least the threshold, a box its class's better one overlaps by IoU > 0.7 dropped

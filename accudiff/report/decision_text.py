@@ -107,9 +107,14 @@ def decision_lines(output: str, found: dict, kind: OutputKind | None = None, spa
     if "detection_images" in found:
         return detection_lines(output, found, what, spans)
     if "flipped_share" in found:
-        note = interval_note(spans)
-        return [f"  probability map '{output}'{what}: {with_interval('flipped_share', found['flipped_share'], spans.get('flipped_share'), percent, 3)} of its "
-                f"elements fall on the other side of {found['threshold']:g} (--threshold), IoU of the binarized maps {found['iou']:.4f}"] + ([f"    {note}"] if note else [])
+        note, span = interval_note(spans), spans.get("flipped_share")
+        flipped = with_interval("flipped_share", found["flipped_share"], span, percent, 3)
+        if span is not None and span.positions == span.units:  # one probability a sample (a yes/no classifier): no map, no IoU
+            said = f"  probability '{output}'{what}: {flipped} of its {span.units} decisions, one a sample, fall on the other side of {found['threshold']:g} (--threshold)"
+        else:
+            said = (f"  probability map '{output}'{what}: {flipped} of its elements fall on the other side of {found['threshold']:g} (--threshold), "
+                    f"IoU of the binarized maps {found['iou']:.4f}")
+        return [said] + ([f"    {note}"] if note else [])
     if "p999_tol_ratio" in found:
         return [f"  error percentiles '{output}'{what}: p99 |err| {found['p99_abs_err']:.3g}, p99.9 {found['p999_abs_err']:.3g}; in tolerances p99 "
                 f"{times_tolerance(found['p99_tol_ratio'], '')}, p99.9 {times_tolerance(found['p999_tol_ratio'], '')}"]
