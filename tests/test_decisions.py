@@ -362,6 +362,21 @@ def test_scores_whose_top1_meets_no_target_are_offered_the_kl_they_meet():
     assert (met.name, met.target) == ("top1", 0.95)  # top-1 first, where a target is shown met
 
 
+def test_what_an_output_is_held_to_is_of_the_figures_it_misses():
+    """Required top1=0.99 and kl=0.05, missing only the first: what it meets is said of top-1 (no target), not of the KL
+    it meets anyway (the plugin's failure said 'it is shown to meet kl=0.02' of a top-1 it missed)."""
+    from types import SimpleNamespace
+
+    from accudiff.judging.intervals import Interval
+    from accudiff.report.content import held_to
+
+    spans = {"top1": Interval(0.891, 0.947, 8, 512, True), "kl": Interval(0.0083, 0.0112, 8, 512, True)}
+    result = SimpleNamespace(decisions={"y": {"top1": 0.924, "kl": 0.0098}}, intervals={"y": spans}, require={"top1": 0.99, "kl": 0.05})
+    assert held_to("y", result) == [("top1", None)]
+    [(name, met)] = held_to("y", SimpleNamespace(**{**vars(result), "require": {"top1": 0.99, "kl": 0.005}}))[1:]
+    assert (name, met.target) == ("kl", 0.02)
+
+
 def test_the_loss_split_is_said_by_the_requirement_and_names_top1_once():
     """The recognizer quantized by ModelOpt, required top1=0.999: each part of the loss split said as a multiple of
     the requirement with its top-1 agreement; the top-1 agreements were said again after it."""

@@ -212,11 +212,8 @@ def required_met_lines(output: str, result, python: bool = False) -> list[str]:
     to, as the tolerance met says for the elementwise tolerance."""
     figures, spans = result.decisions.get(output, {}), result.intervals.get(output, {})
     lines = []
-    for name, target in result.require.items():
-        if name not in figures or name not in LADDERS or _shown_met(name, target, figures, spans):
-            continue
+    for name, met in held_to(output, result):
         label, shown = REQUIREMENTS[name][1], said_figure(name, figures[name], spans.get(name))
-        met = strictest_met(figures, spans, names={name})
         if met is None:
             ladder = LADDERS[name]
             lines.append(f"what it meets of its requirement: no {label} target from {ladder[0]:g} to {ladder[-1]:g} is shown met ({shown})")
@@ -225,16 +222,21 @@ def required_met_lines(output: str, result, python: bool = False) -> list[str]:
     return lines
 
 
+def held_to(output: str, result) -> list[tuple[str, Resolution | None]]:
+    """Each figure the run requires of `output` that its interval does not show met (of those LADDERS has
+    targets for), with the strictest target of it that it does show met (None: none)."""
+    figures, spans = result.decisions.get(output, {}), result.intervals.get(output, {})
+    unmet = [name for name, target in result.require.items()
+             if name in figures and name in LADDERS and not Objective("tolerance", {name: target}).met(math.inf, figures, spans)]
+    return [(name, strictest_met(figures, spans, names={name})) for name in unmet]
+
+
 def strictest_target_met(output: str, result) -> Resolution | None:
     """The strictest target (objective.LADDERS) `output`'s figures are shown to meet: of the figures the run
     requires of it where it has them, else of any (summary.json's `strictest_met`)."""
     figures = result.decisions.get(output, {})
     required = [name for name in result.require if name in figures]
     return strictest_met(figures, result.intervals.get(output, {}), names=required or None)
-
-
-def _shown_met(name: str, target: float, figures: Mapping[str, float], spans: Mapping) -> bool:
-    return all(r.outcome == "met" for r in Objective("tolerance", {name: target}).resolve(figures, spans))
 
 
 def sample_lines(result, shown: frozenset[str] = frozenset(), generation: bool = True) -> list[str]:
