@@ -48,7 +48,7 @@ from accudiff.verification.suspects import Suspect, contributor, findings_of, no
 from accudiff.findings import Absorbed, Cause, Finding, Repair, RepairStep, Search
 from accudiff.diagnosis.cause import ancestor_tensors, find_cause
 from accudiff.diagnosis.mechanisms import absorber
-from accudiff.diagnosis.rules import DiagnosisContext
+from accudiff.diagnosis.rules import DiagnosisContext, isolation_ran
 from accudiff.model.formats import QUANTIZED_FORMATS, formats_of
 from accudiff.run_options import DEFAULT_CAUSE_BUDGET
 from accudiff.model.decoder import cache_types, find_decoder
@@ -401,7 +401,7 @@ def failing_alone(output: str, table: pd.DataFrame, context: DiagnosisContext) -
     """How many converted nodes upstream of `output` err past their tolerance on their own, fed the reference's
     values (the isolated run): an error no single node breaks is then not small errors growing, but errors that
     several of them make adding up (magika's GELU cube and LayerNorm variance, each quantized to 0)."""
-    if "isolated_status" not in table.columns:
+    if not isolation_ran(table):
         return 0
     rows = table[table.index.isin(ancestor_tensors(output, context.upstream)) & table["node"].isin(context.converted)]
     return int(rows.loc[rows["isolated_status"] == STATUS_FAIL, "node"].nunique())
