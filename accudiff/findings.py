@@ -130,3 +130,4 @@ class Repair:
     samples: list[int] = field(default_factory=list)
     pruning_runs: int = 0  # runs that tried dropping its nodes once it held (readings.pruned): the last step is what held
     whole_run: RepairStep | None = None  # where `samples` are some of the run's: every verified repair's nodes kept, on all of them
+    op_types: list[str] = field(default_factory=list)  # a repair by op type: these alone stay quantized, every other quantized node is kept

@@ -226,10 +226,10 @@ def ppocr_cls_v2_qdq_int8(folder: Path) -> Path:
     return target
 
 
-def onnxruntime_qdq(model: Path, calibration: list[dict], target: Path, grid: str = "int8", per_channel: bool = True) -> Path:
+def onnxruntime_qdq(model: Path, calibration: list[dict], target: Path, grid: str = "int8", per_channel: bool = True, op_types: list[str] | None = None) -> Path:
     """`model` quantized by ONNX Runtime's quantize_static into `target`: Q/DQ pairs in the form TensorRT
     builds (symmetric activations and weights; INT8, or FP8 E4M3 for `grid="fp8"`), calibrated on
-    `calibration` (feeds)."""
+    `calibration` (feeds); `op_types`: its op_types_to_quantize (None: every op it can)."""
     from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     class Feeds(CalibrationDataReader):
@@ -246,7 +246,7 @@ def onnxruntime_qdq(model: Path, calibration: list[dict], target: Path, grid: st
     with warnings.catch_warnings(), quiet_root_logger():
         warnings.simplefilter("ignore")
         quantize_static(str(source), str(target), Feeds(), quant_format=QuantFormat.QDQ, activation_type=kind, weight_type=kind,
-                        per_channel=per_channel and grid == "int8", extra_options={"ActivationSymmetric": True, "WeightSymmetric": True},
+                        per_channel=per_channel and grid == "int8", extra_options={"ActivationSymmetric": True, "WeightSymmetric": True}, op_types_to_quantize=op_types,
                         calibrate_method=CalibrationMethod.Distribution if grid == "fp8" else CalibrationMethod.MinMax)
     return target
 

@@ -37,6 +37,7 @@ from benchmarks import models, realistic_inputs  # noqa: E402
 from accudiff.bisect.precision import bisect_precision  # noqa: E402
 from accudiff.bisect.session import BisectSession  # noqa: E402
 from accudiff.model.inputs import save_feeds  # noqa: E402
+from accudiff.report.console import format_summary  # noqa: E402
 from accudiff.report.content import accumulated_headline  # noqa: E402
 from accudiff.settings import RunSettings  # noqa: E402
 
@@ -332,3 +333,35 @@ def test_bisect_on_the_trained_classifier_quantized_by_quantize_static_is_minima
     assert {"LayerNorm_0", "ApplyActivation_1"} <= {node.split("/")[-2] for node in keep}, keep
     assert worst(set()) > 1 and worst(keep) <= 1, keep
     assert all(worst(keep - {node}) > 1 for node in keep)
+
+
+def test_an_error_the_quantized_elementwise_ops_make_is_repaired_by_op_type_as_the_quantizer_itself_confirms(tmp_path):
+    """magika by quantize_static with every op it can quantized (its default; weights per channel), on 24 real
+    files: no single node repairs it, but with only its Conv and MatMul nodes quantized the output meets the
+    tolerance. compare says so as the repair, in the quantizer's words (op_types_to_quantize), and the
+    quantizer's own model made so meets it by two plain ONNX Runtime sessions, as the candidate fails."""
+    try:
+        path = models.magika_v3()
+    except ModuleNotFoundError as exc:
+        skip_without(exc)
+    feeds, calibration = realistic_inputs.dataset("magika_v3", 24), realistic_inputs.dataset("magika_v3", 16, first_seed=100)
+    candidate = models.onnxruntime_qdq(path, calibration, tmp_path / "magika.qdq.onnx")
+    save_feeds(feeds, tmp_path / "files.npz")
+    result = accudiff.compare(path, candidate_model=candidate, candidate="onnxrt", inputs=tmp_path / "files.npz", report_dir=tmp_path / "report")
+    [failure] = result.output_failures
+    assert failure.cause.kind == "accumulated" and failure.repair.verified and failure.repair.whole_run is not None, failure.repair
+    assert failure.repair.op_types == ["Conv", "MatMul"]
+    printed = format_summary(result, width=10_000)
+    assert "or quantize again only its Conv and MatMul nodes: ModelOpt --op_types_to_quantize Conv MatMul; " \
+           "ONNX Runtime quantize_static(..., op_types_to_quantize=['Conv', 'MatMul'])" in printed
+    assert re.search(r"loss split by op type: the matrix ops' quantization alone .* leaves the output at 0\.\d+x", printed)
+    rebuilt = models.onnxruntime_qdq(path, calibration, tmp_path / "magika.matrix.onnx", op_types=["Conv", "MatMul"])
+    model = onnx.load(str(path))
+    [output], tolerance = oracle.graph_outputs(model), oracle.documented_tolerance("int8")
+    reference = [oracle._session(model).run([output], feed)[0] for feed in feeds]
+
+    def worst(quantized) -> float:
+        session = oracle._session(onnx.load(str(quantized)))
+        return max(oracle._ratio(ref, session.run([output], feed)[0], tolerance) for ref, feed in zip(reference, feeds))
+
+    assert worst(candidate) > 1 and worst(rebuilt) <= 1

@@ -344,7 +344,7 @@ def accumulated_headline(cause, target: str) -> str:
 def split_lines(output: str, result) -> list[str]:
     """Which share of a candidate's loss each part of its narrowing brings, over every node it narrows (not
     the cause's alone: its own parts are its "part" finding): its quantization against its FP16/BF16
-    casts, its activations' quantization against its weights'."""
+    casts, its activations' quantization against its weights', its matrix ops' against the other ops'."""
     split = result.loss_split.get(output)
     if not split:
         return []
@@ -354,19 +354,22 @@ def split_lines(output: str, result) -> list[str]:
     quantized = "+".join(f.upper() for f in formats if f not in ("fp16", "bf16"))
     # what is left when a part is undone: the other part alone
     said = {"casts": f"the quantization alone ({quantized})", "quantization": f"the {stored} casts alone",
-            "activations": "the weights' quantization alone (every activation float)", "weights": "the activations' quantization alone (every weight float)"}
+            "activations": "the weights' quantization alone (every activation float)", "weights": "the activations' quantization alone (every weight float)",
+            "other_ops": "the matrix ops' quantization alone (Conv, MatMul, Gemm; every other quantized node float)",
+            "matrix_ops": "the other ops' quantization alone (every matrix op float)"}
 
     def read(key: str, named: bool = False) -> str:
         """A part's figure: by the output's requirement where it has one, else by its tolerance ratio."""
         return describe(ratios[key], {name: value for name, value in figures[key].items() if name in result.require}, result.require, named)
 
     lines = []
-    for first, second in (("casts", "quantization"), ("activations", "weights")):
+    for first, second, over in (("casts", "quantization", "over the whole candidate"), ("activations", "weights", "over the whole candidate"),
+                                ("other_ops", "matrix_ops", "by op type")):
         if first in ratios and second in ratios:
             top1 = [figures[key].get("top1") for key in (first, second, "with_both")]
             decision = (f"; top-1 agreement {percent(top1[0], 1)}, {percent(top1[1], 1)} and {percent(top1[2], 1)}"
                         if None not in top1 and "top1" not in result.require else "")  # a top-1 requirement says it already
-            lines.append(f"  loss split over the whole candidate: {said[first]} leaves the output at {read(first)}, {said[second]} at "
+            lines.append(f"  loss split {over}: {said[first]} leaves the output at {read(first)}, {said[second]} at "
                          f"{read(second)}, both at {read('with_both', named=True)}{decision}")
     return lines
 

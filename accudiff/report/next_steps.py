@@ -67,7 +67,9 @@ def next_step_lines(result, python: bool = False) -> list[str]:
     repairs = [f.repair for f in failures if f.repair is not None and f.repair.verified]
     if len(repairs) == len(failures):
         keep = list(dict.fromkeys(n for r in repairs for n in r.keep))
-        return [f"next: keep {len(keep)} node(s) in higher precision (verified at the output{'s' if len(failures) > 1 else ''}):", f"  {keep_option(result, keep, python)}"]
+        by_type = {tuple(r.op_types) for r in repairs}
+        which = f", every quantized node but its {' and '.join(by_type.pop())} nodes" if len(by_type) == 1 and repairs[0].op_types else ""
+        return [f"next: keep {len(keep)} node(s) in higher precision{which} (verified at the output{'s' if len(failures) > 1 else ''}):", f"  {keep_option(result, keep, python)}"]
     held = [r for f in failures if (r := decision_requirement(f.tensor, result)) is not None]
     bisect = bisect_command(result) or f"accudiff bisect precision ({unsaved_inputs_text()})"
     if held and len(held) == len(failures):

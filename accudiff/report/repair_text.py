@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections import Counter
 from collections.abc import Collection
 from pathlib import Path
 
@@ -46,7 +47,14 @@ def repair_lines(failure, result, python: bool = False) -> list[str]:
         others = f", with the other outputs' repairs kept too ({len(whole.keep)} node(s))" if set(whole.keep) != set(repair.keep) else ""
         on_all = f"on all {total} {unit}s{others}: output at {describe(whole.tol_ratio, whole.figures, result.require)}"
         how = f"verified {samples}, then {on_all}" if repair.verified else f"NOT verified: it holds {samples}, not {on_all}"
-    lines = [f"  repair ({how}): keep {len(repair.keep)} node(s) in higher precision: " + ", ".join(f"'{n}'" for n in repair.keep)]
+    if repair.op_types:  # every quantized node but the matrix ops kept: said by op type, not a screen of names
+        op_type = dict(zip(result.table["node"], result.table["op_type"]))
+        counts = Counter(op_type.get(n, "?") for n in repair.keep)
+        lines = [f"  repair ({how}): quantize only its {' and '.join(repair.op_types)} nodes: keep the other {len(repair.keep)} quantized node(s) "
+                 f"in higher precision ({', '.join(f'{t} x{k}' for t, k in counts.most_common())}); the smallest such list: "
+                 f"{bisect_command(result) or 'accudiff bisect precision'}"]
+    else:
+        lines = [f"  repair ({how}): keep {len(repair.keep)} node(s) in higher precision: " + ", ".join(f"'{n}'" for n in repair.keep)]
     for number, step in enumerate(repair.steps):
         kept = "nothing kept" if not step.keep else f"keep {len(step.keep)} node(s)"
         lines.append(f"    step {number}: {kept} -> output at {describe(step.tol_ratio, step.figures, result.require)}")
@@ -60,7 +68,8 @@ def repair_lines(failure, result, python: bool = False) -> list[str]:
         lines += ["    apply it:", f"      {keep_option(result, keep, python)}"]
         if result.candidate_model is not None:
             repaired = result.report_dir / result.repaired_candidate if result.repaired_candidate and result.report_dir is not None else None
-            lines += [f"    {line}" for line in remake_lines(keep, result.precision, result.quantized_by, result.reads_constant_weights, repaired)]
+            lines += [f"    {line}" for line in remake_lines(keep, result.precision, result.quantized_by, result.reads_constant_weights, repaired,
+                                                            op_types=repair.op_types)]
     return lines
 
 
@@ -74,13 +83,14 @@ QDQ_REBUILD_CAVEAT = ("(a rebuild is not what was verified: these quantizers giv
 
 
 def remake_lines(nodes: list[str], precision: str, quantized_by: dict[str, str], reads_constant_weights: Collection[str],
-                 repaired: Path | None = None, listed: tuple[Path, Path] | None = None) -> list[str]:
+                 repaired: Path | None = None, listed: tuple[Path, Path] | None = None, op_types: Collection[str] = ()) -> list[str]:
     """For a candidate made by another tool (of `precision`): the options that make it again without `nodes`
     quantized or converted, in the tools' own terms (the tool that wrote a quantized op, `quantized_by`,
     else the Q/DQ quantizers'; not onnxconverter-common's where a node reads a weight a Constant holds,
     `reads_constant_weights`: it would round that weight all the same), and where the repaired candidate is.
     `listed`: files holding the nodes as ModelOpt's patterns and as names, one a line; the options read them
-    there, where one tool made every node and none has a space (a long list is otherwise a screen of names)."""
+    there, where one tool made every node and none has a space (a long list is otherwise a screen of names).
+    `op_types`: `nodes` are every quantized node but these op types', said as the quantizers' op_types_to_quantize."""
     formats = set(precision.split("+"))
     by_tool: dict[str, list[str]] = {}
     for node in nodes:
@@ -95,7 +105,14 @@ def remake_lines(nodes: list[str], precision: str, quantized_by: dict[str, str],
         return " ".join(shlex.quote(modelopt_pattern(n)) for n in names), f"[{', '.join(map(repr, names))}]", shlex.quote(",".join(names))
 
     lines = []
-    if formats & QUANTIZED_FORMATS:
+    if formats & QUANTIZED_FORMATS and op_types and set(by_tool) <= {"Q/DQ", "quantize_dynamic"}:
+        listed_types = f"[{', '.join(map(repr, op_types))}]"
+        tool = ("ONNX Runtime quantize_dynamic" if "quantize_dynamic" in by_tool else
+                f"ModelOpt --op_types_to_quantize {' '.join(op_types)}; ONNX Runtime quantize_static")
+        lines.append(f"or quantize again only its {' and '.join(op_types)} nodes: {tool}(..., op_types_to_quantize={listed_types})")
+        if "Q/DQ" in by_tool:
+            lines.append(QDQ_REBUILD_CAVEAT)
+    elif formats & QUANTIZED_FORMATS:
         options = [TOOL_OPTIONS[tool](*spelled(names)[1:]) for tool, names in by_tool.items() if tool in TOOL_OPTIONS]
         if "Q/DQ" in by_tool:
             patterns, python_list, _ = spelled(by_tool["Q/DQ"])

@@ -23,30 +23,58 @@ from accudiff.transforms.candidate import CandidateVariants
 ACTIVATION_GRIDS = frozenset({"int8", "int8-dynamic", "fp8", "int4", "fp4"})  # formats that quantize activations (not only weights)
 
 
-def loss_split_keeps(variants: CandidateVariants, formats: frozenset[str], given_alone: bool) -> list[tuple[list[str], str]]:
+def loss_split_keeps(variants: CandidateVariants, formats: frozenset[str], given_alone: bool) -> dict[str, tuple[list[str], str]]:
     """For a candidate made by another tool, every converted node kept with one part of its narrowing
-    undone, to tell which part brings the loss: its quantization and its casts (ModelOpt's INT8 and FP8
-    models also store the rest in FP16), and the quantization of its activations and of its weights;
-    nothing for any other candidate."""
+    undone, to tell which part brings the loss, by what is undone: its quantization and its casts
+    (ModelOpt's INT8 and FP8 models also store the rest in FP16), the quantization of its activations and
+    of its weights, and the quantization of its matrix ops (Conv, MatMul, Gemm: what quantizers' integer
+    kernels are for) and of the other ops a quantizer also quantized (quantize_static's default quantizes a
+    GELU's Muls and a LayerNorm's variance too); each `(keep-list, what keeping undoes)`. Nothing for any
+    other candidate."""
     if variants.recipe.candidate_model is None:
-        return []
+        return {}
     every = sorted(variants.base.converted)
     pairs = [("quantization", "casts")] * bool(formats & QUANTIZED_FORMATS and formats - QUANTIZED_FORMATS)
     pairs += [("activations", "weights")] * bool(formats & ACTIVATION_GRIDS and not given_alone)  # alone, its weights are the reference's
-    return [(every, part) for pair in pairs for part in pair]
+    split = {part: (every, part) for pair in pairs for part in pair}
+    matrix = variants.converted_of(PER_CHANNEL_OPS)
+    others = [node for node in every if node not in set(matrix)]
+    if formats & QUANTIZED_FORMATS and matrix and others:
+        undo = "all" if formats <= QUANTIZED_FORMATS else "quantization"  # their casts stay as the candidate has them
+        split |= {"matrix_ops": (matrix, undo), "other_ops": (others, undo)}
+    return split
 
 
-def loss_split(outputs: Sequence[str], control: TrialOutcome, parts: list[TrialOutcome], split: list[tuple[list[str], str]]) -> dict[str, dict]:
+def loss_split(outputs: Sequence[str], control: TrialOutcome, parts: Mapping[str, TrialOutcome]) -> dict[str, dict]:
     """Each failing output's tolerance ratio (and decision figures) with everything, and with each part
     undone (keyed by the part undone)."""
     if not parts:
         return {}
-    named = {"with_both": control, **{undone: outcome for (_, undone), outcome in zip(split, parts)}}
+    named = {"with_both": control, **parts}
     return {
         output: {"ratios": {key: outcome.tol_ratio.get(output, math.inf) for key, outcome in named.items()},
                  "figures": {key: dict(outcome.figures.get(output, {})) for key, outcome in named.items()}}
         for output in outputs
     }
+
+
+def by_op_type(verdicts: Mapping[str, tuple[Cause, Repair]], control: TrialOutcome, parts: Mapping[str, TrialOutcome],
+               split: Mapping[str, tuple[list[str], str]], matrix_op_types: Sequence[str], objective: Objective) -> dict[str, tuple[Cause, Repair]]:
+    """Where no keep-list repairs an output (its error made at many places) and the candidate with only its
+    matrix ops quantized meets the target, that is its repair, verified: every other quantized node kept
+    (what the quantizer's op_types_to_quantize leaves out), `matrix_op_types` the ops still quantized.
+    Only where keeping undoes all of their narrowing, as the repair's keep-list applied does."""
+    if "other_ops" not in parts or split["other_ops"][1] != "all":
+        return dict(verdicts)
+    found = dict(verdicts)
+    for output, (cause, repair) in verdicts.items():
+        after = Reading.of(parts["other_ops"], output, objective)
+        if repair.verified or cause.kind not in ("accumulated", "not_found") or not after.met:
+            continue
+        before = Reading.of(control, output, objective)
+        kept = parts["other_ops"].keep
+        found[output] = (cause, Repair(kept, [before.step([]), after.step(kept)], verified=True, op_types=list(matrix_op_types)))
+    return found
 
 
 PART_KINDS = {"weights": frozenset({"per_tensor_scale", "block_scale"}), "activations": frozenset({"int8_dynamic_range"})}  # the findings that speak of each part

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import pandas as pd
 
@@ -41,7 +41,7 @@ from accudiff.judging.objective import Objective
 from accudiff.judging.table import STATUS_FAIL
 from accudiff.verification.trial import MAX_TRIAL_SAMPLES, TrialOutcome, TrialSetup, Trials, trial_workers
 from accudiff.execution.pool import prestart
-from accudiff.verification.loss_split import cause_parts, loss_split, loss_split_keeps
+from accudiff.verification.loss_split import by_op_type, cause_parts, loss_split, loss_split_keeps
 from accudiff.verification.readings import Reading, Tries, improvement, pruned
 from accudiff.verification.search import candidates_upstream, search_groups, weights_dominate
 from accudiff.verification.suspects import Suspect, contributor, findings_of, nominate
@@ -121,7 +121,10 @@ def verify_outputs(
         split = loss_split_keeps(setup.variants, context.formats, compared.given_alone)
         verdicts, control, parts = verify_causes(outputs, indexed, context, trials, diagnosing.verify_budget, judging.tolerances.default.rtol, split,
                                                  judging.objective, diagnosing.cause_budget)
-        result.loss_split = loss_split(outputs, control, parts, split)
+        result.loss_split = loss_split(outputs, control, parts)
+        op_types = {node.name: node.op_type for node in info.proto.graph.node}
+        matrix_op_types = sorted({op_types[node] for node in split.get("matrix_ops", ([], ""))[0]})
+        verdicts = by_op_type(verdicts, control, parts, split, matrix_op_types, judging.objective)
         verdicts = cause_parts(verdicts, setup.variants, trials, control, judging.objective)
     result.worker_timings["verification"] = trials.timings
     if len(chosen) < total:
@@ -232,20 +235,21 @@ def _stand_in(failures: list, table: pd.DataFrame, compared: Compared) -> tuple[
 
 def verify_causes(
     outputs: Sequence[str], table: pd.DataFrame, context: DiagnosisContext, trials: Trials, budget: int, rtol: float,
-    extra: Sequence[tuple[list[str], str]] = (), objective: Objective = Objective(), cause_budget: int = DEFAULT_CAUSE_BUDGET,
-) -> tuple[dict[str, tuple[Cause, Repair]], TrialOutcome, list[TrialOutcome]]:
+    extra: Mapping[str, tuple[list[str], str]] = {}, objective: Objective = Objective(), cause_budget: int = DEFAULT_CAUSE_BUDGET,
+) -> tuple[dict[str, tuple[Cause, Repair]], TrialOutcome, dict[str, TrialOutcome]]:
     """For each failing output that fails again in the control (nothing kept), the verified cause and
     repair (`table` indexed by tensor, topological order), keeps judged by `objective`; the control; and
-    the outcomes of the `extra` keep-lists (each with what it undoes, see Trials.run). The screens of all
+    the outcomes of the `extra` keep-lists (each named, with what it undoes, see Trials.run). The screens of all
     outputs, the control and the extra keep-lists run as one batch; then every other node the candidate
     changes upstream of each output is searched in groups (search.py), within `cause_budget` runs an output."""
     suspects = {output: nominate(output, table, context, rtol)[: max(budget - GREEDY_RESERVE, 1)] for output in outputs}
     keep_lists = list(dict.fromkeys([(), *(tuple(s.keep) for group in suspects.values() for s in group)]))
     trials.expect([[node] for output in outputs for node in candidates_upstream(output, table, context, weights_first=False)])  # the search's
-    outcomes = trials.run([*(list(k) for k in keep_lists), *(keep for keep, _ in extra)], ["all"] * len(keep_lists) + [parts for _, parts in extra])
+    outcomes = trials.run([*(list(k) for k in keep_lists), *(keep for keep, _ in extra.values())], ["all"] * len(keep_lists) + [parts for _, parts in extra.values()])
     screened = dict(zip(keep_lists, outcomes))
     control = screened[()]
-    weights_first = weights_dominate(dict(zip((parts for _, parts in extra), outcomes[len(keep_lists):])), control)
+    parts = dict(zip(extra, outcomes[len(keep_lists):]))
+    weights_first = weights_dominate(parts, control)
     verdicts = {}
     for output, group in suspects.items():
         before = Reading.of(control, output, objective)
@@ -268,7 +272,7 @@ def verify_causes(
             cause, repair = verdicts[output]
             verdicts[output] = (_with_decision_fault(cause, control, group, candidates, table, context,
                                                      Tries(trials, output, replace(objective, kind="decision")), cause_budget), repair)
-    return verdicts, control, outcomes[len(keep_lists):]
+    return verdicts, control, parts
 
 
 def _with_decision_fault(cause: Cause, control: TrialOutcome, suspects: list[Suspect], candidates: list[str], table: pd.DataFrame,
