@@ -45,7 +45,7 @@ def test_a_yes_no_classifiers_one_probability_a_sample_is_said_as_decisions(tmp_
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from accudiff.report.content import decision_first_lines
+    from accudiff.report.content import cause_lines, decision_first_lines
 
     weight = numpy_helper.from_array(np.random.default_rng(3).normal(0, 1, (16, 1)).astype(np.float32), "w")
     graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["z"]), helper.make_node("Sigmoid", ["z"], ["y"])], "yes_no",
@@ -55,6 +55,17 @@ def test_a_yes_no_classifiers_one_probability_a_sample_is_said_as_decisions(tmp_
     [line, *_] = decision_first_lines("y", result)
     assert line.startswith("probability 'y' (a Sigmoid computes it: a probability per element): ") and "of its 6 decisions, one a sample, fall on the other side of 0.5" in line, line
     assert "map" not in line and "IoU" not in line, line
+    # A keep's figures say it so too: its weight scaled past FP16's range makes the candidate's yes/no NaN
+    weight = numpy_helper.from_array((np.random.default_rng(3).normal(0, 1, (16, 1)) * 3e4).astype(np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["z"]), helper.make_node("Mul", ["z", "s"], ["t"]), helper.make_node("Sigmoid", ["t"], ["y"])],
+                              "yes_no", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1])],
+                              [weight, numpy_helper.from_array(np.array(1e-4, np.float32), "s")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "overflowing.onnx"))
+    verified = accudiff.compare(tmp_path / "overflowing.onnx", "fp16", candidate="onnxrt", iterations=6, autokeep=False)
+    [failure] = verified.output_failures
+    said = "\n".join(cause_lines(failure, verified))
+    assert re.search(r"step 0: nothing kept -> output at .* \(\d+\.\d+% of its \d decisions flipped\)", said), said
+    assert "of the map flipped" not in said, said
 
 
 def test_a_detectors_output_is_decoded_into_detections_and_matched():

@@ -205,6 +205,8 @@ def _figures_said(figures: Mapping[str, float]) -> dict[str, str]:
         return {"cosine_min": f"lowest cosine {figures['cosine_min']:.6f}{NAN_AS_WORST if figures.get('nan_vectors') else ''}"}
     if "detections" in figures:
         return {"detections": f"detection agreement {percent(figures['detections'], 2)}"}
+    if "flipped_share" in figures and figures.get("decisions"):
+        return {"flipped_share": f"{percent(figures['flipped_share'], 3)} of its {figures['decisions']} decisions flipped"}
     if "flipped_share" in figures:
         return {"flipped_share": f"{percent(figures['flipped_share'], 3)} of the map flipped"}
     return {}

@@ -355,6 +355,9 @@ def _outcome(keep: list[str], outcomes: list[SampleOutcome]) -> TrialOutcome:
     figures = {name: decision_figures(added) for name, added in counts.items()}
     spans = {name: unit_intervals({column: np.array([units[k][column] for k in sorted(units)]) for column in COLUMNS}, figures[name])
              for name, units in per_unit.items()}
+    for name, span in spans.items():  # one probability a sample (a yes/no classifier): its flips are decisions, not a map's elements
+        if "flipped_share" in span and span["flipped_share"].positions == span["flipped_share"].units:
+            figures[name]["decisions"] = span["flipped_share"].units
     return TrialOutcome(keep, ratio, figures, spans)
 
 
