@@ -355,8 +355,7 @@ def split_lines(output: str, result) -> list[str]:
     # what is left when a part is undone: the other part alone
     said = {"casts": f"the quantization alone ({quantized})", "quantization": f"the {stored} casts alone",
             "activations": "the weights' quantization alone (every activation float)", "weights": "the activations' quantization alone (every weight float)",
-            "other_ops": "the matrix ops' quantization alone (Conv, MatMul, Gemm; every other quantized node float)",
-            "matrix_ops": "the other ops' quantization alone (every matrix op float)"}
+            **_by_op_type(split.get("op_types", {}))}
 
     def read(key: str, named: bool = False) -> str:
         """A part's figure: by the output's requirement where it has one, else by its tolerance ratio."""
@@ -372,6 +371,17 @@ def split_lines(output: str, result) -> list[str]:
             lines.append(f"  loss split {over}: {said[first]} leaves the output at {read(first)}, {said[second]} at "
                          f"{read(second)}, both at {read('with_both', named=True)}{decision}")
     return lines
+
+
+def _by_op_type(op_types: Mapping[str, Mapping[str, int]]) -> dict[str, str]:
+    """What each side of the split by op type leaves quantized, by the op types it keeps ("matrix_ops": the
+    Conv, MatMul and Gemm nodes)."""
+    if not op_types:
+        return {}
+    matrix = " and ".join(op_types["matrix_ops"])
+    counts = ", ".join(f"{t} x{k}" for t, k in op_types["other_ops"].items())
+    return {"other_ops": f"the {matrix} nodes' quantization alone (every other quantized node float: {counts})",
+            "matrix_ops": f"the other ops' quantization alone (every {matrix} node float)"}
 
 
 def _kept_effect(c, require: Mapping[str, float]) -> str:

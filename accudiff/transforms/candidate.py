@@ -20,6 +20,7 @@ from accudiff.model.graph import GraphIndex
 from accudiff.model.inputs import Feed, generate_feeds
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.loading import load_model, remember_model
+from accudiff.model.quantized_ops import find_quantized_ops
 from accudiff.model.samples import Samples, samples_from_feeds, samples_from_path
 from accudiff.model.value_file import ValueFile
 from accudiff.transforms.autokeep import Measure, close_autokeep
@@ -101,8 +102,16 @@ class CandidateVariants:
         return narrowed_parts(self.base.model, self.info.proto, node) if given or self.recipe.precision == "int8" else frozenset()
 
     def converted_of(self, op_types: frozenset[str]) -> list[str]:
-        """The nodes the candidate converts whose float op (the FP32 model's node of that name) is one of `op_types`."""
-        return sorted(node.name for node in self.info.proto.graph.node if node.op_type in op_types and node.name in self.base.converted)
+        """The nodes the candidate converts whose float op is one of `op_types`."""
+        return sorted(name for name, op_type in self.float_op_types().items() if op_type in op_types and name in self.base.converted)
+
+    def float_op_types(self) -> dict[str, str]:
+        """Each node's float op type, the FP32 model's node of that name; a name a quantized op took in with
+        it (a bias Add fused into its MatMul) is of that op: keeping it keeps the op."""
+        found = {node.name: node.op_type for node in self.info.proto.graph.node}
+        if self.recipe.candidate_model is not None:
+            found |= {name: op.op_type for op in find_quantized_ops(GraphIndex.of(self.base.model.graph), GraphIndex.of(self.info.proto.graph)) for name in op.names}
+        return found
 
     def switchboard(self, nodes: Iterable[str], gated: bool = False) -> Switchboard | None:
         """The FP16 candidate, or a candidate made by another tool, with `nodes` switchable back to FP32

@@ -45,15 +45,17 @@ def loss_split_keeps(variants: CandidateVariants, formats: frozenset[str], given
     return split
 
 
-def loss_split(outputs: Sequence[str], control: TrialOutcome, parts: Mapping[str, TrialOutcome]) -> dict[str, dict]:
+def loss_split(outputs: Sequence[str], control: TrialOutcome, parts: Mapping[str, TrialOutcome], op_types: Mapping[str, dict[str, int]] = {}) -> dict[str, dict]:
     """Each failing output's tolerance ratio (and decision figures) with everything, and with each part
-    undone (keyed by the part undone)."""
+    undone (keyed by the part undone); `op_types`: of the split by op type, how many nodes of each op type
+    each side keeps ("matrix_ops", "other_ops")."""
     if not parts:
         return {}
     named = {"with_both": control, **parts}
     return {
         output: {"ratios": {key: outcome.tol_ratio.get(output, math.inf) for key, outcome in named.items()},
-                 "figures": {key: dict(outcome.figures.get(output, {})) for key, outcome in named.items()}}
+                 "figures": {key: dict(outcome.figures.get(output, {})) for key, outcome in named.items()},
+                 **({"op_types": dict(op_types)} if op_types else {})}
         for output in outputs
     }
 

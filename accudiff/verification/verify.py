@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from pathlib import Path
+from collections import Counter
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 import pandas as pd
@@ -121,10 +122,10 @@ def verify_outputs(
         split = loss_split_keeps(setup.variants, context.formats, compared.given_alone)
         verdicts, control, parts = verify_causes(outputs, indexed, context, trials, diagnosing.verify_budget, judging.tolerances.default.rtol, split,
                                                  judging.objective, diagnosing.cause_budget)
-        result.loss_split = loss_split(outputs, control, parts)
-        op_types = {node.name: node.op_type for node in info.proto.graph.node}
-        matrix_op_types = sorted({op_types[node] for node in split.get("matrix_ops", ([], ""))[0]})
-        verdicts = by_op_type(verdicts, control, parts, split, matrix_op_types, judging.objective)
+        op_type = setup.variants.float_op_types()
+        counts = {key: dict(Counter(op_type[node] for node in split[key][0]).most_common()) for key in ("matrix_ops", "other_ops") if key in split}
+        result.loss_split = loss_split(outputs, control, parts, counts)
+        verdicts = by_op_type(verdicts, control, parts, split, sorted(counts.get("matrix_ops", {})), judging.objective)
         verdicts = cause_parts(verdicts, setup.variants, trials, control, judging.objective)
     result.worker_timings["verification"] = trials.timings
     if len(chosen) < total:
