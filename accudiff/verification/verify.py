@@ -124,6 +124,7 @@ def verify_outputs(
                                                  judging.objective, diagnosing.cause_budget)
         op_type = setup.variants.float_op_types()
         counts = {key: dict(Counter(op_type[node] for node in split[key][0]).most_common()) for key in ("matrix_ops", "other_ops") if key in split}
+        counts |= {"matrix_ops": dict(sorted(counts["matrix_ops"].items()))} if counts else {}  # named as the repair names them
         result.loss_split = loss_split(outputs, control, parts, counts)
         verdicts = by_op_type(verdicts, control, parts, split, sorted(counts.get("matrix_ops", {})), judging.objective)
         verdicts = cause_parts(verdicts, setup.variants, trials, control, judging.objective)
