@@ -105,10 +105,22 @@ class CandidateVariants:
         """The nodes the candidate converts whose float op is one of `op_types`."""
         return sorted(name for name, op_type in self.float_op_types().items() if op_type in op_types and name in self.base.converted)
 
+    def quantized_nodes(self) -> set[str]:
+        """The nodes of a candidate made by another tool that are quantized: its quantized ops (by every name
+        they take), and the nodes reading a dequantized value (a Q/DQ pair's readers); not those it only
+        computes in FP16/BF16."""
+        if self.recipe.candidate_model is None:
+            return set()
+        graph = self.base.model.graph
+        dequantized = {out for node in graph.node if node.op_type == "DequantizeLinear" for out in node.output}
+        ops = find_quantized_ops(GraphIndex.of(graph), GraphIndex.of(self.info.proto.graph))
+        return {node.name for node in graph.node if node.op_type != "QuantizeLinear" and dequantized & set(node.input)} | {name for op in ops for name in op.names}
+
     def float_op_types(self) -> dict[str, str]:
-        """Each node's float op type, the FP32 model's node of that name; a name a quantized op took in with
-        it (a bias Add fused into its MatMul) is of that op: keeping it keeps the op."""
-        found = {node.name: node.op_type for node in self.info.proto.graph.node}
+        """Each node's float op type: the FP32 model's node of that name, else the candidate's own (a node only
+        the candidate has: ModelOpt's Flatten before a quantized MatMul); a name a quantized op took in with it
+        (a bias Add fused into its MatMul) is of that op: keeping it keeps the op."""
+        found = {node.name: node.op_type for graph in (self.base.model.graph, self.info.proto.graph) for node in graph.node}
         if self.recipe.candidate_model is not None:
             found |= {name: op.op_type for op in find_quantized_ops(GraphIndex.of(self.base.model.graph), GraphIndex.of(self.info.proto.graph)) for name in op.names}
         return found

@@ -37,8 +37,8 @@ def loss_split_keeps(variants: CandidateVariants, formats: frozenset[str], given
     pairs = [("quantization", "casts")] * bool(formats & QUANTIZED_FORMATS and formats - QUANTIZED_FORMATS)
     pairs += [("activations", "weights")] * bool(formats & ACTIVATION_GRIDS and not given_alone)  # alone, its weights are the reference's
     split = {part: (every, part) for pair in pairs for part in pair}
-    matrix = variants.converted_of(PER_CHANNEL_OPS)
-    others = [node for node in every if node not in set(matrix)]
+    matrix, quantized = variants.converted_of(PER_CHANNEL_OPS), variants.quantized_nodes()
+    others = [node for node in every if node not in set(matrix) and node in quantized]  # not those it only casts
     if formats & QUANTIZED_FORMATS and matrix and others:
         undo = "all" if formats <= QUANTIZED_FORMATS else "quantization"  # their casts stay as the candidate has them
         split |= {"matrix_ops": (matrix, undo), "other_ops": (others, undo)}
