@@ -352,6 +352,10 @@ def test_an_error_the_quantized_elementwise_ops_make_is_repaired_by_op_type_as_t
     assert failure.cause.kind == "accumulated" and failure.repair.verified and failure.repair.whole_run is not None, failure.repair
     assert failure.repair.op_types == ["Conv", "MatMul"]
     printed = format_summary(result, width=10_000)
+    assert printed.splitlines()[2:4] == [
+        "  next: quantize only its Conv and MatMul nodes (verified at the output with every other quantized node kept in higher precision: "
+        f"{tmp_path / 'report' / 'repaired-candidate.onnx'}; see the repair below):",
+        "    ModelOpt --op_types_to_quantize Conv MatMul; ONNX Runtime quantize_static(..., op_types_to_quantize=['Conv', 'MatMul'])"]
     assert "or quantize again only its Conv and MatMul nodes: ModelOpt --op_types_to_quantize Conv MatMul; " \
            "ONNX Runtime quantize_static(..., op_types_to_quantize=['Conv', 'MatMul'])" in printed
     assert re.search(r"loss split by op type: the Conv and MatMul nodes' quantization alone \(every other quantized node float: Mul x24, Add x11, .*\) "

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Collection, Iterable, Mapping, Sequence
 
 import onnx
 from onnx import TensorProto, helper
@@ -284,6 +284,17 @@ TOOL_OPTIONS: dict[str, Callable[[str, str], str]] = {
     GENAI_BUILDER: lambda _, commas: ("python -m onnxruntime_genai.models.builder -i <the Hugging Face folder> -o <a new folder> -p int4 -e cpu "
                                       f"--extra_options nodes_to_exclude={commas}"),
 }
+
+
+def op_types_option(tools: Collection[str], op_types: Sequence[str]) -> str | None:
+    """How the tools that quantized a candidate (`tools`: "Q/DQ" for a Q/DQ quantizer) are made to quantize
+    only `op_types`; None where one of them has no such option."""
+    if not set(tools) <= {"Q/DQ", "quantize_dynamic"}:
+        return None
+    listed = f"[{', '.join(map(repr, op_types))}]"
+    if "quantize_dynamic" in tools:
+        return f"ONNX Runtime quantize_dynamic(..., op_types_to_quantize={listed})"
+    return f"ModelOpt --op_types_to_quantize {' '.join(op_types)}; ONNX Runtime quantize_static(..., op_types_to_quantize={listed})"
 
 
 def per_channel_option(tool: str | None, held_by_constants: bool) -> str:

@@ -11,6 +11,8 @@ import re
 import shlex
 
 from accudiff.judging.objective import Resolution, strictest_met
+from accudiff.model.quantized_ops import op_types_option
+
 
 def decision_requirement(output: str, result) -> Resolution | None:
     """The strictest requirement on the decision taken from `output` its figures are shown to meet
@@ -67,9 +69,15 @@ def next_step_lines(result, python: bool = False) -> list[str]:
     repairs = [f.repair for f in failures if f.repair is not None and f.repair.verified]
     if len(repairs) == len(failures):
         keep = list(dict.fromkeys(n for r in repairs for n in r.keep))
+        outputs = f"output{'s' if len(failures) > 1 else ''}"
         by_type = {tuple(r.op_types) for r in repairs}
-        which = f", every quantized node but its {' and '.join(by_type.pop())} nodes" if len(by_type) == 1 and repairs[0].op_types else ""
-        return [f"next: keep {len(keep)} node(s) in higher precision{which} (verified at the output{'s' if len(failures) > 1 else ''}):", f"  {keep_option(result, keep, python)}"]
+        tools = {result.quantized_by.get(n, "Q/DQ") for n in keep}
+        if len(by_type) == 1 and repairs[0].op_types and (option := op_types_option(tools, repairs[0].op_types)) is not None:
+            # every quantized node but the matrix ops kept: a screen of names, where the quantizer has one option for it
+            kept = f": {result.report_dir / result.repaired_candidate}" if result.repaired_candidate and result.report_dir else ""
+            return [f"next: quantize only its {' and '.join(repairs[0].op_types)} nodes (verified at the {outputs} with every other quantized node "
+                    f"kept in higher precision{kept}; see the repair below):", f"  {option}"]
+        return [f"next: keep {len(keep)} node(s) in higher precision (verified at the {outputs}):", f"  {keep_option(result, keep, python)}"]
     held = [r for f in failures if (r := decision_requirement(f.tensor, result)) is not None]
     bisect = bisect_command(result) or f"accudiff bisect precision ({unsaved_inputs_text()})"
     if held and len(held) == len(failures):

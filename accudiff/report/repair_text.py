@@ -12,7 +12,7 @@ from pathlib import Path
 
 from accudiff.judging.objective import describe
 from accudiff.model.formats import QUANTIZED_FORMATS
-from accudiff.model.quantized_ops import TOOL_OPTIONS, modelopt_pattern
+from accudiff.model.quantized_ops import TOOL_OPTIONS, modelopt_pattern, op_types_option
 from accudiff.report.next_steps import bisect_command, keep_option, unsaved_inputs_text
 
 
@@ -105,11 +105,8 @@ def remake_lines(nodes: list[str], precision: str, quantized_by: dict[str, str],
         return " ".join(shlex.quote(modelopt_pattern(n)) for n in names), f"[{', '.join(map(repr, names))}]", shlex.quote(",".join(names))
 
     lines = []
-    if formats & QUANTIZED_FORMATS and op_types and set(by_tool) <= {"Q/DQ", "quantize_dynamic"}:
-        listed_types = f"[{', '.join(map(repr, op_types))}]"
-        tool = ("ONNX Runtime quantize_dynamic" if "quantize_dynamic" in by_tool else
-                f"ModelOpt --op_types_to_quantize {' '.join(op_types)}; ONNX Runtime quantize_static")
-        lines.append(f"or quantize again only its {' and '.join(op_types)} nodes: {tool}(..., op_types_to_quantize={listed_types})")
+    if formats & QUANTIZED_FORMATS and op_types and (option := op_types_option(by_tool, list(op_types))) is not None:
+        lines.append(f"or quantize again only its {' and '.join(op_types)} nodes: {option}")
         if "Q/DQ" in by_tool:
             lines.append(QDQ_REBUILD_CAVEAT)
     elif formats & QUANTIZED_FORMATS:
