@@ -7,6 +7,7 @@ weight quantized with one scale given a scale per output channel (alone, and eve
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import replace
 from typing import Mapping, Sequence
 
@@ -58,6 +59,15 @@ def loss_split(outputs: Sequence[str], control: TrialOutcome, parts: Mapping[str
                  **({"op_types": dict(op_types)} if op_types else {})}
         for output in outputs
     }
+
+
+def split_op_types(split: Mapping[str, tuple[list[str], str]], op_type: Mapping[str, str]) -> dict[str, dict[str, int]]:
+    """How many nodes of each op type each side of the split by op type keeps: the matrix ops by name (in
+    the order the repair names them), the others most first; nothing without that split."""
+    if "matrix_ops" not in split:
+        return {}
+    matrix, others = (Counter(op_type[node] for node in split[key][0]) for key in ("matrix_ops", "other_ops"))
+    return {"matrix_ops": dict(sorted(matrix.items())), "other_ops": dict(others.most_common())}
 
 
 def by_op_type(verdicts: Mapping[str, tuple[Cause, Repair]], control: TrialOutcome, parts: Mapping[str, TrialOutcome],

@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from pathlib import Path
-from collections import Counter
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 import pandas as pd
@@ -42,7 +41,7 @@ from accudiff.judging.objective import Objective
 from accudiff.judging.table import STATUS_FAIL
 from accudiff.verification.trial import MAX_TRIAL_SAMPLES, TrialOutcome, TrialSetup, Trials, trial_workers
 from accudiff.execution.pool import prestart
-from accudiff.verification.loss_split import by_op_type, cause_parts, loss_split, loss_split_keeps
+from accudiff.verification.loss_split import by_op_type, cause_parts, loss_split, loss_split_keeps, split_op_types
 from accudiff.verification.readings import Reading, Tries, improvement, pruned
 from accudiff.verification.search import candidates_upstream, search_groups, weights_dominate
 from accudiff.verification.suspects import Suspect, contributor, findings_of, nominate
@@ -122,9 +121,7 @@ def verify_outputs(
         split = loss_split_keeps(setup.variants, context.formats, compared.given_alone)
         verdicts, control, parts = verify_causes(outputs, indexed, context, trials, diagnosing.verify_budget, judging.tolerances.default.rtol, split,
                                                  judging.objective, diagnosing.cause_budget)
-        op_type = setup.variants.float_op_types()
-        counts = {key: dict(Counter(op_type[node] for node in split[key][0]).most_common()) for key in ("matrix_ops", "other_ops") if key in split}
-        counts |= {"matrix_ops": dict(sorted(counts["matrix_ops"].items()))} if counts else {}  # named as the repair names them
+        counts = split_op_types(split, setup.variants.float_op_types())
         result.loss_split = loss_split(outputs, control, parts, counts)
         verdicts = by_op_type(verdicts, control, parts, split, sorted(counts.get("matrix_ops", {})), judging.objective)
         verdicts = cause_parts(verdicts, setup.variants, trials, control, judging.objective)
