@@ -35,6 +35,7 @@ from conftest import ROOT, fixture, skip_without
 sys.path.insert(0, str(ROOT))
 from benchmarks import models, realistic_inputs  # noqa: E402
 from accudiff.bisect.precision import bisect_precision  # noqa: E402
+from accudiff.bisect.report import run_bisector  # noqa: E402
 from accudiff.bisect.session import BisectSession  # noqa: E402
 from accudiff.model.inputs import save_feeds  # noqa: E402
 from accudiff.report.console import format_summary  # noqa: E402
@@ -370,3 +371,9 @@ def test_an_error_the_quantized_elementwise_ops_make_is_repaired_by_op_type_as_t
         return max(oracle._ratio(ref, session.run([output], feed)[0], tolerance) for ref, feed in zip(reference, feeds))
 
     assert worst(candidate) > 1 and worst(rebuilt) <= 1
+    # bisect precision starts from that repair, prunes it to a shorter list, and says the one option beside it
+    text, _, _ = run_bisector("precision", RunSettings(path, candidate_model=candidate, candidate="onnxrt", inputs=tmp_path / "files.npz"), tmp_path / "bisect")
+    keep = (tmp_path / "bisect" / "nodes.txt").read_text().split()
+    assert len(keep) < len(failure.repair.keep), text
+    assert ("  or, a longer list in one option (verified by compare, every other quantized node kept): quantize only its Conv and MatMul nodes: "
+            "ModelOpt --op_types_to_quantize Conv MatMul; ONNX Runtime quantize_static(..., op_types_to_quantize=['Conv', 'MatMul'])") in text.splitlines(), text

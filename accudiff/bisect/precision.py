@@ -61,6 +61,7 @@ class PrecisionResult:
     decision_met: dict[str, Resolution] = field(default_factory=dict)  # per failing output: the strictest requirement on its decision it meets
     quantized_by: dict[str, str] = field(default_factory=dict)  # a node another tool quantized with ops of its own -> the tool
     reads_constant_weights: list[str] = field(default_factory=list)  # nodes reading a float weight a Constant node holds
+    op_types: list[str] = field(default_factory=list)  # compare's verified repairs keep every quantized node but these op types' (one quantizer option)
 
 
 def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
@@ -83,6 +84,7 @@ def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
     repairs = [f.repair for f in full.output_failures]
     verified = all(r is not None and r.verified for r in repairs)
     start = list(dict.fromkeys(n for r in repairs if r is not None for n in r.keep)) if verified else []
+    result.op_types = repairs[0].op_types if verified and len({tuple(r.op_types) for r in repairs}) == 1 else []
     ranking.to_csv(out_dir / RANKING_FILE, index=False)
     trials = session.trials(full)
     result.bound = _run_bound(len(ranking), len(trials.boundaries.close(start)))

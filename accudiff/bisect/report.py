@@ -16,6 +16,7 @@ from accudiff.bisect.subgraph import bisect_subgraph
 from accudiff.findings import CAUSE_KINDS
 from accudiff.atomic import new_folder
 from accudiff.report.content import HTML_FILE, finite, met_words
+from accudiff.model.quantized_ops import op_types_option
 from accudiff.report.repair_text import remake_lines
 from accudiff.judging.objective import REQUIREMENTS
 from accudiff.report.decision_text import decision_lines, said_figure
@@ -144,6 +145,10 @@ def _precision_text(result, folder: Path, settings: RunSettings) -> str:
         if settings.candidate_model is not None:
             listed = (folder / KEEP_LIST_FILE, folder / NODES_FILE) if len(result.keep) > SHOWN_NODES else None  # past a screen: read from them
             lines += [f"  {line}" for line in remake_lines(result.keep, settings.precision, result.quantized_by, result.reads_constant_weights, listed=listed)]
+            tools = {result.quantized_by.get(n, "Q/DQ") for n in result.keep}
+            if result.op_types and (option := op_types_option(tools, result.op_types)) is not None:
+                lines.append(f"  or, a longer list in one option (verified by compare, every other quantized node kept): quantize only its "
+                             f"{' and '.join(result.op_types)} nodes: {option}")
         if len(result.keep) > max(MOST * result.converted, SMALL_REPAIR):
             lines.append(f"  that is most of the model: the search found no small repair (it tries keep-lists in the order of the ranking), and the question is the {_target(settings)} asked of it:")
             lines += [f"  {line}" for line in _where_it_stands(result, settings)]
