@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import tempfile
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Iterable
 
@@ -20,7 +21,7 @@ from accudiff.model.graph import GraphIndex
 from accudiff.model.inputs import Feed, generate_feeds
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.loading import load_model, remember_model
-from accudiff.model.quantized_ops import find_quantized_ops
+from accudiff.model.quantized_ops import QuantizedOp, find_quantized_ops
 from accudiff.model.samples import Samples, samples_from_feeds, samples_from_path
 from accudiff.model.value_file import ValueFile
 from accudiff.transforms.autokeep import Measure, close_autokeep
@@ -113,17 +114,21 @@ class CandidateVariants:
             return set()
         graph = self.base.model.graph
         dequantized = {out for node in graph.node if node.op_type == "DequantizeLinear" for out in node.output}
-        ops = find_quantized_ops(GraphIndex.of(graph), GraphIndex.of(self.info.proto.graph))
-        return {node.name for node in graph.node if node.op_type != "QuantizeLinear" and dequantized & set(node.input)} | {name for op in ops for name in op.names}
+        return {node.name for node in graph.node if node.op_type != "QuantizeLinear" and dequantized & set(node.input)} | {name for op in self._quantized_ops for name in op.names}
 
     def float_op_types(self) -> dict[str, str]:
         """Each node's float op type: the FP32 model's node of that name, else the candidate's own (a node only
         the candidate has: ModelOpt's Flatten before a quantized MatMul); a name a quantized op took in with it
         (a bias Add fused into its MatMul) is of that op: keeping it keeps the op."""
         found = {node.name: node.op_type for graph in (self.base.model.graph, self.info.proto.graph) for node in graph.node}
-        if self.recipe.candidate_model is not None:
-            found |= {name: op.op_type for op in find_quantized_ops(GraphIndex.of(self.base.model.graph), GraphIndex.of(self.info.proto.graph)) for name in op.names}
-        return found
+        return found | {name: op.op_type for op in self._quantized_ops for name in op.names}
+
+    @cached_property
+    def _quantized_ops(self) -> list[QuantizedOp]:
+        """The quantized ops of a candidate made by another tool (none of any other), found once: the base does not change."""
+        if self.recipe.candidate_model is None:
+            return []
+        return find_quantized_ops(GraphIndex.of(self.base.model.graph), GraphIndex.of(self.info.proto.graph))
 
     def switchboard(self, nodes: Iterable[str], gated: bool = False) -> Switchboard | None:
         """The FP16 candidate, or a candidate made by another tool, with `nodes` switchable back to FP32
