@@ -145,8 +145,7 @@ def _precision_text(result, folder: Path, settings: RunSettings) -> str:
         if settings.candidate_model is not None:
             listed = (folder / KEEP_LIST_FILE, folder / NODES_FILE) if len(result.keep) > SHOWN_NODES else None  # past a screen: read from them
             lines += [f"  {line}" for line in remake_lines(result.keep, settings.precision, result.quantized_by, result.reads_constant_weights, listed=listed)]
-            tools = {result.quantized_by.get(n, "Q/DQ") for n in result.keep}
-            if result.op_types and (option := op_types_option(tools, result.op_types)) is not None:
+            if result.op_types and (option := op_types_option(result.keep, result.quantized_by, result.op_types)) is not None:
                 lines.append(f"  or, a longer list in one option (verified by compare, every other quantized node kept): quantize only its "
                              f"{' and '.join(result.op_types)} nodes: {option}")
         if len(result.keep) > max(MOST * result.converted, SMALL_REPAIR):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
-from typing import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import onnx
 from onnx import TensorProto, helper
@@ -286,10 +286,11 @@ TOOL_OPTIONS: dict[str, Callable[[str, str], str]] = {
 }
 
 
-def op_types_option(tools: Collection[str], op_types: Sequence[str]) -> str | None:
-    """How the tools that quantized a candidate (`tools`: "Q/DQ" for a Q/DQ quantizer) are made to quantize
-    only `op_types`; None where one of them has no such option."""
-    if not set(tools) <= {"Q/DQ", "quantize_dynamic"}:
+def op_types_option(nodes: Iterable[str], quantized_by: Mapping[str, str], op_types: Sequence[str]) -> str | None:
+    """How the tools that quantized `nodes` (`quantized_by`; a node it does not name, a Q/DQ quantizer) are
+    made to quantize only `op_types`; None where one of them has no such option."""
+    tools = {quantized_by.get(node, "Q/DQ") for node in nodes}
+    if not tools <= {"Q/DQ", "quantize_dynamic"}:
         return None
     listed = f"[{', '.join(map(repr, op_types))}]"
     if "quantize_dynamic" in tools:

@@ -71,8 +71,7 @@ def next_step_lines(result, python: bool = False) -> list[str]:
         keep = list(dict.fromkeys(n for r in repairs for n in r.keep))
         outputs = f"output{'s' if len(failures) > 1 else ''}"
         by_type = {tuple(r.op_types) for r in repairs}
-        tools = {result.quantized_by.get(n, "Q/DQ") for n in keep}
-        if len(by_type) == 1 and repairs[0].op_types and (option := op_types_option(tools, repairs[0].op_types)) is not None:
+        if len(by_type) == 1 and repairs[0].op_types and (option := op_types_option(keep, result.quantized_by, repairs[0].op_types)) is not None:
             # every quantized node but the matrix ops kept: a screen of names, where the quantizer has one option for it
             kept = f": {result.report_dir / result.repaired_candidate}" if result.repaired_candidate and result.report_dir else ""
             return [f"next: quantize only its {' and '.join(repairs[0].op_types)} nodes (verified at the {outputs} with every other quantized node "

@@ -105,16 +105,15 @@ def remake_lines(nodes: list[str], precision: str, quantized_by: dict[str, str],
         return " ".join(shlex.quote(modelopt_pattern(n)) for n in names), f"[{', '.join(map(repr, names))}]", shlex.quote(",".join(names))
 
     lines = []
-    if formats & QUANTIZED_FORMATS and op_types and (option := op_types_option(by_tool, list(op_types))) is not None:
-        lines.append(f"or quantize again only its {' and '.join(op_types)} nodes: {option}")
-        if "Q/DQ" in by_tool:
-            lines.append(QDQ_REBUILD_CAVEAT)
-    elif formats & QUANTIZED_FORMATS:
+    if formats & QUANTIZED_FORMATS:
+        by_type = op_types_option(nodes, quantized_by, op_types) if op_types else None
         options = [TOOL_OPTIONS[tool](*spelled(names)[1:]) for tool, names in by_tool.items() if tool in TOOL_OPTIONS]
         if "Q/DQ" in by_tool:
             patterns, python_list, _ = spelled(by_tool["Q/DQ"])
             options.append(f"ModelOpt --nodes_to_exclude {patterns}; ONNX Runtime quantize_static(..., nodes_to_exclude={python_list})")
-        if options:
+        if by_type is not None:
+            lines.append(f"or quantize again only its {' and '.join(op_types)} nodes: {by_type}")
+        elif options:
             lines.append("or quantize again without them: " + "; ".join(options)
                          + (" (excluded from quantization, they still run in the tool's FP16/BF16: ModelOpt --high_precision_dtype fp32 keeps FP32)"
                             if formats & {"fp16", "bf16"} else ""))
