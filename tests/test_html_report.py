@@ -78,7 +78,7 @@ def test_the_error_path_marks_the_verified_cause_and_the_absorbed_overflow(tmp_p
     drop = failure.cause.absorbed[0]
     path = (result.report_dir / "report.html").read_text().split('id="error-path"')[1].split("</svg>")[0]
     assert f"verified cause: {failure.cause.tensor}" in path
-    assert f"absorbed by {drop.by_op_type} &#x27;{drop.by}&#x27;" in path and "ruled out: absorbed downstream" in path
+    assert f"shrinks across {drop.by_op_type} &#x27;{drop.by}&#x27;" in path and "ruled out: kept alone, the output still fails" in path
 
 
 def test_a_tensor_without_finite_error_gets_a_sentence_not_empty_axes(tmp_path):

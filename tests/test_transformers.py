@@ -250,6 +250,29 @@ def test_smart_turn_shipped_with_qdq_pairs_is_compared_with_its_float_form(tmp_p
     assert result.precision == "int8" and any("the reference is the float form of 'smart-turn-v3.2-cpu.onnx'" in n for n in result.notices)
 
 
+def test_smart_turns_accumulated_error_lists_no_keep_that_flips_a_decision_as_a_contributor(tmp_path):
+    """smart-turn on 8 drawn speech clips, against its float form: no single node repairs its probability.
+    Keeping MatMul 'node_MatMul_154' lowered the worst element from 4.68x to 4.6x its tolerance, but flipped
+    one of the 5 tried samples' yes/no decisions that nothing kept left alone; it was listed as the one
+    contributor 'by its effect at the output' and as the best keep. And every ruled-out node was said to
+    have 'its error absorbed downstream by Sigmoid', from the error the path carries there: everyone's."""
+    from accudiff.judging.objective import decision_error
+    from accudiff.report.content import cause_lines
+
+    model = _available(models.smart_turn_v3)
+    save_feeds([_available(lambda: realistic_inputs.speech_features(seed)) for seed in range(8)], tmp_path / "speech.npz")
+    result = accudiff.compare(model, inputs=tmp_path / "speech.npz")
+    [failure] = result.output_failures
+    cause, nothing_kept = failure.cause, failure.repair.steps[0]
+    assert cause.kind == "accumulated", cause
+    measured = [c for c in cause.contributors if c.tol_ratio_kept is not None]
+    assert all(decision_error(c.figures_kept) <= decision_error(nothing_kept.figures) for c in measured), (nothing_kept, measured)
+    said = "\n".join(cause_lines(failure, result))
+    worse = [a for a in cause.absorbed if decision_error(a.figures_kept) > decision_error(nothing_kept.figures)]
+    assert worse and all(f"best: {a.op_type} '{a.node}'" not in said for a in worse), said
+    assert "is absorbed" not in said and "on its way to the output, the error shrinks across Sigmoid 'node_sigmoid'" in said, said
+
+
 def test_a_decoders_tokens_are_judged_per_position_as_plain_numpy_judges_them(tmp_path, run_cli):
     """The titler's decoder outputs logits [1, T, 32128]: it had no decision figure at all. Over every
     position of three teacher-forced prefixes: same top-1, KL divergence (mean, median, p99, largest) and

@@ -318,8 +318,11 @@ def cause_lines(failure, result, python: bool = False) -> list[str]:
                  "cannot be told from error that adds up"]
     lines += split_lines(failure.tensor, result)
     for absorbed in cause.absorbed:
-        by = f"its error is absorbed downstream by {absorbed.by_op_type} '{absorbed.by}' ({absorbed.evidence}); " if absorbed.by else ""
-        lines.append(f"  ruled out: {absorbed.op_type} '{absorbed.node}' (flagged by the rules): {by}kept in higher precision alone, it leaves the output at {describe(absorbed.tol_ratio_kept, absorbed.figures_kept, result.require)}")
+        # What the table shows of the node named is the error the path carries there (every node's upstream, not
+        # only this one's): the keep is what rules the node out.
+        by = f"; on its way to the output, the error shrinks across {absorbed.by_op_type} '{absorbed.by}' ({absorbed.evidence})" if absorbed.by else ""
+        lines.append(f"  ruled out: {absorbed.op_type} '{absorbed.node}' (flagged by the rules): kept in higher precision alone, it leaves the output at "
+                     f"{describe(absorbed.tol_ratio_kept, absorbed.figures_kept, result.require)}{by}")
     if cause.kind in ("accumulated", "not_found", "dominant", "unknown") and cause.contributors:
         measured = cause.contributors[0].tol_ratio_kept is not None
         lines.append("  contributors, by their effect at the output (the output with each kept):" if measured

@@ -198,7 +198,8 @@ def _error_path(result) -> str:
                 "makes error; a drop only in the normal run is carried in." if "isolated_sqnr_db" in table
                 else "(no isolated run here, so a node's own error is not told apart from error carried in).")
     intro = ("<p>SQNR of every compared tensor, in topological order: the normal run (error accumulated from every node upstream) "
-             f"{isolated} A drop marked absorbed was tested: keeping that node in higher precision left the output as it was.</p>")
+             f"{isolated} A drop marked ruled out was tested: keeping that node alone in higher precision left the output failing, "
+             "no better than 1.25 times; the node named beside it is where the error its path carries (every node's upstream) shrinks.</p>")
     if svg is None:
         return ""
     return section("The error's path", intro + f'<div class="plots" id="error-path">{svg}</div>')

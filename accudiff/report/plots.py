@@ -24,8 +24,9 @@ def error_path(
 ) -> str | None:
     """SQNR of every compared float tensor along topological order: accumulated (the normal run) and
     isolated (each node fed the reference). Marked: failing tensors, nodes kept in FP32, `causes` as
-    (tensor, label) and `absorbed` drops as (flagged tensor, the tensor where the output recovers or None,
-    (op type, name) of the node that absorbs it or None): a drop that the path climbs out of is not the cause."""
+    (tensor, label) and ruled-out drops (`absorbed`) as (flagged tensor, the tensor of the node across which
+    the error its path carries shrinks or None, (op type, name) of that node or None): a flagged node whose
+    keep alone leaves the output failing is not the cause."""
     rows = table.reset_index(drop=True)
     sqnr = rows["sqnr_db"].clip(-SQNR_CAP_DB, SQNR_CAP_DB).to_numpy(np.float64)
     measured = np.isfinite(sqnr)
@@ -52,9 +53,9 @@ def error_path(
             chart.line([start, end], [sqnr[start], sqnr[end]], ABSORBED_COLOUR, dash="2,2")
         if by not in labelled:  # several drops one node absorbs: one label, at the first
             labelled.add(by)
-            said, whole = (f"absorbed by {by[0]} '{short(by[1], ABSORBER_LABEL)}'", f"absorbed by {by[0]} '{by[1]}'") if by else ("absorbed", "")
+            said, whole = (f"shrinks across {by[0]} '{short(by[1], ABSORBER_LABEL)}'", f"the error shrinks across {by[0]} '{by[1]}'") if by else ("ruled out", "")
             chart.note(start, sqnr[start], said, ABSORBED_COLOUR, whole)
-    chart.markers([d[0] for d in drops], [sqnr[d[0]] for d in drops], ABSORBED_COLOUR, "ruled out: absorbed downstream", shape="cross", size=4)
+    chart.markers([d[0] for d in drops], [sqnr[d[0]] for d in drops], ABSORBED_COLOUR, "ruled out: kept alone, the output still fails", shape="cross", size=4)
     for name, label in causes:
         if name in where:
             chart.vline(where[name], CAUSE_COLOUR, f"{label}: {short(name)}")

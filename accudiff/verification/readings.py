@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from accudiff.judging.intervals import Interval
-from accudiff.judging.objective import Objective, describe
+from accudiff.judging.objective import Objective, decision_error, describe
 from accudiff.verification.trial import TrialOutcome, Trials, prune
 from accudiff.findings import Repair, RepairStep
 
@@ -39,6 +39,13 @@ class Reading:
             if name in self.figures and now is not None and then is not None:
                 return now.low > then.high if higher else now.high < then.low
         return True
+
+    def decides_worse_than(self, before: Reading) -> bool:
+        """Whether its decision is worse than `before`'s on the same samples (more top-1 disagreements, a lower
+        cosine, more flips): a keep that lowers the worst element's error but flips a decision nothing kept
+        left alone is not one to recommend."""
+        now, then = decision_error(self.figures), decision_error(before.figures)
+        return now is not None and then is not None and now > then
 
     def step(self, keep: list[str]) -> RepairStep:
         return RepairStep(keep, self.tol_ratio, self.figures)
