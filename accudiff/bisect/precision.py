@@ -57,6 +57,7 @@ class PrecisionResult:
     unresolved_kept_all: list[str] = field(default_factory=list)  # those the data cannot resolve even with every converted node kept
     converted: int = 0  # nodes the candidate computes in reduced precision (what a keep-list may take from)
     decisions: dict = field(default_factory=dict)  # the candidate's decision figures and tolerance met, per failing output
+    intervals: dict = field(default_factory=dict)  # the decision figures' 95% intervals, per failing output
     tolerance_met: dict = field(default_factory=dict)
     decision_met: dict[str, Resolution] = field(default_factory=dict)  # per failing output: the strictest requirement on its decision it meets
     quantized_by: dict[str, str] = field(default_factory=dict)  # a node another tool quantized with ops of its own -> the tool
@@ -77,6 +78,7 @@ def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
     result.ranking = ranking
     failing = [f.tensor for f in full.output_failures]
     result.decisions = {name: full.decisions.get(name, {}) for name in failing}
+    result.intervals = {name: full.intervals.get(name, {}) for name in failing}
     result.tolerance_met = {name: full.tolerance_met.get(name, {}) for name in failing}
     if not full.require:
         result.decision_met = {name: met for name in failing if (met := strictest_met(full.decisions.get(name, {}), full.intervals.get(name, {}))) is not None}
