@@ -102,6 +102,39 @@ def test_candidates_made_by_onnxruntimes_quantizer(tmp_path):
     _assert_switchboard_matches_variants(classifier, realistic_inputs.ppocr_cls(0), [[], nodes[:4], nodes[10:13], nodes[:4] + nodes[-3:]], tmp_path, candidate)
 
 
+def test_a_candidate_whose_relus_and_clips_onnxruntimes_quantizer_folded_into_its_pairs(tmp_path):
+    """quantize_static with its defaults (asymmetric activations) removes the trained direction classifier's
+    15 Relus and 18 Clips and lets the Q/DQ pairs after them clip instead. A kept node read past such a pair,
+    and so computed without the Relu: with every node kept, the classifier's output was NaN. Now it applies
+    the activation again, on the switchboard as in the variants; with every node kept, the candidate computes
+    what the float model computes, as plain ONNX Runtime runs it. (Not on the board with every node kept: there
+    its Ifs keep ONNX Runtime from fusing a kept Conv with its kept BatchNormalization, 2e-9 apart.)"""
+    import onnxruntime as ort
+
+    try:
+        classifier, quantized = models.ppocr_cls_v2(), models.ppocr_cls_v2_qdq_int8(tmp_path)
+    except ModuleNotFoundError as missing:
+        skip_without(missing)
+    folded = {n.op_type for n in load_model(quantized).proto.graph.node} & {"Relu", "Clip"}
+    assert not folded, folded  # (the quantizer's doing, which this test is about)
+    feed = realistic_inputs.ppocr_cls(0)
+    nodes = [n.name for n in load_model(classifier).proto.graph.node if n.op_type not in ("Constant", "Relu", "Clip")]
+    _assert_switchboard_matches_variants(classifier, feed, [[], nodes[:8], nodes[20:30], nodes[-12:]], tmp_path, quantized)
+    info = load_model(classifier)
+    recipe = CandidateRecipe("int8", candidate_model=quantized)
+    variants = CandidateVariants(info, recipe, transform_model(info, recipe, samples_from_feeds([feed], tmp_path / "all.npz"), largest_values))
+    everything = _outputs(variants.with_kept(nodes).model, tmp_path / "everything-kept.onnx", info.output_names, feed)
+    [float_model] = ort.InferenceSession(str(classifier), providers=["CPUExecutionProvider"]).run(info.output_names, feed)
+    np.testing.assert_allclose(everything[info.output_names[0]], float_model, rtol=1e-5, atol=1e-6)
+    # Given alone, compared with its float form (where a Clip stands for each such pair): every node kept is that form.
+    import accudiff
+    from accudiff.model.inputs import save_feeds
+
+    save_feeds([feed], tmp_path / "line.npz")
+    alone = accudiff.compare(quantized, inputs=tmp_path / "line.npz", keep_fp32=[".*"], verify=False)
+    assert alone.passed and (alone.outputs["max_abs_err"] <= 1e-6).all(), alone.outputs
+
+
 def test_a_candidate_modelopt_made_of_the_trained_recognizer(tmp_path):
     """ModelOpt's FP8 recognizer, which also casts the rest to FP16: switched nodes read FP32 from before
     their Q/DQ pairs and their Casts, and hand their readers their result in FP16."""

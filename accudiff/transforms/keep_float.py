@@ -41,6 +41,7 @@ QUANTIZATION_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuan
 STORAGE_OPS = QUANTIZATION_OPS | {"Cast", "Constant"}  # what only changes how a value is stored: never a node to keep
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, *REDUCED_FLOATS})
 WIDE = "__fp32"
+FOLDED_ACTIVATIONS = frozenset({"Relu", "Clip"})  # what ONNX Runtime's quantizer folds into a Q/DQ pair (see FloatInputs.refolded)
 UNDO_ALL = frozenset({"activations", "weights", "casts"})
 # What keeping undoes, by the name a loss split gives it (see CandidateVariants.with_kept); "per_channel" puts
 # the reference's weights back on the weights' own grid with a scale per output channel instead of one.
@@ -136,6 +137,8 @@ class FloatInputs:
         self.wide: dict[str, str] = {}  # a narrow value a kept node computed -> its FP32 result
         self.ops: dict[str, QuantizedOp] = by_name(find_quantized_ops(index, GraphIndex.of(reference.graph) if reference is not None else None))
         self._dequantized: dict[str, str] = {}
+        self._refolded: dict[tuple[str, str], str] = {}
+        self._reference = reference
 
     def keep_op(self, op: QuantizedOp, read=None) -> list[onnx.NodeProto]:
         """The float op `op` stands for, in place of its nodes: its weights the reference's (or its own
@@ -195,9 +198,7 @@ class FloatInputs:
         for index, name in enumerate(node.input):
             if name and self.types.get(name) in FLOAT_TYPES:
                 node.input[index] = self.float_input(node, index, name, before)
-        if "activations" in self.undo:
-            self._unquantize_graph_outputs(node)
-        after = []
+        after = self._unquantize_graph_outputs(node) if "activations" in self.undo else []
         if self.widen:
             for attr in node.attribute:
                 if node.op_type == "Cast" and attr.name == "to" and attr.i in REDUCED_FLOATS:
@@ -210,18 +211,22 @@ class FloatInputs:
                     after.append(onnx.helper.make_node("Cast", [self.wide[out]], [out], to=kind))
         return [*before, node, *after]
 
-    def _unquantize_graph_outputs(self, node: onnx.NodeProto) -> None:
+    def _unquantize_graph_outputs(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
         """A graph output a Q/DQ pair quantizes after this node (ONNX Runtime's quantizer quantizes graph
-        outputs) is the node's own result again: that DequantizeLinear becomes an Identity of it."""
+        outputs) is the node's own result again: that DequantizeLinear becomes an Identity of it (or of the
+        activation folded into the pair applied to it, `refolded`: the nodes returned, to go after this one)."""
+        after: list[onnx.NodeProto] = []
         for out in node.output:
             for quantize in self.readers.get(out, []):
                 if quantize.op_type != "QuantizeLinear":
                     continue
                 for dequantize in self.readers.get(quantize.output[0], []):
                     if dequantize.op_type == "DequantizeLinear" and dequantize.output[0] in self.graph_outputs:
+                        source = self.refolded(dequantize.output[0], out, after)  # (a Relu the pair clipped in place of)
                         dequantize.op_type = "Identity"
-                        dequantize.input[:] = [out]
+                        dequantize.input[:] = [source]
                         del dequantize.attribute[:]
+        return after
 
     @cached_property
     def declared(self) -> dict[str, onnx.ValueInfoProto]:
@@ -245,6 +250,7 @@ class FloatInputs:
             source = self.wide[source]
         elif (bits := self._one_scale_bits(name)) or self._narrow_weight(source):
             source = self._reference_weight(node.name, index, bits) or source
+        source = self.refolded(name, source, before)
         if self.types.get(source) == wanted or source not in self.types:
             return source
         key = (source, wanted)
@@ -267,6 +273,93 @@ class FloatInputs:
             else:
                 return name
         return name
+
+    def refolded(self, name: str, source: str, before: list[onnx.NodeProto]) -> str:
+        """`source`, what a kept node reads for `name` from before the narrowing undone, with the activation a
+        quantizer folded into an undone Q/DQ pair on the way applied again (a node added to `before`, once
+        for each source). ONNX Runtime's quantize_static (asymmetric activations, its default) removes a Relu
+        or a Clip after a Conv and lets the pair clip in its stead: undone, the pair would take the Relu with
+        it. The reference says what was folded: its node writing the value before the pair (the float model
+        the tool was given), or the pair's own value (a float form, where a Clip stands for the pair)."""
+        activation = self._folded_activation(name)
+        if activation is None or self.types.get(source) != TensorProto.FLOAT:
+            return source
+        key = (activation.name, source)
+        if key not in self._refolded:
+            bounds = [self._reference_constant(bound) if bound else "" for bound in activation.input[1:]]
+            if None in bounds:
+                return source
+            out = self.fresh(f"{source}__{activation.op_type.lower()}")
+            node = onnx.NodeProto()
+            node.CopyFrom(activation)
+            node.name, node.input[:], node.output[:] = out, [source, *bounds], [out]
+            before.append(node)
+            self.declare(out, source, TensorProto.FLOAT)
+            self._refolded[key] = out
+        return self._refolded[key]
+
+    def _folded_activation(self, name: str) -> onnx.NodeProto | None:
+        """The reference's Relu or Clip that an undone Q/DQ pair on the way from `name` back stands for, if any."""
+        while (node := self.producer.get(name)) is not None:
+            source = node.input[0] if node.input else ""
+            feeder = self.producer.get(source)
+            if node.op_type == "DequantizeLinear" and feeder is not None and feeder.op_type == "QuantizeLinear" and self._undoes_pair(feeder):
+                ours = self.producer.get(feeder.input[0])
+                found = self._folded_after(ours, name) if ours is not None else None
+                if found is not None:
+                    return found
+                name = feeder.input[0]
+            elif self.widen and node.op_type == "Cast" and _cast_to(node) in REDUCED_FLOATS and self.types.get(source) in FLOAT_TYPES:
+                name = source
+            else:
+                return None
+        return None
+
+    def _folded_after(self, ours: onnx.NodeProto, value: str) -> onnx.NodeProto | None:
+        """The reference's Relu or Clip that reads what `ours` writes there and that a Q/DQ pair after `ours`
+        (its value `value`) clips in place of: the float form's Clip that stands for the pair (writing
+        `value`), or the float model's activation this model lacks (a quantizer removes one only where it is
+        the single reader of what it reads)."""
+        theirs = self._reference_producer.get(value)
+        if theirs is None or theirs.op_type not in FOLDED_ACTIVATIONS:
+            mine = self.reference_nodes.get(ours.name)
+            readers = [r for out in (mine.output if mine is not None else []) for r in self._reference_readers.get(out, [])]
+            theirs = readers[0] if len(readers) == 1 and readers[0].name not in self._names else None
+        if theirs is None or theirs.op_type not in FOLDED_ACTIVATIONS or theirs.op_type == ours.op_type:
+            return None
+        feeding = self._reference_producer.get(theirs.input[0])
+        return theirs if feeding is not None and feeding.name == ours.name else None
+
+    @cached_property
+    def _reference_producer(self) -> dict[str, onnx.NodeProto]:
+        return {out: node for node in self._reference.graph.node for out in node.output if out} if self._reference is not None else {}
+
+    @cached_property
+    def _reference_readers(self) -> dict[str, list[onnx.NodeProto]]:
+        found: dict[str, list[onnx.NodeProto]] = {}
+        for node in self._reference.graph.node if self._reference is not None else []:
+            for name in node.input:
+                found.setdefault(name, []).append(node)
+        return found
+
+    @cached_property
+    def _names(self) -> set[str]:
+        """This model's node names (a reference node missing here was removed by the tool)."""
+        return {node.name for node in self.graph.node}
+
+    def _reference_constant(self, name: str) -> str | None:
+        """A constant of the reference (a Clip's bound), added to the model under a fresh name; None where it is computed."""
+        value = self.reference_weights.get(name)
+        if value is None:
+            return None
+        key = f"{name}/constant"
+        if key not in self._imports:
+            copy = onnx.TensorProto()
+            copy.CopyFrom(value)
+            copy.name = self._imports[key] = self.fresh(f"{name}__bound")
+            self.imported.append(copy)
+            self.types[copy.name] = copy.data_type
+        return self._imports[key]
 
     def _undoes_pair(self, quantize: onnx.NodeProto) -> bool:
         return ("weights" if quantize.input[0] in self.constants else "activations") in self.undo

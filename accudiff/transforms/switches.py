@@ -161,9 +161,13 @@ def build_candidate_switchboard(candidate: onnx.ModelProto, reference: onnx.Mode
 
 
 def _reader(edit: FloatInputs, switched: dict[str, str]):
-    """How a kept copy reads a float input: the switched value of a switchable producer, else as
-    keep_in_float reads it (Casts it needs added to the list it is given)."""
-    return lambda node, index, name, before: switched.get(edit.before_narrowing(name)) or edit.float_input(node, index, name, before)
+    """How a kept copy reads a float input: the switched value of a switchable producer (with the activation
+    a quantizer folded into the pair between applied again), else as keep_in_float reads it (the nodes it
+    needs added to the list it is given)."""
+    def read(node: onnx.NodeProto, index: int, name: str, before: list[onnx.NodeProto]) -> str:
+        source = switched.get(edit.before_narrowing(name))
+        return edit.refolded(name, source, before) if source else edit.float_input(node, index, name, before)
+    return read
 
 
 def _kept_node(node: onnx.NodeProto, placed: list[onnx.NodeProto], edit: FloatInputs, read) -> onnx.NodeProto:
@@ -194,7 +198,8 @@ def _kept_op(op: QuantizedOp, placed: list[onnx.NodeProto], edit: FloatInputs, r
 def _switched_graph_outputs(placed: list[onnx.NodeProto], owner: dict[str, str], switches: dict[str, str], outputs: set[str],
                             edit: FloatInputs) -> list[onnx.NodeProto]:
     """A graph output a Q/DQ pair quantizes right after a switchable node: with the node's switch on, the
-    node's own result (as keep_in_float makes it), else the quantized value."""
+    node's own result (as keep_in_float makes it: with the activation folded into the pair applied again),
+    else the quantized value."""
     producer = {out: node for node in placed for out in node.output if out}
     added = []
     for dequantize in [n for n in placed if n.op_type == "DequantizeLinear" and n.output[0] in outputs]:
@@ -202,9 +207,10 @@ def _switched_graph_outputs(placed: list[onnx.NodeProto], owner: dict[str, str],
         if quantize is None or quantize.op_type != "QuantizeLinear" or quantize.input[0] not in owner:
             continue
         name = dequantize.output[0]
+        own = edit.refolded(name, quantize.input[0], added)  # (a Relu the pair clipped in place of, applied again)
         dequantize.output[0] = name + "__quantized"
         edit.declare(dequantize.output[0], name, edit.types.get(name))
-        added.append(_choice(switches[owner[quantize.input[0]]], quantize.input[0], dequantize.output[0], name, edit.types.get(name), name + "__switched_output"))
+        added.append(_choice(switches[owner[quantize.input[0]]], own, dequantize.output[0], name, edit.types.get(name), name + "__switched_output"))
     return added
 
 
