@@ -38,7 +38,7 @@ def test_a_probability_map_that_fails_elementwise_but_hardly_flips(run_cli, tmp_
     assert "tolerance met: atol" in out
 
 
-def test_a_yes_no_classifiers_one_probability_a_sample_is_said_as_decisions(tmp_path):
+def test_a_yes_no_classifiers_one_probability_a_sample_is_said_as_decisions(tmp_path, run_cli):
     """smart-turn v3.2's output, one Sigmoid probability a sample, was said as a 'probability map' whose
     'elements' flip, with an 'IoU of the binarized maps': it is a decision a sample."""
     import numpy as np
@@ -66,6 +66,16 @@ def test_a_yes_no_classifiers_one_probability_a_sample_is_said_as_decisions(tmp_
     said = "\n".join(cause_lines(failure, verified))
     assert re.search(r"step 0: nothing kept -> output at .* \(\d+\.\d+% of its \d decisions flipped\)", said), said
     assert "of the map flipped" not in said, said
+    # and bisect precision's account of where the candidate stands (it said "probability map ... IoU of the binarized maps")
+    scales = [numpy_helper.from_array(np.array(1.0 + k / 7, np.float32), f"s{k}") for k in range(6)]
+    chain = [helper.make_node("MatMul", ["x", "w"], ["z0"]), *(helper.make_node("Mul", [f"z{k}", f"s{k}"], [f"z{k + 1}"]) for k in range(6)),
+             helper.make_node("Sigmoid", ["z6"], ["y"])]  # a repair must keep every node: bisect says where the candidate stands
+    graph = helper.make_graph(chain, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1])],
+                              [numpy_helper.from_array(np.random.default_rng(3).normal(0, 0.1, (16, 1)).astype(np.float32), "w"), *scales])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "chain.onnx"))
+    code, out, err = run_cli("bisect", "precision", tmp_path / "chain.onnx", "--fp16", "--iterations", "6", "--atol", "1e-9", "--rtol", "1e-9", "--stol", "0", "-o", "b")
+    assert code == 1 and re.search(r"probability 'y'.*: \S+ \[.*\] of its 6 decisions, one a sample", out), out + err
+    assert "map" not in out and "IoU" not in out, out
 
 
 def test_a_detectors_output_is_decoded_into_detections_and_matched():

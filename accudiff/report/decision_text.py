@@ -109,9 +109,8 @@ def decision_lines(output: str, found: dict, kind: OutputKind | None = None, spa
     if "flipped_share" in found:
         note, span = interval_note(spans), spans.get("flipped_share")
         flipped = with_interval("flipped_share", found["flipped_share"], span, percent, 3)
-        decisions = span.units if span is not None and span.positions == span.units else found.get("decisions")  # (a trial's figures: trial._outcome)
-        if decisions:  # one probability a sample (a yes/no classifier): no map, no IoU
-            said = f"  probability '{output}'{what}: {flipped} of its {decisions} decisions, one a sample, fall on the other side of {found['threshold']:g} (--threshold)"
+        if span is not None and span.positions == span.units:  # one probability a sample (a yes/no classifier): no map, no IoU
+            said = f"  probability '{output}'{what}: {flipped} of its {span.units} decisions, one a sample, fall on the other side of {found['threshold']:g} (--threshold)"
         else:
             said = (f"  probability map '{output}'{what}: {flipped} of its elements fall on the other side of {found['threshold']:g} (--threshold), "
                     f"IoU of the binarized maps {found['iou']:.4f}")
