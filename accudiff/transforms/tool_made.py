@@ -276,7 +276,8 @@ def per_tensor_weights(index: GraphIndex, reference: GraphIndex) -> Callable[[],
             said = per_tensor_loss(weight, op_type, step, grid, weight.name)
             if said and in_constant:
                 said += ("; the weight is held by a Constant node, which ModelOpt's and ONNX Runtime's quantizers quantize as they do an "
-                         "activation, with one scale: held as an initializer, it gets a scale per channel")
+                         "activation, with one scale, even where they give a weight held as an initializer a scale per channel (ModelOpt's "
+                         "default, quantize_static's per_channel=True)")
             if said:
                 found[node] = ("per_tensor_scale", said)
         return found
