@@ -263,16 +263,23 @@ class FloatInputs:
     def before_narrowing(self, name: str) -> str:
         """The value `name` was made from by the narrowing `undo` takes back: Q/DQ pairs (of a weight:
         "weights", else "activations") and Casts to FP16/BF16 ("casts")."""
-        while (node := self.producer.get(name)) is not None:
-            source = node.input[0] if node.input else ""
-            feeder = self.producer.get(source)
-            if node.op_type == "DequantizeLinear" and feeder is not None and feeder.op_type == "QuantizeLinear" and self._undoes_pair(feeder):
-                name = feeder.input[0]
-            elif self.widen and node.op_type == "Cast" and _cast_to(node) in REDUCED_FLOATS and self.types.get(source) in FLOAT_TYPES:
-                name = source
-            else:
-                return name
+        while (step := self._step_back(name)) is not None:
+            name = step[0]
         return name
+
+    def _step_back(self, name: str) -> tuple[str, bool] | None:
+        """One narrowing `undo` takes back that wrote `name`: (the value before it, whether it was a Q/DQ pair
+        rather than a Cast); None where none did."""
+        node = self.producer.get(name)
+        if node is None:
+            return None
+        source = node.input[0] if node.input else ""
+        feeder = self.producer.get(source)
+        if node.op_type == "DequantizeLinear" and feeder is not None and feeder.op_type == "QuantizeLinear" and self._undoes_pair(feeder):
+            return feeder.input[0], True
+        if self.widen and node.op_type == "Cast" and _cast_to(node) in REDUCED_FLOATS and self.types.get(source) in FLOAT_TYPES:
+            return source, False
+        return None
 
     def refolded(self, name: str, source: str, before: list[onnx.NodeProto]) -> str:
         """`source`, what a kept node reads for `name` from before the narrowing undone, with the activation a
@@ -300,19 +307,13 @@ class FloatInputs:
 
     def _folded_activation(self, name: str) -> onnx.NodeProto | None:
         """The reference's Relu or Clip that an undone Q/DQ pair on the way from `name` back stands for, if any."""
-        while (node := self.producer.get(name)) is not None:
-            source = node.input[0] if node.input else ""
-            feeder = self.producer.get(source)
-            if node.op_type == "DequantizeLinear" and feeder is not None and feeder.op_type == "QuantizeLinear" and self._undoes_pair(feeder):
-                ours = self.producer.get(feeder.input[0])
-                found = self._folded_after(ours, name) if ours is not None else None
-                if found is not None:
-                    return found
-                name = feeder.input[0]
-            elif self.widen and node.op_type == "Cast" and _cast_to(node) in REDUCED_FLOATS and self.types.get(source) in FLOAT_TYPES:
-                name = source
-            else:
-                return None
+        while (step := self._step_back(name)) is not None:
+            earlier, pair = step
+            ours = self.producer.get(earlier) if pair else None
+            found = self._folded_after(ours, name) if ours is not None else None
+            if found is not None:
+                return found
+            name = earlier
         return None
 
     def _folded_after(self, ours: onnx.NodeProto, value: str) -> onnx.NodeProto | None:
