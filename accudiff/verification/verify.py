@@ -313,9 +313,9 @@ def _conclude(
                      key=lambda s: s.score)
     # A keep that leaves the output no better than nothing kept contributes nothing measurable: when none
     # does (a chain stuck on FP16's grid, whichever one node is exact), the largest own errors stand in.
-    # A keep that flips a decision nothing kept left alone is no contributor, however it moves the worst element.
-    better = [s for s in sorted(suspects, key=lambda s: s.score) if s.score < before.score and not (s.reading and s.reading.decides_worse_than(before))]
-    contributors = [contributor(s, table) for s in better] or find_cause(output, table, context).contributors
+    # A keep that flips a decision nothing kept left alone is neither a contributor nor the best keep, however it moves the worst element.
+    fair = sorted((s for s in suspects if not (s.reading and s.reading.decides_worse_than(before))), key=lambda s: s.score)
+    contributors = [contributor(s, table) for s in fair if s.score < before.score] or find_cause(output, table, context).contributors
     steps, readings = [before.step([])], [before]
     now = before
     used: list[Suspect] = []
@@ -391,7 +391,7 @@ def _conclude(
         verdict = Finding("verified", f"{phrase} brings the output from {before.said(named=False)} to {best.reading.said(named=False)}{rest}: "
                                       "the rest of the error accumulates over the network")
         return Cause("dominant", best.node, best.tensor, best.op_type, [*best.findings, verdict], **common), repair
-    best = min((s for s in suspects if not (s.reading and s.reading.decides_worse_than(before))), key=lambda s: s.score, default=None)
+    best = fair[0] if fair else None
     what, undone = ("quantized", "left unquantized") if phrase == keep_phrase("int8") else ("converted", "kept in FP32")
     short = "short of its requirement" if before.decisive else "out of tolerance"
     said_best = f"(best: {best.op_type} '{best.node}', {best.reading.said(named=False)} of {before.said(named=False)})" if best is not None and best.reading else ""
