@@ -30,7 +30,7 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from accudiff.model.formats import REDUCED_FLOATS
-from accudiff.model.graph import GraphIndex, constant_values, declare_like, fresh_name
+from accudiff.model.graph import GraphIndex, declare_like, fresh_name
 from accudiff.model.quantized_ops import QuantizedOp, QuantizedWeight, by_name, find_quantized_ops, float_nodes, quantized_members, with_float_activation
 from accudiff.model.quantized_weights import float_weight, per_channel_grid
 from accudiff.model.shapes import infer_shapes_unless_typed
@@ -128,17 +128,19 @@ class FloatInputs:
         self.types = dict(index.types)  # its own: the values it adds are typed here
         self.constants, self.producer, self.readers, self.graph_outputs = index.constants, index.producer, index.readers, index.outputs
         self.widened = index.widened_constants(REDUCED_FLOATS)
+        theirs = GraphIndex.of(reference.graph) if reference is not None else None
         self.reference_nodes = {node.name: node for node in reference.graph.node} if reference is not None else {}
-        self.reference_weights = constant_values(reference.graph) if reference is not None else {}
+        self.reference_weights = theirs.constants if theirs is not None else {}
+        self._reference_producer = theirs.producer if theirs is not None else {}
+        self._reference_readers = theirs.readers if theirs is not None else {}
         self.taken = set(self.types) | set(self.producer) | {vi.name for vi in graph.input}
         self.imported: list[onnx.TensorProto] = []
         self._imports: dict[str, str] = {}
         self.casts: dict[tuple[str, int], str] = {}
         self.wide: dict[str, str] = {}  # a narrow value a kept node computed -> its FP32 result
-        self.ops: dict[str, QuantizedOp] = by_name(find_quantized_ops(index, GraphIndex.of(reference.graph) if reference is not None else None))
+        self.ops: dict[str, QuantizedOp] = by_name(find_quantized_ops(index, theirs))
         self._dequantized: dict[str, str] = {}
         self._refolded: dict[tuple[str, str], str] = {}
-        self._reference = reference
 
     def keep_op(self, op: QuantizedOp, read=None) -> list[onnx.NodeProto]:
         """The float op `op` stands for, in place of its nodes: its weights the reference's (or its own
@@ -293,7 +295,7 @@ class FloatInputs:
             return source
         key = (activation.name, source)
         if key not in self._refolded:
-            bounds = [self._reference_constant(bound) if bound else "" for bound in activation.input[1:]]
+            bounds = [self._reference_copy(bound) if bound else "" for bound in activation.input[1:]]
             if None in bounds:
                 return source
             out = self.fresh(f"{source}__{activation.op_type.lower()}")
@@ -332,35 +334,9 @@ class FloatInputs:
         return theirs if feeding is not None and feeding.name == ours.name else None
 
     @cached_property
-    def _reference_producer(self) -> dict[str, onnx.NodeProto]:
-        return {out: node for node in self._reference.graph.node for out in node.output if out} if self._reference is not None else {}
-
-    @cached_property
-    def _reference_readers(self) -> dict[str, list[onnx.NodeProto]]:
-        found: dict[str, list[onnx.NodeProto]] = {}
-        for node in self._reference.graph.node if self._reference is not None else []:
-            for name in node.input:
-                found.setdefault(name, []).append(node)
-        return found
-
-    @cached_property
     def _names(self) -> set[str]:
         """This model's node names (a reference node missing here was removed by the tool)."""
         return {node.name for node in self.graph.node}
-
-    def _reference_constant(self, name: str) -> str | None:
-        """A constant of the reference (a Clip's bound), added to the model under a fresh name; None where it is computed."""
-        value = self.reference_weights.get(name)
-        if value is None:
-            return None
-        key = f"{name}/constant"
-        if key not in self._imports:
-            copy = onnx.TensorProto()
-            copy.CopyFrom(value)
-            copy.name = self._imports[key] = self.fresh(f"{name}__bound")
-            self.imported.append(copy)
-            self.types[copy.name] = copy.data_type
-        return self._imports[key]
 
     def _undoes_pair(self, quantize: onnx.NodeProto) -> bool:
         return ("weights" if quantize.input[0] in self.constants else "activations") in self.undo
@@ -391,9 +367,17 @@ class FloatInputs:
                 self.imported.append(tensor)
                 self.types[tensor.name] = TensorProto.FLOAT
             return self._imports[key]
+        return self._reference_copy(name)
+
+    def _reference_copy(self, name: str) -> str | None:
+        """A constant of the reference (a weight, a Clip's bound), added to the model once, under its own name
+        where that is free; None where the reference computes it."""
+        value = self.reference_weights.get(name)
+        if value is None:
+            return None
         if name not in self._imports:
             copy = onnx.TensorProto()
-            copy.CopyFrom(weight)
+            copy.CopyFrom(value)
             copy.name = self._imports[name] = self.fresh(name if name not in self.taken else name + "__float")
             self.imported.append(copy)
             self.types[copy.name] = copy.data_type
