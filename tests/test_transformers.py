@@ -153,6 +153,22 @@ def test_why_the_dynamic_minilm_op_costs_the_output_is_the_part_whose_undoing_re
     assert "ONNX Runtime quantize_dynamic(..., per_channel=True) quantizes them so" in said and every < alone < float(figures[1]), said
 
 
+def test_the_dynamic_minilms_few_cheap_variants_start_no_second_worker(minilm, tmp_path, monkeypatch):
+    """The cause's parts and per-channel runs are four variants; at the 0.1 s each a busy hour measures
+    (a session and a run, as the comparison measured them), a second worker was started for them: no time
+    saved, its memory on the process tree's peak (247 -> 307 MB). Now one is worth its start only for
+    twice that start's work."""
+    from accudiff.verification import trial, verify
+
+    started = []
+    monkeypatch.setattr(verify, "_variant_seconds", lambda *args: 0.1)
+    monkeypatch.setattr(trial, "take_worker", lambda take=trial.take_worker: started.append(1) or take())
+    candidate = models.onnxruntime_dynamic(minilm.model, tmp_path / "dynamic.onnx")
+    result = accudiff.compare(minilm.model, candidate_model=candidate, inputs=minilm.inputs)
+    cause = next(f for f in result.output_failures if f.tensor == POOLED).cause
+    assert {"part", "per_channel"} <= {f.kind for f in cause.findings} and len(started) == 1, (started, cause.findings)
+    assert trial.worth_a_worker(4, 0.2) and not trial.worth_a_worker(4, 0.1)
+
 def test_matmulnbits_minilm_names_its_format_and_the_quantizers_best_exclusion(minilm, tmp_path, run_cli):
     """MatMulNBits (4 bits, blocks of 32): int4-weight and its tolerance, which it meets on these sentences;
     judged at INT8's (a stricter team's), the cause the quantizer's own exclusions give, and the repair

@@ -188,7 +188,7 @@ class Trials:
         apart = [i for i in range(len(closed)) if i not in set(on_board)]
         # Variants not worth a worker's start (`variant_seconds`) beside a switchboard, or once a worker is up,
         # go to the workers there are (a cause's parts: two variants, after the screen's).
-        light = bool(on_board or self._workers) and self.variant_seconds is not None and len(apart) * self.variant_seconds < WORKER_START_SECONDS
+        light = bool(on_board or self._workers) and self.variant_seconds is not None and not worth_a_worker(len(apart), self.variant_seconds)
         shared = len(self._workers) if light and not on_board else cores
         size = 1 if self.large else min(VARIANTS_PER_WORKER, math.ceil(len(apart) / shared))  # large: a variant a job, one job at a time
         groups = [on_board] * bool(on_board) + [apart[start : start + size] for start in range(0, len(apart), size or 1)]
@@ -392,6 +392,15 @@ def prune(keep: Sequence[str], holds: Callable[[list[str]], bool], protected: Co
         if holds(rest):
             chosen = rest
     return chosen, runs
+
+
+def worth_a_worker(variants: int, variant_seconds: float) -> bool:
+    """Whether `variants` costing `variant_seconds` each are worth starting one more worker for, beside the
+    one up. Ready after its start s, it takes half of what is left: (n*v - s) / 2 saved. It must save at
+    least half its start: the caller, building the variants' models, shares the cores with the workers,
+    and a worker costs its memory (on paraphrase-MiniLM, four variants of 0.08-0.10 s each
+    started one at a busy hour, with no time saved and the peak up from 247 to 307 MB)."""
+    return variants * variant_seconds >= 2 * WORKER_START_SECONDS
 
 
 def unfit_for_format(table: pd.DataFrame, precision: str) -> set[str]:
