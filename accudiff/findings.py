@@ -74,17 +74,17 @@ class Search:
     def complete(self) -> bool:
         return self.left == 0
 
-    def said(self, what: str, undone: str, short: str, best: str) -> str:
+    def said(self, what: str, undone: str, short: str, best: str, measure: str = "its error") -> str:
         """The search's finding in words: of the `what` nodes ("quantized", "converted"), each `undone`
         ("left unquantized") alone leaves the output `short` ("out of tolerance"); `best`: the best single
-        keep, said ("(best: ...)")."""
+        keep, said ("(best: ...)"); `measure`: what a group's keep does not halve (objective.score_said)."""
         if self.candidates == 0:
             return f"accudiff finds no {what} node upstream of it, and the suspects, {undone} alone, each leave it {short} {best}"
         if self.grouped == 0 and self.complete:
             return f"each of the {self.candidates} {what} nodes upstream, {undone} alone, leaves it {short} {best}"
         parts = [f"the {self.alone} {undone} alone each leave it {short} {best}"] if self.alone else []
         if self.grouped:
-            parts.append(f"the {'other ' if self.alone else ''}{self.grouped}, {undone} in {self.groups} group(s), do not even halve its error: none of "
+            parts.append(f"the {'other ' if self.alone else ''}{self.grouped}, {undone} in {self.groups} group(s), do not even halve {measure}: none of "
                          f"them could alone, so long as keeping more never hurts{'' if self.alone else f' {best}'}")
         text = f"of the {self.candidates} {what} nodes upstream, " + ", and ".join(parts)
         if not self.complete:

@@ -303,6 +303,33 @@ def test_the_trained_detector_in_fp16_hardly_changes_its_binarized_map(detector,
     assert code == 1 and aimed["repaired"] and len(aimed["keep"]) < len(result["keep"]), out + err
 
 
+def test_the_trained_detector_quantized_per_tensor_is_judged_by_its_map_where_its_ratio_saturates(detector, run_cli, tmp_path):
+    """quantize_static in TensorRT's form (one scale a tensor) flips a few percent of the detector's map: its
+    worst pixel goes from 0 to 1, so every part of the loss split read 33.3x, the ratio's ceiling, and the
+    split said nothing. It now gives the map's flipped share beside each part. Judged by the decision
+    (--objective decision, no requirement), the search said each keep left the output "short of its
+    requirement" and that no group halved "its error": there is no requirement, and what no group halved is
+    the flipped share."""
+    from accudiff.verification.search import weights_dominate
+    from accudiff.verification.trial import TrialOutcome
+    from accudiff.judging.objective import Objective
+
+    path, pages = detector
+    candidate = models.onnxruntime_qdq(path, realistic_inputs.dataset("ppocr_det_v4", 5)[2:], tmp_path / "det.int8.onnx", per_channel=False)
+    code, out, err = run_cli("compare", path, "--candidate-model", candidate, "--load-inputs", pages, "--objective", "decision", "-o", "r")
+    assert code == 1, err
+    split = _summary(tmp_path / "r")["outputs"][0]["loss_split"]
+    shares = [split["figures"][key]["flipped_share"] for key in ("activations", "weights", "with_both")]
+    assert len(set(split["ratios"].values())) == 1 and len(set(shares)) == 3, split  # the ratio at its ceiling, the map telling the parts apart
+    said = ", ".join(f"{100 * share:.3f}%" for share in shares[:2]) + f" and {100 * shares[2]:.3f}%"
+    assert f"both at {split['ratios']['with_both']:.3g}x its tolerance; flipped share {said}" in out, out
+    assert "short of its requirement" not in out and "do not even halve its error" not in out, out
+    assert "each leave it out of tolerance" in out and "do not even halve its flipped share" in out, out
+    # Which part brings more of the loss, as the objective reads it: the ratios tie, the flipped shares do not.
+    outcomes = {part: TrialOutcome([], {"map": 33.3}, {"map": {"flipped_share": share}}) for part, share in zip(("activations", "weights"), (0.05, 0.04))}
+    assert weights_dominate(outcomes, outcomes["weights"], Objective("decision")) == {"map": True}
+    assert weights_dominate(outcomes, outcomes["weights"], Objective()) == {"map": False}
+
 HIGHER_IS_BETTER = {"top1", "top5", "cosine", "cosine_min", "neighbors", "iou"}  # the others (KL, Δp, flipped share): lower is better
 
 

@@ -180,6 +180,18 @@ def decision_error(figures: Mapping[str, float]) -> float | None:
     return figures.get("flipped_share")
 
 
+def score_said(objective: Objective, figures: Mapping[str, float]) -> str:
+    """What `objective.score` measures of an output with these figures, as a finding says it ("do not even
+    halve its error")."""
+    if objective.miss(figures) is not None:
+        return "its distance from its requirement"
+    if objective.kind == "decision" and decision_error(figures) is not None:
+        names = (("top1", "its top-1 disagreement"), ("cosine_min", "its lowest cosine's distance from 1"),
+                 ("detections", "its detection disagreement"), ("flipped_share", "its flipped share"))
+        return next(said for name, said in names if name in figures)
+    return "its error"
+
+
 def describe(tol_ratio: float, figures: Mapping[str, float], require: Mapping[str, float] | None = None, named: bool = True) -> str:
     """A tried keep as read: by its requirement where the output has one (`require`, --require: how far its
     required figures are from their targets, at most 1 when reached), else by its tolerance ratio; with its

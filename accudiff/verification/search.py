@@ -21,6 +21,7 @@ import pandas as pd
 from accudiff.verification.trial import TrialOutcome
 from accudiff.diagnosis.cause import ancestor_tensors
 from accudiff.findings import Search
+from accudiff.judging.objective import Objective
 from accudiff.diagnosis.rules import DiagnosisContext
 from accudiff.verification.readings import Reading, improvement
 
@@ -91,9 +92,12 @@ def candidates_upstream(output: str, table: pd.DataFrame, context: DiagnosisCont
     return list(rows.assign(_weighted=weighted.to_numpy(), _own=own.to_numpy()).sort_values(["_weighted", "_own"], ascending=False, kind="stable")["node"])
 
 
-def weights_dominate(split: dict[str, TrialOutcome], control: TrialOutcome) -> dict[str, bool]:
+def weights_dominate(split: dict[str, TrialOutcome], control: TrialOutcome, objective: Objective) -> dict[str, bool]:
     """Per output, whether its weights' narrowing brings more of the loss than its activations' (the loss
-    split: the output with only its activations' quantization undone against with only its weights')."""
+    split: the output with only its activations' quantization undone against with only its weights'), as
+    `objective` reads them (a detector's ratio, set by one pixel flipped from 0 to 1, read 33.3x on both
+    sides, its flipped share 4.17% and 5.17%)."""
     if not {"activations", "weights"} <= split.keys():
         return {}
-    return {output: split["activations"].tol_ratio.get(output, 0.0) > split["weights"].tol_ratio.get(output, 0.0) for output in control.tol_ratio}
+    return {output: Reading.of(split["activations"], output, objective).score > Reading.of(split["weights"], output, objective).score
+            for output in control.tol_ratio}

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 import pandas as pd
 
 from accudiff.stages.group import GroupRun, could_be_a_shape
-from accudiff.judging.objective import Objective
+from accudiff.judging.objective import Objective, score_said
 from accudiff.judging.table import STATUS_FAIL
 from accudiff.verification.trial import MAX_TRIAL_SAMPLES, TrialOutcome, TrialSetup, Trials, trial_workers
 from accudiff.execution.pool import prestart
@@ -248,7 +248,7 @@ def verify_causes(
     screened = dict(zip(keep_lists, outcomes))
     control = screened[()]
     parts = dict(zip(extra, outcomes[len(keep_lists):]))
-    weights_first = weights_dominate(parts, control)
+    weights_first = weights_dominate(parts, control, objective)
     verdicts = {}
     for output, group in suspects.items():
         before = Reading.of(control, output, objective)
@@ -393,10 +393,10 @@ def _conclude(
         return Cause("dominant", best.node, best.tensor, best.op_type, [*best.findings, verdict], **common), repair
     best = fair[0] if fair else None
     what, undone = ("quantized", "left unquantized") if phrase == keep_phrase("int8") else ("converted", "kept in FP32")
-    short = "short of its requirement" if before.decisive else "out of tolerance"
+    short = "short of its requirement" if before.required else "out of tolerance"
     said_best = f"(best: {best.op_type} '{best.node}', {best.reading.said(named=False)} of {before.said(named=False)})" if best is not None and best.reading else ""
     reach = reach or Search(len(suspects), len(suspects))
-    summary = f"no single node repairs the output: {reach.said(what, undone, short, said_best)}"
+    summary = f"no single node repairs the output: {reach.said(what, undone, short, said_best, score_said(tries.objective, before.figures))}"
     kind = "accumulated" if math.isfinite(now.tol_ratio) else "not_found"  # NaN/Inf are not small errors growing
     return Cause(kind, findings=[Finding("verified", summary)], failing_alone=failing_alone(output, table, context), **common), repair
 
