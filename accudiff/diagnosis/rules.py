@@ -273,8 +273,8 @@ def _quantized_inputs(table: pd.DataFrame, context: DiagnosisContext, inputs: li
             findings.append(
                 Finding(
                     f"{grid.format}_clipping",
-                    f"{percent(clipped)} of the values of its input '{name}' lie outside its calibrated {grid.grid} range "
-                    f"{calibrated} (reference absmax {source['ref_absmax']:.3g}): {fate}",
+                    f"{percent(clipped)} of the values of its input '{name}' lie {'beyond' if floating else 'more than half a step beyond'} "
+                    f"its calibrated {grid.grid} range {calibrated} (reference absmax {source['ref_absmax']:.3g}): {fate}",
                 )
             )
         if tiny >= RESOLUTION_SHARE:

@@ -202,7 +202,7 @@ def reduce_tensor(
         values[F["ref_min"]], values[F["ref_max"]] = low, high
         values[F["ref_absmax"]] = absmax = max(-float(low), float(high))
     base, floor = tol.atol + tol.stol * absmax, max(REL_FLOOR * absmax, _TINY[r.dtype.itemsize])
-    quant_args = (q.low, q.high, q.step / 2) if (q := quant) is not None else None
+    quant_args = (*q.clipped_beyond, q.step / 2) if (q := quant) is not None else None
     if r.size < 2 * PART_ELEMENTS:
         _reduce.reduce(r, c, tol.rtol, base, floor, quant_args, 0, values[: len(KERNEL_FIELDS)], sketch, _scratch())
     else:

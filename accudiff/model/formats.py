@@ -99,6 +99,16 @@ class QuantRange:
     def format(self) -> str:
         return next(g.format for g in GRIDS.values() if g.name == self.grid)
 
+    @property
+    def clipped_beyond(self) -> tuple[float, float]:
+        """The values that clip: on an integer grid, those more than half a step past either end (nearer,
+        a value rounds to the end's code as any value rounds to its nearest, losing no more). A trained
+        recognizer's input range of -0.0296..7.53 held 34.6% of its values below -0.0296, none below
+        -0.035: read as "they clip", though none did. A float grid saturates at its ends."""
+        if self.format in ("fp8", "fp4"):
+            return self.low, self.high
+        return self.low - self.step / 2, self.high + self.step / 2
+
 
 def precision_label(formats: Iterable[str]) -> str:
     """The precision of a candidate holding `formats` ("fp32" when it holds none)."""
