@@ -126,33 +126,40 @@ def test_int8_clipping_of_a_graph_input_is_diagnosed(tmp_path):
     assert any(f.kind == "int8_clipping" and "its input 'x'" in f.message for f in cause.findings)
 
 
-def test_only_values_beyond_half_a_step_past_the_range_are_counted_as_clipping(tmp_path):
-    """A value within half a step past the grid's end rounds to the end's code, as any value rounds to its
+@pytest.mark.parametrize("grid", ["int8", "fp8"])
+def test_only_values_beyond_half_a_step_past_the_range_are_counted_as_clipping(grid, tmp_path):
+    """A value within half the grid's last step past its end rounds to the end, as any value rounds to its
     nearest: it loses no more than rounding. They were counted as clipping: a trained recognizer's input held
     34.6% of its values between -0.035 and -0.0296, its range's low end, and the finding said "they clip";
-    none did. The count now is what QuantizeLinear's definition clips (its code rounded past -128..127)."""
+    none did. The count now is what QuantizeLinear's definition clips: an INT8 code rounded past -128..127;
+    FP8 E4M3 beyond 448 by more than half its last step (32) saturates."""
     import numpy as np
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
+    zero = numpy_helper.from_array(np.array(0, np.int8), "z") if grid == "int8" else helper.make_tensor("z", TensorProto.FLOAT8E4M3FN, [], [0.0])
+
     def model(pair, path):
         nodes = [helper.make_node("Mul", ["x", "w"], ["h"], name="widen"), *pair, helper.make_node("Mul", [pair[-1].output[0] if pair else "h", "w"], ["y"], name="scale")]
-        weights = [numpy_helper.from_array(np.array(v, dtype), n) for n, v, dtype in [("w", 2.0, np.float32), ("s", 0.1, np.float32), ("z", 0, np.int8)]]
+        weights = [numpy_helper.from_array(np.array(v, np.float32), n) for n, v in [("w", 2.0), ("s", 0.1)]] + [zero]
         graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4096])],
                                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4096])], weights)
-        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), path)
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)]), path)
         return path
 
     reference = model([], tmp_path / "float.onnx")
     candidate = model([helper.make_node("QuantizeLinear", ["h", "s", "z"], ["q"], name="quantize"),
                        helper.make_node("DequantizeLinear", ["q", "s", "z"], ["dq"], name="dequantize")], tmp_path / "qdq.onnx")
+    low, high, margin = (-12.8, 12.7, 0.05) if grid == "int8" else (-44.8, 44.8, 1.6)  # the ends, in the tensor's units, and half the last step
     rng = np.random.default_rng(0)
-    h = np.concatenate([rng.uniform(12.7, 12.749, 1000), rng.uniform(-12.849, -12.8, 1000),  # past the ends by less than half a step
-                        rng.uniform(12.76, 14.0, 30), rng.uniform(-14.0, -12.86, 20), rng.uniform(-12, 12, 2046)]).astype(np.float32)[None]
+    h = np.concatenate([rng.uniform(high, high + 0.98 * margin, 1000), rng.uniform(low - 0.98 * margin, low, 1000),  # past the ends by less than half a step
+                        rng.uniform(high + 1.2 * margin, high + 20 * margin, 30), rng.uniform(low - 20 * margin, low - 1.2 * margin, 20),
+                        rng.uniform(low / 2, high / 2, 2046)]).astype(np.float32)[None]
     np.savez(tmp_path / "x.npz", x=h / np.float32(2))
     result = accudiff.compare(reference, candidate_model=candidate, inputs=tmp_path / "x.npz", verify=False)
-    codes = np.round((h / np.float32(2) * np.float32(2)) / np.float32(0.1))
-    assert result.table.set_index("tensor").loc["h", "beyond_int8_range"] == np.count_nonzero((codes > 127) | (codes < -128)) == 50
+    codes = np.round(h / np.float32(0.1)) if grid == "int8" else h / np.float32(0.1)
+    clipped = (codes > 127) | (codes < -128) if grid == "int8" else np.abs(codes) > 448 + 16
+    assert result.table.set_index("tensor").loc["h", "beyond_int8_range"] == np.count_nonzero(clipped) == 50
 
 def test_an_overflow_to_minus_infinity_is_named_with_its_infinities(tmp_path):
     """A product below -65504 becomes -Inf in FP16. The kernel counted a -Inf as -1 Inf (C's isinf gave

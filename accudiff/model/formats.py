@@ -41,6 +41,7 @@ class Grid:
     low: float
     high: float
     smallest: float = 1.0
+    top_step: float = 1.0  # the step below `high`: a value within half of it past an end rounds to the end
 
     @property
     def is_float(self) -> bool:
@@ -52,13 +53,13 @@ GRIDS = {
     TensorProto.UINT8: Grid("int8", "UINT8", 0, 255),
     TensorProto.INT4: Grid("int4", "INT4", -8, 7),
     TensorProto.UINT4: Grid("int4", "UINT4", 0, 15),
-    TensorProto.FLOAT8E4M3FN: Grid("fp8", "FP8 E4M3", -448, 448, 2.0**-9),
-    TensorProto.FLOAT8E4M3FNUZ: Grid("fp8", "FP8 E4M3 (FNUZ)", -240, 240, 2.0**-10),
-    TensorProto.FLOAT8E5M2: Grid("fp8", "FP8 E5M2", -57344, 57344, 2.0**-16),
-    TensorProto.FLOAT8E5M2FNUZ: Grid("fp8", "FP8 E5M2 (FNUZ)", -57344, 57344, 2.0**-17),
+    TensorProto.FLOAT8E4M3FN: Grid("fp8", "FP8 E4M3", -448, 448, 2.0**-9, 32),
+    TensorProto.FLOAT8E4M3FNUZ: Grid("fp8", "FP8 E4M3 (FNUZ)", -240, 240, 2.0**-10, 16),
+    TensorProto.FLOAT8E5M2: Grid("fp8", "FP8 E5M2", -57344, 57344, 2.0**-16, 8192),
+    TensorProto.FLOAT8E5M2FNUZ: Grid("fp8", "FP8 E5M2 (FNUZ)", -57344, 57344, 2.0**-17, 8192),
 }
 if hasattr(TensorProto, "FLOAT4E2M1"):
-    GRIDS[TensorProto.FLOAT4E2M1] = Grid("fp4", "FP4 E2M1", -6, 6, 0.5)
+    GRIDS[TensorProto.FLOAT4E2M1] = Grid("fp4", "FP4 E2M1", -6, 6, 0.5, 2)
 
 # Element types numpy cannot carry through ONNX Runtime's Python API (it refuses BF16 and hands FP8 over
 # as raw bytes), each with the type it is carried in: every value of the first is exactly a value of the second.
@@ -101,13 +102,12 @@ class QuantRange:
 
     @property
     def clipped_beyond(self) -> tuple[float, float]:
-        """The values that clip: on an integer grid, those more than half a step past either end (nearer,
-        a value rounds to the end's code as any value rounds to its nearest, losing no more). A trained
+        """The values that clip (or saturate, FP8): those more than half the grid's last step past either end
+        (nearer, a value rounds to the end as any value rounds to its nearest, losing no more). A trained
         recognizer's input range of -0.0296..7.53 held 34.6% of its values below -0.0296, none below
-        -0.035: read as "they clip", though none did. A float grid saturates at its ends."""
-        if self.format in ("fp8", "fp4"):
-            return self.low, self.high
-        return self.low - self.step / 2, self.high + self.step / 2
+        -0.035: read as "they clip", though none did."""
+        margin = self.scale * next(g.top_step for g in GRIDS.values() if g.name == self.grid) / 2
+        return self.low - margin, self.high + margin
 
 
 def precision_label(formats: Iterable[str]) -> str:
