@@ -188,6 +188,16 @@ def test_subgraph_bisect_on_a_model_whose_network_sits_in_if_bodies(run_cli, tmp
     assert done.returncode == 1, done.stdout + done.stderr
 
 
+def test_silero_vads_speech_probability_is_judged_as_decisions_not_as_an_embedding(tmp_path):
+    """Its output, one speech probability a chunk, is the mean over time of its decoder's Sigmoid. A
+    ReduceMean read as "a pooling over tokens", it was judged as an embedding: the cosine of one-element
+    vectors, 1 whatever the candidate computes. It is a probability: its yes/no decisions at 0.5 flip or not."""
+    path = _model("silero_vad", tmp_path)
+    save_feeds([realistic_inputs.voice_chunk(seed) for seed in range(4)], tmp_path / "voice.npz")
+    result = accudiff.compare(path, "fp16", inputs=tmp_path / "voice.npz", candidate="onnxrt", verify=False)
+    assert result.output_kinds["output"].kind == "map" and "mean of a Sigmoid" in result.output_kinds["output"].why
+    assert result.decisions["output"]["map_elements"] == 4 and "cosine" not in result.decisions["output"], result.decisions["output"]
+
 def test_a_detectors_decision_is_the_detections_both_sides_make(tmp_path):
     """YOLOv8n (the nudenet wheel's) quantized to INT8, on crops of a real photograph: its output0 holds boxes and
     class scores in one tensor, and was judged by error percentiles only, though what a user decides by is the

@@ -8,7 +8,7 @@ output's kind is said with the reason, so a wrong guess shows.
 | logits        | a MatMul/Gemm head (a constant scale or bias after it), a LogSoftmax, a name with "logit" | top-1/top-5, KL divergence of the softmax, Δp of the reference's top entry, per position along the last axis |
 | probabilities | a Softmax (over its axis), a softmax written out (Exp divided by its sum), a name with "prob" | the same, on the distributions themselves |
 | embedding     | a LayerNormalization (hidden states), a mean pooling, a name with "embed", "hidden", "pool" | cosine per vector, nearest neighbour kept within the batch |
-| map           | a Sigmoid                                                                   | the share of elements crossing the threshold, IoU |
+| map           | a Sigmoid, a mean of a Sigmoid's outputs                                    | the share of elements crossing the threshold, IoU |
 | detections    | a Concat of box coordinates and a Sigmoid's class scores (YOLOv8's head)    | the detections both sides make (score above the threshold, after NMS, same class, IoU ≥ 0.5) |
 | state         | a decoder's KV cache out (a present output its next step reads as past: model/decoder.py) | error percentiles; judged through the logits of later steps, never diagnosed as a failing output |
 | values        | anything else (integers are compared exactly)                               | error percentiles (a map where every value lies in [0, 1]) |
@@ -110,6 +110,9 @@ def _read(name: str, producer: Mapping[str, onnx.NodeProto], constants: set[str]
         return OutputKind("probabilities", "an Exp divided by its sum computes it: a softmax")
     if op in NORMALIZATIONS:
         return OutputKind("embedding", f"a {op} computes it: hidden states")
+    if op == "ReduceMean" and (pooled := _computing(node.input[0], producer)) is not None and pooled.op_type == "Sigmoid":
+        # (silero VAD's speech probability: the mean over time of its decoder's Sigmoid, one value a chunk)
+        return OutputKind("map", "a mean of a Sigmoid's probabilities computes it: a probability per element")
     if op in POOLINGS or (op == "Div" and _reads(node.input[0], POOLINGS, producer, constants)):
         return OutputKind("embedding", "a pooling over tokens computes it")
     head = node if op in HEADS else _scaled(node, producer, constants)
