@@ -42,16 +42,16 @@ def _project(tmp_path, quantize: tuple[str, float] | None = None):
 @pytest.mark.parametrize("fmt, scale, kind", [("int4", 0.05, "int4_clipping"), ("int4", 10.0, "int4_resolution"),
                                               ("fp8", 0.001, "fp8_clipping"), ("fp8", 1000.0, "fp8_resolution")])
 def test_a_grid_that_does_not_hold_the_input_is_named_with_its_share(fmt, scale, kind, tmp_path):
-    """The share printed is the share of x beyond the grid (INT4: -8 to 7 steps; FP8 E4M3: +-448 x the
-    scale), or below half its smallest step (INT4: the scale; FP8: its smallest subnormal, 2^-9 x the
-    scale), counted here on the same input."""
+    """The share printed is the share of x the grid clips (INT4: a code rounded past -8..7; FP8 E4M3: beyond
+    +-448 x the scale by more than half its last step, 32 x the scale), or below half its smallest step
+    (INT4: the scale; FP8: its smallest subnormal, 2^-9 x the scale), counted here on the same input."""
     x = np.random.default_rng(4).standard_normal((4, 64)).astype(np.float32)
     save_feeds([{"x": x}], tmp_path / "x.npz")
     result = accudiff.compare(_project(tmp_path), candidate_model=_project(tmp_path, (fmt, scale)), inputs=tmp_path / "x.npz", candidate="onnxrt")
     (failure,) = result.output_failures
     assert failure.cause.node == "project" and failure.cause.verified
     (finding,) = [f for f in failure.cause.findings if f.kind == kind]
-    low, high = (-8 * scale, 7 * scale) if fmt == "int4" else (-448 * scale, 448 * scale)
+    low, high = (-8.5 * scale, 7.5 * scale) if fmt == "int4" else (-464 * scale, 464 * scale)
     smallest_step = scale * (1 if fmt == "int4" else 2.0**-9)
     share = np.mean((x < low) | (x > high)) if kind.endswith("clipping") else np.mean(np.abs(x) < smallest_step / 2)
     printed = float(re.search(r"([\d.]+)% of the values of its input 'x'", finding.message).group(1))
