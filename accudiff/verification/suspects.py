@@ -15,6 +15,7 @@ from accudiff.diagnosis.cause import ancestor_tensors, flagged_nodes, rank_contr
 from accudiff.diagnosis.mechanisms import amplifiers, cancellations
 from accudiff.diagnosis.rules import RANGE_KINDS, DiagnosisContext, grid_fault_strength, isolated_figures, isolation_ran, range_findings
 from accudiff.findings import Contributor, Finding
+from accudiff.judging.objective import decision_error
 from accudiff.model.ops import VALUE_PRESERVING_OPS
 from accudiff.verification.readings import Reading
 
@@ -36,6 +37,13 @@ class Suspect:
     @property
     def score(self) -> float:
         return self.reading.score if self.reading is not None else math.inf
+
+    @property
+    def rank(self) -> tuple[float, float]:
+        """How keeps are ordered, best first: by score, a tie broken by what the decision gets wrong (a ratio
+        at its ceiling: every keep of a detector's map read 33.3x, the best then named by file order)."""
+        error = decision_error(self.reading.figures) if self.reading is not None else None
+        return self.score, math.inf if error is None else error
 
 
 def nominate(output: str, table: pd.DataFrame, context: DiagnosisContext, rtol: float) -> list[Suspect]:

@@ -310,11 +310,11 @@ def _conclude(
     # A keep helps when it improves the output enough to matter, or when it meets the target outright (an
     # output barely out of tolerance may be repaired by several keeps, each by a little).
     helpful = sorted((s for s in suspects if improvement(before.score, s.score) > 1 / HELPS or (s.reading is not None and s.reading.met)),
-                     key=lambda s: s.score)
+                     key=lambda s: s.rank)
     # A keep that leaves the output no better than nothing kept contributes nothing measurable: when none
     # does (a chain stuck on FP16's grid, whichever one node is exact), the largest own errors stand in.
     # A keep that flips a decision nothing kept left alone is neither a contributor nor the best keep, however it moves the worst element.
-    fair = sorted((s for s in suspects if not (s.reading and s.reading.decides_worse_than(before))), key=lambda s: s.score)
+    fair = sorted((s for s in suspects if not (s.reading and s.reading.decides_worse_than(before))), key=lambda s: s.rank)
     contributors = [contributor(s, table) for s in fair if s.score < before.score] or find_cause(output, table, context).contributors
     steps, readings = [before.step([])], [before]
     now = before
