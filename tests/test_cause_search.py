@@ -234,3 +234,52 @@ def test_a_search_with_no_changed_node_upstream_says_so():
 
     said = Search(candidates=0, alone=0).said("converted", "kept in FP32", "out of tolerance", "(best: Mul 'fill', 3x)")
     assert said == "accudiff finds no converted node upstream of it, and the suspects, kept in FP32 alone, each leave it out of tolerance (best: Mul 'fill', 3x)"
+
+
+def test_each_of_several_causes_says_which_part_of_its_quantization_the_output_pays_for(tmp_path):
+    """Two Convs quantized by quantize_static (symmetric activations, its Relus kept) are `several` causes:
+    none alone repairs the output, together they do. Only the first said which part of its quantization
+    costs the output; the others, listed as `also:`, said nothing of it. Each now has its `part` finding, at
+    the figures of the candidate with that part undone by hand (oracle.unquantized, judged at the README's
+    INT8 tolerance); and where neither part nor both help alone, it says so (it said "only both together"
+    of a node whose keep did not help either)."""
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.normal(0, 0.3, shape).astype(np.float32), name) for name, shape in (("w1", (8, 3, 3, 3)), ("w2", (4, 8, 3, 3)))]
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c2"], ["y"], name="relu2")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 16, 16])], weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save(model, tmp_path / "float.onnx")
+
+    class Calibration(CalibrationDataReader):
+        def __init__(self):
+            self.feeds = iter([{"x": rng.normal(0, 1, (1, 3, 16, 16)).astype(np.float32)} for _ in range(4)])
+
+        def get_next(self):
+            return next(self.feeds, None)
+
+    quantize_static(str(tmp_path / "float.onnx"), str(tmp_path / "int8.onnx"), Calibration(), quant_format=QuantFormat.QDQ,
+                    extra_options={"ActivationSymmetric": True})
+    feed = {"x": rng.normal(0, 1.5, (1, 3, 16, 16)).astype(np.float32)}
+    np.savez(tmp_path / "x.npz", **feed)
+    result = accudiff.compare(tmp_path / "float.onnx", candidate_model=tmp_path / "int8.onnx", inputs=tmp_path / "x.npz")
+    cause = result.output_failures[0].cause
+    assert cause.kind == "several" and cause.node == "conv1" and "conv2" in [c.node for c in cause.co_causes], cause
+    reference = oracle._session(oracle._loaded(tmp_path / "float.onnx")).run(["y"], feed)[0]
+
+    def undone(node: str, parts: tuple[str, ...]) -> float:
+        produced = oracle._session(oracle.unquantized(tmp_path / "float.onnx", tmp_path / "int8.onnx", {node}, parts)).run(["y"], feed)[0]
+        return oracle._ratio(reference, produced, oracle.documented_tolerance("int8"))
+
+    for node, findings in [("conv1", cause.findings), *((c.node, c.findings) for c in cause.co_causes if c.op_type == "Conv")]:
+        said = next(f.message for f in findings if f.kind == "part")
+        figures = re.search(r"from ([\d.]+)x to ([\d.]+)x, its activations' alone \(its weights still quantized\) to ([\d.]+)x, both to ([\d.]+)x", said)
+        expected = [undone(node, ()), undone(node, ("weights",)), undone(node, ("activations",)), undone(node, ("weights", "activations"))]
+        assert [float(f) for f in figures.groups()] == pytest.approx(expected, rel=6e-3), (node, said, expected)
+        if all(ratio > expected[0] / 1.25 for ratio in expected[1:]):  # none helps (verify.HELPS)
+            assert said.endswith("neither part, nor both, helps alone"), said

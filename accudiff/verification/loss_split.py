@@ -98,38 +98,52 @@ def cause_parts(verdicts: Mapping[str, tuple[Cause, Repair]], variants: Candidat
     and its weights (a candidate made by another tool), each part's quantization undone alone, on the
     samples the cause was verified on. A rule names the range of an input, or a weight's scale; which of
     them the output pays for is what undoing each says (a MatMul whose input's run-time range zeroes a
-    quarter of its values loses it through its weight's one scale). The node a `decision` finding names
-    beside an accumulated error is read by the decision. Where its weight has one scale, what a scale per
-    channel makes of the loss too (finding `per_channel`)."""
-    wanted = {}
+    quarter of its values loses it through its weight's one scale). A `several` cause's other nodes are
+    tested so too (finding `part` on each). The node a `decision` finding names beside an accumulated error
+    is read by the decision. Where the cause's weight has one scale, what a scale per channel makes of the
+    loss too (finding `per_channel`)."""
+    splittable: dict[str, bool] = {}  # node -> whether it quantizes both its activations and its weights
+
+    def both(node: str) -> bool:
+        if node not in splittable:
+            splittable[node] = {"activations", "weights"} <= variants.parts_of(node)
+        return splittable[node]
+
+    wanted: dict[str, tuple[str, Objective, list[str]]] = {}  # output -> its cause's node, how it is read, the nodes whose parts are tried
     for output, (cause, _) in verdicts.items():
         node, by = ((cause.node, objective) if cause.kind in ("local", "dominant", "several") else
                     (cause.decision_node, replace(objective, kind="decision")))
-        if node is not None and {"activations", "weights"} <= variants.parts_of(node):
-            wanted[output] = (node, by)
+        tested = [n for n in [node, *(c.node for c in cause.co_causes)] if n is not None and both(n)]
+        if tested:
+            wanted[output] = (node, by, tested)
     if not wanted:
         return dict(verdicts)
-    nodes = list(dict.fromkeys(node for node, _ in wanted.values()))
+    nodes = list(dict.fromkeys(n for _, _, tested in wanted.values() for n in tested))
     # A weight one scale covers (a per_tensor_scale finding), of a candidate made by another tool (accudiff's own
     # --int8 scales weights per channel already): with a scale per output channel, at this node alone and at
     # every node a quantizer scales so (what its per_channel option makes).
-    said = {node for output, (node, _) in wanted.items() if any(f.kind == "per_tensor_scale" for f in verdicts[output][0].findings)}
+    said = {node for output, (node, _, tested) in wanted.items() if node in tested and any(f.kind == "per_tensor_scale" for f in verdicts[output][0].findings)}
     one_scale = [node for node in nodes if node in said] if variants.recipe.candidate_model is not None else []
     keeps = [[node] for node in nodes for _ in range(3)] + [[node] for node in one_scale] + ([variants.converted_of(PER_CHANNEL_OPS)] if one_scale else [])
     outcomes = trials.run(keeps, ["all", "activations", "weights"] * len(nodes) + ["per_channel"] * (len(one_scale) + bool(one_scale)))
     tried = {node: outcomes[3 * i : 3 * i + 3] for i, node in enumerate(nodes)}
     rescaled = dict(zip(one_scale, outcomes[3 * len(nodes) :]))
     found = dict(verdicts)
-    for output, (node, by) in wanted.items():
+    for output, (node, by, tested) in wanted.items():
         cause, repair = verdicts[output]
-        before, *undone = (Reading.of(outcome, output, by) for outcome in [control, *tried[node]])
+        before = Reading.of(control, output, by)
         of = "" if node == cause.node else f"of '{node}', by what the output decides: "
-        findings = [*cause.findings, Finding("part", of + _part_said(before, *undone, cause.findings))]
+
+        def part(of_node: str, findings: Sequence[Finding], said_of: str = "") -> Finding:
+            return Finding("part", said_of + _part_said(before, *(Reading.of(outcome, output, by) for outcome in tried[of_node]), findings))
+
+        findings = [*cause.findings, part(node, cause.findings, of)] if node in tested else list(cause.findings)
         if node in rescaled:
             alone, every = (Reading.of(outcome, output, by) for outcome in (rescaled[node], outcomes[-1]))
             option = per_channel_option(variants.base.quantized_by.get(node), node in variants.base.reads_constant_weights)
             findings.append(Finding("per_channel", of + _per_channel_said(before, alone, every, option, bool(by.require))))
-        found[output] = (replace(cause, findings=findings), repair)
+        co_causes = [replace(c, findings=[*c.findings, part(c.node, c.findings)]) if c.node in tested else c for c in cause.co_causes]
+        found[output] = (replace(cause, findings=findings, co_causes=co_causes), repair)
     return found
 
 
@@ -149,11 +163,14 @@ def _part_said(before: Reading, both: Reading, activations: Reading, weights: Re
     """Which part of a node's quantization its loss comes from, with the figures: undoing its weights'
     alone, its activations' alone, and both (its keep)."""
     helps = {part: improvement(before.score, reading.score) > 1 / HELPS or (reading.met and not before.met)
-             for part, reading in (("weights", weights), ("activations", activations))}
+             for part, reading in (("weights", weights), ("activations", activations), ("both", both))}
     said = (f"undoing its weights' quantization alone (its activations still quantized) brings the output from {before.said(named=False)} to {weights.said(named=False)}, "
             f"its activations' alone (its weights still quantized) to {activations.said(named=False)}, both to {both.said()}")
     if helps["weights"] == helps["activations"]:
-        return said + (": each part carries some of the loss" if helps["weights"] else ": neither part alone carries it, only both together")
+        if helps["weights"]:
+            return said + ": each part carries some of the loss"
+        # (a `several` cause's node: kept alone it does not help; it costs the output beside the others)
+        return said + (": neither part alone carries it, only both together" if helps["both"] else ": neither part, nor both, helps alone")
     carrier, other = ("weights", "activations") if helps["weights"] else ("activations", "weights")
     said += f": its {carrier}' quantization carries the loss"
     wrong = [f.kind for f in findings if f.kind in PART_KINDS[other]]
