@@ -325,12 +325,13 @@ def test_the_trained_detector_quantized_per_tensor_is_judged_by_its_map_where_it
     assert f"both at {split['ratios']['with_both']:.3g}x its tolerance; flipped share {said}" in out, out
     assert "short of its requirement" not in out and "do not even halve its error" not in out, out
     assert "each leave it out of tolerance" in out and "do not even halve its flipped share" in out, out
-    # Judged by the tolerance, every single keep ties at the ceiling: the best one named is the one flipping the least.
+    # Judged by the tolerance, every single keep ties at the ceiling: the best one named is the one flipping the least, said with its map.
     code, out, err = run_cli("compare", path, "--candidate-model", candidate, "--load-inputs", pages, "-o", "t")
-    best = re.search(r"\(best: Conv '([^']+)', 33.3x of 33.3x\)", out)
+    best = re.search(r"\(best: Conv '([^']+)', 33.3x \(([0-9.]+)% of the map flipped\) of 33.3x \(([0-9.]+)% of the map flipped\)\)", out)
     alone = dict(re.findall(r"ruled out: Conv '([^']+)' \(flagged by the rules\): kept in higher precision alone, it leaves the output at 33.3x "
                             r"its tolerance \(([0-9.]+)% of the map flipped\)", out))
-    assert code == 1 and best and len(alone) > 1 and float(alone[best[1]]) == min(map(float, alone.values())), out
+    assert code == 1 and best and len(alone) > 1 and alone[best[1]] == best[2] and float(best[2]) == min(map(float, alone.values())), out
+    assert float(best[3]) == pytest.approx(100 * _summary(tmp_path / "t")["outputs"][0]["decision"]["flipped_share"], abs=1e-3), out
     # Which part brings more of the loss, as the objective reads it: the ratios tie, the flipped shares do not.
     outcomes = {part: TrialOutcome([], {"map": 33.3}, {"map": {"flipped_share": share}}) for part, share in zip(("activations", "weights"), (0.05, 0.04))}
     assert weights_dominate(outcomes, outcomes["weights"], Objective("decision")) == {"map": True}
