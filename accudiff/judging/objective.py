@@ -168,16 +168,24 @@ def figure_style(name: str) -> tuple[Callable[[float, int], str], int]:
     return (fixed, 6) if name.startswith("cosine") else (percent, 3)
 
 
+# The figure an output's decision is read by, first one the output has: scores' top-1 agreement, an embedding's
+# lowest cosine, a detector's detection agreement, a map's flipped share; and what a finding calls its error.
+DECISION_FIGURES = {"top1": "its top-1 disagreement", "cosine_min": "its lowest cosine's distance from 1",
+                    "detections": "its detection disagreement", "flipped_share": "its flipped share"}
+
+
+def decision_figure(figures: Mapping[str, float]) -> str | None:
+    """The name of the figure the output's decision is read by (DECISION_FIGURES), None where it has none."""
+    return next((name for name in DECISION_FIGURES if name in figures), None)
+
+
 def decision_error(figures: Mapping[str, float]) -> float | None:
     """What a decision gets wrong: 1 - top-1 agreement of scores, 1 - the lowest cosine of an embedding, 1 -
     a detector's detection agreement, the flipped share of a map."""
-    if "top1" in figures:
-        return 1.0 - figures["top1"]
-    if "cosine_min" in figures:
-        return 1.0 - figures["cosine_min"]
-    if "detections" in figures:
-        return 1.0 - figures["detections"]
-    return figures.get("flipped_share")
+    name = decision_figure(figures)
+    if name is None:
+        return None
+    return figures[name] if name == "flipped_share" else 1.0 - figures[name]
 
 
 def score_said(objective: Objective, figures: Mapping[str, float]) -> str:
@@ -185,10 +193,8 @@ def score_said(objective: Objective, figures: Mapping[str, float]) -> str:
     halve its error")."""
     if objective.miss(figures) is not None:
         return "its distance from its requirement"
-    if objective.kind == "decision" and decision_error(figures) is not None:
-        names = (("top1", "its top-1 disagreement"), ("cosine_min", "its lowest cosine's distance from 1"),
-                 ("detections", "its detection disagreement"), ("flipped_share", "its flipped share"))
-        return next(said for name, said in names if name in figures)
+    if objective.kind == "decision" and (name := decision_figure(figures)) is not None:
+        return DECISION_FIGURES[name]
     return "its error"
 
 

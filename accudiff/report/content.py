@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import asdict
 
 from accudiff.version import __version__
-from accudiff.judging.objective import LADDERS, REQUIREMENTS, Objective, Resolution, describe, figure_text, strictest_met
+from accudiff.judging.objective import LADDERS, REQUIREMENTS, Objective, Resolution, decision_figure, describe, figure_text, strictest_met
 from accudiff.report.decision_text import decision_lines, generation_lines, output_kind, phase_lines, said_figure, sample_name, state_lines
 from accudiff.report.next_steps import decision_requirement, requirement_option
 from accudiff.report.repair_text import repair_lines, tried_subset_lines
@@ -373,21 +373,21 @@ def split_lines(output: str, result) -> list[str]:
     return lines
 
 
-# The decision figure a loss split's three readings are given beside their ratios, by the kind of output: a ratio
-# set by the worst element saturates where a map's element flips from 0 to 1 (every part of a detector's split
-# read 33.3x, while the share of its map flipped was 4.17%, 5.17% and 5.52%).
-SPLIT_FIGURES = (("top1", lambda v: percent(v, 1)), ("cosine_min", lambda v: figure_text("cosine_min", v)),
-                 ("detections", lambda v: percent(v, 1)), ("flipped_share", lambda v: figure_text("flipped_share", v)))
+# How a loss split's decision figure is said beside its three ratios: a ratio set by the worst element saturates
+# where a map's element flips from 0 to 1 (every part of a detector's split read 33.3x, while the share of its
+# map flipped was 4.17%, 5.17% and 5.52%).
+SPLIT_FIGURE_TEXT = {"top1": lambda v: percent(v, 1), "cosine_min": lambda v: figure_text("cosine_min", v),
+                     "detections": lambda v: percent(v, 1), "flipped_share": lambda v: figure_text("flipped_share", v)}
 
 
 def _split_decisions(readings: list[Mapping[str, float]], require: Mapping[str, float]) -> str:
     """The output's decision figure for each part of a loss split and for both, where the output has one and no
     requirement says it already (`describe` gives a required figure with its reading)."""
-    for name, said in SPLIT_FIGURES:
-        values = [reading.get(name) for reading in readings]
-        if None not in values:
-            return "" if name in require else f"; {REQUIREMENTS[name][1]} {said(values[0])}, {said(values[1])} and {said(values[2])}"
-    return ""
+    name = decision_figure(readings[-1])
+    if name is None or name in require or any(name not in reading for reading in readings):
+        return ""
+    said = SPLIT_FIGURE_TEXT[name]
+    return f"; {REQUIREMENTS[name][1]} {said(readings[0][name])}, {said(readings[1][name])} and {said(readings[2][name])}"
 
 
 def _by_op_type(op_types: Mapping[str, Mapping[str, int]]) -> dict[str, str]:
