@@ -50,10 +50,10 @@ class Reading:
     def step(self, keep: list[str]) -> RepairStep:
         return RepairStep(keep, self.tol_ratio, self.figures)
 
-    def said(self, *, named: bool = True) -> str:
+    def said(self, *, named: bool = True, figures: bool = False) -> str:
         """As the findings say it: by its requirement where the output has one, the decision figure beside the
-        ratio only where the objective reads it. `named`: the unit said ("its tolerance")."""
-        return describe(self.tol_ratio, self.figures if self.decisive or self.required else {}, self.required, named)
+        ratio only where the objective reads it (or `figures` asks for it). `named`: the unit said ("its tolerance")."""
+        return describe(self.tol_ratio, self.figures if self.decisive or self.required or figures else {}, self.required, named)
 
 
 @dataclass

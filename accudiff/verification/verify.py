@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 import pandas as pd
 
 from accudiff.stages.group import GroupRun, could_be_a_shape
-from accudiff.judging.objective import Objective, describe, score_said
+from accudiff.judging.objective import Objective, score_said
 from accudiff.judging.table import STATUS_FAIL
 from accudiff.verification.trial import MAX_TRIAL_SAMPLES, TrialOutcome, TrialSetup, Trials, trial_workers
 from accudiff.execution.pool import prestart
@@ -394,12 +394,9 @@ def _conclude(
     best = fair[0] if fair else None
     what, undone = ("quantized", "left unquantized") if phrase == keep_phrase("int8") else ("converted", "kept in FP32")
     short = "short of its requirement" if before.required else "out of tolerance"
-    said_best = ""
-    if best is not None and best.reading:
-        # Tied with nothing kept on the ratio (at its ceiling), the best is best by its decision: said with it.
-        tied = best.reading.score == before.score and best.reading.figures != before.figures
-        said = (lambda r: describe(r.tol_ratio, r.figures, tries.objective.require, named=False)) if tied else (lambda r: r.said(named=False))
-        said_best = f"(best: {best.op_type} '{best.node}', {said(best.reading)} of {said(before)})"
+    # Tied with nothing kept on the ratio (at its ceiling), the best is best by its decision: said with it.
+    tied = best is not None and best.reading is not None and best.reading.score == before.score and best.reading.figures != before.figures
+    said_best = f"(best: {best.op_type} '{best.node}', {best.reading.said(named=False, figures=tied)} of {before.said(named=False, figures=tied)})" if best is not None and best.reading else ""
     reach = reach or Search(len(suspects), len(suspects))
     summary = f"no single node repairs the output: {reach.said(what, undone, short, said_best, score_said(tries.objective, before.figures))}"
     kind = "accumulated" if math.isfinite(now.tol_ratio) else "not_found"  # NaN/Inf are not small errors growing
