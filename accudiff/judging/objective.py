@@ -188,6 +188,21 @@ def decision_error(figures: Mapping[str, float]) -> float | None:
     return figures[name] if name == "flipped_share" else 1.0 - figures[name]
 
 
+TIGHTER_BY = 4  # a target suggested for a search by the decision cuts what it gets wrong at least this many times
+
+
+def tighter_target(figures: Mapping[str, float]) -> tuple[str, float] | None:
+    """A target for a search by the output's decision (its figure, DECISION_FIGURES) that cuts what it gets
+    wrong TIGHTER_BY times at least: the loosest such target of its ladder (LADDERS); None where the figure
+    has no ladder or its error lies below the ladder already."""
+    name, error = decision_figure(figures), decision_error(figures)
+    if name not in LADDERS or not error:
+        return None
+    wrong = (lambda target: target) if name == "flipped_share" else (lambda target: 1.0 - target)
+    rungs = [target for target in LADDERS[name] if wrong(target) <= error / TIGHTER_BY]
+    return (name, max(rungs, key=wrong)) if rungs else None
+
+
 def score_said(objective: Objective, figures: Mapping[str, float]) -> str:
     """What `objective.score` measures of an output with these figures, as a finding says it ("do not even
     halve its error")."""

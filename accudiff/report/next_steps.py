@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import shlex
 
-from accudiff.judging.objective import Resolution, strictest_met
+from accudiff.judging.objective import REQUIREMENTS, TIGHTER_BY, Resolution, figure_text, strictest_met, tighter_target
 from accudiff.model.quantized_ops import op_types_option
 
 
@@ -42,9 +42,53 @@ def compare_command(result, extra: list[str]) -> str | None:
     return shlex.join([*result.replay, *extra]) if result.replayable else None
 
 
-def bisect_command(result) -> str | None:
-    """`accudiff bisect precision` on what was compared, with every option it takes; None as above."""
-    return shlex.join(["accudiff", "bisect", "precision", *result.settings.arguments("bisect")]) if result.replayable else None
+def bisect_command(result, extra: list[str] = ()) -> str | None:
+    """`accudiff bisect precision` on what was compared, with every option it takes (and `extra`); None as above."""
+    return shlex.join(["accudiff", "bisect", "precision", *result.settings.arguments("bisect"), *extra]) if result.replayable else None
+
+
+CEILING_SHARE = 0.99  # a worst element erring by this share of the range the reference takes, or more: the ratio at its ceiling
+
+
+def ratio_ceiling(output: str, result) -> str | None:
+    """Where `output`'s tolerance ratio sits at its ceiling, what sets it: its worst element moved across the
+    whole range the reference takes (a probability map's pixel from 0 to 1). The ratio stays there while any
+    element still moves so: a search by the tolerance keeps nodes until none does (on the PP-OCRv4 detector
+    quantized per tensor, 315 of its 330 nodes; by its flipped share, 1% needed 27)."""
+    rows = result.table[result.table["tensor"] == output]
+    if rows.empty:
+        return None
+    row = rows.iloc[0]
+    span = float(row["ref_max"]) - float(row["ref_min"])
+    if not span > 0 or not float(row["max_abs_err"]) >= CEILING_SHARE * span:
+        return None
+    return (f"its worst element goes from {row['worst_ref']:.3g} to {row['worst_cand']:.3g}, the whole range the reference takes, "
+            "and the ratio stays there while any element still does")
+
+
+def decision_search(output: str, result) -> tuple[str, Resolution] | None:
+    """For an output at its ratio's ceiling (`ratio_ceiling`) whose decision has a figure the run does not
+    require yet: what sets the ceiling, and a target to search by instead (objective.tighter_target)."""
+    figures = result.decisions.get(output, {})
+    if any(name in figures for name in result.require) or (target := tighter_target(figures)) is None:
+        return None
+    ceiling = ratio_ceiling(output, result)
+    return (ceiling, Resolution(target[0], target[1], figures[target[0]], "missed")) if ceiling else None
+
+
+def decision_search_lines(aimed: dict[str, tuple[str, Resolution]], result, indent: str = "", named: bool = True) -> list[str]:
+    """How to search by the decision for the outputs at their ratio's ceiling (`decision_search`), the command
+    last; `named`: each output named (else the lines are under the one output's own heading)."""
+    chosen: dict[str, float] = {}  # per figure, the strictest output's target: one --require of it holds every output to it
+    for _, t in aimed.values():
+        wrong = (lambda target: target) if t.direction == "max" else (lambda target: 1.0 - target)
+        chosen[t.name] = min(chosen.get(t.name, t.target), t.target, key=wrong)
+    said = "; ".join(f"{'the tolerance ratio of ' + repr(output) if named else 'its tolerance ratio'} is at its ceiling: {ceiling}"
+                     for output, (ceiling, _) in aimed.items())
+    targets = ", ".join(f"a {REQUIREMENTS[t.name][1]} of {figure_text(t.name, chosen[t.name])}, where it is {figure_text(t.name, t.value)}" for _, t in aimed.values())
+    command = bisect_command(result, [item for name, target in chosen.items() for item in ("--require", f"{name}={target:g}")]) or f"accudiff bisect precision ({unsaved_inputs_text()})"
+    return [f"{indent}{said}. Find the nodes to keep for what it decides instead, at a figure you accept "
+            f"(here {targets}: 1/{TIGHTER_BY} or less of what it gets wrong now):", f"{indent}  {command}"]
 
 
 def keep_option(result, nodes: list[str], python: bool) -> str:
@@ -79,6 +123,7 @@ def next_step_lines(result, python: bool = False) -> list[str]:
         return [f"next: keep {len(keep)} node(s) in higher precision (verified at the {outputs}):", f"  {keep_option(result, keep, python)}"]
     held = [r for f in failures if (r := decision_requirement(f.tensor, result)) is not None]
     bisect = bisect_command(result) or f"accudiff bisect precision ({unsaved_inputs_text()})"
+    aimed = {f.tensor: found for f in failures if (found := decision_search(f.tensor, result)) is not None}
     if held and len(held) == len(failures):
         texts = requirements_every_output_meets(held)
         said = (f"require={texts!r}" if python else
@@ -86,4 +131,7 @@ def next_step_lines(result, python: bool = False) -> list[str]:
         # what the decision is shown to meet, not that it "holds": 90% top-1 agreement, or a KL of 0.02, is met by a decision that moves
         return [f"next: out of tolerance, but what it decides meets {' and '.join(texts)}; if the decision is what you judge the model by:", f"  {said}",
                 "or, for the tolerance, find the nodes to keep in higher precision:", f"  {bisect}"]
+    if aimed:
+        first, command = decision_search_lines(aimed, result)
+        return [f"next: {first}", command, "or, for the tolerance:", f"  {bisect}"]
     return ["next: find the nodes to keep in higher precision:", f"  {bisect}"]

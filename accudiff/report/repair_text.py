@@ -13,7 +13,7 @@ from pathlib import Path
 from accudiff.judging.objective import describe
 from accudiff.model.formats import QUANTIZED_FORMATS
 from accudiff.model.quantized_ops import TOOL_OPTIONS, modelopt_pattern, op_types_option
-from accudiff.report.next_steps import bisect_command, keep_option, unsaved_inputs_text
+from accudiff.report.next_steps import bisect_command, decision_search, decision_search_lines, keep_option, unsaved_inputs_text
 
 
 def tried_subset_lines(failure, result) -> list[str]:
@@ -32,7 +32,11 @@ def repair_lines(failure, result, python: bool = False) -> list[str]:
     """The verified repair, one line per step; without one, how to look for it."""
     repair = failure.repair
     if repair is None or len(repair.steps) < 2:
-        return ["  to find the nodes to keep in higher precision:", f"    {bisect_command(result) or f'accudiff bisect precision ({unsaved_inputs_text()})'}"]
+        bisect = f"    {bisect_command(result) or f'accudiff bisect precision ({unsaved_inputs_text()})'}"
+        aimed = decision_search(failure.tensor, result)
+        if aimed is None:
+            return ["  to find the nodes to keep in higher precision:", bisect]
+        return [*decision_search_lines({failure.tensor: aimed}, result, "  ", named=False), "  or, for the tolerance:", bisect]
     unit = "prompt" if result.generations else "sample"  # a decoder's trials run each prompt's whole sequence
     samples = (f"on {unit} {repair.samples[0]}" if len(repair.samples) == 1 else f"on {unit}s {', '.join(map(str, repair.samples))}") if repair.samples else ""
     if failure.cause is not None and failure.cause.stand_in:
