@@ -44,6 +44,28 @@ def graph_outputs(model: Path | onnx.ModelProto) -> list[str]:
     return [o.name for o in _loaded(model).graph.output]
 
 
+def float_path_around(model: Path | onnx.ModelProto, start: str, node_name: str, output: str, values: dict[str, np.ndarray]) -> bool:
+    """Whether `start`'s values reach `output` through float values only (`values`: the reference's) by a path
+    that avoids every output of the node `node_name`: an error it undoes would still reach the output."""
+    graph = _loaded(model).graph
+    avoided = {out for node in graph.node if node.name == node_name for out in node.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    seen, stack = {start}, [start]
+    while stack:
+        for node in readers.get(stack.pop(), []):
+            for out in node.output:
+                if out in seen or out in avoided or not np.issubdtype(np.asarray(values.get(out, 0.0)).dtype, np.floating):
+                    continue
+                if out == output:
+                    return True
+                seen.add(out)
+                stack.append(out)
+    return False
+
+
 @dataclass
 class NodeVerdict:
     node: str

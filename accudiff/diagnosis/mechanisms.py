@@ -9,7 +9,8 @@
 * absorption: a node whose error a later node measurably undoes: the first node downstream, reading a
   value that carries the error, across which it shrinks (NaN/Inf turned back into finite values, as a
   saturating Tanh, Sigmoid, Min/Clip or Softmax does, or the Q/DQ pair before it, which puts them on its grid;
-  or the mean error at least halved while the SQNR rises by ABSORBED_DB or more), named with that evidence.
+  or the mean error at least halved while the SQNR rises by ABSORBED_DB or more, by a node that does more
+  than move values, and that the error cannot go around), named with that evidence.
 These are findings to explain a cause, never a cause on their own: verify.py decides what matters.
 """
 
@@ -28,6 +29,11 @@ AMPLIFYING_OPS = frozenset({"Reciprocal", "Sqrt", "Div", "Exp", "Pow", "Log"})
 SATURATING_OPS = frozenset({"Tanh", "Sigmoid", "HardSigmoid", "Min", "Clip", "Softmax", "LogSoftmax", "Erf", "Relu"})
 AMPLIFIER_DROP_DB = 6.0  # an SQNR fall of at least this across one node is worth naming
 ABSORBED_DB = 6.0  # ... and a rise of at least this, an error undone
+# Ops that only rearrange or join values: each element they hand on carries the error it had. Their mean error
+# can still read lower than their input's (YOLOv8's last Concat joins its boxes, off by 5.8, to its class
+# scores, off by thousandths), but nothing is undone there.
+MOVING_OPS = frozenset({"Concat", "DepthToSpace", "Expand", "Flatten", "Identity", "Pad", "Reshape", "SpaceToDepth", "Split", "Squeeze",
+                        "Tile", "Transpose", "Unsqueeze"})
 MAX_UNIT_NODES = 12
 
 
@@ -109,6 +115,8 @@ def absorber(start: str, output: str, table: pd.DataFrame, context: DiagnosisCon
         if not read:
             continue
         if any(new_non_finite(r) for r in read) and not new_non_finite(row):
+            if _bypassed(start, tensor, output, table, context):
+                continue
             gridded = [context.quant_ranges[name] for name in names if new_non_finite(rows[name]) and name in context.quant_ranges]
             if gridded:  # the pair before the node made them finite, not the node
                 grid = gridded[0]
@@ -122,10 +130,34 @@ def absorber(start: str, output: str, table: pd.DataFrame, context: DiagnosisCon
         before_sqnr = min(float(r["sqnr_db"]) for r in read)
         before_error = max(float(r["mean_abs_err"]) for r in read)
         sqnr, error = float(row["sqnr_db"]), float(row["mean_abs_err"])
-        if error <= before_error / 2 and sqnr >= before_sqnr + ABSORBED_DB:
+        if (error <= before_error / 2 and sqnr >= before_sqnr + ABSORBED_DB and row["op_type"] not in MOVING_OPS
+                and not _bypassed(start, tensor, output, table, context)):
             return (row["node"], row["op_type"], f"the mean error falls across it from {before_error:.3g} to {error:.3g}, "
                                                  f"the SQNR rises from {before_sqnr:.1f} to {sqnr:.1f} dB")
     return None
+
+
+def _bypassed(start: str, across: str, output: str, table: pd.DataFrame, context: DiagnosisContext) -> bool:
+    """Whether `start`'s values reach `output` by a path of float values that avoids `across`: an error that
+    shrinks across a node it also goes around is not undone (a SiLU's Sigmoid shrinks its input's error, and
+    its Mul reads that input as it is). A shape or an index read off the path carries none of the values."""
+    if across == output:
+        return False
+    readers: dict[str, list[str]] = {}
+    for tensor, reads in context.upstream.items():
+        for name in reads:
+            readers.setdefault(name, []).append(tensor)
+    dtypes = table["dtype"].to_dict()
+    seen, stack = {start}, [start]
+    while stack:
+        for reader in readers.get(stack.pop(), []):
+            if reader in seen or reader == across or "float" not in str(dtypes.get(reader, "float")):
+                continue
+            if reader == output:
+                return True
+            seen.add(reader)
+            stack.append(reader)
+    return False
 
 
 def is_saturating(op_type: str | None) -> bool:
