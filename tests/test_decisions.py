@@ -439,6 +439,26 @@ def test_scores_whose_top1_meets_no_target_are_offered_the_kl_they_meet():
     assert (met.name, met.target) == ("top1", 0.95)  # top-1 first, where a target is shown met
 
 
+def test_a_target_offered_to_search_by_is_one_the_data_could_show_met():
+    """A classifier agreeing on 15 of 24 files: the search by its decision is offered at 95% (a quarter of what
+    it gets wrong, or less), which 24 files cannot show met even if all agree (84.9% at least), so none is; on
+    240 files of the same agreement, 95% is. A map flipping 5.52% of 409600 elements on 4 pages is offered 1%."""
+    import numpy as np
+
+    from accudiff.judging.intervals import best_case, unit_intervals
+    from accudiff.judging.objective import tighter_target
+
+    def spans(agreeing: list[int]) -> dict:
+        return unit_intervals({"top1": np.array(agreeing, float), "rows": np.ones(len(agreeing))}, {"top1": 0})
+
+    few = spans([1] * 15 + [0] * 9)
+    assert best_case(few["top1"], 1.0).low == pytest.approx(0.849, abs=1e-3)
+    assert tighter_target({"top1": 15 / 24}, few) is None
+    assert tighter_target({"top1": 15 / 24}, spans([1] * 150 + [0] * 90)) == ("top1", 0.95)
+    pages = unit_intervals({"flipped": np.array([5700.0, 5600, 5650, 5660]), "map_elements": np.full(4, 102400.0)}, {"flipped_share": 0})
+    assert tighter_target({"flipped_share": 0.0552}, pages) == ("flipped_share", 0.01)
+
+
 def test_what_an_output_is_held_to_is_of_the_figures_it_misses():
     """Required top1=0.99 and kl=0.05, missing only the first: what it meets is said of top-1 (no target), not of the KL
     it meets anyway (the plugin's failure said 'it is shown to meet kl=0.02' of a top-1 it missed)."""

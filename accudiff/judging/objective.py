@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Iterable, Mapping, Sequence
 
-from accudiff.judging.intervals import Interval, needed_units, resolve
+from accudiff.judging.intervals import Interval, best_case, needed_units, resolve
 from accudiff.errors import AccudiffError
 from accudiff.text import fixed, general, percent, times_tolerance
 
@@ -191,16 +191,19 @@ def decision_error(figures: Mapping[str, float]) -> float | None:
 TIGHTER_BY = 4  # a target suggested for a search by the decision cuts what it gets wrong at least this many times
 
 
-def tighter_target(figures: Mapping[str, float]) -> tuple[str, float] | None:
+def tighter_target(figures: Mapping[str, float], spans: Mapping[str, Interval]) -> tuple[str, float] | None:
     """A target for a search by the output's decision (its figure, DECISION_FIGURES) that cuts what it gets
-    wrong TIGHTER_BY times at least: the loosest such target of its ladder (LADDERS); None where the figure
-    has no ladder or its error lies below the ladder already."""
+    wrong TIGHTER_BY times at least and that the data could show met (its interval were the figure perfect,
+    intervals.best_case): the loosest such target of its ladder (LADDERS); None where there is none (the
+    figure has no ladder, its error lies below it already, or the data is too little for every such target)."""
     name, error = decision_figure(figures), decision_error(figures)
     if name not in LADDERS or not error:
         return None
-    wrong = (lambda target: target) if name == "flipped_share" else (lambda target: 1.0 - target)
-    rungs = [target for target in LADDERS[name] if wrong(target) <= error / TIGHTER_BY]
-    return (name, max(rungs, key=wrong)) if rungs else None
+    direction = REQUIREMENTS[name][0]
+    perfect = 1.0 if direction == "min" else 0.0
+    best = best_case(spans[name], perfect) if name in spans else None
+    rungs = [target for target in LADDERS[name] if abs(perfect - target) <= error / TIGHTER_BY and resolve(direction, target, perfect, best) == "met"]
+    return (name, max(rungs, key=lambda target: abs(perfect - target))) if rungs else None
 
 
 def score_said(objective: Objective, figures: Mapping[str, float]) -> str:

@@ -70,7 +70,7 @@ def decision_search(output: str, result) -> tuple[str, Resolution] | None:
     """For an output at its ratio's ceiling (`ratio_ceiling`) whose decision has a figure the run does not
     require yet: what sets the ceiling, and a target to search by instead (objective.tighter_target)."""
     figures = result.decisions.get(output, {})
-    if any(name in figures for name in result.require) or (target := tighter_target(figures)) is None:
+    if any(name in figures for name in result.require) or (target := tighter_target(figures, result.intervals.get(output, {}))) is None:
         return None
     ceiling = ratio_ceiling(output, result)
     return (ceiling, Resolution(target[0], target[1], figures[target[0]], "missed")) if ceiling else None
