@@ -163,7 +163,7 @@ def test_bisect_precision_numbers_only_the_steps_it_runs(run_cli, tmp_path):
     code, _, err = run_cli("bisect", "precision", fixture("drifting_probability_map"), "--fp16", "--candidate", "onnxrt", "-o", tmp_path / "p")
     steps = [line.split()[1] for line in err.splitlines() if line.strip().startswith("step ")]
     assert code == 1 and len(steps) == len(set(steps)) > 2, err  # 1: the candidate as made fails
-    assert "(pruning: one node fewer): answered by an earlier run" in err
+    assert "(pruning: fewer nodes): answered by an earlier run" in err
     page = (tmp_path / "p" / "report.html").read_text()
     assert "each kept node needed" in page and "already meets tolerance" in page
 

@@ -607,7 +607,8 @@ def test_a_repair_whose_pruning_stopped_short_says_how_many_nodes_it_did_not_try
         monkeypatch.setattr(module, "PRUNE_LIMIT", 4)
     code, out, err = run_cli(*common, "-o", tmp_path / "short")
     kept = (tmp_path / "short" / "nodes.txt").read_text().splitlines()
-    [said] = re.findall(r"pruned the last added first, within 4 runs: the first (\d+) were not tried without, so a shorter list may meet it too", out)
+    [said] = re.findall(r"pruned the last added first \(a long list in groups first, halving down to single nodes\), within 4 runs: (\d+) of them were never "
+                        r"left out on their own, so a shorter list may meet it too", out)
     assert code == 1 and 0 < int(said) <= len(kept), out  # the nodes never tried without are still kept
     assert "each of them is needed" not in out
 

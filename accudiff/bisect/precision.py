@@ -8,8 +8,8 @@
    the keep-list is never longer than compare's.
 3. Otherwise, keeping the top k nodes is tried for k found by bisection over the ranking (about log2(N)
    runs): first the whole ranking (if even that fails, no keep-list of these nodes repairs the model),
-   then halving towards the smallest k that passes; that list is pruned (its nodes dropped, the last added
-   first, while the rest still passes: at most PRUNE_LIMIT runs).
+   then halving towards the smallest k that passes; that list is pruned (its nodes dropped while the rest
+   still passes, the last added first, in groups that halve down to single nodes: at most PRUNE_LIMIT runs).
 4. Every keep-list is closed over precision boundaries and judged at the graph outputs by the same trial
    mechanism verification uses (verification/trial.py); the keep-list, the repaired model (exactly the
    variant that passed) and the ranking are written out. The reference runs once for all of it.
@@ -27,16 +27,17 @@ from accudiff.result import CompareResult
 from accudiff.bisect.session import BisectSession
 from accudiff.diagnosis.cause import rank_contributors
 from accudiff.judging.objective import Resolution, strictest_met
-from accudiff.verification.trial import TrialOutcome, Trials, prune
+from accudiff.verification.pruning import prune
+from accudiff.verification.trial import TrialOutcome, Trials
 from accudiff.model.saving import save_model
 from accudiff.model.quantized_ops import modelopt_pattern
 from accudiff.report.decision_text import unresolved_text
 from accudiff.transforms.candidate import repaired, repaired_file
 
 KEEP_LIST_FILE, NODES_FILE, RANKING_FILE = "keep_fp32.txt", "nodes.txt", "ranking.csv"
-# Runs pruning a passing prefix of the ranking may take: a longer list is pruned from its end only. The trained
-# Magika by quantize_static: its prefix of 50 nodes pruned to 26 within 32 runs (19 never tried), to 15 within 64,
-# each of them needed (28 s -> 38 s).
+# Runs pruning a passing prefix of the ranking may take (in groups first: trial.prune). The trained Magika by
+# quantize_static, one node at a time: its prefix of 50 nodes pruned to 26 within 32 runs (19 never tried), to 15
+# within 64, each of them needed (28 s -> 38 s).
 PRUNE_LIMIT = 64
 
 
@@ -52,7 +53,7 @@ class PrecisionResult:
     interrupted: bool = False
     trivial: bool = False  # only keeping every converted node meets the target: the format is too coarse for it
     minimal: bool = False  # each node of `keep` was tried without: none can be left out
-    untried: int = 0  # else how many of its first nodes pruning did not reach (PRUNE_LIMIT runs)
+    untried: int = 0  # else how many of its nodes pruning did not try alone (within PRUNE_LIMIT runs)
     unresolved: list[str] = field(default_factory=list)  # requirements the data cannot resolve, said: no keep-list is searched for them
     unresolved_kept_all: list[str] = field(default_factory=list)  # those the data cannot resolve even with every converted node kept
     converted: int = 0  # nodes the candidate computes in reduced precision (what a keep-list may take from)
@@ -170,15 +171,17 @@ def _tried(session: BisectSession, trials: Trials, chosen: list[str], full: Comp
     return outcome
 
 
-def _pruned(session: BisectSession, trials: Trials, chosen: list[str], full: CompareResult, total: int, limit: int) -> tuple[list[str], int]:
+def _pruned(session: BisectSession, trials: Trials, chosen: list[str], full: CompareResult, total: int, limit: int,
+            halving: bool = False) -> tuple[list[str], int]:
     """A passing keep-list (closed over its regions) with each node dropped while the rest, run as it is,
-    still passes: the value-moving readers kept for company and what a closure added too (trial.prune), in
-    at most `limit` runs; and how many of its first nodes were not tried (0: every one was)."""
+    still passes: the value-moving readers kept for company and what a closure added too (trial.prune, in
+    groups first where `halving`), in at most `limit` runs; and how many of its nodes were not tried alone
+    (0: every one was)."""
     def holds(rest: list[str]) -> bool:
-        return _passes(session, trials, rest, full, "pruning: one node fewer", total, exact=True)
+        return _passes(session, trials, rest, full, "pruning: fewer nodes", total, exact=True)
 
-    closed = trials.boundaries.close(chosen)
-    return prune(closed, holds, limit=limit)[0], max(len(closed) - limit, 0)
+    kept, _, untried = prune(trials.boundaries.close(chosen), holds, limit=limit, halving=halving)
+    return kept, untried
 
 
 def _from_repair(session: BisectSession, trials: Trials, start: list[str], full: CompareResult) -> tuple[list[str], int] | None:
@@ -209,7 +212,7 @@ def _smallest_passing_prefix(session: BisectSession, trials: Trials, nodes: list
         else:
             failing = middle
     chosen = prefix(passing)
-    return _pruned(session, trials, chosen, full, total, PRUNE_LIMIT)
+    return _pruned(session, trials, chosen, full, total, PRUNE_LIMIT, halving=True)
 
 
 def _run_bound(ranked: int, repair: int) -> int:

@@ -136,7 +136,8 @@ def _precision_text(result, folder: Path, settings: RunSettings) -> str:
             measured = " (each prompt's whole sequence run as one prefill, as bisect runs a decoder)" if settings.prompts is not None else ""
             lines.append(f"  each of them is needed: without any one of them (each tried), the rest is not shown to meet {_target(settings)}{measured}")
         elif result.untried:
-            lines.append(f"  pruned the last added first, within {PRUNE_LIMIT} runs: the first {result.untried} were not tried without, so a shorter list may meet it too")
+            lines.append(f"  pruned the last added first (a long list in groups first, halving down to single nodes), within {PRUNE_LIMIT} runs: {result.untried} of them "
+                         "were never left out on their own, so a shorter list may meet it too")
         # ModelOpt's option is said where it is the user's next tool: a candidate accudiff made, or one of Q/DQ pairs (not another tool's own ops).
         modelopt = settings.candidate_model is None or any(node not in result.quantized_by for node in result.keep)
         also = ", ModelOpt's --nodes_to_exclude takes them too" if modelopt else ""

@@ -69,7 +69,7 @@ def bisect_page(bisector: str, model: str, precision: str, result, steps: Sequen
         )
         facts.update({f"already meets {target}": "yes" if result.passed_without_changes else "no", "repaired": "yes" if result.repaired else "no"})
         if result.repaired:
-            facts["each kept node needed"] = "yes: without any one of them (each tried), the rest does not pass" if result.minimal else (f"not shown: the first {result.untried} were not tried without" if result.untried else "not shown: not every node was tried without")
+            facts["each kept node needed"] = "yes: without any one of them (each tried), the rest does not pass" if result.minimal else (f"not shown: {result.untried} of them were never left out on their own" if result.untried else "not shown: not every node was tried without")
         body = [facts_table(facts)]
         if result.keep:
             body.append(f"<h3>Keep in higher precision ({len(result.keep)} node(s))</h3>" + bullet_list(result.keep))

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field, replace
 
 from accudiff.judging.intervals import Interval
 from accudiff.judging.objective import Objective, decision_error, describe
-from accudiff.verification.trial import TrialOutcome, Trials, prune
+from accudiff.verification.pruning import prune
+from accudiff.verification.trial import TrialOutcome, Trials
 from accudiff.findings import Repair, RepairStep
 
 
@@ -79,7 +80,7 @@ def pruned(repair: Repair, tries: Tries, protected: set[str]) -> Repair:
             held.append((kept, reading))
         return reading.met
 
-    keep, runs = prune(repair.keep, holds, protected)
+    keep, runs, _ = prune(repair.keep, holds, protected)
     if len(keep) == len(repair.keep):
         return replace(repair, pruning_runs=runs)
     kept, reading = held[-1]

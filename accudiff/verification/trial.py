@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -51,7 +51,6 @@ if TYPE_CHECKING:
 MAX_TRIAL_SAMPLES = 8  # trials run on the worst failing samples, at most this many
 VARIANTS_PER_WORKER = 8  # every variant's session is open at once in a worker: bound that
 UNDERFLOW_SHARE = 0.01  # as diagnosis/rules.py: a smaller share of tiny values is noise
-PRUNE_RUNS = 16  # runs pruning a repair may take: its nodes tried for dropping, the last added first
 WORKER_START_SECONDS = 0.35  # a worker's Python start and imports, on one core
 LARGE_MODEL_BYTES = 1 << 30  # weights from which a model's trials run one variant at a time (see Trials)
 
@@ -373,25 +372,6 @@ def trial_workers(compared: Compared) -> int:
     """How many workers trials start with: one when the candidate can be tried as a switchboard, else one
     per core (see the module's docstring)."""
     return 1 if switchable(compared) else os.cpu_count() or 1
-
-
-def prune(keep: Sequence[str], holds: Callable[[list[str]], bool], protected: Collection[str] = (), limit: int = PRUNE_RUNS) -> tuple[list[str], int]:
-    """`keep`, each node dropped (the last added first) while the rest still `holds` (a run of the rest as
-    it is, not closed over boundaries), and how many runs that took. A repair grown by adding what helps, or
-    kept as a unit (a cancellation with what computes its operands), carries nodes it needs no more once the
-    others are in; so may its closure: a reader kept because its input would overflow it, where the overflow
-    does no harm (-Inf into a Softmax is exactly right). `protected` nodes (the cause) are not tried."""
-    chosen, runs = list(keep), 0
-    for node in reversed(list(keep)):
-        if runs >= limit:
-            break
-        rest = [n for n in chosen if n != node]
-        if not rest or node in protected:
-            continue
-        runs += 1
-        if holds(rest):
-            chosen = rest
-    return chosen, runs
 
 
 def worth_a_worker(variants: int, variant_seconds: float) -> bool:
