@@ -183,9 +183,13 @@ def decision_error(figures: Mapping[str, float]) -> float | None:
     """What a decision gets wrong: 1 - top-1 agreement of scores, 1 - the lowest cosine of an embedding, 1 -
     a detector's detection agreement, the flipped share of a map."""
     name = decision_figure(figures)
-    if name is None:
-        return None
-    return figures[name] if name == "flipped_share" else 1.0 - figures[name]
+    return None if name is None else wrong_by(name, figures[name])
+
+
+def wrong_by(name: str, value: float) -> float:
+    """How far a required figure's `value` is from a perfect decision: 1 - value of a figure that must reach
+    its target ("min"), the value itself of one that must stay under it."""
+    return 1.0 - value if REQUIREMENTS[name][0] == "min" else value
 
 
 TIGHTER_BY = 4  # a target suggested for a search by the decision cuts what it gets wrong at least this many times
@@ -202,8 +206,8 @@ def tighter_target(figures: Mapping[str, float], spans: Mapping[str, Interval]) 
     direction = REQUIREMENTS[name][0]
     perfect = 1.0 if direction == "min" else 0.0
     best = best_case(spans[name], perfect) if name in spans else None
-    rungs = [target for target in LADDERS[name] if abs(perfect - target) <= error / TIGHTER_BY and resolve(direction, target, perfect, best) == "met"]
-    return (name, max(rungs, key=lambda target: abs(perfect - target))) if rungs else None
+    rungs = [target for target in LADDERS[name] if wrong_by(name, target) <= error / TIGHTER_BY and resolve(direction, target, perfect, best) == "met"]
+    return (name, max(rungs, key=lambda target: wrong_by(name, target))) if rungs else None
 
 
 def score_said(objective: Objective, figures: Mapping[str, float]) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import shlex
 
-from accudiff.judging.objective import REQUIREMENTS, TIGHTER_BY, Resolution, figure_text, strictest_met, tighter_target
+from accudiff.judging.objective import REQUIREMENTS, TIGHTER_BY, Resolution, figure_text, strictest_met, tighter_target, wrong_by
 from accudiff.model.quantized_ops import op_types_option
 
 
@@ -81,8 +81,7 @@ def decision_search_lines(aimed: dict[str, tuple[str, Resolution]], result, inde
     last; `named`: each output named (else the lines are under the one output's own heading)."""
     chosen: dict[str, float] = {}  # per figure, the strictest output's target: one --require of it holds every output to it
     for _, t in aimed.values():
-        wrong = (lambda target: target) if t.direction == "max" else (lambda target: 1.0 - target)
-        chosen[t.name] = min(chosen.get(t.name, t.target), t.target, key=wrong)
+        chosen[t.name] = min(chosen.get(t.name, t.target), t.target, key=lambda target: wrong_by(t.name, target))
     said = "; ".join(f"{'the tolerance ratio of ' + repr(output) if named else 'its tolerance ratio'} is at its ceiling: {ceiling}"
                      for output, (ceiling, _) in aimed.items())
     targets = ", ".join(f"a {REQUIREMENTS[t.name][1]} of {figure_text(t.name, chosen[t.name])}, where it is {figure_text(t.name, t.value)}" for _, t in aimed.values())
@@ -123,7 +122,6 @@ def next_step_lines(result, python: bool = False) -> list[str]:
         return [f"next: keep {len(keep)} node(s) in higher precision (verified at the {outputs}):", f"  {keep_option(result, keep, python)}"]
     held = [r for f in failures if (r := decision_requirement(f.tensor, result)) is not None]
     bisect = bisect_command(result) or f"accudiff bisect precision ({unsaved_inputs_text()})"
-    aimed = {f.tensor: found for f in failures if (found := decision_search(f.tensor, result)) is not None}
     if held and len(held) == len(failures):
         texts = requirements_every_output_meets(held)
         said = (f"require={texts!r}" if python else
@@ -131,6 +129,7 @@ def next_step_lines(result, python: bool = False) -> list[str]:
         # what the decision is shown to meet, not that it "holds": 90% top-1 agreement, or a KL of 0.02, is met by a decision that moves
         return [f"next: out of tolerance, but what it decides meets {' and '.join(texts)}; if the decision is what you judge the model by:", f"  {said}",
                 "or, for the tolerance, find the nodes to keep in higher precision:", f"  {bisect}"]
+    aimed = {f.tensor: found for f in failures if (found := decision_search(f.tensor, result)) is not None}
     if aimed:
         first, command = decision_search_lines(aimed, result)
         return [f"next: {first}", command, "or, for the tolerance:", f"  {bisect}"]
