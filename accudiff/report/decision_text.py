@@ -173,13 +173,14 @@ def entry_text(phases: dict[str, dict]) -> str:
     """Whether a decoder's error enters in the prefill or grows through the cache: the decode steps' KL against the prefill's."""
     prefill, decode = phases["prefill"]["figures"]["kl"], phases["decode"]["figures"]["kl"]
     span = phases["decode"]["intervals"].get("kl")
-    said = f"the decode steps' KL ({_figure(decode)}) is {{}} the prefill's ({_figure(prefill)}){{}}"
+    said = f"the decode steps' KL, {with_interval('kl', decode, span, general, 3)}, {{}} the prefill's, {_figure(prefill)}"
     if span is not None and span.low > prefill:
-        return "the error grows through the KV cache: " + said.format("above", " beyond its interval")
+        return "the error grows through the KV cache: " + said.format("lies above")
     if span is not None and span.high < prefill:
-        return "the error enters in the prefill and does not grow through the KV cache: " + said.format("below", " beyond its interval")
-    # Within its interval of the prefill's: a few decode positions cannot show growth, nor its absence.
-    return "the error enters in the prefill and is not shown to grow through the KV cache: " + said.format("within its interval of", "")
+        return "the error enters in the prefill and does not grow through the KV cache: " + said.format("lies below")
+    # An interval that takes in the prefill's KL: a few decode positions cannot show growth, nor its absence.
+    return "the error enters in the prefill and is not shown to grow through the KV cache: " + said.format(
+        "takes in" if span is not None else "has no interval to tell it from")
 
 
 def state_lines(result, state: list[str]) -> list[str]:
