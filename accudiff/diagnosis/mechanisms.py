@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import pandas as pd
 
@@ -141,23 +142,8 @@ def _bypassed(start: str, across: str, output: str, table: pd.DataFrame, context
     """Whether `start`'s values reach `output` by a path of float values that avoids `across`: an error that
     shrinks across a node it also goes around is not undone (a SiLU's Sigmoid shrinks its input's error, and
     its Mul reads that input as it is). A shape or an index read off the path carries none of the values."""
-    if across == output:
-        return False
-    readers: dict[str, list[str]] = {}
-    for tensor, reads in context.upstream.items():
-        for name in reads:
-            readers.setdefault(name, []).append(tensor)
     dtypes = table["dtype"].to_dict()
-    seen, stack = {start}, [start]
-    while stack:
-        for reader in readers.get(stack.pop(), []):
-            if reader in seen or reader == across or "float" not in str(dtypes.get(reader, "float")):
-                continue
-            if reader == output:
-                return True
-            seen.add(reader)
-            stack.append(reader)
-    return False
+    return across != output and output in _reached(start, context, lambda tensor: tensor != across and "float" in str(dtypes.get(tensor, "float")))
 
 
 def is_saturating(op_type: str | None) -> bool:
@@ -166,17 +152,22 @@ def is_saturating(op_type: str | None) -> bool:
 
 def _path_rows(start: str, output: str, table: pd.DataFrame, context: DiagnosisContext) -> pd.DataFrame:
     """Rows strictly after `start` that depend on it and feed `output`, in topological order."""
+    return table[table.index.isin(_reached(start, context) & ancestor_tensors(output, context.upstream))]
+
+
+def _reached(start: str, context: DiagnosisContext, passes: Callable[[str], bool] = lambda tensor: True) -> set[str]:
+    """The tensors that depend on `start` through tensors that each `passes`."""
     readers: dict[str, list[str]] = {}
     for tensor, reads in context.upstream.items():
         for name in reads:
             readers.setdefault(name, []).append(tensor)
-    descendants, stack = set(), [start]
+    reached, stack = set(), [start]
     while stack:
         for reader in readers.get(stack.pop(), []):
-            if reader not in descendants:
-                descendants.add(reader)
+            if reader not in reached and passes(reader):
+                reached.add(reader)
                 stack.append(reader)
-    return table[table.index.isin(descendants & ancestor_tensors(output, context.upstream))]
+    return reached
 
 
 def _is_square(tensor: str, table: pd.DataFrame, context: DiagnosisContext) -> bool:
