@@ -35,7 +35,7 @@ from accudiff.report.decision_text import unresolved_text
 from accudiff.transforms.candidate import repaired, repaired_file
 
 KEEP_LIST_FILE, NODES_FILE, RANKING_FILE = "keep_fp32.txt", "nodes.txt", "ranking.csv"
-# Runs pruning a passing prefix of the ranking may take (in groups first: trial.prune). The trained Magika by
+# Runs pruning a passing prefix of the ranking may take (in groups first: pruning.prune). The trained Magika by
 # quantize_static, one node at a time: its prefix of 50 nodes pruned to 26 within 32 runs (19 never tried), to 15
 # within 64, each of them needed (28 s -> 38 s).
 PRUNE_LIMIT = 64
@@ -174,7 +174,7 @@ def _tried(session: BisectSession, trials: Trials, chosen: list[str], full: Comp
 def _pruned(session: BisectSession, trials: Trials, chosen: list[str], full: CompareResult, total: int, limit: int,
             halving: bool = False) -> tuple[list[str], int]:
     """A passing keep-list (closed over its regions) with each node dropped while the rest, run as it is,
-    still passes: the value-moving readers kept for company and what a closure added too (trial.prune, in
+    still passes: the value-moving readers kept for company and what a closure added too (pruning.prune, in
     groups first where `halving`), in at most `limit` runs; and how many of its nodes were not tried alone
     (0: every one was)."""
     def holds(rest: list[str]) -> bool:

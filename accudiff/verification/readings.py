@@ -70,7 +70,7 @@ class Tries:
 
 
 def pruned(repair: Repair, tries: Tries, protected: set[str]) -> Repair:
-    """A verified repair without the nodes it holds without (trial.prune), the pruned list its last step;
+    """A verified repair without the nodes it holds without (pruning.prune), the pruned list its last step;
     `protected`: the causes, never dropped."""
     held: list[tuple[list[str], Reading]] = []
 
