@@ -59,7 +59,7 @@ def _stdlib_files() -> list[Path]:
 def trained_llama(folder: Path) -> Path:
     """The trained checkpoint folder (`folder/llama-trained-<recipe>-hf`), made once per recipe."""
     recipe = "-".join(f"{value}" for value in TRAINED.values())
-    target = Path(folder) / f"llama-trained-{recipe}-hf"
+    target = Path(folder).resolve() / f"llama-trained-{recipe}-hf"  # absolute: the process that makes it runs elsewhere
     with _made_once(target):
         if not (target / "config.json").is_file():
             _require("torch", "transformers", "tokenizers")
@@ -69,7 +69,7 @@ def trained_llama(folder: Path) -> Path:
 
 def random_llama(folder: Path) -> Path:
     """A randomly initialised checkpoint of TinyLlama's shape (`folder/llama-1.1b-random-hf`, 4.4 GB), made once."""
-    target = Path(folder) / "llama-1.1b-random-hf"
+    target = Path(folder).resolve() / "llama-1.1b-random-hf"
     with _made_once(target):
         if not (target / "config.json").is_file():
             _require("torch", "transformers", "tokenizers")
@@ -80,12 +80,13 @@ def random_llama(folder: Path) -> Path:
 def genai_model(checkpoint: Path, folder: Path, precision: str, extra_options: tuple[str, ...] = ()) -> Path:
     """`checkpoint` built by the GenAI model builder for the CPU in `precision` into a folder under `folder`
     named by them, made once."""
-    name = f"{Path(checkpoint).name.removesuffix('-hf')}-genai-{precision}" + "".join(f"-{o.split('=')[0]}" for o in extra_options)
-    target = Path(folder) / name
+    checkpoint, folder = Path(checkpoint).resolve(), Path(folder).resolve()  # the builder runs in another folder
+    name = f"{checkpoint.name.removesuffix('-hf')}-genai-{precision}" + "".join(f"-{o.split('=')[0]}" for o in extra_options)
+    target = folder / name
     with _made_once(target):
         if not (target / "genai_config.json").is_file():
             _require("torch", "transformers", "onnxruntime_genai", "onnx_ir")
-            command = ["build", "-i", str(checkpoint), "-o", str(target), "-p", precision, "-e", "cpu", "-c", str(Path(folder) / "genai-cache")]
+            command = ["build", "-i", str(checkpoint), "-o", str(target), "-p", precision, "-e", "cpu", "-c", str(folder / "genai-cache")]
             _run(command + (["--extra_options", *extra_options] if extra_options else []))
     return target
 

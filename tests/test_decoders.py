@@ -8,6 +8,7 @@ onnxruntime-genai (.ci/run installs them)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import re
@@ -36,10 +37,14 @@ NEW_TOKENS = 8
 @pytest.fixture(scope="session")
 def llama(tmp_path_factory):
     """The trained checkpoint and its GenAI builds, made once for every test worker (a shared folder, locked),
-    and eight prompts of source text as .jsonl."""
+    and eight prompts of source text as .jsonl. The folder is named as a user names one, relative to where
+    they are: the training and the builder run in a process of their own, elsewhere (they once made the
+    models there, and the build then found no checkpoint)."""
     shared = tmp_path_factory.getbasetemp().parent / "decoders"
-    checkpoint = decoders.trained_llama(shared)
-    builds = {precision: decoders.genai_model(checkpoint, shared, precision) for precision in ("fp32", "int4")}
+    with contextlib.chdir(shared.parent):
+        checkpoint = decoders.trained_llama(Path(shared.name)).resolve()
+        builds = {precision: decoders.genai_model(Path(shared.name) / checkpoint.name, Path(shared.name), precision).resolve()
+                  for precision in ("fp32", "int4")}
     prompts = decoders.write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", decoders.source_prompts(8))
     return SimpleNamespace(checkpoint=checkpoint, shared=shared, prompts=prompts, **builds)
 
