@@ -281,5 +281,5 @@ def test_each_of_several_causes_says_which_part_of_its_quantization_the_output_p
         figures = re.search(r"from ([\d.]+)x to ([\d.]+)x, its activations' alone \(its weights still quantized\) to ([\d.]+)x, both to ([\d.]+)x", said)
         expected = [undone(node, ()), undone(node, ("weights",)), undone(node, ("activations",)), undone(node, ("weights", "activations"))]
         assert [float(f) for f in figures.groups()] == pytest.approx(expected, rel=6e-3), (node, said, expected)
-        if all(ratio > expected[0] / 1.25 for ratio in expected[1:]):  # none helps (verify.HELPS)
+        if all(ratio > expected[0] / 1.25 for ratio in expected[1:]):  # none helps (readings.HELPS)
             assert said.endswith("neither part, nor both, helps alone"), said

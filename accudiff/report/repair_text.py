@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Collection
 from pathlib import Path
 
-from accudiff.judging.objective import describe
+from accudiff.judging.objective import Objective, describe
 from accudiff.model.formats import QUANTIZED_FORMATS
 from accudiff.model.quantized_ops import TOOL_OPTIONS, modelopt_pattern, op_types_option
 from accudiff.report.next_steps import bisect_command, decision_search, decision_search_lines, keep_option, unsaved_inputs_text
@@ -43,8 +43,12 @@ def repair_lines(failure, result, python: bool = False) -> list[str]:
         samples += f" of {failure.cause.stand_in}"
     if result.generations and samples:  # the same tokens and each side's own cache, computed in one run, not step by step
         samples += ", each prompt's whole sequence run as one prefill"
-    # Unverified, the worst of the samples tried is what still fails, not each of them.
-    how = f"verified {samples}" if repair.verified else f"NOT verified: tried {samples}, the output still fails"
+    # Unverified, the worst of the samples tried is what still fails, not each of them; or, by a requirement, its
+    # figure reached the target where its interval over them does not lie within it.
+    reached = Objective(require=result.require).miss(repair.steps[-1].figures)
+    still = (f"; its figures reach its requirement, their 95% intervals over those {unit}s do not: not shown met" if reached is not None and reached <= 1.0
+             else ", the output still fails")
+    how = f"verified {samples}" if repair.verified else f"NOT verified: tried {samples}{still}"
     whole = repair.whole_run
     if whole is not None:
         total = len(result.generations) if result.generations else result.iterations

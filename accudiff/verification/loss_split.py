@@ -13,8 +13,7 @@ from typing import Mapping, Sequence
 
 from accudiff.findings import Cause, Finding, Repair
 from accudiff.judging.objective import Objective
-from accudiff.verification.readings import Reading, improvement
-from accudiff.verification.search import HELPS
+from accudiff.verification.readings import HELPS, Reading, improvement
 from accudiff.verification.trial import TrialOutcome, Trials
 from accudiff.model.formats import QUANTIZED_FORMATS
 from accudiff.model.quantized_ops import per_channel_option

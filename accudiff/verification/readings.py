@@ -12,6 +12,8 @@ from accudiff.verification.pruning import prune
 from accudiff.verification.trial import TrialOutcome, Trials
 from accudiff.findings import Repair, RepairStep
 
+HELPS = 0.8  # a keep helps when it brings the output's score below this share of what it was
+
 
 @dataclass(frozen=True)
 class Reading:

@@ -7,7 +7,7 @@ narrowing brings most of the loss: a group is kept in higher precision as a whol
 halve the output's error (nor meet its target), none of its nodes could alone, as long as keeping more never
 hurts; a group that does is split in halves, down to single nodes, which are then tried like suspects. A
 single node that repairs the output, or halves its error, is found in about log2(N) runs. Where a node was
-tried both alone and in a group, the group must do at least what the node did (within HELPS): where it does
+tried both alone and in a group, the group must do at least what the node did (within readings.HELPS): where it does
 not, keeping more hurt there, the group proves nothing, and its nodes are tried alone within the budget.
 """
 
@@ -23,10 +23,9 @@ from accudiff.diagnosis.cause import ancestor_tensors
 from accudiff.findings import Search
 from accudiff.judging.objective import Objective
 from accudiff.diagnosis.rules import DiagnosisContext
-from accudiff.verification.readings import Reading, improvement
+from accudiff.verification.readings import HELPS, Reading, improvement
 
 GROUP_FACTOR = 2.0  # a group kept must halve the output's error (or meet its target) to hold a node worth finding: verify.SEVERAL_FACTOR
-HELPS = 0.8  # verify.HELPS: what a group must at least do beside a node of it tried alone
 
 
 def search_groups(before: Reading, candidates: Sequence[str], alone: dict[str, Reading], run: Callable[[list[list[str]]], list[tuple[list[str], Reading]]],
@@ -79,7 +78,7 @@ def _worth_splitting(before: Reading, reading: Reading) -> bool:
 
 
 def _at_least(group: Reading, node: Reading) -> bool:
-    """A group kept does at least (within HELPS) what one of its nodes kept alone does."""
+    """A group kept does at least (within readings.HELPS) what one of its nodes kept alone does."""
     return group.met or not node.met and (math.isinf(node.score) or group.score <= node.score / HELPS)
 
 
