@@ -311,9 +311,12 @@ def test_a_repair_not_shown_met_is_never_pruned_past_its_requirement(llama, run_
 def test_a_decoders_keeps_and_loss_split_are_said_by_its_kl_requirement(llama, tmp_path, run_cli):
     """Judged by a KL target, what each keep and each part of the loss split does is said as a multiple of that
     target, with its KL: they read "0.651x its tolerance" (the logits' elementwise ratio, which passes) beside a
-    failing KL, and "0.729x of 0.651x" for a keep that brought the KL down."""
-    kl = accudiff.compare(llama.fp32, candidate_model=llama.int4, prompts=llama.prompts, new_tokens=NEW_TOKENS, verify=False).decisions["logits"]["kl"]
-    target = float(f"{0.8 * kl:.3g}")
+    failing KL, and "0.729x of 0.651x" for a keep that brought the KL down. The target lies below the KL's
+    interval, so the requirement fails whatever the trained model's spread over its prompts (at 0.8x the KL,
+    a model trained on another machine was inconclusive, and said no cause)."""
+    measured = accudiff.compare(llama.fp32, candidate_model=llama.int4, prompts=llama.prompts, new_tokens=NEW_TOKENS, verify=False)
+    kl = measured.decisions["logits"]["kl"]
+    target = float(f"{0.9 * measured.intervals['logits']['kl'].low:.3g}")
     code, out, err = run_cli("compare", llama.fp32, "--candidate-model", llama.int4, "--prompts", llama.prompts, "--new-tokens", NEW_TOKENS,
                              "--require", f"kl={target}", "-o", tmp_path / "r")
     assert code == 1, out + err
@@ -336,7 +339,9 @@ def test_a_decoder_out_of_tolerance_is_offered_the_kl_it_is_shown_to_meet(llama,
     """Logits out of a tight elementwise tolerance, whose top-1 agreement is not shown to reach 90% (a small
     trained decoder in INT4 agrees at about 92%): the requirement offered is the KL divergence it is shown to
     meet, the field's measure of a quantized language model; none was offered, and the console said the
-    decision "holds". The printed command passes."""
+    decision "holds". The printed command passes. Where one node's keep repairs the tolerance (the lm_head, on
+    a model trained on another machine), that repair comes first and the requirement beside it: it was not
+    offered, though the repair keeps a layer the decision never needed."""
     code, out, err = run_cli("compare", llama.fp32, "--candidate-model", llama.int4, "--prompts", llama.prompts, "--new-tokens", NEW_TOKENS,
                              "--atol", "0.01", "--rtol", "0.01", "-o", tmp_path / "r")
     assert code == 1, out + err
@@ -347,7 +352,8 @@ def test_a_decoder_out_of_tolerance_is_offered_the_kl_it_is_shown_to_meet(llama,
         assert float(low.rstrip("%")) >= 90, offered.group(0)
     else:
         assert float(high) <= float(target), offered.group(0)
-    assert f"next: out of tolerance, but what it decides meets {name}={target}; if the decision is what you judge the model by:" in out, out
+    assert (f"next: out of tolerance, but what it decides meets {name}={target}; if the decision is what you judge the model by:" in out
+            or f"  or, as what it decides meets {name}={target}, if the decision is what you judge the model by:" in out), out
     [command] = [line.strip() for line in out.splitlines() if line.strip().startswith("accudiff compare") and f"--require {name}={target}" in line]
     assert run_printed(command, tmp_path).returncode == 0, command
 

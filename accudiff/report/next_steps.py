@@ -104,13 +104,25 @@ def unsaved_inputs_text() -> str:
 
 
 def next_step_lines(result, python: bool = False) -> list[str]:
-    """The one next thing to do, first among what a run prints: apply the verified repairs; where the error
-    accumulates and the decision meets a requirement, judge by it (or find the nodes to keep); else find them."""
+    """The one next thing to do, first among what a run prints: apply the verified repairs (or, where the decision
+    meets a requirement, judge by it); where the error accumulates and the decision meets a requirement, judge
+    by it (or find the nodes to keep); else find them."""
     if result.verdict != "fail":
         return []
     failures = [f for f in result.output_failures if f.tensor]
     repairs = [f.repair for f in failures if f.repair is not None and f.repair.verified]
+    held = [r for f in failures if (r := decision_requirement(f.tensor, result)) is not None]
+    judged = None
+    if held and len(held) == len(failures):
+        texts = requirements_every_output_meets(held)
+        said = (f"require={texts!r}" if python else
+                compare_command(result, [item for text in texts for item in ("--require", text)]) or " ".join(f"--require {t}" for t in texts))
+        # what the decision is shown to meet, not that it "holds": 90% top-1 agreement, or a KL of 0.02, is met by a decision that moves
+        judged = (" and ".join(texts), f"  {said}")
     if len(repairs) == len(failures):
+        # A repair that holds the tolerance may cost what the decision never needed (an INT4 decoder's lm_head kept
+        # in FP32, its KL already met): both are said, the repair first.
+        alternative = [f"or, as what it decides meets {judged[0]}, if the decision is what you judge the model by:", judged[1]] if judged else []
         keep = list(dict.fromkeys(n for r in repairs for n in r.keep))
         outputs = f"output{'s' if len(failures) > 1 else ''}"
         by_type = {tuple(r.op_types) for r in repairs}
@@ -118,16 +130,11 @@ def next_step_lines(result, python: bool = False) -> list[str]:
             # every quantized node but the matrix ops kept: a screen of names, where the quantizer has one option for it
             kept = f": {result.report_dir / result.repaired_candidate}" if result.repaired_candidate and result.report_dir else ""
             return [f"next: quantize only its {' and '.join(repairs[0].op_types)} nodes (verified at the {outputs} with every other quantized node "
-                    f"kept in higher precision{kept}; see the repair below):", f"  {option}"]
-        return [f"next: keep {len(keep)} node(s) in higher precision (verified at the {outputs}):", f"  {keep_option(result, keep, python)}"]
-    held = [r for f in failures if (r := decision_requirement(f.tensor, result)) is not None]
+                    f"kept in higher precision{kept}; see the repair below):", f"  {option}", *alternative]
+        return [f"next: keep {len(keep)} node(s) in higher precision (verified at the {outputs}):", f"  {keep_option(result, keep, python)}", *alternative]
     bisect = bisect_command(result) or f"accudiff bisect precision ({unsaved_inputs_text()})"
-    if held and len(held) == len(failures):
-        texts = requirements_every_output_meets(held)
-        said = (f"require={texts!r}" if python else
-                compare_command(result, [item for text in texts for item in ("--require", text)]) or " ".join(f"--require {t}" for t in texts))
-        # what the decision is shown to meet, not that it "holds": 90% top-1 agreement, or a KL of 0.02, is met by a decision that moves
-        return [f"next: out of tolerance, but what it decides meets {' and '.join(texts)}; if the decision is what you judge the model by:", f"  {said}",
+    if judged:
+        return [f"next: out of tolerance, but what it decides meets {judged[0]}; if the decision is what you judge the model by:", judged[1],
                 "or, for the tolerance, find the nodes to keep in higher precision:", f"  {bisect}"]
     aimed = {f.tensor: found for f in failures if (found := decision_search(f.tensor, result)) is not None}
     if aimed:
