@@ -338,7 +338,9 @@ def test_the_trained_detector_quantized_per_tensor_is_judged_by_its_map_where_it
     # At its ceiling, the ratio is no measure a search by the tolerance can see a keep help by: the next step searched
     # by it (on 4 pages, 315 of the 330 nodes kept). It now searches by the map first, at a quarter of its flipped share or
     # less; pasted, that command finds a keep-list that meets it. Its passing prefix of 230 nodes, pruned one node at a
-    # time from its end within 64 runs, kept 183 ("most of the model"); pruned in groups first (trial.prune), 82.
+    # time from its end within 64 runs, kept 183 ("most of the model"); pruned in groups first (pruning.prune), 82. Keeping
+    # more can hurt the map (the top 143 fails where the top 64 passes): halving from the whole ranking found that prefix
+    # of 230 where one searched from below (the top 1, 2, 4, ...) is of 128 at most, pruned to 24.
     lines = out.splitlines()
     assert lines[2].startswith("  next: the tolerance ratio of 'sigmoid_0.tmp_0' is at its ceiling: its worst element goes from 0 to 1"), out
     command = shlex.split(lines[3])
@@ -346,7 +348,7 @@ def test_the_trained_detector_quantized_per_tensor_is_judged_by_its_map_where_it
     assert command[:3] == ["accudiff", "bisect", "precision"] and 0 < target <= flipped / 4 and lines[4] == "  or, for the tolerance:", out
     code, out, err = run_cli(*command[1:], "-o", "b")
     found = json.loads((tmp_path / "b" / "result.json").read_text())
-    assert code == 1 and found["repaired"] and 0 < len(found["keep"]) < found["converted"] / 3, out + err  # 1: the model as it is fails
+    assert code == 1 and found["repaired"] and 0 < len(found["keep"]) < found["converted"] / 8, out + err  # 1: the model as it is fails
     # Checked apart: the repaired candidate and the model run by plain ONNX Runtime, the map binarized at 0.5 with numpy.
     import onnxruntime as ort
 

@@ -6,9 +6,9 @@
 2. Where every failing output has a verified repair, their union is tried on all the samples and pruned
    node by node, value-moving readers kept for company included (each dropped if the rest still passes):
    the keep-list is never longer than compare's.
-3. Otherwise, keeping the top k nodes is tried for k found by bisection over the ranking (about log2(N)
-   runs): first the whole ranking (if even that fails, no keep-list of these nodes repairs the model),
-   then halving towards the smallest k that passes; that list is pruned (its nodes dropped while the rest
+3. Otherwise, keeping the top k nodes is tried for the smallest k that passes (at most 2 log2(N) runs):
+   first the whole ranking (if even that fails, no keep-list of these nodes repairs the model), then the
+   top 1, 2, 4, ... until one passes, then halving between the last that failed and it; that list is pruned (its nodes dropped while the rest
    still passes, the last added first, in groups that halve down to single nodes: at most PRUNE_LIMIT runs).
 4. Every keep-list is closed over precision boundaries and judged at the graph outputs by the same trial
    mechanism verification uses (verification/trial.py); the keep-list, the repaired model (exactly the
@@ -194,9 +194,9 @@ def _from_repair(session: BisectSession, trials: Trials, start: list[str], full:
 
 
 def _smallest_passing_prefix(session: BisectSession, trials: Trials, nodes: list[str], units: dict[str, list[str]], full: CompareResult) -> tuple[list[str], int] | None:
-    """The keep-list of the smallest k such that keeping nodes[:k] (each with its unit: a cancellation with
-    the nodes computing its operands; closed over boundaries) passes, pruned, and how many of its nodes its
-    pruning did not try; None if keeping all of them still fails."""
+    """The keep-list of the smallest k, found from below, such that keeping nodes[:k] (each with its unit: a
+    cancellation with the nodes computing its operands; closed over boundaries) passes, pruned, and how many of
+    its nodes its pruning did not try; None if keeping all of them still fails."""
     total = _run_bound(len(nodes), 0)
 
     def prefix(k: int) -> list[str]:
@@ -204,7 +204,16 @@ def _smallest_passing_prefix(session: BisectSession, trials: Trials, nodes: list
 
     if not nodes or not _passes(session, trials, prefix(len(nodes)), full, f"all {len(nodes)} ranked", total):
         return None
+    # Searched from below (the top 1, 2, 4, ... until one passes), then halving between: keeping more can make an
+    # output worse (the detector quantized per tensor, on 4 pages: its top 64 and 100 pass, its top 143 does not),
+    # and halving from the whole ranking then found the top 230, where from below it finds the top 64 or fewer.
     failing, passing = 0, len(nodes)
+    size = 1
+    while size < len(nodes):
+        if _passes(session, trials, prefix(size), full, f"the top {size}", total):
+            passing = size
+            break
+        failing, size = size, 2 * size
     while passing - failing > 1:
         middle = (failing + passing) // 2
         if _passes(session, trials, prefix(middle), full, f"the top {middle}", total):
@@ -220,5 +229,5 @@ def _run_bound(ranked: int, repair: int) -> int:
     then either the repair and its pruning, or all ranked kept, the bisection and the pruning; and, if
     none of these passes, every converted node kept."""
     from_repair = 1 + repair if repair else 0
-    bisection = 1 + math.ceil(math.log2(max(ranked, 1))) + PRUNE_LIMIT if ranked else 0
+    bisection = 1 + 2 * math.ceil(math.log2(max(ranked, 1))) + PRUNE_LIMIT if ranked else 0  # up by doubling, then halving
     return 2 + from_repair + bisection + 1  # and last, every converted node kept
