@@ -349,12 +349,16 @@ def test_the_trained_detector_quantized_per_tensor_is_judged_by_its_map_where_it
     code, out, err = run_cli(*command[1:], "-o", "b")
     found = json.loads((tmp_path / "b" / "result.json").read_text())
     assert code == 1 and found["repaired"] and 0 < len(found["keep"]) < found["converted"] / 8, out + err  # 1: the model as it is fails
-    # Checked apart: the repaired candidate and the model run by plain ONNX Runtime, the map binarized at 0.5 with numpy.
+    # Checked apart: the repaired candidate and the model run by plain ONNX Runtime, the map binarized at 0.5 with numpy;
+    # its Q/DQ pairs computed as written, as the candidate line says accudiff runs them (fused into this CPU's integer
+    # kernels, the 24 nodes found flip 1.002% of the map, where as written they flip 0.943%, as accudiff measured).
     import onnxruntime as ort
 
     stored = np.load(pages)
     images = [stored[key] for key in sorted(stored.files, key=lambda key: int(key.split("/")[0]))]
-    sessions = [ort.InferenceSession(str(model)) for model in (path, tmp_path / "b" / found["repaired_model"])]
+    as_written = ort.SessionOptions()
+    as_written.add_session_config_entry("session.disable_quant_qdq", "1")
+    sessions = [ort.InferenceSession(str(model), as_written) for model in (path, tmp_path / "b" / found["repaired_model"])]
     reference, repaired = (np.concatenate([session.run(None, {"x": image})[0] for image in images]) > 0.5 for session in sessions)
     assert 0 < np.mean(reference != repaired) <= target
     # Which part brings more of the loss, as the objective reads it: the ratios tie, the flipped shares do not.
