@@ -8,8 +8,9 @@
    the keep-list is never longer than compare's.
 3. Otherwise, keeping the top k nodes is tried for the smallest k that passes (at most 2 log2(N) runs):
    first the whole ranking (if even that fails, no keep-list of these nodes repairs the model), then the
-   top 1, 2, 4, ... until one passes, then halving between the last that failed and it; that list is pruned (its nodes dropped while the rest
-   still passes, the last added first, in groups that halve down to single nodes: at most PRUNE_LIMIT runs).
+   top 1, 2, 4, ... until one passes, then halving between the last that failed and it; that list is
+   pruned (its nodes dropped while the rest still passes, the last added first, in groups that halve down
+   to single nodes: at most PRUNE_LIMIT runs).
 4. Every keep-list is closed over precision boundaries and judged at the graph outputs by the same trial
    mechanism verification uses (verification/trial.py); the keep-list, the repaired model (exactly the
    variant that passed) and the ranking are written out. The reference runs once for all of it.
