@@ -36,8 +36,10 @@ def _assert_same(a: accudiff.CompareResult, b: accudiff.CompareResult) -> None:
 
 
 def test_one_worker_two_workers_and_ray_give_the_same_table(tmp_path):
+    """And the same verified repair: tried on the 8 worst samples, then on all 12 in one batch, which on Ray runs
+    as Ray tasks too (it ran on this machine alone, whatever the cluster)."""
     ray = pytest.importorskip("ray", reason="Ray is an optional extra (pip install 'accudiff[ray]')")
-    data = _dataset(tmp_path / "data", 8, lambda i: 0.5 if i % 3 else 8.0)
+    data = _dataset(tmp_path / "data", 12, lambda i: 0.5 if i % 3 else 8.0)
     options = {"candidate": "onnxrt", "inputs": data}
     one = accudiff.compare(fixture("overflow_activation"), "fp16", workers=1, **options)
     two = accudiff.compare(fixture("overflow_activation"), "fp16", workers=2, **options)
@@ -46,9 +48,13 @@ def test_one_worker_two_workers_and_ray_give_the_same_table(tmp_path):
         on_ray = accudiff.compare(fixture("overflow_activation"), "fp16", ray="local", **options)
     finally:
         ray.shutdown()
-    assert one.iterations == 8 and not one.passed
+    assert one.iterations == 12 and not one.passed
     _assert_same(one, two)
     _assert_same(one, on_ray)
+    [local], [remote] = one.output_failures, on_ray.output_failures
+    assert local.repair.verified and len(local.repair.samples) < 12 and local.repair.whole_run is not None, local.repair
+    assert remote.repair.whole_run.keep == local.repair.whole_run.keep
+    assert remote.repair.whole_run.tol_ratio == pytest.approx(local.repair.whole_run.tol_ratio, rel=1e-6)
     # One rule for a dataset's workers, whatever the layout: one thread each, so N workers use N cores.
     assert [r.layout for r in (one, two, on_ray)] == [{"workers": 1, "threads": [1]}, {"workers": 2, "threads": [1]}, {"workers": 2, "threads": [1]}]
 

@@ -33,6 +33,7 @@ from accudiff.judging.objective import Objective
 from accudiff.judging.output_kinds import kinds_of
 from accudiff.execution.messages import Job, PassSpec, added_timings, merge_results
 from accudiff.execution.pool import Worker, discard_spares, prestart, take_worker
+from accudiff.execution.shards import run_shards
 from accudiff.model.graph import tensor_bytes
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.saving import save_model
@@ -91,7 +92,7 @@ class Trials:
     context manager: its workers stay up until it closes."""
 
     def __init__(self, setup: TrialSetup, table: pd.DataFrame, recorded: tuple[ReferenceStore, Sequence[int]] | None = None, regions: bool = False,
-                 variant_seconds: float | None = None, replayed: bool = True):
+                 variant_seconds: float | None = None, replayed: bool = True, ray: str | None = None):
         """`table`: the comparison's statistics (ranges of the reference tensors), indexed by tensor.
         `recorded`: the reference's graph outputs as the comparison recorded them, and which of its
         samples are the setup's (else the first trial records them). `regions`: see Boundaries.
@@ -100,9 +101,12 @@ class Trials:
         variants that would keep the first one busier than a worker takes to start. `replayed`: the
         reference's outputs recorded on disk by the first job and replayed by the others; else each job
         runs the reference beside its variants and nothing is stored (one batch on a run's every sample,
-        whose outputs could take gigabytes: not for a large model, whose two sessions would not fit)."""
+        whose outputs could take gigabytes: not for a large model, whose two sessions would not fit). `ray`:
+        each call's keep-lists tried in one job, its samples split over Ray tasks as a comparison's are
+        (execution/shards.py; not replayed: a task runs the reference beside them)."""
         self.setup = setup
-        self.replayed = replayed
+        self.replayed = replayed and ray is None
+        self.ray = ray
         self.variant_seconds = variant_seconds
         self.runs = 0
         setup.scratch.mkdir(parents=True, exist_ok=True)
@@ -182,6 +186,12 @@ class Trials:
         cores = os.cpu_count() or 1
         started = time.perf_counter()
         board = self._switchboard([keep for keep, undone in zip(closed, parts) if undone == "all"])
+        if self.ray is not None:
+            batch = self._job(list(zip(closed, parts)), None, board)
+            self.timings["models (caller)"] = round(self.timings.get("models (caller)", 0.0) + time.perf_counter() - started, 4)
+            merged = run_shards(batch.job, batch.job.samples, ray=self.ray, indices=batch.job.sample_indices)
+            self.timings = added_timings([self.timings, merged.timings])
+            return [_outcome(keep, merged.passes[p.name].outcomes) for keep, p in zip(batch.keep_lists, batch.job.passes)]
         # Positions of the keep-lists per worker: those the switchboard serves in one, the others shared.
         on_board = [i for i, undone in enumerate(parts) if board is not None and undone == "all"]
         apart = [i for i in range(len(closed)) if i not in set(on_board)]

@@ -72,14 +72,15 @@ SEVERAL_FACTOR = 2.0  # each of several causes must improve the output at least 
 
 def verify_outputs(
     result: CompareResult, context: DiagnosisContext, compared: Compared, judging: Judging, diagnosing: Diagnosing, runs: Sequence[GroupRun],
-    samples: Samples, scratch: Path, report: Path | None = None,
+    samples: Samples, scratch: Path, report: Path | None = None, ray: str | None = None,
 ) -> list[str]:
     """The verify stage: each failing output's suspects tested at the output (`verify_causes`) on the
     worst failing samples, by trials of the candidate `compare` built; the output failures get their
     verified causes and repairs. A candidate captured elsewhere cannot run again: ONNX Runtime's model of
     the same precision stands in for it, on the outputs that fail there too. For a candidate made by
     another tool, the verified repairs' nodes kept in it are saved in the `report` folder as the repaired
-    candidate. Returns the notices of the outputs whose causes could not be verified."""
+    candidate. `ray`: the batch on every sample runs as Ray tasks, as the comparison did. Returns the notices
+    of the outputs whose causes could not be verified."""
     if len(runs) > 1:
         return [f"causes were not verified: the samples take {len(runs)} different combinations of If branches "
                 "(compare each group's samples on their own to verify)"]
@@ -127,7 +128,7 @@ def verify_outputs(
     result.worker_timings["verification"] = trials.timings
     if len(chosen) < total:
         verdicts = _on_every_sample(verdicts, replace(setup, samples=everything(), scratch=scratch / "every-sample"), indexed, judging.objective,
-                                    keep_phrase(context.precision), "prompt" if result.generations else "sample", result.worker_timings)
+                                    keep_phrase(context.precision), "prompt" if result.generations else "sample", result.worker_timings, ray)
     keep = list(dict.fromkeys(n for _, repair in verdicts.values() if repair.verified for n in (repair.whole_run or repair).keep))
     if report is not None and keep and compared.candidate_model is not None:
         save_model(repaired(setup.variants, keep), report / repaired_file(setup.variants.recipe), one_file=True)
@@ -148,7 +149,7 @@ def verify_outputs(
 
 
 def _on_every_sample(verdicts: dict[str, tuple[Cause, Repair]], setup: TrialSetup, table: pd.DataFrame, objective: Objective, phrase: str,
-                     unit: str, timings: dict[str, dict[str, float]]) -> dict[str, tuple[Cause, Repair]]:
+                     unit: str, timings: dict[str, dict[str, float]], ray: str | None = None) -> dict[str, tuple[Cause, Repair]]:
     """What verification found on some of the run's samples (chosen for what they lose, not for all a claim
     covers), run once more on all of them, in one batch: the repairs verified there, every such repair's nodes
     kept together (as the command `next:` prints applies them, and the repaired candidate holds them), verified
@@ -162,7 +163,7 @@ def _on_every_sample(verdicts: dict[str, tuple[Cause, Repair]], setup: TrialSetu
     if not keep and not beside_nothing:
         return verdicts
     keep_lists = list(dict.fromkeys(tuple(k) for k in ([[]] if beside_nothing else []) + ([keep] if keep else []) + beside_nothing))
-    with Trials(setup, table, replayed=False) as trials:
+    with Trials(setup, table, replayed=False, ray=ray) as trials:
         if trials.large:  # its reference would be recorded: the outputs of every sample on disk
             return verdicts
         outcomes = dict(zip(keep_lists, trials.run([list(k) for k in keep_lists], exact=True)))  # as verified: closed already, or pruned to what held
