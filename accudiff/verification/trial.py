@@ -31,7 +31,7 @@ from accudiff.judging.decisions import SampleOutcome, decision_figures, merge_co
 from accudiff.judging.intervals import COLUMNS, Interval, unit_intervals
 from accudiff.judging.objective import Objective
 from accudiff.judging.output_kinds import kinds_of
-from accudiff.execution.messages import Job, PassSpec, added_timings, merge_results
+from accudiff.execution.messages import Job, PassSpec, WorkerResult, added_timings, merge_results
 from accudiff.execution.pool import Worker, discard_spares, prestart, take_worker
 from accudiff.execution.shards import run_shards
 from accudiff.model.graph import tensor_bytes
@@ -191,7 +191,7 @@ class Trials:
             self.timings["models (caller)"] = round(self.timings.get("models (caller)", 0.0) + time.perf_counter() - started, 4)
             merged = run_shards(batch.job, batch.job.samples, ray=self.ray, indices=batch.job.sample_indices)
             self.timings = added_timings([self.timings, merged.timings])
-            return [_outcome(keep, merged.passes[p.name].outcomes) for keep, p in zip(batch.keep_lists, batch.job.passes)]
+            return batch.read(merged)
         # Positions of the keep-lists per worker: those the switchboard serves in one, the others shared.
         on_board = [i for i, undone in enumerate(parts) if board is not None and undone == "all"]
         apart = [i for i in range(len(closed)) if i not in set(on_board)]
@@ -253,7 +253,7 @@ class Trials:
                 for index, (group, batch) in enumerate(zip(groups, batches)):
                     merged = merged_by_job[index]
                     self.timings = added_timings([self.timings, merged.timings])
-                    found.update((i, _outcome(keep, merged.passes[p.name].outcomes)) for i, keep, p in zip(group, batch.keep_lists, batch.job.passes))
+                    found.update(zip(group, batch.read(merged)))
                 outcomes = [found[i] for i in range(len(closed))]
             except BaseException:
                 discard_spares()
@@ -347,6 +347,10 @@ class Trials:
 class _Batch:
     keep_lists: list[list[str]]
     job: Job
+
+    def read(self, merged: WorkerResult) -> list[TrialOutcome]:
+        """Each keep-list's outcome, from the job's merged result."""
+        return [_outcome(keep, merged.passes[spec.name].outcomes) for keep, spec in zip(self.keep_lists, self.job.passes)]
 
 
 def _outcome(keep: list[str], outcomes: list[SampleOutcome]) -> TrialOutcome:
