@@ -74,7 +74,7 @@ def test_the_thresholds_the_oracle_shares_with_accudiff_are_the_documented_ones(
     constants accudiff uses, so neither can drift alone."""
     from accudiff.judging.metrics import FP16_SMALLEST_NORMAL
     from accudiff.model.formats import FP16_MAX
-    from accudiff.verification.trial import UNDERFLOW_SHARE
+    from accudiff.verification.boundaries import UNDERFLOW_SHARE
 
     causes = (ROOT / "docs" / "causes.md").read_text()
     assert "≥1% of its values nonzero but below 6.1e-5" in causes and "65504 in FP16" in causes

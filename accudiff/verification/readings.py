@@ -13,6 +13,7 @@ from accudiff.verification.trial import TrialOutcome, Trials
 from accudiff.findings import Repair, RepairStep
 
 HELPS = 0.8  # a keep helps when it brings the output's score below this share of what it was
+SEVERAL_FACTOR = 2.0  # a keep that improves the output at least this much carries most of its error (each of several causes must)
 
 
 @dataclass(frozen=True)

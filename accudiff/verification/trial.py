@@ -37,13 +37,11 @@ from accudiff.execution.shards import run_shards
 from accudiff.model.graph import tensor_bytes
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.saving import save_model
-from accudiff.model.ops import VALUE_PRESERVING_OPS
 from accudiff.model.samples import Samples
 from accudiff.model.stores import ReferenceStore
 from accudiff.settings import Compared, Judging
 from accudiff.transforms.candidate import CandidateVariants
-from accudiff.transforms.fp16 import BF16
-from accudiff.model.formats import FP16_MAX, formats_of
+from accudiff.verification.boundaries import Boundaries, unfit_for_format
 from accudiff.transforms.switches import Switchboard
 
 if TYPE_CHECKING:
@@ -51,7 +49,6 @@ if TYPE_CHECKING:
 
 MAX_TRIAL_SAMPLES = 8  # trials run on the worst failing samples, at most this many
 VARIANTS_PER_WORKER = 8  # every variant's session is open at once in a worker: bound that
-UNDERFLOW_SHARE = 0.01  # as diagnosis/rules.py: a smaller share of tiny values is noise
 WORKER_START_SECONDS = 0.35  # a worker's Python start and imports, on one core
 LARGE_MODEL_BYTES = 1 << 30  # weights from which a model's trials run one variant at a time (see Trials)
 
@@ -395,50 +392,3 @@ def worth_a_worker(variants: int, variant_seconds: float) -> bool:
     and a worker costs its memory (on paraphrase-MiniLM, four variants of 0.08-0.10 s each
     started one at a busy hour, with no time saved and the peak up from 247 to 307 MB)."""
     return variants * variant_seconds >= 2 * WORKER_START_SECONDS
-
-
-def unfit_for_format(table: pd.DataFrame, precision: str) -> set[str]:
-    """Tensors whose reference values the run's half format cannot hold: in FP16, beyond 65504, or a
-    significant share of them nonzero below its normal range (where they lose their bits or become 0); in
-    BF16, beyond its largest finite value (FP32's extremes: a mask's fill)."""
-    formats = formats_of(precision)
-    if "fp16" in formats:
-        elements = table["elements"].where(table["elements"] > 0)
-        tiny = (table["below_fp16_normal"] / elements).fillna(0) >= UNDERFLOW_SHARE
-        return set(table.index[(table["ref_absmax"] > FP16_MAX) | tiny])
-    if "bf16" in formats:
-        return set(table.index[table["ref_absmax"] > BF16.maximum])
-    return set()
-
-
-class Boundaries:
-    """Which converted nodes must join a keep-list. A node kept in FP32 whose output the half format cannot
-    hold (unfit_for_format) would break where a converted consumer reads it in that format, so that
-    consumer is kept too (transitively). With `regions` (bisect precision), a kept node's converted readers
-    that only move or select values (Relu, Reshape, Concat, Resize, MaxPool...) are kept with it: left
-    reduced, they would round again what it computed in FP32."""
-
-    def __init__(self, graph: onnx.GraphProto, unfit: set[str], converted: set[str], regions: bool = False):
-        self.overflowing = {node.name: [o for o in node.output if o in unfit] for node in graph.node}
-        self.consumers: dict[str, list[str]] = {}
-        for node in graph.node:
-            if node.name in converted:
-                for name in node.input:
-                    self.consumers.setdefault(name, []).append(node.name)
-        moving = {node.name for node in graph.node if node.op_type in VALUE_PRESERVING_OPS}
-        self.passed_on = {node.name: [c for o in node.output for c in self.consumers.get(o, []) if c in moving] for node in graph.node}
-        self.regions = regions
-
-    def close(self, keep: Sequence[str], regions: bool | None = None) -> list[str]:
-        """`keep` and the nodes it needs; `regions` (default: as made) adds the value-moving readers too
-        (pruning goes without them: a repair may hold without a reader kept for company)."""
-        closed, queue = list(dict.fromkeys(keep)), list(dict.fromkeys(keep))
-        regions = self.regions if regions is None else regions
-        while queue:
-            node = queue.pop()
-            overflowing = [c for tensor in self.overflowing.get(node, []) for c in self.consumers.get(tensor, [])]
-            for consumer in [*overflowing, *(self.passed_on.get(node, []) if regions else [])]:
-                if consumer not in closed:
-                    closed.append(consumer)
-                    queue.append(consumer)
-        return closed

@@ -42,7 +42,8 @@ from accudiff.judging.table import STATUS_FAIL
 from accudiff.verification.trial import MAX_TRIAL_SAMPLES, TrialOutcome, TrialSetup, Trials, trial_workers
 from accudiff.execution.pool import prestart
 from accudiff.verification.loss_split import by_op_type, cause_parts, loss_split, loss_split_keeps, split_op_types
-from accudiff.verification.readings import HELPS, Reading, Tries, improvement, pruned
+from accudiff.verification.every_sample import on_every_sample
+from accudiff.verification.readings import HELPS, SEVERAL_FACTOR, Reading, Tries, improvement, pruned
 from accudiff.verification.search import candidates_upstream, search_groups, weights_dominate
 from accudiff.verification.suspects import Suspect, contributor, findings_of, nominate
 from accudiff.findings import Absorbed, Cause, Finding, Repair, RepairStep, Search
@@ -67,7 +68,6 @@ if TYPE_CHECKING:
 GREEDY_RESERVE = 3  # runs of the budget kept for confirming combinations after the screen
 GREEDY_ROUND = 2  # combinations tried in one call while confirming (a fixed number: the answer does not depend on the cores)
 SEVERAL_LIMIT = 3
-SEVERAL_FACTOR = 2.0  # each of several causes must improve the output at least this much on its own
 
 
 def verify_outputs(
@@ -127,7 +127,7 @@ def verify_outputs(
         verdicts = cause_parts(verdicts, setup.variants, trials, control, judging.objective)
     result.worker_timings["verification"] = trials.timings
     if len(chosen) < total:
-        verdicts = _on_every_sample(verdicts, replace(setup, samples=everything(), scratch=scratch / "every-sample"), indexed, judging.objective,
+        verdicts = on_every_sample(verdicts, replace(setup, samples=everything(), scratch=scratch / "every-sample"), indexed, judging.objective,
                                     keep_phrase(context.precision), "prompt" if result.generations else "sample", result.worker_timings, ray)
     keep = list(dict.fromkeys(n for _, repair in verdicts.values() if repair.verified for n in (repair.whole_run or repair).keep))
     if report is not None and keep and compared.candidate_model is not None:
@@ -146,54 +146,6 @@ def verify_outputs(
             f"{stand_in or 'the candidate'} run again with nothing kept: a keep cannot be verified where the failure does not show, "
             "so the cause stays the rules' hypothesis")
     return notices
-
-
-def _on_every_sample(verdicts: dict[str, tuple[Cause, Repair]], setup: TrialSetup, table: pd.DataFrame, objective: Objective, phrase: str,
-                     unit: str, timings: dict[str, dict[str, float]], ray: str | None = None) -> dict[str, tuple[Cause, Repair]]:
-    """What verification found on some of the run's samples (chosen for what they lose, not for all a claim
-    covers), run once more on all of them, in one batch: the repairs verified there, every such repair's nodes
-    kept together (as the command `next:` prints applies them, and the repaired candidate holds them), verified
-    only if they hold here too; and a one-node cause's keep beside nothing kept, its kind judged again on
-    these figures (a keep that halved the tried samples' error may not halve the run's). Not for a model
-    of large weights (Trials.large): its trials record the reference's outputs, here those of every sample."""
-    keep = list(dict.fromkeys(n for _, repair in verdicts.values() if repair.verified for n in repair.keep))
-    singles = {output: repair.steps[1].keep for output, (cause, repair) in verdicts.items() if cause.kind in ("local", "dominant") and len(repair.steps) > 1}
-    deciding = {output: cause.decision_keep for output, (cause, _) in verdicts.items() if cause.decision_keep}
-    beside_nothing = [*singles.values(), *deciding.values()]  # each measured against nothing kept
-    if not keep and not beside_nothing:
-        return verdicts
-    keep_lists = list(dict.fromkeys(tuple(k) for k in ([[]] if beside_nothing else []) + ([keep] if keep else []) + beside_nothing))
-    with Trials(setup, table, replayed=False, ray=ray) as trials:
-        if trials.large:  # its reference would be recorded: the outputs of every sample on disk
-            return verdicts
-        outcomes = dict(zip(keep_lists, trials.run([list(k) for k in keep_lists], exact=True)))  # as verified: closed already, or pruned to what held
-    timings["every sample"] = trials.timings
-    on_all = f"on all {len(setup.samples)} {unit}s"
-    confirmed = {}
-    for output, (cause, repair) in verdicts.items():
-        if repair.verified:
-            reading = Reading.of(outcomes[tuple(keep)], output, objective)
-            repair = replace(repair, whole_run=reading.step(keep), verified=reading.met)
-        if output in singles and not (before := Reading.of(outcomes[()], output, objective)).met:
-            cause = _judged_again(cause, before, Reading.of(outcomes[tuple(singles[output])], output, objective), f"{on_all}, {phrase}")
-        if output in deciding:
-            by_decision = replace(objective, kind="decision")
-            before, after = (Reading.of(outcomes[tuple(k)], output, by_decision) for k in ([], deciding[output]))
-            short = "" if improvement(before.score, after.score) >= SEVERAL_FACTOR else ": less than half of what the decision loses there"
-            said = f"{on_all}, by what the output decides, {phrase} brings the output from {before.said(named=False)} to {after.said(named=False)}{short}"
-            cause = replace(cause, findings=[*cause.findings, Finding("every_sample", said)])
-        confirmed[output] = (cause, repair)
-    return confirmed
-
-
-def _judged_again(cause: Cause, before: Reading, after: Reading, said: str) -> Cause:
-    """A one-node cause, judged by its keep's figures on every sample: it repairs the output there (local),
-    or at least halves what it loses (dominant), or it is one contributor to an error that accumulates."""
-    gain = improvement(before.score, after.score)
-    kind = cause.kind if after.met or (cause.kind == "dominant" and gain >= SEVERAL_FACTOR) else "dominant" if gain >= SEVERAL_FACTOR else "accumulated"
-    why = {"dominant": ": it carries most of the error there, the rest accumulates",
-           "accumulated": ": less than half of what it loses there, an error that accumulates over the network"}[kind] if kind != cause.kind else ""
-    return replace(cause, kind=kind, findings=[*cause.findings, Finding("every_sample", f"{said} brings the output from {before.said(named=False)} to {after.said()}{why}")])
 
 
 def _variant_seconds(timings: dict[str, float], passes: Sequence[dict], share: float) -> float | None:
