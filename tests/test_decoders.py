@@ -265,6 +265,8 @@ def test_a_decoders_repair_is_the_builders_own_exclusion_and_holds(llama, tmp_pa
     code, out, err = run_cli("bisect", "precision", llama.fp32, "--candidate-model", llama.int4, "--prompts", llama.prompts, "--new-tokens", NEW_TOKENS,
                              "--require", target, "-o", tmp_path / "fix")
     assert code == 1, out + err
+    # where it says the candidate's figures (a long list: "that is most of the model"), they are per prompt, not "of 72 sequence(s)"
+    assert "sequence(s)" not in out and "samples]" not in out, out
     [line] = [line for line in out.splitlines() if "onnxruntime_genai.models.builder" in line]
     option = re.search(r"--extra_options (nodes_to_exclude=(?:\$\([^)]*\)|\S+))", line).group(1)  # its names, or a command that reads them
     excluded = subprocess.run(["bash", "-c", f"printf %s {option}"], capture_output=True, text=True, check=True).stdout  # as a shell pastes it

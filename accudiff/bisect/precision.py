@@ -65,13 +65,14 @@ class PrecisionResult:
     quantized_by: dict[str, str] = field(default_factory=dict)  # a node another tool quantized with ops of its own -> the tool
     reads_constant_weights: list[str] = field(default_factory=list)  # nodes reading a float weight a Constant node holds
     op_types: list[str] = field(default_factory=list)  # compare's verified repairs keep every quantized node but these op types' (one quantizer option)
+    prompts: int = 0  # a decoder's: the prompts it generated from (its figures' units)
 
 
 def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
     session.progress("step 1: compare the whole model (with isolated errors), name and verify the causes")
     full = session.compare(isolate=True, verify=True)
     result = PrecisionResult(passed_without_changes=full.passed, quantized_by=full.quantized_by, converted=len(full.converted),
-                             reads_constant_weights=sorted(full.reads_constant_weights))
+                             reads_constant_weights=sorted(full.reads_constant_weights), prompts=len(full.generations))
     result.unresolved = [unresolved_text(output, r, bool(full.generations)) for output, found in full.unresolved.items() for r in found]
     if full.passed or result.unresolved:  # a requirement the data cannot resolve is never answered with a repair
         result.candidate_runs = session.candidate_runs

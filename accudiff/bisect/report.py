@@ -90,7 +90,7 @@ def _where_it_stands(result, settings: RunSettings) -> list[str]:
     requirement on its decision it is shown to meet; then the comparison judged by those, as a command."""
     lines = []
     for output, met in result.tolerance_met.items():
-        lines += [line[2:] for line in decision_lines(output, result.decisions.get(output, {}), spans=result.intervals.get(output))]
+        lines += [line[2:] for line in decision_lines(output, result.decisions.get(output, {}), spans=result.intervals.get(output), prompts=result.prompts)]
         lines.append(f"output '{output}' as it is meets " + ", or ".join(met_words(met)))
         held = result.decision_met.get(output)
         if held is not None:
