@@ -133,7 +133,7 @@ def run(
         unverified = []
         if settings.verify and result.output_failures:
             report = where.folder.path if where.folder.final is not None else None
-            unverified = verify_outputs(result, context, compared, judging, diagnosing, runs, samples, where.scratch, report, settings.ray)
+            unverified = verify_outputs(result, context, compared, judging, diagnosing, runs, samples, where.scratch, report, settings.ray, generation)
             laps.lap("verify")
         attach_sketches(result, info, measured)
         inlined_engine = BRANCHES_INLINED_FOR_TRT if any(g.taken for g in groups) and settings.uses_trt else None

@@ -937,29 +937,6 @@ def _token_phase(rows) -> dict:
             "delta_p": float((np.exp(log_p[at, top]) - np.exp(log_q[at, top])).mean()), "delta_nll": float((log_p[at, nxt] - log_q[at, nxt]).mean())}
 
 
-def stepwise_gap(model: Path, ids: np.ndarray, prefill: int) -> float:
-    """The largest difference between a decoder's logits for `ids` run as one prefill and the same tokens run
-    as a prefill of `prefill` tokens then one token a step, each step fed the cache the one before made:
-    the same arithmetic, so float noise, unless the kernels round differently by how many rows they take."""
-    session = _session(_loaded(model), optimized=True)
-    heads, layers = _head_size(model), len([o for o in session.get_outputs() if o.name.startswith("present.") and o.name.endswith(".key")])
-    kv_heads = next(i for i in session.get_inputs() if i.name == "past_key_values.0.key").shape[1]
-    past = {f"past_key_values.{layer}.{part}": np.zeros((1, kv_heads, 0, heads), np.float32) for layer in range(layers) for part in ("key", "value")}
-
-    def run(tokens: np.ndarray, cache: dict, start: int) -> tuple[np.ndarray, dict]:
-        outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, {
-            "input_ids": tokens[None], "attention_mask": np.ones((1, start + len(tokens)), np.int64), **cache})))
-        return outputs["logits"][0], {name.replace("present.", "past_key_values."): value for name, value in outputs.items() if name.startswith("present.")}
-
-    whole, _ = run(ids, past, 0)
-    steps, cache = run(ids[:prefill], past, 0)
-    stepped = [steps]
-    for position in range(prefill, len(ids)):
-        logits, cache = run(ids[position : position + 1], cache, position)
-        stepped.append(logits)
-    return float(np.abs(whole - np.concatenate(stepped)).max())
-
-
 def _head_size(model: Path) -> int:
     import json
 

@@ -65,6 +65,7 @@ class PrecisionResult:
     quantized_by: dict[str, str] = field(default_factory=dict)  # a node another tool quantized with ops of its own -> the tool
     reads_constant_weights: list[str] = field(default_factory=list)  # nodes reading a float weight a Constant node holds
     op_types: list[str] = field(default_factory=list)  # compare's verified repairs keep every quantized node but these op types' (one quantizer option)
+    one_prefill: bool = False  # a decoder's keep-lists tried on each prompt's whole sequence as one prefill (large weights), not generated step by step
     prompts: int = 0  # a decoder's: the prompts it generated from (its figures' units)
 
 
@@ -92,6 +93,7 @@ def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
     result.op_types = repairs[0].op_types if verified and len({tuple(r.op_types) for r in repairs}) == 1 else []
     ranking.to_csv(out_dir / RANKING_FILE, index=False)
     trials = session.trials(full)
+    result.one_prefill = bool(full.generations) and trials.setup.generation is None
     result.bound = _run_bound(len(ranking), len(trials.boundaries.close(start)))
     try:
         found = _from_repair(session, trials, start, full) if verified else None
@@ -102,11 +104,11 @@ def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
         if best is None and not result.interrupted:
             every = sorted(full.converted)
             outcome = _tried(session, trials, every, full, f"every one of the {len(every)} converted nodes", result.bound)
-            if outcome.passes(list(full.outputs["tensor"]), session.settings.judging.objective):
+            if outcome.passes(full.deciding_outputs, session.settings.judging.objective):
                 best, result.trivial = trials.boundaries.close(every), True
             else:  # with nothing reduced, a target the trial's samples cannot tell from the figure is no proof it is out of reach
                 result.unresolved_kept_all = [
-                    unresolved_text(output, r, bool(full.generations)) for output in full.outputs["tensor"]
+                    unresolved_text(output, r, bool(full.generations)) for output in full.deciding_outputs
                     for r in session.settings.judging.objective.resolve(outcome.figures.get(output, {}), outcome.spans.get(output, {})) if r.outcome == "unresolved"]
     except KeyboardInterrupt:
         result.interrupted = True
@@ -157,7 +159,7 @@ def rank(full: CompareResult) -> pd.DataFrame:
 
 def _passes(session: BisectSession, trials: Trials, chosen: list[str], full: CompareResult, what: str, total: int, regions: bool | None = None,
             exact: bool = False) -> bool:
-    return _tried(session, trials, chosen, full, what, total, regions, exact).passes(list(full.outputs["tensor"]), session.settings.judging.objective)
+    return _tried(session, trials, chosen, full, what, total, regions, exact).passes(full.deciding_outputs, session.settings.judging.objective)
 
 
 def _tried(session: BisectSession, trials: Trials, chosen: list[str], full: CompareResult, what: str, total: int, regions: bool | None = None,

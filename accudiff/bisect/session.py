@@ -11,13 +11,13 @@ from typing import Callable, TextIO
 
 from accudiff.api import run
 from accudiff.stages.group import record_reference
-from accudiff.verification.trial import TrialSetup, Trials
+from accudiff.verification.trial import TrialSetup, Trials, large_weights
 from accudiff.stages.branches import branch_groups, calibration_per_group
 from accudiff.errors import AccudiffError
 from accudiff.execution.probes import largest_values
 from accudiff.model.decoder import cache_types, find_decoder
 from accudiff.model.inventory import ModelInfo
-from accudiff.model.prompts import whole_sequences
+from accudiff.model.prompts import prepare_generation, replayed_prompts, whole_sequences
 from accudiff.model.loading import load_model
 from accudiff.model.saving import save_model
 from accudiff.model.samples import Samples, prepare_samples
@@ -128,10 +128,19 @@ class BisectSession:
     def trials(self, full: CompareResult) -> Trials:
         """Trials of the candidate with nodes kept in higher precision, on every sample of the session,
         built from the same recipe as `compare`'s candidate (so the repaired model is the one verified); a
-        kept node's readers that only move its values are kept with it (Boundaries, regions)."""
+        kept node's readers that only move its values are kept with it (Boundaries, regions). A decoder's
+        generate as `full` did, step by step on the tokens it fed (each prompt's whole sequence as one
+        prefill for a model of large weights, as verification does)."""
         compared = self.settings.compared
         folder = self.cache.folder / "trials"
-        setup = TrialSetup(self.info, CandidateVariants(self.info, compared.recipe, self.candidate, ValueFile(folder)), self.feeds, compared, self.settings.judging, folder)
+        samples, generation = self.feeds, None
+        if full.generations and not large_weights(self.info):
+            folder.mkdir(parents=True, exist_ok=True)
+            candidate = Path(self.settings.candidate_model) if self.settings.candidate_model is not None else None
+            plan = prepare_generation(self.info, self.settings.prompts, self.settings.decode_steps, folder / "prompts.npz", folder, candidate)
+            samples, generation = replayed_prompts(full.generations, folder / "replayed.npz"), plan.as_json(trial=True)
+        setup = TrialSetup(self.info, CandidateVariants(self.info, compared.recipe, self.candidate, ValueFile(folder)), samples, compared, self.settings.judging, folder,
+                           generation=generation)
         return Trials(setup, full.table.set_index("tensor"), regions=True)
 
     def close(self) -> None:

@@ -9,6 +9,10 @@ A pass fed the reference's values (the isolated run) reads the reference's cache
 reference value. The first step at which the candidate's own greedy choice differs from the reference's is
 where free-running generation would part (up to it both saw the same tokens); from there the candidate
 continues alone on its own choices, its tokens returned beside the reference's.
+
+Verification's and bisect's trials generate again (`Job.generation` with "trial" set): each prompt is fed the
+tokens the comparison fed (a continuation given stays one; the reference's own choices are `replayed`, scored
+as when it chose them), and nobody generates alone: only the steps are measured.
 """
 
 from __future__ import annotations
@@ -71,7 +75,9 @@ def generate_prompts(engine: Engine, spec: dict, prompts: Samples, indices: Sequ
     cache_types = {name: np.dtype(kind) for name, kind in spec["cache_types"].items()}
     found: dict[str, list] = {"steps": [], "generations": []}
     for done, (prompt, index) in enumerate(zip(prompts, indices), 1):
-        steps, generation = generate(engine, decoder, prompt["input_ids"], prompt.get("continuation"), index, spec["new_tokens"], cache_types, carrying)
+        given, replayed = prompt.get("continuation"), prompt.get("replayed")
+        steps, generation = generate(engine, decoder, prompt["input_ids"], given if given is not None else replayed, index, spec["new_tokens"], cache_types,
+                                     carrying, scored=replayed is None, alone=not spec.get("trial", False))
         found["steps"] += [asdict(step) for step in steps]
         found["generations"].append(generation.as_json())
         on_prompt(done, len(prompts))
@@ -79,9 +85,11 @@ def generate_prompts(engine: Engine, spec: dict, prompts: Samples, indices: Sequ
 
 
 def generate(engine: Engine, decoder: Decoder, prompt: np.ndarray, continuation: np.ndarray | None, sequence: int, new_tokens: int,
-             cache_types: dict, carrying: Sequence[str]) -> tuple[list[Step], Generation]:
+             cache_types: dict, carrying: Sequence[str], scored: bool = True, alone: bool = True) -> tuple[list[Step], Generation]:
     """One prompt's generation through the engine (see the module's docstring). `carrying`: the passes that
-    carry their own cache (the candidate, a second backend); the others read the reference's."""
+    carry their own cache (the candidate, a second backend); the others read the reference's. `scored`: a step's
+    last position is scored on the `continuation`'s next token (not so when it replays the reference's own
+    choices: the comparison chose it after the step). `alone`: where the candidate parts, it goes on alone."""
     first = sequence * samples_per_prompt(new_tokens)
     keep = {decoder.logits, *decoder.present_outputs}
     feed = decoder.first_feed(prompt, cache_types)
@@ -89,11 +97,11 @@ def generate(engine: Engine, decoder: Decoder, prompt: np.ndarray, continuation:
     fed = [int(t) for t in prompt]
     steps: list[Step] = []
     generation = Generation(sequence, [int(t) for t in prompt], given=continuation is not None)
-    alone: tuple[int, dict[str, np.ndarray]] | None = None  # the candidate's own choice where it parted, and its cache then
+    parted: tuple[int, dict[str, np.ndarray]] | None = None  # the candidate's own choice where it parted, and its cache then
     position = 0
     for step in range(samples_per_prompt(new_tokens)):
         given = int(continuation[step]) if continuation is not None and step < len(continuation) else -1
-        targets = {decoder.logits: np.asarray([*fed[1:], given], np.int64)}  # each position scored on the token after it
+        targets = {decoder.logits: np.asarray([*fed[1:], given if scored else -1], np.int64)}  # each position scored on the token after it
         try:
             kept = engine.run_sample(first + step, feed, {name: own[name] for name in carrying if name in own}, targets, keep)
         except AccudiffError as exc:  # which step of which prompt: a decode step can fail where the prefill ran
@@ -102,16 +110,16 @@ def generate(engine: Engine, decoder: Decoder, prompt: np.ndarray, continuation:
         candidate_next = _greedy(kept[carrying[0]][decoder.logits]) if carrying else reference_next
         steps.append(Step(first + step, sequence, step, PREFILL if step == 0 else DECODE, position, len(fed), reference_next, candidate_next))
         generation.reference.append(reference_next)
-        if alone is None and candidate_next != reference_next:
+        if parted is None and candidate_next != reference_next:
             generation.diverged_at = step
-            alone = candidate_next, decoder.next_past(kept[carrying[0]])
+            parted = candidate_next, decoder.next_past(kept[carrying[0]])
         position += len(fed)
         if step == new_tokens or reference_next in decoder.eos_token_id:
             break
         feed = decoder.step_feed(np.asarray([reference_next]), decoder.next_past(kept["reference"]))
         own = {name: decoder.next_past(kept[name]) for name in carrying}
         fed = [reference_next]
-    generation.candidate = list(generation.reference) if alone is None else _on_its_own(engine, decoder, carrying[0], generation, *alone)
+    generation.candidate = list(generation.reference) if parted is None or not alone else _on_its_own(engine, decoder, carrying[0], generation, *parted)
     return steps, generation
 
 

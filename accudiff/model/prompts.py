@@ -153,9 +153,11 @@ class GenerationPlan:
     new_tokens: int
     cache_types: dict[str, np.dtype]
 
-    def as_json(self) -> dict:
-        """What a worker job carries of it (Job.generation)."""
-        return {"decoder": self.decoder.as_json(), "new_tokens": self.new_tokens, "cache_types": {name: str(kind) for name, kind in self.cache_types.items()}}
+    def as_json(self, trial: bool = False) -> dict:
+        """What a worker job carries of it (Job.generation); a `trial`'s prompts replay what the comparison fed
+        (`replayed_prompts`), nothing generated alone."""
+        return {"decoder": self.decoder.as_json(), "new_tokens": self.new_tokens, "cache_types": {name: str(kind) for name, kind in self.cache_types.items()},
+                "trial": trial}
 
 
 def prepare_generation(info: ModelInfo, prompts: str | Path, new_tokens: int, target: Path, scratch: Path, candidate: Path | None = None) -> GenerationPlan:
@@ -206,3 +208,12 @@ def whole_sequences(generations: Sequence[dict], decoder: Decoder, types: dict[s
     decoder: one run a prompt instead of one a step)."""
     feeds = [decoder.first_feed(np.asarray([*g["prompt"], *g["reference"][:-1]], np.int64), types) for g in generations]
     return samples_from_feeds(feeds, target, specs)
+
+
+def replayed_prompts(generations: Sequence[dict], target: Path) -> Samples:
+    """Each generation's prompt with the tokens the comparison fed after it, to feed them again step by step
+    (the trials of a decoder, GenerationPlan.as_json(trial=True)): a continuation the user gave stays one
+    (scored as given), the reference's own greedy choices are `replayed` (scored as when it chose them)."""
+    feeds = [{"input_ids": np.asarray(g["prompt"], np.int64), ("continuation" if g["given"] else "replayed"): np.asarray(g["reference"], np.int64)}
+             for g in generations]
+    return samples_from_feeds(feeds, target)

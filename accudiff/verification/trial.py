@@ -30,9 +30,10 @@ import onnx
 from accudiff.judging.decisions import SampleOutcome, decision_figures, merge_counts
 from accudiff.judging.intervals import COLUMNS, Interval, unit_intervals
 from accudiff.judging.objective import Objective
-from accudiff.judging.output_kinds import kinds_of
+from accudiff.judging.output_kinds import DECIDING, kinds_of
 from accudiff.execution.messages import Job, PassSpec, WorkerResult, added_timings, merge_results
 from accudiff.execution.pool import Worker, discard_spares, prestart, take_worker
+from accudiff.execution.generation import samples_per_prompt
 from accudiff.execution.shards import run_shards
 from accudiff.model.graph import tensor_bytes
 from accudiff.model.inventory import ModelInfo
@@ -82,6 +83,9 @@ class TrialSetup:
     judging: Judging
     scratch: Path
     shape_values: Mapping[str, list[int]] = field(default_factory=dict)
+    # A decoder generating (Job.generation, its "trial" key set): `samples` are then prompts with the tokens the comparison
+    # fed after each (model/prompts.replayed_prompts), fed again step by step, each side carrying its own KV cache.
+    generation: dict | None = None
 
 
 class Trials:
@@ -102,7 +106,7 @@ class Trials:
         each call's keep-lists tried in one job, its samples split over Ray tasks as a comparison's are
         (execution/shards.py; not replayed: a task runs the reference beside them)."""
         self.setup = setup
-        self.replayed = replayed and ray is None
+        self.replayed = replayed and ray is None and setup.generation is None  # a step's feed depends on the last: nothing to replay
         self.ray = ray
         self.variant_seconds = variant_seconds
         self.runs = 0
@@ -126,9 +130,11 @@ class Trials:
         # A model whose weights are large is tried in one worker, each session made just before its run (two sessions,
         # or two workers, would map its weights twice), on a gated switchboard (switches.gate_switches: a kept node
         # computed only when its switch is on, its FP32 weights read only then), its other variants one at a time.
-        self.large = sum(tensor_bytes(init) for init in setup.info.proto.graph.initializer) >= LARGE_MODEL_BYTES
+        self.large = large_weights(setup.info)
         self._switchable = switchable(setup.compared)
         self.kinds = kinds_of(setup.info, setup.judging.output_kinds)  # what each output decides: the figures a keep is judged by
+        # A decoder's state (its KV cache) is run and carried, not measured: the logits of later steps judge it.
+        self.judged = [name for name in setup.info.output_names if name not in self.kinds or self.kinds[name].kind in DECIDING]
 
     def __enter__(self) -> Trials:
         return self
@@ -313,13 +319,13 @@ class Trials:
                 passes.append(PassSpec(f"variant{k}", str(path), backend))
         self.runs += len(keep_lists)
         info = setup.info
-        first = setup.samples[0]
+        first = setup.samples[0] if setup.generation is None else {}  # a prompt's feeds are made as it generates
         job = Job(
             reference=str(info.path),
             passes=passes,
             precision=setup.variants.recipe.precision,
-            tensors=list(info.output_names),
-            outputs=list(info.output_names),
+            tensors=self.judged,
+            outputs=self.judged,
             segments=[[node.name for node in info.proto.graph.node]],
             tolerances=setup.judging.tolerances.as_dict(),
             thresholds=setup.judging.thresholds,
@@ -329,46 +335,54 @@ class Trials:
             sample_indices=list(range(len(setup.samples))),
             result=str(folder / "result"),
             trt=setup.compared.trt.as_json(),
-            input_shapes={spec.name: list(first[spec.name].shape) for spec in info.inputs},
+            input_shapes={spec.name: list(first[spec.name].shape) for spec in info.inputs if spec.name in first},
             shape_values=dict(setup.shape_values),
-            input_specs=[[spec.name, str(spec.dtype), list(spec.shape)] for spec in info.inputs],
+            input_specs=[[spec.name, str(spec.dtype), list(spec.shape)] for spec in info.inputs] if setup.generation is None else [],
             store=str(reference) if reference is not None else None,
             one_session_at_a_time=self.large,
             release_reused=release_reused,
             points=0,  # a trial is judged by its outcomes: no plot shows its values
+            generation=setup.generation,
         )
-        return _Batch(keep_lists, job)
+        return _Batch(keep_lists, job, samples_per_prompt(setup.generation["new_tokens"]) if setup.generation else 1)
 
 
 @dataclass(frozen=True)
 class _Batch:
     keep_lists: list[list[str]]
     job: Job
+    per_unit: int = 1  # the engine's samples a unit of the intervals takes: a prompt's steps, when a decoder generates
 
     def read(self, merged: WorkerResult) -> list[TrialOutcome]:
         """Each keep-list's outcome, from the job's merged result."""
-        return [_outcome(keep, merged.passes[spec.name].outcomes) for keep, spec in zip(self.keep_lists, self.job.passes)]
+        return [_outcome(keep, merged.passes[spec.name].outcomes, self.per_unit) for keep, spec in zip(self.keep_lists, self.job.passes)]
 
 
-def _outcome(keep: list[str], outcomes: list[SampleOutcome]) -> TrialOutcome:
+def _outcome(keep: list[str], outcomes: list[SampleOutcome], per_unit: int = 1) -> TrialOutcome:
     ratio: dict[str, float] = {}
     counts: dict[str, dict[str, float]] = {}
-    per_unit: dict[str, dict[int, dict[str, float]]] = {}  # each output's counts added per sample (a unit), NaN as none (as a table's sum)
+    units: dict[str, dict[int, dict[str, float]]] = {}  # each output's counts added per unit (a sample, a prompt's steps), NaN as none (as a table's sum)
     for one in map(asdict, outcomes):
         name = one["tensor"]
         ratio[name] = max(ratio.get(name, 0.0), float(one["tol_ratio"]))
         merge_counts(counts.setdefault(name, {}), one)
-        unit = per_unit.setdefault(name, {}).setdefault(one["sample"], {})
+        unit = units.setdefault(name, {}).setdefault(one["sample"] // per_unit, {})
         for column in COLUMNS:
             value = float(one[column])
             unit[column] = unit.get(column, 0.0) + (0.0 if math.isnan(value) else value)
     figures = {name: decision_figures(added) for name, added in counts.items()}
-    spans = {name: unit_intervals({column: np.array([units[k][column] for k in sorted(units)]) for column in COLUMNS}, figures[name])
-             for name, units in per_unit.items()}
+    spans = {name: unit_intervals({column: np.array([added[k][column] for k in sorted(added)]) for column in COLUMNS}, figures[name])
+             for name, added in units.items()}
     for name, span in spans.items():  # one probability a sample (a yes/no classifier): its flips are decisions, not a map's elements
         if "flipped_share" in span and span["flipped_share"].positions == span["flipped_share"].units:
             figures[name]["decisions"] = span["flipped_share"].units
     return TrialOutcome(keep, ratio, figures, spans)
+
+
+def large_weights(info: ModelInfo) -> bool:
+    """Whether a model's weights are large enough for its trials to hold one session at a time (see Trials);
+    a decoder's trials then run each prompt's whole sequence as one prefill, not generating step by step."""
+    return sum(tensor_bytes(init) for init in info.proto.graph.initializer) >= LARGE_MODEL_BYTES
 
 
 def switchable(compared: Compared) -> bool:

@@ -39,7 +39,7 @@ import pandas as pd
 from accudiff.stages.group import GroupRun, could_be_a_shape
 from accudiff.judging.objective import Objective, score_said
 from accudiff.judging.table import STATUS_FAIL
-from accudiff.verification.trial import MAX_TRIAL_SAMPLES, TrialOutcome, TrialSetup, Trials, trial_workers
+from accudiff.verification.trial import MAX_TRIAL_SAMPLES, TrialOutcome, TrialSetup, Trials, large_weights, trial_workers
 from accudiff.execution.pool import prestart
 from accudiff.verification.loss_split import by_op_type, cause_parts, loss_split, loss_split_keeps, split_op_types
 from accudiff.verification.every_sample import on_every_sample
@@ -54,7 +54,7 @@ from accudiff.model.formats import QUANTIZED_FORMATS, formats_of
 from accudiff.run_options import DEFAULT_CAUSE_BUDGET
 from accudiff.model.decoder import cache_types, find_decoder
 from accudiff.model.loading import load_graph, read_again
-from accudiff.model.prompts import whole_sequences
+from accudiff.model.prompts import GenerationPlan, replayed_prompts, whole_sequences
 from accudiff.runners.base import BACKEND_NAMES
 from accudiff.model.saving import save_model
 from accudiff.model.value_file import ValueFile
@@ -72,14 +72,16 @@ SEVERAL_LIMIT = 3
 
 def verify_outputs(
     result: CompareResult, context: DiagnosisContext, compared: Compared, judging: Judging, diagnosing: Diagnosing, runs: Sequence[GroupRun],
-    samples: Samples, scratch: Path, report: Path | None = None, ray: str | None = None,
+    samples: Samples, scratch: Path, report: Path | None = None, ray: str | None = None, generation: GenerationPlan | None = None,
 ) -> list[str]:
     """The verify stage: each failing output's suspects tested at the output (`verify_causes`) on the
     worst failing samples, by trials of the candidate `compare` built; the output failures get their
     verified causes and repairs. A candidate captured elsewhere cannot run again: ONNX Runtime's model of
     the same precision stands in for it, on the outputs that fail there too. For a candidate made by
     another tool, the verified repairs' nodes kept in it are saved in the `report` folder as the repaired
-    candidate. `ray`: the batch on every sample runs as Ray tasks, as the comparison did. Returns the notices
+    candidate. `ray`: the batch on every sample runs as Ray tasks, as the comparison did. A decoder's trials
+    generate as the comparison's `generation` did, step by step on the tokens it fed (each prompt's whole sequence
+    as one prefill for a model of large weights, whose sessions are made one at a time). Returns the notices
     of the outputs whose causes could not be verified."""
     if len(runs) > 1:
         return [f"causes were not verified: the samples take {len(runs)} different combinations of If branches "
@@ -99,22 +101,27 @@ def verify_outputs(
     candidate = runs[0].candidate
     outputs = [f.tensor for f in failures]
     info = read_again(candidate.info)
-    if result.generations:  # a decoder: each chosen prompt's whole sequence, run as one prefill (model/prompts.py)
+    one_prefill = bool(result.generations) and (generation is None or large_weights(info))
+    if result.generations:  # a decoder: each chosen prompt generated again, or its whole sequence run as one prefill (model/prompts.py)
         chosen, total = _trial_prompts(result, outputs), len(result.generations)
         decoder = find_decoder(info.path, info.inputs, info.output_names)
 
         def sequences(picked: Sequence[int], name: str) -> Samples:
-            return whole_sequences([g for g in result.generations if g["sequence"] in picked], decoder, cache_types(info.inputs, decoder), scratch / name, info.inputs)
+            generations = [g for g in result.generations if g["sequence"] in picked]
+            if not one_prefill:
+                return replayed_prompts(generations, scratch / name)
+            return whole_sequences(generations, decoder, cache_types(info.inputs, decoder), scratch / name, info.inputs)
 
         tried, everything = sequences(chosen, "whole-sequences.npz"), lambda: sequences(range(total), "every-sequence.npz")
     else:
         chosen, total = result.losing_samples(outputs)[:MAX_TRIAL_SAMPLES] or [0], len(samples)
         tried, everything = samples.subset(chosen), lambda: samples
     base = replace(candidate.transformed, model=load_graph(candidate.path))
-    first = tried[0]
+    first = tried[0] if generation is None or one_prefill else {}  # a prompt's feeds are made as it generates
     setup = TrialSetup(
         info, CandidateVariants(info, compared.recipe, base=base, values=ValueFile(scratch / "verify")), tried, compared, judging, scratch / "verify",
         {name: first[name].reshape(-1).tolist() for name in first if could_be_a_shape(first[name])},
+        generation.as_json(trial=True) if generation is not None and not one_prefill else None,
     )
     recorded = (runs[0].outputs, chosen) if runs[0].outputs is not None else None
     with Trials(setup, indexed, recorded, variant_seconds=_variant_seconds(result.worker_timings.get("comparison", {}), candidate.passes, len(chosen) / len(samples))) as trials:
@@ -134,7 +141,7 @@ def verify_outputs(
         save_model(repaired(setup.variants, keep), report / repaired_file(setup.variants.recipe), one_file=True)
         result.repaired_candidate = repaired_file(setup.variants.recipe)
     result.output_failures = [
-        replace(f, cause=replace(verdicts[f.tensor][0], stand_in=stand_in), repair=replace(verdicts[f.tensor][1], samples=chosen))
+        replace(f, cause=replace(verdicts[f.tensor][0], stand_in=stand_in), repair=replace(verdicts[f.tensor][1], samples=chosen, one_prefill=one_prefill))
         if f.tensor in verdicts else f
         for f in result.output_failures
     ]
