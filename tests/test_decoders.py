@@ -85,6 +85,19 @@ def test_a_decoders_kv_cache_outputs_are_its_state_not_failing_outputs(llama, tm
     assert len(state) == 8 and (state["status"] == "fail").all()
 
 
+def test_the_kv_cache_line_names_the_worst_step_output_by_what_it_counts(llama, tmp_path, run_cli):
+    """The KV-cache line counted step outputs outside tolerance, each judged by its share of elements outside,
+    then named a worst by the 99.9th percentile over every step: "9 of 576 step outputs outside tolerance; the
+    worst, 'present.3.value', at 0.805x its tolerance". The worst is now the worst step output, as counted."""
+    code, out, err = run_cli("compare", llama.fp32, "--candidate-model", llama.int4, "--prompts", llama.prompts, "--new-tokens", NEW_TOKENS,
+                             "--atol", "0.01", "--rtol", "0.01", "--no-verify")
+    said = re.search(r"KV cache: .*: (\d+) of \d+ step outputs outside tolerance; the worst, 'present\.\d+\.(?:key|value)' at prompt \d+'s "
+                     r"(?:prefill|decode step \d+): \S+ of elements outside, ([0-9.]+)x its tolerance", out)
+    assert code == 1 and said is not None, out + err
+    outside, ratio = int(said.group(1)), float(said.group(2))
+    assert (ratio > 1) == (outside > 0), said.group(0)
+
+
 def test_a_requirement_the_prompts_cannot_resolve_is_inconclusive_not_repaired(llama, tmp_path):
     """One prompt's positions cannot tell the candidate's top-1 agreement from a target just above it: the
     verdict is inconclusive, nothing is diagnosed, and the run says how many prompts would tell."""
