@@ -485,6 +485,47 @@ def test_the_bundled_decoder_generates_from_text_prompts_on_workers_and_on_ray(t
         assert [g["reference"] for g in other.generations] == [g["reference"] for g in first.generations]
 
 
+def test_many_keep_lists_generate_in_rounds_each_as_it_would_alone(tmp_path, monkeypatch):
+    """A trial job's keep-lists each carry their own KV cache while a prompt generates: more than PASSES_AT_ONCE
+    of them generate in rounds, every prompt again with the reference, so the caches held at once stay bounded
+    whatever the keep-lists. Each pass reads what it reads in one round, and the inputs are counted once."""
+    from accudiff.execution import generation, worker
+    from accudiff.execution.messages import Job, PassSpec
+    from accudiff.execution.pool import load_result
+    from accudiff.judging.tolerances import Tolerances
+    from accudiff.model.loading import load_model
+    from accudiff.model.prompts import prepare_generation
+
+    info = load_model(TINY / "model.onnx")
+    perturbed = onnx.load(str(info.path))  # a candidate that differs: every float weight moved a little
+    rng = np.random.default_rng(0)
+    for init in perturbed.graph.initializer:
+        value = numpy_helper.to_array(init)
+        if value.dtype == np.float32:
+            init.CopyFrom(numpy_helper.from_array((value * (1 + 0.01 * rng.standard_normal(value.shape))).astype(np.float32), init.name))
+    onnx.save(perturbed, tmp_path / "perturbed.onnx")
+    (tmp_path / "prompts.jsonl").write_text("[5, 17, 99, 3]\n[200, 1, 42]\n")
+    plan = prepare_generation(info, tmp_path / "prompts.jsonl", 3, tmp_path / "prompts.npz", tmp_path)
+    passes = [PassSpec(f"variant{k}", str(tmp_path / "perturbed.onnx" if k % 2 else info.path), "onnxrt") for k in range(5)]
+
+    def run(name: str, at_once: int):
+        monkeypatch.setattr(generation, "PASSES_AT_ONCE", at_once)
+        job = Job(reference=str(info.path), passes=passes, precision="fp32", tensors=list(info.output_names), outputs=list(info.output_names),
+                  segments=[[n.name for n in info.proto.graph.node]], tolerances=Tolerances.build("fp32").as_dict(), quant_ranges={},
+                  samples=plan.prompts.as_json(), sample_indices=list(range(len(plan.prompts))), result=str(tmp_path / name / "result"), points=0,
+                  generation=plan.as_json(trial=True))
+        worker._work(job, lambda event: None)
+        return load_result(tmp_path / name / "result")
+
+    together, rounds = run("together", 8), run("rounds", 2)
+    for name in together.passes:
+        assert rounds.passes[name].outcomes == together.passes[name].outcomes, name
+        np.testing.assert_array_equal(rounds.passes[name].stats.values, together.passes[name].stats.values)
+    assert any(o.tol_ratio > 0 for o in together.passes["variant1"].outcomes)  # the perturbed passes differ from the reference
+    np.testing.assert_array_equal(rounds.inputs.values, together.inputs.values)
+    assert rounds.steps == together.steps
+
+
 @pytest.mark.parametrize("content, said", [
     ('[1, 2, 999]\n', "holds token id 999, outside the model's vocabulary of 258"),
     ('{"prompt": 5}\n', "prompt 0 of '.*' is neither text nor a list of token ids"),

@@ -82,6 +82,7 @@ class Engine:
         self._active: list[Runner] = []
         self.timings: dict[str, float] = {}  # seconds per phase: where a worker's time goes (summary.json)
         self._ranges: dict[str, tuple[float, float]] = {}  # each reference tensor's range, found once per sample
+        self._inputs_counted: set[int] = set()  # samples whose inputs are in input_stats (one run again for other passes is not counted again)
         self.run_time_ranges: dict[str, list[float]] = {}  # a tensor quantized as the model runs -> what sets its ranges (metrics.run_time_range)
         # A pass's tensors are reduced on `threads` cores at once, between backend runs (which use them too);
         # each tensor's statistics are its own, so the order they finish in changes nothing.
@@ -199,17 +200,20 @@ class Engine:
         return out
 
     def run_sample(self, sample: int, feed: Feed, own_inputs: Mapping[str, Feed] | None = None, targets: Mapping[str, np.ndarray] | None = None,
-                   keep: Collection[str] = ()) -> dict[str, dict[str, np.ndarray]]:
+                   keep: Collection[str] = (), only: Collection[str] | None = None) -> dict[str, dict[str, np.ndarray]]:
         """Reduce one sample into the statistics, one segment at a time. `own_inputs`: the graph inputs a pass
         is fed its own values of (a decoder's KV cache, which each side carries); `targets`: per graph output
         of token scores, the token each of its positions is scored on (decisions.decide). Returns the graph
-        outputs named in `keep`, by side: "reference" and each pass that ran."""
+        outputs named in `keep`, by side: "reference" and each pass that ran. `only`: the passes to run (the
+        sample run again for others: its inputs are counted once, when every pass runs or the first time)."""
         self._ranges = {}
-        for row, name in enumerate(self.inputs):  # a graph input is its own candidate: only its range counts
-            self.input_stats.add(row, *reduce_tensor(feed[name], feed[name], _RANGE_ONLY, self.quant_ranges.get(name), sample))
+        if sample not in self._inputs_counted:
+            self._inputs_counted.add(sample)
+            for row, name in enumerate(self.inputs):  # a graph input is its own candidate: only its range counts
+                self.input_stats.add(row, *reduce_tensor(feed[name], feed[name], _RANGE_ONLY, self.quant_ranges.get(name), sample))
         own_inputs = own_inputs or {}
         reference_values: dict[str, np.ndarray] = dict(feed)
-        passes = [p for p in self.passes if p.samples is None or sample < p.samples]
+        passes = [p for p in self.passes if (p.samples is None or sample < p.samples) and (only is None or p.name in only)]
         pass_values = {p.name: {**feed, **own_inputs.get(p.name, {})} for p in passes}
         kept: dict[str, dict[str, np.ndarray]] = {side: {} for side in ["reference", *(p.name for p in passes)]}
         order = [s for k, reference in enumerate(self.reference) for s in [reference, *(self.pass_segments[p.name][k] for p in passes)]]

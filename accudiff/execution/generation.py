@@ -18,7 +18,7 @@ as when it chose them), and nobody generates alone: only the steps are measured.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from accudiff.model.decoder import Decoder
 from accudiff.model.samples import Samples
 
 PREFILL, DECODE = "prefill", "decode"
+PASSES_AT_ONCE = 8  # carrying passes generated together: each holds its KV cache while a prompt generates
 
 
 @dataclass(frozen=True)
@@ -70,26 +71,34 @@ def samples_per_prompt(new_tokens: int) -> int:
 def generate_prompts(engine: Engine, spec: dict, prompts: Samples, indices: Sequence[int], carrying: Sequence[str],
                      on_prompt: Callable[[int, int], None]) -> dict[str, list]:
     """Each prompt generated through the engine, as a worker's job (`Job.generation`, `spec`) asks: every
-    step and generation, as JSON. `on_prompt(done, total)` follows."""
+    step and generation, as JSON. `on_prompt(done, total)` follows. Many carrying passes (a trial job's
+    keep-lists) generate PASSES_AT_ONCE at a time, every prompt again for each round (the reference with
+    them): the caches held at once stay bounded, whatever the keep-lists."""
     decoder = Decoder.from_json(spec["decoder"])
     cache_types = {name: np.dtype(kind) for name, kind in spec["cache_types"].items()}
     found: dict[str, list] = {"steps": [], "generations": []}
-    for done, (prompt, index) in enumerate(zip(prompts, indices), 1):
-        given, replayed = prompt.get("continuation"), prompt.get("replayed")
-        steps, generation = generate(engine, decoder, prompt["input_ids"], given if given is not None else replayed, index, spec["new_tokens"], cache_types,
-                                     carrying, scored=replayed is None, alone=not spec.get("trial", False))
-        found["steps"] += [asdict(step) for step in steps]
-        found["generations"].append(generation.as_json())
-        on_prompt(done, len(prompts))
+    rounds = [list(carrying[k : k + PASSES_AT_ONCE]) for k in range(0, len(carrying), PASSES_AT_ONCE)] or [[]]
+    others = [p.name for p in engine.passes if p.name not in carrying]  # fed the reference's values: run in the first round
+    for number, group in enumerate(rounds):
+        only = None if len(rounds) == 1 else {*group, *(others if number == 0 else [])}
+        for done, (prompt, index) in enumerate(zip(prompts, indices), 1):
+            given, replayed = prompt.get("continuation"), prompt.get("replayed")
+            steps, generation = generate(engine, decoder, prompt["input_ids"], given if given is not None else replayed, index, spec["new_tokens"], cache_types,
+                                         group, scored=replayed is None, alone=not spec.get("trial", False), only=only)
+            if number == 0:
+                found["steps"] += [asdict(step) for step in steps]
+                found["generations"].append(generation.as_json())
+            on_prompt(number * len(prompts) + done, len(rounds) * len(prompts))
     return found
 
 
 def generate(engine: Engine, decoder: Decoder, prompt: np.ndarray, continuation: np.ndarray | None, sequence: int, new_tokens: int,
-             cache_types: dict, carrying: Sequence[str], scored: bool = True, alone: bool = True) -> tuple[list[Step], Generation]:
+             cache_types: dict, carrying: Sequence[str], scored: bool = True, alone: bool = True, only: Collection[str] | None = None) -> tuple[list[Step], Generation]:
     """One prompt's generation through the engine (see the module's docstring). `carrying`: the passes that
     carry their own cache (the candidate, a second backend); the others read the reference's. `scored`: a step's
     last position is scored on the `continuation`'s next token (not so when it replays the reference's own
-    choices: the comparison chose it after the step). `alone`: where the candidate parts, it goes on alone."""
+    choices: the comparison chose it after the step). `alone`: where the candidate parts, it goes on alone.
+    `only`: the passes that run (Engine.run_sample)."""
     first = sequence * samples_per_prompt(new_tokens)
     keep = {decoder.logits, *decoder.present_outputs}
     feed = decoder.first_feed(prompt, cache_types)
@@ -103,7 +112,7 @@ def generate(engine: Engine, decoder: Decoder, prompt: np.ndarray, continuation:
         given = int(continuation[step]) if continuation is not None and step < len(continuation) else -1
         targets = {decoder.logits: np.asarray([*fed[1:], given if scored else -1], np.int64)}  # each position scored on the token after it
         try:
-            kept = engine.run_sample(first + step, feed, {name: own[name] for name in carrying if name in own}, targets, keep)
+            kept = engine.run_sample(first + step, feed, {name: own[name] for name in carrying if name in own}, targets, keep, only)
         except AccudiffError as exc:  # which step of which prompt: a decode step can fail where the prefill ran
             raise AccudiffError(f"{exc} (prompt {sequence}, {'its prefill' if step == 0 else f'decode step {step}'})") from None
         reference_next = given if given >= 0 else _greedy(kept["reference"][decoder.logits])
