@@ -378,6 +378,20 @@ def test_a_decoders_trials_generate_as_the_comparison_did(llama):
         assert control.figures[figure] == pytest.approx(result.decisions["logits"][figure], rel=1e-6, abs=1e-9), figure
 
 
+def test_a_decoders_keep_said_on_all_its_prompts_reads_as_its_command_does(llama, tmp_path):
+    """Verification tries its keeps on the 8 prompts that lose most, then once more on all of them, generating as
+    the comparison did: what it says of a keep on all 12 prompts is what that keep's command measures."""
+    prompts = decoders.write_prompts(tmp_path / "twelve.jsonl", decoders.source_prompts(12))
+    result = accudiff.compare(llama.fp32, candidate_model=llama.int4, prompts=prompts, new_tokens=4, atol=0.02, rtol=0.02)
+    tried = [f.repair for f in result.output_failures if f.repair is not None and f.repair.whole_run is not None]
+    assert all(len(repair.samples) == 8 for repair in tried) and len(result.generations) == 12
+    for repair in tried:
+        pasted = accudiff.compare(llama.fp32, candidate_model=llama.int4, prompts=prompts, new_tokens=4, atol=0.02, rtol=0.02,
+                                  keep_fp32=[re.escape(n) + "$" for n in repair.whole_run.keep], verify=False)
+        worst = pasted.samples.loc[pasted.samples["tensor"] == "logits", "tol_ratio"].max()  # as a trial reads it: its worst step
+        assert worst == pytest.approx(repair.whole_run.tol_ratio, rel=1e-6), repair.whole_run
+
+
 def test_a_large_decoders_trials_run_whole_sequences_and_say_so(llama, monkeypatch, run_cli):
     """A decoder of 1 GB of weights or more has its trial sessions made one at a time, so its keeps are tried on
     each prompt's whole sequence as one prefill (not generated step by step), and its repair says so."""
