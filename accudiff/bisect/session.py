@@ -80,7 +80,7 @@ class BisectSession:
             settings = replace(self.settings, **changes)
         result = run(settings, reference_cache=self.cache)
         self.candidate_runs += 2 if isolate else 1
-        if self.feeds is None and result.generations:  # every step after runs each prompt's whole sequence as one prefill (as verification does)
+        if self.feeds is None and result.generations:  # a cut is fed each prompt's whole sequence as one prefill (a subgraph has no cache to carry)
             decoder = find_decoder(self.info.path, self.info.inputs, self.info.output_names)
             self.feeds = whole_sequences(result.generations, decoder, cache_types(self.info.inputs, decoder), self.cache.folder / "inputs.npz", self.info.inputs)
         return result
