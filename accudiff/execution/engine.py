@@ -19,7 +19,7 @@ import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Collection, Iterator, Mapping, Sequence
 
@@ -328,7 +328,7 @@ class Engine:
                                   targets.get(tensor))
                 result.outcomes.append(
                     SampleOutcome(sample=sample, tensor=tensor, max_abs_err=one["max_abs_err"], tol_ratio=one["tol_ratio"], outside_share=one["outside_share"],
-                                  sqnr_db=one["sqnr_db"], **asdict(decision))
+                                  sqnr_db=one["sqnr_db"], **vars(decision))  # its fields as they are: asdict deep-copies each of its ~40 scalars
                 )
                 kept = result.points.setdefault(tensor, [])
                 if len(kept) < self.points:

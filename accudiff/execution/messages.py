@@ -200,7 +200,7 @@ class WorkerResult:
             arrays.update(_sparse(f"{name}/sketches", sketches))
             passes[name] = {"sketch_keys": keys, "seen": {str(k): v for k, v in result.seen.items()}, "notes": {str(k): v for k, v in result.notes.items()},
                             "not_observable": result.not_observable, "label": result.label, "notices": result.notices,
-                            "outcomes": [asdict(o) for o in result.outcomes], "points": result.points}
+                            "outcomes": [vars(o) for o in result.outcomes], "points": result.points}  # flat: no deep copy
         document = {"passes": passes, "reference_not_observable": self.reference_not_observable, "timings": self.timings, "layout": asdict(self.layout),
                     "run_time_ranges": self.run_time_ranges, "steps": self.steps, "generations": self.generations}
         buffer = io.BytesIO()

@@ -20,7 +20,7 @@ import queue
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Sequence
 
@@ -362,7 +362,7 @@ def _outcome(keep: list[str], outcomes: list[SampleOutcome], per_unit: int = 1) 
     ratio: dict[str, float] = {}
     counts: dict[str, dict[str, float]] = {}
     units: dict[str, dict[int, dict[str, float]]] = {}  # each output's counts added per unit (a sample, a prompt's steps), NaN as none (as a table's sum)
-    for one in map(asdict, outcomes):
+    for one in map(vars, outcomes):  # flat dataclasses, read as they are (asdict deep-copies every field)
         name = one["tensor"]
         ratio[name] = max(ratio.get(name, 0.0), float(one["tol_ratio"]))
         merge_counts(counts.setdefault(name, {}), one)
