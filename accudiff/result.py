@@ -12,7 +12,7 @@ import pandas as pd
 
 from accudiff.judging.intervals import Interval
 from accudiff.judging.objective import Resolution
-from accudiff.judging.output_kinds import DECIDING, OutputKind
+from accudiff.judging.output_kinds import OutputKind, deciding
 from accudiff.judging.table import STATUS_FAIL, STATUS_MISSING
 from accudiff.judging.tolerances import Tolerances
 from accudiff.findings import Cause, Finding, Repair
@@ -132,9 +132,8 @@ class CompareResult:
 
     @property
     def deciding_outputs(self) -> list[str]:
-        """The graph outputs the verdict is judged by: all but a decoder's state (its KV cache, judged through
-        the logits of later steps)."""
-        return [name for name in self.outputs["tensor"] if name not in self.output_kinds or self.output_kinds[name].kind in DECIDING]
+        """The graph outputs the verdict is judged by (output_kinds.deciding)."""
+        return deciding(self.outputs["tensor"], self.output_kinds)
 
     @property
     def coverage(self) -> tuple[int, int]:

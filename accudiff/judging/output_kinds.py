@@ -64,6 +64,12 @@ def parse_output_kinds(texts: Iterable[str]) -> dict[str, str]:
     return found
 
 
+def deciding(outputs: Iterable[str], kinds: Mapping[str, OutputKind]) -> list[str]:
+    """The outputs a verdict is judged by: all but a decoder's state (its KV cache, judged through the logits
+    of later steps); an output of no known kind decides."""
+    return [name for name in outputs if kinds.get(name, UNKNOWN).kind in DECIDING]
+
+
 def kinds_of(info: ModelInfo, overrides: Mapping[str, str]) -> dict[str, OutputKind]:
     """Each graph output's kind in the model `info` describes (its proto loaded), `overrides` first; a
     decoder's KV-cache outputs are its state."""

@@ -12,7 +12,7 @@ import pandas as pd
 from accudiff.judging.decisions import DEFAULT_THRESHOLD, Decision, SampleOutcome, summarize, threshold_for, tolerance_met
 from accudiff.judging.intervals import intervals
 from accudiff.judging.objective import Resolution
-from accudiff.judging.output_kinds import DECIDING, UNKNOWN, OutputKind
+from accudiff.judging.output_kinds import UNKNOWN, OutputKind, deciding
 from accudiff.judging.table import STATUS_FAIL, STATUS_MISSING, STATUS_PASS, build_table, graph_input_table, with_side_run
 from accudiff.diagnosis.cause import ancestor_tensors, find_cause
 from accudiff.execution.messages import PassResult, WorkerResult
@@ -82,12 +82,12 @@ def judge(info: ModelInfo, transformed: TransformResult, measured: WorkerResult,
     objective.applies(decisions, info.output_names)
     spans = {output: intervals(rows, _units(rows), decisions[output]) for output, rows in sample_table.groupby("tensor", sort=False)}
     observed_outputs = table.loc[(table["status"] != STATUS_MISSING) & table["is_output"], "tensor"].tolist()
-    deciding = [name for name in observed_outputs if kinds.get(name, UNKNOWN).kind in DECIDING]
+    judged = deciding(observed_outputs, kinds)
     # An output with a required decision figure fails by it (--require), when its interval lies below the
     # target (a requirement its interval straddles is unresolved: neither a pass nor a failure); any other
     # output fails by its tolerance.
-    resolved = {name: objective.resolve(decisions.get(name, {}), spans.get(name, {})) for name in deciding}
-    failing_outputs = [name for name in deciding if _fails(indexed.loc[name], resolved[name])]
+    resolved = {name: objective.resolve(decisions.get(name, {}), spans.get(name, {})) for name in judged}
+    failing_outputs = [name for name in judged if _fails(indexed.loc[name], resolved[name])]
     result = CompareResult(
         model=compared.model,
         precision=compared.precision,
@@ -113,7 +113,7 @@ def judge(info: ModelInfo, transformed: TransformResult, measured: WorkerResult,
         raise AccudiffError(f"every graph output of '{info.path.name}' is empty on these inputs: the comparison would cover no element")
     compared, computed = result.coverage
     result.unresolved = {name: [r for r in found if r.outcome == "unresolved"] for name, found in resolved.items() if any(r.outcome == "unresolved" for r in found)}
-    result.passed = bool(deciding) and not failing_outputs and not result.unresolved and compared + len(result.inside) >= MIN_COVERAGE * computed
+    result.passed = bool(judged) and not failing_outputs and not result.unresolved and compared + len(result.inside) >= MIN_COVERAGE * computed
     result.points = {name: [point[1:] for point in points] for name, points in candidate_pass.points.items()}  # [reference, candidate]
     result.decisions, result.tolerance_met, result.require = decisions, met, dict(objective.require)
     result.intervals, result.output_kinds = spans, dict(kinds)

@@ -30,7 +30,7 @@ import onnx
 from accudiff.judging.decisions import SampleOutcome, decision_figures, merge_counts
 from accudiff.judging.intervals import COLUMNS, Interval, unit_intervals
 from accudiff.judging.objective import Objective
-from accudiff.judging.output_kinds import DECIDING, kinds_of
+from accudiff.judging.output_kinds import deciding, kinds_of
 from accudiff.execution.messages import Job, PassSpec, WorkerResult, added_timings, merge_results
 from accudiff.execution.pool import Worker, discard_spares, prestart, take_worker
 from accudiff.execution.generation import samples_per_prompt
@@ -134,7 +134,7 @@ class Trials:
         self._switchable = switchable(setup.compared)
         self.kinds = kinds_of(setup.info, setup.judging.output_kinds)  # what each output decides: the figures a keep is judged by
         # A decoder's state (its KV cache) is run and carried, not measured: the logits of later steps judge it.
-        self.judged = [name for name in setup.info.output_names if name not in self.kinds or self.kinds[name].kind in DECIDING]
+        self.judged = deciding(setup.info.output_names, self.kinds)
 
     def __enter__(self) -> Trials:
         return self

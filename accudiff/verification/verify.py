@@ -101,14 +101,15 @@ def verify_outputs(
     candidate = runs[0].candidate
     outputs = [f.tensor for f in failures]
     info = read_again(candidate.info)
-    one_prefill = bool(result.generations) and (generation is None or large_weights(info))
+    generating = generation is not None and not large_weights(info)  # a decoder's trials generate as the comparison did
+    one_prefill = bool(result.generations) and not generating
     if result.generations:  # a decoder: each chosen prompt generated again, or its whole sequence run as one prefill (model/prompts.py)
         chosen, total = _trial_prompts(result, outputs), len(result.generations)
         decoder = find_decoder(info.path, info.inputs, info.output_names)
 
         def sequences(picked: Sequence[int], name: str) -> Samples:
             generations = [g for g in result.generations if g["sequence"] in picked]
-            if not one_prefill:
+            if generating:
                 return replayed_prompts(generations, scratch / name)
             return whole_sequences(generations, decoder, cache_types(info.inputs, decoder), scratch / name, info.inputs)
 
@@ -117,11 +118,11 @@ def verify_outputs(
         chosen, total = result.losing_samples(outputs)[:MAX_TRIAL_SAMPLES] or [0], len(samples)
         tried, everything = samples.subset(chosen), lambda: samples
     base = replace(candidate.transformed, model=load_graph(candidate.path))
-    first = tried[0] if generation is None or one_prefill else {}  # a prompt's feeds are made as it generates
+    first = {} if generating else tried[0]  # a prompt's feeds are made as it generates
     setup = TrialSetup(
         info, CandidateVariants(info, compared.recipe, base=base, values=ValueFile(scratch / "verify")), tried, compared, judging, scratch / "verify",
         {name: first[name].reshape(-1).tolist() for name in first if could_be_a_shape(first[name])},
-        generation.as_json(trial=True) if generation is not None and not one_prefill else None,
+        generation.as_json(trial=True) if generating else None,
     )
     recorded = (runs[0].outputs, chosen) if runs[0].outputs is not None else None
     with Trials(setup, indexed, recorded, variant_seconds=_variant_seconds(result.worker_timings.get("comparison", {}), candidate.passes, len(chosen) / len(samples))) as trials:
