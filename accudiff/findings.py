@@ -131,4 +131,3 @@ class Repair:
     pruning_runs: int = 0  # runs that tried dropping its nodes once it held (readings.pruned): the last step is what held
     whole_run: RepairStep | None = None  # where `samples` are some of the run's: every verified repair's nodes kept, on all of them
     op_types: list[str] = field(default_factory=list)  # a repair by op type: these alone stay quantized, every other quantized node is kept
-    one_prefill: bool = False  # a decoder's keeps tried on each prompt's whole sequence as one prefill (large weights), not generated step by step

@@ -65,7 +65,6 @@ class PrecisionResult:
     quantized_by: dict[str, str] = field(default_factory=dict)  # a node another tool quantized with ops of its own -> the tool
     reads_constant_weights: list[str] = field(default_factory=list)  # nodes reading a float weight a Constant node holds
     op_types: list[str] = field(default_factory=list)  # compare's verified repairs keep every quantized node but these op types' (one quantizer option)
-    one_prefill: bool = False  # a decoder's keep-lists tried on each prompt's whole sequence as one prefill (large weights), not generated step by step
     prompts: int = 0  # a decoder's: the prompts it generated from (its figures' units)
 
 
@@ -93,7 +92,6 @@ def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
     result.op_types = repairs[0].op_types if verified and len({tuple(r.op_types) for r in repairs}) == 1 else []
     ranking.to_csv(out_dir / RANKING_FILE, index=False)
     trials = session.trials(full)
-    result.one_prefill = bool(full.generations) and trials.setup.generation is None
     result.bound = _run_bound(len(ranking), len(trials.boundaries.close(start)))
     try:
         found = _from_repair(session, trials, start, full) if verified else None

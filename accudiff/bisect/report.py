@@ -133,8 +133,7 @@ def _precision_text(result, folder: Path, settings: RunSettings) -> str:
         lines.append(f"  keeping {len(result.keep)} of the {result.converted} converted node(s) in higher precision makes the outputs meet {_target(settings)}: "
                      f"{', '.join(result.keep[:SHOWN_NODES])}{' ...' if len(result.keep) > SHOWN_NODES else ''}")
         if result.minimal:
-            measured = " (each prompt's whole sequence run as one prefill, as bisect runs a decoder of large weights)" if result.one_prefill else ""
-            lines.append(f"  each of them is needed: without any one of them (each tried), the rest is not shown to meet {_target(settings)}{measured}")
+            lines.append(f"  each of them is needed: without any one of them (each tried), the rest is not shown to meet {_target(settings)}")
         elif result.untried:
             lines.append(f"  pruned the last added first (a long list in groups first, halving down to single nodes), within {PRUNE_LIMIT} runs: {result.untried} of them "
                          "were never left out on their own, so a shorter list may meet it too")

@@ -11,7 +11,7 @@ from typing import Callable, TextIO
 
 from accudiff.api import run
 from accudiff.stages.group import record_reference
-from accudiff.verification.trial import TrialSetup, Trials, large_weights
+from accudiff.verification.trial import TrialSetup, Trials
 from accudiff.stages.branches import branch_groups, calibration_per_group
 from accudiff.errors import AccudiffError
 from accudiff.execution.probes import largest_values
@@ -129,12 +129,11 @@ class BisectSession:
         """Trials of the candidate with nodes kept in higher precision, on every sample of the session,
         built from the same recipe as `compare`'s candidate (so the repaired model is the one verified); a
         kept node's readers that only move its values are kept with it (Boundaries, regions). A decoder's
-        generate as `full` did, step by step on the tokens it fed (each prompt's whole sequence as one
-        prefill for a model of large weights, as verification does)."""
+        generate as `full` did, step by step on the tokens it fed."""
         compared = self.settings.compared
         folder = self.cache.folder / "trials"
         samples, generation = self.feeds, None
-        if full.generations and not large_weights(self.info):
+        if full.generations:
             folder.mkdir(parents=True, exist_ok=True)
             candidate = Path(self.settings.candidate_model) if self.settings.candidate_model is not None else None
             plan = prepare_generation(self.info, self.settings.prompts, self.settings.decode_steps, folder / "prompts.npz", folder, candidate)

@@ -12,7 +12,8 @@ continues alone on its own choices, its tokens returned beside the reference's.
 
 Verification's and bisect's trials generate again (`Job.generation` with "trial" set): each prompt is fed the
 tokens the comparison fed (a continuation given stays one; the reference's own choices are `replayed`, scored
-as when it chose them), and nobody generates alone: only the steps are measured.
+as when it chose them), and nobody generates alone: only the steps are measured. The reference's steps are then
+the same in every job: recorded by one, replayed from its store by the others (verification/trial.py).
 """
 
 from __future__ import annotations
@@ -125,7 +126,10 @@ def generate(engine: Engine, decoder: Decoder, prompt: np.ndarray, continuation:
         position += len(fed)
         if step == new_tokens or reference_next in decoder.eos_token_id:
             break
-        feed = decoder.step_feed(np.asarray([reference_next]), decoder.next_past(kept["reference"]))
+        # The reference's cache feeds its next step; a reference replayed from a store has none (nor needs one), and
+        # a carrying pass's cache spans the same positions.
+        replayed = decoder.present_outputs[0] not in kept["reference"]
+        feed = decoder.step_feed(np.asarray([reference_next]), decoder.next_past(kept[carrying[0] if replayed else "reference"]))
         own = {name: decoder.next_past(kept[name]) for name in carrying}
         fed = [reference_next]
     generation.candidate = list(generation.reference) if parted is None or not alone else _on_its_own(engine, decoder, carrying[0], generation, *parted)

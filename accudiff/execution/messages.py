@@ -73,7 +73,8 @@ class Job:
     # its samples are then prompts, each run as a prefill and N decode steps, each step a sample of the engine.
     generation: dict | None = None
     # Sessions made one at a time, each just before its run (else all at once, kept for every sample): weights
-    # of a model too large to hold twice (trial.LARGE_MODEL_BYTES).
+    # of a model too large to hold twice (trial.LARGE_MODEL_BYTES). A job generating keeps its one model's session
+    # for every step (the trials of such a model replay the reference: see trial.Trials).
     one_session_at_a_time: bool = False
     # Sessions an earlier job kept (`PassSpec.reuse`: a trial's switchboard) closed first when none of this job's
     # passes reuses them: its variants' sessions would otherwise sit beside them (verification's last round).

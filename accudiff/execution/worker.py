@@ -103,7 +103,8 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
         )
         outputs_store = ReferenceStore(Path(job.outputs_store), job.outputs) if job.outputs_store else None
         reference = ReferencePlan(Path(job.reference), lambda model, outputs: reference_runner(model, outputs, cpu), store, outputs_store)
-        options = EngineOptions(threads, keep_sessions=len(job.sample_indices) * per_sample > 1 and not job.one_session_at_a_time,
+        one_at_a_time = job.one_session_at_a_time and not job.generation  # a step's session is the next step's
+        options = EngineOptions(threads, keep_sessions=len(job.sample_indices) * per_sample > 1 and not one_at_a_time,
                                 progress=lambda text: emit({"event": "step", "text": text}), points=job.points)
         engine = Engine(reference, passes, measured, Path(scratch), options)
         generated: dict[str, list] = {"steps": [], "generations": []}

@@ -126,15 +126,12 @@ def next_step_lines(result, python: bool = False) -> list[str]:
         keep = list(dict.fromkeys(n for r in repairs for n in r.keep))
         outputs = f"output{'s' if len(failures) > 1 else ''}"
         by_type = {tuple(r.op_types) for r in repairs}
-        # A decoder of large weights has its trials run each prompt's whole sequence as one prefill: generated a step at
-        # a time, INT4 kernels can round otherwise (0.034 apart in a small Llama's logits), and the repair with them.
-        prefill = "; each prompt's whole sequence run as one prefill, where this generates step by step" if any(r.one_prefill for r in repairs) else ""
         if len(by_type) == 1 and repairs[0].op_types and (option := op_types_option(keep, result.quantized_by, repairs[0].op_types)) is not None:
             # every quantized node but the matrix ops kept: a screen of names, where the quantizer has one option for it
             kept = f": {result.report_dir / result.repaired_candidate}" if result.repaired_candidate and result.report_dir else ""
             return [f"next: quantize only its {' and '.join(repairs[0].op_types)} nodes (verified at the {outputs} with every other quantized node "
-                    f"kept in higher precision{kept}{prefill}; see the repair below):", f"  {option}", *alternative]
-        return [f"next: keep {len(keep)} node(s) in higher precision (verified at the {outputs}{prefill}):", f"  {keep_option(result, keep, python)}", *alternative]
+                    f"kept in higher precision{kept}; see the repair below):", f"  {option}", *alternative]
+        return [f"next: keep {len(keep)} node(s) in higher precision (verified at the {outputs}):", f"  {keep_option(result, keep, python)}", *alternative]
     bisect = bisect_command(result) or f"accudiff bisect precision ({unsaved_inputs_text()})"
     if judged:
         return [f"next: out of tolerance, but what it decides meets {judged[0]}; if the decision is what you judge the model by:", judged[1],

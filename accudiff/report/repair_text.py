@@ -41,8 +41,6 @@ def repair_lines(failure, result, python: bool = False) -> list[str]:
     samples = (f"on {unit} {repair.samples[0]}" if len(repair.samples) == 1 else f"on {unit}s {', '.join(map(str, repair.samples))}") if repair.samples else ""
     if failure.cause is not None and failure.cause.stand_in:
         samples += f" of {failure.cause.stand_in}"
-    if repair.one_prefill and samples:  # a decoder of large weights: the same tokens and each side's own cache, computed in one run, not step by step
-        samples += ", each prompt's whole sequence run as one prefill"
     # Unverified, the worst of the samples tried is what still fails, not each of them; or, by a requirement, its
     # figure reached the target where its interval over them does not lie within it.
     reached = Objective(require=result.require).miss(repair.steps[-1].figures)

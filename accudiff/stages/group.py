@@ -17,12 +17,12 @@ import onnx
 
 from accudiff.stages.branches import BranchGroup, merge_group_results
 from accudiff.execution.generation import samples_per_prompt
-from accudiff.judging.output_kinds import OutputKind, kinds_of
+from accudiff.judging.output_kinds import OutputKind, deciding, kinds_of
 from accudiff.execution.messages import WorkerResult
 from accudiff.execution.probes import largest_values
 from accudiff.execution.shards import run_shards
 from accudiff.judging.tolerances import Tolerances
-from accudiff.verification.trial import MAX_TRIAL_SAMPLES
+from accudiff.verification.trial import MAX_TRIAL_SAMPLES, large_weights
 from accudiff.execution.messages import Job, PassSpec
 from accudiff.memory import return_freed_memory
 from accudiff.model.graph import data_files
@@ -217,8 +217,9 @@ def run_group(
                   for p in job.passes]
         job = replace(job, passes=passes, generation=generation.as_json())
     outputs = None
-    if verify and len(group.samples) <= MAX_TRIAL_SAMPLES and generation is None:  # few enough to keep: verification replays them
-        outputs = ReferenceStore(where.scratch / f"outputs-{candidate.path.stem}", info.output_names)
+    # Few enough to keep: verification replays them (a decoder's steps only where its trials replay them: large weights).
+    if verify and len(group.samples) <= MAX_TRIAL_SAMPLES and (generation is None or large_weights(info)):
+        outputs = ReferenceStore(where.scratch / f"outputs-{candidate.path.stem}", deciding(info.output_names, candidate.kinds))
         job = replace(job, outputs_store=str(outputs.folder))
     progress = where.progress_from(group.before, len(samples))
     entries = [(generation.prompts if generation is not None else samples).as_json()[i] for i in group.samples]

@@ -96,7 +96,7 @@ class Trials:
                  variant_seconds: float | None = None, replayed: bool = True, ray: str | None = None):
         """`table`: the comparison's statistics (ranges of the reference tensors), indexed by tensor.
         `recorded`: the reference's graph outputs as the comparison recorded them, and which of its
-        samples are the setup's (else the first trial records them). `regions`: see Boundaries.
+        samples (a decoder's prompts, each of its steps recorded) are the setup's (else the first trial records them). `regions`: see Boundaries.
         `variant_seconds`: what a variant is expected to cost a worker (a session and its runs, as the
         comparison measured them), when known: beside a switchboard, more workers start only for
         variants that would keep the first one busier than a worker takes to start. `replayed`: the
@@ -106,16 +106,25 @@ class Trials:
         each call's keep-lists tried in one job, its samples split over Ray tasks as a comparison's are
         (execution/shards.py; not replayed: a task runs the reference beside them)."""
         self.setup = setup
-        self.replayed = replayed and ray is None and setup.generation is None  # a step's feed depends on the last: nothing to replay
+        self.large = large_weights(setup.info)
+        # A decoder's trials feed each prompt the tokens the comparison fed, so the reference's steps are the same in every
+        # job: replayed where its sessions are made one at a time (large weights). Else its reference runs beside the keeps:
+        # a step of a small decoder costs less than reading it back (bisect on a small Llama, medians of five: 12.9 s replayed, 11.8 s run).
+        self.replayed = replayed and ray is None and (setup.generation is None or self.large)
         self.ray = ray
         self.variant_seconds = variant_seconds
         self.runs = 0
+        self.kinds = kinds_of(setup.info, setup.judging.output_kinds)  # what each output decides: the figures a keep is judged by
+        # A decoder's state (its KV cache) is run and carried, not measured or recorded: the logits of later steps judge it.
+        self.judged = deciding(setup.info.output_names, self.kinds)
         setup.scratch.mkdir(parents=True, exist_ok=True)
-        self.reference = ReferenceStore(Path(tempfile.mkdtemp(prefix="reference-", dir=setup.scratch)), list(setup.info.output_names))
-        if recorded is not None and recorded[0].complete:
+        self.reference = ReferenceStore(Path(tempfile.mkdtemp(prefix="reference-", dir=setup.scratch)), self.judged)
+        if recorded is not None and recorded[0].complete and self.replayed:
             store, samples = recorded
+            steps = samples_per_prompt(setup.generation["new_tokens"]) if setup.generation else 1  # a decoder's: each step of its prompts
             for k, sample in enumerate(samples):
-                self.reference.write(k, store.read(sample, setup.info.output_names))
+                for step in range(steps):
+                    self.reference.write(k * steps + step, store.read(sample * steps + step, self.judged))
             self.reference.finish()
         self.boundaries = Boundaries(setup.info.proto.graph, unfit_for_format(table, setup.variants.recipe.precision), setup.variants.base.converted, regions)
         # Every model the trials save is saved in their folder: with the reference's and the candidate's weights
@@ -129,12 +138,9 @@ class Trials:
         self._tried: dict[tuple[tuple[str, ...], str], TrialOutcome] = {}  # (a keep-list closed, what it undoes) -> its outcome
         # A model whose weights are large is tried in one worker, each session made just before its run (two sessions,
         # or two workers, would map its weights twice), on a gated switchboard (switches.gate_switches: a kept node
-        # computed only when its switch is on, its FP32 weights read only then), its other variants one at a time.
-        self.large = large_weights(setup.info)
+        # computed only when its switch is on, its FP32 weights read only then), its other variants one at a time, its
+        # reference replayed (a decoder's steps too; a job generating keeps its one session for every step).
         self._switchable = switchable(setup.compared)
-        self.kinds = kinds_of(setup.info, setup.judging.output_kinds)  # what each output decides: the figures a keep is judged by
-        # A decoder's state (its KV cache) is run and carried, not measured: the logits of later steps judge it.
-        self.judged = deciding(setup.info.output_names, self.kinds)
 
     def __enter__(self) -> Trials:
         return self
@@ -213,6 +219,7 @@ class Trials:
         outcomes: list[TrialOutcome] = []
         if self.large and not self.reference.complete and chunks:  # recorded first, then replayed: one session of its weights at a time
             self._record_reference(threads)
+            started = time.perf_counter()  # the caller waited for the worker's runs: not its models' time
         recording = self.replayed and not self.reference.complete
         # Each worker takes the next job built, once it is up: a worker still starting leaves the jobs to one
         # already free (the switchboard's, after its own job).
@@ -380,9 +387,10 @@ def _outcome(keep: list[str], outcomes: list[SampleOutcome], per_unit: int = 1) 
 
 
 def large_weights(info: ModelInfo) -> bool:
-    """Whether a model's weights are large enough for its trials to hold one session at a time (see Trials);
-    a decoder's trials then run each prompt's whole sequence as one prefill, not generating step by step."""
-    return sum(tensor_bytes(init) for init in info.proto.graph.initializer) >= LARGE_MODEL_BYTES
+    """Whether a model's weights are large enough for its trials to hold one session at a time (see Trials). Read
+    from the model as loaded when it was remembered: the transform lets go of `info.proto`'s."""
+    proto = info.remembered if info.remembered is not None else info.proto
+    return sum(tensor_bytes(init) for init in proto.graph.initializer) >= LARGE_MODEL_BYTES
 
 
 def switchable(compared: Compared) -> bool:

@@ -39,7 +39,7 @@ import pandas as pd
 from accudiff.stages.group import GroupRun, could_be_a_shape
 from accudiff.judging.objective import Objective, score_said
 from accudiff.judging.table import STATUS_FAIL
-from accudiff.verification.trial import MAX_TRIAL_SAMPLES, TrialOutcome, TrialSetup, Trials, large_weights, trial_workers
+from accudiff.verification.trial import MAX_TRIAL_SAMPLES, TrialOutcome, TrialSetup, Trials, trial_workers
 from accudiff.execution.pool import prestart
 from accudiff.verification.loss_split import by_op_type, cause_parts, loss_split, loss_split_keeps, split_op_types
 from accudiff.verification.every_sample import on_every_sample
@@ -52,9 +52,8 @@ from accudiff.diagnosis.mechanisms import absorber
 from accudiff.diagnosis.rules import DiagnosisContext, isolation_ran
 from accudiff.model.formats import QUANTIZED_FORMATS, formats_of
 from accudiff.run_options import DEFAULT_CAUSE_BUDGET
-from accudiff.model.decoder import cache_types, find_decoder
 from accudiff.model.loading import load_graph, read_again
-from accudiff.model.prompts import GenerationPlan, replayed_prompts, whole_sequences
+from accudiff.model.prompts import GenerationPlan, replayed_prompts
 from accudiff.runners.base import BACKEND_NAMES
 from accudiff.model.saving import save_model
 from accudiff.model.value_file import ValueFile
@@ -80,8 +79,7 @@ def verify_outputs(
     the same precision stands in for it, on the outputs that fail there too. For a candidate made by
     another tool, the verified repairs' nodes kept in it are saved in the `report` folder as the repaired
     candidate. `ray`: the batch on every sample runs as Ray tasks, as the comparison did. A decoder's trials
-    generate as the comparison's `generation` did, step by step on the tokens it fed (each prompt's whole sequence
-    as one prefill for a model of large weights, whose sessions are made one at a time). Returns the notices
+    generate as the comparison's `generation` did, step by step on the tokens it fed. Returns the notices
     of the outputs whose causes could not be verified."""
     if len(runs) > 1:
         return [f"causes were not verified: the samples take {len(runs)} different combinations of If branches "
@@ -101,19 +99,16 @@ def verify_outputs(
     candidate = runs[0].candidate
     outputs = [f.tensor for f in failures]
     info = read_again(candidate.info)
-    generating = generation is not None and not large_weights(info)  # a decoder's trials generate as the comparison did
-    one_prefill = bool(result.generations) and not generating
-    if result.generations:  # a decoder: each chosen prompt generated again, or its whole sequence run as one prefill (model/prompts.py)
+    generating = generation is not None  # a decoder's trials generate as the comparison did
+    unit = "prompt" if generating else "sample"
+    if generating:  # each chosen prompt fed again the tokens the comparison fed it (model/prompts.py)
         chosen, total = _trial_prompts(result, outputs), len(result.generations)
-        decoder = find_decoder(info.path, info.inputs, info.output_names)
 
-        def sequences(picked: Sequence[int], name: str) -> Samples:
-            generations = [g for g in result.generations if g["sequence"] in picked]
-            if generating:
-                return replayed_prompts(generations, scratch / name)
-            return whole_sequences(generations, decoder, cache_types(info.inputs, decoder), scratch / name, info.inputs)
+        def sequences(picked: Sequence[int], name: str) -> Samples:  # in the order picked: the k-th trial sample is picked[k]
+            generations = {g["sequence"]: g for g in result.generations}
+            return replayed_prompts([generations[p] for p in picked], scratch / name)
 
-        tried, everything = sequences(chosen, "whole-sequences.npz"), lambda: sequences(range(total), "every-sequence.npz")
+        tried, everything = sequences(chosen, "replayed.npz"), lambda: sequences(range(total), "every-prompt.npz")
     else:
         chosen, total = result.losing_samples(outputs)[:MAX_TRIAL_SAMPLES] or [0], len(samples)
         tried, everything = samples.subset(chosen), lambda: samples
@@ -136,21 +131,21 @@ def verify_outputs(
     result.worker_timings["verification"] = trials.timings
     if len(chosen) < total:
         verdicts = on_every_sample(verdicts, replace(setup, samples=everything(), scratch=scratch / "every-sample"), indexed, judging.objective,
-                                    keep_phrase(context.precision), "prompt" if result.generations else "sample", result.worker_timings, ray)
+                                    keep_phrase(context.precision), unit, result.worker_timings, ray)
     keep = list(dict.fromkeys(n for _, repair in verdicts.values() if repair.verified for n in (repair.whole_run or repair).keep))
     if report is not None and keep and compared.candidate_model is not None:
         save_model(repaired(setup.variants, keep), report / repaired_file(setup.variants.recipe), one_file=True)
         result.repaired_candidate = repaired_file(setup.variants.recipe)
     result.output_failures = [
-        replace(f, cause=replace(verdicts[f.tensor][0], stand_in=stand_in), repair=replace(verdicts[f.tensor][1], samples=chosen, one_prefill=one_prefill))
+        replace(f, cause=replace(verdicts[f.tensor][0], stand_in=stand_in), repair=replace(verdicts[f.tensor][1], samples=chosen))
         if f.tensor in verdicts else f
         for f in result.output_failures
     ]
     passed = [f"'{name}' ({Reading.of(control, name, judging.objective).said(named=False)})" for name in outputs if name not in verdicts]
     if passed:
         notices.append(
-            f"output(s) {', '.join(passed)} met {'their target' if judging.objective.require else 'the tolerance'} on the {len(chosen)} sample(s) "
-            "verification runs (the worst failing ones), "
+            f"output(s) {', '.join(passed)} met {'their target' if judging.objective.require else 'the tolerance'} on the {len(chosen)} "
+            f"{unit}(s) verification runs (the worst failing ones), "
             f"{stand_in or 'the candidate'} run again with nothing kept: a keep cannot be verified where the failure does not show, "
             "so the cause stays the rules' hypothesis")
     return notices
