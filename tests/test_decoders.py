@@ -584,6 +584,9 @@ def test_prompts_as_token_ids_need_no_tokenizer_and_replay(tmp_path, run_cli):
     intro = page.split("both sides fed the same tokens. ")[1].split("</p>")[0]  # the Generation section's own words
     assert "with fewer than 5 prompts" in note and intro == f"{note}."  # the same words and count (the page once counted the prefill's alone)
     assert "resample whole prompts" not in page
+    # A decoder is fed prompts, and the page and summary.md count them so, as the console does (they said "2 sample(s)").
+    markdown = (tmp_path / "r" / "summary.md").read_text()
+    assert "prompts: 2," in out and "2 prompt(s) from" in page and "compared over 2 prompt(s)." in markdown and "sample(s)" not in markdown
     # Each figure once: the phases, where the error enters and the greedy generation are the Generation section's, not repeated under Samples.
     samples = page.split("<h2>Samples</h2>")[1].split("</section>")[0]
     assert "each side carrying its own KV cache (" not in samples and "generation: both sides fed" not in samples, samples

@@ -172,6 +172,11 @@ def requirements_met(result) -> list[str]:
     return lines
 
 
+def fed_text(result) -> str:
+    """What the comparison was fed, counted: a decoder's prompts (each generated from), or samples."""
+    return f"{len(result.generations)} prompt(s)" if result.generations else f"{result.iterations} sample(s)"
+
+
 def failing_outputs_label(result) -> str:
     return "graph outputs failing their requirement or tolerance" if result.require else "graph outputs out of tolerance"
 

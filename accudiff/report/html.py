@@ -17,7 +17,7 @@ import pandas as pd
 
 from accudiff.report import plots
 from accudiff.report.html_blocks import bullet_list, copyable, data_table, escape, facts_table, page, section, structured
-from accudiff.report.content import (HTML_FILE, cause_lines, decision_first_lines, failing_outputs_label, failure_headline, requirements_met,
+from accudiff.report.content import (HTML_FILE, cause_lines, decision_first_lines, failing_outputs_label, failure_headline, fed_text, requirements_met,
                                      sample_lines, tolerance_met_line, worst_tensors)
 from accudiff.report.next_steps import next_step_lines
 from accudiff.model.prompts import decode_tokens
@@ -90,7 +90,7 @@ def summary_markdown(result, html_name: str = HTML_FILE) -> str:
     lines = [
         f"### accudiff: `{_md(model_name(result.model))}` [{result.precision}] — **{result.verdict.upper()}**",
         "",
-        f"{_md(result.candidate)}; {compared} of {computed} tensors compared over {result.iterations} sample(s).",
+        f"{_md(result.candidate)}; {compared} of {computed} tensors compared over {fed_text(result)}.",
         "",
     ]
     lines += [f"- {_md(line)}" for line in requirements_met(result)]
@@ -115,7 +115,7 @@ def _heading(result) -> str:
     tol = result.tolerances.default
     facts = {
         "candidate": result.candidate,
-        "compared": f"{compared} of {computed} tensors ({percent(compared / max(computed, 1), 0)}), {result.iterations} sample(s) from {result.inputs or 'generated inputs'}",
+        "compared": f"{compared} of {computed} tensors ({percent(compared / max(computed, 1), 0)}), {fed_text(result)} from {result.inputs or 'generated inputs'}",
         "tolerance": f"atol={tol.atol:g} rtol={tol.rtol:g} stol={tol.stol:g}",
         failing_outputs_label(result): f"{len(result.output_failures)} of {len(result.outputs)}",
     }
