@@ -304,11 +304,16 @@ def test_a_decoders_repair_is_the_builders_own_exclusion_and_holds(llama, tmp_pa
         assert fewer.verdict != "pass", (node, kept)
 
 
-def test_a_decoders_bisect_is_judged_by_its_logits_not_its_kv_cache(llama, tmp_path, run_cli):
+@pytest.mark.parametrize("large", [False, True], ids=["small", "large"])
+def test_a_decoders_bisect_is_judged_by_its_logits_not_its_kv_cache(llama, large, tmp_path, monkeypatch, run_cli):
     """bisect precision judged every graph output, the eight present.* outputs too, where compare judges the logits
     alone (the KV cache is state, judged through the logits of later steps). Held to atol=rtol=0.01, its keep-list
     was 7 MatMuls "each of them needed", and compare without one of them passed. Each node it keeps is now needed
-    by what compare judges, and its figures are said per prompt (they read "of 72 sequence(s)", "the 8 samples")."""
+    by what compare judges, and its figures are said per prompt (they read "of 72 sequence(s)", "the 8 samples").
+    So too for a decoder of 1 GB of weights or more (its trial sessions made one at a time), whose keeps were
+    tried on each prompt's whole sequence as one prefill."""
+    if large:
+        monkeypatch.setattr("accudiff.verification.trial.LARGE_MODEL_BYTES", 0)  # this small model, tried as a large one
     tolerance = ["--new-tokens", NEW_TOKENS, "--atol", "0.01", "--rtol", "0.01"]
     code, out, err = run_cli("bisect", "precision", llama.fp32, "--candidate-model", llama.int4, "--prompts", llama.prompts, *tolerance, "-o", tmp_path / "fix")
     assert code == 1 and "sequence(s)" not in out and "samples]" not in out, out + err
@@ -319,6 +324,9 @@ def test_a_decoders_bisect_is_judged_by_its_logits_not_its_kv_cache(llama, tmp_p
         fewer = accudiff.compare(llama.fp32, candidate_model=llama.int4, prompts=llama.prompts, new_tokens=NEW_TOKENS, atol=0.01, rtol=0.01, keep_fp32=rest,
                                  verify=False)
         assert fewer.verdict != "pass", (node, kept)
+    every = accudiff.compare(llama.fp32, candidate_model=llama.int4, prompts=llama.prompts, new_tokens=NEW_TOKENS, atol=0.01, rtol=0.01,
+                             keep_fp32=[re.escape(node) for node in kept], verify=False)
+    assert every.verdict == "pass", kept  # and with all of them kept, it passes
 
 
 def test_a_repair_not_shown_met_is_never_pruned_past_its_requirement(llama, run_cli):
