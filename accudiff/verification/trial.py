@@ -104,14 +104,16 @@ class Trials:
         runs the reference beside its variants and nothing is stored (one batch on a run's every sample,
         whose outputs could take gigabytes: not for a large model, whose two sessions would not fit). `ray`:
         each call's keep-lists tried in one job, its samples split over Ray tasks as a comparison's are
-        (execution/shards.py; not replayed: a task runs the reference beside them)."""
+        (execution/shards.py; not replayed: a task runs the reference beside them; not a decoder of large
+        weights, whose trials run here one session at a time)."""
         self.setup = setup
         self.large = large_weights(setup.info)
         # A decoder's trials feed each prompt the tokens the comparison fed, so the reference's steps are the same in every
         # job: replayed where its sessions are made one at a time (large weights). Else its reference runs beside the keeps:
         # a step of a small decoder costs less than reading it back (bisect on a small Llama, medians of five: 12.9 s replayed, 11.8 s run).
-        self.replayed = replayed and ray is None and (setup.generation is None or self.large)
-        self.ray = ray
+        # A large decoder's trials stay here: a Ray task would generate with every keep-list's session open at once.
+        self.ray = None if self.large and setup.generation is not None else ray
+        self.replayed = replayed and self.ray is None and (setup.generation is None or self.large)
         self.variant_seconds = variant_seconds
         self.runs = 0
         self.kinds = kinds_of(setup.info, setup.judging.output_kinds)  # what each output decides: the figures a keep is judged by
