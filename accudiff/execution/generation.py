@@ -13,7 +13,7 @@ continues alone on its own choices, its tokens returned beside the reference's.
 Verification's and bisect's trials generate again (`Job.generation` with "trial" set): each prompt is fed the
 tokens the comparison fed (a continuation given stays one; the reference's own choices are `replayed`, scored
 as when it chose them), and nobody generates alone: only the steps are measured. The reference's steps are then
-the same in every job: recorded by one, replayed from its store by the others (verification/trial.py).
+the same in every job: a decoder of large weights has them replayed from a store (verification/trial.py).
 """
 
 from __future__ import annotations
