@@ -205,7 +205,7 @@ def context_limit(graph: onnx.GraphProto, decoder: Decoder) -> tuple[int, str] |
 def whole_sequences(generations: Sequence[dict], decoder: Decoder, types: dict[str, np.dtype], target: Path, specs: Sequence = ()) -> Samples:
     """Each generation's whole sequence (its prompt and every token its decode steps fed) as one prefill:
     the same tokens, each side computing its own cache in one run: one run a prompt instead of one a step
-    (the feeds of a cut bisect compares, and the trials of a decoder of large weights)."""
+    (the feeds of a cut bisect compares: a subgraph has no cache to carry)."""
     feeds = [decoder.first_feed(np.asarray([*g["prompt"], *g["reference"][:-1]], np.int64), types) for g in generations]
     return samples_from_feeds(feeds, target, specs)
 
