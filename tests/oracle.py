@@ -889,13 +889,15 @@ def run_results_outputs(path: Path, name: str) -> list[np.ndarray]:
     return arrays
 
 
-def generation(reference: Path, candidate: Path, prompts: list[np.ndarray], new_tokens: int, eos: set[int] = frozenset()) -> dict:
+def generation(reference: Path, candidate: Path, prompts: list[np.ndarray], new_tokens: int, eos: set[int] = frozenset(),
+               tolerance: tuple[float, float, float] | None = None) -> dict:
     """A decoder's generation as deployed, with two plain ONNX Runtime sessions on the model files (graph
     outputs only), each carrying its own KV cache (present fed back as past): every prompt's prefill, then
     `new_tokens` decode steps fed the reference's greedy token. Per phase ("prefill", "decode"), numpy's
     figures over every position: top-1 agreement, KL(reference || candidate) mean and max, Δp of the
-    reference's top entry, ΔNLL of the token that follows each position; and per prompt the first step at
-    which the candidate's own greedy token differs (None: never)."""
+    reference's top entry, ΔNLL of the token that follows each position; per prompt the first step at
+    which the candidate's own greedy token differs (None: never); given a `tolerance` (atol, rtol, stol), the
+    worst step's logits against it, as a multiple of it."""
     sessions = [ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]) for path in (reference, candidate)]
     pasts = [[i for i in s.get_inputs() if i.name.startswith("past_key_values.")] for s in sessions]
     found = {"prefill": [], "decode": []}
@@ -921,7 +923,10 @@ def generation(reference: Path, candidate: Path, prompts: list[np.ndarray], new_
                 break
             fed = [chosen]
         parted.append(first_different)
-    return {"phases": {phase: _token_phase(rows) for phase, rows in found.items() if rows}, "first_different": parted}
+    figures = {"phases": {phase: _token_phase(rows) for phase, rows in found.items() if rows}, "first_different": parted}
+    if tolerance is not None:
+        figures["tol_ratio"] = max(_ratio(ref, cand, tolerance) for rows in found.values() for ref, cand, _ in rows)
+    return figures
 
 
 def _token_phase(rows) -> dict:

@@ -453,6 +453,50 @@ def test_bisect_subgraph_cuts_a_decoder_compared_from_prompts(llama, tmp_path, r
     assert not (tmp_path / "req").exists()
 
 
+def _kv_cache_in_int8(model: Path, target: Path, layers: range = range(4), scale: float = 0.1) -> Path:
+    """The decoder storing the KV cache of `layers` in INT8 (a Q/DQ pair, one scale, on each present output), as
+    a deployment quantizing its cache does: the prefill's logits are the model's own, the decode steps read
+    the cache rounded."""
+    proto = onnx.load(model)
+    proto.graph.initializer.extend([numpy_helper.from_array(np.array(scale, np.float32), "kv_scale"),
+                                    numpy_helper.from_array(np.array(0, np.int8), "kv_zero")])
+    for name in [f"present.{layer}.{part}" for layer in layers for part in ("key", "value")]:
+        writer = next(node for node in proto.graph.node if name in node.output)
+        writer.output[list(writer.output).index(name)] = f"{name}/float"
+        proto.graph.node.extend([helper.make_node("QuantizeLinear", [f"{name}/float", "kv_scale", "kv_zero"], [f"{name}/int8"], name=f"{name}/Q"),
+                                 helper.make_node("DequantizeLinear", [f"{name}/int8", "kv_scale", "kv_zero"], [name], name=f"{name}/DQ")])
+    onnx.save(proto, target)
+    return target
+
+
+def test_a_kv_cache_stored_in_int8_is_found_where_it_enters_and_no_subgraph_is_claimed(llama, tmp_path, run_cli):
+    """The trained Llama storing its KV cache in INT8 on its way out. Its attentions were not counted as
+    quantized (a Q/DQ pair writing a graph output, read by no node), so compare found no quantized node
+    upstream of the logits and bisect precision nothing to keep; bisect subgraph stopped on a cut of the
+    candidate whose outputs no node wrote ("fails the ONNX checker", naming a file of its own). And a cut,
+    fed each prompt's whole sequence as one prefill (it carries no cache), cannot fail here: bisection ended
+    on a "reproducer" of the whole model that "needs more context". Now bisect subgraph says that no subgraph
+    reproduces it, and bisect precision, pasted as printed, keeps the four attentions, each needed as the
+    oracle (two plain sessions generating) finds; with all four kept, no error is said to enter anywhere."""
+    tolerance = ["--atol", "0.01", "--rtol", "0.01", "--stol", "0"]
+    common = ["--candidate-model", _kv_cache_in_int8(llama.fp32 / "model.onnx", tmp_path / "kv.onnx"), "--prompts", llama.prompts, "--new-tokens", "4", *tolerance]
+    code, out, err = run_cli("bisect", "subgraph", llama.fp32, *common, "-o", tmp_path / "cut")
+    assert code == 1 and "no subgraph reproduces it" in out and "the whole model leaves 'logits' at 0x its tolerance" in out, out + err
+    assert not (tmp_path / "cut" / "subgraph.onnx").exists()
+    [command] = [line.strip() for line in out.splitlines() if line.strip().startswith("accudiff bisect precision")]
+    pasted = run_printed(command, tmp_path)
+    attentions = [f"/model/layers.{layer}/attn/GroupQueryAttention" for layer in range(4)]
+    assert pasted.returncode == 1 and "keeping 4 of the 4 converted node(s)" in pasted.stdout, pasted.stdout + pasted.stderr
+    assert all(name in pasted.stdout for name in attentions) and "each of them is needed" in pasted.stdout, pasted.stdout
+    for layer in range(4):  # the oracle: the cache of this layer alone in INT8 still fails the tolerance
+        alone = _kv_cache_in_int8(llama.fp32 / "model.onnx", tmp_path / f"kv{layer}.onnx", range(layer, layer + 1))
+        assert oracle.generation(llama.fp32 / "model.onnx", alone, _prompt_ids(llama), 4, tolerance=(0.01, 0.01, 0.0))["tol_ratio"] > 1, layer
+    code, out, err = run_cli("compare", llama.fp32, *common, "--no-verify")
+    assert code == 1 and "the error arises only in the decode steps: the decode steps' KL" in out, out + err
+    code, out, err = run_cli("compare", llama.fp32, *common, "--keep-fp32", r"/model/layers\..*/attn/GroupQueryAttention", "--no-verify")
+    assert code == 0 and "the candidate's next-token distributions are the reference's in both phases (KL 0)" in out, out + err
+
+
 def test_partition_gives_each_attention_of_a_decoder_its_own_part(llama, tmp_path):
     """TensorRT's capability query names only a decoder's first GroupQueryAttention: the range after it was
     reported NOT convertible as a whole, the MatMuls of three layers with it. Each range is asked again on its

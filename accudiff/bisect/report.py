@@ -49,7 +49,7 @@ def run_bisector(name: str, settings: RunSettings, out_dir: Path) -> tuple[str, 
         with new_folder(Path(out_dir)) as folder:
             if name == "subgraph":
                 result = bisect_subgraph(session, folder.path)
-                text, found = _subgraph_text(result, folder.final), result.output is not None
+                text, found = _subgraph_text(result, folder.final, settings), result.output is not None
             else:
                 result = bisect_precision(session, folder.path)
                 text, found = _precision_text(result, folder.final, settings), not result.passed_without_changes
@@ -57,13 +57,14 @@ def run_bisector(name: str, settings: RunSettings, out_dir: Path) -> tuple[str, 
             document = {"schema": RESULT_SCHEMA, "schema_version": 2, "bisector": name, "model": str(model), "precision": precision, **fields}
             folder.write_text(RESULT_FILE, json.dumps(finite(document), indent=2) + "\n")
             files = {"keep_list": KEEP_LIST_FILE if name == "precision" and getattr(result, "keep", None) else None}
-            folder.write_text(HTML_FILE, bisect_page(name, Path(model).name, precision, result, steps, files, _target(settings)))
+            unreproducible = unreproduced(result, settings) if name == "subgraph" else None
+            folder.write_text(HTML_FILE, bisect_page(name, Path(model).name, precision, result, steps, files, _target(settings), unreproducible))
     finally:
         session.close()
     return text, found, result.interrupted
 
 
-def _subgraph_text(result, folder: Path) -> str:
+def _subgraph_text(result, folder: Path, settings: RunSettings) -> str:
     lines = [f"accudiff bisect subgraph: {result.candidate_runs} candidate runs (at most {result.bound} on any path the search could take)"]
     if result.output is None:
         lines.append("  every graph output is within tolerance: nothing to isolate")
@@ -74,10 +75,33 @@ def _subgraph_text(result, folder: Path) -> str:
     if result.nodes:
         shown = ", ".join(result.nodes[:6]) + (f", ... ({len(result.nodes)} nodes)" if len(result.nodes) > 6 else "")
         lines.append(f"  smallest failing subgraph ({len(result.nodes)} node(s), checked at '{result.tensor}'): {shown}")
-        figures = f"'{result.tensor}' at {times_tolerance(result.tol_ratio)}, {times_tolerance(result.whole_tol_ratio, '')} in the whole model"
+        figures = f"'{result.tensor}' at {times_tolerance(result.tol_ratio)}, {_whole_model(result)}"
         lines.append(f"  reproducer {f'confirmed to fail ({figures})' if result.confirmed else f'did NOT reproduce the failure when run again ({figures}): it needs more context'}:")
         lines.append(f"    cd {shlex.quote(str(folder))} && {result.command}")
+    said = unreproduced(result, settings)
+    if said is not None:
+        lines += [f"  {said[0]}", f"    {said[1]}"]
     return "\n".join(lines)
+
+
+def _whole_model(result) -> str:
+    """The checked tensor's error in the whole model; a decoder's fed as its cuts are, then as it generated."""
+    if result.prefill_tol_ratio is None:
+        return f"{times_tolerance(result.whole_tol_ratio, '')} in the whole model"
+    return (f"{times_tolerance(result.prefill_tol_ratio, '')} in the whole model fed each prompt's whole sequence as one prefill, as the cut is, "
+            f"{times_tolerance(result.whole_tol_ratio, '')} generating step by step")
+
+
+def unreproduced(result, settings: RunSettings) -> tuple[str, str] | None:
+    """Why a decoder's failure has no reproducer (the whole model fed as a cut is does not fail as it did
+    generating), and the command to look with instead: bisect precision, whose trials generate. None where a
+    cut was saved."""
+    if result.nodes or result.prefill_tol_ratio is None:
+        return None
+    return (f"no subgraph reproduces it: fed each prompt's whole sequence as one prefill, as a cut is (a cut carries no KV cache), the whole "
+            f"model leaves '{result.tensor}' at {times_tolerance(result.prefill_tol_ratio)}, where generating step by step it reaches "
+            f"{times_tolerance(result.whole_tol_ratio, '')}; to find the nodes to keep in higher precision (its trials generate as compare does):",
+            shlex.join(["accudiff", "bisect", "precision", *settings.arguments("bisect")]))
 
 
 def _target(settings: RunSettings) -> str:

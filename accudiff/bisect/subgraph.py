@@ -10,7 +10,10 @@
    a cut failing there, on a few elements, may have nothing to do with the output's failure), and starts
    among its ancestors A (in topological order). "A[k:] fed the reference's values fails at the
    output" holds for k = 0 (the full run) and not for the last node alone; bisection finds the largest
-   failing k in ceil(log2(len(A))) candidate runs.
+   failing k in ceil(log2(len(A))) candidate runs. A decoder compared from prompts is generated step by
+   step, each side carrying its own KV cache, where a cut is fed each prompt's whole sequence as one prefill
+   (it carries no cache): the whole model fed so is run first, and is what the cuts are held to; a failure
+   it does not show (one of a decode step) no cut reproduces, and that is said instead.
 4. The subgraph is saved with its reference inputs (.npz, and for INT8 the reference values of its inputs
    on the calibration samples, so it is quantized exactly as in the full model) and the `accudiff compare`
    command that reproduces it. That command is parsed and run once more to confirm it fails before
@@ -63,6 +66,7 @@ class SubgraphResult:
     confirmed: bool = False
     tol_ratio: float | None = None  # the reproducer's checked tensor, in its tolerances, when run again
     whole_tol_ratio: float | None = None  # the same tensor's in the whole model
+    prefill_tol_ratio: float | None = None  # a decoder's: the same tensor's in the whole model fed as its cuts are (model/prompts.whole_sequences)
     candidate_runs: int = 0
     bound: int = 0  # the run count promised: ceil(log2(N)) + 4
     interrupted: bool = False
@@ -103,6 +107,9 @@ def bisect_subgraph(session: BisectSession, out_dir: Path) -> SubgraphResult:
             result.tensor = _bisection_end(failure, nodes)
             result.whole_tol_ratio = float(whole[result.tensor])
             ancestors = _ancestors(nodes, next(i for i, node in enumerate(nodes) if result.tensor in node.output))
+            if full.generations and not _fails_as_one_prefill(session, ancestors, result):
+                result.candidate_runs = session.candidate_runs
+                return result
             start = _bisect(session, ancestors, result)
             _write_reproducer(session, ancestors[start:], out_dir, result)
     except KeyboardInterrupt:
@@ -162,21 +169,36 @@ def _bisect(session, ancestors, result) -> int:
     return failing
 
 
+def _fails_as_one_prefill(session, ancestors, result: SubgraphResult) -> bool:
+    """Whether the whole model fed each prompt's whole sequence as one prefill, as a decoder's cuts are (they
+    carry no KV cache), fails as it did generating; its figure is then the one cuts are held to."""
+    session.progress("the whole model fed each prompt's whole sequence as one prefill, as a cut is (a cut carries no KV cache)")
+    checked = _run_cut(session, _save_cut(session, ancestors, _scratch(session, ancestors))).table.set_index("tensor").loc[result.tensor]
+    reproduced = _reproduces(checked, result)
+    result.prefill_tol_ratio = float(checked["tol_ratio"])
+    return reproduced
+
+
 def _fails(session, chosen, result: SubgraphResult) -> bool:
     if session.precision == "int8" and session.settings.candidate_model is None and not any(
             session.info.proto.graph.node[i].op_type in QUANTIZED_OPS for i in chosen):
         return False  # --int8 quantizes none of its nodes: it computes as the reference does (and to_int8 refuses it)
-    scratch = Path(session.cache.folder) / f"cut-{chosen[0]}-{chosen[-1]}"  # one folder per cut: cached runs never mix
-    scratch.mkdir(exist_ok=True)
-    cut = _save_cut(session, chosen, scratch)
+    cut = _save_cut(session, chosen, _scratch(session, chosen))
     return _reproduces(_run_cut(session, cut).table.set_index("tensor").loc[result.tensor], result)
+
+
+def _scratch(session, chosen: list[int]) -> Path:
+    folder = Path(session.cache.folder) / f"cut-{chosen[0]}-{chosen[-1]}"  # one folder per cut: cached runs never mix
+    folder.mkdir(exist_ok=True)
+    return folder
 
 
 def _reproduces(checked, result: SubgraphResult) -> bool:
     """A cut reproduces the failure when its checked tensor fails with at least REPRODUCED of the error it has
-    in the whole model: the last two nodes of a drifting chain, fed exact values, may fail at 1.8x where the
-    output is at 83x, a failure of their own, not the one asked about."""
-    return checked["status"] == STATUS_FAIL and float(checked["tol_ratio"]) >= REPRODUCED * result.whole_tol_ratio
+    in the whole model (a decoder's: fed as its cuts are, once known): the last two nodes of a drifting chain,
+    fed exact values, may fail at 1.8x where the output is at 83x, a failure of their own, not the one asked about."""
+    whole = result.prefill_tol_ratio if result.prefill_tol_ratio is not None else result.whole_tol_ratio
+    return checked["status"] == STATUS_FAIL and float(checked["tol_ratio"]) >= REPRODUCED * whole
 
 
 def _write_reproducer(session, chosen: list[int], out_dir: Path, result: SubgraphResult) -> None:
@@ -237,18 +259,24 @@ def _candidate_cut(candidate: onnx.ModelProto, reference: onnx.ModelProto, names
     """The candidate's nodes of these names (a quantized op under the name of the `reference` node it
     stands for: a MatMulNBits for its MatMul), with the Q/DQ, Cast and Constant nodes the tool added that
     they read through (back to values the cut is fed, or weights; a Cast the reference has too is a node of
-    its own, in the cut or not as the reference's is), as a model with the reference cut's outputs."""
+    its own, in the cut or not as the reference's is) or that write the cut's outputs, as a model with the
+    reference cut's outputs."""
     nodes = list(candidate.graph.node)
     producer = {out: i for i, node in enumerate(nodes) for out in node.output if out}
     standing_in = {member for op in find_quantized_ops(GraphIndex.of(candidate.graph), GraphIndex.of(reference.graph)) if names & set(op.names)
                    for member in op.members}
     chosen = {i for i, node in enumerate(nodes) if node.name in names or node.name in standing_in}
     theirs = {node.name for node in reference.graph.node}
+
+    def added(i: int | None) -> bool:  # a node the tool added that moves values, not yet in the cut
+        return i is not None and i not in chosen and nodes[i].op_type in STORAGE_OPS and nodes[i].name not in theirs
+
+    chosen |= {producer[name] for name in outputs if added(producer.get(name))}  # writing a cut's output (a KV cache quantized on its way out)
     stack = list(chosen)
     while stack:
         for name in nodes[stack.pop()].input:
             i = producer.get(name)
-            if i is not None and i not in chosen and nodes[i].op_type in STORAGE_OPS and nodes[i].name not in theirs:
+            if added(i):
                 chosen.add(i)
                 stack.append(i)
     return extract(candidate, sorted(chosen), outputs=outputs)

@@ -174,6 +174,9 @@ def entry_text(phases: dict[str, dict]) -> str:
     prefill, decode = phases["prefill"]["figures"]["kl"], phases["decode"]["figures"]["kl"]
     span = phases["decode"]["intervals"].get("kl")
     said = f"the decode steps' KL, {with_interval('kl', decode, span, general, 3)}, {{}} the prefill's, {_figure(prefill)}"
+    if prefill == 0:  # no error enters in the prefill (a KV cache stored rounded, and nothing else)
+        return "the candidate's next-token distributions are the reference's in both phases (KL 0)" if decode == 0 else (
+            "the error arises only in the decode steps: " + said.format("against"))
     if span is not None and span.low > prefill:
         return "the error grows through the KV cache: " + said.format("lies above")
     if span is not None and span.high < prefill:

@@ -45,9 +45,11 @@ def compare_page(result) -> str:
     return page(title, [], sections)
 
 
-def bisect_page(bisector: str, model: str, precision: str, result, steps: Sequence[str], folder_files: dict[str, str | None], target: str = "tolerance") -> str:
+def bisect_page(bisector: str, model: str, precision: str, result, steps: Sequence[str], folder_files: dict[str, str | None], target: str = "tolerance",
+                unreproduced: tuple[str, str] | None = None) -> str:
     """A bisector's report: what it found, the steps it took, the reproducer or the keep-list, the ranking.
-    `target`: what bisect precision's keep-lists must meet (the tolerance, or the --require in words)."""
+    `target`: what bisect precision's keep-lists must meet (the tolerance, or the --require in words).
+    `unreproduced`: why no subgraph reproduces the failure, and the command to look with instead."""
     title = f"accudiff bisect {bisector} {model} [{precision}]"
     facts = {"candidate runs": f"{result.candidate_runs} (at most {result.bound} on any path the search could take)", "interrupted": "yes" if result.interrupted else "no"}
     sections = []
@@ -60,6 +62,8 @@ def bisect_page(bisector: str, model: str, precision: str, result, steps: Sequen
                         f"{'confirmed to fail on its own' if result.confirmed else 'NOT confirmed when run again'}</h3>")
             body.append(bullet_list(result.nodes))
             body.append("<h3>Run the reproducer (from this folder)</h3>" + copyable(result.command))
+        if unreproduced is not None:
+            body.append(f"<p>{escape(unreproduced[0])}</p>" + copyable(unreproduced[1]))
         for finding in result.findings:
             body.append(f"<p>{escape(finding.get('kind', ''))}: {escape(finding.get('message', ''))}</p>")
         sections.append(section("Result", "".join(body)))

@@ -323,14 +323,23 @@ ROUNDING_BLOCK = 1 << 20  # values read at a time from each side of a constant
 def reduced_nodes(index: GraphIndex) -> set[str]:
     """The candidate's nodes that compute in reduced precision: those reading a dequantized value (TensorRT
     runs them quantized) or an FP16/BF16 one (a weight stored so, even cast to FP32 as the model runs), or
-    writing FP16/BF16 (Casts, Q/DQ and Constants only store)."""
+    writing FP16/BF16 (Casts, Q/DQ and Constants only store), or a graph output a Q/DQ pair quantizes (ONNX
+    Runtime's quantizer writes those; a decoder's KV cache stored in INT8). Kept, each is undone
+    (keep_float.py)."""
     types = index.types
     dequantized = {out for node in index.graph.node if node.op_type == "DequantizeLinear" for out in node.output} | set(index.widened_constants(REDUCED_FLOATS))
-    return {
+    reduced = {
         node.name for node in index.graph.node
         if node.op_type not in STORAGE_OPS and any(types.get(out) in FLOAT_TYPES for out in node.output)
         and any(name in dequantized or types.get(name) in REDUCED_FLOATS for name in [*node.input, *node.output] if name)
     }
+    for output in index.outputs:
+        dequantize = index.made_by(output, "DequantizeLinear")
+        quantize = dequantize and index.made_by(dequantize.input[0], "QuantizeLinear")
+        writer = quantize and index.producer.get(quantize.input[0])
+        if writer is not None and writer.op_type not in STORAGE_OPS:
+            reduced.add(writer.name)
+    return reduced
 
 
 def _by_reference_name(ranges: dict, index: GraphIndex) -> dict:
