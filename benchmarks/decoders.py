@@ -91,6 +91,27 @@ def genai_model(checkpoint: Path, folder: Path, precision: str, extra_options: t
     return target
 
 
+def with_rms_normalization(model: Path, target: Path) -> Path:
+    """A GenAI build's graph with each SimplifiedLayerNormalization (ONNX Runtime's op in the default domain,
+    which ModelOpt's ONNX PTQ stops on) written as opset 23's RMSNormalization, which computes the same: what a
+    user does to quantize the decoder with ModelOpt. Saved with its weights in one file."""
+    import onnx
+
+    proto = onnx.load(model)
+    for node in proto.graph.node:
+        if node.op_type == "SimplifiedLayerNormalization" and node.domain in ("", "ai.onnx"):
+            node.op_type = "RMSNormalization"
+            kept = [a for a in node.attribute if a.name in ("axis", "epsilon")]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+    for entry in proto.opset_import:
+        if entry.domain in ("", "ai.onnx"):
+            entry.version = max(entry.version, 23)
+    proto.ir_version = max(proto.ir_version, 11)
+    onnx.save(proto, target)
+    return target
+
+
 def source_prompts(count: int, characters: int = 64) -> list[str]:
     """`count` prompts of about `characters` characters: code lines from standard library files the
     trained model never saw, each cut at a word boundary."""

@@ -251,9 +251,10 @@ def onnxruntime_qdq(model: Path, calibration: list[dict], target: Path, grid: st
     return target
 
 
-def modelopt_quantized(model: Path, calibration: np.ndarray | dict[str, np.ndarray], target: Path, mode: str = "int8") -> Path:
+def modelopt_quantized(model: Path, calibration: np.ndarray | dict[str, np.ndarray], target: Path, mode: str = "int8", exclude: tuple[str, ...] = ()) -> Path:
     """`model` quantized by NVIDIA ModelOpt's ONNX PTQ (`python -m modelopt.onnx.quantization`, calibrated on
-    the CPU on `calibration`, the batch of the model's one input, or of each input by name) into `target`; ModelOpt's version is
+    the CPU on `calibration`, the batch of the model's one input, or of each input by name) into `target`,
+    leaving the nodes `exclude` matches (its `--nodes_to_exclude` patterns) unquantized; ModelOpt's version is
     recorded in the model's doc string. ModuleNotFoundError when ModelOpt is not installed."""
     import importlib.metadata
     import subprocess
@@ -268,6 +269,7 @@ def modelopt_quantized(model: Path, calibration: np.ndarray | dict[str, np.ndarr
     np.savez(data, **calibration) if isinstance(calibration, dict) else np.save(data, calibration)
     command = [sys.executable, "-m", "modelopt.onnx.quantization", "--onnx_path", str(model), "--quantize_mode", mode,
                "--calibration_data_path", str(data), "--calibration_eps", "cpu", "--output_path", str(target)]
+    command += ["--nodes_to_exclude", *exclude] if exclude else []
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0 or not target.exists():
         raise RuntimeError(f"ModelOpt failed on {model.name}: {done.stderr.strip().splitlines()[-1:] or done.returncode}")

@@ -890,15 +890,20 @@ def run_results_outputs(path: Path, name: str) -> list[np.ndarray]:
 
 
 def generation(reference: Path, candidate: Path, prompts: list[np.ndarray], new_tokens: int, eos: set[int] = frozenset(),
-               tolerance: tuple[float, float, float] | None = None) -> dict:
+               tolerance: tuple[float, float, float] | None = None, qdq_as_written: bool = False) -> dict:
     """A decoder's generation as deployed, with two plain ONNX Runtime sessions on the model files (graph
     outputs only), each carrying its own KV cache (present fed back as past): every prompt's prefill, then
     `new_tokens` decode steps fed the reference's greedy token. Per phase ("prefill", "decode"), numpy's
     figures over every position: top-1 agreement, KL(reference || candidate) mean and max, Δp of the
     reference's top entry, ΔNLL of the token that follows each position; per prompt the first step at
     which the candidate's own greedy token differs (None: never); given a `tolerance` (atol, rtol, stol), the
-    worst step's logits against it, as a multiple of it."""
-    sessions = [ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]) for path in (reference, candidate)]
+    worst step's logits against it, as a multiple of it. `qdq_as_written`: the candidate's Q/DQ pairs are computed as
+    written, not fused into ONNX Runtime's integer kernels (its DequantizeLinear and MatMul into MatMulNBits)."""
+    options = ort.SessionOptions()
+    if qdq_as_written:
+        options.add_session_config_entry("session.disable_quant_qdq", "1")
+    sessions = [ort.InferenceSession(str(reference), providers=["CPUExecutionProvider"]),
+                ort.InferenceSession(str(candidate), options, providers=["CPUExecutionProvider"])]
     pasts = [[i for i in s.get_inputs() if i.name.startswith("past_key_values.")] for s in sessions]
     found = {"prefill": [], "decode": []}
     parted = []

@@ -306,7 +306,7 @@ def cause_lines(failure, result, python: bool = False) -> list[str]:
         before = failure.repair.steps[0].tol_ratio if failure.repair is not None and failure.repair.steps else math.inf
         if cause.alternatives and before <= JUST_PAST:  # several single keeps each repair a barely failing output: no one node introduces the error
             lines = [f"cause: the error accumulates just past {target}: keeping {cause.op_type} '{cause.node}' repairs the output, the best of "
-                     f"{len(cause.alternatives) + 1} of the {len(cause.contributors)} single keeps tried that each do (its output '{cause.tensor}'; {status})"]
+                     f"the {len(cause.alternatives) + 1} single keeps that each do (its output '{cause.tensor}'; {status})"]
         lines += [f"  {f.kind}: {f.message}" for f in cause.findings]
         lines += tried_subset_lines(failure, result)
         lines += [f"  also repairs it alone: {c.op_type} '{c.node}' ({_kept_effect(c, result.require)})" for c in cause.alternatives]

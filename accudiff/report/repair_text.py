@@ -114,16 +114,20 @@ def remake_lines(nodes: list[str], precision: str, quantized_by: dict[str, str],
     if formats & QUANTIZED_FORMATS:
         by_type = op_types_option(nodes, quantized_by, op_types) if op_types else None
         options = [TOOL_OPTIONS[tool](*spelled(names)[1:]) for tool, names in by_tool.items() if tool in TOOL_OPTIONS]
+        # DequantizeLinear on weights alone (ModelOpt's int4, MatMulNBitsQuantizer's QDQ form): no value is shared by a pair
+        weights_only = all(f.endswith("-weight") for f in formats & QUANTIZED_FORMATS)
         if "Q/DQ" in by_tool:
             patterns, python_list, _ = spelled(by_tool["Q/DQ"])
-            options.append(f"ModelOpt --nodes_to_exclude {patterns}; ONNX Runtime quantize_static(..., nodes_to_exclude={python_list})")
+            options.append(f"ModelOpt --quantize_mode int4 --nodes_to_exclude {patterns}; ONNX Runtime MatMulNBitsQuantizer(..., "
+                           f"quant_format=QuantFormat.QDQ, nodes_to_exclude={python_list})" if weights_only and "int4-weight" in formats else
+                           f"ModelOpt --nodes_to_exclude {patterns}; ONNX Runtime quantize_static(..., nodes_to_exclude={python_list})")
         if by_type is not None:
             lines.append(f"or quantize again only its {' and '.join(op_types)} nodes: {by_type}")
         elif options:
             lines.append("or quantize again without them: " + "; ".join(options)
                          + (" (excluded from quantization, they still run in the tool's FP16/BF16: ModelOpt --high_precision_dtype fp32 keeps FP32)"
                             if formats & {"fp16", "bf16"} else ""))
-        if "Q/DQ" in by_tool:
+        if "Q/DQ" in by_tool and not weights_only:
             lines.append(QDQ_REBUILD_CAVEAT)
     elif formats & {"fp16", "bf16"}:
         patterns, python_list, _ = spelled(nodes)
