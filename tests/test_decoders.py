@@ -482,7 +482,8 @@ def test_a_kv_cache_stored_in_int8_is_found_where_it_enters_and_no_subgraph_is_c
     common = ["--candidate-model", _kv_cache_in_int8(llama.fp32 / "model.onnx", tmp_path / "kv.onnx"), "--prompts", llama.prompts, "--new-tokens", "4", *tolerance]
     code, out, err = run_cli("bisect", "subgraph", llama.fp32, *common, "-o", tmp_path / "cut")
     assert code == 1 and "no subgraph reproduces it" in out and "the whole model leaves 'logits' at 0x its tolerance" in out, out + err
-    assert not (tmp_path / "cut" / "subgraph.onnx").exists()
+    page = (tmp_path / "cut" / "report.html").read_text()
+    assert not (tmp_path / "cut" / "subgraph.onnx").exists() and "NO SUBGRAPH FOUND" in page and "no subgraph reproduces it" in page
     [command] = [line.strip() for line in out.splitlines() if line.strip().startswith("accudiff bisect precision")]
     pasted = run_printed(command, tmp_path)
     attentions = [f"/model/layers.{layer}/attn/GroupQueryAttention" for layer in range(4)]

@@ -54,7 +54,8 @@ def bisect_page(bisector: str, model: str, precision: str, result, steps: Sequen
     facts = {"candidate runs": f"{result.candidate_runs} (at most {result.bound} on any path the search could take)", "interrupted": "yes" if result.interrupted else "no"}
     sections = []
     if bisector == "subgraph":
-        verdict, label = ("fail", "FAILING SUBGRAPH FOUND") if result.output is not None else ("pass", "NOTHING FAILS")
+        verdict, label = (("pass", "NOTHING FAILS") if result.output is None else ("fail", "NO SUBGRAPH FOUND") if not result.nodes
+                          else ("fail", "FAILING SUBGRAPH FOUND") if result.confirmed else ("fail", "SUBGRAPH NOT CONFIRMED"))
         facts.update({"failing output": result.output or "none", "cause": CAUSE_KINDS.get(result.cause_kind, "-"), "checked at": result.tensor or "-"})
         body = [facts_table(facts)]
         if result.nodes:
