@@ -45,6 +45,10 @@ class Absorbed:
     figures_kept: dict = field(default_factory=dict)  # the output's decision figures with this node kept
 
 
+# Suspects kept together that repair an output none repairs alone are left out again one by one while the rest
+# stays within this factor of what all of them do (verify._together): a repair's steps that shrink say so.
+NEARLY_AS_MUCH = 1.25
+
 # What each kind of cause says of a failing output, in every command's words.
 CAUSE_KINDS = {
     "local": "one node introduces the error",
@@ -131,3 +135,6 @@ class Repair:
     pruning_runs: int = 0  # runs that tried dropping its nodes once it held (readings.pruned): the last step is what held
     whole_run: RepairStep | None = None  # where `samples` are some of the run's: every verified repair's nodes kept, on all of them
     op_types: list[str] = field(default_factory=list)  # a repair by op type: these alone stay quantized, every other quantized node is kept
+    # Suspects kept together (step 1), then left out one by one in the steps that keep fewer (verify._together): while the
+    # rest still met the target (True), or stayed within NEARLY_AS_MUCH of all of them (False). None: not found so.
+    left_out_while_met: bool | None = None

@@ -345,6 +345,23 @@ def test_a_repair_not_shown_met_is_never_pruned_past_its_requirement(llama, run_
             assert "its figures reach its requirement, their 95% intervals over those prompts do not: not shown met" in block[0] and "still fails" not in block[0], block
 
 
+def test_a_repairs_steps_that_leave_suspects_out_say_so(llama, run_cli):
+    """At 0.4x the INT4 decoder's KL no MatMul left unquantized helps alone: its suspects are kept together, then
+    left out one by one while the rest stays within 1.25x of all of them. The steps read "keep 5 node(s) -> 1.75x,
+    keep 4 node(s) -> 1.76x, keep 3 node(s) -> 1.86x" and the repair named the 3, with nothing saying why a list
+    that did better was cut."""
+    kl = accudiff.compare(llama.fp32, candidate_model=llama.int4, prompts=llama.prompts, new_tokens=4, verify=False).decisions["logits"]["kl"]
+    code, out, err = run_cli("compare", llama.fp32, "--candidate-model", llama.int4, "--prompts", llama.prompts, "--new-tokens", "4",
+                             "--require", f"kl={0.4 * kl:.3g}", "-o", "r")
+    blocks = re.findall(r"\n      repair \([^\n]*\n((?:        step [^\n]*\n)+)(        pruned in)?", out)
+    assert code == 1 and blocks, out + err
+    for block, pruned in blocks:
+        steps = block.splitlines()
+        counts = [int(m.group(1)) if (m := re.search(r"keep (\d+) node", line)) else 0 for line in steps]
+        for number in range(2, len(steps) - bool(pruned)):  # pruning's step, the last, says so on a line of its own
+            assert (counts[number] < counts[number - 1]) == ("a suspect left out: the rest" in steps[number]), block
+
+
 def test_a_decoders_keeps_and_loss_split_are_said_by_its_kl_requirement(llama, tmp_path, run_cli):
     """Judged by a KL target, what each keep and each part of the loss split does is said as a multiple of that
     target, with its KL: they read "0.651x its tolerance" (the logits' elementwise ratio, which passes) beside a

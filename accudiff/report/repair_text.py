@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Collection
 from pathlib import Path
 
+from accudiff.findings import NEARLY_AS_MUCH
 from accudiff.judging.objective import Objective, describe
 from accudiff.model.formats import QUANTIZED_FORMATS
 from accudiff.model.quantized_ops import TOOL_OPTIONS, modelopt_pattern, op_types_option
@@ -61,8 +62,12 @@ def repair_lines(failure, result, python: bool = False) -> list[str]:
                  f"{bisect_command(result) or 'accudiff bisect precision'}"]
     else:
         lines = [f"  repair ({how}): keep {len(repair.keep)} node(s) in higher precision: " + ", ".join(f"'{n}'" for n in repair.keep)]
+    pruned_step = len(repair.steps) - 1 if repair.pruning_runs else None
     for number, step in enumerate(repair.steps):
         kept = "nothing kept" if not step.keep else f"keep {len(step.keep)} node(s)"
+        if repair.left_out_while_met is not None and 1 < number != pruned_step:  # suspects kept together in step 1, left out again
+            kept += ", a suspect left out: the rest " + ("still meets the target" if repair.left_out_while_met else
+                                                         f"within {NEARLY_AS_MUCH:g}x of all of them (step 1)")
         lines.append(f"    step {number}: {kept} -> output at {describe(step.tol_ratio, step.figures, result.require)}")
     if repair.pruning_runs:
         grown = len(repair.steps[-2 if len(repair.steps[-1].keep) < len(repair.steps[-2].keep) else -1].keep)

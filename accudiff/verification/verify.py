@@ -46,7 +46,7 @@ from accudiff.verification.every_sample import on_every_sample
 from accudiff.verification.readings import HELPS, SEVERAL_FACTOR, Reading, Tries, improvement, pruned
 from accudiff.verification.search import candidates_upstream, search_groups, weights_dominate
 from accudiff.verification.suspects import Suspect, contributor, findings_of, nominate
-from accudiff.findings import Absorbed, Cause, Finding, Repair, RepairStep, Search
+from accudiff.findings import NEARLY_AS_MUCH, Absorbed, Cause, Finding, Repair, RepairStep, Search
 from accudiff.diagnosis.cause import ancestor_tensors, find_cause
 from accudiff.diagnosis.mechanisms import absorber
 from accudiff.diagnosis.rules import DiagnosisContext, isolation_ran
@@ -295,15 +295,15 @@ def _conclude(
                 keep, now = kept, reading
                 steps.append(now.step(keep))
                 readings.append(now)
-    joint = False
+    joint, left_out_while_met = False, None
     if not helpful and len(suspects) >= 2 and runs_left > 0:
         # Two faults on one path (a weight whose one scale zeroes a channel, and the activation its node
         # writes on a grid that zeroes it again) each undo what the other would repair: none helps alone.
         found = _together(before, suspects, tries, runs_left)
         if found is not None:
-            used, steps, now = found
+            used, steps, now, left_out_while_met = found
             joint = len(used) > 1
-    repair = Repair(steps[-1].keep, steps, verified=now.met)
+    repair = Repair(steps[-1].keep, steps, verified=now.met, left_out_while_met=left_out_while_met)
     if repair.verified:
         repair = pruned(repair, tries, {s.node for s in used})
     # While NaN/Inf reach the output, a keep leaving them rules nothing out, unless the repair recovers it without it.
@@ -368,11 +368,11 @@ def failing_alone(output: str, table: pd.DataFrame, context: DiagnosisContext) -
     return int(rows.loc[rows["isolated_status"] == STATUS_FAIL, "node"].nunique())
 
 
-def _together(before: Reading, suspects: list[Suspect], tries: Tries, runs_left: int) -> tuple[list[Suspect], list[RepairStep], Reading] | None:
+def _together(before: Reading, suspects: list[Suspect], tries: Tries, runs_left: int) -> tuple[list[Suspect], list[RepairStep], Reading, bool] | None:
     """When no suspect helps alone: all of them kept together, and, if that helps, each dropped again (the
     one whose own keep did least first) while the rest helps as much, within `runs_left` runs; the members
-    left, the steps (nothing kept, all kept, then the pruned lists) and the last step's reading. None when
-    together they do not help."""
+    left, the steps (nothing kept, all kept, then the pruned lists), the last step's reading and whether all
+    of them met the target (the rest then had to). None when together they do not help."""
     [(keep, joint)] = tries.run([list(dict.fromkeys(n for s in suspects for n in s.tried))])
     if improvement(before.score, joint.score) <= 1 / HELPS:
         return None
@@ -385,10 +385,10 @@ def _together(before: Reading, suspects: list[Suspect], tries: Tries, runs_left:
         runs_left -= 1
         # The rest still does what all did: meets the target where all met it; else helps about as much, never back
         # past a target all reached by its figure (KL 0.00796 against 0.008, not shown met: pruned on to 0.00818, it failed).
-        if reading.met if joint.met else reading.score <= joint.score / HELPS and (reading.score <= 1.0 or joint.score > 1.0):
+        if reading.met if joint.met else reading.score <= joint.score * NEARLY_AS_MUCH and (reading.score <= 1.0 or joint.score > 1.0):
             members, now = rest, reading
             steps.append(reading.step(kept))
-    return members, steps, now
+    return members, steps, now, joint.met
 
 
 def keep_phrase(precision: str) -> str:
