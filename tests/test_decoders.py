@@ -513,6 +513,18 @@ def test_a_kv_cache_stored_in_int8_is_found_where_it_enters_and_no_subgraph_is_c
     assert code == 1 and "the error arises only in the decode steps: the decode steps' KL" in out, out + err
     code, out, err = run_cli("compare", llama.fp32, *common, "--keep-fp32", r"/model/layers\..*/attn/GroupQueryAttention", "--no-verify")
     assert code == 0 and "the candidate's next-token distributions are the reference's in both phases (KL 0)" in out, out + err
+    # a cache stored on a grid too coarse for it is the rules' finding on the attention writing it
+    coarse = _kv_cache_in_int8(llama.fp32 / "model.onnx", tmp_path / "coarse.onnx", scale=1.0)
+    code, out, err = run_cli("compare", llama.fp32, "--candidate-model", coarse, "--prompts", llama.prompts, "--new-tokens", "4", "--no-verify")
+    said = re.search(r"int8_resolution: ([0-9.]+)% of the values of its output 'present\.0\.value' are smaller than half an INT8 step \(scale 1,", out)
+    assert code == 1 and said is not None, out + err
+    import onnxruntime as ort
+
+    prompt = _prompt_ids(llama)[0][None, :]
+    feed = {"input_ids": prompt, "attention_mask": np.ones_like(prompt),
+            **{f"past_key_values.{layer}.{part}": np.zeros((1, 2, 0, 16), np.float32) for layer in range(4) for part in ("key", "value")}}
+    [value] = ort.InferenceSession(str(llama.fp32 / "model.onnx"), providers=["CPUExecutionProvider"]).run(["present.0.value"], feed)
+    assert (np.abs(value) < 0.5).mean() > 0.5  # the oracle: on one prompt's prefill, most of them do
 
 
 def test_a_decoder_quantized_by_modelopt_int4_compares_and_is_made_again_by_modelopts_own_option(llama, tmp_path, run_cli):

@@ -114,7 +114,9 @@ def range_findings(tensor: str, table: pd.DataFrame, context: DiagnosisContext) 
         stored_fp16 = [tensor] if row["cand_dtype"] == "float16" else []
         findings += _fp16_underflow(table, context, stored_fp16 + (inputs if converted else []), tensor)
     if context.formats & QUANTIZED_FORMATS and converted:
-        findings += _quantized_inputs(table, context, inputs)
+        findings += _quantized_values(table, context, inputs, "input")
+        stored = table.index[(table["node"] == node) & table["is_output"].astype(bool)]  # a pair right after it (a KV cache in INT8)
+        findings += _quantized_values(table, context, list(stored), "output")
     findings += grid_faults(tensor, table, context)
     if converted and context.roundoff is not None:
         findings += absorption(tensor, table, context) + _accumulation(row, inputs, table, context)
@@ -255,11 +257,11 @@ def _fp16_underflow(table: pd.DataFrame, context: DiagnosisContext, names: list[
     return []
 
 
-def _quantized_inputs(table: pd.DataFrame, context: DiagnosisContext, inputs: list[str]) -> list[Finding]:
-    """An input its Q/DQ pair puts on a grid that does not hold it: values beyond the grid's range clip (an
-    integer grid) or saturate (FP8), values below half its smallest step become 0."""
+def _quantized_values(table: pd.DataFrame, context: DiagnosisContext, names: list[str], role: str) -> list[Finding]:
+    """An input (or a graph output, `role`) its Q/DQ pair puts on a grid that does not hold it: values beyond
+    the grid's range clip (an integer grid) or saturate (FP8), values below half its smallest step become 0."""
     findings = []
-    for name in inputs:
+    for name in names:
         source, grid = context.row(name, table), context.quant_ranges.get(name)
         if not source["elements"] or grid is None or grid.levels:  # a grid set as the model runs: _run_time_range
             continue
@@ -273,7 +275,7 @@ def _quantized_inputs(table: pd.DataFrame, context: DiagnosisContext, inputs: li
             findings.append(
                 Finding(
                     f"{grid.format}_clipping",
-                    f"{percent(clipped)} of the values of its input '{name}' lie {'beyond' if floating else 'more than half a step beyond'} "
+                    f"{percent(clipped)} of the values of its {role} '{name}' lie {'beyond' if floating else 'more than half a step beyond'} "
                     f"its calibrated {grid.grid} range {calibrated} (reference absmax {source['ref_absmax']:.3g}): {fate}",
                 )
             )
@@ -282,7 +284,7 @@ def _quantized_inputs(table: pd.DataFrame, context: DiagnosisContext, inputs: li
             findings.append(
                 Finding(
                     f"{grid.format}_resolution",
-                    f"{percent(tiny)} of the values of its input '{name}' are smaller than half {step}, set by a calibrated range of "
+                    f"{percent(tiny)} of the values of its {role} '{name}' are smaller than half {step}, set by a calibrated range of "
                     f"{calibrated}), so they round to 0",
                 )
             )

@@ -344,12 +344,15 @@ def reduced_nodes(index: GraphIndex) -> set[str]:
 
 def _by_reference_name(ranges: dict, index: GraphIndex) -> dict:
     """Quantization ranges keyed by the value the reference knows: a Q reading a Cast of a tensor (ModelOpt
-    casts the graph input to FP16 before quantizing it) quantizes that tensor."""
+    casts the graph input to FP16 before quantizing it) quantizes that tensor; a Q/DQ pair writing a graph
+    output (a KV cache stored in INT8) quantizes that output."""
     producer = index.producer
     resolved = {}
     for name, grid in ranges.items():
         node = producer.get(name)
-        resolved[node.input[0] if node is not None and node.op_type == "Cast" else name] = grid
+        written = [dq.output[0] for q in index.readers.get(name, []) if q.op_type == "QuantizeLinear"
+                   for dq in index.readers.get(q.output[0], []) if dq.op_type == "DequantizeLinear" and dq.output[0] in index.outputs]
+        resolved[node.input[0] if node is not None and node.op_type == "Cast" else written[0] if written else name] = grid
     return resolved
 
 
