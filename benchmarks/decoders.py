@@ -94,20 +94,36 @@ def genai_model(checkpoint: Path, folder: Path, precision: str, extra_options: t
 def with_rms_normalization(model: Path, target: Path) -> Path:
     """A GenAI build's graph with each SimplifiedLayerNormalization (ONNX Runtime's op in the default domain,
     which ModelOpt's ONNX PTQ stops on) written as opset 23's RMSNormalization, which computes the same: what a
-    user does to quantize the decoder with ModelOpt. Saved with its weights in one file."""
+    user does to quantize the decoder with ModelOpt."""
+
+    def rewrite(proto) -> None:
+        for node in proto.graph.node:
+            if node.op_type == "SimplifiedLayerNormalization" and node.domain in ("", "ai.onnx"):
+                node.op_type = "RMSNormalization"
+                kept = [a for a in node.attribute if a.name in ("axis", "epsilon")]
+                del node.attribute[:]
+                node.attribute.extend(kept)
+        for entry in proto.opset_import:
+            if entry.domain in ("", "ai.onnx"):
+                entry.version = max(entry.version, 23)
+        proto.ir_version = max(proto.ir_version, 11)
+
+    return edited(model, target, rewrite)
+
+
+def edited(model: Path, target: Path, edit) -> Path:
+    """`model`'s graph changed by `edit` and saved as `target`, beside a copy of its data files. ONNX's loader
+    refuses a data file with several hard links, as `accudiff` makes while it runs on the model (a test
+    beside): the graph is read without them."""
+    import shutil
+
     import onnx
 
-    proto = onnx.load(model)
-    for node in proto.graph.node:
-        if node.op_type == "SimplifiedLayerNormalization" and node.domain in ("", "ai.onnx"):
-            node.op_type = "RMSNormalization"
-            kept = [a for a in node.attribute if a.name in ("axis", "epsilon")]
-            del node.attribute[:]
-            node.attribute.extend(kept)
-    for entry in proto.opset_import:
-        if entry.domain in ("", "ai.onnx"):
-            entry.version = max(entry.version, 23)
-    proto.ir_version = max(proto.ir_version, 11)
+    proto = onnx.load(model, load_external_data=False)
+    edit(proto)
+    names = {entry.value for tensor in proto.graph.initializer for entry in tensor.external_data if entry.key == "location"}
+    for name in names:
+        shutil.copyfile(Path(model).parent / name, Path(target).parent / name)
     onnx.save(proto, target)
     return target
 

@@ -462,6 +462,8 @@ def test_bisect_subgraph_cuts_a_decoder_compared_from_prompts(llama, tmp_path, r
     common = ["bisect", "subgraph", llama.fp32, "--candidate-model", llama.int4, "--prompts", llama.prompts, "--new-tokens", "2"]
     code, out, err = run_cli(*common, "--atol", "0.01", "--rtol", "0.01", "--stol", "0", "-o", tmp_path / "cut")
     assert code == 1 and "reproducer confirmed to fail" in out, out + err
+    runs, bound = map(int, re.search(r"(\d+) candidate runs \(at most (\d+) on any path", out).groups())
+    assert runs <= bound, out  # the whole model fed as its cuts are is one run more, counted
     [command] = [line.strip() for line in out.splitlines() if line.strip().startswith("cd ")]
     assert run_printed(command, tmp_path).returncode == 1
     code, out, err = run_cli(*common, "--require", "kl=1e-6", "-o", tmp_path / "req")
@@ -474,16 +476,17 @@ def _kv_cache_in_int8(model: Path, target: Path, layers: range = range(4), scale
     """The decoder storing the KV cache of `layers` in INT8 (a Q/DQ pair, one scale, on each present output), as
     a deployment quantizing its cache does: the prefill's logits are the model's own, the decode steps read
     the cache rounded."""
-    proto = onnx.load(model)
-    proto.graph.initializer.extend([numpy_helper.from_array(np.array(scale, np.float32), "kv_scale"),
-                                    numpy_helper.from_array(np.array(0, np.int8), "kv_zero")])
-    for name in [f"present.{layer}.{part}" for layer in layers for part in ("key", "value")]:
-        writer = next(node for node in proto.graph.node if name in node.output)
-        writer.output[list(writer.output).index(name)] = f"{name}/float"
-        proto.graph.node.extend([helper.make_node("QuantizeLinear", [f"{name}/float", "kv_scale", "kv_zero"], [f"{name}/int8"], name=f"{name}/Q"),
-                                 helper.make_node("DequantizeLinear", [f"{name}/int8", "kv_scale", "kv_zero"], [name], name=f"{name}/DQ")])
-    onnx.save(proto, target)
-    return target
+
+    def quantize_cache(proto: onnx.ModelProto) -> None:
+        proto.graph.initializer.extend([numpy_helper.from_array(np.array(scale, np.float32), "kv_scale"),
+                                        numpy_helper.from_array(np.array(0, np.int8), "kv_zero")])
+        for name in [f"present.{layer}.{part}" for layer in layers for part in ("key", "value")]:
+            writer = next(node for node in proto.graph.node if name in node.output)
+            writer.output[list(writer.output).index(name)] = f"{name}/float"
+            proto.graph.node.extend([helper.make_node("QuantizeLinear", [f"{name}/float", "kv_scale", "kv_zero"], [f"{name}/int8"], name=f"{name}/Q"),
+                                     helper.make_node("DequantizeLinear", [f"{name}/int8", "kv_scale", "kv_zero"], [name], name=f"{name}/DQ")])
+
+    return decoders.edited(model, target, quantize_cache)
 
 
 def test_a_kv_cache_stored_in_int8_is_found_where_it_enters_and_no_subgraph_is_claimed(llama, tmp_path, run_cli):
@@ -499,6 +502,7 @@ def test_a_kv_cache_stored_in_int8_is_found_where_it_enters_and_no_subgraph_is_c
     common = ["--candidate-model", _kv_cache_in_int8(llama.fp32 / "model.onnx", tmp_path / "kv.onnx"), "--prompts", llama.prompts, "--new-tokens", "4", *tolerance]
     code, out, err = run_cli("bisect", "subgraph", llama.fp32, *common, "-o", tmp_path / "cut")
     assert code == 1 and "no subgraph reproduces it" in out and "the whole model leaves 'logits' at 0x its tolerance" in out, out + err
+    assert re.search(r"accudiff bisect subgraph: 3 candidate runs \(at most \d+ on any path", out), out
     page = (tmp_path / "cut" / "report.html").read_text()
     assert not (tmp_path / "cut" / "subgraph.onnx").exists() and "NO SUBGRAPH FOUND" in page and "no subgraph reproduces it" in page
     [command] = [line.strip() for line in out.splitlines() if line.strip().startswith("accudiff bisect precision")]

@@ -48,7 +48,7 @@ from accudiff.transforms.keep_float import STORAGE_OPS
 
 MODEL_FILE, INPUTS_FILE, CALIBRATION_FILE = "subgraph.onnx", "subgraph_inputs.npz", "subgraph_calibration.npz"
 CANDIDATE_FILE = "subgraph_candidate.onnx"  # the cut of a candidate made by another tool
-GROWN_REPRODUCER_NODES = 3
+GROWN_SIZES = (1, 3)  # a single-node cause's cuts: the node alone, then with the producers of its inputs (at most this many nodes)
 REPRODUCED = 0.5  # the share of the whole model's error at the checked tensor a reproducer must show
 
 
@@ -68,7 +68,7 @@ class SubgraphResult:
     whole_tol_ratio: float | None = None  # the same tensor's in the whole model
     prefill_tol_ratio: float | None = None  # a decoder's: the same tensor's in the whole model fed as its cuts are (model/prompts.whole_sequences)
     candidate_runs: int = 0
-    bound: int = 0  # the run count promised: ceil(log2(N)) + 4
+    bound: int = 0  # the run count promised (run_bound)
     interrupted: bool = False
     findings: list[dict] = field(default_factory=list)
 
@@ -79,7 +79,7 @@ SINGLE_NODE_CAUSES = ("local", "several", "dominant")  # a verified cause node t
 def bisect_subgraph(session: BisectSession, out_dir: Path) -> SubgraphResult:
     session.specialize()  # a cause inside an If body is a node of the graph cut here
     nodes = list(session.info.proto.graph.node)
-    result = SubgraphResult(bound=math.ceil(math.log2(max(len(nodes), 2))) + 4)
+    result = SubgraphResult(bound=run_bound(len(nodes), session.settings.prompts is not None))
     session.progress("step 1: compare the whole model (with isolated errors) and name the cause")
     full = session.compare(isolate=True)
     result.candidate_runs = session.candidate_runs
@@ -99,7 +99,7 @@ def bisect_subgraph(session: BisectSession, out_dir: Path) -> SubgraphResult:
             result.tensor = cause.tensor
             result.whole_tol_ratio = float(whole[result.tensor])
             own = index[cause.node]
-            for chosen in dict.fromkeys(tuple(_with_producers(nodes, own, limit)) for limit in (1, GROWN_REPRODUCER_NODES)):
+            for chosen in dict.fromkeys(tuple(_with_producers(nodes, own, limit)) for limit in GROWN_SIZES):
                 _write_reproducer(session, list(chosen), out_dir, result)
                 if result.confirmed:
                     break
@@ -116,6 +116,13 @@ def bisect_subgraph(session: BisectSession, out_dir: Path) -> SubgraphResult:
         result.interrupted = True
     result.candidate_runs = session.candidate_runs
     return result
+
+
+def run_bound(nodes: int, prompts: bool) -> int:
+    """The most candidate runs any path of the search takes on a graph of `nodes` nodes: the comparison with its
+    isolated run (2), a single-node cause's two cuts, a decoder's whole model fed as its cuts are (given
+    prompts), the bisection of at most all the nodes, and the reproducer's confirmation."""
+    return 2 + len(GROWN_SIZES) + prompts + math.ceil(math.log2(max(nodes - 1, 1))) + 1
 
 
 def _most_local(failures: list[TensorFailure], nodes) -> TensorFailure:
