@@ -112,9 +112,8 @@ def with_rms_normalization(model: Path, target: Path) -> Path:
 
 
 def edited(model: Path, target: Path, edit) -> Path:
-    """`model`'s graph changed by `edit` and saved as `target`, beside a copy of its data files. ONNX's loader
-    refuses a data file with several hard links, as `accudiff` makes while it runs on the model (a test
-    beside): the graph is read without them."""
+    """`model`'s graph changed by `edit` and saved as `target`, beside a copy of its data files: the graph is
+    read without its weights, which are copied as files, not through memory."""
     import shutil
 
     import onnx

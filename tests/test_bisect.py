@@ -7,6 +7,7 @@ import math
 import subprocess
 import tempfile
 
+import numpy as np
 import onnx
 import pytest
 
@@ -102,6 +103,30 @@ def test_precision_bisect_repairs_the_model_with_few_runs(tmp_path):
     assert {n.name for n in repaired.graph.node} >= set(result.keep)
     ranking = result.ranking.set_index("node")
     assert ranking.loc["ln_square", "rank"] == 1 and bool(ranking.loc["ln_square", "kept"])
+
+
+def test_while_bisect_runs_the_users_model_still_loads_with_onnx(tmp_path):
+    """accudiff's scratch models refer to the user's data file where it is: they hard-linked it before, and
+    ONNX's loader refuses a data file with several hard links, so the user's own onnx.load of the model
+    (a quantizer run beside) failed at every step of the search, and for good after a killed run."""
+    model = onnx.load(fixture("layernorm_overflow"))
+    [head] = [init for init in model.graph.initializer if init.name == "w"]
+    head.CopyFrom(onnx.numpy_helper.from_array(np.tile(onnx.numpy_helper.to_array(head), (1, 4)), "w"))  # 16 KB: left in its file when read
+    model.graph.output[0].type.tensor_type.shape.dim[-1].dim_value = 64
+    del model.graph.value_info[:]
+    folder = tmp_path / "model"
+    folder.mkdir()
+    onnx.save(model, str(folder / "model.onnx"), save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    seen = []
+
+    def step(message: str) -> None:
+        seen.append((folder / "model.onnx.data").stat().st_nlink)
+        onnx.load(str(folder / "model.onnx"))
+
+    session = BisectSession(RunSettings(folder / "model.onnx", "fp16", **CPU), progress=step)
+    result = bisect_precision(session, tmp_path)
+    session.close()
+    assert result.repaired and len(seen) >= 3 and set(seen) == {1}
 
 
 def test_precision_bisect_keeps_the_overflowing_consumer_and_what_feeds_the_kept_node(tmp_path):

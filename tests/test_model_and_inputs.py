@@ -398,8 +398,8 @@ def test_weights_held_in_constant_nodes_are_typed_as_inference_types_them():
 
 def test_a_data_file_with_several_hard_links_loads_and_one_outside_the_folder_is_refused(tmp_path, run_cli):
     """ONNX's checker refuses a data file with several hard links ('a potential hardlink attack'), which
-    ONNX Runtime loads: a package manager's store links files, and so does a run of accudiff in its scratch
-    folder (a run killed meanwhile leaves one behind). A location outside the model's folder stays refused."""
+    ONNX Runtime loads: a package manager's store links files. A location outside the model's folder stays
+    refused."""
     import os
 
     model = onnx.helper.make_model(onnx.helper.make_graph(

@@ -58,6 +58,27 @@ def test_mark_all_builds_with_every_tensor_as_output(tmp_path):
     assert any("prevents fusions" in notice for notice in built.notices)
 
 
+def test_a_scratch_model_referring_to_the_users_weights_where_they_are_builds(tmp_path):
+    """Verification's variants refer to the user's data file in its own folder (saving's `in_place`), which
+    ONNX's format cannot say: TensorRT's parser is given the graph with every data file named from one
+    folder, and builds the engine from the user's weights."""
+    from accudiff.model.loading import load_graph
+    from accudiff.model.saving import save_model
+
+    model = onnx.load(fixture("layernorm_overflow"))
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.eye(64, dtype=np.float32), "eye"))  # 16 KB: left in its file
+    model.graph.node.insert(0, onnx.helper.make_node("MatMul", ["x", "eye"], ["x_mixed"], name="mix"))
+    model.graph.node[1].input[0] = "x_mixed"
+    (tmp_path / "user").mkdir()
+    onnx.save(model, str(tmp_path / "user" / "model.onnx"), save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    (tmp_path / "trials").mkdir()
+    variant = tmp_path / "trials" / "variant.onnx"
+    save_model(load_graph(tmp_path / "user" / "model.onnx"), variant, in_place=True)
+    assert sorted(p.name for p in variant.parent.iterdir()) == ["variant.onnx"]
+    built = build_engine(TRT, variant, ["y"], BuildSettings(mark="outputs"), tmp_path / "cache")
+    assert built.plan and built.outputs == ["y"]
+
+
 def test_mark_all_lists_what_tensorrt_cannot_show(tmp_path):
     _, built = _build("if_model", "all", tmp_path)
     assert "loop or conditional" in built.not_observable["branch"]

@@ -272,24 +272,30 @@ def _plain_run(model: onnx.ModelProto, feed: dict) -> list[np.ndarray]:
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)
 
 
-def test_a_scratch_model_links_the_data_file_it_refers_to_instead_of_copying_it(tmp_path):
-    """Verification saves the reference's and the candidate's weights beside its variants once: with `link`,
-    a data file elsewhere (here the model file itself, its weights referenced in place) is hard-linked in,
-    not copied; the model saved there runs as the original does."""
-    path = tmp_path / "source" / "mlp.onnx"
-    path.parent.mkdir()
-    onnx.save(_mlp(), str(path))
+def test_a_scratch_model_refers_to_the_users_data_file_where_it_is_without_linking_or_copying_it(tmp_path):
+    """Verification saves the reference's weights beside its variants once: `in_place`, a data file
+    elsewhere (the user's) is referred to where it is, neither copied nor hard-linked (ONNX's loader refuses
+    a data file with several hard links: the user's own onnx.load of the model failed while accudiff ran,
+    and for good after a run that was killed). A variant saved beside it, holding a weight of its own, refers
+    to both folders and runs as the original does."""
+    path = _external(tmp_path / "source")
     proto = load_graph(path)
     (tmp_path / "trials").mkdir()
     target = tmp_path / "trials" / "reference-weights.onnx"
-    save_model(proto, target, move_weights=True, side_file=True, link=True)
-    links = [p for p in target.parent.iterdir() if p.name.startswith(target.name + ".link")]
-    assert len(links) == 1 and links[0].stat().st_ino == path.stat().st_ino
-    assert {e.value for init in proto.graph.initializer for e in init.external_data if e.key == "location"} == {links[0].name}
+    save_model(proto, target, move_weights=True, side_file=True, in_place=True)
+    assert sorted(p.name for p in target.parent.iterdir()) == ["reference-weights.onnx"]
+    assert (path.parent / "weights.bin").stat().st_nlink == 1
+    onnx.load(str(path))  # the user's model still loads with ONNX's own loader
+    variant = load_graph(target)
+    [w1] = [init for init in variant.graph.initializer if init.name == "w1"]
+    w1.CopyFrom(onnx.numpy_helper.from_array(weight_values(w1), "w1"))  # made in memory, as a kept node's FP32 weight is
+    save_model(variant, tmp_path / "trials" / "variant.onnx", in_place=True)
+    assert sorted(p.name for p in target.parent.iterdir()) == ["reference-weights.onnx", "variant.onnx", "variant.onnx.data"]
     name = _mlp().graph.output[0].name
     feed = {"x": np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)}
-    with OnnxrtRunner(target, [name]) as runner:
-        np.testing.assert_array_equal(runner.infer(feed)[name], _plain_run(_mlp(), feed)[0])
+    for saved in (target, tmp_path / "trials" / "variant.onnx"):
+        with OnnxrtRunner(saved, [name]) as runner:
+            np.testing.assert_array_equal(runner.infer(feed)[name], _plain_run(_mlp(), feed)[0])
 
 
 def test_a_model_written_whole_shares_its_weights_with_one_saved_beside_it(tmp_path):
@@ -307,9 +313,10 @@ def test_a_model_written_whole_shares_its_weights_with_one_saved_beside_it(tmp_p
         np.testing.assert_array_equal(runner.infer(feed)[name], _plain_run(_mlp(), feed)[0])
 
 
-def test_the_worker_reads_the_reference_as_a_graph_beside_a_link_to_its_file(tmp_path):
-    """The FP32 model a worker reads is its graph as loaded (types inferred) beside a hard link to the model
-    file, whose weights it refers to at their offsets: the worker parses a graph, not the weights again."""
+def test_the_worker_reads_the_reference_as_a_graph_referring_to_its_file(tmp_path):
+    """The FP32 model a worker reads is its graph as loaded (types inferred), referring to the weights in
+    the model file at their offsets: the worker parses a graph, not the weights again, and the user's file
+    is neither copied nor linked."""
     from accudiff.stages.group import worker_reference
     from accudiff.model.loading import remember_model
 
@@ -318,10 +325,9 @@ def test_the_worker_reads_the_reference_as_a_graph_beside_a_link_to_its_file(tmp
     info = load_model(path)
     remember_model(info)
     (tmp_path / "scratch").mkdir()
-    reference = worker_reference(info, [[n.name for n in info.proto.graph.node]], tmp_path / "scratch")
+    reference = worker_reference(info, tmp_path / "scratch")
     assert reference.name == path.name and reference.stat().st_size < 2048
-    [link] = [p for p in reference.parent.iterdir() if p != reference]
-    assert link.stat().st_ino == path.stat().st_ino
+    assert [p for p in reference.parent.iterdir()] == [reference] and path.stat().st_nlink == 1
     assert len(load_graph(reference).graph.value_info) == len(info.proto.graph.value_info) > 0
     name = info.output_names[0]
     feed = {"x": np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)}
@@ -387,23 +393,20 @@ def test_a_field_written_twice_is_found_where_protobuf_reads_it():
     assert data[offset : offset + length] == weight.raw_data == second.raw_data
 
 
-def test_where_a_link_is_refused_the_weights_are_copied(tmp_path, monkeypatch):
-    """Another file system (or a file the user may not link) refuses a hard link: the scratch model gets
-    the weights copied into its own data file instead, and runs the same."""
+def test_where_no_folder_holds_every_data_file_the_runner_copies_them_into_one(tmp_path, monkeypatch):
+    """ONNX Runtime resolves a model's data files from one folder; where none holds them all (two drives),
+    the runner copies them into one in its scratch folder, and the model runs the same."""
     import os
 
-    def refuse(*args, **kwargs):
-        raise OSError(18, "Invalid cross-device link")
+    def two_drives(paths):
+        raise ValueError("Paths don't have the same drive")
 
-    path = tmp_path / "source" / "mlp.onnx"
-    path.parent.mkdir()
-    onnx.save(_mlp(), str(path))
+    path = _external(tmp_path / "source")
     proto = load_graph(path)
-    monkeypatch.setattr(os, "link", refuse)
     (tmp_path / "trials").mkdir()
     target = tmp_path / "trials" / "reference-weights.onnx"
-    save_model(proto, target, move_weights=True, side_file=True, link=True)
-    assert sorted(p.name for p in target.parent.iterdir()) == ["reference-weights.onnx", "reference-weights.onnx.data"]
+    save_model(proto, target, move_weights=True, side_file=True, in_place=True)
+    monkeypatch.setattr(os.path, "commonpath", two_drives)
     name = _mlp().graph.output[0].name
     feed = {"x": np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)}
     with OnnxrtRunner(target, [name]) as runner:

@@ -98,7 +98,7 @@ def _check(path: Path, model: str | bytes | onnx.ModelProto) -> None:
 def _require_data_files(path: Path, names: list[str]) -> None:
     """Every data file a model names lies in its folder (or below) and exists: what ONNX's checker would
     say of them, without its refusal of a data file with several hard links, which ONNX Runtime loads (a
-    package manager's store links files; so does a run of accudiff, in its scratch folder)."""
+    package manager's store links files)."""
     folder = path.parent.resolve()
     for name in names:
         target = (path.parent / name).resolve()

@@ -4,7 +4,6 @@ protobuf's 2 GiB limit (or a side-file threshold) go to a data file beside the m
 from __future__ import annotations
 
 import io
-import itertools
 import os
 import shutil
 from pathlib import Path
@@ -37,7 +36,7 @@ EXTERNAL_DATA_THRESHOLD = 256 << 20
 EXTERNAL_DATA_MIN_TENSOR = 1024  # ... each weight of at least this many bytes
 
 
-def save_model(proto: onnx.ModelProto, path: Path, move_weights: bool = False, side_file: bool = False, link: bool = False,
+def save_model(proto: onnx.ModelProto, path: Path, move_weights: bool = False, side_file: bool = False, in_place: bool = False,
                one_file: bool = False) -> None:
     """Save a model, its weights in a side file (`<name>.data`) when it has weights in data files or
     protobuf's 2 GiB limit would be hit (see EXTERNAL_DATA_THRESHOLD). A weight already in a data file in
@@ -46,9 +45,11 @@ def save_model(proto: onnx.ModelProto, path: Path, move_weights: bool = False, s
     memory let go of), so a model saved again in the same folder writes only its graph (an isolated model
     shares its candidate's data).
     `side_file`: every weight of EXTERNAL_DATA_MIN_TENSOR or more in the side file, whatever the total
-    (ONNX Runtime maps weights in a file, and copies those inside a model). `link`: a data file elsewhere
-    (or a model file holding its weights) is hard-linked into `path`'s folder instead of copied, where both
-    are on one file system: for models that live no longer than the run (a link sees any later change).
+    (ONNX Runtime maps weights in a file, and copies those inside a model). `in_place`: a weight in a data
+    file elsewhere (or in a model file holding its weights) stays there, the saved file naming that file's
+    folder, as accudiff holds it in memory (weights.py): for models only accudiff reads, in its scratch
+    folder, whose runners take them as a graph (`weights.in_one_folder`). ONNX's format has no such
+    reference; a hard link instead would make ONNX's loader refuse the user's data file while it exists.
     `one_file`: a model a user takes away (a repaired model) holds its weights itself, read in from their
     data files, unless they pass EXTERNAL_DATA_THRESHOLD."""
     path = Path(path)
@@ -64,46 +65,27 @@ def save_model(proto: onnx.ModelProto, path: Path, move_weights: bool = False, s
     kept = {external_entries(init).get("location") for init in proto.graph.initializer if is_external(init) and same_folder(weight_folder(init), path.parent)}
     location = next(name for k in range(len(kept) + 1) if (name := path.name + (f".{k}" if k else "") + ".data") not in kept)  # never over a file it keeps
     written = []
-    links: dict[Path, str | None] = {}  # a data file elsewhere -> its link in path's folder (None: it cannot be linked)
     with _LazyFile(path.parent / location) as data:
         for init in proto.graph.initializer:
             if is_external(init) and same_folder(weight_folder(init), path.parent):
                 light.graph.initializer.append(without_folder(init))
                 continue
-            if not is_external(init) and tensor_bytes(init) < EXTERNAL_DATA_MIN_TENSOR:
+            if (not is_external(init) and tensor_bytes(init) < EXTERNAL_DATA_MIN_TENSOR) or (in_place and is_external(init)):
                 light.graph.initializer.append(init)
                 continue
-            where = _linked(init, path, links) if link and is_external(init) else None
-            if where is None:  # written into the side file
-                offset = data.tell()
-                if is_external(init):
-                    length = copy_bytes(init, data)
-                else:
-                    # Values held in a typed field are written as raw data holds them (4-bit ones two a byte)
-                    length = data.write(init.raw_data if init.HasField("raw_data") else numpy_helper.from_array(numpy_helper.to_array(init)).raw_data)
-                where = location, offset, length
+            offset = data.tell()
+            if is_external(init):
+                length = copy_bytes(init, data)
+            else:
+                # Values held in a typed field are written as raw data holds them (4-bit ones two a byte)
+                length = data.write(init.raw_data if init.HasField("raw_data") else numpy_helper.from_array(numpy_helper.to_array(init)).raw_data)
             reference = onnx.TensorProto(name=init.name, data_type=init.data_type, dims=init.dims)
-            refer_to(reference, *where, path.parent)
+            refer_to(reference, location, offset, length, path.parent)
             light.graph.initializer.append(without_folder(reference))
-            written.append((init, *where))
+            written.append((init, location, offset, length))
     _write_whole(light, path)
     for init, file, offset, length in written if move_weights else ():
         refer_to(init, file, offset, length, path.parent)
-
-
-def _linked(init: onnx.TensorProto, path: Path, links: dict[Path, str | None]) -> tuple[str, int, int] | None:
-    """Where a weight in a data file elsewhere lies once that file is hard-linked beside the model saved at
-    `path` (each file linked once, under a name no file there has: `links`); None where the file system
-    refuses (another device, no links)."""
-    source, offset, length = data_file(init)
-    if source not in links:
-        name = next(name for k in itertools.count() if not (path.parent / (name := f"{path.name}.link{k}")).exists())
-        try:
-            os.link(source, path.parent / name)
-            links[source] = name
-        except OSError:
-            links[source] = None
-    return (links[source], offset, length) if links[source] is not None else None
 
 
 def _write_one_file(proto: onnx.ModelProto, path: Path) -> None:

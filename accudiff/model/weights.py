@@ -194,6 +194,26 @@ def without_folder(tensor: onnx.TensorProto) -> onnx.TensorProto:
     return copy
 
 
+def in_one_folder(tensors: Iterable[onnx.TensorProto]) -> Path | None:
+    """Make each of `tensors` (a model's weights) that lies in a data file refer to it from one folder, the
+    deepest holding every such file, and give that folder (None: none is in a data file): ONNX Runtime and
+    TensorRT take a model as bytes and resolve its data files from one folder, and accudiff's models refer
+    to files in several (the user's weights where they are, its own in its scratch folder), which are
+    neither copied nor linked. Raises ValueError where no folder holds them all (two drives)."""
+    external = [init for init in tensors if is_external(init)]
+    files = [os.path.realpath(data_file(init)[0]) for init in external]  # as ONNX Runtime checks them: links resolved
+    if not files:
+        return None
+    folder = os.path.commonpath([os.path.dirname(file) for file in files])
+    for init, file in zip(external, files):
+        kept = [(e.key, e.value) for e in init.external_data if e.key not in (FOLDER_KEY, "location")]
+        del init.external_data[:]
+        init.external_data.add(key="location", value=os.path.relpath(file, folder))
+        for key, value in kept:
+            init.external_data.add(key=key, value=value)
+    return Path(folder)
+
+
 def same_folder(a: Path | None, b: Path) -> bool:
     return a is not None and _real_path(str(a)) == _real_path(str(b))
 

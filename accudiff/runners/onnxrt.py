@@ -30,7 +30,7 @@ from accudiff.model.saving import save_model
 from accudiff.model.shapes import clear_unknown_dims
 from accudiff.model.source import ModelSource, own_weight_bytes
 from accudiff.model.subgraph import drop_unread_nodes
-from accudiff.model.weights import is_external, weight_folder, without_folder
+from accudiff.model.weights import in_one_folder
 from accudiff.runners.fp16_emulation import lower_fp16
 from accudiff.runners.numpy_types import carry_in_numpy
 from accudiff.runners.base import Runner
@@ -157,9 +157,9 @@ class OnnxrtRunner(Runner):
         of the data files its weights are in (None: none are); also the bytes its weights take (whether
         prepacking them pays, see CpuOptions), whether it was lowered for FP16 emulation (whether
         optimizing it pays) and its main graph's op types. It goes as bytes, its weights left in their data files (nothing is
-        written); a model whose weights are in several folders, or that holds more than
-        INLINE_WEIGHTS_UP_TO of them itself, is saved in the runner's scratch folder instead, its weights
-        in a side file ONNX Runtime maps rather than copies out of the bytes."""
+        written), each data file named from one folder (`in_one_folder`); a model that holds more than
+        INLINE_WEIGHTS_UP_TO of weights itself first writes them to a side file in the runner's scratch
+        folder, which ONNX Runtime maps rather than copies out of the bytes."""
         try:
             model = self.source.take()
         except Exception as exc:
@@ -181,17 +181,16 @@ class OnnxrtRunner(Runner):
         del model.graph.output[:]  # exactly what was asked for: a graph output nobody wants is not kept alive
         model.graph.output.extend(onnx.ValueInfoProto(name=name) for name in self._answers)
         drop_unread_nodes(model.graph)
-        external = [init for init in model.graph.initializer if is_external(init)]
-        folders = {str(weight_folder(init)) for init in external}
-        if len(folders) <= 1 and own_weight_bytes(model) <= INLINE_WEIGHTS_UP_TO:
-            for init in external:
-                init.CopyFrom(without_folder(init))
-            return model.SerializeToString(), Path(folders.pop()) if folders else None, weight_bytes, bool(fp16_copies), ops
-        # A folder of its own only then: most sessions write nothing, and a segmented comparison makes many.
-        self._scratch = Path(tempfile.mkdtemp(prefix="accudiff-ort-"))
-        target = self._scratch / "marked.onnx"
-        save_model(model, target, side_file=True)
-        return target, None, weight_bytes, bool(fp16_copies), ops
+        if own_weight_bytes(model) > INLINE_WEIGHTS_UP_TO:  # a folder of its own only then: a segmented comparison makes many sessions
+            self._scratch = Path(tempfile.mkdtemp(prefix="accudiff-ort-"))
+            save_model(model, self._scratch / "marked.onnx", move_weights=True, side_file=True, in_place=True)
+        try:
+            folder = in_one_folder(model.graph.initializer)  # If/Loop bodies' weights were read in (loading.load_graph)
+        except ValueError:  # no folder holds every data file (two drives): they are copied into one
+            self._scratch = self._scratch or Path(tempfile.mkdtemp(prefix="accudiff-ort-"))
+            save_model(model, self._scratch / "whole.onnx", side_file=True)
+            return self._scratch / "whole.onnx", None, weight_bytes, bool(fp16_copies), ops
+        return model.SerializeToString(), folder, weight_bytes, bool(fp16_copies), ops
 
 
 INTEGER_OPS = frozenset({"MatMulInteger", "ConvInteger"})  # ONNX Runtime's own UINT8 x INT8 arithmetic

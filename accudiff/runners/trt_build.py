@@ -22,8 +22,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Mapping, Sequence
 
+import onnx
+
 from accudiff.errors import AccudiffError
 from accudiff.atomic import write_atomically
+from accudiff.model.graph import all_initializers
+from accudiff.model.weights import data_file, in_one_folder, is_external, mark_weights_folder
 from accudiff.runners.trt_env import is_rtx
 
 MARK_MODES = ("auto", "all", "unfused", "outputs")
@@ -98,7 +102,9 @@ def _read_cached(plan_path: Path, meta_path: Path) -> tuple[BuiltEngine | None, 
 
 
 def create_network(trt: ModuleType, model_path: Path, strongly_typed: bool = True):
-    """Builder, network and parser for an ONNX file; parser errors become one sentence naming the node."""
+    """Builder, network and parser for an ONNX file; parser errors become one sentence naming the node. The
+    parser is given the graph as bytes, its data files named from one folder: a model accudiff saved in
+    its scratch folder refers to the user's weights where they are (weights.in_one_folder)."""
     logger = error_log(trt)
     builder = trt.Builder(logger)
     flags = 0
@@ -106,9 +112,19 @@ def create_network(trt: ModuleType, model_path: Path, strongly_typed: bool = Tru
         flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
     network = builder.create_network(flags)
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(model_path)):
+    graph = _graph(model_path)
+    folder = in_one_folder(all_initializers(graph)) or model_path.parent
+    if not parser.parse(graph.SerializeToString(), str(folder / model_path.name)):
         raise AccudiffError(f"TensorRT's ONNX parser cannot convert '{model_path.name}': {parser_errors(parser)[0]}")
     return builder, network, parser, logger
+
+
+def _graph(model_path: Path) -> onnx.ModelProto:
+    """The model file's graph, its weights left in their data files, each naming its file's folder: a model
+    accudiff saved in its scratch folder refers to the user's weights where they are (saving's `in_place`)."""
+    graph = onnx.load(str(model_path), load_external_data=False)
+    mark_weights_folder(all_initializers(graph), model_path.parent)
+    return graph
 
 
 def parser_errors(parser) -> list[str]:
@@ -248,12 +264,8 @@ def _load_timing_cache(trt: ModuleType, config, path: Path):
 def _cache_key(trt: ModuleType, model_path: Path, tensors: Sequence[str], settings: BuildSettings) -> str:
     """The model file and the data files its weights are in (same graph, other weights: another engine),
     the settings, TensorRT and the GPU."""
-    import onnx
-
-    from accudiff.model.graph import data_files
-
     digest = hashlib.sha256()
-    files = [model_path, *(model_path.parent / name for name in data_files(onnx.load(str(model_path), load_external_data=False)))]
+    files = [model_path, *sorted({data_file(init)[0] for init in all_initializers(_graph(model_path)) if is_external(init)})]
     for path in files:
         with open(path, "rb") as handle:
             for block in iter(lambda: handle.read(1 << 20), b""):

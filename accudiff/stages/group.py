@@ -6,7 +6,6 @@ A model without Ifs is one group: the model itself, every sample.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -25,7 +24,6 @@ from accudiff.judging.tolerances import Tolerances
 from accudiff.verification.trial import MAX_TRIAL_SAMPLES, large_weights
 from accudiff.execution.messages import Job, PassSpec
 from accudiff.memory import return_freed_memory
-from accudiff.model.graph import data_files
 from accudiff.model.inventory import ModelInfo, describe
 from accudiff.model.loading import remember_model
 from accudiff.model.saving import link_model, save_model
@@ -110,22 +108,18 @@ def plan(info: ModelInfo, first: Feed, max_memory: int | str | None, one_segment
     return Plan([[names[i] for i in segment.nodes] for segment in plan_segments(info, sizes, budget)], largest)
 
 
-def worker_reference(info: ModelInfo, segments: Sequence[Sequence[str]], scratch: Path) -> Path:
-    """The FP32 model file a worker reads: its graph as loaded (types inferred), saved in `scratch` beside
-    hard links to the files its weights are in, so the worker reads a graph, not the weights again (MiniLM:
-    0.2 MB for 69 MB), and cuts segments without inferring types. Where the files cannot be linked (another
-    file system), a model cut into segments whose weights are its own is saved whole with its types; any
-    other, the model's own file."""
+def worker_reference(info: ModelInfo, scratch: Path) -> Path:
+    """The FP32 model file a worker reads: its graph as loaded (types inferred), saved in `scratch` with its
+    weights referred to where they are (save_model's `in_place`), so the worker reads a graph, not the
+    weights again (MiniLM: 0.2 MB for 69 MB), and cuts segments without inferring types; the model's own
+    file where its graph was not kept."""
     light = info.remembered
+    if light is None:
+        return info.path
     target = scratch / "reference" / info.path.name  # under its own name: the worker's messages name the model
     target.parent.mkdir(parents=True, exist_ok=True)
-    if light is not None and os.stat(info.path).st_dev == os.stat(target.parent).st_dev:
-        save_model(light, target, link=True)
-        return target
-    if light is not None and len(segments) > 1 and set(data_files(light)) <= {info.path.name}:
-        save_model(light, target, side_file=True)
-        return target
-    return info.path
+    save_model(light, target, in_place=True)
+    return target
 
 
 # Weights let go of are given back to the system past this (a collection and a trim: 0.03 s); less than
@@ -200,7 +194,7 @@ def run_group(
     job = replace(
         job,
         largest_tensor=plan.largest_tensor,
-        reference=str(worker_reference(info, plan.segments, where.scratch)),
+        reference=str(worker_reference(info, where.scratch)),
         passes=candidate.passes,
         quant_ranges=quant_ranges_json(candidate.transformed),
         trt=compared.trt.as_json(),

@@ -130,9 +130,10 @@ class Trials:
             self.reference.finish()
         self.boundaries = Boundaries(setup.info.proto.graph, unfit_for_format(table, setup.variants.recipe.precision), setup.variants.base.converted, regions)
         # Every model the trials save is saved in their folder: with the reference's and the candidate's weights
-        # linked (or else copied) into data files there once, a variant or switchboard writes its graph, and refers to them.
+        # referred to where they are (or written there once, those only memory held), a variant or switchboard
+        # writes its graph, and refers to them.
         for name, model in (("reference", setup.info.proto), ("candidate", setup.variants.base.model)):
-            save_model(model, setup.scratch / f"{name}-weights.onnx", move_weights=True, side_file=True, link=True)
+            save_model(model, setup.scratch / f"{name}-weights.onnx", move_weights=True, side_file=True, in_place=True)
         self._workers: list[Worker] = []
         self.timings: dict[str, float] = {}  # the trial workers' seconds per phase, added up
         self._board: tuple[Switchboard, Path] | None = None
@@ -300,7 +301,7 @@ class Trials:
             self._switchable = False
             return None
         path = self.setup.scratch / f"switchboard-{self.runs}.onnx"
-        save_model(board.model, path)
+        save_model(board.model, path, in_place=True)
         board.model = onnx.ModelProto()
         self._board = board, path
         return self._board
@@ -324,7 +325,7 @@ class Trials:
                 passes.append(PassSpec(f"variant{k}", str(path), backend, fixed_inputs=switchboard.settings(keep), reuse=True))
             else:
                 path = setup.scratch / f"trials-{self.runs}-variant{k}.onnx"
-                save_model(setup.variants.with_kept(keep, parts).model, path)
+                save_model(setup.variants.with_kept(keep, parts).model, path, in_place=True)
                 passes.append(PassSpec(f"variant{k}", str(path), backend))
         self.runs += len(keep_lists)
         info = setup.info
