@@ -24,7 +24,7 @@ def test_passing_model_exits_0_and_writes_a_complete_report(run_cli, tmp_path):
     report = tmp_path / "report"
     assert sorted(p.name for p in report.iterdir()) == ["candidate-fp16.onnx", "inputs.npz", "report.html", "samples.csv", "summary.json", "summary.md", "tensors.csv"]
     summary = json.loads((report / "summary.json").read_text())
-    assert summary["schema"] == "accudiff.compare.summary" and summary["schema_version"] == 5
+    assert summary["schema"] == "accudiff.compare.summary" and summary["schema_version"] == 6
     assert summary["verdict"] == "pass" and summary["precision"] == "fp16"
     assert {"load", "transform", "run", "diagnose"} <= set(summary["timings_s"])
     table = pd.read_csv(report / "tensors.csv")

@@ -18,7 +18,7 @@ from accudiff.report.repair_text import repair_lines, tried_subset_lines
 from accudiff.text import percent, times_tolerance
 
 SUMMARY_SCHEMA = "accudiff.compare.summary"
-SUMMARY_SCHEMA_VERSION = 5
+SUMMARY_SCHEMA_VERSION = 6
 SUMMARY_FILE = "summary.json"
 TENSORS_FILE = "tensors.csv"
 SAMPLES_FILE = "samples.csv"
