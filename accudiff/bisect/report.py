@@ -76,7 +76,7 @@ def _subgraph_text(result, folder: Path, settings: RunSettings) -> str:
         shown = ", ".join(result.nodes[:6]) + (f", ... ({len(result.nodes)} nodes)" if len(result.nodes) > 6 else "")
         lines.append(f"  smallest failing subgraph ({len(result.nodes)} node(s), checked at '{result.tensor}'): {shown}")
         figures = f"'{result.tensor}' at {times_tolerance(result.tol_ratio)}, {_whole_model(result)}"
-        lines.append(f"  reproducer {f'confirmed to fail ({figures})' if result.confirmed else f'did NOT reproduce the failure when run again ({figures}): it needs more context'}:")
+        lines.append(f"  reproducer {f'confirmed to fail ({figures})' if result.confirmed else f'NOT confirmed: run again on its own, it did not fail as the whole model does ({figures})'}:")
         lines.append(f"    cd {shlex.quote(str(folder))} && {result.command}")
     said = unreproduced(result, settings)
     if said is not None:
