@@ -8,6 +8,7 @@ import atexit
 import os
 import shutil
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import replace
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Sequence
 
 from accudiff.version import __version__
-from accudiff.errors import AccudiffError
+from accudiff.errors import AccudiffError, out_of_space
 from accudiff.atomic import default_report_dir
 from accudiff.memory import one_heap
 
@@ -93,7 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("accudiff: interrupted; no report was written", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except Exception as exc:  # a bug of ours: one sentence by default, the traceback on request
+    except Exception as exc:  # a bug of ours (but a full disk): one sentence by default, the traceback on request
+        if isinstance(exc, OSError) and (full := out_of_space(exc, tempfile.gettempdir(), getattr(args, "report_dir", None))) is not None:
+            print(f"accudiff: error: {full}", file=sys.stderr)
+            return EXIT_ERROR
         if args.debug:
             traceback.print_exc()
             if getattr(exc, "detail", None):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 
@@ -18,6 +19,25 @@ def missing(path: str | os.PathLike, said: str) -> AccudiffError:
     """The error for a path that names no file: `said` (what it should be, named) does not exist, or is
     something else (a folder, a device such as /dev/zero, which is read without end)."""
     return AccudiffError(f"{said} {'is not a file' if os.path.exists(path) else 'does not exist'}")
+
+
+_SHORT_WRITE = re.compile(r"\d+ requested and \d+ written$")
+
+
+def out_of_space(exc: OSError, scratch: str, report: str | None = None) -> AccudiffError | None:
+    """The sentence for a disk that filled up (or a quota, or a limit on a file's size, was reached) while
+    accudiff wrote to it: where its scratch files and its `report` go (the file an OSError names may be the
+    one read, not the one written); None for any other OSError, which stays a bug of ours."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = "the disk filled up"
+    elif exc.errno == errno.EFBIG:
+        what = "a file grew past the size its file system or a limit allows (ulimit -f)"
+    elif exc.errno is None and _SHORT_WRITE.match(str(exc)):  # numpy's words for a write that stopped short, without the errno
+        what = "a write stopped short (a full disk, or a limit on a file's size)"
+    else:
+        return None
+    return AccudiffError(f"{what} while accudiff wrote to it: its scratch files go to {scratch} (TMPDIR moves them) and its report to "
+                         f"{report or 'the -o folder'}; free space there or point them elsewhere (nothing was kept)")
 
 
 class RunFailed(AccudiffError):

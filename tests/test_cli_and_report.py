@@ -442,3 +442,37 @@ def test_a_device_given_as_a_file_is_refused_without_reading_it(where, run_cli, 
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     code, _, err = run_cli(*arguments, "--int8", "--candidate", "onnxrt", "-o", tmp_path / "r")
     assert code == 2 and err.strip().endswith("'/dev/zero' is not a file"), err
+
+
+@pytest.mark.parametrize("where", ["caller", "worker"])
+def test_a_disk_that_fills_up_is_one_sentence_and_leaves_nothing(where, tmp_path):
+    """A write that fails for want of room (here a limit on a file's size, `ulimit -f`, which fails writes as a
+    full disk does, without needing one) said 'internal error: OSError: [Errno 27] File too large' from the
+    caller writing the candidate, and '... WorkerBug: the comparison worker failed: OSError: 4194304 requested
+    and 1048544 written' (numpy's words, no errno) from the worker recording the reference's outputs. Both
+    are one sentence saying where accudiff writes, exit 2, and no report folder."""
+    import resource
+    import shutil
+
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    if where == "caller":  # an 8 MB weight: its FP16 candidate (4 MB) is written past the limit
+        nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")]
+        weights = [numpy_helper.from_array(rng.standard_normal((1024, 2560)).astype(np.float32), "w")]
+        shapes = [1, 1024], [1, 2560]
+    else:  # small weights, a 16 MB output: the worker records it
+        nodes = [helper.make_node("Tile", ["x", "reps"], ["tiled"], name="tile"), helper.make_node("Mul", ["tiled", "big"], ["y"], name="scale")]
+        weights = [numpy_helper.from_array(np.array([1, 64, 1], np.int64), "reps"), numpy_helper.from_array(np.array(1e5, np.float32), "big")]
+        shapes = [1, 64, 1024], [1, 4096, 1024]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, shapes[0])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, shapes[1])], weights)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "model.onnx"))
+    limit = 2 << 20
+    result = subprocess.run([shutil.which("accudiff", path=user_shell_environment()["PATH"]), "compare", "model.onnx", "--fp16", "-o", "report"],
+                            cwd=tmp_path, capture_output=True, text=True, env={**user_shell_environment(), "TMPDIR": str(tmp_path)},
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    said = "a file grew past the size its file system or a limit allows (ulimit -f)" if where == "caller" else "a write stopped short (a full disk, or a limit on a file's size)"
+    assert result.returncode == 2 and result.stderr.startswith(f"accudiff: error: {said} while accudiff wrote to it: its scratch files go to {tmp_path} ")
+    assert len(result.stderr.strip().splitlines()) == 1 and "(nothing was kept)" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
