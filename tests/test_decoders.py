@@ -495,14 +495,18 @@ def test_a_kv_cache_stored_in_int8_is_found_where_it_enters_and_no_subgraph_is_c
     upstream of the logits and bisect precision nothing to keep; bisect subgraph stopped on a cut of the
     candidate whose outputs no node wrote ("fails the ONNX checker", naming a file of its own). And a cut,
     fed each prompt's whole sequence as one prefill (it carries no cache), cannot fail here: bisection ended
-    on a "reproducer" of the whole model that "needs more context". Now bisect subgraph says that no subgraph
-    reproduces it, and bisect precision, pasted as printed, keeps the four attentions, each needed as the
+    on a "reproducer" of the whole model that "needs more context"; where the cause was a single node (an Intel
+    Xeon's rounding), its cuts were written and reported as a reproducer that did not reproduce, before the
+    whole model fed as one prefill was run. Now bisect subgraph says that no subgraph reproduces it, and
+    bisect precision, pasted as printed, keeps the four attentions, each needed as the
     oracle (two plain sessions generating) finds; with all four kept, no error is said to enter anywhere."""
     tolerance = ["--atol", "0.01", "--rtol", "0.01", "--stol", "0"]
     common = ["--candidate-model", _kv_cache_in_int8(llama.fp32 / "model.onnx", tmp_path / "kv.onnx"), "--prompts", llama.prompts, "--new-tokens", "4", *tolerance]
     code, out, err = run_cli("bisect", "subgraph", llama.fp32, *common, "-o", tmp_path / "cut")
-    assert code == 1 and "no subgraph reproduces it" in out and "the whole model leaves 'logits' at 0x its tolerance" in out, out + err
-    assert re.search(r"accudiff bisect subgraph: 3 candidate runs \(at most \d+ on any path", out), out
+    assert code == 1 and "no subgraph reproduces it" in out and re.search(r"the whole model leaves '[^']+' at 0x its tolerance", out), out + err
+    # the comparison and its isolated run, then the whole model fed as a cut is: where the cause is one node (which
+    # of the cause kinds it is depends on this CPU's rounding), first at its tensor, its cuts skipped
+    assert re.search(r"accudiff bisect subgraph: [34] candidate runs \(at most \d+ on any path", out), out
     page = (tmp_path / "cut" / "report.html").read_text()
     assert not (tmp_path / "cut" / "subgraph.onnx").exists() and "NO SUBGRAPH FOUND" in page and "no subgraph reproduces it" in page
     [command] = [line.strip() for line in out.splitlines() if line.strip().startswith("accudiff bisect precision")]

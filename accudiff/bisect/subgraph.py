@@ -12,8 +12,9 @@
    output" holds for k = 0 (the full run) and not for the last node alone; bisection finds the largest
    failing k in ceil(log2(len(A))) candidate runs. A decoder compared from prompts is generated step by
    step, each side carrying its own KV cache, where a cut is fed each prompt's whole sequence as one prefill
-   (it carries no cache): the whole model fed so is run first, and is what the cuts are held to; a failure
-   it does not show (one of a decode step) no cut reproduces, and that is said instead.
+   (it carries no cache): the whole model fed so is run first at the tensor the cuts are checked at (a
+   single-node cause's too, before its cuts), and is what they are held to; a failure it does not show (one
+   of a decode step) no cut reproduces, and that is said instead.
 4. The subgraph is saved with its reference inputs (.npz, and for INT8 the reference values of its inputs
    on the calibration samples, so it is quantized exactly as in the full model) and the `accudiff compare`
    command that reproduces it. That command is parsed and run once more to confirm it fails before
@@ -91,25 +92,22 @@ def bisect_subgraph(session: BisectSession, out_dir: Path) -> SubgraphResult:
                             "is checked elementwise: give a tolerance it fails (--atol/--rtol), or find what to keep with accudiff bisect precision")
     cause = failure.cause
     result.output, result.cause_kind = failure.tensor, cause.kind
-    whole = full.table.set_index("tensor")["tol_ratio"]
     result.findings = [vars(f) for f in cause.findings]
     index = {node.name: i for i, node in enumerate(nodes)}
+    checked: dict[str, bool] = {}  # a checked tensor -> whether a cut can fail there (a decoder's: see `_checking`)
     try:
-        if cause.kind in SINGLE_NODE_CAUSES:
-            result.tensor = cause.tensor
-            result.whole_tol_ratio = float(whole[result.tensor])
+        if cause.kind in SINGLE_NODE_CAUSES and _checking(session, full, nodes, result, cause.tensor, checked):
             own = index[cause.node]
             for chosen in dict.fromkeys(tuple(_with_producers(nodes, own, limit)) for limit in GROWN_SIZES):
                 _write_reproducer(session, list(chosen), out_dir, result)
                 if result.confirmed:
                     break
         if not result.confirmed:
-            result.tensor = _bisection_end(failure, nodes)
-            result.whole_tol_ratio = float(whole[result.tensor])
-            ancestors = _ancestors(nodes, next(i for i, node in enumerate(nodes) if result.tensor in node.output))
-            if full.generations and not _fails_as_one_prefill(session, ancestors, result):
+            if not _checking(session, full, nodes, result, _bisection_end(failure, nodes), checked):
+                _forget_reproducer(result, out_dir)
                 result.candidate_runs = session.candidate_runs
                 return result
+            ancestors = _ancestors(nodes, next(i for i, node in enumerate(nodes) if result.tensor in node.output))
             start = _bisect(session, ancestors, result)
             _write_reproducer(session, ancestors[start:], out_dir, result)
     except KeyboardInterrupt:
@@ -121,8 +119,32 @@ def bisect_subgraph(session: BisectSession, out_dir: Path) -> SubgraphResult:
 def run_bound(nodes: int, prompts: bool) -> int:
     """The most candidate runs any path of the search takes on a graph of `nodes` nodes: the comparison with its
     isolated run (2), a single-node cause's two cuts, a decoder's whole model fed as its cuts are (given
-    prompts), the bisection of at most all the nodes, and the reproducer's confirmation."""
-    return 2 + len(GROWN_SIZES) + prompts + math.ceil(math.log2(max(nodes - 1, 1))) + 1
+    prompts: at the single-node cause's tensor, then where bisection checks), the bisection of at most all the
+    nodes, and the reproducer's confirmation."""
+    return 2 + len(GROWN_SIZES) + 2 * prompts + math.ceil(math.log2(max(nodes - 1, 1))) + 1
+
+
+def _checking(session, full, nodes, result: SubgraphResult, tensor: str, checked: dict[str, bool]) -> bool:
+    """Check cuts at `tensor` from now on (`result` holds its figure in the whole model), and whether a cut can
+    fail there: always, but for a decoder generated step by step, whose cuts carry no KV cache, only where the
+    whole model fed each prompt's whole sequence as one prefill, as they are, fails there (its figure then what
+    they are held to). Each tensor is run so once (`checked`)."""
+    if tensor != result.tensor:
+        result.tensor, result.whole_tol_ratio, result.prefill_tol_ratio = tensor, float(full.table.set_index("tensor").at[tensor, "tol_ratio"]), None
+    if tensor not in checked:
+        checked[tensor] = not full.generations or _fails_as_one_prefill(
+            session, _ancestors(nodes, next(i for i, node in enumerate(nodes) if tensor in node.output)), result)
+    return checked[tensor]
+
+
+def _forget_reproducer(result: SubgraphResult, out_dir: Path) -> None:
+    """A cut written before the search learned that no cut can fail where it checks: its files go, and the
+    result names no reproducer."""
+    for name in (MODEL_FILE, INPUTS_FILE, CALIBRATION_FILE, CANDIDATE_FILE):
+        for path in (out_dir / name, out_dir / f"{name}.data"):
+            path.unlink(missing_ok=True)
+    result.nodes, result.model_path, result.inputs_path, result.calibration_path, result.candidate_path = [], None, None, None, None
+    result.command, result.confirmed, result.tol_ratio = "", False, None
 
 
 def _most_local(failures: list[TensorFailure], nodes) -> TensorFailure:
