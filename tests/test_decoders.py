@@ -503,10 +503,11 @@ def test_a_kv_cache_stored_in_int8_is_found_where_it_enters_and_no_subgraph_is_c
     tolerance = ["--atol", "0.01", "--rtol", "0.01", "--stol", "0"]
     common = ["--candidate-model", _kv_cache_in_int8(llama.fp32 / "model.onnx", tmp_path / "kv.onnx"), "--prompts", llama.prompts, "--new-tokens", "4", *tolerance]
     code, out, err = run_cli("bisect", "subgraph", llama.fp32, *common, "-o", tmp_path / "cut")
-    assert code == 1 and "no subgraph reproduces it" in out and re.search(r"the whole model leaves '[^']+' at 0x its tolerance", out), out + err
-    # the comparison and its isolated run, then the whole model fed as a cut is: where the cause is one node (which
-    # of the cause kinds it is depends on this CPU's rounding), first at its tensor, its cuts skipped
-    assert re.search(r"accudiff bisect subgraph: [34] candidate runs \(at most \d+ on any path", out), out
+    # checked at the logits, or where the cause is one node (an Intel Xeon's rounding: the kind of cause is borderline
+    # here) at the first tensor it makes fail: the comparison and its isolated run, then the whole model fed as a cut is
+    checked = r"'(logits|/model/layers\.0/attn/GroupQueryAttention/output_0)'"
+    assert code == 1 and "no subgraph reproduces it" in out and re.search(rf"the whole model leaves {checked} at 0x its tolerance", out), out + err
+    assert re.search(r"accudiff bisect subgraph: 3 candidate runs \(at most \d+ on any path", out), out
     page = (tmp_path / "cut" / "report.html").read_text()
     assert not (tmp_path / "cut" / "subgraph.onnx").exists() and "NO SUBGRAPH FOUND" in page and "no subgraph reproduces it" in page
     [command] = [line.strip() for line in out.splitlines() if line.strip().startswith("accudiff bisect precision")]
