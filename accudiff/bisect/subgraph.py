@@ -107,7 +107,7 @@ def bisect_subgraph(session: BisectSession, out_dir: Path) -> SubgraphResult:
                 _forget_reproducer(result, out_dir)
                 result.candidate_runs = session.candidate_runs
                 return result
-            ancestors = _ancestors(nodes, next(i for i, node in enumerate(nodes) if result.tensor in node.output))
+            ancestors = _ancestors(nodes, result.tensor)
             start = _bisect(session, ancestors, result)
             _write_reproducer(session, ancestors[start:], out_dir, result)
     except KeyboardInterrupt:
@@ -132,8 +132,7 @@ def _checking(session, full, nodes, result: SubgraphResult, tensor: str, checked
     if tensor != result.tensor:
         result.tensor, result.whole_tol_ratio, result.prefill_tol_ratio = tensor, float(full.table.set_index("tensor").at[tensor, "tol_ratio"]), None
     if tensor not in checked:
-        checked[tensor] = not full.generations or _fails_as_one_prefill(
-            session, _ancestors(nodes, next(i for i, node in enumerate(nodes) if tensor in node.output)), result)
+        checked[tensor] = not full.generations or _fails_as_one_prefill(session, _ancestors(nodes, tensor), result)
     return checked[tensor]
 
 
@@ -327,9 +326,10 @@ def _values_at(names: list[str], feeds: list[Feed], reference) -> list[Feed]:
     return values
 
 
-def _ancestors(nodes, end: int) -> list[int]:
-    """Indices of `end` and every node it depends on, in topological order."""
+def _ancestors(nodes, tensor: str) -> list[int]:
+    """Indices of the node writing `tensor` and every node it depends on, in topological order."""
     producer = {o: i for i, node in enumerate(nodes) for o in node.output if o}
+    end = producer[tensor]
     found, stack = {end}, [end]
     while stack:
         for name in nodes[stack.pop()].input:
