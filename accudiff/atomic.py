@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterator
 
 from accudiff.errors import AccudiffError
+from accudiff.leftovers import claim, release, sweep_staging
 
 DEFAULT_ROOT = Path("reports")
 
@@ -54,7 +55,9 @@ class ReportFolder:
                 raise AccudiffError(f"report folder '{self.final}' already exists; choose another with --report-dir")
             self._made = [p for p in [self.final.parent, *self.final.parent.parents] if not p.exists()]
             self.final.parent.mkdir(parents=True, exist_ok=True)
+            sweep_staging(self.final.parent)
             self.path = Path(tempfile.mkdtemp(prefix=f".{self.final.name}.partial-", dir=self.final.parent))
+            claim(self.path)
         else:
             self.path = Path(tempfile.mkdtemp(prefix="accudiff-"))
 
@@ -71,6 +74,7 @@ class ReportFolder:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(self.path, 0o777 & ~umask)  # mkdtemp made it private; a report is an ordinary folder
+        release(self.path)
         try:
             os.rename(self.path, self.final)
         except OSError as exc:

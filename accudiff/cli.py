@@ -8,7 +8,6 @@ import atexit
 import os
 import shutil
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import replace
@@ -17,6 +16,8 @@ from typing import Sequence
 
 from accudiff.version import __version__
 from accudiff.errors import AccudiffError, out_of_space
+from accudiff.leftovers import run_folder, scratch_base
+from accudiff.execution.pool import discard_spares, prestart
 from accudiff.atomic import default_report_dir
 from accudiff.memory import one_heap
 
@@ -73,9 +74,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    if "compare" in list(sys.argv[1:] if argv is None else argv)[:2]:
-        from accudiff.execution.pool import prestart
+    try:
+        with run_folder():  # every scratch file of the command and its workers, removed by the next command if this one is killed
+            try:
+                return _command(argv)
+            finally:
+                discard_spares()  # the workers end before their folders go
+    except AccudiffError as exc:  # no scratch folder could be made
+        print(f"accudiff: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
 
+
+def _command(argv: Sequence[str] | None) -> int:
+    if "compare" in list(sys.argv[1:] if argv is None else argv)[:2]:
         # The comparison worker starts while this process imports what a comparison needs (the options, numpy and
         # onnx, ~0.4 s, are imported after this: the modules this one imports first are light).
         prestart()
@@ -95,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("accudiff: interrupted; no report was written", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as exc:  # a bug of ours (but a full disk): one sentence by default, the traceback on request
-        if isinstance(exc, OSError) and (full := out_of_space(exc, tempfile.gettempdir(), getattr(args, "report_dir", None))) is not None:
+        if isinstance(exc, OSError) and (full := out_of_space(exc, str(scratch_base()), getattr(args, "report_dir", None))) is not None:
             print(f"accudiff: error: {full}", file=sys.stderr)
             return EXIT_ERROR
         if args.debug:

@@ -14,7 +14,7 @@ PACKAGE = ROOT / "accudiff"
 MAX_MODULE_LINES = 450
 # The layers, lowest first (docs/architecture.md draws them): a module may import its own layer and those below.
 LAYERS = [
-    ["accudiff.errors", "accudiff.text", "accudiff.version", "accudiff.memory", "accudiff.atomic", "accudiff.deferred"],
+    ["accudiff.errors", "accudiff.text", "accudiff.version", "accudiff.memory", "accudiff.atomic", "accudiff.leftovers", "accudiff.deferred"],
     ["accudiff.model"],
     ["accudiff.runners"],
     ["accudiff.transforms"],

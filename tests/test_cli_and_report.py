@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -476,3 +477,49 @@ def test_a_disk_that_fills_up_is_one_sentence_and_leaves_nothing(where, tmp_path
     assert result.returncode == 2 and result.stderr.startswith(f"accudiff: error: {said} while accudiff wrote to it: its scratch files go to {tmp_path} ")
     assert len(result.stderr.strip().splitlines()) == 1 and "(nothing was kept)" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
+
+
+_HOLDER = """
+import sys
+from pathlib import Path
+from accudiff.atomic import ReportFolder
+from accudiff.leftovers import run_folder
+
+with run_folder() as scratch:
+    (scratch / "weights.bin").write_bytes(bytes(1 << 20))
+    report = ReportFolder(Path(sys.argv[1]))
+    report.write_text("summary.md", "half-written")
+    print(scratch, report.path, flush=True)
+    sys.stdin.read()  # until it is killed, or told to end
+    report.discard()
+"""
+
+
+def test_what_a_killed_command_left_the_next_command_removes(tmp_path):
+    """A command killed where it cannot clean up (SIGKILL, the out-of-memory killer) left its scratch folder in
+    TMPDIR (a large model's converted weights: gigabytes, on a /tmp held in memory) and its report's staging
+    folder beside the report it was writing, for good: nothing removed them. The next command now removes
+    both, and leaves those of a command still running beside it; and a command that ends leaves nothing."""
+    temporary, reports = tmp_path / "tmp", tmp_path / "reports"
+    temporary.mkdir()
+    env = {**user_shell_environment(), "TMPDIR": str(temporary)}
+
+    def holder(name: str) -> tuple[subprocess.Popen, list[Path]]:
+        process = subprocess.Popen([sys.executable, "-c", _HOLDER, str(reports / name)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        return process, [Path(p) for p in process.stdout.readline().split()]
+
+    alive, alive_holds = holder("alive")
+    killed, killed_left = holder("killed")
+    killed.kill()
+    killed.wait()
+    assert all(p.is_dir() for p in [*killed_left, *alive_holds])
+    result = subprocess.run([shutil.which("accudiff", path=env["PATH"]), "compare", str(fixture("clean")), "--fp16", "-o", str(reports / "next")],
+                            capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    assert not any(p.exists() for p in killed_left)
+    assert all(p.is_dir() for p in alive_holds)
+    assert sorted(p.name for p in reports.iterdir()) == sorted(["next", alive_holds[1].name])
+    assert not (reports / "next" / ".accudiff-owner").exists()
+    alive.communicate("")
+    assert alive.returncode == 0 and sorted(p.name for p in reports.iterdir()) == ["next"]
+    assert list(temporary.iterdir()) == []

@@ -27,6 +27,7 @@ from typing import Callable
 import numpy as np
 
 from accudiff.errors import AccudiffError, RunFailed, out_of_space
+from accudiff.leftovers import scratch_base
 from accudiff.memory import SEPARATE_MAPPINGS_FROM_TENSOR_BYTES, map_large_blocks_separately
 from accudiff.execution.messages import Job, Layout, PassSpec, Probe, ProbedValue, WorkerResult, read_message
 from accudiff.runners.reused import ReusedRunners
@@ -193,7 +194,7 @@ def main() -> None:
                 return
             except Exception as exc:  # a bug of ours (but a full disk): the traceback goes to stderr, one line to the caller
                 # (this process's TMPDIR is a folder of the caller's, in the caller's scratch location)
-                if isinstance(exc, OSError) and (full := out_of_space(exc, os.path.dirname(tempfile.gettempdir()))) is not None:
+                if isinstance(exc, OSError) and (full := out_of_space(exc, str(scratch_base()))) is not None:
                     emit({"event": "error", "message": str(full)})
                     return
                 traceback.print_exc()
