@@ -63,15 +63,18 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
     layer_report = Path(job.layer_report) if job.layer_report else None
 
     threads = job.threads or os.cpu_count() or 1
-    # How many runs a session makes: a decoder's prompt runs its prefill and each decode step (prepacking pays for many).
+    # How many runs a session makes: a decoder's prompt runs its prefill and each decode step; only the prefills
+    # multiply many rows by each weight, which prepacking speeds (CpuOptions).
     steps = samples_per_prompt(job.generation["new_tokens"]) if job.generation else 1
-    cpu = CpuOptions(threads, samples=(job.run_samples or len(job.sample_indices)) * steps, shared_arena=job.large_tensors)
+    runs = job.run_samples or len(job.sample_indices)
+    cpu = CpuOptions(threads, samples=runs * steps, wide_runs=runs, shared_arena=job.large_tensors)
 
     def factory(spec: PassSpec):
         if spec.backend == "recorded":
             return lambda model, outputs: recorded_runner(Path(spec.recorded), job.tensors, outputs, job.sample_indices, spec.label)
         layers = layer_report if spec.layer_report else None
-        pass_cpu = replace(cpu, samples=min(cpu.samples, spec.runs if spec.runs is not None else cpu.samples))  # the isolated run compares 8 at most
+        limit = spec.runs if spec.runs is not None else cpu.samples  # the isolated run compares 8 at most
+        pass_cpu = replace(cpu, samples=min(cpu.samples, limit), wide_runs=min(cpu.wide_runs, limit))
 
         def make(model: ModelSource, outputs: list[str]):
             return candidate_runner(spec.backend, model, outputs, job.precision, trt, shapes, layers, pass_cpu)

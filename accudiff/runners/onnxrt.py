@@ -61,6 +61,11 @@ class CpuOptions:
     MatMulNBits prepack in 0.75 s and its prefill then runs in 0.3 s, 2.4 s without (the FP32 weights of the
     nodes a trial keeps sit in If branches of a gated switchboard, which ONNX Runtime does not prepack).
 
+    What prepacking gains is in GEMMs of many rows: a decoder's one-token decode steps gain little (the 1.1B
+    Llama's FP32 graph, every tensor marked: 0.174 s a step unpacked, 0.164 s packed; its 64-token prefill
+    1.33 s against 0.67 s; packing its 4.4 GB took 13 s), so a session counts its `wide_runs` (a decoder's
+    prefills; by default every sample) against PREPACK_FROM_SAMPLES.
+
     A lowered FP16 model (fp16_emulation.py) of a run of fewer than OPTIMIZED_FROM_SAMPLES is not
     optimized: its Cast pairs leave ONNX Runtime's fusions little to fuse, and what remains (convolutions
     in blocked layouts) costs more to plan than it saves in a few runs. Unoptimized against optimized, on
@@ -71,6 +76,7 @@ class CpuOptions:
 
     threads: int = 0
     samples: int = 1
+    wide_runs: int | None = None  # of the samples, the runs whose MatMuls take many rows (see above); None: all of them
     shared_arena: bool = False  # allocate from the process's shared arena (see the module docstring)
 
 
@@ -114,7 +120,7 @@ class OnnxrtRunner(Runner):
             _register_shared_arena()
             options.add_session_config_entry("session.use_env_allocators", "1")
         options.intra_op_num_threads = self.cpu.threads
-        if self.cpu.samples < PREPACK_FROM_SAMPLES and weight_bytes >= PREPACK_UP_TO_BYTES:
+        if (self.cpu.samples if self.cpu.wide_runs is None else self.cpu.wide_runs) < PREPACK_FROM_SAMPLES and weight_bytes >= PREPACK_UP_TO_BYTES:
             options.add_session_config_entry("session.disable_prepacking", "1")
         # A segmented comparison alternates many sessions and the statistics pass on the same cores: threads
         # left spinning after a run would steal them from whatever runs next.
