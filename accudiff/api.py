@@ -128,7 +128,8 @@ def run(
         info, transformed, measured = combine(info.path, runs)
         result, context = judge(info, transformed, measured, compared, judging, diagnosing.isolate, samples, runs[0].candidate.kinds)
         result.settings, result.seed = settings, settings.seed if settings.inputs is None else None  # what was asked: the commands a report prints
-        result.worker_timings["comparison"], result.layout = measured.timings, {"workers": measured.layout.workers, "threads": list(measured.layout.threads)}
+        result.worker_timings["comparison"], result.layout = measured.timings, {"workers": measured.layout.workers, "threads": list(measured.layout.threads),
+                                                                             "sessions_at_once": measured.layout.sessions_at_once}
         laps.lap("diagnose")
         unverified = []
         if settings.verify and result.output_failures:

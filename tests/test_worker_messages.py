@@ -24,7 +24,7 @@ def _every_field_set() -> Job:
         reference="ref.onnx", passes=passes, precision="fp16", tensors=["a", "b"], outputs=["b"], segments=[["a"], ["b"]],
         tolerances={"atol": 1e-3}, quant_ranges={"a": {"scale": 0.5}}, samples=[["inputs.npz", "0/"]], sample_indices=[3], result="out",
         trt={"module": "tensorrt_rtx"}, input_shapes={"x": [1, 2]}, shape_values={"n": [4]}, store="store", layer_report="layers.json",
-        inputs=["x"], input_specs=[["x", "float32", [1, 2]]], threads=2, run_samples=9, outputs_store="outs", largest_tensor=1 << 30,
+        inputs=["x"], input_specs=[["x", "float32", [1, 2]]], threads=2, run_samples=9, sessions_at_once=2, outputs_store="outs", largest_tensor=1 << 30,
         thresholds={"": 0.3}, output_kinds={"b": ["logits", -1]}, generation={"new_tokens": 4}, one_session_at_a_time=True, release_reused=True,
         validate=["given.onnx"],
         points=0,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import re
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -84,9 +84,10 @@ class Engine:
         self._ranges: dict[str, tuple[float, float]] = {}  # each reference tensor's range, found once per sample
         self._inputs_counted: set[int] = set()  # samples whose inputs are in input_stats (one run again for other passes is not counted again)
         self.run_time_ranges: dict[str, list[float]] = {}  # a tensor quantized as the model runs -> what sets its ranges (metrics.run_time_range)
-        # A pass's tensors are reduced on `threads` cores at once, between backend runs (which use them too);
-        # each tensor's statistics are its own, so the order they finish in changes nothing.
-        self._reducer, self._threads = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="accudiff-reduce"), threads
+        # A pass's tensors are reduced on every core the worker may use at once, between backend runs (which use
+        # them too); each tensor's statistics are its own, so the order they finish in changes nothing.
+        cores = threads * max(1, options.sessions_at_once)
+        self._reducer, self._threads = ThreadPoolExecutor(max_workers=cores, thread_name_prefix="accudiff-reduce"), cores
         self._following: dict[int, _Segment] = {}  # a segment -> the next one the sample runs
         self._ahead: ThreadPoolExecutor | None = None  # where the next session is made while one runs
         self._weight_bytes = 0  # the largest weights of a model run (reference or pass)
@@ -104,6 +105,10 @@ class Engine:
             raise
         if not self.keep_sessions and self._weight_bytes < AHEAD_UP_TO_BYTES:
             self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="accudiff-session")
+        # Where a pass runs beside the reference (`run_sample`): every session is kept, and cores are left over.
+        beside = [p for p in self.passes if any(s.runner is not None and s.runner.runs_beside_others for s in self.pass_segments[p.name])]
+        self.sessions_at_once = min(options.sessions_at_once, 1 + len(beside)) if self.keep_sessions else 1  # at most
+        self._beside = ThreadPoolExecutor(max_workers=self.sessions_at_once - 1, thread_name_prefix="accudiff-beside") if self.sessions_at_once > 1 else None
         for k in range(len(segments)):  # reference values later segments read, as inputs or fed to a pass
             later = {n for s in self.reference[k + 1 :] for n in s.inputs}
             for plan in self.passes:
@@ -220,16 +225,23 @@ class Engine:
         order = [s for s in order if s.make is not None]
         self._following = {id(a): b for a, b in zip(order, order[1:])}  # the next session to make ahead
         for k, reference in enumerate(self.reference):
-            out = self._reference_outputs(sample, reference, reference_values)
+            # A pass that reads nothing the reference makes in this segment (a candidate carrying its own values)
+            # runs beside it, on cores left over: each session on its own threads computes as it would alone.
+            beside = {plan.name: self._beside.submit(self._pass_run, plan, k, pass_values[plan.name], reference_values)
+                      for plan in passes if self._beside is not None and self._reads_before(plan, k, reference_values)}
+            try:
+                out = self._reference_outputs(sample, reference, reference_values)
+            finally:
+                wait(beside.values())  # a failure leaves no run under way
             kept["reference"].update((name, out[name]) for name in keep if name in out)
             reference_values.update(out)
             for plan in passes:
-                segment = self.pass_segments[plan.name][k]
                 values = pass_values[plan.name]
-                for name in segment.inputs & plan.fed_from_reference.keys():
-                    values[name] = reference_values[plan.fed_from_reference[name]]
-                self.progress(f"running the {plan.name} pass on sample {sample}")
-                out = self._run(segment, {**values, **plan.fixed_inputs} if plan.fixed_inputs else values, f"runs: {plan.name}") if segment.wanted else {}
+                if plan.name in beside:
+                    out = beside[plan.name].result()
+                else:
+                    self.progress(f"running the {plan.name} pass on sample {sample}")
+                    out = self._pass_run(plan, k, values, reference_values)
                 kept[plan.name].update((name, out[name]) for name in keep if name in out)
                 if plan.record is not None:
                     plan.record.write(sample, out)
@@ -241,6 +253,20 @@ class Engine:
                 del out, values
             reference_values = {n: v for n, v in reference_values.items() if n in self._later_reference_reads[k] or n in feed}
         return kept
+
+    def _pass_run(self, plan: PassPlan, k: int, values: dict[str, np.ndarray], reference_values: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """The pass's segment `k` run on its `values`, the reference's values it is fed set among them."""
+        segment = self.pass_segments[plan.name][k]
+        for name in segment.inputs & plan.fed_from_reference.keys():
+            values[name] = reference_values[plan.fed_from_reference[name]]
+        return self._run(segment, {**values, **plan.fixed_inputs} if plan.fixed_inputs else values, f"runs: {plan.name}") if segment.wanted else {}
+
+    def _reads_before(self, plan: PassPlan, k: int, reference_values: Mapping[str, np.ndarray]) -> bool:
+        """Whether the pass's segment `k` can run beside the reference's: its runner may (Runner.runs_beside_others),
+        and it reads only reference values made before it."""
+        segment = self.pass_segments[plan.name][k]
+        return (segment.runner is not None and segment.runner.runs_beside_others
+                and all(plan.fed_from_reference[name] in reference_values for name in segment.inputs & plan.fed_from_reference.keys()))
 
     def run_alone(self, name: str, feed: Feed, keep: Collection[str]) -> dict[str, np.ndarray]:
         """The pass `name`'s model run on `feed`, segment by segment, nothing compared (a decoder's candidate
@@ -356,6 +382,8 @@ class Engine:
             if segment.runner is not None:
                 self.reference_not_observable.update(segment.runner.not_observable)
         self._reducer.shutdown(wait=True)
+        if getattr(self, "_beside", None) is not None:
+            self._beside.shutdown(wait=True)
         if self._ahead is not None:
             self._ahead.shutdown(wait=True)
         made_ahead = [s.runner for s in self._all_segments() if s.ahead is not None and s.ahead.exception() is None]

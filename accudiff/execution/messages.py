@@ -65,6 +65,9 @@ class Job:
     # unoptimized session's convolutions and matrix products round by thread count, and an optimized one
     # otherwise than an unoptimized one, so the table would depend on --workers.
     run_samples: int = 0  # samples the whole run compares, over every worker (0: this job's)
+    # Sessions it may run at once, each on `threads` cores (engine.py): a dataset's lone worker on several cores
+    # runs a candidate pass beside the reference, each session computing as it would alone.
+    sessions_at_once: int = 1
     outputs_store: str | None = None  # a store folder where the reference's graph outputs are recorded
     largest_tensor: int = 0  # bytes: how the worker gets memory (memory.py; group.Plan)
     thresholds: dict[str, float] = field(default_factory=dict)  # a probability map's threshold by output ("": the default)
@@ -170,10 +173,12 @@ class PassResult:
 
 @dataclass(frozen=True)
 class Layout:
-    """How a comparison ran: how many workers side by side, and the threads each used."""
+    """How a comparison ran: how many workers side by side, the threads each session used, and how many
+    sessions a worker ran at once."""
 
     workers: int = 0
     threads: tuple[int, ...] = ()
+    sessions_at_once: int = 1
 
 
 @dataclass(frozen=True)
@@ -223,7 +228,7 @@ class WorkerResult:
                     part["label"], part["notices"], [SampleOutcome(**o) for o in part["outcomes"]], part["points"], sketches)
             inputs = StatsSet.from_arrays({"values": arrays["inputs/values"], "sketch": _dense(arrays, "inputs/sketch")})
         layout = document["layout"]
-        return cls(passes, inputs, document["reference_not_observable"], document["timings"], Layout(layout["workers"], tuple(layout["threads"])),
+        return cls(passes, inputs, document["reference_not_observable"], document["timings"], Layout(layout["workers"], tuple(layout["threads"]), layout["sessions_at_once"]),
                    document["run_time_ranges"], document["steps"], document["generations"])
 
     def merged(self, other: WorkerResult, side_by_side: bool = True) -> WorkerResult:
@@ -239,7 +244,8 @@ class WorkerResult:
             ranges[tensor] = merge_run_time_ranges(ranges.get(tensor), record)
         workers = self.layout.workers + other.layout.workers if side_by_side else max(self.layout.workers, other.layout.workers)
         return WorkerResult(passes, inputs, {**self.reference_not_observable, **other.reference_not_observable}, added_timings([self.timings, other.timings]),
-                            Layout(workers, tuple(sorted({*self.layout.threads, *other.layout.threads}))), ranges,
+                            Layout(workers, tuple(sorted({*self.layout.threads, *other.layout.threads})),
+                                   max(self.layout.sessions_at_once, other.layout.sessions_at_once)), ranges,
                             [*self.steps, *other.steps], [*self.generations, *other.generations])
 
     def widened(self, rows: Sequence[int], count: int) -> WorkerResult:

@@ -70,9 +70,12 @@ class EngineOptions:
     weights, just before its own run, so one backend's copy of the weights is in memory at a time) and
     deactivated after its run. (Arrays a runner returned outlive its deactivation: ONNX Runtime's and
     TensorRT's are the process's own, a recorded runner's deactivation does nothing.) `points`: the
-    (reference, candidate) pairs of each graph output kept for plots (verification's trials keep none)."""
+    (reference, candidate) pairs of each graph output kept for plots (verification's trials keep none).
+    `sessions_at_once`: with every session kept, how many may run at once, each on `threads` cores: a pass
+    that reads nothing the reference makes in a segment runs beside it (see Engine.run_sample)."""
 
     threads: int = 1
     keep_sessions: bool = True
+    sessions_at_once: int = 1
     progress: Progress = lambda step: None
     points: int = POINTS_PER_OUTPUT

@@ -108,9 +108,10 @@ def _split(job: Job, entries: Sequence[Sequence[str]], indices: list[int], worke
     count = len(entries)
     shards = [list(range(k, count, workers)) for k in range(min(workers, count))]
     threads = min(worker_cores(count), cores)
+    at_once = max(1, cores // (len(shards) * threads)) if shards else 1  # the cores the workers leave over, used by sessions side by side
     return [
         replace(job, samples=[list(entries[i]) for i in shard], sample_indices=[indices[i] for i in shard], result=f"{job.result}-{k}",
-                threads=threads, run_samples=count)
+                threads=threads, run_samples=count, sessions_at_once=at_once)
         for k, shard in enumerate(shards)
     ]
 

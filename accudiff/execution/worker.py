@@ -109,7 +109,7 @@ def _work(job: Job, emit: Callable[[dict], None]) -> None:
         reference = ReferencePlan(Path(job.reference), lambda model, outputs: reference_runner(model, outputs, cpu), store, outputs_store)
         one_at_a_time = job.one_session_at_a_time and not job.generation  # a step's session is the next step's
         options = EngineOptions(threads, keep_sessions=len(job.sample_indices) * per_sample > 1 and not one_at_a_time,
-                                progress=lambda text: emit({"event": "step", "text": text}), points=job.points)
+                                progress=lambda text: emit({"event": "step", "text": text}), points=job.points, sessions_at_once=job.sessions_at_once)
         engine = Engine(reference, passes, measured, Path(scratch), options)
         generated: dict[str, list] = {"steps": [], "generations": []}
         try:
@@ -159,7 +159,7 @@ def _probe(probe: Probe) -> None:
 
 
 def _write_result(engine, path: Path, threads: int, generated: dict[str, list]) -> None:
-    result = WorkerResult(engine.results, engine.input_stats, engine.reference_not_observable, engine.timings, Layout(1, (threads,)),
+    result = WorkerResult(engine.results, engine.input_stats, engine.reference_not_observable, engine.timings, Layout(1, (threads,), engine.sessions_at_once),
                           engine.run_time_ranges, generated["steps"], generated["generations"])
     document, arrays = result.encode()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -121,7 +121,8 @@ def format_timings(result) -> str:
     lines = [f"  time: {sum(stages.values()):.2f} s in this process (stages: " + ", ".join(f"{k} {v:.2f} s" for k, v in stages.items()) + ")"]
     if result.layout:
         threads = " or ".join(str(t) for t in result.layout["threads"])
-        lines.append(f"    comparison: {result.layout['workers']} worker(s), {threads} thread(s) each")
+        beside = result.layout.get("sessions_at_once", 1)
+        lines.append(f"    comparison: {result.layout['workers']} worker(s), {threads} thread(s) each" + (f", up to {beside} sessions at once" if beside > 1 else ""))
     for stage, phases in result.worker_timings.items():
         runs = {k.removeprefix("runs: "): v for k, v in phases.items() if k.startswith("runs: ")}
         shown = [f"{k} {v:.2f} s" for k, v in phases.items() if not k.startswith("runs: ")]

@@ -19,6 +19,9 @@ class Runner(ABC):
 
     #: Human-readable description of what this runner really computes (shown in reports).
     label: str = ""
+    #: Whether its runs may go on while another runner's do, on another thread (engine.py): ONNX Runtime's CPU
+    #: sessions, each on its own threads; not a GPU runner, whose device the others would share.
+    runs_beside_others: bool = False
 
     @abstractmethod
     def activate(self) -> None: ...

@@ -81,6 +81,8 @@ class CpuOptions:
 
 
 class OnnxrtRunner(Runner):
+    runs_beside_others = True
+
     def __init__(
         self, model: str | Path | ModelSource, outputs: Sequence[str] = (), label: str = "ONNX Runtime CPU", emulate_fp16: bool = False, cpu: CpuOptions = CpuOptions()
     ):
