@@ -91,16 +91,14 @@ def test_ray_ships_the_files_a_models_weights_are_in(tmp_path):
 def test_a_dataset_gets_a_worker_per_core_and_a_single_sample_every_core(tmp_path):
     """Without --workers, a dataset of SAMPLES_PER_WORKER samples per core runs one worker per core, each on
     one thread (its sessions and its statistics): a single sample runs in one worker on every core."""
-    import os
-
     from accudiff.execution.shards import SAMPLES_PER_WORKER
 
     cores = os.cpu_count() or 1
     data = _dataset(tmp_path / "data", 2 * max(cores * SAMPLES_PER_WORKER // 2, 1))
     many = accudiff.compare(fixture("overflow_activation"), "fp16", candidate="onnxrt", inputs=data, verify=False)
     single = accudiff.compare(fixture("overflow_activation"), "fp16", candidate="onnxrt", verify=False)
-    assert many.layout == {"workers": cores, "threads": [1]}
-    assert single.layout == {"workers": 1, "threads": [cores]}
+    assert many.layout == {"workers": cores, "threads": [1], "sessions_at_once": 1}
+    assert single.layout == {"workers": 1, "threads": [cores], "sessions_at_once": 1}
 
 
 def test_the_isolated_run_covers_the_first_samples_of_a_dataset(tmp_path):

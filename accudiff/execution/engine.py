@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Callable, Collection, Iterator, Mapping, Sequence
 
 import numpy as np
-import onnx
 
 from accudiff.judging.decisions import SampleOutcome, decide, threshold_for
 from accudiff.execution.messages import PassResult
@@ -38,6 +37,7 @@ from accudiff.model.graph import tensor_bytes
 from accudiff.model.loading import load_graph
 from accudiff.model.shapes import infer_shapes_unless_typed
 from accudiff.model.source import IN_MEMORY_WEIGHTS_UP_TO, ModelSource, own_weight_bytes
+from accudiff.model.segments import place_nodes
 from accudiff.model.subgraph import cut_inputs, extract
 from accudiff.runners.base import Runner
 
@@ -138,7 +138,7 @@ class Engine:
             if count > 1:
                 infer_shapes_unless_typed(model)  # the cut models' inputs and outputs need their types
         nodes = list(model.graph.node)
-        placed = _place_nodes(nodes, node_segment, count, self._produced_in)
+        placed = place_nodes(nodes, node_segment, count, self._produced_in)
         for index, node in enumerate(nodes):  # the reference's (the first model cut): where each value is made
             self._produced_in.update((out, placed[index]) for out in node.output if out and out not in self._produced_in)
         # One sample: a segment is cut when its runner is made, and the model stays in memory until the last
@@ -414,28 +414,6 @@ def sample_points(sample: int, ref: np.ndarray, cand: np.ndarray, worst: int, ro
     if 0 <= worst < r.size:
         picked = np.concatenate([[worst], picked[picked != worst]])[:count]
     return np.stack([np.full(picked.size, float(sample)), r[picked].astype(np.float64), c[picked].astype(np.float64)], axis=1).tolist()
-
-
-def _place_nodes(nodes: Sequence[onnx.NodeProto], node_segment: Mapping[str, int], count: int, produced_in: Mapping[str, int]) -> list[int]:
-    """The segment of each node: its own for nodes of the original model; for a node of another name that
-    writes a value the original model makes (a quantizer's `X_Q4` writing X's output), that value's; its
-    first reader's for nodes a transform added (casts, Q/DQ), the last one for nodes only graph outputs
-    read; never one before the segment of a node it reads."""
-    placed = [node_segment.get(node.name, next((produced_in[o] for o in node.output if o in produced_in), -1)) for node in nodes]
-    readers: dict[str, list[int]] = {}
-    for index, node in enumerate(nodes):
-        for name in node.input:
-            readers.setdefault(name, []).append(index)
-    for index in reversed(range(len(nodes))):
-        if placed[index] < 0:
-            segments = [placed[r] for o in nodes[index].output for r in readers.get(o, []) if placed[r] >= 0]
-            placed[index] = min(segments) if segments else count - 1
-    # A candidate made by another tool may compute a node of the model's later segment before one of an
-    # earlier segment reads it: no node runs before what it reads (Constants come along with any cut).
-    producer = {o: index for index, node in enumerate(nodes) if node.op_type != "Constant" for o in node.output if o}
-    for index, node in enumerate(nodes):
-        placed[index] = max([placed[index], *(placed[producer[name]] for name in node.input if name in producer)])
-    return placed
 
 
 def _safe(name: str) -> str:

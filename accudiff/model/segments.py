@@ -99,3 +99,26 @@ def plan_segments(info: ModelInfo, sizes: Mapping[str, int], budget: int) -> lis
 def _bytes(elem_type: int, dims) -> int:
     itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)).itemsize if elem_type else 4
     return int(np.prod([max(int(d), 0) for d in dims], dtype=np.int64)) * itemsize
+
+
+def place_nodes(nodes: Sequence[onnx.NodeProto], node_segment: Mapping[str, int], count: int, produced_in: Mapping[str, int]) -> list[int]:
+    """The segment of each node of a model (the reference's, or a candidate's) cut where the original model's
+    nodes were (`node_segment`): its own for nodes of the original model; for a node of another name that
+    writes a value the original model makes (a quantizer's `X_Q4` writing X's output), that value's; its
+    first reader's for nodes a transform added (casts, Q/DQ), the last one for nodes only graph outputs
+    read; never one before the segment of a node it reads."""
+    placed = [node_segment.get(node.name, next((produced_in[o] for o in node.output if o in produced_in), -1)) for node in nodes]
+    readers: dict[str, list[int]] = {}
+    for index, node in enumerate(nodes):
+        for name in node.input:
+            readers.setdefault(name, []).append(index)
+    for index in reversed(range(len(nodes))):
+        if placed[index] < 0:
+            segments = [placed[r] for o in nodes[index].output for r in readers.get(o, []) if placed[r] >= 0]
+            placed[index] = min(segments) if segments else count - 1
+    # A candidate made by another tool may compute a node of the model's later segment before one of an
+    # earlier segment reads it: no node runs before what it reads (Constants come along with any cut).
+    producer = {o: index for index, node in enumerate(nodes) if node.op_type != "Constant" for o in node.output if o}
+    for index, node in enumerate(nodes):
+        placed[index] = max([placed[index], *(placed[producer[name]] for name in node.input if name in producer)])
+    return placed
