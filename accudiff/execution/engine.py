@@ -1,7 +1,8 @@
 """The comparison as a reduction over streamed units of work: sample x segment.
 
 For every sample, the graph runs one segment at a time (model/segments.py): the reference segment first,
-then each candidate pass of the same segment, whose tensors are reduced into mergeable statistics
+then each candidate pass of the same segment (beside the reference's run, when the pass reads nothing it
+makes there and the worker has cores to spare), whose tensors are reduced into mergeable statistics
 (judging/metrics.py) as soon as they exist, and dropped unless a later segment reads them. A pass is
 fed its own earlier segments' values, so a candidate's error accumulates exactly as in a full run; the
 isolated pass also reads the reference's value of every compared tensor (`fed_from_reference`). What
