@@ -28,6 +28,7 @@ except ImportError:  # Windows: the folder is used, not locked, and nothing is s
     fcntl = None
 
 RUN_PREFIX = "accudiff-run-"
+WORKER_PREFIX = "accudiff-worker-"  # a worker's own folder, inside its caller's (execution/pool.py)
 LOCK = ".lock"
 OWNER = ".accudiff-owner"  # in a report's staging folder: the host and run folder of the command writing it
 
@@ -62,7 +63,7 @@ def run_folder() -> Iterator[Path]:
 def scratch_base() -> Path:
     """Where scratch goes as the user set it (TMPDIR), above the folders of a run and of its workers."""
     folder = Path(tempfile.gettempdir())
-    while folder.name.startswith((RUN_PREFIX, "accudiff-worker-")) and folder.parent != folder:
+    while folder.name.startswith((RUN_PREFIX, WORKER_PREFIX)) and folder.parent != folder:
         folder = folder.parent
     return folder
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from accudiff.errors import AccudiffError
+from accudiff.leftovers import WORKER_PREFIX
 from accudiff.memory import with_huge_pages
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ class Worker:
         self._stderr, self._stderr_text = tempfile.TemporaryFile("w+"), ""
         # The worker's temporary files go in a folder of ours, removed when it ends: a worker killed or
         # crashed leaves nothing behind.
-        self._tmp = tempfile.mkdtemp(prefix="accudiff-worker-")
+        self._tmp = tempfile.mkdtemp(prefix=WORKER_PREFIX)
         env = {**(with_huge_pages(os.environ) if huge_pages else os.environ), "TMPDIR": self._tmp}
         self._process = subprocess.Popen(
             [sys.executable, "-m", "accudiff.execution.worker"],
