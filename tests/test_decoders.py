@@ -664,6 +664,72 @@ def test_many_keep_lists_generate_in_rounds_each_as_it_would_alone(tmp_path, mon
     assert rounds.steps == together.steps
 
 
+def _trial_job_alone_and_together(reference: Path, candidates: list[Path], prompts: list[list[int]], tmp_path: Path, monkeypatch):
+    """A trial job (every keep's pass carrying its own cache, on the tokens a comparison fed) run twice: its prompts
+    one at a time, then those of one length as rows of a batch. Returns both results."""
+    from accudiff.execution import generation, worker
+    from accudiff.execution.messages import Job, PassSpec
+    from accudiff.execution.pool import load_result
+    from accudiff.judging.tolerances import Tolerances
+    from accudiff.model.loading import load_model
+    from accudiff.model.prompts import prepare_generation, replayed_prompts
+
+    info = load_model(reference)
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    plan = prepare_generation(info, tmp_path / "prompts.jsonl", 4, tmp_path / "prompts.npz", tmp_path)
+    assert plan.batch  # a GenAI folder's graph takes any number of rows
+    rng = np.random.default_rng(0)
+    replayed = replayed_prompts([{"prompt": p, "given": False, "reference": rng.integers(3, 200, 5).tolist()} for p in prompts], tmp_path / "replayed.npz")
+    passes = [PassSpec(f"variant{k}", str(path), "onnxrt") for k, path in enumerate(candidates)]
+
+    def run(name: str, tokens: int):
+        monkeypatch.setattr(generation, "BATCH_TOKENS", tokens)
+        job = Job(reference=str(info.path), passes=passes, precision="fp32", tensors=["logits"], outputs=["logits"],
+                  segments=[[n.name for n in info.proto.graph.node]], tolerances=Tolerances.build("fp32").as_dict(), quant_ranges={},
+                  samples=replayed.as_json(), sample_indices=list(range(len(replayed))), result=str(tmp_path / name / "result"), points=0,
+                  generation=plan.as_json(trial=True))
+        worker._work(job, lambda event: None)
+        return load_result(tmp_path / name / "result")
+
+    groups = generation.batches(list(replayed), 4, plan.decoder.eos_token_id)
+    assert sorted(map(len, groups)) == [1, 3], groups  # the three prompts of one length together, the other apart
+    return run("alone", 0), run("together", generation.BATCH_TOKENS)
+
+
+def _same_trials(alone, together) -> None:
+    for name in alone.passes:
+        assert together.passes[name].outcomes == alone.passes[name].outcomes, name
+        np.testing.assert_array_equal(together.passes[name].stats.values, alone.passes[name].stats.values)
+    assert together.steps == alone.steps and together.generations == alone.generations
+
+
+def test_a_trials_prompts_of_one_length_generate_together_each_as_it_would_alone(tmp_path, monkeypatch):
+    """A trial's prompts of one length fed as many tokens generate as rows of one batch (a keep's generation costs
+    a step for all of them, not one a prompt): every row reads as that prompt alone, bit for bit. The bundled
+    decoder's graph (MatMul, Softmax, LayerNormalization), its reference run beside a perturbed candidate."""
+    perturbed = onnx.load(str(TINY / "model.onnx"))
+    rng = np.random.default_rng(1)
+    for init in perturbed.graph.initializer:
+        value = numpy_helper.to_array(init)
+        if value.dtype == np.float32:
+            init.CopyFrom(numpy_helper.from_array((value * (1 + 0.01 * rng.standard_normal(value.shape))).astype(np.float32), init.name))
+    onnx.save(perturbed, tmp_path / "perturbed.onnx")
+    alone, together = _trial_job_alone_and_together(TINY / "model.onnx", [tmp_path / "perturbed.onnx"], [[5, 17, 99, 3], [200, 1, 42], [7, 7, 8, 9], [1, 2, 3, 4]],
+                                                    tmp_path, monkeypatch)
+    _same_trials(alone, together)
+    assert any(o.tol_ratio > 0 for o in together.passes["variant0"].outcomes)
+
+
+def test_a_genai_builds_trials_generate_together_each_as_it_would_alone(llama, tmp_path, monkeypatch):
+    """The same on the GenAI builder's graphs (GroupQueryAttention, SkipSimplifiedLayerNormalization; MatMulNBits
+    at accuracy_level 4, whose INT8 activations are quantized row by row): the FP32 build and the INT4 build as
+    keeps' passes, each row of a batch bit for bit as its prompt alone."""
+    ids = [p[:12].tolist() for p in _prompt_ids(llama)[:3]] + [_prompt_ids(llama)[3][:9].tolist()]
+    alone, together = _trial_job_alone_and_together(llama.fp32, [llama.int4 / "model.onnx", llama.fp32 / "model.onnx"], ids, tmp_path, monkeypatch)
+    _same_trials(alone, together)
+    assert any(o.tol_ratio > 0 for o in together.passes["variant0"].outcomes)
+
+
 @pytest.mark.parametrize("content, said", [
     ('[1, 2, 999]\n', "holds token id 999, outside the model's vocabulary of 258"),
     ('{"prompt": 5}\n', "prompt 0 of '.*' is neither text nor a list of token ids"),

@@ -82,7 +82,7 @@ class Engine:
         self.reference_not_observable: dict[str, str] = {}
         self._active: list[Runner] = []
         self.timings: dict[str, float] = {}  # seconds per phase: where a worker's time goes (summary.json)
-        self._ranges: dict[str, tuple[float, float]] = {}  # each reference tensor's range, found once per sample
+        self._ranges: dict[int, dict[str, tuple[float, float]]] = {}  # each sample's reference tensors' ranges, found once
         self._inputs_counted: set[int] = set()  # samples whose inputs are in input_stats (one run again for other passes is not counted again)
         self.run_time_ranges: dict[str, list[float]] = {}  # a tensor quantized as the model runs -> what sets its ranges (metrics.run_time_range)
         # A pass's tensors are reduced on every core the worker may use at once, between backend runs (which use
@@ -205,21 +205,28 @@ class Engine:
             segment.active = False
         return out
 
-    def run_sample(self, sample: int, feed: Feed, own_inputs: Mapping[str, Feed] | None = None, targets: Mapping[str, np.ndarray] | None = None,
+    def run_sample(self, sample: int | Sequence[int], feed: Feed, own_inputs: Mapping[str, Feed] | None = None, targets: Mapping[str, np.ndarray] | None = None,
                    keep: Collection[str] = (), only: Collection[str] | None = None) -> dict[str, dict[str, np.ndarray]]:
         """Reduce one sample into the statistics, one segment at a time. `own_inputs`: the graph inputs a pass
         is fed its own values of (a decoder's KV cache, which each side carries); `targets`: per graph output
         of token scores, the token each of its positions is scored on (decisions.decide). Returns the graph
         outputs named in `keep`, by side: "reference" and each pass that ran. `only`: the passes to run (the
-        sample run again for others: its inputs are counted once, when every pass runs or the first time)."""
-        self._ranges = {}
-        if sample not in self._inputs_counted:
-            self._inputs_counted.add(sample)
-            for row, name in enumerate(self.inputs):  # a graph input is its own candidate: only its range counts
-                self.input_stats.add(row, *reduce_tensor(feed[name], feed[name], _RANGE_ONLY, self.quant_ranges.get(name), sample))
+        sample run again for others: its inputs are counted once, when every pass runs or the first time).
+        `sample` may be several, one per row of a batch: every value fed and returned then has its rows first
+        (a decoder's prompts of one length, generated together), and `targets` a row per sample; each row is
+        reduced as its sample alone."""
+        samples = [sample] if isinstance(sample, int) else list(sample)
+        rows = (lambda values, r: values) if isinstance(sample, int) else _row
+        self._ranges = {s: {} for s in samples}
+        for r, s in enumerate(samples):
+            if s not in self._inputs_counted:
+                self._inputs_counted.add(s)
+                for row, name in enumerate(self.inputs):  # a graph input is its own candidate: only its range counts
+                    value = rows(feed, r)[name]
+                    self.input_stats.add(row, *reduce_tensor(value, value, _RANGE_ONLY, self.quant_ranges.get(name), s))
         own_inputs = own_inputs or {}
         reference_values: dict[str, np.ndarray] = dict(feed)
-        passes = [p for p in self.passes if (p.samples is None or sample < p.samples) and (only is None or p.name in only)]
+        passes = [p for p in self.passes if (p.samples is None or max(samples) < p.samples) and (only is None or p.name in only)]
         pass_values = {p.name: {**feed, **own_inputs.get(p.name, {})} for p in passes}
         kept: dict[str, dict[str, np.ndarray]] = {side: {} for side in ["reference", *(p.name for p in passes)]}
         order = [s for k, reference in enumerate(self.reference) for s in [reference, *(self.pass_segments[p.name][k] for p in passes)]]
@@ -231,7 +238,7 @@ class Engine:
             beside = {plan.name: self._beside.submit(self._pass_run, plan, k, pass_values[plan.name], reference_values)
                       for plan in passes if self._beside is not None and self._reads_before(plan, k, reference_values)}
             try:
-                out = self._reference_outputs(sample, reference, reference_values)
+                out = self._reference_outputs(samples, rows, reference, reference_values)
             finally:
                 wait(beside.values())  # a failure leaves no run under way
             kept["reference"].update((name, out[name]) for name in keep if name in out)
@@ -241,13 +248,14 @@ class Engine:
                 if plan.name in beside:
                     out = beside[plan.name].result()
                 else:
-                    self.progress(f"running the {plan.name} pass on sample {sample}")
+                    self.progress(f"running the {plan.name} pass on sample {samples[0]}")
                     out = self._pass_run(plan, k, values, reference_values)
                 kept[plan.name].update((name, out[name]) for name in keep if name in out)
-                if plan.record is not None:
-                    plan.record.write(sample, out)
-                with self.clock("statistics"):
-                    self._reduce(plan.name, sample, reference_values, out, reference.compared, targets or {})
+                for r, s in enumerate(samples):
+                    if plan.record is not None:
+                        plan.record.write(s, rows(out, r))
+                    with self.clock("statistics"):
+                        self._reduce(plan.name, s, rows(reference_values, r), rows(out, r), reference.compared, rows(targets or {}, r))
                 later = self.pass_segments[plan.name][k + 1 :]
                 needed = {n for s in later for n in s.inputs}
                 pass_values[plan.name] = {name: value for name, value in {**values, **out}.items() if name in needed or name in feed}
@@ -281,23 +289,27 @@ class Engine:
             values = {n: v for n, v in {**values, **out}.items() if n in needed}
         return kept
 
-    def _reference_outputs(self, sample: int, segment: _Segment, values: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+    def _reference_outputs(self, samples: Sequence[int], rows: Callable, segment: _Segment, values: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """The reference's values of `segment` on `samples` (a batch's rows, `rows` their slices): run, or read from its store."""
         if not segment.wanted:
             return {}
         if segment.make is None:
-            out = self.store.read(sample, segment.wanted)
+            read = [self.store.read(s, segment.wanted) for s in samples]
+            out = read[0] if len(read) == 1 else {name: np.concatenate([one[name] for one in read]) for name in read[0]}
         else:
-            self.progress(f"running the reference on sample {sample}")
+            self.progress(f"running the reference on sample {samples[0]}")
             out = self._run(segment, values, "runs: reference")
             if self.store is not None:
-                self.store.write(sample, out)
+                for r, s in enumerate(samples):
+                    self.store.write(s, rows(out, r))
         if self.outputs_store is not None:
-            self.outputs_store.write(sample, out)  # only the graph outputs are kept
+            for r, s in enumerate(samples):
+                self.outputs_store.write(s, rows(out, r))  # only the graph outputs are kept
         return out
 
     def _reduce(self, name: str, sample: int, reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray], tensors: Sequence[str],
                 targets: Mapping[str, np.ndarray]) -> None:
-        result = self.results[name]
+        result, ranges = self.results[name], self._ranges[sample]
         pairs = []
         for tensor in tensors:
             row = self.row[tensor]
@@ -321,14 +333,14 @@ class Engine:
         def reduce_one(index: int, map_parts: PartMap = map) -> None:
             tensor, ref, cand = pairs[index]
             tolerance, quant = self.tolerances.for_tensor(tensor), self.quant_ranges.get(tensor)
-            if tensor not in self._ranges:  # the same range serves every pass of this sample
-                self._ranges[tensor] = reference_range(np.asarray(ref).reshape(-1), map_parts)
+            if tensor not in ranges:  # the same range serves every pass of this sample
+                ranges[tensor] = reference_range(np.asarray(ref).reshape(-1), map_parts)
                 if quant is not None and quant.levels:
                     self.run_time_ranges[tensor] = merge_run_time_ranges(self.run_time_ranges.get(tensor), run_time_range(ref, quant.levels))
             if quant is not None and quant.levels:  # quantized as the model runs: this sample's own grid
-                quant = quant.of_sample(*self._ranges[tensor])
+                quant = quant.of_sample(*ranges[tensor])
             sketch = own[index] if index in own else result.stats.sketch[self.row[tensor]]
-            reduce_tensor(ref, cand, tolerance, quant, sample, self._ranges[tensor], (values[index], sketch), map_parts)
+            reduce_tensor(ref, cand, tolerance, quant, sample, ranges[tensor], (values[index], sketch), map_parts)
 
         # The largest tensors one at a time, each in parts on every core; the other large ones one by one on
         # every core; small ones in one batch per core (one by one, handing each over would cost more than
@@ -347,7 +359,7 @@ class Engine:
                 result.stats.sketch[self.row[tensor]] += own[index]
                 one = finish(values[index], own[index])
                 sketches = result.sketches.setdefault(tensor, {figure: np.zeros(SKETCH_BUCKETS, np.int64) for figure in ("ratio", "kl")})
-                low, high = self._ranges[tensor]
+                low, high = ranges[tensor]
                 absmax = max(abs(low), abs(high)) if low <= high else 0.0
                 kind = self.kinds.get(tensor, UNKNOWN)
                 threshold = threshold_for(tensor, kind.kind, self.thresholds)
@@ -394,6 +406,11 @@ class Engine:
 
     def _all_segments(self) -> list[_Segment]:
         return [*getattr(self, "reference", []), *(s for segments in getattr(self, "pass_segments", {}).values() for s in segments)]
+
+
+def _row(values: Mapping[str, np.ndarray], row: int) -> dict[str, np.ndarray]:
+    """Row `row` of a batch's values (each keeps its rows axis, as one sample's own run returns it)."""
+    return {name: value[row : row + 1] if value.ndim else value for name, value in values.items()}
 
 
 def _make_active(segment: _Segment) -> None:

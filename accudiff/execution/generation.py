@@ -13,7 +13,9 @@ continues alone on its own choices, its tokens returned beside the reference's.
 Verification's and bisect's trials generate again (`Job.generation` with "trial" set): each prompt is fed the
 tokens the comparison fed (a continuation given stays one; the reference's own choices are `replayed`, scored
 as when it chose them), and nobody generates alone: only the steps are measured. The reference's steps are then
-the same in every job: a decoder of large weights has them replayed from a store (verification/trial.py).
+the same in every job: a decoder of large weights has them replayed from a store (verification/trial.py). Their
+tokens all known, a trial's prompts of one length step together as rows of one batch: a decode step reads the
+weights once for all of them, and each row is computed as that prompt alone.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from accudiff.model.samples import Samples
 
 PREFILL, DECODE = "prefill", "decode"
 PASSES_AT_ONCE = 8  # carrying passes generated together: each holds its KV cache while a prompt generates
+BATCH_TOKENS = 512  # prompt tokens a batch of a trial's prompts holds at most (`batches`)
 
 
 @dataclass(frozen=True)
@@ -74,66 +77,116 @@ def generate_prompts(engine: Engine, spec: dict, prompts: Samples, indices: Sequ
     """Each prompt generated through the engine, as a worker's job (`Job.generation`, `spec`) asks: every
     step and generation, as JSON. `on_prompt(done, total)` follows. Many carrying passes (a trial job's
     keep-lists) generate PASSES_AT_ONCE at a time, every prompt again for each round (the reference with
-    them): the caches held at once stay bounded, whatever the keep-lists."""
+    them): the caches held at once stay bounded, whatever the keep-lists. A trial's prompts of one length
+    fed as many tokens generate together, as rows of one batch (`batches`)."""
     decoder = Decoder.from_json(spec["decoder"])
     cache_types = {name: np.dtype(kind) for name, kind in spec["cache_types"].items()}
     found: dict[str, list] = {"steps": [], "generations": []}
     rounds = [list(carrying[k : k + PASSES_AT_ONCE]) for k in range(0, len(carrying), PASSES_AT_ONCE)] or [[]]
     others = [p.name for p in engine.passes if p.name not in carrying]  # fed the reference's values: run in the first round
+    trial = spec.get("trial", False)
+    groups = batches(list(prompts), spec["new_tokens"], decoder.eos_token_id) if trial and spec.get("batch") else [[k] for k in range(len(prompts))]
     for number, group in enumerate(rounds):
         only = None if len(rounds) == 1 else {*group, *(others if number == 0 else [])}
-        for done, (prompt, index) in enumerate(zip(prompts, indices), 1):
-            given, replayed = prompt.get("continuation"), prompt.get("replayed")
-            steps, generation = generate(engine, decoder, prompt["input_ids"], given if given is not None else replayed, index, spec["new_tokens"], cache_types,
-                                         group, scored=replayed is None, alone=not spec.get("trial", False), only=only)
+        done = 0
+        for rows in groups:
+            chosen = [prompts[k] for k in rows]
+            fed = [p["continuation"] if p.get("continuation") is not None else p.get("replayed") for p in chosen]
+            steps, generations = generate(engine, decoder, np.stack([p["input_ids"] for p in chosen]), fed, [indices[k] for k in rows], spec["new_tokens"],
+                                          cache_types, group, scored=[p.get("replayed") is None for p in chosen], alone=not trial, only=only)
             if number == 0:
                 found["steps"] += [asdict(step) for step in steps]
-                found["generations"].append(generation.as_json())
+                found["generations"] += [generation.as_json() for generation in generations]
+            done += len(rows)
             on_prompt(number * len(prompts) + done, len(rounds) * len(prompts))
+    order = {sequence: k for k, sequence in enumerate(indices)}  # each prompt's steps, in the prompts' order (rows step together)
+    found["steps"].sort(key=lambda step: (order[step["sequence"]], step["step"]))
+    found["generations"].sort(key=lambda generation: order[generation["sequence"]])
     return found
 
 
-def generate(engine: Engine, decoder: Decoder, prompt: np.ndarray, continuation: np.ndarray | None, sequence: int, new_tokens: int,
-             cache_types: dict, carrying: Sequence[str], scored: bool = True, alone: bool = True, only: Collection[str] | None = None) -> tuple[list[Step], Generation]:
-    """One prompt's generation through the engine (see the module's docstring). `carrying`: the passes that
-    carry their own cache (the candidate, a second backend); the others read the reference's. `scored`: a step's
-    last position is scored on the `continuation`'s next token (not so when it replays the reference's own
-    choices: the comparison chose it after the step). `alone`: where the candidate parts, it goes on alone.
-    `only`: the passes that run (Engine.run_sample)."""
-    first = sequence * samples_per_prompt(new_tokens)
+def batches(prompts: Sequence[dict], new_tokens: int, eos: Collection[int]) -> list[list[int]]:
+    """Which of a trial's prompts (each fed the tokens its comparison fed after it) generate together, by their
+    positions: those of one length that step in step to the same end. Each row is computed as it would be alone
+    (ONNX Runtime's kernels compute a batch's rows apart: tests/test_decoders.py holds trials to it). A batch
+    holds at most BATCH_TOKENS prompt tokens: its prefill's logits and caches are no larger than those of one
+    prompt of that length."""
+    groups: dict[tuple[int, int], list[list[int]]] = {}
+    for k, prompt in enumerate(prompts):
+        length, steps = len(prompt["input_ids"]), _steps_fed(prompt, new_tokens, eos)
+        rows = groups.setdefault((length, steps) if steps is not None else (-1 - k, 0), [[]])
+        if rows[-1] and (len(rows[-1]) + 1) * length > BATCH_TOKENS:
+            rows.append([])
+        rows[-1].append(k)
+    return sorted((rows for group in groups.values() for rows in group), key=lambda rows: rows[0])
+
+
+def _steps_fed(prompt: dict, new_tokens: int, eos: Collection[int]) -> int | None:
+    """How many steps a prompt generates when the tokens fed after it are all known (given, or replayed up to an
+    end-of-sequence token); None when some are not (it chooses them as it goes)."""
+    fed = prompt.get("continuation") if prompt.get("continuation") is not None else prompt.get("replayed")
+    if fed is None:
+        return None
+    ends = [step for step, token in enumerate(fed[:new_tokens]) if int(token) in eos]
+    return ends[0] + 1 if ends else new_tokens + 1 if len(fed) >= new_tokens else None
+
+
+def generate(engine: Engine, decoder: Decoder, prompts: np.ndarray, continuations: Sequence[np.ndarray | None], sequences: Sequence[int], new_tokens: int,
+             cache_types: dict, carrying: Sequence[str], scored: Sequence[bool], alone: bool, only: Collection[str] | None) -> tuple[list[Step], list[Generation]]:
+    """The generation of one prompt, or of prompts of one length as rows of a batch ([rows, tokens], each
+    with its `continuation` and `sequence`), through the engine (see the module's docstring). `carrying`: the
+    passes that carry their own cache (the candidate, a second backend); the others read the reference's.
+    `scored`: per row, whether a step's last position is scored on the `continuation`'s next token (not so when
+    it replays the reference's own choices: the comparison chose it after the step). `alone`: where the
+    candidate parts, it goes on alone (one row). `only`: the passes that run (Engine.run_sample)."""
+    prompts = np.atleast_2d(prompts)
+    rows = range(prompts.shape[0])
+    firsts = [sequence * samples_per_prompt(new_tokens) for sequence in sequences]
     keep = {decoder.logits, *decoder.present_outputs}
-    feed = decoder.first_feed(prompt, cache_types)
+    feed = decoder.first_feed(prompts, cache_types)
     own: dict[str, dict[str, np.ndarray]] = {}  # each carrying pass's cache, from its own present outputs
-    fed = [int(t) for t in prompt]
+    fed = [[int(t) for t in prompt] for prompt in prompts]
     steps: list[Step] = []
-    generation = Generation(sequence, [int(t) for t in prompt], given=continuation is not None)
-    parted: tuple[int, dict[str, np.ndarray]] | None = None  # the candidate's own choice where it parted, and its cache then
+    generations = [Generation(sequence, list(prompt), given=continuation is not None) for sequence, prompt, continuation in zip(sequences, fed, continuations)]
+    parted: list[tuple[int, dict[str, np.ndarray]] | None] = [None for _ in rows]  # the candidate's own choice where it parted, and its cache then
     position = 0
     for step in range(samples_per_prompt(new_tokens)):
-        given = int(continuation[step]) if continuation is not None and step < len(continuation) else -1
-        targets = {decoder.logits: np.asarray([*fed[1:], given if scored else -1], np.int64)}  # each position scored on the token after it
+        given = [int(c[step]) if c is not None and step < len(c) else -1 for c in continuations]
+        # each position scored on the token after it
+        targets = {decoder.logits: np.stack([np.asarray([*fed[r][1:], given[r] if scored[r] else -1], np.int64) for r in rows])}
+        samples = [first + step for first in firsts]
+        one = len(rows) == 1  # one prompt: its sample as the engine takes one (every tensor as it is, not as rows of a batch)
         try:
-            kept = engine.run_sample(first + step, feed, {name: own[name] for name in carrying if name in own}, targets, keep, only)
+            kept = engine.run_sample(samples[0] if one else samples, feed, {name: own[name] for name in carrying if name in own},
+                                     {name: value[0] for name, value in targets.items()} if one else targets, keep, only)
         except AccudiffError as exc:  # which step of which prompt: a decode step can fail where the prefill ran
-            raise AccudiffError(f"{exc} (prompt {sequence}, {'its prefill' if step == 0 else f'decode step {step}'})") from None
-        reference_next = given if given >= 0 else _greedy(kept["reference"][decoder.logits])
-        candidate_next = _greedy(kept[carrying[0]][decoder.logits]) if carrying else reference_next
-        steps.append(Step(first + step, sequence, step, PREFILL if step == 0 else DECODE, position, len(fed), reference_next, candidate_next))
-        generation.reference.append(reference_next)
-        if parted is None and candidate_next != reference_next:
-            generation.diverged_at = step
-            parted = candidate_next, decoder.next_past(kept[carrying[0]])
-        position += len(fed)
-        if step == new_tokens or reference_next in decoder.eos_token_id:
+            said = f"prompt {sequences[0]}" if one else f"prompts {', '.join(map(str, sequences))}"
+            raise AccudiffError(f"{exc} ({said}, {'its prefill' if step == 0 else f'decode step {step}'})") from None
+        chosen = []
+        for r in rows:
+            reference_next = given[r] if given[r] >= 0 else _greedy(kept["reference"][decoder.logits][r])
+            candidate_next = _greedy(kept[carrying[0]][decoder.logits][r]) if carrying else reference_next
+            steps.append(Step(samples[r], sequences[r], step, PREFILL if step == 0 else DECODE, position, len(fed[r]), reference_next, candidate_next))
+            generations[r].reference.append(reference_next)
+            if parted[r] is None and candidate_next != reference_next:
+                generations[r].diverged_at = step
+                parted[r] = candidate_next, {name: value[r : r + 1] for name, value in decoder.next_past(kept[carrying[0]]).items()}
+            chosen.append(reference_next)
+        position += len(fed[0])
+        ended = [step == new_tokens or token in decoder.eos_token_id for token in chosen]
+        assert all(ended) or not any(ended), "rows step together only where their tokens end together (batches)"
+        if all(ended):
             break
         # The reference's cache feeds its next step; a reference replayed from a store has none (nor needs one), and
         # a carrying pass's cache spans the same positions.
         replayed = decoder.present_outputs[0] not in kept["reference"]
-        feed = decoder.step_feed(np.asarray([reference_next]), decoder.next_past(kept[carrying[0] if replayed else "reference"]))
+        feed = decoder.step_feed(np.asarray(chosen)[:, None], decoder.next_past(kept[carrying[0] if replayed else "reference"]))
         own = {name: decoder.next_past(kept[name]) for name in carrying}
-        fed = [reference_next]
-    generation.candidate = list(generation.reference) if parted is None or not alone else _on_its_own(engine, decoder, carrying[0], generation, *parted)
-    return steps, generation
+        fed = [[token] for token in chosen]
+    for r in rows:
+        generations[r].candidate = (list(generations[r].reference) if parted[r] is None or not alone
+                                    else _on_its_own(engine, decoder, carrying[0], generations[r], *parted[r]))
+    return steps, generations
 
 
 def _on_its_own(engine: Engine, decoder: Decoder, name: str, generation: Generation, token: int, past: dict[str, np.ndarray]) -> list[int]:

@@ -74,17 +74,21 @@ class Decoder:
         return cls(**{**fields, "cache": tuple(tuple(pair) for pair in fields["cache"]), "eos_token_id": tuple(fields["eos_token_id"])})
 
     def first_feed(self, prompt: np.ndarray, cache_types: Mapping[str, np.dtype]) -> dict[str, np.ndarray]:
-        """The prefill's feed: the whole prompt, an empty cache (`cache_types`: each past input's dtype)."""
-        return self.step_feed(prompt, {past: np.zeros((1, self.kv_heads, 0, self.head_size), cache_types[past]) for past, _ in self.cache})
+        """The prefill's feed: the whole prompt, an empty cache (`cache_types`: each past input's dtype). Prompts of
+        one length may come as rows of a batch ([rows, tokens])."""
+        rows = np.atleast_2d(prompt).shape[0]
+        return self.step_feed(prompt, {past: np.zeros((rows, self.kv_heads, 0, self.head_size), cache_types[past]) for past, _ in self.cache})
 
     def step_feed(self, tokens: np.ndarray, past: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """A step's feed: `tokens` (1-D) after the positions `past` holds."""
+        """A step's feed: `tokens` (1-D, or [rows, tokens] for a batch) after the positions `past` holds."""
         done = next(iter(past.values())).shape[2]
-        feed = {self.input_ids: np.asarray(tokens, np.int64)[None], **past}
+        ids = np.atleast_2d(np.asarray(tokens, np.int64))
+        rows, count = ids.shape
+        feed = {self.input_ids: ids, **past}
         if self.attention_mask is not None:
-            feed[self.attention_mask] = np.ones((1, done + len(tokens)), np.int64)
+            feed[self.attention_mask] = np.ones((rows, done + count), np.int64)
         if self.position_ids is not None:
-            feed[self.position_ids] = np.arange(done, done + len(tokens), dtype=np.int64)[None]
+            feed[self.position_ids] = np.tile(np.arange(done, done + count, dtype=np.int64), (rows, 1))
         return feed
 
     def next_past(self, outputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

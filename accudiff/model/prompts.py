@@ -152,12 +152,15 @@ class GenerationPlan:
     prefills: Samples
     new_tokens: int
     cache_types: dict[str, np.dtype]
+    # Prompts may run as rows of one batch: the GenAI builder's graphs (both sides) take any number (a trial's prompts of
+    # one length generate together, execution/generation.batches).
+    batch: bool = False
 
     def as_json(self, trial: bool = False) -> dict:
         """What a worker job carries of it (Job.generation); a `trial`'s prompts replay what the comparison fed
         (`replayed_prompts`), nothing generated alone."""
         return {"decoder": self.decoder.as_json(), "new_tokens": self.new_tokens, "cache_types": {name: str(kind) for name, kind in self.cache_types.items()},
-                "trial": trial}
+                "trial": trial, "batch": self.batch}
 
 
 def prepare_generation(info: ModelInfo, prompts: str | Path, new_tokens: int, target: Path, scratch: Path, candidate: Path | None = None) -> GenerationPlan:
@@ -180,14 +183,24 @@ def prepare_generation(info: ModelInfo, prompts: str | Path, new_tokens: int, ta
                 raise AccudiffError(f"prompt {k} of {ids.source} is {prompt['input_ids'].size} tokens long, and with {new_tokens} new tokens (--new-tokens) "
                                     f"needs {needed} positions: '{model_name(info.path)}' holds {limit[0]} ({limit[1]})")
     types = cache_types(info.inputs, decoder)
-    if candidate is not None and decoder.position_ids is None:
+    batch = decoder.source == GENAI_CONFIG and _rows_free(info.proto.graph.input, decoder.input_ids)
+    if candidate is not None and (batch or decoder.position_ids is None):
         import onnx
 
-        theirs = {i.name for i in onnx.load(str(candidate), load_external_data=False).graph.input}
-        decoder = replace(decoder, position_ids=POSITION_IDS if POSITION_IDS in theirs else None)
+        theirs = onnx.load(str(candidate), load_external_data=False).graph.input
+        batch = batch and _rows_free(theirs, decoder.input_ids)
+        if decoder.position_ids is None:
+            decoder = replace(decoder, position_ids=POSITION_IDS if POSITION_IDS in {i.name for i in theirs} else None)
     prefills = samples_from_feeds([decoder.first_feed(prompt["input_ids"], types) for prompt in ids], scratch / "prefills.npz")
     prefills.source = ids.source
-    return GenerationPlan(decoder, ids, prefills, new_tokens, types)
+    return GenerationPlan(decoder, ids, prefills, new_tokens, types, batch)
+
+
+def _rows_free(inputs: Sequence, name: str | None) -> bool:
+    """Whether the graph input `name` (token ids) takes any number of rows: its first dimension is not fixed."""
+    spec = next((i for i in inputs if i.name == name), None)
+    dims = spec.type.tensor_type.shape.dim if spec is not None else []
+    return bool(dims) and not dims[0].HasField("dim_value")
 
 
 def context_limit(graph: onnx.GraphProto, decoder: Decoder) -> tuple[int, str] | None:
