@@ -14,7 +14,8 @@ its process tree (measure.py):
   polygraphy's flow on the same prompt: `run --onnxrt --onnx-outputs mark all --save-outputs` on each model,
   the second with `--load-outputs` (its JSON inputs written from the same token ids).
 * four prompts of 64 tokens, 32 decode steps each, every side carrying its own KV cache, `--no-verify`:
-  accudiff's generation against its floor, the same generation by the two plain sessions.
+  accudiff's generation against its floor, the same generation by the two plain sessions;
+* the same with verification (every keep the cause search tries generates the four prompts again).
 
 Medians of --repeat runs (alternated), largest peaks; printed as a table and saved as JSON in --out.
 """
@@ -125,7 +126,8 @@ def main() -> None:
     checkpoint = decoders.random_llama(args.folder)
     reference, candidate = (decoders.genai_model(checkpoint, args.folder, precision) for precision in ("fp32", "int4"))
     one, four = prompts(args.folder, 1), prompts(args.folder, PROMPTS)
-    rows: dict[str, dict] = {"prefill": {"accudiff": [], "floor": [], "polygraphy": []}, "generation": {"accudiff": [], "floor": []}}
+    rows: dict[str, dict] = {"prefill": {"accudiff": [], "floor": [], "polygraphy": []}, "generation": {"accudiff": [], "floor": []},
+                             "verified": {"accudiff": [], "floor": []}}
     for repeat in range(args.repeat):
         work = args.folder / "runs" / str(repeat)
         shutil.rmtree(work, ignore_errors=True)  # report folders are never overwritten: each run writes afresh
@@ -136,6 +138,8 @@ def main() -> None:
             rows["prefill"]["polygraphy"].append(_polygraphy(reference, candidate, one, work))
         rows["generation"]["floor"].append(_floor(reference, candidate, four, DECODE_STEPS))
         rows["generation"]["accudiff"].append(_accudiff(reference, candidate, four, DECODE_STEPS, work / "generation", verify=False))
+        rows["verified"]["floor"].append(_floor(reference, candidate, four, DECODE_STEPS))
+        rows["verified"]["accudiff"].append(_accudiff(reference, candidate, four, DECODE_STEPS, work / "verified", verify=True))
     summary = {job: {tool: _median(results) for tool, results in tools.items() if results} for job, tools in rows.items()}
     for job, tools in summary.items():
         ad, fl = tools["accudiff"], tools["floor"]

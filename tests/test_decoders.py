@@ -666,8 +666,10 @@ def test_many_keep_lists_generate_in_rounds_each_as_it_would_alone(tmp_path, mon
 
 def _trial_job_alone_and_together(reference: Path, candidates: list[Path], prompts: list[list[int]], tmp_path: Path, monkeypatch):
     """A trial job (every keep's pass carrying its own cache, on the tokens a comparison fed) run twice: its prompts
-    one at a time, then those of one length as rows of a batch. Returns both results."""
+    one at a time, then those of one length as rows of a batch where its sessions compute rows apart. Returns both
+    results, and what the second run's engine steps were given (a sample, or a batch's samples)."""
     from accudiff.execution import generation, worker
+    from accudiff.execution.engine import Engine
     from accudiff.execution.messages import Job, PassSpec
     from accudiff.execution.pool import load_result
     from accudiff.judging.tolerances import Tolerances
@@ -682,8 +684,13 @@ def _trial_job_alone_and_together(reference: Path, candidates: list[Path], promp
     replayed = replayed_prompts([{"prompt": p, "given": False, "reference": rng.integers(3, 200, 5).tolist()} for p in prompts], tmp_path / "replayed.npz")
     passes = [PassSpec(f"variant{k}", str(path), "onnxrt") for k, path in enumerate(candidates)]
 
+    stepped: list = []  # what each engine step of the second run was given: a sample, or a batch's
+    step = Engine.run_sample
+    monkeypatch.setattr(Engine, "run_sample", lambda engine, sample, *rest: (stepped.append(sample), step(engine, sample, *rest))[1])
+
     def run(name: str, tokens: int):
         monkeypatch.setattr(generation, "BATCH_TOKENS", tokens)
+        stepped.clear()
         job = Job(reference=str(info.path), passes=passes, precision="fp32", tensors=["logits"], outputs=["logits"],
                   segments=[[n.name for n in info.proto.graph.node]], tolerances=Tolerances.build("fp32").as_dict(), quant_ranges={},
                   samples=replayed.as_json(), sample_indices=list(range(len(replayed))), result=str(tmp_path / name / "result"), points=0,
@@ -693,7 +700,8 @@ def _trial_job_alone_and_together(reference: Path, candidates: list[Path], promp
 
     groups = generation.batches(list(replayed), 4, plan.decoder.eos_token_id)
     assert sorted(map(len, groups)) == [1, 3], groups  # the three prompts of one length together, the other apart
-    return run("alone", 0), run("together", generation.BATCH_TOKENS)
+    tokens = generation.BATCH_TOKENS
+    return run("alone", 0), run("together", tokens), stepped
 
 
 def _same_trials(alone, together) -> None:
@@ -714,10 +722,22 @@ def test_a_trials_prompts_of_one_length_generate_together_each_as_it_would_alone
         if value.dtype == np.float32:
             init.CopyFrom(numpy_helper.from_array((value * (1 + 0.01 * rng.standard_normal(value.shape))).astype(np.float32), init.name))
     onnx.save(perturbed, tmp_path / "perturbed.onnx")
-    alone, together = _trial_job_alone_and_together(TINY / "model.onnx", [tmp_path / "perturbed.onnx"], [[5, 17, 99, 3], [200, 1, 42], [7, 7, 8, 9], [1, 2, 3, 4]],
-                                                    tmp_path, monkeypatch)
+    alone, together, stepped = _trial_job_alone_and_together(TINY / "model.onnx", [tmp_path / "perturbed.onnx"],
+                                                             [[5, 17, 99, 3], [200, 1, 42], [7, 7, 8, 9], [1, 2, 3, 4]], tmp_path, monkeypatch)
     _same_trials(alone, together)
     assert any(o.tol_ratio > 0 for o in together.passes["variant0"].outcomes)
+    assert [0, 10, 15] in stepped and 5 in stepped  # (a prompt's steps are samples 5k..5k+4) the three together, the other alone
+
+
+def test_a_trial_whose_sessions_are_not_prepacked_steps_its_prompts_one_at_a_time(tmp_path, monkeypatch):
+    """Unpacked, ONNX Runtime multiplies one row by another kernel than a batch's rows, which rounds otherwise (1e-5
+    apart in the 1.1B Llama's logits): a trial whose sessions skip prepacking (large float weights, few prompts)
+    steps its prompts one at a time, and reads as before."""
+    monkeypatch.setattr("accudiff.runners.onnxrt.PREPACK_UP_TO_BYTES", 0)  # this small model's weights, taken as large
+    alone, together, stepped = _trial_job_alone_and_together(TINY / "model.onnx", [TINY / "model.onnx"],
+                                                             [[5, 17, 99, 3], [200, 1, 42], [7, 7, 8, 9], [1, 2, 3, 4]], tmp_path, monkeypatch)
+    _same_trials(alone, together)
+    assert stepped and all(isinstance(sample, int) for sample in stepped)
 
 
 def test_a_genai_builds_trials_generate_together_each_as_it_would_alone(llama, tmp_path, monkeypatch):
@@ -725,8 +745,9 @@ def test_a_genai_builds_trials_generate_together_each_as_it_would_alone(llama, t
     at accuracy_level 4, whose INT8 activations are quantized row by row): the FP32 build and the INT4 build as
     keeps' passes, each row of a batch bit for bit as its prompt alone."""
     ids = [p[:12].tolist() for p in _prompt_ids(llama)[:3]] + [_prompt_ids(llama)[3][:9].tolist()]
-    alone, together = _trial_job_alone_and_together(llama.fp32, [llama.int4 / "model.onnx", llama.fp32 / "model.onnx"], ids, tmp_path, monkeypatch)
+    alone, together, stepped = _trial_job_alone_and_together(llama.fp32, [llama.int4 / "model.onnx", llama.fp32 / "model.onnx"], ids, tmp_path, monkeypatch)
     _same_trials(alone, together)
+    assert any(isinstance(sample, list) and len(sample) == 3 for sample in stepped)
     assert any(o.tol_ratio > 0 for o in together.passes["variant0"].outcomes)
 
 

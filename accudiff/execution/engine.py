@@ -263,6 +263,12 @@ class Engine:
             reference_values = {n: v for n, v in reference_values.items() if n in self._later_reference_reads[k] or n in feed}
         return kept
 
+    @property
+    def rows_apart(self) -> bool:
+        """Whether every session made computes a batch's rows apart (Runner.rows_apart): a reference replayed from
+        its store has none. Sessions made on first use are not counted: kept sessions are all made at the start."""
+        return self.keep_sessions and all(s.runner is None or (s.active and s.runner.rows_apart) for s in self._all_segments())
+
     def _pass_run(self, plan: PassPlan, k: int, values: dict[str, np.ndarray], reference_values: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
         """The pass's segment `k` run on its `values`, the reference's values it is fed set among them."""
         segment = self.pass_segments[plan.name][k]

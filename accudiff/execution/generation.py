@@ -85,7 +85,8 @@ def generate_prompts(engine: Engine, spec: dict, prompts: Samples, indices: Sequ
     rounds = [list(carrying[k : k + PASSES_AT_ONCE]) for k in range(0, len(carrying), PASSES_AT_ONCE)] or [[]]
     others = [p.name for p in engine.passes if p.name not in carrying]  # fed the reference's values: run in the first round
     trial = spec.get("trial", False)
-    groups = batches(list(prompts), spec["new_tokens"], decoder.eos_token_id) if trial and spec.get("batch") else [[k] for k in range(len(prompts))]
+    together = trial and spec.get("batch") and engine.rows_apart
+    groups = batches(list(prompts), spec["new_tokens"], decoder.eos_token_id) if together else [[k] for k in range(len(prompts))]
     for number, group in enumerate(rounds):
         only = None if len(rounds) == 1 else {*group, *(others if number == 0 else [])}
         done = 0
@@ -99,16 +100,20 @@ def generate_prompts(engine: Engine, spec: dict, prompts: Samples, indices: Sequ
                 found["generations"] += [generation.as_json() for generation in generations]
             done += len(rows)
             on_prompt(number * len(prompts) + done, len(rounds) * len(prompts))
-    order = {sequence: k for k, sequence in enumerate(indices)}  # each prompt's steps, in the prompts' order (rows step together)
-    found["steps"].sort(key=lambda step: (order[step["sequence"]], step["step"]))
-    found["generations"].sort(key=lambda generation: order[generation["sequence"]])
+    if together:  # each prompt's steps and outcomes in the prompts' order, as one at a time gives them (figures add up in that order)
+        order = {sequence: k for k, sequence in enumerate(indices)}
+        per_prompt = samples_per_prompt(spec["new_tokens"])
+        found["steps"].sort(key=lambda step: (order[step["sequence"]], step["step"]))
+        found["generations"].sort(key=lambda generation: order[generation["sequence"]])
+        for result in engine.results.values():
+            result.outcomes.sort(key=lambda outcome: (order[outcome.sample // per_prompt], outcome.sample))
     return found
 
 
 def batches(prompts: Sequence[dict], new_tokens: int, eos: Collection[int]) -> list[list[int]]:
     """Which of a trial's prompts (each fed the tokens its comparison fed after it) generate together, by their
     positions: those of one length that step in step to the same end. Each row is computed as it would be alone
-    (ONNX Runtime's kernels compute a batch's rows apart: tests/test_decoders.py holds trials to it). A batch
+    (where the sessions compute a batch's rows apart, Engine.rows_apart: tests/test_decoders.py holds trials to it). A batch
     holds at most BATCH_TOKENS prompt tokens: its prefill's logits and caches are no larger than those of one
     prompt of that length."""
     groups: dict[tuple[int, int], list[list[int]]] = {}

@@ -58,8 +58,9 @@ class CpuOptions:
     weights reach PREPACK_UP_TO_BYTES (below that it costs little, and a graph's results then do not depend
     on how its weights were laid out: a switchboard matches its variants bit for bit). Only float weights
     count, and a model holding MatMulNBits is prepacked whatever its float weights: a 1.1B decoder's
-    MatMulNBits prepack in 0.75 s and its prefill then runs in 0.3 s, 2.4 s without (the FP32 weights of the
-    nodes a trial keeps sit in If branches of a gated switchboard, which ONNX Runtime does not prepack).
+    MatMulNBits prepack in 0.75 s and its prefill then runs in 0.3 s, 2.4 s without. The FP32 copies a gated
+    switchboard holds for the nodes a trial may keep are prepacked with them, though they sit in If branches:
+    the 1.1B decoder's board of 111 copies takes 17.6 s to make, 0.05 s without prepacking.
 
     What prepacking gains is in GEMMs of many rows: a decoder's one-token decode steps gain little (the 1.1B
     Llama's FP32 graph, every tensor marked: 0.174 s a step unpacked, 0.164 s packed; its 64-token prefill
@@ -122,8 +123,13 @@ class OnnxrtRunner(Runner):
             _register_shared_arena()
             options.add_session_config_entry("session.use_env_allocators", "1")
         options.intra_op_num_threads = self.cpu.threads
-        if (self.cpu.samples if self.cpu.wide_runs is None else self.cpu.wide_runs) < PREPACK_FROM_SAMPLES and weight_bytes >= PREPACK_UP_TO_BYTES:
+        unpacked = (self.cpu.samples if self.cpu.wide_runs is None else self.cpu.wide_runs) < PREPACK_FROM_SAMPLES and weight_bytes >= PREPACK_UP_TO_BYTES
+        if unpacked:
             options.add_session_config_entry("session.disable_prepacking", "1")
+        # Its GEMMs' weights prepacked (and an FP16 model's widened once, as the optimizer folds their Casts), ONNX
+        # Runtime's kernels compute a batch's rows apart; unpacked, a one-row GEMM takes another kernel, which
+        # rounds otherwise (1e-5 apart in the 1.1B Llama's logits, FP32 and INT4 alike).
+        self.rows_apart = not unpacked and options.graph_optimization_level != ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         # A segmented comparison alternates many sessions and the statistics pass on the same cores: threads
         # left spinning after a run would steal them from whatever runs next.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")

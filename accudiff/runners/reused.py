@@ -44,6 +44,10 @@ class _Reused(Runner):
         pass
 
     @property
+    def rows_apart(self) -> bool:
+        return self.runner.rows_apart
+
+    @property
     def label(self) -> str:
         return self.runner.label
 
