@@ -729,10 +729,10 @@ def test_a_trials_prompts_of_one_length_generate_together_each_as_it_would_alone
     assert [0, 10, 15] in stepped and 5 in stepped  # (a prompt's steps are samples 5k..5k+4) the three together, the other alone
 
 
-def test_a_trial_whose_sessions_are_not_prepacked_steps_its_prompts_one_at_a_time(tmp_path, monkeypatch):
+def test_a_trial_whose_sessions_compute_one_row_otherwise_steps_its_prompts_one_at_a_time(tmp_path, monkeypatch):
     """Unpacked, ONNX Runtime multiplies one row by another kernel than a batch's rows, which rounds otherwise (1e-5
-    apart in the 1.1B Llama's logits): a trial whose sessions skip prepacking (large float weights, few prompts)
-    steps its prompts one at a time, and reads as before."""
+    apart in the 1.1B Llama's logits): each session is measured before its prompts step together (Engine.rows_apart),
+    and a trial whose sessions skip prepacking (large float weights, few prompts) steps them one at a time, as before."""
     monkeypatch.setattr("accudiff.runners.onnxrt.PREPACK_UP_TO_BYTES", 0)  # this small model's weights, taken as large
     alone, together, stepped = _trial_job_alone_and_together(TINY / "model.onnx", [TINY / "model.onnx"],
                                                              [[5, 17, 99, 3], [200, 1, 42], [7, 7, 8, 9], [1, 2, 3, 4]], tmp_path, monkeypatch)

@@ -263,11 +263,28 @@ class Engine:
             reference_values = {n: v for n, v in reference_values.items() if n in self._later_reference_reads[k] or n in feed}
         return kept
 
-    @property
-    def rows_apart(self) -> bool:
-        """Whether every session made computes a batch's rows apart (Runner.rows_apart): a reference replayed from
-        its store has none. Sessions made on first use are not counted: kept sessions are all made at the start."""
-        return self.keep_sessions and all(s.runner is None or (s.active and s.runner.rows_apart) for s in self._all_segments())
+    def rows_apart(self, feed: Feed) -> bool:
+        """Whether every session computes the rows of the batch `feed` each as it would alone, bit for bit, as
+        measured here: run together and one row at a time (graph outputs only, nothing reduced). Kernels choose by
+        rows: ONNX Runtime multiplies one row otherwise than several where a GEMM's weights are not prepacked, and
+        in MatMulNBits at accuracy_level 0 (1e-5 and 1e-7 apart on the 1.1B Llama), not at accuracy_level 4. A
+        reference replayed from its store runs nothing; a model in several segments is not asked."""
+        if not self.keep_sessions or len(self.reference) != 1:
+            return False
+        sides = [(self.reference[0], {}), *((self.pass_segments[p.name][0], p.fixed_inputs) for p in self.passes)]
+        rows = next(iter(feed.values())).shape[0]
+        for segment, fixed in sides:
+            if segment.runner is None:
+                continue
+            if not segment.active:
+                return False
+            with self.clock("rows apart"):
+                together = segment.runner.infer({**feed, **fixed})
+                for r in range(rows):
+                    alone = segment.runner.infer({**_row(feed, r), **fixed})
+                    if not all(np.array_equal(together[name][r : r + 1], value, equal_nan=True) for name, value in alone.items()):
+                        return False
+        return True
 
     def _pass_run(self, plan: PassPlan, k: int, values: dict[str, np.ndarray], reference_values: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
         """The pass's segment `k` run on its `values`, the reference's values it is fed set among them."""

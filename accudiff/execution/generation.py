@@ -85,8 +85,13 @@ def generate_prompts(engine: Engine, spec: dict, prompts: Samples, indices: Sequ
     rounds = [list(carrying[k : k + PASSES_AT_ONCE]) for k in range(0, len(carrying), PASSES_AT_ONCE)] or [[]]
     others = [p.name for p in engine.passes if p.name not in carrying]  # fed the reference's values: run in the first round
     trial = spec.get("trial", False)
-    together = trial and spec.get("batch") and engine.rows_apart
-    groups = batches(list(prompts), spec["new_tokens"], decoder.eos_token_id) if together else [[k] for k in range(len(prompts))]
+    groups = [[k] for k in range(len(prompts))]
+    if trial and spec.get("batch"):
+        grouped = batches(list(prompts), spec["new_tokens"], decoder.eos_token_id)
+        widest = max(grouped, key=len)  # each session's rows measured apart at a decode step's shape: one token a row
+        if len(widest) > 1 and engine.rows_apart(decoder.first_feed(np.stack([prompts[k]["input_ids"][:1] for k in widest]), cache_types)):
+            groups = grouped
+    together = len(groups) < len(prompts)
     for number, group in enumerate(rounds):
         only = None if len(rounds) == 1 else {*group, *(others if number == 0 else [])}
         done = 0
@@ -113,7 +118,7 @@ def generate_prompts(engine: Engine, spec: dict, prompts: Samples, indices: Sequ
 def batches(prompts: Sequence[dict], new_tokens: int, eos: Collection[int]) -> list[list[int]]:
     """Which of a trial's prompts (each fed the tokens its comparison fed after it) generate together, by their
     positions: those of one length that step in step to the same end. Each row is computed as it would be alone
-    (where the sessions compute a batch's rows apart, Engine.rows_apart: tests/test_decoders.py holds trials to it). A batch
+    (where every session is measured to compute a batch's rows apart, Engine.rows_apart). A batch
     holds at most BATCH_TOKENS prompt tokens: its prefill's logits and caches are no larger than those of one
     prompt of that length."""
     groups: dict[tuple[int, int], list[list[int]]] = {}

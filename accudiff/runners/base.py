@@ -22,9 +22,6 @@ class Runner(ABC):
     #: Whether its runs may go on while another runner's do, on another thread (engine.py): ONNX Runtime's CPU
     #: sessions, each on its own threads; not a GPU runner, whose device the others would share.
     runs_beside_others: bool = False
-    #: Whether, once active, it computes each row of a batch as that row alone, bit for bit (a decoder trial's prompts
-    #: then step together, execution/generation.py). Known of ONNX Runtime's prepacked CPU sessions only.
-    rows_apart: bool = False
 
     @abstractmethod
     def activate(self) -> None: ...

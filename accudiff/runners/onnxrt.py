@@ -123,13 +123,8 @@ class OnnxrtRunner(Runner):
             _register_shared_arena()
             options.add_session_config_entry("session.use_env_allocators", "1")
         options.intra_op_num_threads = self.cpu.threads
-        unpacked = (self.cpu.samples if self.cpu.wide_runs is None else self.cpu.wide_runs) < PREPACK_FROM_SAMPLES and weight_bytes >= PREPACK_UP_TO_BYTES
-        if unpacked:
+        if (self.cpu.samples if self.cpu.wide_runs is None else self.cpu.wide_runs) < PREPACK_FROM_SAMPLES and weight_bytes >= PREPACK_UP_TO_BYTES:
             options.add_session_config_entry("session.disable_prepacking", "1")
-        # Its GEMMs' weights prepacked (and an FP16 model's widened once, as the optimizer folds their Casts), ONNX
-        # Runtime's kernels compute a batch's rows apart; unpacked, a one-row GEMM takes another kernel, which
-        # rounds otherwise (1e-5 apart in the 1.1B Llama's logits, FP32 and INT4 alike).
-        self.rows_apart = not unpacked and options.graph_optimization_level != ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         # A segmented comparison alternates many sessions and the statistics pass on the same cores: threads
         # left spinning after a run would steal them from whatever runs next.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")

@@ -44,10 +44,6 @@ class _Reused(Runner):
         pass
 
     @property
-    def rows_apart(self) -> bool:
-        return self.runner.rows_apart
-
-    @property
     def label(self) -> str:
         return self.runner.label
 
