@@ -179,6 +179,7 @@ def test_passes_running_one_file_read_it_once(tmp_path, monkeypatch):
     job: the worker reads the file once, not once per pass nor once per job, and every pass measures what it
     would alone."""
     import accudiff.execution.engine
+    import accudiff.execution.remembered
     from accudiff.transforms.fp16 import to_fp16
 
     info = load_model(fixture("layernorm_overflow"))
@@ -186,7 +187,7 @@ def test_passes_running_one_file_read_it_once(tmp_path, monkeypatch):
     candidate = tmp_path / "candidate.onnx"
     save_model(to_fp16(info.proto).model, candidate)
     reads = []
-    monkeypatch.setattr(accudiff.execution.engine, "_WHOLE", {})  # not what earlier tests in this process ran
+    monkeypatch.setattr(accudiff.execution.remembered, "_WHOLE", {})  # not what earlier tests in this process ran
     monkeypatch.setattr(accudiff.execution.engine, "load_graph", lambda path: (reads.append(path), load_graph(path))[1])
     tensors = [t.name for t in info.tensors]
     measured = Measured(tensors, info.output_names, [[n.name for n in info.proto.graph.node]], Tolerances.build("fp16"), {})

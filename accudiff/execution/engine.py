@@ -29,8 +29,9 @@ import numpy as np
 from accudiff.judging.decisions import SampleOutcome, decide, threshold_for
 from accudiff.execution.messages import PassResult
 from accudiff.execution.plans import EngineOptions, Measured, PassPlan, ReferencePlan, RunnerFactory
+from accudiff.execution.remembered import remember_whole_model, whole_model
 from accudiff.judging.metrics import (EMPTY_ROW, F, PART_ELEMENTS, SKETCH_BUCKETS, PartMap, StatsSet, finish, merge_run_time_ranges, reduce_tensor,
-                                         reference_range, run_time_range)
+                                         reference_range, run_time_range, sample_points)
 from accudiff.judging.output_kinds import UNKNOWN
 from accudiff.judging.tolerances import Tolerance
 from accudiff.model.inputs import Feed
@@ -44,13 +45,11 @@ from accudiff.runners.base import Runner
 
 _RANGE_ONLY = Tolerance(atol=1.0, rtol=0.0)  # for a tensor compared with itself: no error, only its range
 PARALLEL_ELEMENTS = 1 << 18  # tensors this large are reduced on several cores at once
-POINTS_PER_SAMPLE = 512  # (reference, candidate) pairs of each graph output kept per sample, for plots
 # With one sample, each session is made while the one before it runs when the models' weights are below
 # this; else one session at a time (see `keep_sessions`). A session made ahead holds its weights (and ONNX
 # Runtime's packed copies) beside the running one's: the recognizer's 10 MB save 0.4 s of its 9 sessions,
 # resnet18's 45 MB cost 60 MB more at the peak and saved no time.
 AHEAD_UP_TO_BYTES = 32 << 20
-WHOLE_MODELS_REMEMBERED = 64
 
 
 @dataclass
@@ -123,7 +122,7 @@ class Engine:
         trials replay it on every call)."""
         if make is None and count == 1:
             return [_Segment(None, set(), list(self.tensors), list(self.tensors))]
-        known = _WHOLE.get(_whole_key(path, self.tensors)) if count == 1 else None
+        known = whole_model(path, self.tensors) if count == 1 else None
         if known is not None:
             # The same file run before (verification's switchboard, its switches set per pass, in this job or an
             # earlier one): what it reads and returns is known, and the file is read only if this pass's runner
@@ -155,7 +154,7 @@ class Engine:
             wanted = own + [o for o in produced if o not in compared and (o in later_reads or o in graph_outputs)]
             if count == 1:
                 source, inputs = ModelSource.read(path, model), {i.name for i in model.graph.input}
-                _remember_whole(path, self.tensors, (inputs, own, wanted, weight_bytes))
+                remember_whole_model(path, self.tensors, (inputs, own, wanted, weight_bytes))
             elif not indices:  # none of this model's nodes falls in the segment (a tool fused or dropped them): nothing to run
                 segments.append(_Segment(None, set(), [], []))
                 continue
@@ -443,36 +442,5 @@ def _make_active(segment: _Segment) -> None:
     segment.runner.activate()
 
 
-def sample_points(sample: int, ref: np.ndarray, cand: np.ndarray, worst: int, room: int) -> list[list[float]]:
-    """Up to min(POINTS_PER_SAMPLE, room) [sample, reference, candidate] triples, evenly strided, the worst
-    element first: what the report's scatter plot shows of a graph output (the sample number orders the
-    points of several workers as one worker would have kept them)."""
-    if room <= 0 or not np.issubdtype(np.asarray(ref).dtype, np.floating):
-        return []
-    r, c = np.asarray(ref).reshape(-1), np.asarray(cand).reshape(-1)
-    count = min(POINTS_PER_SAMPLE, room, r.size)
-    picked = np.unique(np.linspace(0, r.size - 1, count).astype(np.int64))
-    if 0 <= worst < r.size:
-        picked = np.concatenate([[worst], picked[picked != worst]])[:count]
-    return np.stack([np.full(picked.size, float(sample)), r[picked].astype(np.float64), c[picked].astype(np.float64)], axis=1).tolist()
-
-
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
-
-
-# A model file run whole -> its inputs, compared and returned tensors and weight bytes, for as long as the worker
-# lives: verification's trials send their switchboard in job after job (a parse of its graph each, 10 ms of a
-# 30 ms job on MiniLM). Keyed by the file's identity and contents' stamp and by the tensors compared.
-_WHOLE: dict[tuple, tuple[set[str], list[str], list[str], int]] = {}
-
-
-def _whole_key(path: Path, tensors: Sequence[str]) -> tuple:
-    stat = path.stat()
-    return str(path), stat.st_ino, stat.st_size, stat.st_mtime_ns, frozenset(tensors)
-
-
-def _remember_whole(path: Path, tensors: Sequence[str], facts: tuple[set[str], list[str], list[str], int]) -> None:
-    if len(_WHOLE) >= WHOLE_MODELS_REMEMBERED:
-        _WHOLE.clear()
-    _WHOLE[_whole_key(path, tensors)] = facts

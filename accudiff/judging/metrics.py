@@ -361,3 +361,19 @@ def widening(record: list[float]) -> float:
     low, high, bulk_low, bulk_high = record[3:7]
     return (high - low) / (bulk_high - bulk_low) if bulk_high > bulk_low else (1.0 if high == low else math.inf)
 
+
+POINTS_PER_SAMPLE = 512  # (reference, candidate) pairs of each graph output kept per sample, for plots
+
+
+def sample_points(sample: int, ref: np.ndarray, cand: np.ndarray, worst: int, room: int) -> list[list[float]]:
+    """Up to min(POINTS_PER_SAMPLE, room) [sample, reference, candidate] triples, evenly strided, the worst
+    element first: what the report's scatter plot shows of a graph output (the sample number orders the
+    points of several workers as one worker would have kept them)."""
+    if room <= 0 or not np.issubdtype(np.asarray(ref).dtype, np.floating):
+        return []
+    r, c = np.asarray(ref).reshape(-1), np.asarray(cand).reshape(-1)
+    count = min(POINTS_PER_SAMPLE, room, r.size)
+    picked = np.unique(np.linspace(0, r.size - 1, count).astype(np.int64))
+    if 0 <= worst < r.size:
+        picked = np.concatenate([[worst], picked[picked != worst]])[:count]
+    return np.stack([np.full(picked.size, float(sample)), r[picked].astype(np.float64), c[picked].astype(np.float64)], axis=1).tolist()
