@@ -623,6 +623,18 @@ def test_the_bundled_decoder_generates_from_text_prompts_on_workers_and_on_ray(t
         assert [g["reference"] for g in other.generations] == [g["reference"] for g in first.generations]
 
 
+def _perturbed_tiny(target: Path, seed: int) -> Path:
+    """The bundled decoder with every float weight moved a little (by 1%, seeded): a candidate that differs."""
+    perturbed = onnx.load(str(TINY / "model.onnx"))
+    rng = np.random.default_rng(seed)
+    for init in perturbed.graph.initializer:
+        value = numpy_helper.to_array(init)
+        if value.dtype == np.float32:
+            init.CopyFrom(numpy_helper.from_array((value * (1 + 0.01 * rng.standard_normal(value.shape))).astype(np.float32), init.name))
+    onnx.save(perturbed, target)
+    return target
+
+
 def test_many_keep_lists_generate_in_rounds_each_as_it_would_alone(tmp_path, monkeypatch):
     """A trial job's keep-lists each carry their own KV cache while a prompt generates: more than PASSES_AT_ONCE
     of them generate in rounds, every prompt again with the reference, so the caches held at once stay bounded
@@ -635,13 +647,7 @@ def test_many_keep_lists_generate_in_rounds_each_as_it_would_alone(tmp_path, mon
     from accudiff.model.prompts import prepare_generation
 
     info = load_model(TINY / "model.onnx")
-    perturbed = onnx.load(str(info.path))  # a candidate that differs: every float weight moved a little
-    rng = np.random.default_rng(0)
-    for init in perturbed.graph.initializer:
-        value = numpy_helper.to_array(init)
-        if value.dtype == np.float32:
-            init.CopyFrom(numpy_helper.from_array((value * (1 + 0.01 * rng.standard_normal(value.shape))).astype(np.float32), init.name))
-    onnx.save(perturbed, tmp_path / "perturbed.onnx")
+    _perturbed_tiny(tmp_path / "perturbed.onnx", seed=0)
     (tmp_path / "prompts.jsonl").write_text("[5, 17, 99, 3]\n[200, 1, 42]\n")
     plan = prepare_generation(info, tmp_path / "prompts.jsonl", 3, tmp_path / "prompts.npz", tmp_path)
     passes = [PassSpec(f"variant{k}", str(tmp_path / "perturbed.onnx" if k % 2 else info.path), "onnxrt") for k in range(5)]
@@ -715,14 +721,7 @@ def test_a_trials_prompts_of_one_length_generate_together_each_as_it_would_alone
     """A trial's prompts of one length fed as many tokens generate as rows of one batch (a keep's generation costs
     a step for all of them, not one a prompt): every row reads as that prompt alone, bit for bit. The bundled
     decoder's graph (MatMul, Softmax, LayerNormalization), its reference run beside a perturbed candidate."""
-    perturbed = onnx.load(str(TINY / "model.onnx"))
-    rng = np.random.default_rng(1)
-    for init in perturbed.graph.initializer:
-        value = numpy_helper.to_array(init)
-        if value.dtype == np.float32:
-            init.CopyFrom(numpy_helper.from_array((value * (1 + 0.01 * rng.standard_normal(value.shape))).astype(np.float32), init.name))
-    onnx.save(perturbed, tmp_path / "perturbed.onnx")
-    alone, together, stepped = _trial_job_alone_and_together(TINY / "model.onnx", [tmp_path / "perturbed.onnx"],
+    alone, together, stepped = _trial_job_alone_and_together(TINY / "model.onnx", [_perturbed_tiny(tmp_path / "perturbed.onnx", seed=1)],
                                                              [[5, 17, 99, 3], [200, 1, 42], [7, 7, 8, 9], [1, 2, 3, 4]], tmp_path, monkeypatch)
     _same_trials(alone, together)
     assert any(o.tol_ratio > 0 for o in together.passes["variant0"].outcomes)
