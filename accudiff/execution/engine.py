@@ -265,8 +265,8 @@ class Engine:
     def rows_apart(self, feed: Feed) -> bool:
         """Whether every session computes the rows of the batch `feed` each as it would alone, bit for bit, as
         measured here: run together and one row at a time (graph outputs only, nothing reduced). Kernels choose by
-        rows: ONNX Runtime multiplies one row otherwise than several where a GEMM's weights are not prepacked, and
-        in MatMulNBits at accuracy_level 0 (1e-5 and 1e-7 apart on the 1.1B Llama), not at accuracy_level 4. A
+        rows: ONNX Runtime multiplies one row otherwise than several where a GEMM's weights are not prepacked (the 1.1B
+        Llama's logits 1e-5 apart), and in MatMulNBits at accuracy_level 0 (its figures up to 2e-6 apart), not at level 4. A
         reference replayed from its store runs nothing; a model in several segments is not asked."""
         if not self.keep_sessions or len(self.reference) != 1:
             return False
