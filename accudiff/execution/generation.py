@@ -97,9 +97,8 @@ def generate_prompts(engine: Engine, spec: dict, prompts: Samples, indices: Sequ
         done = 0
         for rows in groups:
             chosen = [prompts[k] for k in rows]
-            fed = [p["continuation"] if p.get("continuation") is not None else p.get("replayed") for p in chosen]
-            steps, generations = generate(engine, decoder, np.stack([p["input_ids"] for p in chosen]), fed, [indices[k] for k in rows], spec["new_tokens"],
-                                          cache_types, group, scored=[p.get("replayed") is None for p in chosen], alone=not trial, only=only)
+            steps, generations = generate(engine, decoder, np.stack([p["input_ids"] for p in chosen]), [_tokens_fed(p) for p in chosen], [indices[k] for k in rows],
+                                          spec["new_tokens"], cache_types, group, scored=[p.get("replayed") is None for p in chosen], alone=not trial, only=only)
             if number == 0:
                 found["steps"] += [asdict(step) for step in steps]
                 found["generations"] += [generation.as_json() for generation in generations]
@@ -134,11 +133,16 @@ def batches(prompts: Sequence[dict], new_tokens: int, eos: Collection[int]) -> l
 def _steps_fed(prompt: dict, new_tokens: int, eos: Collection[int]) -> int | None:
     """How many steps a prompt generates when the tokens fed after it are all known (given, or replayed up to an
     end-of-sequence token); None when some are not (it chooses them as it goes)."""
-    fed = prompt.get("continuation") if prompt.get("continuation") is not None else prompt.get("replayed")
+    fed = _tokens_fed(prompt)
     if fed is None:
         return None
     ends = [step for step, token in enumerate(fed[:new_tokens]) if int(token) in eos]
     return ends[0] + 1 if ends else new_tokens + 1 if len(fed) >= new_tokens else None
+
+
+def _tokens_fed(prompt: dict) -> np.ndarray | None:
+    """The tokens fed after a prompt: the continuation given, or the comparison's own choices replayed (None: chosen as it goes)."""
+    return prompt["continuation"] if prompt.get("continuation") is not None else prompt.get("replayed")
 
 
 def generate(engine: Engine, decoder: Decoder, prompts: np.ndarray, continuations: Sequence[np.ndarray | None], sequences: Sequence[int], new_tokens: int,
