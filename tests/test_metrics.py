@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from accudiff.judging import _reduce
-from accudiff.judging.metrics import SQNR_CAP_DB, StatsSet, finish, reduce_tensor, sqnr_db
+from accudiff.judging.decisions import _add_to_sketch, _tolerance_needed
+from accudiff.judging.metrics import CHUNK, SKETCH_BUCKETS, SQNR_CAP_DB, StatsSet, finish, reduce_tensor, sqnr_db
 from accudiff.judging.tolerances import Tolerance, Tolerances
 from accudiff.errors import AccudiffError
 
@@ -130,6 +131,48 @@ def test_the_kernel_agrees_with_plain_numpy_across_chunk_boundaries(cand_dtype):
     assert got["sqnr_db"] == pytest.approx(want["sqnr_db"], abs=1e-3)
     for key in ("median_abs_err", "p99_abs_err"):  # the sketch's documented bound
         assert got[key] == pytest.approx(want[key], rel=0.016), key
+
+
+def _tolerance_needed_in_numpy(r: np.ndarray, c: np.ndarray, atol: float, rtol: float, spread: float) -> tuple[float, float, int, np.ndarray]:
+    """The tolerance an output needs and its elements' errors in tolerances, by their definition in numpy (float64)."""
+    r, c = r.astype(np.float64), c.astype(np.float64)
+    same = (np.isnan(r) & np.isnan(c)) | (np.isinf(r) & (r == c))
+    non_finite = int(np.count_nonzero(~(np.isfinite(r) & np.isfinite(c)) & ~same))
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        error = np.where(same, 0.0, np.nan_to_num(np.abs(c - r), nan=np.inf, posinf=np.inf))
+        magnitude = np.abs(np.where(np.isfinite(r), r, 0.0))
+        allowed = atol + rtol * magnitude + spread
+        ratios = np.where(allowed > 0, error / allowed, np.where(error > 0, np.inf, 0.0))
+        needed_atol = float(np.max(error - rtol * magnitude - spread, initial=0.0))
+        excess = error - atol - spread
+        needed_rtol = float(np.max(np.where(excess > 0, excess / magnitude, 0.0), initial=0.0))
+    sketch = np.zeros(SKETCH_BUCKETS, np.int64)
+    _add_to_sketch(sketch, ratios)
+    return needed_atol, needed_rtol, non_finite, sketch
+
+
+@pytest.mark.parametrize("pair", [(np.float32, np.float32), (np.float32, np.float16), (np.float64, np.float64), (np.float32, np.float64)])
+@pytest.mark.parametrize("atol, stol", [(0.05, 0.1), (0.0, 0.0)])
+def test_the_tolerance_an_output_needs_is_the_numpy_definitions_to_the_last_bit(pair, atol, stol):
+    """decisions.py's tolerance line (the atol and rtol an output needs, its non-finite elements, the sketch of
+    its elements' errors in tolerances) comes from the compiled kernel; it must be what numpy computes,
+    bit for bit, on every kind of element, for every pair of types (those the kernel does not read are
+    widened a chunk at a time)."""
+    rng = np.random.default_rng(5)
+    size = 2 * CHUNK + 333
+    ref = rng.standard_normal(size) * rng.choice([1e-30, 1e-3, 1.0, 300.0], size)
+    cand = ref + rng.standard_normal(size) * rng.choice([0.0, 1e-6, 1e-2, 3.0], size)
+    ref[::1001], cand[7::1003] = 0.0, 0.0
+    for index, (r, c) in enumerate([(np.nan, np.nan), (np.inf, np.inf), (np.inf, -np.inf), (-np.inf, 1.0), (2.0, np.nan), (np.nan, 1.0), (0.0, 1e-3), (3e38, -3e38)]):
+        ref[CHUNK - 4 + index], cand[CHUNK - 4 + index] = r, c  # across a chunk's boundary
+    with np.errstate(over="ignore"):  # 3e38 is -Inf in FP16
+        ref, cand = ref.astype(pair[0]), cand.astype(pair[1])
+    absmax = float(np.nanmax(np.abs(ref[np.isfinite(ref)])))
+    sketch = np.zeros(SKETCH_BUCKETS, np.int64)
+    got = _tolerance_needed(ref, cand, Tolerance(atol, 0.25, stol), absmax, sketch)
+    *want, want_sketch = _tolerance_needed_in_numpy(ref, cand, atol, 0.25, stol * absmax)
+    assert got == tuple(want) and got[2] >= 4
+    assert np.array_equal(sketch, want_sketch) and sketch.sum() == size
 
 
 def test_an_fp16_candidate_is_read_as_numpy_widens_it_every_half_value():

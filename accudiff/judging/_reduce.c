@@ -20,6 +20,7 @@
  * minima or maxima). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -415,6 +416,71 @@ done:
     return result;
 }
 
+/* What decisions.py's tolerance line needs of one output, element by element in float64, in numpy's order of
+ * operations (-ffp-contract=off: no fused multiply-add; reassociation is turned off here), so the answers are
+ * the definition's to the last bit: the smallest atol at the run's rtol and spread (stol times the
+ * reference's absmax), the smallest rtol at its atol and spread, the elements NaN or Inf on one side only,
+ * and each element's error in tolerances counted into the sketch. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("no-associative-math")))
+#endif
+static void tolerance_element(double r, double c, double atol, double rtol, double spread, int64_t *sketch, double *atol_needed,
+                              double *rtol_needed, int64_t *non_finite) {
+    int same = (isnan(r) && isnan(c)) || (isinf(r) && r == c);
+    if (!(isfinite(r) && isfinite(c)) && !same) (*non_finite)++;
+    double error = same ? 0.0 : fabs(c - r);
+    if (isnan(error)) error = INFINITY;
+    double magnitude = isfinite(r) ? fabs(r) : 0.0;
+    double allowed = (atol + rtol * magnitude) + spread;
+    double ratio = allowed > 0 ? error / allowed : (error > 0 ? INFINITY : 0.0);
+    sketch_add(sketch, (float)(ratio < FLT_MAX ? ratio : FLT_MAX));
+    double by_atol = (error - rtol * magnitude) - spread, excess = (error - atol) - spread;
+    double by_rtol = excess > 0 ? excess / magnitude : 0.0;
+    if (by_atol > *atol_needed) *atol_needed = by_atol;
+    if (by_rtol > *rtol_needed) *rtol_needed = by_rtol;
+}
+
+/* tolerance_needed(ref, cand, atol, rtol, spread, sketch) -> (atol_needed, rtol_needed, non_finite): ref and
+ * cand as reduce takes them; sketch: writable int64 buffer of SKETCH_BUCKETS counts, added to. */
+static PyObject *py_tolerance_needed(PyObject *self, PyObject *args) {
+    PyObject *ref_object, *cand_object, *sketch_object;
+    double atol, rtol, spread;
+    if (!PyArg_ParseTuple(args, "OOdddO", &ref_object, &cand_object, &atol, &rtol, &spread, &sketch_object)) return NULL;
+    Py_buffer views[3];
+    PyObject *objects[3] = {ref_object, cand_object, sketch_object};
+    int got = 0;
+    for (; got < 3; got++)
+        if (get_buffer(objects[got], &views[got], got == 2) < 0) break;
+    PyObject *result = NULL;
+    if (got < 3) goto done;
+    char rk = kind(&views[0]), ck = kind(&views[1]);
+    Py_ssize_t n = views[0].len / (views[0].itemsize ? views[0].itemsize : 1);
+    int pair_ok = (rk == 'f' && (ck == 'f' || ck == 'e')) || (rk == 'd' && ck == 'd');
+    if (!pair_ok || views[1].len / views[1].itemsize != n || views[2].len != SKETCH_BUCKETS * (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_SetString(PyExc_ValueError, "tolerance_needed: float32 with float32 or float16 (or two float64) buffers of equal length, "
+                                          "a sketch of SKETCH_BUCKETS");
+        goto done;
+    }
+    double atol_needed = 0.0, rtol_needed = 0.0;
+    int64_t non_finite = 0, *sketch = (int64_t *)views[2].buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double r, c;
+        if (rk == 'd') {
+            r = ((const double *)views[0].buf)[i], c = ((const double *)views[1].buf)[i];
+        } else {
+            r = ((const float *)views[0].buf)[i];
+            c = ck == 'f' ? ((const float *)views[1].buf)[i] : half_to_float_table[((const uint16_t *)views[1].buf)[i]];
+        }
+        tolerance_element(r, c, atol, rtol, spread, sketch, &atol_needed, &rtol_needed, &non_finite);
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("(ddL)", atol_needed, isnan(rtol_needed) ? INFINITY : rtol_needed, (long long)non_finite);
+done:
+    for (int k = 0; k < got; k++) PyBuffer_Release(&views[k]);
+    return result;
+}
+
 /* Order-preserving integer keys of float32 values: an integer minimum and maximum vectorize. */
 HOT_LOOP static void key_range_f32(const float *restrict x, Py_ssize_t n, uint32_t *restrict low, uint32_t *restrict high) {
     uint32_t lo = 0xffffffffu, hi = 0;
@@ -460,6 +526,7 @@ static PyObject *py_range(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"range", py_range, METH_VARARGS, "Smallest and largest value of a float32 buffer, or None if one is not finite."},
     {"reduce", py_reduce, METH_VARARGS, "Fused statistics pass over a tensor (see the module comment)."},
+    {"tolerance_needed", py_tolerance_needed, METH_VARARGS, "The tolerance an output needs, and its elements' errors in tolerances (see the function's comment)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 
+from accudiff.judging import _reduce
 from accudiff.judging.metrics import CHUNK, SKETCH_BITS, SKETCH_BUCKETS, SKETCH_LOW_EXPONENT, quantiles
 from accudiff.judging.output_kinds import OutputKind
 from accudiff.judging.tolerances import Tolerance
@@ -145,17 +146,13 @@ def decide(ref: np.ndarray, cand: np.ndarray, kind: OutputKind, tolerance: Toler
         found = _embedding(ref, cand)
     elif kind.kind == "detections":
         found = _detections(ref, cand, kind.axis, threshold)
-    r, c = np.asarray(ref).reshape(-1), np.asarray(cand).reshape(-1)
+    r, c = np.ascontiguousarray(ref).reshape(-1), np.ascontiguousarray(cand).reshape(-1)
     is_map = kind.kind == "map" or (kind.kind == "values" and _is_probability_map(r))
     counts = np.zeros(3, np.int64)  # flipped, intersection, union
-    atol = rtol = 0.0
-    non_finite = 0
-    for start in range(0, r.size, CHUNK):
-        part_r, part_c = r[start : start + CHUNK].astype(np.float64), c[start : start + CHUNK].astype(np.float64)
-        if is_map:
-            counts += _map_counts(part_r, part_c, threshold)
-        part_atol, part_rtol, part_non_finite = _tolerance_needed(part_r, part_c, tolerance, absmax, sketches["ratio"])
-        atol, rtol, non_finite = max(atol, part_atol), max(rtol, part_rtol), non_finite + part_non_finite
+    if is_map:
+        for start in range(0, r.size, CHUNK):
+            counts += _map_counts(r[start : start + CHUNK].astype(np.float64), c[start : start + CHUNK].astype(np.float64), threshold)
+    atol, rtol, non_finite = _tolerance_needed(r, c, tolerance, absmax, sketches["ratio"])
     if is_map:
         found.update(map_elements=r.size, flipped=int(counts[0]), intersection=int(counts[1]), union=int(counts[2]))
     return Decision(**found, atol_needed=atol, rtol_needed=rtol, non_finite=non_finite)
@@ -184,9 +181,9 @@ def _scores(ref: np.ndarray, cand: np.ndarray, kind: OutputKind, kl_sketch: np.n
         top = part_r.argmax(axis=1)
         agree = (part_c.argmax(axis=1) == top) & decided
         found["top1"] += int(np.count_nonzero(agree))
-        if width > 5:
-            five = np.argpartition(-np.nan_to_num(part_c, nan=-np.inf), 4, axis=1)[:, :5]
-            found["top5"] += int(np.count_nonzero((five == top[:, None]).any(axis=1) & decided))
+        if width > 5:  # among the candidate's five highest: fewer than five entries above it (a tie counts for it)
+            above = np.count_nonzero(part_c > np.take_along_axis(part_c, top[:, None], axis=1), axis=1)
+            found["top5"] += int(np.count_nonzero((above < 5) & decided))
         log_p, log_q = (_log_distribution(part, kind.kind) for part in (part_r, np.where(decided[:, None], part_c, 0.0)))
         p = np.exp(log_p)
         kl = np.where(decided, np.maximum((p * (log_p - log_q)).sum(axis=1), 0.0), np.inf)
@@ -349,19 +346,23 @@ def _tolerance_needed(r: np.ndarray, c: np.ndarray, tolerance: Tolerance, absmax
     """(the smallest atol at the run's rtol and stol, the smallest rtol at its atol and stol) under which
     every element passes (infinite where none would: NaN/Inf on one side only, or an error where the
     reference is 0 for rtol), and the count of elements NaN/Inf on one side only (or Inf of the other
-    sign); each element's error in tolerances goes into `ratios`."""
-    same = (np.isnan(r) & np.isnan(c)) | (np.isinf(r) & (r == c))
-    non_finite = int(np.count_nonzero(~(np.isfinite(r) & np.isfinite(c)) & ~same))
-    with np.errstate(invalid="ignore", over="ignore"):
-        error = np.where(same, 0.0, np.nan_to_num(np.abs(c - r), nan=np.inf, posinf=np.inf))  # Inf stays Inf
-    magnitude = np.abs(np.where(np.isfinite(r), r, 0.0))
-    allowed = tolerance.atol + tolerance.rtol * magnitude + tolerance.stol * absmax
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        _add_to_sketch(ratios, np.where(allowed > 0, error / allowed, np.where(error > 0, np.inf, 0.0)))
-        atol = float(np.max(error - tolerance.rtol * magnitude - tolerance.stol * absmax, initial=0.0))
-        excess = error - tolerance.atol - tolerance.stol * absmax
-        rtol = float(np.max(np.where(excess > 0, excess / magnitude, 0.0), initial=0.0))
-    return max(atol, 0.0), rtol if not math.isnan(rtol) else math.inf, non_finite
+    sign); each element's error in tolerances goes into `ratios`. Computed by the compiled kernel
+    (_reduce.c: each element in float64, as numpy would; tests hold it to numpy), which reads float32 with
+    float32 or float16, or two float64 buffers: other pairs are widened a chunk at a time."""
+    spread = tolerance.stol * absmax
+    if (r.dtype, c.dtype) in _KERNEL_PAIRS:
+        parts: Iterable[tuple[np.ndarray, np.ndarray]] = [(r, c)]
+    else:
+        parts = ((r[start : start + CHUNK].astype(np.float64), c[start : start + CHUNK].astype(np.float64)) for start in range(0, r.size, CHUNK))
+    atol = rtol = 0.0
+    non_finite = 0
+    for part_r, part_c in parts:
+        part_atol, part_rtol, part_non_finite = _reduce.tolerance_needed(part_r, part_c, tolerance.atol, tolerance.rtol, spread, ratios)
+        atol, rtol, non_finite = max(atol, part_atol), max(rtol, part_rtol), non_finite + part_non_finite
+    return atol, rtol, non_finite
+
+
+_KERNEL_PAIRS = {(np.dtype(np.float32), np.dtype(np.float32)), (np.dtype(np.float32), np.dtype(np.float16)), (np.dtype(np.float64), np.dtype(np.float64))}
 
 
 def _add_to_sketch(sketch: np.ndarray, values: np.ndarray) -> None:
