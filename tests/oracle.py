@@ -896,7 +896,9 @@ def generation(reference: Path, candidate: Path, prompts: list[np.ndarray], new_
     `new_tokens` decode steps fed the reference's greedy token. Per phase ("prefill", "decode"), numpy's
     figures over every position: top-1 agreement, KL(reference || candidate) mean and max, Δp of the
     reference's top entry, ΔNLL of the token that follows each position; per prompt the first step at
-    which the candidate's own greedy token differs (None: never); given a `tolerance` (atol, rtol, stol), the
+    which the candidate's own greedy token differs (None: never), and its own continuation: the reference's
+    tokens up to there, then its own greedy choices on its own cache, as many as the reference made (up to an
+    end-of-sequence token); given a `tolerance` (atol, rtol, stol), the
     worst step's logits against it, as a multiple of it. `qdq_as_written`: the candidate's Q/DQ pairs are computed as
     written, not fused into ONNX Runtime's integer kernels (its DequantizeLinear and MatMul into MatMulNBits)."""
     options = ort.SessionOptions()
@@ -906,29 +908,44 @@ def generation(reference: Path, candidate: Path, prompts: list[np.ndarray], new_
                 ort.InferenceSession(str(candidate), options, providers=["CPUExecutionProvider"])]
     pasts = [[i for i in s.get_inputs() if i.name.startswith("past_key_values.")] for s in sessions]
     found = {"prefill": [], "decode": []}
-    parted = []
+    parted, continuations = [], []
+
+    def run(k: int, fed: list[int], cache: dict) -> tuple[np.ndarray, dict]:
+        done = next(iter(cache.values())).shape[2]
+        feed = {"input_ids": np.asarray([fed], np.int64), "attention_mask": np.ones((1, done + len(fed)), np.int64), **cache}
+        names = [o.name for o in sessions[k].get_outputs()]
+        out = dict(zip(names, sessions[k].run(names, {n: v for n, v in feed.items() if n in {i.name for i in sessions[k].get_inputs()}})))
+        return out["logits"][0].astype(np.float64), {name.replace("present.", "past_key_values."): value for name, value in out.items() if name.startswith("present.")}
+
     for prompt in prompts:
         caches = [{i.name: np.zeros((1, i.shape[1], 0, _head_size(reference)), _ORT_NUMPY[i.type]) for i in past} for past in pasts]
-        first_different = None
+        first_different, own, tokens = None, None, []
         fed = list(prompt)
         for step in range(new_tokens + 1):
             logits = []
-            for k, session in enumerate(sessions):
-                done = next(iter(caches[k].values())).shape[2]
-                feed = {"input_ids": np.asarray([fed], np.int64), "attention_mask": np.ones((1, done + len(fed)), np.int64), **caches[k]}
-                names = [o.name for o in session.get_outputs()]
-                out = dict(zip(names, session.run(names, {n: v for n, v in feed.items() if n in {i.name for i in session.get_inputs()}})))
-                logits.append(out["logits"][0].astype(np.float64))
-                caches[k] = {name.replace("present.", "past_key_values."): value for name, value in out.items() if name.startswith("present.")}
+            for k in range(2):
+                scores, caches[k] = run(k, fed, caches[k])
+                logits.append(scores)
             chosen = int(logits[0][-1].argmax())
+            tokens.append(chosen)
             if first_different is None and int(logits[1][-1].argmax()) != chosen:
-                first_different = step
+                first_different, own = step, (int(logits[1][-1].argmax()), caches[1])
             found["prefill" if step == 0 else "decode"].append((logits[0], logits[1], np.asarray([*fed[1:], chosen])))
             if step == new_tokens or chosen in eos:
                 break
             fed = [chosen]
         parted.append(first_different)
-    figures = {"phases": {phase: _token_phase(rows) for phase, rows in found.items() if rows}, "first_different": parted}
+        alone = list(tokens)
+        if own is not None:
+            token, cache = own
+            alone = [*tokens[:first_different], token]
+            while len(alone) < len(tokens) and token not in eos:
+                scores, cache = run(1, [token], cache)
+                token = int(scores[-1].argmax())
+                alone.append(token)
+        continuations.append(alone)
+    figures = {"phases": {phase: _token_phase(rows) for phase, rows in found.items() if rows}, "first_different": parted,
+               "candidate_continuations": continuations}
     if tolerance is not None:
         figures["tol_ratio"] = max(_ratio(ref, cand, tolerance) for rows in found.values() for ref, cand, _ in rows)
     return figures

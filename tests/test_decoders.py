@@ -59,7 +59,8 @@ def _prompt_ids(llama) -> list[np.ndarray]:
 def test_a_genai_folder_compares_with_generation_and_matches_two_plain_sessions(llama, tmp_path):
     """The folders load (SimplifiedLayerNormalization in the default domain, GroupQueryAttention, MatMulNBits),
     the candidate is named in its formats and what it computes, and every figure of both phases matches the
-    oracle's generation loop to 1e-6: each side carries its own cache."""
+    oracle's generation loop to 1e-6: each side carries its own cache. The candidate's own continuation from
+    where it parts (its steps run beside the reference's next ones) is the oracle's, token for token."""
     result = accudiff.compare(llama.fp32, candidate_model=llama.int4, prompts=llama.prompts, new_tokens=NEW_TOKENS, report_dir=tmp_path / "r")
     assert result.precision == "int8-dynamic+int4-weight"
     assert "integer arithmetic" in result.candidate
@@ -70,6 +71,8 @@ def test_a_genai_folder_compares_with_generation_and_matches_two_plain_sessions(
         for name in ("top1", "kl", "kl_max", "delta_p", "delta_nll"):
             assert ours[name] == pytest.approx(figures[name], rel=1e-6, abs=1e-9), (phase, name)
     assert [g["diverged_at"] for g in result.generations] == expected["first_different"]
+    assert [g["candidate"] for g in result.generations] == expected["candidate_continuations"]  # its own steps beside the reference's
+    assert any(g["candidate"] != g["reference"] for g in result.generations)
     assert result.output_kinds["present.0.key"].kind == "state"
     assert all(f.tensor == "logits" for f in result.output_failures)
     assert len(result.steps) == sum(1 for _ in result.steps["sample"].unique())
@@ -692,7 +695,7 @@ def _trial_job_alone_and_together(reference: Path, candidates: list[Path], promp
 
     stepped: list = []  # what each engine step of the second run was given: a sample, or a batch's
     step = Engine.run_sample
-    monkeypatch.setattr(Engine, "run_sample", lambda engine, sample, *rest: (stepped.append(sample), step(engine, sample, *rest))[1])
+    monkeypatch.setattr(Engine, "run_sample", lambda engine, sample, *rest, **named: (stepped.append(sample), step(engine, sample, *rest, **named))[1])
 
     def run(name: str, tokens: int):
         monkeypatch.setattr(generation, "BATCH_TOKENS", tokens)

@@ -205,7 +205,7 @@ class Engine:
         return out
 
     def run_sample(self, sample: int | Sequence[int], feed: Feed, own_inputs: Mapping[str, Feed] | None = None, targets: Mapping[str, np.ndarray] | None = None,
-                   keep: Collection[str] = (), only: Collection[str] | None = None) -> dict[str, dict[str, np.ndarray]]:
+                   keep: Collection[str] = (), only: Collection[str] | None = None, also: Callable[[], object] | None = None) -> dict[str, dict[str, np.ndarray]]:
         """Reduce one sample into the statistics, one segment at a time. `own_inputs`: the graph inputs a pass
         is fed its own values of (a decoder's KV cache, which each side carries); `targets`: per graph output
         of token scores, the token each of its positions is scored on (decisions.decide). Returns the graph
@@ -213,7 +213,8 @@ class Engine:
         sample run again for others: its inputs are counted once, when every pass runs or the first time).
         `sample` may be several, one per row of a batch: every value fed and returned then has its rows first
         (a decoder's prompts of one length, generated together), and `targets` a row per sample; each row is
-        reduced as its sample alone."""
+        reduced as its sample alone. `also`: more work for a core left over beside the reference (a decoder's candidate
+        generating on its own), done there while the reference runs, or after the sample's runs where none is."""
         samples = [sample] if isinstance(sample, int) else list(sample)
         rows = (lambda values, r: values) if isinstance(sample, int) else _row
         self._ranges = {s: {} for s in samples}
@@ -231,6 +232,7 @@ class Engine:
         order = [s for k, reference in enumerate(self.reference) for s in [reference, *(self.pass_segments[p.name][k] for p in passes)]]
         order = [s for s in order if s.make is not None]
         self._following = {id(a): b for a, b in zip(order, order[1:])}  # the next session to make ahead
+        extra = self._beside.submit(also) if also is not None and self._beside is not None else None
         for k, reference in enumerate(self.reference):
             # A pass that reads nothing the reference makes in this segment (a candidate carrying its own values)
             # runs beside it, on cores left over: each session on its own threads computes as it would alone.
@@ -260,6 +262,8 @@ class Engine:
                 pass_values[plan.name] = {name: value for name, value in {**values, **out}.items() if name in needed or name in feed}
                 del out, values
             reference_values = {n: v for n, v in reference_values.items() if n in self._later_reference_reads[k] or n in feed}
+        if also is not None:
+            also() if extra is None else extra.result()
         return kept
 
     def rows_apart(self, feed: Feed) -> bool:

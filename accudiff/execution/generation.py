@@ -21,6 +21,7 @@ weights once for all of them, and each row is computed as that prompt alone.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Callable, Collection, Sequence
 
 import numpy as np
@@ -162,7 +163,7 @@ def generate(engine: Engine, decoder: Decoder, prompts: np.ndarray, continuation
     fed = [[int(t) for t in prompt] for prompt in prompts]
     steps: list[Step] = []
     generations = [Generation(sequence, list(prompt), given=continuation is not None) for sequence, prompt, continuation in zip(sequences, fed, continuations)]
-    parted: list[tuple[int, dict[str, np.ndarray]] | None] = [None for _ in rows]  # the candidate's own choice where it parted, and its cache then
+    own_way: list[_OnItsOwn | None] = [None for _ in rows]  # the candidate generating on its own, from where it parted
     position = 0
     for step in range(samples_per_prompt(new_tokens)):
         given = [int(c[step]) if c is not None and step < len(c) else -1 for c in continuations]
@@ -170,9 +171,11 @@ def generate(engine: Engine, decoder: Decoder, prompts: np.ndarray, continuation
         targets = {decoder.logits: np.stack([np.asarray([*fed[r][1:], given[r] if scored[r] else -1], np.int64) for r in rows])}
         samples = [first + step for first in firsts]
         one = len(rows) == 1  # one prompt: its sample as the engine takes one (every tensor as it is, not as rows of a batch)
+        going = [way for way in own_way if way is not None]  # a step each, beside this one's (as many as the reference makes)
         try:
             kept = engine.run_sample(samples[0] if one else samples, feed, {name: own[name] for name in carrying if name in own},
-                                     {name: value[0] for name, value in targets.items()} if one else targets, keep, only)
+                                     {name: value[0] for name, value in targets.items()} if one else targets, keep, only,
+                                     also=partial(_each_a_step, going) if going else None)
         except AccudiffError as exc:  # which step of which prompt: a decode step can fail where the prefill ran
             said = f"prompt {sequences[0]}" if one else f"prompts {', '.join(map(str, sequences))}"
             raise AccudiffError(f"{exc} ({said}, {'its prefill' if step == 0 else f'decode step {step}'})") from None
@@ -182,9 +185,11 @@ def generate(engine: Engine, decoder: Decoder, prompts: np.ndarray, continuation
             candidate_next = _greedy(kept[carrying[0]][decoder.logits][r]) if carrying else reference_next
             steps.append(Step(samples[r], sequences[r], step, PREFILL if step == 0 else DECODE, position, len(fed[r]), reference_next, candidate_next))
             generations[r].reference.append(reference_next)
-            if parted[r] is None and candidate_next != reference_next:
+            if generations[r].diverged_at is None and candidate_next != reference_next:
                 generations[r].diverged_at = step
-                parted[r] = candidate_next, {name: value[r : r + 1] for name, value in decoder.next_past(kept[carrying[0]]).items()}
+                if alone:
+                    past = {name: value[r : r + 1] for name, value in decoder.next_past(kept[carrying[0]]).items()}
+                    own_way[r] = _OnItsOwn(engine, decoder, carrying[0], [*generations[r].reference[:step], candidate_next], past)
             chosen.append(reference_next)
         position += len(fed[0])
         ended = [step == new_tokens or token in decoder.eos_token_id for token in chosen]
@@ -197,21 +202,35 @@ def generate(engine: Engine, decoder: Decoder, prompts: np.ndarray, continuation
         feed = decoder.step_feed(np.asarray(chosen)[:, None], decoder.next_past(kept[carrying[0] if replayed else "reference"]))
         own = {name: decoder.next_past(kept[name]) for name in carrying}
         fed = [[token] for token in chosen]
-    for r in rows:
-        generations[r].candidate = (list(generations[r].reference) if parted[r] is None or not alone
-                                    else _on_its_own(engine, decoder, carrying[0], generations[r], *parted[r]))
+    for generation, way in zip(generations, own_way):
+        generation.candidate = list(generation.reference) if way is None else way.chosen
     return steps, generations
 
 
-def _on_its_own(engine: Engine, decoder: Decoder, name: str, generation: Generation, token: int, past: dict[str, np.ndarray]) -> list[int]:
-    """The candidate's continuation when it generates alone: the reference's tokens up to where it parted,
-    then its own greedy choices, as many as the reference made (or up to an end-of-sequence token)."""
-    chosen = [*generation.reference[: generation.diverged_at], token]
-    while len(chosen) < len(generation.reference) and token not in decoder.eos_token_id:
-        outputs = engine.run_alone(name, decoder.step_feed(np.asarray([token]), past), {decoder.logits, *decoder.present_outputs})
-        token, past = _greedy(outputs[decoder.logits]), decoder.next_past(outputs)
-        chosen.append(token)
-    return chosen
+@dataclass
+class _OnItsOwn:
+    """The candidate's continuation when it generates alone: the reference's tokens up to where it parted, then
+    its own greedy choices, a step each time the reference makes one (up to an end-of-sequence token). Its steps
+    run beside the reference's next ones (Engine.run_sample's `also`): they read only the candidate's own cache."""
+
+    engine: Engine
+    decoder: Decoder
+    name: str
+    chosen: list[int]
+    past: dict[str, np.ndarray]
+
+    def step(self) -> None:
+        token = self.chosen[-1]
+        if token in self.decoder.eos_token_id:
+            return
+        outputs = self.engine.run_alone(self.name, self.decoder.step_feed(np.asarray([token]), self.past), {self.decoder.logits, *self.decoder.present_outputs})
+        self.chosen.append(_greedy(outputs[self.decoder.logits]))
+        self.past = self.decoder.next_past(outputs)
+
+
+def _each_a_step(ways: Sequence[_OnItsOwn]) -> None:
+    for way in ways:
+        way.step()
 
 
 def _greedy(logits: np.ndarray) -> int:
