@@ -30,7 +30,7 @@ from accudiff.judging.decisions import SampleOutcome, decide, threshold_for
 from accudiff.execution.messages import PassResult
 from accudiff.execution.plans import EngineOptions, Measured, PassPlan, ReferencePlan, RunnerFactory
 from accudiff.execution.remembered import remember_whole_model, whole_model
-from accudiff.judging.metrics import (EMPTY_ROW, F, PART_ELEMENTS, SKETCH_BUCKETS, PartMap, StatsSet, finish, merge_run_time_ranges, reduce_tensor,
+from accudiff.judging.metrics import (EMPTY_ROW, F, PART_ELEMENTS, SKETCH_BUCKETS, PartMap, StatsSet, finish_rows, merge_run_time_ranges, reduce_tensor,
                                          reference_range, run_time_range, sample_points)
 from accudiff.judging.output_kinds import UNKNOWN
 from accudiff.judging.tolerances import Tolerance
@@ -380,24 +380,24 @@ class Engine:
         for _ in self._reducer.map(lambda batch: [reduce_one(index) for index in batch], [[i] for i in large] + batches):
             pass
         result.stats.add_rows([self.row[tensor] for tensor, _, _ in pairs], values, None)
-        for index, (tensor, _, _) in enumerate(pairs):
-            if tensor in self.outputs:
-                result.stats.sketch[self.row[tensor]] += own[index]
-                one = finish(values[index], own[index])
-                sketches = result.sketches.setdefault(tensor, {figure: np.zeros(SKETCH_BUCKETS, np.int64) for figure in ("ratio", "kl")})
-                low, high = ranges[tensor]
-                absmax = max(abs(low), abs(high)) if low <= high else 0.0
-                kind = self.kinds.get(tensor, UNKNOWN)
-                threshold = threshold_for(tensor, kind.kind, self.thresholds)
-                decision = decide(reference[tensor], candidate[tensor], kind, self.tolerances.for_tensor(tensor), threshold, absmax, sketches,
-                                  targets.get(tensor))
-                result.outcomes.append(
-                    SampleOutcome(sample=sample, tensor=tensor, max_abs_err=one["max_abs_err"], tol_ratio=one["tol_ratio"], outside_share=one["outside_share"],
-                                  sqnr_db=one["sqnr_db"], **vars(decision))  # its fields as they are: asdict deep-copies each of its ~40 scalars
-                )
-                kept = result.points.setdefault(tensor, [])
-                if len(kept) < self.points:
-                    kept += sample_points(sample, reference[tensor], candidate[tensor], int(values[index][F["worst_index"]]), self.points - len(kept))
+        finished = finish_rows(values[list(own)], np.stack(list(own.values()))) if own else {}  # the outputs' rows at once (one by one: most of a decoder's statistics)
+        for at, index in enumerate(own):
+            tensor = pairs[index][0]
+            result.stats.sketch[self.row[tensor]] += own[index]
+            sketches = result.sketches.setdefault(tensor, {figure: np.zeros(SKETCH_BUCKETS, np.int64) for figure in ("ratio", "kl")})
+            low, high = ranges[tensor]
+            absmax = max(abs(low), abs(high)) if low <= high else 0.0
+            kind = self.kinds.get(tensor, UNKNOWN)
+            threshold = threshold_for(tensor, kind.kind, self.thresholds)
+            decision = decide(reference[tensor], candidate[tensor], kind, self.tolerances.for_tensor(tensor), threshold, absmax, sketches,
+                              targets.get(tensor))
+            result.outcomes.append(
+                SampleOutcome(sample=sample, tensor=tensor, **{name: finished[name][at].item() for name in ("max_abs_err", "tol_ratio", "outside_share", "sqnr_db")},
+                              **vars(decision))  # its fields as they are: asdict deep-copies each of its ~40 scalars
+            )
+            kept = result.points.setdefault(tensor, [])
+            if len(kept) < self.points:
+                kept += sample_points(sample, reference[tensor], candidate[tensor], int(values[index][F["worst_index"]]), self.points - len(kept))
 
     @contextmanager
     def clock(self, phase: str) -> Iterator[None]:
