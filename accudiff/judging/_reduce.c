@@ -3,7 +3,8 @@
  * numpy needs a dozen whole-array operations (and as many temporaries) to compute what accudiff reports
  * for a tensor; this kernel computes all of it, chunk by cache-sized chunk, in a few tight loops that the
  * compiler vectorizes, at a good share of memory bandwidth. It is the only compiled code in accudiff;
- * metrics.py defines every quantity, and the tests check the kernel against plain numpy.
+ * metrics.py defines every quantity, and the tests check the kernel against plain numpy. Beside it,
+ * tolerance_needed: what a graph output's tolerance line needs (decisions.py), an element at a time in float64.
  *
  * reduce(ref, cand, rtol, base, rel_floor, quant, start, totals, sketch, scratch) -> None
  *   ref and cand: contiguous buffers of equal length, float32 and float32 or float16 (an FP16
