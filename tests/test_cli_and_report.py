@@ -397,6 +397,17 @@ def test_percentages_round_neither_to_nothing_nor_to_everything(share, decimals,
     assert percent(share, decimals) == shown
 
 
+@pytest.mark.parametrize(
+    "ratio, shown",
+    [(3.214, "3.21x"), (1.0, "1x"), (1.004, "1.004x"), (0.9996, "0.9996x"), (1 + 1e-12, ">1x"), (1 - 1e-12, "<1x"), (0.25, "0.25x")],
+)
+def test_a_ratio_near_one_reads_on_the_side_of_one_it_lies_on(ratio, shown):
+    """A repair step at KL 0.00804 against --require kl=0.008 read 'output at 1x its requirement', as if met."""
+    from accudiff.text import times_tolerance
+
+    assert times_tolerance(ratio, "") == shown
+
+
 def test_output_into_a_pipe_whose_reader_has_gone_is_no_error(tmp_path):
     """`accudiff compare ... | head -30` on the recognizer said 'internal error: BrokenPipeError' after the 30
     lines: a reader that stops reading ends the answer, not the command, which exits with its own code."""

@@ -229,7 +229,7 @@ def describe(tol_ratio: float, figures: Mapping[str, float], require: Mapping[st
     if required:
         miss = Objective("tolerance", required).miss(figures)
         # A target no figure short of it can approach (top-1 of 1, a KL of 0) is missed by no finite ratio.
-        text = f"{miss:.3g}x{' its requirement' if named else ''}" if math.isfinite(miss) else "short of a target it must reach exactly"
+        text = times_tolerance(miss, " its requirement" if named else "") if math.isfinite(miss) else "short of a target it must reach exactly"
     else:
         text = times_tolerance(tol_ratio, " its tolerance" if named else "")
     said = _figures_said(figures)
