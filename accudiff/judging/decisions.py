@@ -37,7 +37,7 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from accudiff.judging import _reduce
-from accudiff.judging.metrics import CHUNK, SKETCH_BITS, SKETCH_BUCKETS, SKETCH_LOW_EXPONENT, quantiles
+from accudiff.judging.metrics import CHUNK, KERNEL_PAIRS, SKETCH_BITS, SKETCH_BUCKETS, SKETCH_LOW_EXPONENT, quantiles
 from accudiff.judging.output_kinds import OutputKind
 from accudiff.judging.tolerances import Tolerance
 
@@ -350,7 +350,7 @@ def _tolerance_needed(r: np.ndarray, c: np.ndarray, tolerance: Tolerance, absmax
     (_reduce.c: each element in float64, as numpy would; tests hold it to numpy), which reads float32 with
     float32 or float16, or two float64 buffers: other pairs are widened a chunk at a time."""
     spread = tolerance.stol * absmax
-    if (r.dtype, c.dtype) in _KERNEL_PAIRS:
+    if (r.dtype, c.dtype) in KERNEL_PAIRS:
         parts: Iterable[tuple[np.ndarray, np.ndarray]] = [(r, c)]
     else:
         parts = ((r[start : start + CHUNK].astype(np.float64), c[start : start + CHUNK].astype(np.float64)) for start in range(0, r.size, CHUNK))
@@ -360,9 +360,6 @@ def _tolerance_needed(r: np.ndarray, c: np.ndarray, tolerance: Tolerance, absmax
         part_atol, part_rtol, part_non_finite = _reduce.tolerance_needed(part_r, part_c, tolerance.atol, tolerance.rtol, spread, ratios)
         atol, rtol, non_finite = max(atol, part_atol), max(rtol, part_rtol), non_finite + part_non_finite
     return atol, rtol, non_finite
-
-
-_KERNEL_PAIRS = {(np.dtype(np.float32), np.dtype(np.float32)), (np.dtype(np.float32), np.dtype(np.float16)), (np.dtype(np.float64), np.dtype(np.float64))}
 
 
 def _add_to_sketch(sketch: np.ndarray, values: np.ndarray) -> None:

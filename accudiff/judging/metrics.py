@@ -46,6 +46,8 @@ CHUNK = 1 << 16
 # chunk), which threads run at once; a fixed size, so the result is the same on any number of cores.
 PART_ELEMENTS = 1 << 22
 PartMap = Callable[[Callable[[int], Any], Iterable[int]], Iterable[Any]]  # map(), or a thread pool's
+# The (reference, candidate) element types the compiled kernel reads as they are; other pairs are widened to float64.
+KERNEL_PAIRS = frozenset((np.dtype(r), np.dtype(c)) for r, c in ((np.float32, np.float32), (np.float32, np.float16), (np.float64, np.float64)))
 
 # The accumulator layout: one float64 per field, merged by the rule of its group. The first fields are the
 # compiled kernel's totals (_reduce.c), in its order.
@@ -194,7 +196,7 @@ def reduce_tensor(
     if not (r.dtype.kind == "f" or c.dtype.kind == "f"):  # as np.issubdtype(..., np.floating), at a tenth of the cost
         _reduce_exact(r, c, values, sample)
         return values, sketch
-    if r.dtype != np.float32 or c.dtype not in (np.float32, np.float16):  # rare pairs: compared in float64
+    if (r.dtype, c.dtype) not in KERNEL_PAIRS:  # rare pairs: compared in float64
         r, c = r.astype(np.float64), c.astype(np.float64)
     low, high = ref_range if ref_range is not None else reference_range(r, map_parts)
     absmax = 0.0
