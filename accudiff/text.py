@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 
 def percent(share: float, decimals: int = 1) -> str:
@@ -33,6 +34,15 @@ def times_tolerance(ratio: float, suffix: str = " its tolerance") -> str:
             return f"{'>' if ratio > 1 else '<'}1x{suffix}"
         digits += 1
     return f"{ratio:.{digits}g}x{suffix}"
+
+
+def digits_apart(value: float, target: float, style: Callable[[float, int], str], digits: int) -> int:
+    """The digits `style` needs for `value` not to read as `target` when it is not: a KL of 0.008024 beside a
+    target of 0.008 reads '0.008024', not '0.008', which reads as on the target (at most nine more)."""
+    most = digits + 9
+    while value != target and digits < most and style(value, digits) == style(target, digits):
+        digits += 1
+    return digits
 
 
 def general(value: float, digits: int) -> str:

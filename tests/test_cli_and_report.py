@@ -408,6 +408,20 @@ def test_a_ratio_near_one_reads_on_the_side_of_one_it_lies_on(ratio, shown):
     assert times_tolerance(ratio, "") == shown
 
 
+def test_a_figure_beside_its_requirement_never_reads_as_its_target_when_it_is_not():
+    """On the trained Llama at --require kl=0.008, a repair step printed 'output at 1.0003x its requirement
+    (... KL divergence 0.008)': the ratio said missed, the figure read as the target."""
+    from accudiff.judging.intervals import Interval
+    from accudiff.judging.objective import describe, figure_text
+    from accudiff.report.decision_text import said_figure
+
+    assert describe(1.0, {"top1": 0.9333, "kl": 0.0080024}, {"kl": 0.008}).endswith("(top-1 agreement 93.33%, KL divergence 0.008002)")
+    assert describe(1.0, {"top1": 0.98999, "kl": 0.0080024}, {"top1": 0.99}) == "1.001x its requirement (top-1 agreement 98.999%, KL divergence 0.008)"
+    assert describe(1.0, {"top1": 0.9333, "kl": 0.008}, {"kl": 0.008}).endswith("KL divergence 0.008)")  # on the target: as it is
+    assert figure_text("kl", 0.0080024) == "0.008" and figure_text("kl", 0.0080024, 0.008) == "0.008002"
+    assert said_figure("kl", 0.0080024, Interval(0.0061, 0.0099, 6, 64, True, kind="mean"), 0.008) == "0.008002 [0.0061, 0.0099]"
+
+
 def test_output_into_a_pipe_whose_reader_has_gone_is_no_error(tmp_path):
     """`accudiff compare ... | head -30` on the recognizer said 'internal error: BrokenPipeError' after the 30
     lines: a reader that stops reading ends the answer, not the command, which exits with its own code."""

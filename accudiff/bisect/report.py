@@ -119,7 +119,7 @@ def _where_it_stands(result, settings: RunSettings) -> list[str]:
         held = result.decision_met.get(output)
         if held is not None:
             lines.append(f"judged by its decision, it passes: --require {held.name}={held.target:g} is met "
-                         f"({REQUIREMENTS[held.name][1]} {said_figure(held.name, held.value, held.interval)})")
+                         f"({REQUIREMENTS[held.name][1]} {said_figure(held.name, held.value, held.interval, held.target)})")
     return lines + _decision_command(result, settings)
 
 

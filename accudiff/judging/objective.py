@@ -15,7 +15,7 @@ from typing import Callable, Collection, Iterable, Mapping, Sequence
 
 from accudiff.judging.intervals import Interval, best_case, needed_units, resolve
 from accudiff.errors import AccudiffError
-from accudiff.text import fixed, general, percent, times_tolerance
+from accudiff.text import digits_apart, fixed, general, percent, times_tolerance
 
 OBJECTIVES = ("tolerance", "decision")
 # A required figure: whether it must reach its target from below ("min") or stay under it ("max"), its name, and
@@ -154,10 +154,11 @@ def strictest_met(figures: Mapping[str, float], spans: Mapping[str, Interval], n
 NAN_AS_WORST = ": a vector holding NaN/Inf counts as -1"
 
 
-def figure_text(name: str, value: float) -> str:
-    """A decision figure as said: a share in percent, a divergence or a cosine as a number."""
+def figure_text(name: str, value: float, target: float | None = None) -> str:
+    """A decision figure as said: a share in percent, a divergence or a cosine as a number; beside a
+    `target` (a requirement), with the digits it needs not to read as the target when it is not."""
     text, digits = figure_style(name)
-    return text(value, digits)
+    return text(value, digits if target is None else digits_apart(value, target, text, digits))
 
 
 def figure_style(name: str) -> tuple[Callable[[float, int], str], int]:
@@ -232,15 +233,18 @@ def describe(tol_ratio: float, figures: Mapping[str, float], require: Mapping[st
         text = times_tolerance(miss, " its requirement" if named else "") if math.isfinite(miss) else "short of a target it must reach exactly"
     else:
         text = times_tolerance(tol_ratio, " its tolerance" if named else "")
-    said = _figures_said(figures)
-    said.update((name, f"{REQUIREMENTS[name][1]} {figure_text(name, figures[name])}") for name in required if name not in said)
+    said = _figures_said(figures, required)
+    said.update((name, f"{REQUIREMENTS[name][1]} {figure_text(name, figures[name], required[name])}") for name in required if name not in said)
     return text + (f" ({', '.join(said.values())})" if said else "")
 
 
-def _figures_said(figures: Mapping[str, float]) -> dict[str, str]:
-    """An output's main decision figures, as a tried keep's reading gives them (by name)."""
+def _figures_said(figures: Mapping[str, float], targets: Mapping[str, float] = {}) -> dict[str, str]:
+    """An output's main decision figures, as a tried keep's reading gives them (by name); one with a target
+    (`targets`, its requirements) never reads as its target when it is not."""
     if "top1" in figures:
-        return {"top1": f"top-1 agreement {percent(figures['top1'], 2)}", **({"kl": f"KL divergence {figures['kl']:.3g}"} if "kl" in figures else {})}
+        def apart(name: str, style: Callable[[float, int], str], digits: int) -> str:
+            return style(figures[name], digits if name not in targets else digits_apart(figures[name], targets[name], style, digits))
+        return {"top1": f"top-1 agreement {apart('top1', percent, 2)}", **({"kl": f"KL divergence {apart('kl', general, 3)}"} if "kl" in figures else {})}
     if "cosine_min" in figures:
         return {"cosine_min": f"lowest cosine {figures['cosine_min']:.6f}{NAN_AS_WORST if figures.get('nan_vectors') else ''}"}
     if "detections" in figures:

@@ -154,7 +154,7 @@ def requirement_text(output: str, result) -> str | None:
     applied = [(name, target) for name, target in result.require.items() if name in figures]
     if not applied:
         return None
-    said = [f"{REQUIREMENTS[name][1]} {'>=' if REQUIREMENTS[name][0] == 'min' else '<='} {target:g} ({figure_text(name, figures[name])})"
+    said = [f"{REQUIREMENTS[name][1]} {'>=' if REQUIREMENTS[name][0] == 'min' else '<='} {target:g} ({figure_text(name, figures[name], target)})"
             for name, target in applied]
     return "its requirement " + " and ".join(said)
 
@@ -207,7 +207,7 @@ def decision_first_lines(output: str, result, python: bool = False) -> list[str]
     met = decision_requirement(output, result)
     if met is not None:
         lines.append(f"judged by its decision, it passes: {requirement_option(met, python)} is met ({REQUIREMENTS[met.name][1]} "
-                     f"{said_figure(met.name, met.value, met.interval)})")
+                     f"{said_figure(met.name, met.value, met.interval, met.target)})")
     return lines + required_met_lines(output, result, python)
 
 

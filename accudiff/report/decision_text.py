@@ -12,7 +12,7 @@ from accudiff.judging.intervals import FIGURES, MIN_UNITS, Interval
 from accudiff.judging.objective import REQUIREMENTS, figure_style
 from accudiff.judging.output_kinds import OutputKind
 from accudiff.model.prompts import decode_tokens
-from accudiff.text import fixed, general, percent, signed, times_tolerance
+from accudiff.text import digits_apart, fixed, general, percent, signed, times_tolerance
 
 GENERATIONS_SHOWN = 3  # prompts whose two continuations the console prints
 
@@ -51,9 +51,10 @@ def _consistent(shown: str, bounds: str, span: Interval) -> bool:
     return lowest <= figure <= highest and (low != high or span.low == span.high)
 
 
-def said_figure(name: str, value: float, span: Interval | None) -> str:
-    """A required figure as `figure_text` says it, with its interval."""
-    return with_interval(name, value, span, *figure_style(name))
+def said_figure(name: str, value: float, span: Interval | None, target: float | None = None) -> str:
+    """A required figure as `figure_text` says it (beside its `target`, never reading as it when it is not), with its interval."""
+    text, digits = figure_style(name)
+    return with_interval(name, value, span, text, digits if target is None else digits_apart(value, target, text, digits))
 
 
 def interval_note(spans: dict[str, Interval], prompts: bool = False, independent: bool = False) -> str:
@@ -234,7 +235,7 @@ def unresolved_text(output: str, resolution, prompts: bool) -> str:
     name, direction = resolution.name, "reaches" if resolution.direction == "min" else "stays at most at"
     span, units = resolution.interval, "prompts" if prompts else "samples"
     what = REQUIREMENTS[name][1]
-    measured = f"{said_figure(name, resolution.value, span)} over {span.positions} {FIGURES[name][4]} of {span.units} {units[:-1] if span.units == 1 else units}"
+    measured = f"{said_figure(name, resolution.value, span, resolution.target)} over {span.positions} {FIGURES[name][4]} of {span.units} {units[:-1] if span.units == 1 else units}"
     needed = ("no amount of data would tell: the figure equals the target" if resolution.needed is None else
               f"about {resolution.needed:,.0f} {units} like these would" if math.isfinite(resolution.needed) else "far more data than this would")
     return f"output '{output}': the data cannot tell whether its {what} {direction} {resolution.target:g}: {measured}; {needed}"
