@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import models, realistic_inputs
-from benchmarks.measure import accudiff_command, measure, polygraphy_command
+from benchmarks.measure import accudiff_command, environment, environment_line, measure, polygraphy_command
 
 SHAPES = {"resnet18": "input:1x3x224x224", "ppocr_rec_v4": "x:1x3x48x320", "nudenet_320n": "images:1x3x320x320"}
 FEEDS = {"minilm_l3": realistic_inputs.sentences}  # models fed a realistic sample instead
@@ -141,7 +141,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = {}
+    rows = {"environment": environment()}
+    print(f"this machine: {environment_line(rows['environment'])}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             base, mode = CANDIDATES.get(name, (name, None))

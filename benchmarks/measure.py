@@ -78,6 +78,32 @@ def accudiff_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "accudiff.cli", *args]
 
 
+PACKAGES = ("numpy", "ml_dtypes", "onnx", "onnxruntime", "polygraphy")
+
+
+def environment() -> dict:
+    """What makes the same flows' figures differ between machines, beside the CPU: the versions of the
+    packages both tools import, and what a fresh process pays to import onnx (every polygraphy command and
+    accudiff's caller pay it). ml_dtypes 0.7.0, which onnx imports, registers its ufunc loops in numpy 2.4 in
+    0.55 s where 0.6.0 takes 0.01 s: polygraphy's two-command MiniLM flow read 3.82 s against 3.04 s."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "absent"
+
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import onnx"], check=True)
+    return {"versions": {package: installed(package) for package in PACKAGES}, "import_onnx_s": round(time.perf_counter() - start, 2)}
+
+
+def environment_line(found: dict) -> str:
+    """`environment()` as one line of a benchmark's output."""
+    return ", ".join(f"{k} {v}" for k, v in found["versions"].items()) + f"; a fresh process's `import onnx`: {found['import_onnx_s']:.2f} s"
+
+
 def polygraphy_command(*args: str) -> list[str]:
     """The command that runs `polygraphy *args` at its best: with torch kept from being imported. polygraphy's
     JSON module imports torch, when it is installed, to register a codec for torch tensors, whatever the
