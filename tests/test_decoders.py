@@ -824,7 +824,7 @@ def test_where_a_decoders_error_enters_is_said_as_far_as_the_decode_steps_interv
                 "decode": {"figures": {"kl": decode_kl}, "intervals": {"kl": Interval(low, high, 8, 32, True)}}}
 
     assert entry_text(phases(7.29e-05, 3.21e-05, 0.000114)) == ("the error enters in the prefill and is not shown to grow through the KV cache: "
-                                                                "the decode steps' KL, 7.29e-05 [3.21e-05, 0.000114], takes in the prefill's, 5.84e-05")
+                                                                "the decode steps' KL, 7.29e-05 [3.21e-05, 0.000114], whose interval holds the prefill's, 5.84e-05")
     assert entry_text(phases(2e-4, 1e-4, 3e-4)) == ("the error grows through the KV cache: the decode steps' KL, 0.0002 [0.0001, 0.0003], lies above the prefill's, "
                                                     "5.84e-05")
     assert entry_text(phases(2e-5, 1e-5, 3e-5)).startswith("the error enters in the prefill and does not grow through the KV cache: the decode steps' KL, 2e-05 [1e-05, 3e-05], lies below")

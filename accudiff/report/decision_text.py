@@ -182,9 +182,9 @@ def entry_text(phases: dict[str, dict]) -> str:
         return "the error grows through the KV cache: " + said.format("lies above")
     if span is not None and span.high < prefill:
         return "the error enters in the prefill and does not grow through the KV cache: " + said.format("lies below")
-    # An interval that takes in the prefill's KL: a few decode positions cannot show growth, nor its absence.
+    # An interval that holds the prefill's KL: a few decode positions cannot show growth, nor its absence.
     return "the error enters in the prefill and is not shown to grow through the KV cache: " + said.format(
-        "takes in" if span is not None else "has no interval to tell it from")
+        "whose interval holds" if span is not None else "has no interval to tell it from")
 
 
 def state_lines(result, state: list[str]) -> list[str]:
