@@ -88,6 +88,24 @@ def test_a_decoders_kv_cache_outputs_are_its_state_not_failing_outputs(llama, tm
     assert len(state) == 8 and (state["status"] == "fail").all()
 
 
+def test_the_plugin_judges_a_decoder_by_what_its_verdict_is_judged_by(llama, pytester):
+    """`assert_within(kl=0.02)` failed the INT4 build on 'present.3.value' outside its elementwise tolerance,
+    where `compare --require kl=0.02` passed it: the KV cache is the model's state, judged through the logits
+    of later steps, by the plugin as by the command line; asked for by name, a present output is judged."""
+    pytester.makepyfile(test_model=f"""
+def test_by_the_logits(accudiff):
+    result = accudiff.compare(r"{llama.fp32}", candidate_model=r"{llama.int4}", prompts=r"{llama.prompts}", new_tokens=2, verify=False)
+    assert result.assert_within(atol=1e-6, rtol=1e-6, stol=0, kl=1.0).passed
+
+def test_a_present_output_asked_for(accudiff):
+    accudiff.compare(r"{llama.fp32}", candidate_model=r"{llama.int4}", prompts=r"{llama.prompts}", new_tokens=2, verify=False).assert_within(
+        atol=1e-6, rtol=1e-6, stol=0, kl=1.0, tensors=["logits", "present.0.key"])
+""")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    assert "tensor 'present.0.key':" in result.stdout.str()
+
+
 def test_the_kv_cache_line_names_the_worst_step_output_by_what_it_counts(llama, tmp_path, run_cli):
     """The KV-cache line counted step outputs outside tolerance, each judged by its share of elements outside,
     then named a worst by the 99.9th percentile over every step: "9 of 576 step outputs outside tolerance; the

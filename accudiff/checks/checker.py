@@ -91,7 +91,8 @@ class AccuracyCheck:
     ):
         """Run the comparison and fail the test, with a message a person can act on, if it is out of bounds.
 
-        `tensors`: "outputs" (graph outputs decide), "all", or a list of tensor names. `decision`: targets of
+        `tensors`: "outputs" (the graph outputs the verdict is judged by: all but a decoder's KV cache), "all",
+        or a list of tensor names. `decision`: targets of
         decision figures (top1=0.99, kl=1e-2, cosine_min=0.99, iou=, flipped_share=1e-3, detections=0.95...): a graph output that has the figure is
         judged by it instead of its tolerance, as `--require` does (verification aims at it too). Returns
         the result.
@@ -100,7 +101,7 @@ class AccuracyCheck:
         from accudiff.report.content import held_to, requirement_text
 
         result = self._run(atol, rtol, stol, [f"{name}={value}" for name, value in decision.items()])
-        rows = _select(result.table, tensors)
+        rows = _select(result, tensors)
         failing = {f.tensor for f in result.output_failures}
         problems = []
         for _, row in rows.iterrows():
@@ -209,9 +210,12 @@ class AccuracyCheck:
         )
 
 
-def _select(table, tensors: str | Sequence[str]):
+def _select(result, tensors: str | Sequence[str]):
+    """The rows `tensors` names: "outputs" are those the verdict is judged by (a decoder's KV cache is its
+    state, judged through the logits of later steps, as the command line judges it), "all" every observed one."""
+    table = result.table
     if tensors == "outputs":
-        return table[table["is_output"]]
+        return table[table["tensor"].isin(result.deciding_outputs)]
     if tensors == "all":
         return table[table["status"] != "not observed"]
     wanted = list(tensors)
