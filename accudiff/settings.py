@@ -357,8 +357,14 @@ class RunSettings:
             unknown = [name for name in names if name not in info.output_names]
             if unknown:
                 raise AccudiffError(f"{option} names '{unknown[0]}', which is not a graph output of the model; its outputs are: {', '.join(info.output_names)}")
+        decoder = find_decoder(info.path, info.inputs, info.output_names)
+        fed_back = set(decoder.state) if decoder is not None else set()
+        stated = [name for name, kind in self.output_kinds.items() if kind == "state" and name not in fed_back]
+        if stated:  # nothing would judge it: a state output is judged only through the logits of the steps that read it back
+            raise AccudiffError(f"--output-kind names '{stated[0]}' state, but state is a KV-cache output the next step reads back as its past, and "
+                                + (f"this model's are {', '.join(sorted(fed_back))}" if fed_back else "this model carries no KV cache"))
         generated = self.prompts is None and self.inputs is None and not self.input_shapes
-        if generated and not all(spec.is_static for spec in info.inputs) and find_decoder(info.path, info.inputs, info.output_names) is not None:
+        if generated and not all(spec.is_static for spec in info.inputs) and decoder is not None:
             raise AccudiffError(f"'{info.path.name}' is a decoder carrying a KV cache: give it prompts with --prompts (text, one a line, tokenized "
                                 "with the model's tokenizer.json; or token ids as .npz), or its inputs with --load-inputs")
         quantized = [f for f in model_formats(info.proto.graph) if f in QUANTIZED_FORMATS]

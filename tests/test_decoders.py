@@ -106,6 +106,18 @@ def test_a_present_output_asked_for(accudiff):
     assert "tensor 'present.0.key':" in result.stdout.str()
 
 
+@pytest.mark.parametrize("model", ["decoder", "classifier"])
+def test_an_output_named_state_that_nothing_reads_back_is_refused(model, request, tmp_path, run_cli):
+    """`--output-kind logits=state` read "verdict: INCONCLUSIVE (... only 68 of the 68 tensors ... (100%) were
+    compared)" and counted the logits among the KV cache 'fed back as its past': no output was left to judge."""
+    llama = request.getfixturevalue("llama") if model == "decoder" else None  # the classifier's case runs without torch
+    given = (llama.fp32, "--candidate-model", llama.int4, "--prompts", llama.prompts) if model == "decoder" else (ROOT / "fixtures" / "clean.onnx", "--fp16")
+    code, out, err = run_cli("compare", *given, "--output-kind", "logits=state", "-o", tmp_path / "r")
+    said = "this model's are present.0.key" if model == "decoder" else "this model carries no KV cache"
+    assert code == 2 and not out and err.startswith("accudiff: error: --output-kind names 'logits' state, but state is a KV-cache output") and said in err, err
+    assert not (tmp_path / "r").exists()
+
+
 def test_the_kv_cache_line_names_the_worst_step_output_by_what_it_counts(llama, tmp_path, run_cli):
     """The KV-cache line counted step outputs outside tolerance, each judged by its share of elements outside,
     then named a worst by the 99.9th percentile over every step: "9 of 576 step outputs outside tolerance; the
