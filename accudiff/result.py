@@ -123,8 +123,8 @@ class CompareResult:
 
     @property
     def replayable(self) -> bool:
-        """Its inputs are files or generated from the seed (not feeds given in memory), so a command can run it again."""
-        return self.settings is not None and (self.settings.inputs is None or isinstance(self.settings.inputs, (str, Path)))
+        """Its inputs (or prompts) are files or generated from the seed (not given in memory), so a command can run it again."""
+        return self.settings is not None and all(given is None or isinstance(given, (str, Path)) for given in (self.settings.inputs, self.settings.prompts))
 
     @property
     def outputs(self) -> pd.DataFrame:

@@ -159,7 +159,7 @@ class RunSettings:
     objective: str = "tolerance"
     require: Sequence[str] = ()
     output_kind: Sequence[str] = ()
-    prompts: str | Path | None = None
+    prompts: str | Path | Sequence | None = None  # a file, or from Python a list of prompts (model/prompts.py)
     new_tokens: int | None = None
 
     def __post_init__(self) -> None:

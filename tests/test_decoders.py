@@ -118,6 +118,23 @@ def test_an_output_named_state_that_nothing_reads_back_is_refused(model, request
     assert not (tmp_path / "r").exists()
 
 
+def test_prompts_given_from_python_as_a_list_compare_as_the_same_prompts_in_a_file(llama, tmp_path):
+    """`accudiff.compare(..., prompts=["def main():", ...])` raised a bare TypeError (a path was expected): from
+    Python the prompts are a list of what a .jsonl line holds, and give the file's figures; a replay reads them
+    saved as token ids."""
+    lines = [json.loads(line) for line in llama.prompts.read_text().splitlines()[:3]]
+    given = [lines[0], _prompt_ids(llama)[1], {"prompt": lines[2]}]
+    from_file = accudiff.compare(llama.fp32, candidate_model=llama.int4, prompts=llama.prompts, new_tokens=2, verify=False)
+    from_list = accudiff.compare(llama.fp32, candidate_model=llama.int4, prompts=given, new_tokens=2, verify=False, report_dir=tmp_path / "r")
+    assert from_list.generations == from_file.generations[:3]
+    assert "--prompts " + str(tmp_path / "r" / "prompts.npz") in " ".join(from_list.replay)
+    assert accudiff.compare(llama.fp32, candidate_model=llama.int4, prompts=given, new_tokens=2, verify=False).replay == []  # saved nowhere
+    for bad, said in ((42, "prompts= takes a file, or a list of prompts"), ([], "the prompts list holds no prompt"),
+                      ([{"text": "x"}], "prompt 0 of the prompts list is neither text nor a list of token ids")):
+        with pytest.raises(accudiff.AccudiffError, match=re.escape(said)):
+            accudiff.compare(llama.fp32, candidate_model=llama.int4, prompts=bad, new_tokens=2, verify=False)
+
+
 def test_the_kv_cache_line_names_the_worst_step_output_by_what_it_counts(llama, tmp_path, run_cli):
     """The KV-cache line counted step outputs outside tolerance, each judged by its share of elements outside,
     then named a worst by the 99.9th percentile over every step: "9 of 576 step outputs outside tolerance; the

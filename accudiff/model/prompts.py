@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
@@ -31,10 +31,17 @@ TOKENIZER_FILE = "tokenizer.json"
 PROMPT_SUFFIXES = (".txt", ".jsonl", ".npz")
 
 
-def read_prompts(path: str | Path, model_folder: Path, vocabulary: int | None, target: Path) -> Samples:
-    """The prompts in `path` as token ids (text tokenized with `model_folder`'s tokenizer), each id checked
-    against the model's `vocabulary` size, saved to `target` (.npz) and read back one at a time."""
-    path = Path(path)
+Prompts = "str | Path | Sequence[str | Sequence[int] | np.ndarray | Mapping]"  # a file, or (from Python) the prompts themselves
+
+
+def read_prompts(given: Prompts, model_folder: Path, vocabulary: int | None, target: Path) -> Samples:
+    """The prompts in the file `given`, or given from Python as a list (each as a .jsonl line holds it: text,
+    token ids, or {"prompt": ..., "continuation": ...}), as token ids (text tokenized with `model_folder`'s
+    tokenizer), each id checked against the model's `vocabulary` size, saved to `target` (.npz) and read back
+    one at a time."""
+    if not isinstance(given, (str, Path)):
+        return _checked(_from_items(given, model_folder), "the prompts list", vocabulary, target)
+    path = Path(given)
     if not path.is_file():
         raise missing(path, f"prompts file '{path}'")
     suffix = path.suffix.lower()
@@ -47,23 +54,47 @@ def read_prompts(path: str | Path, model_folder: Path, vocabulary: int | None, t
             lines = path.read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as exc:
             raise AccudiffError(f"prompts file '{path}' could not be read as UTF-8 text ({exc.__class__.__name__})") from None
-        given = [(line, None) for line in lines if line.strip()] if suffix == ".txt" else _jsonl(lines, path)
-        encode = _tokenizer(model_folder, path) if any(isinstance(p, str) or isinstance(c, str) for p, c in given) else None
-        prompts = [(_ids(prompt, encode, f"prompt {k} of '{path}'"), None if continuation is None else _ids(continuation, encode, f"the continuation of prompt {k} of '{path}'"))
-                   for k, (prompt, continuation) in enumerate(given)]
+        items = [(line, None) for line in lines if line.strip()] if suffix == ".txt" else _jsonl(lines, path)
+        prompts = _tokenized(items, model_folder, f"'{path}'")
+    return _checked(prompts, f"prompts file '{path}'", vocabulary, target)
+
+
+def _checked(prompts: list[tuple[np.ndarray, np.ndarray | None]], source: str, vocabulary: int | None, target: Path) -> Samples:
+    """`prompts` (each its ids and its continuation's) checked against the model's `vocabulary`, saved to `target`."""
     if not prompts:
-        raise AccudiffError(f"prompts file '{path}' holds no prompt")
+        raise AccudiffError(f"{source} holds no prompt")
+    where = source.removeprefix("prompts file ")
     for k, (prompt, continuation) in enumerate(prompts):
         if prompt.size == 0:
-            raise AccudiffError(f"prompt {k} of '{path}' has no token")
+            raise AccudiffError(f"prompt {k} of {where} has no token")
         for ids in (prompt, continuation):
             if ids is not None and vocabulary is not None and ids.size and (ids.min() < 0 or ids.max() >= vocabulary):
-                raise AccudiffError(f"prompt {k} of '{path}' holds token id {int(ids.max() if ids.max() >= vocabulary else ids.min())}, "
+                raise AccudiffError(f"prompt {k} of {where} holds token id {int(ids.max() if ids.max() >= vocabulary else ids.min())}, "
                                     f"outside the model's vocabulary of {vocabulary}")
     feeds = [{"input_ids": prompt, **({"continuation": continuation} if continuation is not None else {})} for prompt, continuation in prompts]
     samples = samples_from_feeds(feeds, target)
-    samples.source = f"prompts file '{path}'"
+    samples.source = source
     return samples
+
+
+def _tokenized(items: Sequence[tuple[object, object]], model_folder: Path, where: str) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """Each (prompt, continuation) as token ids; text tokenized with `model_folder`'s tokenizer."""
+    encode = _tokenizer(model_folder, where) if any(isinstance(p, str) or isinstance(c, str) for p, c in items) else None
+    return [(_ids(prompt, encode, f"prompt {k} of {where}"), None if continuation is None else _ids(continuation, encode, f"the continuation of prompt {k} of {where}"))
+            for k, (prompt, continuation) in enumerate(items)]
+
+
+def _from_items(given, model_folder: Path) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """Prompts given from Python: a list of what a .jsonl line holds (token ids also as a 1-D integer array)."""
+    if isinstance(given, (bytes, Mapping, np.ndarray)) or not isinstance(given, Sequence):
+        raise AccudiffError(f"prompts= takes a file, or a list of prompts (text, token ids, or {{\"prompt\": ..., \"continuation\": ...}}); "
+                            f"it is {type(given).__name__}")
+    items = []
+    for k, item in enumerate(given):
+        prompt, continuation = (item.get("prompt"), item.get("continuation")) if isinstance(item, Mapping) else (item, None)
+        items.append(tuple(v.tolist() if isinstance(v, np.ndarray) and v.ndim == 1 and np.issubdtype(v.dtype, np.integer) else v
+                           for v in (prompt, continuation)))
+    return _tokenized(items, model_folder, "the prompts list")
 
 
 def _jsonl(lines: Sequence[str], path: Path) -> list[tuple[object, object]]:
@@ -115,11 +146,11 @@ def _as_ids(array: np.ndarray, path: Path, key: str) -> np.ndarray:
     return array.reshape(-1).astype(np.int64)
 
 
-def _tokenizer(folder: Path, path: Path):
+def _tokenizer(folder: Path, where: str):
     """`encode(text) -> ids` with the model folder's tokenizer (special tokens as the tokenizer adds them)."""
     source = folder / TOKENIZER_FILE
     if not source.is_file():
-        raise AccudiffError(f"'{path}' holds text, and there is no {TOKENIZER_FILE} in '{folder}' to tokenize it; give token ids (.npz) instead")
+        raise AccudiffError(f"{where} holds text, and there is no {TOKENIZER_FILE} in '{folder}' to tokenize it; give token ids (.npz) instead")
     try:
         from tokenizers import Tokenizer
     except ImportError:
@@ -163,7 +194,7 @@ class GenerationPlan:
                 "trial": trial, "batch": self.batch}
 
 
-def prepare_generation(info: ModelInfo, prompts: str | Path, new_tokens: int, target: Path, scratch: Path, candidate: Path | None = None) -> GenerationPlan:
+def prepare_generation(info: ModelInfo, prompts: Prompts, new_tokens: int, target: Path, scratch: Path, candidate: Path | None = None) -> GenerationPlan:
     """The generation plan of a decoder (`info`) on the prompts in `prompts` (saved as token ids at `target`);
     a `candidate` model file that reads its positions as an input is fed them."""
     decoder = find_decoder(info.path, info.inputs, info.output_names)
