@@ -242,9 +242,8 @@ def _figures_said(figures: Mapping[str, float], targets: Mapping[str, float] = {
     """An output's main decision figures, as a tried keep's reading gives them (by name); one with a target
     (`targets`, its requirements) never reads as its target when it is not."""
     if "top1" in figures:
-        def apart(name: str, style: Callable[[float, int], str], digits: int) -> str:
-            return style(figures[name], digits if name not in targets else digits_apart(figures[name], targets[name], style, digits))
-        return {"top1": f"top-1 agreement {apart('top1', percent, 2)}", **({"kl": f"KL divergence {apart('kl', general, 3)}"} if "kl" in figures else {})}
+        top1, kl = (_apart(figures, targets, name, style, digits) for name, style, digits in (("top1", percent, 2), ("kl", general, 3)))
+        return {"top1": f"top-1 agreement {top1}", **({"kl": f"KL divergence {kl}"} if "kl" in figures else {})}
     if "cosine_min" in figures:
         return {"cosine_min": f"lowest cosine {figures['cosine_min']:.6f}{NAN_AS_WORST if figures.get('nan_vectors') else ''}"}
     if "detections" in figures:
@@ -254,6 +253,14 @@ def _figures_said(figures: Mapping[str, float], targets: Mapping[str, float] = {
     if "flipped_share" in figures:
         return {"flipped_share": f"{percent(figures['flipped_share'], 3)} of the map flipped"}
     return {}
+
+
+def _apart(figures: Mapping[str, float], targets: Mapping[str, float], name: str, style: Callable[[float, int], str], digits: int) -> str | None:
+    """Figure `name` as `style` says it to `digits`, with more where it would read as its target when it is not."""
+    if name not in figures:
+        return None
+    value = figures[name]
+    return style(value, digits if name not in targets else digits_apart(value, targets[name], style, digits))
 
 
 def _miss(value: float, target: float, direction: str) -> float:

@@ -31,7 +31,7 @@ TOKENIZER_FILE = "tokenizer.json"
 PROMPT_SUFFIXES = (".txt", ".jsonl", ".npz")
 
 
-Prompts = "str | Path | Sequence[str | Sequence[int] | np.ndarray | Mapping]"  # a file, or (from Python) the prompts themselves
+Prompts = str | Path | Sequence[str | Sequence[int] | np.ndarray | Mapping]  # a file, or (from Python) the prompts themselves
 
 
 def read_prompts(given: Prompts, model_folder: Path, vocabulary: int | None, target: Path) -> Samples:
@@ -40,7 +40,7 @@ def read_prompts(given: Prompts, model_folder: Path, vocabulary: int | None, tar
     tokenizer), each id checked against the model's `vocabulary` size, saved to `target` (.npz) and read back
     one at a time."""
     if not isinstance(given, (str, Path)):
-        return _checked(_from_items(given, model_folder), "the prompts list", vocabulary, target)
+        return _checked(_from_items(given, model_folder), "the prompts list", "the prompts list", vocabulary, target)
     path = Path(given)
     if not path.is_file():
         raise missing(path, f"prompts file '{path}'")
@@ -56,14 +56,14 @@ def read_prompts(given: Prompts, model_folder: Path, vocabulary: int | None, tar
             raise AccudiffError(f"prompts file '{path}' could not be read as UTF-8 text ({exc.__class__.__name__})") from None
         items = [(line, None) for line in lines if line.strip()] if suffix == ".txt" else _jsonl(lines, path)
         prompts = _tokenized(items, model_folder, f"'{path}'")
-    return _checked(prompts, f"prompts file '{path}'", vocabulary, target)
+    return _checked(prompts, f"prompts file '{path}'", f"'{path}'", vocabulary, target)
 
 
-def _checked(prompts: list[tuple[np.ndarray, np.ndarray | None]], source: str, vocabulary: int | None, target: Path) -> Samples:
-    """`prompts` (each its ids and its continuation's) checked against the model's `vocabulary`, saved to `target`."""
+def _checked(prompts: list[tuple[np.ndarray, np.ndarray | None]], source: str, where: str, vocabulary: int | None, target: Path) -> Samples:
+    """`prompts` (each its ids and its continuation's) checked against the model's `vocabulary`, saved to
+    `target`; `source` names them whole ("prompts file 'p.txt'"), `where` after "prompt k of"."""
     if not prompts:
         raise AccudiffError(f"{source} holds no prompt")
-    where = source.removeprefix("prompts file ")
     for k, (prompt, continuation) in enumerate(prompts):
         if prompt.size == 0:
             raise AccudiffError(f"prompt {k} of {where} has no token")
@@ -90,7 +90,7 @@ def _from_items(given, model_folder: Path) -> list[tuple[np.ndarray, np.ndarray 
         raise AccudiffError(f"prompts= takes a file, or a list of prompts (text, token ids, or {{\"prompt\": ..., \"continuation\": ...}}); "
                             f"it is {type(given).__name__}")
     items = []
-    for k, item in enumerate(given):
+    for item in given:
         prompt, continuation = (item.get("prompt"), item.get("continuation")) if isinstance(item, Mapping) else (item, None)
         items.append(tuple(v.tolist() if isinstance(v, np.ndarray) and v.ndim == 1 and np.issubdtype(v.dtype, np.integer) else v
                            for v in (prompt, continuation)))
