@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -86,6 +87,56 @@ def test_ray_ships_the_files_a_models_weights_are_in(tmp_path):
     finally:
         ray.shutdown()
     _assert_same(local, on_ray)
+
+
+def test_ray_ships_each_folders_files_apart_and_a_task_reads_none_of_the_callers(tmp_path, monkeypatch):
+    """A model and its candidate whose data files share a name in two folders (a GenAI folder's
+    model.onnx.data; here quantize_dynamic's beside its input's) stopped `--ray` with an internal
+    FileNotFoundError: a task was sent the files in the model's own folder, not those its weights say they
+    lie in. Ray's run gives the local table, and a task run again on the shipped bytes alone, the caller's
+    folders gone, as on another machine, still works."""
+    ray = pytest.importorskip("ray", reason="Ray is an optional extra (pip install 'accudiff[ray]')")
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from accudiff.execution import shards
+    from accudiff.execution.messages import WorkerResult
+
+    rng = np.random.default_rng(3)
+    weights = [numpy_helper.from_array((rng.standard_normal(shape) * 0.1).astype(np.float32), f"w{k}") for k, shape in enumerate([(16, 256), (256, 256), (256, 16)])]
+    nodes = [helper.make_node("MatMul", ["x", "w0"], ["h0"], name="m0"), helper.make_node("Relu", ["h0"], ["r0"], name="r0"),
+             helper.make_node("MatMul", ["r0", "w1"], ["h1"], name="m1"), helper.make_node("Relu", ["h1"], ["r1"], name="r1"),
+             helper.make_node("MatMul", ["r1", "w2"], ["y"], name="m2")]
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16])], weights)
+    (tmp_path / "fp32").mkdir()
+    (tmp_path / "int8").mkdir()
+    model, candidate = tmp_path / "fp32" / "model.onnx", tmp_path / "int8" / "model.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(model), save_as_external_data=True,
+              location="model.onnx.data", size_threshold=0)
+    quantize_dynamic(str(model), str(candidate), weight_type=QuantType.QInt8, use_external_data_format=True)
+    assert (tmp_path / "int8" / "model.onnx.data").exists()
+    options = {"candidate_model": candidate, "inputs": _dataset(tmp_path / "data", 4), "verify": False}
+    local = accudiff.compare(model, workers=1, **options)
+    shipped = []
+    run_on_ray = shards._run_on_ray
+
+    def recording(jobs, progress):
+        shipped.extend((job, {path: (Path(path).read_bytes()) for path in shards._files_of(job)}) for job in jobs)
+        return run_on_ray(jobs, progress)
+
+    monkeypatch.setattr(shards, "_run_on_ray", recording)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=40)
+    try:
+        on_ray = accudiff.compare(model, ray="local", **options)
+    finally:
+        ray.shutdown()
+    _assert_same(local, on_ray)
+    for folder in ("fp32", "int8", "data"):
+        for file in (tmp_path / folder).iterdir():
+            file.unlink()
+    job, payloads = shipped[0]
+    assert WorkerResult.decode(*shards._ray_task(job.to_json(), payloads)).passes
 
 
 def test_a_dataset_gets_a_worker_per_core_and_a_single_sample_every_core(tmp_path):

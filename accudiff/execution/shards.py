@@ -25,7 +25,8 @@ import onnx
 from accudiff.execution.messages import Job, WorkerResult, merge_results
 from accudiff.execution.pool import result_files, run_job
 from accudiff.errors import AccudiffError, first_line
-from accudiff.model.graph import data_files
+from accudiff.model.graph import all_initializers
+from accudiff.model.weights import FOLDER_KEY, external_entries, is_external, weight_folder
 
 Progress = Callable[[str, int, int], None]
 RAY_LOG_LEVEL = 40  # logging.ERROR: Ray's own log lines stay off the console
@@ -145,7 +146,7 @@ def _run_on_ray(jobs: list[Job], progress: Progress | None) -> Iterator[WorkerRe
     shipped = [_files_of(job) for job in jobs]
     payloads = {path: ray.put(Path(path).read_bytes()) for path in sorted({path for files in shipped for path in files})}
     task = ray.remote(max_retries=0)(_ray_task)
-    pending = {task.remote(job.to_json(), {path: (payloads[path], as_data) for path, as_data in files.items()}): k
+    pending = {task.remote(job.to_json(), {path: payloads[path] for path in files}): k
                for k, (job, files) in enumerate(zip(jobs, shipped))}
     early: dict[int, WorkerResult] = {}
     next_shard, finished = 0, 0
@@ -164,35 +165,66 @@ def _run_on_ray(jobs: list[Job], progress: Progress | None) -> Iterator[WorkerRe
             next_shard += 1
 
 
-def _files_of(job: Job) -> dict[str, bool]:
-    """The files a worker reads: the models, the files their weights are in (by the names the models
-    record; a candidate's isolated twin refers to the candidate's own file) and the sample files; each
-    with whether it is read as weights."""
+def _files_of(job: Job) -> list[str]:
+    """The files a worker reads: the models, the files their weights are in (where each weight says its
+    file lies: a model accudiff saved refers to the user's weights where they are, and a candidate's
+    isolated twin to the candidate's own file) and the sample files."""
     models = [job.reference, *(p.model for p in job.passes), *job.validate]
-    weights = {str(Path(model).parent / name) for model in models for name in data_files(onnx.load(model, load_external_data=False))}
-    return {path: path in weights for path in dict.fromkeys([*models, *sorted(weights), *(entry[0] for entry in job.samples)])}
+    weights = {path for model in models for path in _weight_files(onnx.load(model, load_external_data=False), model).values()}
+    return list(dict.fromkeys([*models, *sorted(weights), *(entry[0] for entry in job.samples)]))
+
+
+def _weight_files(proto: onnx.ModelProto, model: str) -> dict[int, str]:
+    """The file each external weight of `proto` (the model file `model`) lies in, by the weight's index
+    among the model's initializers (bodies included)."""
+    return {index: str((weight_folder(init) or Path(model).parent) / external_entries(init)["location"])
+            for index, init in enumerate(all_initializers(proto)) if is_external(init)}
+
+
+def _pointed_here(model: str, local: dict[str, str]) -> str:
+    """The local copy of the model `model`, or, where its weights say which folder their files lie in (a
+    model accudiff saved: weights.py), a copy of it beside it whose weights refer to the local copies of
+    those files (`local`: each shipped file's local path). The model's own copy is left as it was: another
+    model's weights may lie in it at their offsets."""
+    proto = onnx.load(local[model], load_external_data=False)
+    placed = {index: original for index, original in _weight_files(proto, model).items() if weight_folder(all_initializers(proto)[index]) is not None}
+    if not placed:
+        return local[model]
+    initializers = all_initializers(proto)
+    for index, original in placed.items():
+        here = Path(local[original])
+        for entry in initializers[index].external_data:
+            if entry.key in ("location", FOLDER_KEY):
+                entry.value = here.name if entry.key == "location" else str(here.parent)
+    target = Path(local[model]).with_suffix(".here.onnx")
+    onnx.save(proto, str(target))
+    return str(target)
 
 
 def _ray_task(job: str, payloads: dict) -> tuple[str, bytes]:
-    """A Ray task: the job's files written locally, the worker's code run here, its result files returned."""
+    """A Ray task: the job's files written locally, the worker's code run here, its result files returned.
+    Files of one folder land in one local folder under their own names, files of another in another (two
+    models' data files may share a name: a GenAI folder's `model.onnx.data`), so a model finds its data
+    files beside it as ONNX Runtime expects; a model accudiff saved, whose weights say which folder their
+    files lie in, is pointed at the local copies. The task reads nothing from the caller's file system."""
     import ray
 
     folder = Path(tempfile.mkdtemp(prefix="accudiff-ray-"))
     try:
+        folders: dict[str, Path] = {}  # the caller's folder -> its local copy
         local = {}
-        for index, (path, (ref, as_data)) in enumerate(payloads.items()):
-            name = Path(path).name
-            # weights keep the name their models record (a model can be one: a twin refers to its file);
-            # models and sample files get a unique one
-            target = folder / (name if as_data else f"{index}-{name}")
-            target.write_bytes(ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref)
-            local[path] = str(target)
+        for path, ref in payloads.items():
+            here = folders.setdefault(str(Path(path).parent), folder / str(len(folders)))
+            here.mkdir(exist_ok=True)
+            (here / Path(path).name).write_bytes(ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref)
+            local[path] = str(here / Path(path).name)
         moved = Job.from_json(job)
+        models = {path: _pointed_here(path, local) for path in [moved.reference, *(p.model for p in moved.passes), *moved.validate]}
         moved = replace(
             moved,
-            reference=local[moved.reference],
-            passes=[replace(p, model=local[p.model]) for p in moved.passes],
-            validate=[local[path] for path in moved.validate],
+            reference=models[moved.reference],
+            passes=[replace(p, model=models[p.model]) for p in moved.passes],
+            validate=[models[path] for path in moved.validate],
             samples=[[local[file], prefix] for file, prefix in moved.samples],
             result=str(folder / "result"),
             store=None,
