@@ -192,8 +192,8 @@ class RunSettings:
         self.thresholds  # noqa: B018 - likewise a threshold
         self.judging  # noqa: B018 - and an objective or a requirement
         self.output_kinds  # noqa: B018 - and an output's kind
+        self._check_generation()  # first: with prompts, a captured file's other needs (--load-inputs) cannot be met either
         self._check_captured()
-        self._check_generation()
         if self.inputs is not None:
             ignored = [flag for flag, given in (("--input-shapes", self.input_shapes), ("--val-range", self.val_range), ("--iterations", self.iterations != 1)) if given]
             if ignored:

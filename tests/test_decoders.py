@@ -176,6 +176,14 @@ def test_prompts_for_a_model_without_a_kv_cache_are_refused(tmp_path, run_cli):
     assert code == 2 and "carries no KV cache" in err
 
 
+@pytest.mark.parametrize("flag", ["--load-inputs", "--load-candidate", "--load-reference", "--save-reference", "--save-candidate", "--engine"])
+def test_prompts_with_an_option_that_gives_other_inputs_or_tensors_is_refused_by_name(flag, tmp_path, run_cli):
+    """`--prompts p.txt --load-candidate x.json` said "--load-candidate needs ... --load-inputs", which
+    --prompts refuses in turn: the conflict with the prompts is what is said, whatever the option."""
+    code, _, err = run_cli("compare", ROOT / "fixtures" / "clean.onnx", "--prompts", tmp_path / "p.txt", flag, tmp_path / "x.json")
+    assert code == 2 and f"--prompts generates from each prompt, each side carrying its own KV cache: {flag} cannot go with it" in err, err
+
+
 def test_new_tokens_without_prompts_is_refused(run_cli):
     code, _, err = run_cli("compare", ROOT / "fixtures" / "clean.onnx", "--new-tokens", "4")
     assert code == 2 and "--new-tokens" in err and "--prompts" in err
