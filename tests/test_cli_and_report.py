@@ -422,6 +422,19 @@ def test_a_figure_beside_its_requirement_never_reads_as_its_target_when_it_is_no
     assert said_figure("kl", 0.0080024, Interval(0.0061, 0.0099, 6, 64, True, kind="mean"), 0.008) == "0.008002 [0.0061, 0.0099]"
 
 
+def test_an_accumulated_error_not_verified_is_said_to_be_the_rules_hypothesis():
+    """With --no-verify, the trained Llama's INT4 build read "cause: accumulated error: no single node breaks this
+    output": a claim about every node, made with no keep tried. Only a search says so; the rules' reading says what it is."""
+    from accudiff.findings import Cause
+    from accudiff.report.content import accumulated_headline
+
+    assert accumulated_headline(Cause("accumulated", verified=True), "the tolerance") == (
+        "cause: accumulated error: no single node breaks this output; small errors grow past the tolerance on the way")
+    for failing_alone in (0, 3):
+        said = accumulated_headline(Cause("accumulated", failing_alone=failing_alone), "its requirement")
+        assert said.startswith("cause: accumulated error (not verified: the rules' hypothesis); ") and "no single node" not in said, said
+
+
 def test_output_into_a_pipe_whose_reader_has_gone_is_no_error(tmp_path):
     """`accudiff compare ... | head -30` on the recognizer said 'internal error: BrokenPipeError' after the 30
     lines: a reader that stops reading ends the answer, not the command, which exits with its own code."""

@@ -343,9 +343,11 @@ def cause_lines(failure, result, python: bool = False) -> list[str]:
 def accumulated_headline(cause, target: str) -> str:
     """An error no single node breaks: small errors growing, or, where nodes upstream err past their own
     tolerance (the isolated run), their errors adding up (a dozen Mul nodes each far off is no small error)."""
+    # Only a search over every node upstream shows that none breaks it alone: unverified, it is the rules' reading.
+    said = ": no single node breaks this output" if cause.verified else " (not verified: the rules' hypothesis)"
     if not cause.failing_alone:
-        return f"cause: accumulated error: no single node breaks this output; small errors grow past {target} on the way"
-    return (f"cause: accumulated error: no single node breaks this output; errors made at more than one place add up past {target} "
+        return f"cause: accumulated error{said}; small errors grow past {target} on the way"
+    return (f"cause: accumulated error{said}; errors made at more than one place add up past {target} "
             f"({cause.failing_alone} node(s) upstream err past their own tolerance fed the reference's values)")
 
 
