@@ -67,11 +67,13 @@ def pytest_runtest_call(item: pytest.Item):
     result = yield
     marker = item.get_closest_marker("accudiff")
     if marker is not None:
+        from accudiff.judging.objective import REQUIREMENTS  # here: registering the plugin stays light
+
         options = dict(marker.kwargs)
         model = options.pop("model", marker.args[0] if marker.args else None)
         if model is None:
             raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.accudiff needs model=...")
-        checks = {k: options.pop(k) for k in ("atol", "rtol", "stol", "min_sqnr_db", "tensors", "baseline") if k in options}
+        checks = {k: options.pop(k) for k in ("atol", "rtol", "stol", "min_sqnr_db", "tensors", "baseline", *REQUIREMENTS) if k in options}
         precision = options.pop("precision", "fp32")
         AccuracyChecker(item.config.stash[_SETTINGS], item).compare(model, precision, **options).assert_within(**checks)
     return result

@@ -7,10 +7,11 @@ how the candidate is made and run), `Judging` (tolerances, thresholds, objective
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from difflib import get_close_matches
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 from accudiff.judging.objective import Objective, parse_requirements
 from accudiff.judging.output_kinds import parse_output_kinds
@@ -92,6 +93,16 @@ class Captures:
     candidate_runner: str | None
     save_reference: Path | None
     save_candidate: Path | None
+
+
+def require_known_options(options: Mapping[str, object]) -> None:
+    """An option RunSettings has no field for is one sentence naming it (and the nearest it has), not
+    RunSettings' own TypeError, which names neither compare() nor the pytest marker it came through."""
+    known = {f.name for f in fields(RunSettings) if f.init} - {"model", "precision"}
+    for name in options:
+        if name not in known:
+            near = get_close_matches(name, sorted(known), n=1)
+            raise AccudiffError(f"compare() takes no option '{name}'" + (f": did you mean {near[0]}=?" if near else ""))
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,29 @@ def test_broken():
     assert "SQNR" in result.stdout.str() and "below the required 40 dB" in result.stdout.str()
 
 
+def test_the_marker_takes_decision_targets_and_a_misspelt_option_is_one_sentence(pytester):
+    """`@pytest.mark.accudiff(..., kl=0.05)` stopped with RunSettings' TypeError and the plugin's traceback (the
+    fixture form takes decision targets, the marker did not), as any misspelt option still did in both forms."""
+    result = _run(pytester, f"""
+import pytest
+
+@pytest.mark.accudiff(model=r"{CLEAN}", precision="fp16", top1=0.5, kl=0.05)
+def test_by_its_decision():
+    pass
+
+@pytest.mark.accudiff(model=r"{CLEAN}", precision="fp16", iteration=2)
+def test_misspelt_marker():
+    pass
+
+def test_misspelt_fixture(accudiff):
+    accudiff.compare(r"{CLEAN}", precision="fp16", keep_fp23=["c1"]).assert_within()
+""")
+    result.assert_outcomes(passed=1, failed=2)
+    text = result.stdout.str()
+    assert "compare() takes no option 'iteration': did you mean iterations=?" in text and "compare() takes no option 'keep_fp23': did you mean keep_fp32=?" in text
+    assert "TypeError" not in text and "pytest_plugin.py" not in text, text
+
+
 def test_min_sqnr_on_named_tensors(pytester):
     result = _run(pytester, f"""
 def test_named(accudiff):
