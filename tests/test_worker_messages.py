@@ -104,3 +104,53 @@ def test_two_workers_results_merge_as_one_worker_would_have_added_them():
     assert len(merged.passes["candidate"].outcomes) == 2 and merged.steps == first.steps + second.steps
     assert np.array_equal(merged.passes["candidate"].sketches["logits"]["ratio"], 2 * np.arange(4))
     assert _equal(first, _a_result_with_every_field_set(0))  # merging made new values: the parts are as they were
+
+
+def test_a_worker_closed_by_two_threads_at_once_is_closed_once():
+    """Ctrl-C during verification: the thread running a worker's job and the caller's thread both closed the
+    worker, and one read the stderr file the other had just closed ('internal error: ValueError: I/O operation
+    on closed file'). The file here lets the first closer on only once the second has started, or after a
+    while: without the lock between them, the second reads a closed file every time."""
+    import threading
+
+    from accudiff.execution.pool import Worker
+
+    worker = Worker()
+    entered, first_done = threading.Event(), threading.Event()
+    real = worker._stderr
+    callers = []
+
+    class Interleaved:
+        closed = property(lambda self: real.closed)
+
+        def seek(self, offset: int) -> int:
+            callers.append(threading.current_thread())
+            if len(callers) == 1:
+                entered.wait(2)  # the second closer's arrival, or none: it waits for the first (the lock)
+            else:
+                entered.set()
+                first_done.wait(2)
+            return real.seek(offset)
+
+        def read(self) -> str:
+            return real.read()
+
+        def close(self) -> None:
+            real.close()
+            first_done.set()
+
+    worker._stderr = Interleaved()
+    errors = []
+
+    def close() -> None:
+        try:
+            worker.close(kill=True)
+        except Exception as exc:  # noqa: BLE001 - what the test looks for
+            errors.append(exc)
+
+    threads = [threading.Thread(target=close) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and len(callers) == 1

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -52,6 +53,9 @@ class Worker:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env,
         )
         self._ready = False  # its first event says it is up (see `wait_ready`)
+        # Closed by the thread that runs its job and, on Ctrl-C, by the caller's: one at a time, or one reads
+        # the stderr file the other has just closed.
+        self._closing = threading.Lock()
 
     def wait_ready(self) -> None:
         """Wait until the worker has started and imported what every job uses (its first event); at once
@@ -117,16 +121,17 @@ class Worker:
 
     def close(self, kill: bool = False) -> int:
         """End the worker (it exits when its input ends) and wait for it; its exit code."""
-        if kill and self._process.poll() is None:
-            self._process.kill()
-        self._end_input()
-        code = self._process.wait()
-        shutil.rmtree(self._tmp, ignore_errors=True)
-        if not self._stderr.closed:
-            self._stderr.seek(0)
-            self._stderr_text = self._stderr.read()
-            self._stderr.close()
-        return code
+        with self._closing:
+            if kill and self._process.poll() is None:
+                self._process.kill()
+            self._end_input()
+            code = self._process.wait()
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            if not self._stderr.closed:
+                self._stderr.seek(0)
+                self._stderr_text = self._stderr.read()
+                self._stderr.close()
+            return code
 
     def let_go(self) -> None:
         """End the worker without waiting for it: it tears its sessions down while the caller goes on (it
