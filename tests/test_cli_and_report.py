@@ -435,6 +435,14 @@ def test_an_accumulated_error_not_verified_is_said_to_be_the_rules_hypothesis():
         assert said.startswith("cause: accumulated error (not verified: the rules' hypothesis); ") and "no single node" not in said, said
 
 
+def test_summary_md_nests_a_causes_lines_as_the_console_does(run_cli, tmp_path):
+    """summary.md put a repair's steps and a cause's contributors at the level of the line that introduces them."""
+    code, out, _ = run_cli("compare", fixture("layernorm_overflow"), "--fp16", "--report-dir", tmp_path / "r")
+    markdown = (tmp_path / "r" / "summary.md").read_text()
+    assert code == 1 and "\n        step 1: keep 4 node(s)" in out
+    assert "\n  - repair (verified on sample 0): keep 4 node(s)" in markdown and "\n    - step 1: keep 4 node(s) -&gt; output at 0.158x" in markdown, markdown
+
+
 def test_output_into_a_pipe_whose_reader_has_gone_is_no_error(tmp_path):
     """`accudiff compare ... | head -30` on the recognizer said 'internal error: BrokenPipeError' after the 30
     lines: a reader that stops reading ends the answer, not the command, which exits with its own code."""
