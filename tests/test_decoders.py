@@ -184,6 +184,20 @@ def test_prompts_with_an_option_that_gives_other_inputs_or_tensors_is_refused_by
     assert code == 2 and f"--prompts generates from each prompt, each side carrying its own KV cache: {flag} cannot go with it" in err, err
 
 
+def test_a_prefill_only_generation_says_no_decode_step_was_fed():
+    """With --new-tokens 0 the line read "both sides fed the reference's greedy choices; the candidate choosing
+    greedily on its own chooses the same in all 6 prompt(s)": no token was fed, one was chosen."""
+    from accudiff.report.decision_text import generation_lines
+
+    def result(*chosen: tuple[list[int], list[int]]) -> SimpleNamespace:
+        return SimpleNamespace(model=Path("nowhere") / "model.onnx", generations=[
+            {"sequence": k, "given": False, "reference": ref, "candidate": cand, "diverged_at": None if ref == cand else 0} for k, (ref, cand) in enumerate(chosen)])
+
+    assert generation_lines(result(([5], [5]), ([7], [7]))) == ["  generation: the prefill only; the candidate's greedy next token is the reference's in all 2 prompt(s)"]
+    assert generation_lines(result(([5], [6]), ([7], [7])))[0] == "  generation: the prefill only; the candidate's greedy next token differs from the reference's in 1 of 2 prompt(s)"
+    assert generation_lines(result(([5, 1], [5, 1])))[0].startswith("  generation: both sides fed the reference's greedy choices")
+
+
 def test_new_tokens_without_prompts_is_refused(run_cli):
     code, _, err = run_cli("compare", ROOT / "fixtures" / "clean.onnx", "--new-tokens", "4")
     assert code == 2 and "--new-tokens" in err and "--prompts" in err

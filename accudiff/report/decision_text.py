@@ -209,8 +209,13 @@ def generation_lines(result) -> list[str]:
     parted = [g for g in result.generations if g["diverged_at"] is not None]
     given = any(g["given"] for g in result.generations)
     whose = "the continuation given" if given else "the reference's greedy choices"
-    lines = [f"  generation: both sides fed {whose}; the candidate choosing greedily on its own "
-             + (f"parts from them in {len(parted)} of {len(result.generations)} prompt(s)" if parted else f"chooses the same in all {len(result.generations)} prompt(s)")]
+    count = len(result.generations)
+    if all(len(g["reference"]) <= 1 for g in result.generations):  # no decode step (--new-tokens 0): the prefill's next token alone
+        lines = ["  generation: the prefill only; the candidate's greedy next token "
+                 + (f"differs from the reference's in {len(parted)} of {count} prompt(s)" if parted else f"is the reference's in all {count} prompt(s)")]
+    else:
+        lines = [f"  generation: both sides fed {whose}; the candidate choosing greedily on its own "
+                 + (f"parts from them in {len(parted)} of {count} prompt(s)" if parted else f"chooses the same in all {count} prompt(s)")]
     folder = result.model.parent
     for g in parted[:GENERATIONS_SHOWN]:
         at = g["diverged_at"]
