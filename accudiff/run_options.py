@@ -102,7 +102,7 @@ RUN_OPTIONS = (
               "a candidate made from the model by another tool (ModelOpt, ONNX Runtime's quantizer, a converter): compared as it is",
               metavar="FILE", replayed=False),
     RunOption("--load-inputs", "inputs", "inputs from .npz, polygraphy's --save-inputs JSON or (a model of one input) .npy, instead of random data", metavar="FILE"),
-    RunOption("--calib-data", "calib_data", "INT8 calibration samples (.npz, polygraphy JSON or, for a model of one input, .npy)", metavar="FILE"),
+    RunOption("--calib-data", "calib_data", "INT8 calibration samples (.npz, polygraphy JSON or, for a model of one input, .npy; a decoder's: prompts, as --prompts takes them)", metavar="FILE"),
     RunOption("--prompts", "prompts", "a decoder's prompts: text (.txt, one a line; .jsonl) tokenized with the model's tokenizer.json, or token ids (.npz)",
               metavar="FILE"),
     RunOption("--new-tokens", "new_tokens", "decode steps after each prompt's prefill, each side carrying its own KV cache (default 16)", type=int, metavar="N"),

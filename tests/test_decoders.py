@@ -135,6 +135,25 @@ def test_prompts_given_from_python_as_a_list_compare_as_the_same_prompts_in_a_fi
             accudiff.compare(llama.fp32, candidate_model=llama.int4, prompts=bad, new_tokens=2, verify=False)
 
 
+def test_a_decoders_int8_candidate_is_calibrated_on_prompts(llama, tmp_path):
+    """`--int8` on a decoder said its scales "were calibrated on random data", when a prefill has nothing to draw
+    (the prompt's tokens, an empty past): they were the first prompt's, eight times over. That is now said, and
+    --calib-data takes prompts as --prompts does (a calibration file of prefill tensors no one writes by hand)."""
+    import onnx
+
+    def scales(result) -> dict[str, float]:
+        model = onnx.load(str(result.report_dir / "candidate-int8.onnx"))
+        return {node.input[1]: float(numpy_helper.to_array(init)) for node in model.graph.node if node.op_type == "QuantizeLinear"
+                for init in model.graph.initializer if init.name == node.input[1] and not init.dims}
+
+    alone = accudiff.compare(llama.fp32, "int8", prompts=llama.prompts, new_tokens=1, verify=False, report_dir=tmp_path / "a")
+    assert any(n.startswith("INT8 scales were calibrated on the first sample alone") for n in alone.notices), alone.notices
+    calib = decoders.write_prompts(tmp_path / "calib.jsonl", decoders.source_prompts(12)[8:])
+    calibrated = accudiff.compare(llama.fp32, "int8", prompts=llama.prompts, new_tokens=1, verify=False, calib_data=calib, report_dir=tmp_path / "c")
+    assert not any("INT8 scales were calibrated" in n for n in calibrated.notices)
+    assert scales(alone).keys() == scales(calibrated).keys() and scales(alone) != scales(calibrated)
+
+
 def test_the_kv_cache_line_names_the_worst_step_output_by_what_it_counts(llama, tmp_path, run_cli):
     """The KV-cache line counted step outputs outside tolerance, each judged by its share of elements outside,
     then named a worst by the 99.9th percentile over every step: "9 of 576 step outputs outside tolerance; the

@@ -17,10 +17,12 @@ from typing import Iterable
 import numpy as np
 import onnx
 
+from accudiff.model.decoder import find_decoder
 from accudiff.model.graph import GraphIndex
 from accudiff.model.inputs import Feed, generate_feeds
 from accudiff.model.inventory import ModelInfo
 from accudiff.model.loading import load_model, remember_model
+from accudiff.model.prompts import prepare_generation
 from accudiff.model.quantized_ops import QuantizedOp, find_quantized_ops
 from accudiff.model.samples import Samples, samples_from_feeds, samples_from_path
 from accudiff.model.value_file import ValueFile
@@ -63,7 +65,8 @@ def transform_model(info: ModelInfo, recipe: CandidateRecipe, samples: Samples, 
         return close_autokeep(info, result, samples, recipe.keep_fp32, HALVES[recipe.precision], measure) if recipe.autokeep else result
     if recipe.precision == "int8":
         calibration = calibration_samples(info, samples[0], recipe.calib_data, recipe.seed, scratch)
-        return to_int8(info.proto, calibration, recipe.keep_fp32, calibrated_on_random_data=recipe.calib_data is None)
+        on = None if recipe.calib_data is not None else "random" if drawn_at_random(samples[0]) else "first"
+        return to_int8(info.proto, calibration, recipe.keep_fp32, calibrated_on=on)
     return TransformResult(model=info.proto, precision="fp32")
 
 
@@ -171,6 +174,12 @@ def keep_pattern(node: str) -> str:
     return re.escape(node)
 
 
+def drawn_at_random(sample: Feed) -> bool:
+    """Whether random calibration data shaped like `sample` draws anything: a floating-point input with
+    elements (a decoder's prefill has none: its tokens are the prompt's, its past is empty)."""
+    return any(np.issubdtype(value.dtype, np.floating) and value.size for value in sample.values())
+
+
 def calibration_samples(info: ModelInfo, sample: Feed, calib_data=None, seed: int = 0, scratch: Path | None = None) -> Samples:
     """The INT8 calibration samples: `calib_data` (samples, or a file or a folder, read one at a time), else
     seeded random data (seed + 1, written into `scratch`) shaped like `sample`. Only the floating-point
@@ -179,10 +188,15 @@ def calibration_samples(info: ModelInfo, sample: Feed, calib_data=None, seed: in
     and take other branches."""
     if isinstance(calib_data, Samples):
         return calib_data
+    folder = scratch if scratch is not None else Path(tempfile.mkdtemp(prefix="accudiff-calibration-"))
+    if calib_data is not None and find_decoder(info.path, info.inputs, info.output_names) is not None:
+        # A decoder is calibrated on prompts, as --prompts takes them (their prefills): nobody writes a KV cache by hand.
+        (folder / "calibration").mkdir(exist_ok=True)
+        return prepare_generation(info, calib_data, 0, folder / "calibration" / "prompts.npz", folder / "calibration").prefills
     if calib_data is not None:
         return samples_from_path(calib_data, info.inputs, "calibration", scratch)
     shapes = {spec.name: sample[spec.name].shape for spec in info.inputs}
     fixed = {name: value for name, value in sample.items() if not np.issubdtype(value.dtype, np.floating)}
-    folder = scratch if scratch is not None else Path(tempfile.mkdtemp(prefix="accudiff-calibration-"))
-    feeds = [{**feed, **fixed} for feed in generate_feeds(info.inputs, shapes, seed + 1, iterations=8)]
+    # Nothing to draw (drawn_at_random): the sample itself, once, not eight times over.
+    feeds = [{**feed, **fixed} for feed in generate_feeds(info.inputs, shapes, seed + 1, iterations=8 if drawn_at_random(sample) else 1)]
     return samples_from_feeds(feeds, folder / "calibration.npz", info.inputs)

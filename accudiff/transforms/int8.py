@@ -38,19 +38,25 @@ PREQUANTIZED_OPS = frozenset({  # besides QLinear*: what an already-quantized mo
     "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "QAttention", "QGemm", "QEmbedLayerNormalization",
 })
 PER_CHANNEL_OPSET = 13
-RANDOM_CALIBRATION_WARNING = (
-    "INT8 scales were calibrated on random data (integer and bool inputs as in the first sample): pass --calib-data with real samples, "
-    "or clipping and resolution errors will not match deployment"
-)
+# What INT8 scales were calibrated on, without --calib-data: random floating inputs, or (a model with none to draw:
+# a decoder's prefill is its prompt's tokens and an empty past) the first sample itself.
+CALIBRATION_WARNINGS = {
+    "random": "INT8 scales were calibrated on random data (integer and bool inputs as in the first sample): pass --calib-data with real "
+              "samples, or clipping and resolution errors will not match deployment",
+    "first": "INT8 scales were calibrated on the first sample alone (it has no floating-point input to draw at random: a decoder's prefill "
+             "is its prompt's tokens): pass --calib-data with more samples (a decoder's: prompts, as --prompts takes them), or clipping and "
+             "resolution errors will not match deployment",
+}
 
 
 def to_int8(
     model: onnx.ModelProto,
     calibration_feeds: list[Feed],
     keep_fp32: Iterable[str] = (),
-    calibrated_on_random_data: bool = False,
+    calibrated_on: str | None = None,
 ) -> TransformResult:
-    """Quantize `model` with Q/DQ nodes calibrated (min/max) on `calibration_feeds`."""
+    """Quantize `model` with Q/DQ nodes calibrated (min/max) on `calibration_feeds`; `calibrated_on`: a key of
+    CALIBRATION_WARNINGS where they are not the user's."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
     class FeedReader(CalibrationDataReader):
@@ -67,7 +73,7 @@ def to_int8(
     excluded = [node.name for node in model.graph.node if selector.matches(node) is not None]
     already = _what_remains_to_quantize(model, excluded)  # before the opset upgrade, which a model with nothing to quantize may not survive
     model, upgraded = with_opset(_weights_as_initializers(model), PER_CHANNEL_OPSET, "per-channel INT8 quantization")
-    notices = [*already, *upgraded, *([RANDOM_CALIBRATION_WARNING] if calibrated_on_random_data else [])]
+    notices = [*already, *upgraded, *([CALIBRATION_WARNINGS[calibrated_on]] if calibrated_on else [])]
     with tempfile.TemporaryDirectory(prefix="accudiff-int8-") as tmp:
         source, target = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
         save_model(model, source)  # its weights beside it past the threshold: protobuf stops at 2 GB
