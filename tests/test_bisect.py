@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import json
 import math
 import subprocess
@@ -185,13 +187,21 @@ def test_a_missing_calibration_file_is_refused_before_any_step(run_cli, tmp_path
 
 def test_bisect_precision_numbers_only_the_steps_it_runs(run_cli, tmp_path):
     """Pruning drifting_probability_map's repair tries a keep-list the search ran before: it is answered from
-    that run, and its progress line said 'step 6' a second time. Each step number is printed once."""
-    code, _, err = run_cli("bisect", "precision", fixture("drifting_probability_map"), "--fp16", "--candidate", "onnxrt", "-o", tmp_path / "p")
+    that run, and its progress line said 'step 6' a second time. Each step number is printed once, and each
+    says the bound of the whole search (the comparison is one step of two runs): starting from compare's
+    verified repair (layernorm_overflow), the steps said "of at most 5", where that repair failing on every
+    sample falls back to a search of some 75 more."""
+    runs = {name: run_cli("bisect", "precision", fixture(name), "--fp16", "--candidate", "onnxrt", "-o", tmp_path / name)
+            for name in ("drifting_probability_map", "layernorm_overflow")}
+    code, _, err = runs["drifting_probability_map"]
     steps = [line.split()[1] for line in err.splitlines() if line.strip().startswith("step ")]
     assert code == 1 and len(steps) == len(set(steps)) > 2, err  # 1: the candidate as made fails
     assert "(pruning: fewer nodes): answered by an earlier run" in err
-    page = (tmp_path / "p" / "report.html").read_text()
+    page = (tmp_path / "drifting_probability_map" / "report.html").read_text()
     assert "each kept node needed" in page and "already meets tolerance" in page
+    for name, (_, out, err) in runs.items():
+        bound = int(re.search(r"candidate runs \(at most (\d+) on any path", out).group(1))
+        assert set(re.findall(r"step \d+ of at most (\d+):", err)) == {str(bound - 1)}, (name, err)
 
 
 def test_bisect_precision_says_the_target_it_judged_by(run_cli, tmp_path):

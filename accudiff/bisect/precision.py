@@ -94,9 +94,9 @@ def bisect_precision(session: BisectSession, out_dir: Path) -> PrecisionResult:
     trials = session.trials(full)
     result.bound = _run_bound(len(ranking), len(trials.boundaries.close(start)))
     try:
-        found = _from_repair(session, trials, start, full) if verified else None
-        if found is None:
-            found = _smallest_passing_prefix(session, trials, list(ranking["node"]), units, full)
+        found = _from_repair(session, trials, start, full, result.bound) if verified else None
+        if found is None:  # the steps say the bound of the whole search: a repair failing on every sample falls back to this
+            found = _smallest_passing_prefix(session, trials, list(ranking["node"]), units, full, result.bound)
         best, result.untried = found if found is not None else (None, 0)
         result.minimal = best is not None and not result.untried
         if best is None and not result.interrupted:
@@ -186,20 +186,19 @@ def _pruned(session: BisectSession, trials: Trials, chosen: list[str], full: Com
     return kept, untried
 
 
-def _from_repair(session: BisectSession, trials: Trials, start: list[str], full: CompareResult) -> tuple[list[str], int] | None:
+def _from_repair(session: BisectSession, trials: Trials, start: list[str], full: CompareResult, total: int) -> tuple[list[str], int] | None:
     """compare's verified repairs, together, tried on every sample and pruned; None if they fail there."""
     closed = trials.boundaries.close(start)
-    total = _run_bound(0, len(closed))
     if not _passes(session, trials, start, full, f"the {len(start)} of the verified repairs", total):
         return None
     return _pruned(session, trials, start, full, total, len(closed))
 
 
-def _smallest_passing_prefix(session: BisectSession, trials: Trials, nodes: list[str], units: dict[str, list[str]], full: CompareResult) -> tuple[list[str], int] | None:
+def _smallest_passing_prefix(session: BisectSession, trials: Trials, nodes: list[str], units: dict[str, list[str]], full: CompareResult,
+                             total: int) -> tuple[list[str], int] | None:
     """The keep-list of the smallest k, found from below, such that keeping nodes[:k] (each with its unit: a
     cancellation with the nodes computing its operands; closed over boundaries) passes, pruned, and how many of
     its nodes its pruning did not try; None if keeping all of them still fails."""
-    total = _run_bound(len(nodes), 0)
 
     def prefix(k: int) -> list[str]:
         return list(dict.fromkeys(n for node in nodes[:k] for n in units.get(node, [node])))
