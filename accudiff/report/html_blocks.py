@@ -168,9 +168,8 @@ def facts_table(facts: dict[str, str]) -> str:
     return f'<table class="facts">{rows}</table>'
 
 
-def bullet_list(items: Iterable[str], ordered: bool = False) -> str:
-    tag = "ol" if ordered else "ul"
-    return f"<{tag}>" + "".join(f"<li>{escape(item)}</li>" for item in items) + f"</{tag}>"
+def bullet_list(items: Iterable[str]) -> str:
+    return "<ul>" + "".join(f"<li>{escape(item)}</li>" for item in items) + "</ul>"
 
 
 def section(title: str, body: str) -> str:
