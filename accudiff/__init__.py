@@ -6,14 +6,16 @@ the pytest plugin's registration) do not pay for pandas and the whole pipeline a
 
 from accudiff.errors import AccudiffError
 from accudiff.version import __version__
-__all__ = ["AccudiffError", "CompareResult", "RunSettings", "TensorFailure", "TrtOptions", "__version__", "compare"]
+__all__ = ["AccudiffError", "Bisection", "CompareResult", "RunSettings", "TensorFailure", "TrtOptions", "__version__", "bisect_precision",
+           "bisect_subgraph", "compare"]
 
-_API = {"compare", "CompareResult", "RunSettings", "TensorFailure", "TrtOptions"}
+_API = {"compare": "api", "CompareResult": "api", "RunSettings": "api", "TensorFailure": "api", "TrtOptions": "api",
+        "bisect_precision": "bisect.python_api", "bisect_subgraph": "bisect.python_api", "Bisection": "bisect.python_api"}
 
 
 def __getattr__(name: str):
     if name in _API:
-        from accudiff import api
+        import importlib
 
-        return getattr(api, name)
+        return getattr(importlib.import_module(f"accudiff.{_API[name]}"), name)
     raise AttributeError(f"module 'accudiff' has no attribute {name!r}")

@@ -137,9 +137,9 @@ def _run_bisect(args: argparse.Namespace) -> int:
     from accudiff.options import run_settings
 
     out_dir = args.report_dir or default_report_dir(Path(args.model).stem, f"bisect-{args.bisector}")
-    summary, found, interrupted = run_bisector(args.bisector, run_settings(args), out_dir)
+    result, summary, found = run_bisector(args.bisector, run_settings(args), out_dir)
     _out(summary)
-    return EXIT_INTERRUPTED if interrupted else EXIT_FAIL if found else EXIT_PASS
+    return EXIT_INTERRUPTED if result.interrupted else EXIT_FAIL if found else EXIT_PASS
 
 
 def _run_partition(args: argparse.Namespace) -> int:

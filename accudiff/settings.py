@@ -95,14 +95,15 @@ class Captures:
     save_candidate: Path | None
 
 
-def require_known_options(options: Mapping[str, object]) -> None:
-    """An option RunSettings has no field for is one sentence naming it (and the nearest it has), not
-    RunSettings' own TypeError, which names neither compare() nor the pytest marker it came through."""
+def require_known_options(options: Mapping[str, object], call: str = "compare()") -> None:
+    """An option RunSettings has no field for is one sentence naming it and the `call` given it (and the
+    nearest option it has), not RunSettings' own TypeError, which names neither the call nor the pytest
+    marker it came through."""
     known = {f.name for f in fields(RunSettings) if f.init} - {"model", "precision"}
     for name in options:
         if name not in known:
             near = get_close_matches(name, sorted(known), n=1)
-            raise AccudiffError(f"compare() takes no option '{name}'" + (f": did you mean {near[0]}=?" if near else ""))
+            raise AccudiffError(f"{call} takes no option '{name}'" + (f": did you mean {near[0]}=?" if near else ""))
 
 
 @dataclass(frozen=True)

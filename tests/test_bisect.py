@@ -93,15 +93,20 @@ def test_subgraph_bisect_on_a_clean_model_finds_nothing(tmp_path):
 
 
 def test_precision_bisect_repairs_the_model_with_few_runs(tmp_path):
-    session = _session("layernorm_overflow", "fp16")
-    result = bisect_precision(session, tmp_path)
-    session.close()
+    """Through the public call (`accudiff.bisect_precision`, which the bisectors lacked: only the command ran
+    them), with the folder the command writes; a keyword it does not take is one sentence naming it."""
+    found = accudiff.bisect_precision(fixture("layernorm_overflow"), "fp16", candidate="onnxrt", report_dir=tmp_path / "b")
+    result, folder = found.found, found.folder
+    assert found.summary.startswith("accudiff bisect precision: ") and (folder / "result.json").exists()
     # The cause comes first; keeping it in FP32 moves the overflow to its consumers, which are kept too.
     assert result.repaired and result.keep[:2] == ["ln_square", "ln_variance"]
     assert len(result.keep) < len(result.ranking) and result.candidate_runs <= result.bound and result.candidate_runs < len(result.ranking)
-    keep = (tmp_path / "keep_fp32.txt").read_text().split()
+    keep = (folder / "keep_fp32.txt").read_text().split()
     assert accudiff.compare(fixture("layernorm_overflow"), "fp16", candidate="onnxrt", keep_fp32=keep).passed
-    repaired = onnx.load(str(tmp_path / result.repaired_model))
+    with pytest.raises(accudiff.AccudiffError, match=re.escape("bisect_subgraph() takes no option 'keep_fp23': did you mean keep_fp32=?")):
+        accudiff.bisect_subgraph(fixture("layernorm_overflow"), "fp16", keep_fp23=["ln_square"], report_dir=tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+    repaired = onnx.load(str(folder / result.repaired_model))
     assert {n.name for n in repaired.graph.node} >= set(result.keep)
     ranking = result.ranking.set_index("node")
     assert ranking.loc["ln_square", "rank"] == 1 and bool(ranking.loc["ln_square", "kept"])

@@ -384,7 +384,7 @@ def test_an_error_the_quantized_elementwise_ops_make_is_repaired_by_op_type_as_t
 
     assert worst(candidate) > 1 and worst(rebuilt) <= 1
     # bisect precision starts from that repair, prunes it to a shorter list, and says the one option beside it
-    text, _, _ = run_bisector("precision", RunSettings(path, candidate_model=candidate, candidate="onnxrt", inputs=tmp_path / "files.npz"), tmp_path / "bisect")
+    _, text, _ = run_bisector("precision", RunSettings(path, candidate_model=candidate, candidate="onnxrt", inputs=tmp_path / "files.npz"), tmp_path / "bisect")
     keep = (tmp_path / "bisect" / "nodes.txt").read_text().split()
     assert len(keep) < len(failure.repair.keep), text
     assert ("  or, a longer list in one option (verified by compare, every other quantized node kept): quantize only its Conv and MatMul nodes: "

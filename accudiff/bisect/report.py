@@ -7,12 +7,13 @@ import json
 import shlex
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
+from typing import Callable
 
 import pandas as pd
 
-from accudiff.bisect.precision import KEEP_LIST_FILE, NODES_FILE, PRUNE_LIMIT, RANKING_FILE, bisect_precision
+from accudiff.bisect.precision import KEEP_LIST_FILE, NODES_FILE, PRUNE_LIMIT, RANKING_FILE, PrecisionResult, bisect_precision
 from accudiff.bisect.session import BisectSession, stderr_progress
-from accudiff.bisect.subgraph import bisect_subgraph
+from accudiff.bisect.subgraph import SubgraphResult, bisect_subgraph
 from accudiff.findings import CAUSE_KINDS
 from accudiff.atomic import new_folder
 from accudiff.report.content import HTML_FILE, finite, met_words
@@ -32,12 +33,13 @@ RESULT_SCHEMA = "accudiff.bisect.result"
 SHOWN_NODES = 8  # a keep-list's nodes named on the console; past them, the options read the files that list them
 
 
-def run_bisector(name: str, settings: RunSettings, out_dir: Path) -> tuple[str, bool, bool]:
-    """Run bisector `name`; returns the console summary, whether a failure was found, and whether Ctrl-C
-    stopped it (what it found until then is reported). A bad option or
-    model is said before any folder is made; an error or Ctrl-C leaves none behind."""
+def run_bisector(name: str, settings: RunSettings, out_dir: Path, show: Callable[[str], None] | None = None) -> tuple[PrecisionResult | SubgraphResult, str, bool]:
+    """Run bisector `name` into the folder `out_dir`, each step told to `show` (default: stderr); returns what
+    it found, the console summary, and whether a failure was found (Ctrl-C stops it: `interrupted`, and what
+    it found until then is reported). A bad option or model is said before any folder is made; an error
+    leaves none behind."""
     steps: list[str] = []
-    show = stderr_progress()
+    show = show or stderr_progress()
 
     def progress(message: str) -> None:
         steps.append(message)
@@ -61,7 +63,7 @@ def run_bisector(name: str, settings: RunSettings, out_dir: Path) -> tuple[str, 
             folder.write_text(HTML_FILE, bisect_page(name, Path(model).name, precision, result, steps, files, _target(settings), unreproducible))
     finally:
         session.close()
-    return text, found, result.interrupted
+    return result, text, found
 
 
 def _subgraph_text(result, folder: Path, settings: RunSettings) -> str:
