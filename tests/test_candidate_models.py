@@ -403,7 +403,7 @@ def test_bisect_says_the_tolerance_an_output_meets_in_compares_words(run_cli, tm
     save_feeds([realistic_inputs.FEEDS["ppocr_det_v4"](0)], tmp_path / "page.npz")
     code, out, err = run_cli("bisect", "precision", detector, "--candidate-model", "det-fp16.onnx", "--load-inputs", "page.npz", "-o", "fix")
     assert code == 1, err
-    assert "as it is meets atol 0.998, or no rtol (an element whose reference is 0 errs more than atol)" in out and "rtol inf" not in out, out[-3000:]
+    assert "as it is meets atol 0.998 (at rtol 0.01, stol 0.002), or no rtol (an element whose reference is 0 errs more than atol)" in out and "rtol inf" not in out, out[-3000:]
 
 
 def test_a_candidate_compared_in_segments_gives_the_table_of_one_run(tmp_path):

@@ -443,6 +443,15 @@ def test_summary_md_nests_a_causes_lines_as_the_console_does(run_cli, tmp_path):
     assert "\n  - repair (verified on sample 0): keep 4 node(s)" in markdown and "\n    - step 1: keep 4 node(s) -&gt; output at 0.158x" in markdown, markdown
 
 
+def test_the_tolerance_an_output_meets_says_the_rest_of_the_tolerance_it_is_met_at():
+    """bisect's "output 'logits' as it is meets atol 0, or rtol 0" read as if the INT4 logits were exact: their
+    stol alone covered them. Compare and bisect now say both in the same words, each with what it is met at."""
+    from accudiff.judging.tolerances import Tolerance
+    from accudiff.report.content import met_words
+
+    assert met_words({"atol": 0.0, "rtol": 0.0}, Tolerance(0.05, 0.25, 0.1)) == "atol 0 (at rtol 0.25, stol 0.1), or rtol 0 (at atol 0.05, stol 0.1)"
+
+
 def test_output_into_a_pipe_whose_reader_has_gone_is_no_error(tmp_path):
     """`accudiff compare ... | head -30` on the recognizer said 'internal error: BrokenPipeError' after the 30
     lines: a reader that stops reading ends the answer, not the command, which exits with its own code."""

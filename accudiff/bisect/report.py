@@ -117,7 +117,7 @@ def _where_it_stands(result, settings: RunSettings) -> list[str]:
     lines = []
     for output, met in result.tolerance_met.items():
         lines += [line[2:] for line in decision_lines(output, result.decisions.get(output, {}), spans=result.intervals.get(output), prompts=result.prompts)]
-        lines.append(f"output '{output}' as it is meets " + ", or ".join(met_words(met)))
+        lines.append(f"output '{output}' as it is meets {met_words(met, settings.judging.tolerances.for_tensor(output))}")
         held = result.decision_met.get(output)
         if held is not None:
             lines.append(f"judged by its decision, it passes: --require {held.name}={held.target:g} is met "

@@ -186,16 +186,15 @@ def tolerance_met_line(output: str, result) -> list[str]:
     met = result.tolerance_met.get(output)
     if met is None:
         return []
-    tolerance = result.tolerances.for_tensor(output)
-    atol, rtol = met_words(met)
-    return [f"tolerance met: {atol} (at rtol {tolerance.rtol:g}, stol {tolerance.stol:g}), or {rtol} (at atol {tolerance.atol:g}, stol {tolerance.stol:g})"]
+    return [f"tolerance met: {met_words(met, result.tolerances.for_tensor(output))}"]
 
 
-def met_words(met: dict) -> tuple[str, str]:
-    """The atol and the rtol an output meets, in words (where none would do, why)."""
+def met_words(met: dict, tolerance) -> str:
+    """The atol and the rtol an output meets, each with the rest of `tolerance` it is met at (an atol of 0 alone
+    would read as no error at all), in words (where none would do, why)."""
     atol = f"atol {met['atol']:.3g}" if math.isfinite(met.get("atol", math.nan)) else "no atol (NaN/Inf where the reference is finite)"
     rtol = f"rtol {met['rtol']:.3g}" if math.isfinite(met.get("rtol", math.nan)) else "no rtol (an element whose reference is 0 errs more than atol)"
-    return atol, rtol
+    return f"{atol} (at rtol {tolerance.rtol:g}, stol {tolerance.stol:g}), or {rtol} (at atol {tolerance.atol:g}, stol {tolerance.stol:g})"
 
 
 def decision_first_lines(output: str, result, python: bool = False) -> list[str]:
