@@ -187,10 +187,10 @@ def _pointed_here(model: str, local: dict[str, str]) -> str:
     those files (`local`: each shipped file's local path). The model's own copy is left as it was: another
     model's weights may lie in it at their offsets."""
     proto = onnx.load(local[model], load_external_data=False)
-    placed = {index: original for index, original in _weight_files(proto, model).items() if weight_folder(all_initializers(proto)[index]) is not None}
+    initializers = all_initializers(proto)
+    placed = {index: original for index, original in _weight_files(proto, model).items() if weight_folder(initializers[index]) is not None}
     if not placed:
         return local[model]
-    initializers = all_initializers(proto)
     for index, original in placed.items():
         here = Path(local[original])
         for entry in initializers[index].external_data:
