@@ -84,7 +84,7 @@ def bisect_page(bisector: str, model: str, precision: str, result, steps: Sequen
         if result.ranking is not None:
             ranking = data_table(result.ranking, list(result.ranking.columns), "ranking", main=RANKING_COLUMNS)
             sections.append(section("Ranking (causes first, then by own error)", ranking))
-    sections.append(section("Steps taken", bullet_list(steps)))  # not numbered: the steps number themselves, runs answered from memory not
+    sections.append(section("Steps taken", bullet_list(steps)))  # not numbered by the page: the steps carry their own numbers
     heading = f'<h1>{escape(title)}</h1><p><span class="verdict {verdict}" id="verdict">{label}</span></p>'
     return page(title, [], [heading, *sections])
 
