@@ -36,11 +36,12 @@ def times_tolerance(ratio: float, suffix: str = " its tolerance") -> str:
     return f"{ratio:.{digits}g}x{suffix}"
 
 
-def digits_apart(value: float, target: float, style: Callable[[float, int], str], digits: int) -> int:
+def digits_apart(value: float, target: float | None, style: Callable[[float, int], str], digits: int) -> int:
     """The digits `style` needs for `value` not to read as `target` when it is not: a KL of 0.008024 beside a
-    target of 0.008 reads '0.008024', not '0.008', which reads as on the target (at most nine more)."""
+    target of 0.008 reads '0.008024', not '0.008', which reads as on the target (at most nine more); `digits`
+    where there is no target."""
     most = digits + 9
-    while value != target and digits < most and style(value, digits) == style(target, digits):
+    while target is not None and value != target and digits < most and style(value, digits) == style(target, digits):
         digits += 1
     return digits
 

@@ -158,7 +158,7 @@ def figure_text(name: str, value: float, target: float | None = None) -> str:
     """A decision figure as said: a share in percent, a divergence or a cosine as a number; beside a
     `target` (a requirement), with the digits it needs not to read as the target when it is not."""
     text, digits = figure_style(name)
-    return text(value, digits if target is None else digits_apart(value, target, text, digits))
+    return text(value, digits_apart(value, target, text, digits))
 
 
 def figure_style(name: str) -> tuple[Callable[[float, int], str], int]:
@@ -259,8 +259,7 @@ def _apart(figures: Mapping[str, float], targets: Mapping[str, float], name: str
     """Figure `name` as `style` says it to `digits`, with more where it would read as its target when it is not."""
     if name not in figures:
         return None
-    value = figures[name]
-    return style(value, digits if name not in targets else digits_apart(value, targets[name], style, digits))
+    return style(figures[name], digits_apart(figures[name], targets.get(name), style, digits))
 
 
 def _miss(value: float, target: float, direction: str) -> float:

@@ -54,7 +54,7 @@ def _consistent(shown: str, bounds: str, span: Interval) -> bool:
 def said_figure(name: str, value: float, span: Interval | None, target: float | None = None) -> str:
     """A required figure as `figure_text` says it (beside its `target`, never reading as it when it is not), with its interval."""
     text, digits = figure_style(name)
-    return with_interval(name, value, span, text, digits if target is None else digits_apart(value, target, text, digits))
+    return with_interval(name, value, span, text, digits_apart(value, target, text, digits))
 
 
 def interval_note(spans: dict[str, Interval], prompts: bool = False, independent: bool = False) -> str:
