@@ -100,10 +100,10 @@ def summary_markdown(result, html_name: str = HTML_FILE) -> str:
     ]
     lines += [f"- {_md(line)}" for line in requirements_met(result)]
     for failure in result.output_failures:
-        lines.append(f"- output `{_md(failure.tensor)}` fails: " + _md(cause_lines(failure, result)[0].removeprefix("cause: ")))
+        headline, *said = cause_lines(failure, result)
+        lines.append(f"- output `{_md(failure.tensor)}` fails: " + _md(headline.removeprefix("cause: ")))
         # nested as the console nests them: two spaces a level
-        lines += [f"{'  ' * ((len(line) - len(line.lstrip())) // 2)}- {_md(line.strip())}" for line in cause_lines(failure, result)[1:]
-                  if not line.strip().startswith("to find")]
+        lines += [f"{'  ' * ((len(line) - len(line.lstrip())) // 2)}- {_md(line.strip())}" for line in said if not line.strip().startswith("to find")]
     worst = worst_tensors(result.table)
     if len(worst) and result.output_failures:
         lines += ["", "| tensor | op | status | max abs err | SQNR (dB) |", "|---|---|---|---|---|"]
