@@ -42,7 +42,7 @@ from accudiff.runners import TrtOptions
 from accudiff.model.stores import ReferenceCache
 from accudiff.transforms.float_form import float_reference
 from accudiff.transforms.opset import at_forms_opset
-from accudiff.settings import RunSettings, require_known_options
+from accudiff.settings import RunSettings, settings_of
 from accudiff.workspace import Progress, Workspace, workspace
 
 if TYPE_CHECKING:
@@ -64,8 +64,7 @@ def compare(model: str | Path, precision: str = "fp32", *, progress: Progress | 
     Raises AccudiffError (one sentence, naming these keyword arguments) for any problem with the inputs.
     """
     try:
-        require_known_options(options)
-        return run(RunSettings(model, precision, **options), progress, reference_cache)
+        return run(settings_of(model, precision, options), progress, reference_cache)
     except AccudiffError as exc:  # said in the caller's words, and once: what led to it is no news to a caller
         from accudiff.options import python_words
 

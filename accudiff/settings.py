@@ -95,15 +95,16 @@ class Captures:
     save_candidate: Path | None
 
 
-def require_known_options(options: Mapping[str, object], call: str = "compare()") -> None:
-    """An option RunSettings has no field for is one sentence naming it and the `call` given it (and the
-    nearest option it has), not RunSettings' own TypeError, which names neither the call nor the pytest
-    marker it came through."""
+def settings_of(model: str | Path, precision: str, options: Mapping[str, object], call: str = "compare()") -> RunSettings:
+    """The settings of a Python call (`call`: compare(), a bisector, the pytest plugin's checks) given these
+    keywords. One RunSettings has no field for is one sentence naming it and the call (and the nearest
+    field), not RunSettings' own TypeError, which names neither."""
     known = {f.name for f in fields(RunSettings) if f.init} - {"model", "precision"}
     for name in options:
         if name not in known:
             near = get_close_matches(name, sorted(known), n=1)
             raise AccudiffError(f"{call} takes no option '{name}'" + (f": did you mean {near[0]}=?" if near else ""))
+    return RunSettings(model, precision, **options)
 
 
 @dataclass(frozen=True)

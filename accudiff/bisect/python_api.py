@@ -13,7 +13,7 @@ from accudiff.bisect.report import run_bisector
 from accudiff.bisect.subgraph import SubgraphResult
 from accudiff.errors import AccudiffError
 from accudiff.options import python_words
-from accudiff.settings import RunSettings, require_known_options
+from accudiff.settings import settings_of
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,7 @@ def bisect_subgraph(model: str | Path, precision: str = "fp32", *, report_dir: s
 
 def _bisect(name: str, model, precision: str, report_dir, progress, options: dict) -> Bisection:
     try:
-        require_known_options(options, f"bisect_{name}()")
-        settings = RunSettings(model, precision, **options)
+        settings = settings_of(model, precision, options, f"bisect_{name}()")
         folder = Path(report_dir) if report_dir is not None else default_report_dir(Path(settings.model).stem, f"bisect-{name}")
         found, summary, _ = run_bisector(name, settings, folder, progress or (lambda line: None))
     except AccudiffError as exc:  # said in the caller's words, once

@@ -158,7 +158,7 @@ class AccuracyCheck:
         from accudiff.atomic import default_report_dir
         from accudiff.options import python_words
         from accudiff.runners import unavailable_reason
-        from accudiff.settings import RunSettings, require_known_options
+        from accudiff.settings import settings_of
 
         options = {"workers": self.settings.workers, **self.options, **({"require": require} if require else {})}
         candidate = options.pop("candidate", self.settings.candidate)
@@ -166,10 +166,9 @@ class AccuracyCheck:
         if reason is not None:
             pytest.skip(f"accudiff: {reason}")
         try:
-            require_known_options(options)
             # The precision compared: the one asked for, or a candidate model's own (its label, e.g. int8-dynamic+int4-weight),
             # which names its line of accudiff_tolerances and its report folder.
-            precision = RunSettings(self.model, self.precision, candidate=candidate, **options).precision
+            precision = settings_of(self.model, self.precision, {**options, "candidate": candidate}).precision
             defaults = self.settings.tolerances.get(precision, {})
             tolerances = {
                 name: value if value is not None else defaults.get(name)
