@@ -26,7 +26,12 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells expect of a command Ctrl-C sto
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one sentence (and exit code 2), like every other error."""
+    """argparse, but a usage error is one sentence (and exit code 2), like every other error, and an option is
+    taken only by its whole name: a prefix would be read as whatever option it starts (`--output DIR` as
+    `--output-kind`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> None:
         self.exit(EXIT_ERROR, f"accudiff: error: {message} (see {self.prog} --help)\n")
@@ -73,6 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _near_option(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
+    """A hint for a misspelt option, only where one option is a near miss (`--new-token`), never a mere prefix."""
+    import difflib
+
+    names = [name for action in parser._actions for name in action.option_strings if name.startswith("--")]
+    for given in extras:
+        if given.startswith("--") and (near := difflib.get_close_matches(given.split("=")[0], names, n=1, cutoff=0.85)):
+            return f": did you mean {near[0]}?"
+    return ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         with run_folder():  # every scratch file of the command and its workers, removed by the next command if this one is killed
@@ -94,7 +110,7 @@ def _command(argv: Sequence[str] | None) -> int:
         parser = build_parser()
         args, extras = parser.parse_known_args(argv)
         if extras:  # said by the command's own parser, so the hint names the right --help
-            args.parser.error(f"unrecognized arguments: {' '.join(extras)}")
+            args.parser.error(f"unrecognized arguments: {' '.join(extras)}{_near_option(args.parser, extras)}")
     except SystemExit as exc:  # usage errors, --help, --version: argparse has already printed
         return int(exc.code or 0)
     try:

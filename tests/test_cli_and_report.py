@@ -127,6 +127,9 @@ def test_failed_run_leaves_nothing_behind(run_cli, tmp_path):
         (["compare", fixture("clean"), "--workers", "0"], "--workers must be at least 1"),
         (["compare"], "the following arguments are required: model (see accudiff compare --help)"),
         (["bisect", "subgraph", fixture("clean"), "--nope"], "unrecognized arguments: --nope (see accudiff bisect subgraph --help)"),
+        # A prefix is not taken as the option it starts: `--output DIR` was read as --output-kind.
+        (["compare", fixture("clean"), "--output", "out"], "unrecognized arguments: --output out (see accudiff compare --help)"),
+        (["compare", fixture("clean"), "--new-token", "4"], "unrecognized arguments: --new-token 4: did you mean --new-tokens? (see"),
         ([], "the following arguments are required: command (see accudiff --help)"),
     ],
 )
