@@ -14,6 +14,7 @@ import pytest
 import accudiff
 from accudiff.bisect.report import run_bisector
 from accudiff.report import plots
+from accudiff.report.html_blocks import structured
 from accudiff.report.svg import MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP
 from accudiff.settings import RunSettings
 from conftest import ROOT, fixture, run_printed
@@ -113,6 +114,9 @@ def test_the_report_reads_like_a_report(tmp_path):
     cause = page.split('id="cause-y"')[1].split("</section>")[0]
     assert [h for h in re.findall(r"<h4>(.*?)</h4>", cause)] == ["What it does to the decision", "Tolerance", "Cause and repair"]
     assert "<b>overflow</b>: reference absmax" in cause and "<b>verified</b>: keeping it in FP32" in cause
+    # A head that counts something is part of its sentence, as its siblings' are ("prefill (192 positions): ...").
+    assert structured(["prefill (192 positions): top-1 91%", "decode, each side carrying its own KV cache (96 positions): top-1 94%"]) == (
+        '<ul class="said"><li>prefill (192 positions): top-1 91%</li><li>decode, each side carrying its own KV cache (96 positions): top-1 94%</li></ul>')
     path = page.split('id="error-path"')[1].split("</svg>")[0]
     assert re.search(r'rotate\(-35\)" text-anchor="end">squared</text>', path)  # the axis names tensors
     assert "<title>squared (Pow): SQNR -200.0 dB" in path  # and every point names its tensor on hover

@@ -127,9 +127,15 @@ def _items(items: list) -> str:
             parts.append(f'<li class="command">{copyable(text)}</li>')
             continue
         kind, said, rest = text.partition(": ")
-        head = f"<b>{escape(kind)}</b>: {escape(rest)}" if said and len(kind) <= KIND_LENGTH and "'" not in kind else escape(text)
+        head = f"<b>{escape(kind)}</b>: {escape(rest)}" if said and _is_kind(kind) else escape(text)
         parts.append(f"<li>{head}{_items(children)}</li>")
     return f"<ul class=\"said\">{''.join(parts)}</ul>"
+
+
+def _is_kind(head: str) -> bool:
+    """A finding's kind is a word or two ("overflow", "also repairs it alone"); a head that names or counts
+    something ("prefill (192 positions)", "output 'y'") is part of a sentence, as its sibling lines are."""
+    return len(head) <= KIND_LENGTH and not any(mark in head for mark in "'(,")
 
 
 def copyable(command: str) -> str:
