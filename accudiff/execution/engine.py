@@ -221,9 +221,13 @@ class Engine:
         for r, s in enumerate(samples):
             if s not in self._inputs_counted:
                 self._inputs_counted.add(s)
-                for row, name in enumerate(self.inputs):  # a graph input is its own candidate: only its range counts
-                    value = rows(feed, r)[name]
-                    self.input_stats.add(row, *reduce_tensor(value, value, _RANGE_ONLY, self.quant_ranges.get(name), s))
+                fed = rows(feed, r)
+                # A graph input is its own candidate: only its range counts. Every input's row is merged at once
+                # (one by one, a small decoder's 18 inputs took a seventh of its generation).
+                values, sketches = np.tile(EMPTY_ROW, (len(self.inputs), 1)), np.zeros((len(self.inputs), SKETCH_BUCKETS), np.int64)
+                for row, name in enumerate(self.inputs):
+                    reduce_tensor(fed[name], fed[name], _RANGE_ONLY, self.quant_ranges.get(name), s, out=(values[row], sketches[row]))
+                self.input_stats.add_rows(range(len(self.inputs)), values, sketches)
         own_inputs = own_inputs or {}
         reference_values: dict[str, np.ndarray] = dict(feed)
         passes = [p for p in self.passes if (p.samples is None or max(samples) < p.samples) and (only is None or p.name in only)]
@@ -380,7 +384,7 @@ class Engine:
         for _ in self._reducer.map(lambda batch: [reduce_one(index) for index in batch], [[i] for i in large] + batches):
             pass
         result.stats.add_rows([self.row[tensor] for tensor, _, _ in pairs], values, None)
-        finished = finish_rows(values[list(own)], np.stack(list(own.values()))) if own else {}  # the outputs' rows at once (one by one: most of a decoder's statistics)
+        finished = finish_rows(values[list(own)], None) if own else {}  # the outputs' rows at once (one by one: most of a decoder's statistics)
         for at, index in enumerate(own):
             tensor = pairs[index][0]
             result.stats.sketch[self.row[tensor]] += own[index]

@@ -185,7 +185,9 @@ def attach_sketches(result: CompareResult, info: ModelInfo, measured: WorkerResu
 def _sample_table(outcomes: list[SampleOutcome], steps: pd.DataFrame) -> pd.DataFrame:
     """One row per sample and graph output, in sample order; a decoder's generation adds what each sample
     is (its prompt, step, phase and first position)."""
-    table = pd.DataFrame(outcomes, columns=[c for c in SAMPLE_COLUMNS if c != "status"])
+    columns = [c for c in SAMPLE_COLUMNS if c != "status"]
+    # Column by column: a frame made of the dataclasses deep-copies each (0.8 s for 400 prompts' 7,000 steps).
+    table = pd.DataFrame({c: [getattr(o, c) for o in outcomes] for c in columns}, columns=columns)
     table.insert(2, "status", np.where(table["outside_share"] > 0, STATUS_FAIL, STATUS_PASS))
     if len(steps):
         table = table.merge(steps[["sample", "sequence", "step", "phase", "position"]], on="sample", how="left")
