@@ -18,12 +18,15 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from accudiff.errors import AccudiffError
 from accudiff.leftovers import WORKER_PREFIX
 from accudiff.memory import with_huge_pages
+
+SPAWNED_AT = "ACCUDIFF_WORKER_SPAWNED_AT"  # when the caller started the worker (time.time()), for its start's measure
 
 if TYPE_CHECKING:
     from accudiff.execution.messages import Job, Probe, ProbedValue, WorkerResult
@@ -47,7 +50,7 @@ class Worker:
         # The worker's temporary files go in a folder of ours, removed when it ends: a worker killed or
         # crashed leaves nothing behind.
         self._tmp = tempfile.mkdtemp(prefix=WORKER_PREFIX)
-        env = {**(with_huge_pages(os.environ) if huge_pages else os.environ), "TMPDIR": self._tmp}
+        env = {**(with_huge_pages(os.environ) if huge_pages else os.environ), "TMPDIR": self._tmp, SPAWNED_AT: repr(time.time())}
         self._process = subprocess.Popen(
             [sys.executable, "-m", "accudiff.execution.worker"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env,
@@ -63,8 +66,10 @@ class Worker:
         if not self._ready:
             line = self._process.stdout.readline()
             self._ready = True
-            if line and json.loads(line)["event"] != "ready":
+            if line and (event := json.loads(line))["event"] != "ready":
                 raise WorkerBug("the comparison worker spoke before it was ready", line)
+            if line:
+                _measured_start(event)
 
     def run(self, job: Job, progress: Callable[[str, int, int], None] | None = None) -> WorkerResult:
         """Run `job` here and return its result (see `load_result`). After a failure the worker is closed."""
@@ -88,6 +93,7 @@ class Worker:
                 event = json.loads(line)
                 if event["event"] == "ready":
                     self._ready = True
+                    _measured_start(event)
                 elif event["event"] == "step":
                     step = event["text"]
                 elif event["event"] == "sample":
@@ -149,14 +155,27 @@ class Worker:
 
 class _Pool:
     """The workers of this process not at work: started ahead of their jobs (`spares`), and let go of, maybe
-    still exiting (`ending`)."""
+    still exiting (`ending`); and how long the last one to say so took to start."""
 
     def __init__(self) -> None:
         self.spares: list[Worker] = []
         self.ending: list[Worker] = []
+        self.start_seconds: float | None = None
 
 
 _POOL = _Pool()
+
+
+def _measured_start(ready: dict) -> None:
+    if ready.get("start_seconds") is not None:
+        _POOL.start_seconds = float(ready["start_seconds"])
+
+
+def worker_start_seconds(default: float) -> float:
+    """How long a worker takes to start on this machine (Python and the imports every job uses: 0.35 s on
+    one machine, 0.9 s on another whose ml_dtypes registers its types slowly), as the last worker to be up
+    measured it; `default` before any has."""
+    return default if _POOL.start_seconds is None else _POOL.start_seconds
 
 
 def idle_workers() -> int:
@@ -166,7 +185,7 @@ def idle_workers() -> int:
 
 def prestart(count: int = 1) -> None:
     """Have `count` workers started now (those already waiting count); the next jobs are handed to them.
-    A worker's Python start and imports (about 0.35 s) then overlap the caller's own work (importing,
+    A worker's Python start and imports (`worker_start_seconds`) then overlap the caller's own work (importing,
     loading the model, building variants) instead of following it. Those left unused are ended by
     `discard_spares` (and at exit)."""
     _POOL.spares.extend(Worker() for _ in range(count - len(_POOL.spares)))

@@ -7,7 +7,7 @@ The one exception is `--int8` calibration, which ONNX Runtime's quantizer runs w
 arrays: several workers (or Ray tasks) on different samples give results that merge into one table.
 
 Protocol: the job (a JSON object, see `Job`) on stdin; events on stdout, one JSON object per line:
-{"event": "ready"} once, when it has started; then per job {"event": "step", "text": ...}, {"event":
+{"event": "ready", "start_seconds": ...} once, when it has started (how long since the caller started it); then per job {"event": "step", "text": ...}, {"event":
 "sample", "done": k, "total": n}, and last {"event": "done"} or {"event": "error", "message": ...}. The
 result is written next to the job's `result` path (`WorkerResult.encode`: statistics as .npz, no pickle,
 the rest as JSON).
@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import traceback
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +30,7 @@ import numpy as np
 from accudiff.errors import AccudiffError, RunFailed, out_of_space
 from accudiff.leftovers import scratch_base
 from accudiff.memory import SEPARATE_MAPPINGS_FROM_TENSOR_BYTES, map_large_blocks_separately
+from accudiff.execution.pool import SPAWNED_AT
 from accudiff.execution.messages import Job, Layout, PassSpec, Probe, ProbedValue, WorkerResult, read_message
 from accudiff.runners.reused import ReusedRunners
 
@@ -186,7 +188,8 @@ def main() -> None:
         out.flush()
 
     _load_what_every_job_uses()
-    emit({"event": "ready"})
+    spawned = os.environ.get(SPAWNED_AT)
+    emit({"event": "ready", "start_seconds": time.time() - float(spawned) if spawned else None})
     try:
         for line in sys.stdin:
             try:

@@ -32,7 +32,7 @@ from accudiff.judging.intervals import COLUMNS, Interval, unit_intervals
 from accudiff.judging.objective import Objective
 from accudiff.judging.output_kinds import deciding, kinds_of
 from accudiff.execution.messages import Job, PassSpec, WorkerResult, added_timings, merge_results
-from accudiff.execution.pool import Worker, discard_spares, prestart, take_worker
+from accudiff.execution.pool import Worker, discard_spares, prestart, take_worker, worker_start_seconds
 from accudiff.execution.generation import samples_per_prompt
 from accudiff.execution.shards import run_shards
 from accudiff.model.graph import tensor_bytes
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 MAX_TRIAL_SAMPLES = 8  # trials run on the worst failing samples, at most this many
 VARIANTS_PER_WORKER = 8  # every variant's session is open at once in a worker: bound that
-WORKER_START_SECONDS = 0.35  # a worker's Python start and imports, on one core
+WORKER_START_SECONDS = 0.35  # a worker's Python start and imports, on one core, until one has measured it
 LARGE_MODEL_BYTES = 1 << 30  # weights from which a model's trials run one variant at a time (see Trials)
 
 
@@ -416,4 +416,4 @@ def worth_a_worker(variants: int, variant_seconds: float) -> bool:
     least half its start: the caller, building the variants' models, shares the cores with the workers,
     and a worker costs its memory (on paraphrase-MiniLM, four variants of 0.08-0.10 s each
     started one at a busy hour, with no time saved and the peak up from 247 to 307 MB)."""
-    return variants * variant_seconds >= 2 * WORKER_START_SECONDS
+    return variants * variant_seconds >= 2 * worker_start_seconds(WORKER_START_SECONDS)
