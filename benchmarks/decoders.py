@@ -3,6 +3,9 @@
 * `trained_llama`: a small Llama-architecture model (grouped-query attention with 8 query and 2 key/value
   heads, rotary positions, RMSNorm, SiLU MLP, a byte vocabulary) trained on this CPU for about two minutes
   on Python's own standard library source, saved as a Hugging Face checkpoint folder with its tokenizer;
+* `trained_windowed`: a smaller Gemma2-architecture model trained the same way, whose alternate layers attend over
+  a sliding window of 16 positions: built by the GenAI builder, those layers carry a window-sized KV cache
+  (GroupQueryAttention's sliding_window_cache), evicting as prompts run past it;
 * `random_llama`: the same architecture at TinyLlama's shape (1.1B parameters, 22 layers, vocabulary 32000),
   randomly initialised, for the scale benchmark;
 * `genai_model`: such a checkpoint built by the ONNX Runtime GenAI model builder (`onnxruntime_genai.models.builder`,
@@ -29,6 +32,7 @@ from pathlib import Path
 BYTES = 256
 BOS, EOS = 256, 257
 TRAINED = dict(hidden=128, layers=4, heads=8, kv_heads=2, steps=1200, context=128, batch=16)
+WINDOWED = dict(hidden=64, layers=2, heads=4, kv_heads=2, steps=400, context=64, batch=16, window=16)
 TINYLLAMA = dict(hidden=2048, layers=22, heads=32, kv_heads=4, intermediate=5632, vocab=32000)
 TRAINING_FILES = slice(0, 80)  # the standard library files (by name) the model learns from; prompts come from others
 PROMPT_FILES = slice(100, 160)
@@ -64,6 +68,17 @@ def trained_llama(folder: Path) -> Path:
         if not (target / "config.json").is_file():
             _require("torch", "transformers", "tokenizers")
             _run(["train", str(target)])
+    return target
+
+
+def trained_windowed(folder: Path) -> Path:
+    """The trained windowed checkpoint folder (`folder/gemma2-windowed-trained-<recipe>-hf`), made once per recipe."""
+    recipe = "-".join(f"{value}" for value in WINDOWED.values())
+    target = Path(folder).resolve() / f"gemma2-windowed-trained-{recipe}-hf"
+    with _made_once(target):
+        if not (target / "config.json").is_file():
+            _require("torch", "transformers", "tokenizers")
+            _run(["train-windowed", str(target)])
     return target
 
 
@@ -185,18 +200,24 @@ def _config(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, int
                        num_key_value_heads=kv_heads, max_position_embeddings=2048, bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=False)
 
 
-def _train(target: Path) -> None:
+def _train(target: Path, windowed: bool = False) -> None:
     import math
 
     torch = _torch()
-    from transformers import LlamaForCausalLM
+    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaForCausalLM
 
     torch.manual_seed(0)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     text = "".join(path.read_text(errors="ignore") for path in _stdlib_files()[TRAINING_FILES])
     data = torch.tensor(list(text.encode()), dtype=torch.long)
-    p = TRAINED
-    model = LlamaForCausalLM(_config(BYTES + 2, p["hidden"], p["layers"], p["heads"], p["kv_heads"], 2 * p["hidden"]))
+    p = WINDOWED if windowed else TRAINED
+    if windowed:
+        model = Gemma2ForCausalLM(Gemma2Config(vocab_size=BYTES + 2, hidden_size=p["hidden"], intermediate_size=2 * p["hidden"], num_hidden_layers=p["layers"],
+                                               num_attention_heads=p["heads"], num_key_value_heads=p["kv_heads"], head_dim=p["hidden"] // p["heads"],
+                                               sliding_window=p["window"], max_position_embeddings=2048, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=0,
+                                               tie_word_embeddings=False))
+    else:
+        model = LlamaForCausalLM(_config(BYTES + 2, p["hidden"], p["layers"], p["heads"], p["kv_heads"], 2 * p["hidden"]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / p["steps"])))
     draw = torch.Generator().manual_seed(0)
@@ -245,6 +266,8 @@ if __name__ == "__main__":
     action, rest = sys.argv[1], sys.argv[2:]
     if action == "train":
         _train(Path(rest[0]))
+    elif action == "train-windowed":
+        _train(Path(rest[0]), windowed=True)
     elif action == "random":
         _random(Path(rest[0]))
     elif action == "build":

@@ -907,29 +907,30 @@ def generation(reference: Path, candidate: Path, prompts: list[np.ndarray], new_
     sessions = [ort.InferenceSession(str(reference), providers=["CPUExecutionProvider"]),
                 ort.InferenceSession(str(candidate), options, providers=["CPUExecutionProvider"])]
     pasts = [[i for i in s.get_inputs() if i.name.startswith("past_key_values.")] for s in sessions]
+    capacity = _window_capacity(reference)
     found = {"prefill": [], "decode": []}
     parted, continuations = [], []
 
-    def run(k: int, fed: list[int], cache: dict) -> tuple[np.ndarray, dict]:
-        done = next(iter(cache.values())).shape[2]
+    def run(k: int, fed: list[int], cache: dict, done: int) -> tuple[np.ndarray, dict]:
         feed = {"input_ids": np.asarray([fed], np.int64), "attention_mask": np.ones((1, done + len(fed)), np.int64), **cache}
         names = [o.name for o in sessions[k].get_outputs()]
         out = dict(zip(names, sessions[k].run(names, {n: v for n, v in feed.items() if n in {i.name for i in sessions[k].get_inputs()}})))
         return out["logits"][0].astype(np.float64), {name.replace("present.", "past_key_values."): value for name, value in out.items() if name.startswith("present.")}
 
     for prompt in prompts:
-        caches = [{i.name: np.zeros((1, i.shape[1], 0, _head_size(reference)), _ORT_NUMPY[i.type]) for i in past} for past in pasts]
-        first_different, own, tokens = None, None, []
+        caches = [{i.name: np.zeros((1, i.shape[1], capacity.get(i.name, 0), _head_size(reference)), _ORT_NUMPY[i.type]) for i in past} for past in pasts]
+        first_different, own, tokens, done = None, None, [], 0
         fed = list(prompt)
         for step in range(new_tokens + 1):
             logits = []
             for k in range(2):
-                scores, caches[k] = run(k, fed, caches[k])
+                scores, caches[k] = run(k, fed, caches[k], done)
                 logits.append(scores)
+            done += len(fed)
             chosen = int(logits[0][-1].argmax())
             tokens.append(chosen)
             if first_different is None and int(logits[1][-1].argmax()) != chosen:
-                first_different, own = step, (int(logits[1][-1].argmax()), caches[1])
+                first_different, own = step, (int(logits[1][-1].argmax()), caches[1], done)
             found["prefill" if step == 0 else "decode"].append((logits[0], logits[1], np.asarray([*fed[1:], chosen])))
             if step == new_tokens or chosen in eos:
                 break
@@ -937,10 +938,11 @@ def generation(reference: Path, candidate: Path, prompts: list[np.ndarray], new_
         parted.append(first_different)
         alone = list(tokens)
         if own is not None:
-            token, cache = own
+            token, cache, held = own
             alone = [*tokens[:first_different], token]
             while len(alone) < len(tokens) and token not in eos:
-                scores, cache = run(1, [token], cache)
+                scores, cache = run(1, [token], cache, held)
+                held += 1
                 token = int(scores[-1].argmax())
                 alone.append(token)
         continuations.append(alone)
@@ -965,9 +967,22 @@ def _token_phase(rows) -> dict:
 
 
 def _head_size(model: Path) -> int:
+    return int(_genai_decoder(model)["head_size"])
+
+
+def _window_capacity(model: Path) -> dict[str, int]:
+    """The past inputs of the layers whose KV cache is a window (the GenAI config's sliding_window), each with
+    the capacity the runtime gives it: the window and the slack kept beyond it."""
+    sliding = _genai_decoder(model).get("sliding_window")
+    if not sliding:
+        return {}
+    return {f"past_key_values.{layer}.{part}": sliding["window_size"] + sliding.get("cache_slack", 0) for layer in sliding["layers"] for part in ("key", "value")}
+
+
+def _genai_decoder(model: Path) -> dict:
     import json
 
-    return int(json.loads((Path(model).parent / "genai_config.json").read_text())["model"]["decoder"]["head_size"])
+    return json.loads((Path(model).parent / "genai_config.json").read_text())["model"]["decoder"]
 
 
 _ORT_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16}

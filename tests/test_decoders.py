@@ -78,6 +78,58 @@ def test_a_genai_folder_compares_with_generation_and_matches_two_plain_sessions(
     assert len(result.steps) == sum(1 for _ in result.steps["sample"].unique())
 
 
+@pytest.fixture(scope="session")
+def windowed(llama):
+    """A trained Gemma2-architecture decoder whose first layer attends over a window of 16 positions, built by
+    the GenAI builder in FP32 and INT4: that layer's KV cache is a buffer of the window's size
+    (GroupQueryAttention's sliding_window_cache), made once beside the Llama's."""
+    with contextlib.chdir(llama.shared.parent):
+        checkpoint = decoders.trained_windowed(Path(llama.shared.name)).resolve()
+        return SimpleNamespace(**{precision: decoders.genai_model(Path(llama.shared.name) / checkpoint.name, Path(llama.shared.name), precision).resolve()
+                                  for precision in ("fp32", "int4")})
+
+
+def test_a_windowed_kv_cache_generates_as_deployed_and_matches_two_plain_sessions(windowed, llama):
+    """A layer whose cache is a window (Gemma2 and its kind, as the GenAI builder writes them) stopped at the
+    first prefill: "KV cache capacity (0) must be at least local_window_size". Its past is now a buffer of the
+    window's capacity, and every figure matches the oracle's generation loop (which sizes that buffer from
+    genai_config.json) to 1e-6, on prompts that run past the window (the op evicts) and on prompts shorter
+    than it, where the rows after those it holds are left unspecified by the op: its present outputs are
+    compared on the rows it holds alone."""
+    from tokenizers import Tokenizer
+
+    prompts = [*decoders.source_prompts(4), "def f(", "x = 1"]
+    tokenizer = Tokenizer.from_file(str(windowed.fp32 / "tokenizer.json"))
+    ids = [np.asarray(tokenizer.encode(p).ids, np.int64) for p in prompts]
+    assert all(len(i) + NEW_TOKENS < 16 for i in ids[4:]) and all(len(i) > 16 for i in ids[:4])
+    result = accudiff.compare(windowed.fp32, candidate_model=windowed.int4, prompts=prompts, new_tokens=NEW_TOKENS, verify=False)
+    expected = oracle.generation(windowed.fp32 / "model.onnx", windowed.int4 / "model.onnx", ids, NEW_TOKENS)
+    for phase, figures in expected["phases"].items():
+        ours = result.phases["logits"][phase]["figures"]
+        assert ours["score_vectors"] == figures["positions"]
+        # A plain FP32 session fuses this model's tanh GELU (its logits move by 1.4e-6 with ONNX Runtime's graph
+        # optimizations on or off): Δp and ΔNLL, means of differences near 0, agree to 1e-7, not to 1e-6 of themselves.
+        for name in ("top1", "kl", "kl_max", "delta_p", "delta_nll"):
+            assert ours[name] == pytest.approx(figures[name], rel=1e-6, abs=1e-7), (phase, name)
+    assert [g["candidate"] for g in result.generations] == expected["candidate_continuations"]
+    # The window's cache is compared on the rows the op holds: as many positions as were fed, up to the window.
+    held = sum(min(len(i) + step, 16) for i in ids for step in range(NEW_TOKENS + 1))
+    row = result.table.set_index("tensor").loc["present.0.key"]
+    assert row["elements"] == held * 2 * 16 and np.isfinite(row["max_abs_err"]), row
+
+
+def test_a_kv_cache_the_genai_runtime_slides_itself_is_one_sentence(windowed, tmp_path, run_cli):
+    """Where the GenAI config has the runtime slide the cache (slide_key_value_cache: static shapes, as for an NPU),
+    generating from prompts would not be the model as deployed: refused in one sentence, naming what to give."""
+    folder = shutil.copytree(windowed.fp32, tmp_path / "sliding")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["decoder"]["sliding_window"]["slide_key_value_cache"] = True
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    code, _, err = run_cli("compare", folder, "--bf16", "--prompts", decoders.write_prompts(tmp_path / "p.jsonl", ["def f("]), "-o", tmp_path / "r")
+    assert code == 2 and "slide its KV cache or its inputs itself" in err and "--load-inputs" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
+
+
 def test_a_decoders_kv_cache_outputs_are_its_state_not_failing_outputs(llama, tmp_path):
     """At a tolerance every output leaves, only the logits are diagnosed: the present outputs are compared,
     shown as the model's state, and judged through the logits of later steps."""

@@ -205,7 +205,8 @@ class Engine:
         return out
 
     def run_sample(self, sample: int | Sequence[int], feed: Feed, own_inputs: Mapping[str, Feed] | None = None, targets: Mapping[str, np.ndarray] | None = None,
-                   keep: Collection[str] = (), only: Collection[str] | None = None, also: Callable[[], object] | None = None) -> dict[str, dict[str, np.ndarray]]:
+                   keep: Collection[str] = (), only: Collection[str] | None = None, also: Callable[[], object] | None = None,
+                   held: Mapping[str, tuple[slice, ...]] | None = None) -> dict[str, dict[str, np.ndarray]]:
         """Reduce one sample into the statistics, one segment at a time. `own_inputs`: the graph inputs a pass
         is fed its own values of (a decoder's KV cache, which each side carries); `targets`: per graph output
         of token scores, the token each of its positions is scored on (decisions.decide). Returns the graph
@@ -214,7 +215,9 @@ class Engine:
         `sample` may be several, one per row of a batch: every value fed and returned then has its rows first
         (a decoder's prompts of one length, generated together), and `targets` a row per sample; each row is
         reduced as its sample alone. `also`: more work for a core left over beside the reference (a decoder's candidate
-        generating on its own), done there while the reference runs, or after the sample's runs where none is."""
+        generating on its own), done there while the reference runs, or after the sample's runs where none is.
+        `held`: the part of an output that holds values (a windowed KV cache's resident rows; the rest is left
+        unspecified by the op that writes it), compared there alone."""
         samples = [sample] if isinstance(sample, int) else list(sample)
         rows = (lambda values, r: values) if isinstance(sample, int) else _row
         self._ranges = {s: {} for s in samples}
@@ -260,7 +263,7 @@ class Engine:
                     if plan.record is not None:
                         plan.record.write(s, rows(out, r))
                     with self.clock("statistics"):
-                        self._reduce(plan.name, s, rows(reference_values, r), rows(out, r), reference.compared, rows(targets or {}, r))
+                        self._reduce(plan.name, s, rows(reference_values, r), rows(out, r), reference.compared, rows(targets or {}, r), held or {})
                 later = self.pass_segments[plan.name][k + 1 :]
                 needed = {n for s in later for n in s.inputs}
                 pass_values[plan.name] = {name: value for name, value in {**values, **out}.items() if name in needed or name in feed}
@@ -338,7 +341,7 @@ class Engine:
         return out
 
     def _reduce(self, name: str, sample: int, reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray], tensors: Sequence[str],
-                targets: Mapping[str, np.ndarray]) -> None:
+                targets: Mapping[str, np.ndarray], held: Mapping[str, tuple[slice, ...]]) -> None:
         result, ranges = self.results[name], self._ranges[sample]
         pairs = []
         for tensor in tensors:
@@ -347,6 +350,8 @@ class Engine:
                 result.notes.setdefault(row, "not returned by the reference" if tensor not in reference else "not returned by the candidate")
                 continue
             ref, cand = reference[tensor], candidate[tensor]
+            if tensor in held:
+                ref, cand = ref[held[tensor]], cand[held[tensor]]
             if row not in result.seen:  # as the first sample has it (naming a dtype costs more than it seems)
                 result.seen[row] = (str(ref.dtype), str(cand.dtype), "x".join(map(str, ref.shape)))
             if ref.shape != cand.shape:
@@ -393,15 +398,15 @@ class Engine:
             absmax = max(abs(low), abs(high)) if low <= high else 0.0
             kind = self.kinds.get(tensor, UNKNOWN)
             threshold = threshold_for(tensor, kind.kind, self.thresholds)
-            decision = decide(reference[tensor], candidate[tensor], kind, self.tolerances.for_tensor(tensor), threshold, absmax, sketches,
-                              targets.get(tensor))
+            _, ref, cand = pairs[index]
+            decision = decide(ref, cand, kind, self.tolerances.for_tensor(tensor), threshold, absmax, sketches, targets.get(tensor))
             result.outcomes.append(
                 SampleOutcome(sample=sample, tensor=tensor, **{name: finished[name][at].item() for name in ("max_abs_err", "tol_ratio", "outside_share", "sqnr_db")},
                               **vars(decision))  # its fields as they are: asdict deep-copies each of its ~40 scalars
             )
             kept = result.points.setdefault(tensor, [])
             if len(kept) < self.points:
-                kept += sample_points(sample, reference[tensor], candidate[tensor], int(values[index][F["worst_index"]]), self.points - len(kept))
+                kept += sample_points(sample, ref, cand, int(values[index][F["worst_index"]]), self.points - len(kept))
 
     @contextmanager
     def clock(self, phase: str) -> Iterator[None]:

@@ -175,7 +175,7 @@ def generate(engine: Engine, decoder: Decoder, prompts: np.ndarray, continuation
         try:
             kept = engine.run_sample(samples[0] if one else samples, feed, {name: own[name] for name in carrying if name in own},
                                      {name: value[0] for name, value in targets.items()} if one else targets, keep, only,
-                                     also=partial(_each_a_step, going) if going else None)
+                                     also=partial(_each_a_step, going) if going else None, held=decoder.resident(position + len(fed[0])))
         except AccudiffError as exc:  # which step of which prompt: a decode step can fail where the prefill ran
             said = f"prompt {sequences[0]}" if one else f"prompts {', '.join(map(str, sequences))}"
             raise AccudiffError(f"{exc} ({said}, {'its prefill' if step == 0 else f'decode step {step}'})") from None
@@ -189,7 +189,7 @@ def generate(engine: Engine, decoder: Decoder, prompts: np.ndarray, continuation
                 generations[r].diverged_at = step
                 if alone:
                     past = {name: value[r : r + 1] for name, value in decoder.next_past(kept[carrying[0]]).items()}
-                    own_way[r] = _OnItsOwn(engine, decoder, carrying[0], [*generations[r].reference[:step], candidate_next], past)
+                    own_way[r] = _OnItsOwn(engine, decoder, carrying[0], [*generations[r].reference[:step], candidate_next], past, position + len(fed[0]))
             chosen.append(reference_next)
         position += len(fed[0])
         ended = [step == new_tokens or token in decoder.eos_token_id for token in chosen]
@@ -199,7 +199,7 @@ def generate(engine: Engine, decoder: Decoder, prompts: np.ndarray, continuation
         # The reference's cache feeds its next step; a reference replayed from a store has none (nor needs one), and
         # a carrying pass's cache spans the same positions.
         replayed = decoder.present_outputs[0] not in kept["reference"]
-        feed = decoder.step_feed(np.asarray(chosen)[:, None], decoder.next_past(kept[carrying[0] if replayed else "reference"]))
+        feed = decoder.step_feed(np.asarray(chosen)[:, None], decoder.next_past(kept[carrying[0] if replayed else "reference"]), position)
         own = {name: decoder.next_past(kept[name]) for name in carrying}
         fed = [[token] for token in chosen]
     for generation, way in zip(generations, own_way):
@@ -218,14 +218,16 @@ class _OnItsOwn:
     name: str
     chosen: list[int]
     past: dict[str, np.ndarray]
+    done: int  # the positions its cache holds
 
     def step(self) -> None:
         token = self.chosen[-1]
         if token in self.decoder.eos_token_id:
             return
-        outputs = self.engine.run_alone(self.name, self.decoder.step_feed(np.asarray([token]), self.past), {self.decoder.logits, *self.decoder.present_outputs})
+        outputs = self.engine.run_alone(self.name, self.decoder.step_feed(np.asarray([token]), self.past, self.done),
+                                        {self.decoder.logits, *self.decoder.present_outputs})
         self.chosen.append(_greedy(outputs[self.decoder.logits]))
-        self.past = self.decoder.next_past(outputs)
+        self.past, self.done = self.decoder.next_past(outputs), self.done + 1
 
 
 def _each_a_step(ways: Sequence[_OnItsOwn]) -> None:

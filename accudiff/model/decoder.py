@@ -9,6 +9,7 @@ A GenAI folder is a model: `folder/` stands for the model file its config names 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,10 @@ class Decoder:
     source: str = "graph names"  # where the roles were read: "genai_config.json" or the graph's names
     eos_token_id: tuple[int, ...] = ()
     context_length: int | None = None  # the positions its GenAI config says it holds
+    # The past inputs whose cache is a window of fixed capacity (GroupQueryAttention's sliding_window_cache: the op
+    # keeps the most recent positions at its first rows and evicts the rest), each with (capacity, window).
+    windows: tuple[tuple[str, int, int], ...] = ()
+    refused: str | None = None  # why generating from prompts cannot be done as it is deployed
 
     def require_generation(self, model: str) -> None:
         """Generating from prompts needs token ids in, logits out, and a cache whose heads and head size are known."""
@@ -50,6 +55,8 @@ class Decoder:
         if self.logits is None:
             raise AccudiffError(f"'{model}' returns hidden states, not logits (a GenAI build with exclude_lm_head): it chooses no next token to "
                                 "generate with; give its inputs with --load-inputs")
+        if self.refused is not None:
+            raise AccudiffError(f"'{model}' {self.refused}; give its inputs with --load-inputs")
         if self.kv_heads is None or self.head_size is None:
             raise AccudiffError(f"'{model}' carries a KV cache whose heads or head size its graph does not fix, and no {GENAI_CONFIG} beside it "
                                 "says them: an empty cache for the prefill cannot be made")
@@ -67,21 +74,23 @@ class Decoder:
         """What a worker job carries of it."""
         return {"input_ids": self.input_ids, "logits": self.logits, "cache": [list(pair) for pair in self.cache], "kv_heads": self.kv_heads,
                 "head_size": self.head_size, "attention_mask": self.attention_mask, "position_ids": self.position_ids, "source": self.source,
-                "eos_token_id": list(self.eos_token_id), "context_length": self.context_length}
+                "eos_token_id": list(self.eos_token_id), "context_length": self.context_length, "windows": [list(w) for w in self.windows],
+                "refused": self.refused}
 
     @classmethod
     def from_json(cls, fields: Mapping) -> Decoder:
-        return cls(**{**fields, "cache": tuple(tuple(pair) for pair in fields["cache"]), "eos_token_id": tuple(fields["eos_token_id"])})
+        return cls(**{**fields, "cache": tuple(tuple(pair) for pair in fields["cache"]), "eos_token_id": tuple(fields["eos_token_id"]),
+                      "windows": tuple(tuple(w) for w in fields["windows"])})
 
     def first_feed(self, prompt: np.ndarray, cache_types: Mapping[str, np.dtype]) -> dict[str, np.ndarray]:
-        """The prefill's feed: the whole prompt, an empty cache (`cache_types`: each past input's dtype). Prompts of
-        one length may come as rows of a batch ([rows, tokens])."""
+        """The prefill's feed: the whole prompt, an empty cache (`cache_types`: each past input's dtype; a windowed
+        one at its capacity, its rows holding nothing yet). Prompts of one length may come as rows of a batch ([rows, tokens])."""
         rows = np.atleast_2d(prompt).shape[0]
-        return self.step_feed(prompt, {past: np.zeros((rows, self.kv_heads, 0, self.head_size), cache_types[past]) for past, _ in self.cache})
+        capacity = {past: size for past, size, _ in self.windows}
+        return self.step_feed(prompt, {past: np.zeros((rows, self.kv_heads, capacity.get(past, 0), self.head_size), cache_types[past]) for past, _ in self.cache}, 0)
 
-    def step_feed(self, tokens: np.ndarray, past: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """A step's feed: `tokens` (1-D, or [rows, tokens] for a batch) after the positions `past` holds."""
-        done = next(iter(past.values())).shape[2]
+    def step_feed(self, tokens: np.ndarray, past: Mapping[str, np.ndarray], done: int) -> dict[str, np.ndarray]:
+        """A step's feed: `tokens` (1-D, or [rows, tokens] for a batch) after the `done` positions `past` holds."""
         ids = np.atleast_2d(np.asarray(tokens, np.int64))
         rows, count = ids.shape
         feed = {self.input_ids: ids, **past}
@@ -94,6 +103,18 @@ class Decoder:
     def next_past(self, outputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The cache the next step reads: each present output as its past input."""
         return {past: outputs[present] for past, present in self.cache}
+
+    def resident(self, positions: int) -> dict[str, tuple[slice, ...]]:
+        """The part of each windowed present output that holds values once `positions` have been fed: its first
+        L rows, L as GroupQueryAttention's contract gives it (the rows after them are left unspecified, and
+        differ from one run to the next)."""
+        found = {}
+        present = dict(self.cache)
+        for past, capacity, window in self.windows:
+            evicted = capacity - window + 1  # positions reclaimed at once when the capacity is exceeded
+            held = positions if positions <= capacity else positions - evicted * math.ceil((positions - capacity) / evicted)
+            found[present[past]] = (slice(None), slice(None), slice(0, held))
+        return found
 
 
 def model_name(path: Path) -> str:
@@ -180,9 +201,30 @@ def _from_config(section: dict, config: Path, inputs: Sequence[InputSpec], outpu
         if name is not None and name not in known:
             raise AccudiffError(f"'{config}' names the {role} '{name}', which the model's graph does not have")
     optional = {role: given_inputs.get(role) for role in ("attention_mask", "position_ids")}
+    windows, refused = _windows(section.get("sliding_window"), config, layers, cache)
     return Decoder(input_ids, logits, tuple(cache), kv_heads, head_size, *(name if name in names else None for name in optional.values()),
                    source=GENAI_CONFIG, eos_token_id=tuple(int(t) for t in section.get("eos_token_id", [])),
-                   context_length=section["context_length"] if isinstance(section.get("context_length"), int) and section["context_length"] > 0 else None)
+                   context_length=section["context_length"] if isinstance(section.get("context_length"), int) and section["context_length"] > 0 else None,
+                   windows=windows, refused=refused)
+
+
+def _windows(sliding: object, config: Path, layers: int, cache: Sequence[tuple[str, str]]) -> tuple[tuple[tuple[str, int, int], ...], str | None]:
+    """The windowed caches a GenAI config's `sliding_window` gives (its layers' past inputs, each with its
+    capacity, the window and the slack the runtime keeps beyond it, and the window), and why generation is
+    refused where the runtime, not the model, slides the cache (`slide_key_value_cache`, `slide_inputs`)."""
+    if sliding is None:
+        return (), None
+    try:
+        window, slack = int(sliding["window_size"]), int(sliding.get("cache_slack", 0))
+        chosen = [int(layer) for layer in sliding.get("layers", range(layers))]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise AccudiffError(f"'{config}' does not say its sliding window ({exc.__class__.__name__}: {exc})") from None
+    if sliding.get("slide_key_value_cache") or sliding.get("slide_inputs"):
+        return (), "has ONNX Runtime GenAI slide its KV cache or its inputs itself (sliding_window in its genai_config.json), which accudiff does not do"
+    if window < 1 or slack < 0 or any(not 0 <= layer < layers for layer in chosen):
+        raise AccudiffError(f"'{config}' gives a sliding window of {window} positions (cache_slack {slack}) over layers {chosen} of {layers}, "
+                            "which its model cannot have")
+    return tuple((cache[2 * layer + part][0], window + slack, window) for layer in chosen for part in (0, 1)), None
 
 
 def cache_types(inputs: Sequence[InputSpec], decoder: Decoder) -> dict[str, np.dtype]:
