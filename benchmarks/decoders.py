@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -96,7 +98,7 @@ def genai_model(checkpoint: Path, folder: Path, precision: str, extra_options: t
     """`checkpoint` built by the GenAI model builder for the CPU in `precision` into a folder under `folder`
     named by them, made once."""
     checkpoint, folder = Path(checkpoint).resolve(), Path(folder).resolve()  # the builder runs in another folder
-    name = f"{checkpoint.name.removesuffix('-hf')}-genai-{precision}" + "".join(f"-{o.split('=')[0]}" for o in extra_options)
+    name = f"{checkpoint.name.removesuffix('-hf')}-genai-{precision}" + "".join(map(_option_tag, extra_options))
     target = folder / name
     with _made_once(target):
         if not (target / "genai_config.json").is_file():
@@ -104,6 +106,14 @@ def genai_model(checkpoint: Path, folder: Path, precision: str, extra_options: t
             command = ["build", "-i", str(checkpoint), "-o", str(target), "-p", precision, "-e", "cpu", "-c", str(folder / "genai-cache")]
             _run(command + (["--extra_options", *extra_options] if extra_options else []))
     return target
+
+
+def _option_tag(option: str) -> str:
+    """An --extra_options entry as a folder name's part, its value included (two values of one option are two
+    builds: `int4_algo=k_quant_mixed` and `int4_algo=rtn_last` once shared a folder), a long one shortened by a hash."""
+    key, _, value = option.partition("=")
+    tag = re.sub(r"[^A-Za-z0-9.]+", "_", value)
+    return f"-{key}-{tag if len(tag) <= 24 else tag[:16] + hashlib.sha1(value.encode()).hexdigest()[:8]}"
 
 
 def with_rms_normalization(model: Path, target: Path) -> Path:
