@@ -130,6 +130,18 @@ def test_a_kv_cache_the_genai_runtime_slides_itself_is_one_sentence(windowed, tm
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
 
 
+def test_a_candidate_whose_kv_cache_is_quantized_is_one_sentence_that_says_so(llama, run_cli, tmp_path):
+    """The GenAI builder's kv_cache_quant_scheme stores the cache as INT8 codes that its attention scales: refused
+    as "not a version of" the model, as if it were another model; now said for what it is, and what to give."""
+    scales = llama.shared / "kv-scales.json"
+    scales.write_text(json.dumps({"scales": {"k_scales": [0.05] * 4, "v_scales": [0.03] * 4}}))
+    with contextlib.chdir(llama.shared.parent):
+        quantized = decoders.genai_model(llama.checkpoint, llama.shared, "fp32", ("kv_cache_quant_scheme=int8_per_tensor", f"kv_cache_scale_file={scales}"))
+    code, _, err = run_cli("compare", llama.fp32, "--candidate-model", quantized, "--prompts", llama.prompts, "-o", tmp_path / "r")
+    assert code == 2 and "stores its KV cache in int8 ('present.0.key'" in err and "kv_cache_quant_scheme" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
+
+
 def test_a_decoders_kv_cache_outputs_are_its_state_not_failing_outputs(llama, tmp_path):
     """At a tolerance every output leaves, only the logits are diagnosed: the present outputs are compared,
     shown as the model's state, and judged through the logits of later steps."""

@@ -139,8 +139,14 @@ def require_derived(candidate: ModelInfo, reference: ModelInfo) -> None:
                 "(--candidate-model takes the model as another tool quantized or converted it, with the same inputs and outputs)"
             )
     kinds = {t.name: t.dtype for t in candidate.tensors} | {spec.name: spec.dtype for spec in candidate.inputs}
+    decoder = find_decoder(reference.path, reference.inputs, reference.output_names)
+    cache = {name for pair in (decoder.cache if decoder is not None else ()) for name in pair}
     for name, dtype in [*((t.name, t.dtype) for t in reference.tensors if t.is_output), *((s.name, s.dtype) for s in reference.inputs)]:
         if name in kinds and not _same_kind(dtype, kinds[name]):
+            if name in cache:  # a quantized KV cache: its codes are no version of the values, and are scaled inside the attention
+                raise AccudiffError(f"'{theirs}' stores its KV cache in {kinds[name]} ('{name}', where the model's holds {dtype}: a quantized KV cache, "
+                                    "as the GenAI builder's kv_cache_quant_scheme makes one), which accudiff does not compare yet; compare the "
+                                    "candidate built without it")
             raise AccudiffError(f"'{theirs}' is not a version of '{ours}': its '{name}' holds {kinds[name]} values where the model's holds {dtype}")
 
 
