@@ -43,7 +43,7 @@ class Decoder:
     eos_token_id: tuple[int, ...] = ()
     context_length: int | None = None  # the positions its GenAI config says it holds
     # The past inputs whose cache is a window of fixed capacity (GroupQueryAttention's sliding_window_cache: the op
-    # keeps the most recent positions at its first rows and evicts the rest), each with (capacity, window).
+    # keeps the most recent positions at its first rows and evicts the rest): (past input, capacity, window).
     windows: tuple[tuple[str, int, int], ...] = ()
     refused: str | None = None  # why generating from prompts cannot be done as it is deployed
 
@@ -210,7 +210,7 @@ def _from_config(section: dict, config: Path, inputs: Sequence[InputSpec], outpu
 
 def _windows(sliding: object, config: Path, layers: int, cache: Sequence[tuple[str, str]]) -> tuple[tuple[tuple[str, int, int], ...], str | None]:
     """The windowed caches a GenAI config's `sliding_window` gives (its layers' past inputs, each with its
-    capacity, the window and the slack the runtime keeps beyond it, and the window), and why generation is
+    capacity, the window plus the slack the runtime keeps beyond it, and the window), and why generation is
     refused where the runtime, not the model, slides the cache (`slide_key_value_cache`, `slide_inputs`)."""
     if sliding is None:
         return (), None
