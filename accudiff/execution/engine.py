@@ -30,10 +30,9 @@ from accudiff.judging.decisions import SampleOutcome, decide, threshold_for
 from accudiff.execution.messages import PassResult
 from accudiff.execution.plans import EngineOptions, Measured, PassPlan, ReferencePlan, RunnerFactory
 from accudiff.execution.remembered import remember_whole_model, whole_model
-from accudiff.judging.metrics import (EMPTY_ROW, F, PART_ELEMENTS, SKETCH_BUCKETS, PartMap, StatsSet, finish_rows, merge_run_time_ranges, reduce_tensor,
-                                         reference_range, run_time_range, sample_points)
+from accudiff.judging.metrics import (EMPTY_ROW, F, PART_ELEMENTS, SKETCH_BUCKETS, PartMap, StatsSet, finish_rows, merge_run_time_ranges, range_rows,
+                                         reduce_tensor, reference_range, run_time_range, sample_points)
 from accudiff.judging.output_kinds import UNKNOWN
-from accudiff.judging.tolerances import Tolerance
 from accudiff.model.inputs import Feed
 from accudiff.model.graph import tensor_bytes
 from accudiff.model.loading import load_graph
@@ -43,7 +42,6 @@ from accudiff.model.segments import place_nodes
 from accudiff.model.subgraph import cut_inputs, extract
 from accudiff.runners.base import Runner
 
-_RANGE_ONLY = Tolerance(atol=1.0, rtol=0.0)  # for a tensor compared with itself: no error, only its range
 PARALLEL_ELEMENTS = 1 << 18  # tensors this large are reduced on several cores at once
 # With one sample, each session is made while the one before it runs when the models' weights are below
 # this; else one session at a time (see `keep_sessions`). A session made ahead holds its weights (and ONNX
@@ -98,7 +96,7 @@ class Engine:
             replay = store is not None and store.complete
             self.reference = self._segments(reference.model, node_segment, len(segments), None if replay else reference.make_runner, scratch / "reference")
             self.pass_segments = {
-                p.name: self._segments(p.model, node_segment, len(segments), p.make_runner, scratch / _safe(p.name)) for p in self.passes
+                p.name: self._segments(p.model, node_segment, len(segments), p.make_runner, scratch / re.sub(r"[^A-Za-z0-9_.-]+", "_", p.name)) for p in self.passes
             }
         except BaseException:
             self.close()
@@ -225,12 +223,7 @@ class Engine:
             if s not in self._inputs_counted:
                 self._inputs_counted.add(s)
                 fed = rows(feed, r)
-                # A graph input is its own candidate: only its range counts. Every input's row is merged at once
-                # (one by one, a small decoder's 18 inputs took a seventh of its generation).
-                values, sketches = np.tile(EMPTY_ROW, (len(self.inputs), 1)), np.zeros((len(self.inputs), SKETCH_BUCKETS), np.int64)
-                for row, name in enumerate(self.inputs):
-                    reduce_tensor(fed[name], fed[name], _RANGE_ONLY, self.quant_ranges.get(name), s, out=(values[row], sketches[row]))
-                self.input_stats.add_rows(range(len(self.inputs)), values, sketches)
+                self.input_stats.add_rows(range(len(self.inputs)), *range_rows([fed[n] for n in self.inputs], [self.quant_ranges.get(n) for n in self.inputs], s))
         own_inputs = own_inputs or {}
         reference_values: dict[str, np.ndarray] = dict(feed)
         passes = [p for p in self.passes if (p.samples is None or max(samples) < p.samples) and (only is None or p.name in only)]
@@ -454,6 +447,3 @@ def _make_active(segment: _Segment) -> None:
         segment.runner = segment.make()
     segment.runner.activate()
 
-
-def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)

@@ -224,6 +224,19 @@ def reduce_tensor(
     return values, sketch
 
 
+_RANGE_ONLY = Tolerance(atol=1.0, rtol=0.0)  # for a tensor compared with itself: no error, only its range
+
+
+def range_rows(values: Sequence[np.ndarray], quant: Sequence[QuantRange | None], sample: int) -> tuple[np.ndarray, np.ndarray]:
+    """Accumulator rows and sketches of values compared with themselves (a sample's graph inputs: each is its own
+    candidate, and only its range counts), made at once to be merged at once (one by one, a small decoder's 18
+    inputs took a seventh of its generation)."""
+    rows, sketches = np.tile(EMPTY_ROW, (len(values), 1)), np.zeros((len(values), SKETCH_BUCKETS), np.int64)
+    for row, value in enumerate(values):
+        reduce_tensor(value, value, _RANGE_ONLY, quant[row], sample, out=(rows[row], sketches[row]))
+    return rows, sketches
+
+
 def reference_range(ref: np.ndarray, map_parts: PartMap = map) -> tuple[float, float]:
     """The smallest and largest finite reference values (low > high when none is finite); a tensor of
     twice PART_ELEMENTS or more in parts, through `map_parts` (see `reduce_tensor`)."""
