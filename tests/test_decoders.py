@@ -56,6 +56,15 @@ def _prompt_ids(llama) -> list[np.ndarray]:
     return [np.asarray(tokenizer.encode(json.loads(line)).ids, np.int64) for line in llama.prompts.read_text().splitlines()]
 
 
+def _phases_match(result, expected: dict, absolute: float) -> None:
+    """Every figure of both phases as the oracle's generation loop gives it, to 1e-6 of itself or `absolute`."""
+    for phase, figures in expected["phases"].items():
+        ours = result.phases["logits"][phase]["figures"]
+        assert ours["score_vectors"] == figures["positions"]
+        for name in ("top1", "kl", "kl_max", "delta_p", "delta_nll"):
+            assert ours[name] == pytest.approx(figures[name], rel=1e-6, abs=absolute), (phase, name)
+
+
 def test_a_genai_folder_compares_with_generation_and_matches_two_plain_sessions(llama, tmp_path):
     """The folders load (SimplifiedLayerNormalization in the default domain, GroupQueryAttention, MatMulNBits),
     the candidate is named in its formats and what it computes, and every figure of both phases matches the
@@ -65,11 +74,7 @@ def test_a_genai_folder_compares_with_generation_and_matches_two_plain_sessions(
     assert result.precision == "int8-dynamic+int4-weight"
     assert "integer arithmetic" in result.candidate
     expected = oracle.generation(llama.fp32 / "model.onnx", llama.int4 / "model.onnx", _prompt_ids(llama), NEW_TOKENS)
-    for phase, figures in expected["phases"].items():
-        ours = result.phases["logits"][phase]["figures"]
-        assert ours["score_vectors"] == figures["positions"]
-        for name in ("top1", "kl", "kl_max", "delta_p", "delta_nll"):
-            assert ours[name] == pytest.approx(figures[name], rel=1e-6, abs=1e-9), (phase, name)
+    _phases_match(result, expected, absolute=1e-9)
     assert [g["diverged_at"] for g in result.generations] == expected["first_different"]
     assert [g["candidate"] for g in result.generations] == expected["candidate_continuations"]  # its own steps beside the reference's
     assert any(g["candidate"] != g["reference"] for g in result.generations)
@@ -104,13 +109,9 @@ def test_a_windowed_kv_cache_generates_as_deployed_and_matches_two_plain_session
     assert all(len(i) + NEW_TOKENS < 16 for i in ids[4:]) and all(len(i) > 16 for i in ids[:4])
     result = accudiff.compare(windowed.fp32, candidate_model=windowed.int4, prompts=prompts, new_tokens=NEW_TOKENS, verify=False)
     expected = oracle.generation(windowed.fp32 / "model.onnx", windowed.int4 / "model.onnx", ids, NEW_TOKENS)
-    for phase, figures in expected["phases"].items():
-        ours = result.phases["logits"][phase]["figures"]
-        assert ours["score_vectors"] == figures["positions"]
-        # A plain FP32 session fuses this model's tanh GELU (its logits move by 1.4e-6 with ONNX Runtime's graph
-        # optimizations on or off): Δp and ΔNLL, means of differences near 0, agree to 1e-7, not to 1e-6 of themselves.
-        for name in ("top1", "kl", "kl_max", "delta_p", "delta_nll"):
-            assert ours[name] == pytest.approx(figures[name], rel=1e-6, abs=1e-7), (phase, name)
+    # A plain FP32 session fuses this model's tanh GELU (its logits move by 1.4e-6 with ONNX Runtime's graph
+    # optimizations on or off): Δp and ΔNLL, means of differences near 0, agree to 1e-7, not to 1e-6 of themselves.
+    _phases_match(result, expected, absolute=1e-7)
     assert [g["candidate"] for g in result.generations] == expected["candidate_continuations"]
     # The window's cache is compared on the rows the op holds: as many positions as were fed, up to the window.
     held = sum(min(len(i) + step, 16) for i in ids for step in range(NEW_TOKENS + 1))
