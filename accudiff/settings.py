@@ -97,7 +97,7 @@ class Captures:
 
 def settings_of(model: str | Path, precision: str, options: Mapping[str, object], call: str = "compare()") -> RunSettings:
     """The settings of a Python call (`call`: compare(), a bisector, the pytest plugin's checks) given these
-    keywords. One RunSettings has no field for is one sentence naming it and the call (and the nearest
+    keywords. A keyword RunSettings has no field for is one sentence naming it and the call (and the nearest
     field), not RunSettings' own TypeError, which names neither."""
     known = {f.name for f in fields(RunSettings) if f.init} - {"model", "precision"}
     for name in options:
