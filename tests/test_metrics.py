@@ -337,3 +337,14 @@ def test_an_isolated_figure_nothing_defines_is_said_in_words():
     printed_nan = re.compile(r"\bnan\b(?!/)", re.IGNORECASE)  # a number printed as nan (not the words 'NaN/Inf')
     assert not printed_nan.search(undefined) and "could be compared" in undefined
     assert not printed_nan.search(isolated_figures(pd.Series({"isolated_max_abs_err": 0.0, "isolated_outside_share": 0.0, "isolated_sqnr_db": float("nan")})))
+
+
+def test_a_tensor_none_of_whose_tolerances_is_overridden_gets_the_default_without_building_one():
+    """Asked for every tensor of every sample: with no per-tensor override on the command line, the default
+    itself (the options' empty override tables made it build a new one each time, and as a dict again in
+    the worker); an overridden tensor gets its own, the rest the default."""
+    for tolerances in (Tolerances.build("int4"), Tolerances.from_dict(Tolerances.build("int4").as_dict())):
+        assert tolerances.for_tensor("logits") is tolerances.default
+    named = Tolerances.build("int4", atol=["logits:0.2"])
+    assert named.for_tensor("logits") == Tolerance(atol=0.2, rtol=named.default.rtol, stol=named.default.stol)
+    assert named.for_tensor("hidden") == named.default

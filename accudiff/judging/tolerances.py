@@ -65,6 +65,10 @@ class Tolerances:
     default: Tolerance
     overrides: dict[str, dict[str, float]] = field(default_factory=dict)  # {"atol": {"logits": 1e-2}, ...}
 
+    def __post_init__(self) -> None:
+        # An option none of whose tensors is overridden is left out: `for_tensor` then answers at once.
+        object.__setattr__(self, "overrides", {option: named for option, named in self.overrides.items() if named})
+
     @classmethod
     def build(
         cls,
