@@ -372,15 +372,16 @@ class Engine:
 
         # The largest tensors one at a time, each in parts on every core; the other large ones one by one on
         # every core; small ones in one batch per core (one by one, handing each over would cost more than
-        # reducing it).
+        # reducing it), or here when they hold a quarter of that in all (a decode step's: handing them over costs more).
         split = [i for i, (_, ref, _) in enumerate(pairs) if ref.size >= 2 * PART_ELEMENTS]
         for index in split:
             reduce_one(index, self._reducer.map)
         large = [i for i, (_, ref, _) in enumerate(pairs) if PARALLEL_ELEMENTS <= ref.size < 2 * PART_ELEMENTS]
         small = sorted(set(range(len(pairs))) - set(large) - set(split))
-        batches = [small[k :: self._threads] for k in range(self._threads)]
-        for _ in self._reducer.map(lambda batch: [reduce_one(index) for index in batch], [[i] for i in large] + batches):
-            pass
+        few = sum(pairs[i][1].size for i in small) < PARALLEL_ELEMENTS // 4
+        batches = [] if few else [small[k :: self._threads] for k in range(self._threads)]
+        list(self._reducer.map(lambda batch: [reduce_one(index) for index in batch], [[i] for i in large] + batches))
+        list(map(reduce_one, small if few else []))
         result.stats.add_rows([self.row[tensor] for tensor, _, _ in pairs], values, None)
         finished = finish_rows(values[list(own)], None) if own else {}  # the outputs' rows at once (one by one: most of a decoder's statistics)
         for at, index in enumerate(own):
