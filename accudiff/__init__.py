@@ -1,4 +1,4 @@
-"""accudiff: find where an ONNX model loses accuracy in FP16, BF16, INT8 or FP8, and why.
+"""accudiff: find where an ONNX model loses accuracy in FP16, BF16, INT8, FP8 or INT4, and why.
 
 The public API is imported on first use, so that light entry points (the ONNX Runtime worker process,
 the pytest plugin's registration) do not pay for pandas and the whole pipeline at start-up.

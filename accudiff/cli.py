@@ -46,7 +46,7 @@ BISECTORS = {
 def build_parser() -> argparse.ArgumentParser:
     from accudiff.options import add_compare_options, add_option, add_report_dir_option, add_run_options  # (see `main`)
 
-    parser = _Parser(prog="accudiff", description="Find where an ONNX model loses accuracy in FP16, BF16, INT8 or FP8, and why.")
+    parser = _Parser(prog="accudiff", description="Find where an ONNX model loses accuracy in FP16, BF16, INT8, FP8 or INT4, and why.")
     parser.add_argument("--version", action="version", version=f"accudiff {__version__}")
     parser.add_argument("--debug", action="store_true", help="show a traceback for internal errors")
     # --debug is also taken after the command, where a user rerunning a failed command adds it.
