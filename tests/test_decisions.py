@@ -155,7 +155,7 @@ def test_a_decision_target_judges_the_outputs_that_have_the_figure(run_cli, tmp_
     assert code == 1 and "output 'y' FAILS its requirement flipped share <= 1e-05 (0.220%)" in out, out
     # What it does meet of the requirement is said, as the tolerance met is (only the elementwise one was), and
     # each sample is said in or out of the elementwise tolerance, not "failing" (the requirement judges them together).
-    assert "what it meets of its requirement: --require flipped_share=0.005, the strictest flipped share target shown met (0.220% [" in out, out
+    assert "what it meets of its requirement: --require flipped_share=0.005, the strictest round flipped share target shown met (0.220% [" in out, out
     assert "samples: output 'y' is outside its elementwise tolerance on 4 of 4" in out and "fails on" not in out, out
     [entry] = json.loads((tmp_path / "missed" / "summary.json").read_text())["outputs"]
     assert entry["strictest_met"] == {"name": "flipped_share", "target": 0.005}, entry

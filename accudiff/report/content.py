@@ -222,7 +222,7 @@ def required_met_lines(output: str, result, python: bool = False) -> list[str]:
             ladder = LADDERS[name]
             lines.append(f"what it meets of its requirement: no {label} target from {ladder[0]:g} to {ladder[-1]:g} is shown met ({shown})")
         else:
-            lines.append(f"what it meets of its requirement: {requirement_option(met, python)}, the strictest {label} target shown met ({shown})")
+            lines.append(f"what it meets of its requirement: {requirement_option(met, python)}, the strictest round {label} target shown met ({shown})")
     return lines
 
 
