@@ -626,6 +626,10 @@ def test_bisect_subgraph_cuts_a_decoder_compared_from_prompts(llama, tmp_path, r
     said = [line for line in err.splitlines() if line.startswith("accudiff: error:")]  # below the first step's progress line
     assert code == 2 and len(said) == 1 and "a subgraph is checked elementwise" in said[0], err
     assert not (tmp_path / "req").exists()
+    # At the default stol, the single-node cause's tensor is checked as one prefill before the logits: each named (both read alike).
+    code, out, err = run_cli(*common, "--atol", "0.01", "--rtol", "0.01", "-o", tmp_path / "two")
+    progress = [line for line in err.splitlines() if "as one prefill" in line]
+    assert code == 1 and progress and len(set(progress)) == len(progress), err
 
 
 def _kv_cache_in_int8(model: Path, target: Path, layers: range = range(4), scale: float = 0.1) -> Path:

@@ -200,7 +200,7 @@ def _bisect(session, ancestors, result) -> int:
 def _fails_as_one_prefill(session, ancestors, result: SubgraphResult) -> bool:
     """Whether the whole model fed each prompt's whole sequence as one prefill, as a decoder's cuts are (they
     carry no KV cache), fails as it did generating; its figure is then the one cuts are held to."""
-    session.progress("the whole model fed each prompt's whole sequence as one prefill, as a cut is (a cut carries no KV cache)")
+    session.progress(f"the whole model fed each prompt's whole sequence as one prefill, as a cut is (a cut carries no KV cache), checked at '{result.tensor}'")
     checked = _run_cut(session, _save_cut(session, ancestors, _scratch(session, ancestors))).table.set_index("tensor").loc[result.tensor]
     reproduced = _reproduces(checked, result)
     result.prefill_tol_ratio = float(checked["tol_ratio"])
