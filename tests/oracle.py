@@ -18,6 +18,7 @@ tolerance is the README's, the failing outputs are the oracle's own; only the fa
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -964,6 +965,23 @@ def _token_phase(rows) -> dict:
     at = np.arange(len(top))
     return {"positions": len(top), "top1": float((cand.argmax(axis=1) == top).mean()), "kl": float(kl.mean()), "kl_max": float(kl.max()),
             "delta_p": float((np.exp(log_p[at, top]) - np.exp(log_q[at, top])).mean()), "delta_nll": float((log_p[at, nxt] - log_q[at, nxt]).mean())}
+
+
+def rows_apart(model: Path, tokens: list[int]) -> bool:
+    """Whether a plain ONNX Runtime session of a GenAI build gives each row of a batch of one-token prompts (a decode
+    step's shape, its past empty) the logits it gives that prompt alone, bit for bit."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = os.cpu_count() or 1
+    session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    pasts = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
+
+    def logits(rows: list[int]) -> np.ndarray:
+        feed = {"input_ids": np.array(rows, np.int64)[:, None], "attention_mask": np.ones((len(rows), 1), np.int64)}
+        feed.update({i.name: np.zeros((len(rows), i.shape[1], 0, _head_size(model)), _ORT_NUMPY[i.type]) for i in pasts})
+        return session.run(["logits"], feed)[0]
+
+    batch = logits(tokens)
+    return all(np.array_equal(batch[k], logits([token])[0]) for k, token in enumerate(tokens))
 
 
 def _head_size(model: Path) -> int:

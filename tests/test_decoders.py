@@ -909,32 +909,9 @@ def test_a_genai_builds_trials_generate_together_each_as_it_would_alone(llama, t
     models = [llama.int4 / "model.onnx", llama.fp32 / "model.onnx"]
     alone, together, stepped = _trial_job_alone_and_together(llama.fp32, models, ids, tmp_path, monkeypatch)
     _same_trials(alone, together)
-    apart = all(_rows_apart_in_plain_sessions(model, [p[0] for p in ids[:3]]) for model in [llama.fp32 / "model.onnx", *models])
+    apart = all(oracle.rows_apart(model, [p[0] for p in ids[:3]]) for model in [llama.fp32 / "model.onnx", *models])
     assert any(isinstance(sample, list) and len(sample) == 3 for sample in stepped) == apart, stepped
     assert any(o.tol_ratio > 0 for o in together.passes["variant0"].outcomes)
-
-
-def _rows_apart_in_plain_sessions(model: Path, tokens: list[int]) -> bool:
-    """Whether a plain ONNX Runtime session of a GenAI build gives each row of a batch of one-token prompts (a decode
-    step's shape, its past empty) the logits it gives that prompt alone, bit for bit."""
-    import os
-
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = os.cpu_count() or 1
-    session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
-    decoder = json.loads((model.parent / "genai_config.json").read_text())["model"]["decoder"]
-
-    def logits(rows: list[int]) -> np.ndarray:
-        feeds = {"input_ids": np.array(rows, np.int64)[:, None], "attention_mask": np.ones((len(rows), 1), np.int64)}
-        for spec in session.get_inputs():
-            if spec.name.startswith("past_key_values"):
-                feeds[spec.name] = np.zeros([len(rows), decoder["num_key_value_heads"], 0, decoder["head_size"]], np.float32)
-        return session.run(["logits"], feeds)[0]
-
-    batch = logits(tokens)
-    return all(np.array_equal(batch[k], logits([token])[0]) for k, token in enumerate(tokens))
 
 
 @pytest.mark.parametrize("content, said", [
