@@ -372,7 +372,7 @@ class Engine:
 
         # The largest tensors one at a time, each in parts on every core; the other large ones one by one on
         # every core; small ones in one batch per core (one by one, handing each over would cost more than
-        # reducing it), or here when they hold a quarter of that in all (a decode step's: handing them over costs more).
+        # reducing it), or here when they hold fewer than PARALLEL_ELEMENTS // 4 in all (a decode step's: handing them over costs more).
         split = [i for i, (_, ref, _) in enumerate(pairs) if ref.size >= 2 * PART_ELEMENTS]
         for index in split:
             reduce_one(index, self._reducer.map)
